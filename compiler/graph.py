@@ -1,0 +1,74 @@
+"""Graph checks: the source model must be a valid ONNX graph with a dynamic batch dimension."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiler.errors import InputError
+from protocol.manifest import TensorSpec
+
+__all__ = ["GraphInfo", "check_model"]
+
+_ONNX_TO_KSERVE = {1: "FP32", 10: "FP16", 3: "INT8", 2: "UINT8", 6: "INT32", 7: "INT64", 9: "BOOL"}
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    op_types: frozenset[str]
+    opset: int
+    metadata: dict[str, str]
+
+    @property
+    def has_conv(self) -> bool:
+        return bool(self.op_types & {"Conv", "ConvTranspose"})
+
+
+def _specs(values, what: str, path: Path) -> tuple[TensorSpec, ...]:
+    out = []
+    for v in values:
+        tt = v.type.tensor_type
+        dtype = _ONNX_TO_KSERVE.get(tt.elem_type)
+        if dtype is None:
+            raise InputError(f"{path}: {what} {v.name!r} has an unsupported element type {tt.elem_type}")
+        dims = []
+        for i, d in enumerate(tt.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0 and i > 0:
+                dims.append(int(d.dim_value))
+            elif i == 0:
+                if d.HasField("dim_value") and d.dim_value > 0:
+                    raise InputError(
+                        f"{path}: {what} {v.name!r} has a fixed batch dimension {d.dim_value}; "
+                        "export the model with a dynamic first dimension (e.g. dynamic_axes={'input': {0: 'N'}})"
+                    )
+                dims.append(-1)
+            else:
+                dims.append(-1)
+        if not dims:
+            raise InputError(f"{path}: {what} {v.name!r} is a scalar; edgefleet needs a batch dimension")
+        out.append(TensorSpec(name=v.name, datatype=dtype, shape=tuple(dims)))
+    return tuple(out)
+
+
+def check_model(path: Path) -> GraphInfo:
+    import onnx
+
+    if not path.exists():
+        raise InputError(f"{path}: model file not found")
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except Exception as exc:  # onnx raises several unrelated types
+        raise InputError(f"{path}: not a valid ONNX model: {exc}") from exc
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    return GraphInfo(
+        inputs=_specs(inputs, "input", path),
+        outputs=_specs(model.graph.output, "output", path),
+        op_types=frozenset(n.op_type for n in model.graph.node),
+        opset=opset,
+        metadata={p.key: p.value for p in model.metadata_props},
+    )

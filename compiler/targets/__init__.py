@@ -1,0 +1,24 @@
+"""Build targets: one module per runtime, each implementing :class:`compiler.targets.base.BuildTarget`."""
+
+from __future__ import annotations
+
+from compiler.errors import ToolchainError
+from compiler.targets.base import BuildTarget
+
+__all__ = ["BuildTarget", "get_target"]
+
+
+def get_target(backend: str) -> BuildTarget:
+    if backend == "onnxruntime":
+        from compiler.targets.onnxruntime import OnnxRuntimeTarget
+
+        return OnnxRuntimeTarget()
+    if backend == "tensorrt":
+        from compiler.targets.tensorrt import TensorRTTarget
+
+        return TensorRTTarget()
+    if backend == "litert":
+        from compiler.targets.litert import LiteRTTarget
+
+        return LiteRTTarget()
+    raise ToolchainError(f"no build target for backend {backend!r}")

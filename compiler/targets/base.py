@@ -1,0 +1,33 @@
+"""The build-target interface."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from compiler.data import Dataset
+from compiler.graph import GraphInfo
+from protocol.profile import HardwareProfile
+
+__all__ = ["BuildTarget", "Runner"]
+
+# feeds a batch {input name: array} and returns the outputs in the manifest's output order
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+
+
+class BuildTarget(Protocol):
+    backend: str
+    engine_suffix: str
+
+    def build(self, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
+              calibration: Dataset | None, out_path: Path) -> None:
+        """Write the engine for ``precision`` to ``out_path``."""
+
+    def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
+        """Load an engine built by this target and return a callable that runs it."""
+
+    def toolchain_versions(self) -> dict[str, str]:
+        """Versions of the tools that made the engine, for the manifest."""

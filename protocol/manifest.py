@@ -1,0 +1,173 @@
+"""The bundle manifest: what the compiler promises and the agent checks.
+
+A bundle is a tar archive holding ``manifest.json``, the engine file and a self-test sample.
+``manifest_version`` says which contract the manifest follows; an agent refuses a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from protocol._strict import StrictModel, parse_document
+from protocol.errors import SchemaError, UnsupportedVersionError
+
+__all__ = [
+    "MANIFEST_FILENAME",
+    "MANIFEST_VERSION",
+    "AccuracyReport",
+    "BenchmarkPoint",
+    "BenchmarkReport",
+    "FileEntry",
+    "Manifest",
+    "TensorSpec",
+    "parse_manifest",
+]
+
+MANIFEST_VERSION = 1
+MANIFEST_FILENAME = "manifest.json"
+
+Backend = Literal["onnxruntime", "litert", "tensorrt"]
+Precision = Literal["fp32", "fp16", "int8"]
+DType = Literal["FP32", "FP16", "INT8", "UINT8", "INT32", "INT64", "BOOL"]
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def version_key(version: str) -> tuple[int, int, int]:
+    """Order of model versions ("1.2.10" > "1.2.9")."""
+    if not VERSION_RE.match(version):
+        raise ValueError(f"version {version!r} is not MAJOR.MINOR.PATCH")
+    a, b, c = (int(p) for p in version.split("."))
+    return (a, b, c)
+
+
+class TensorSpec(StrictModel):
+    name: str = Field(min_length=1)
+    datatype: DType
+    # -1 marks a dynamic dimension; the first dimension is the batch and is always -1
+    shape: tuple[int, ...]
+
+    @field_validator("shape")
+    @classmethod
+    def _batch_first(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v:
+            raise ValueError("a tensor needs at least the batch dimension")
+        if v[0] != -1:
+            raise ValueError("the first (batch) dimension must be dynamic (-1)")
+        if any(d == 0 or d < -1 for d in v):
+            raise ValueError("dimensions are positive or -1")
+        return v
+
+
+class FileEntry(StrictModel):
+    sha256: str
+    size_bytes: int = Field(ge=0)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not SHA256_RE.match(v):
+            raise ValueError("sha256 must be 64 lowercase hex digits")
+        return v
+
+
+class AccuracyReport(StrictModel):
+    metric: Literal["top1"]
+    eval_samples: int = Field(gt=0)
+    reference_precision: Precision
+    reference: float = Field(ge=0.0, le=1.0)
+    candidate_precision: Precision
+    candidate: float = Field(ge=0.0, le=1.0)
+    drop: float
+    max_drop: float = Field(ge=0.0)
+    passed: bool
+
+
+class BenchmarkPoint(StrictModel):
+    batch_size: int = Field(gt=0)
+    reference_ms_p50: float = Field(ge=0)
+    candidate_ms_p50: float = Field(ge=0)
+    speedup: float = Field(ge=0)  # reference / candidate, measured alternating in one run
+
+
+class BenchmarkReport(StrictModel):
+    threads: int = Field(gt=0)
+    iterations: int = Field(gt=0)
+    points: tuple[BenchmarkPoint, ...]
+
+
+class Manifest(StrictModel):
+    manifest_version: int
+    name: str
+    version: str
+    profile: str
+    backend: Backend
+    precision: Precision
+    created_at: str
+    engine: str  # file name of the engine inside the bundle
+    selftest: str  # npz with "inputs" and "expected" for the agent's self-test
+    inputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    outputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    files: dict[str, FileEntry]
+    accuracy: AccuracyReport
+    benchmark: BenchmarkReport | None
+    toolchain: dict[str, str]
+    labels: tuple[str, ...] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("model names are 1-63 of [a-z0-9._-], starting with a letter or digit")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        version_key(v)
+        return v
+
+    @model_validator(mode="after")
+    def _files_listed(self) -> Manifest:
+        for role, fname in (("engine", self.engine), ("selftest", self.selftest)):
+            if fname not in self.files:
+                raise ValueError(f"{role} file {fname!r} is not listed in 'files'")
+        for fname in self.files:
+            if "/" in fname or "\\" in fname or fname in ("", ".", "..") or fname == MANIFEST_FILENAME:
+                raise ValueError(f"file name {fname!r} must be a plain name inside the bundle")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+def parse_manifest(raw: bytes | str | dict[str, Any], source: str = MANIFEST_FILENAME) -> Manifest:
+    """Parse and validate a manifest, refusing one written for a newer contract."""
+    if isinstance(raw, dict):
+        data = raw
+    else:
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SchemaError(source, [f"not valid JSON: {exc}"]) from exc
+    if not isinstance(data, dict):
+        raise SchemaError(source, ["expected a JSON object at the top level"])
+    mv = data.get("manifest_version")
+    if mv is None:
+        raise SchemaError(source, ["missing key 'manifest_version'"])
+    if not isinstance(mv, int) or isinstance(mv, bool):
+        raise SchemaError(source, ["key 'manifest_version': must be an integer"])
+    if mv > MANIFEST_VERSION:
+        raise UnsupportedVersionError(
+            f"{source}: manifest_version {mv} is newer than this edgefleet understands "
+            f"(up to {MANIFEST_VERSION}); upgrade the agent to install this bundle"
+        )
+    if mv < 1:
+        raise SchemaError(source, [f"key 'manifest_version': {mv} is not a valid version"])
+    return parse_document(Manifest, data, source)

@@ -1,0 +1,142 @@
+"""MQTT topics and the messages that travel on them.
+
+    edgefleet/v1/devices/<id>/desired    retained, fleet -> device: which model to run
+    edgefleet/v1/devices/<id>/reported   device -> fleet: install progress and result
+    edgefleet/v1/devices/<id>/telemetry  device -> fleet, QoS 1, spooled on disk while offline
+    edgefleet/v1/devices/<id>/status     retained, device -> fleet; the last will says offline
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+
+from protocol._strict import StrictModel, parse_document
+from protocol.errors import SchemaError, UnsupportedVersionError
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "MESSAGE_VERSION",
+    "DesiredState",
+    "ReportedState",
+    "StatusMessage",
+    "Telemetry",
+    "decode",
+    "device_id_ok",
+    "encode",
+    "parse_topic",
+    "topic",
+]
+
+MESSAGE_VERSION = 1
+PREFIX = "edgefleet/v1/devices"
+MAX_MESSAGE_BYTES = 256 * 1024  # any message bigger than this is refused unread
+DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+Kind = Literal["desired", "reported", "telemetry", "status"]
+KINDS: tuple[str, ...] = ("desired", "reported", "telemetry", "status")
+
+
+def device_id_ok(device_id: str) -> bool:
+    return bool(DEVICE_ID_RE.match(device_id))
+
+
+def topic(device_id: str, kind: Kind) -> str:
+    if not device_id_ok(device_id):
+        raise ValueError(f"device id {device_id!r} must be 1-64 of [A-Za-z0-9_.-] (no MQTT wildcards)")
+    return f"{PREFIX}/{device_id}/{kind}"
+
+
+def subscription(kind: Kind) -> str:
+    return f"{PREFIX}/+/{kind}"
+
+
+def parse_topic(t: str) -> tuple[str, str] | None:
+    """(device_id, kind) for an edgefleet topic, or None."""
+    parts = t.split("/")
+    if len(parts) != 5 or "/".join(parts[:3]) != PREFIX or parts[4] not in KINDS:
+        return None
+    if not device_id_ok(parts[3]):
+        return None
+    return parts[3], parts[4]
+
+
+class _Message(StrictModel):
+    v: int = MESSAGE_VERSION
+    device_id: str
+    ts: float  # unix seconds
+
+
+class DesiredState(_Message):
+    """What the fleet wants a device to run. ``model`` None means: run nothing new."""
+
+    kind: Literal["desired"] = "desired"
+    rollout_id: int | None
+    model: str
+    version: str
+    target: str  # TUF target path of the bundle
+    sha256: str
+    size_bytes: int = Field(gt=0)
+
+
+class ReportedState(_Message):
+    kind: Literal["reported"] = "reported"
+    state: Literal["downloading", "installing", "installed", "failed", "rolled_back"]
+    rollout_id: int | None
+    model: str | None
+    version: str | None
+    running_model: str | None
+    running_version: str | None
+    error: str | None = None
+    install_s: float | None = None
+
+
+class LatencySummary(StrictModel):
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+
+
+class Telemetry(_Message):
+    kind: Literal["telemetry"] = "telemetry"
+    seq: int = Field(ge=0)  # per device, survives restarts; the fleet drops duplicates by it
+    interval_s: float
+    model: str | None
+    version: str | None
+    requests: int = Field(ge=0)
+    errors: int = Field(ge=0)
+    latency: LatencySummary
+    batches: int = Field(ge=0)
+    batch_size_mean: float | None
+    batch_size_max: int | None
+    cpu_percent: float
+    rss_mb: float
+
+
+class StatusMessage(_Message):
+    kind: Literal["status"] = "status"
+    state: Literal["online", "offline"]
+    agent_version: str | None = None
+    inference_url: str | None = None
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def encode(msg: BaseModel) -> bytes:
+    return json.dumps(msg.model_dump(mode="json"), separators=(",", ":")).encode()
+
+
+def decode(model: type[T], payload: bytes, source: str) -> T:
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise SchemaError(source, [f"message of {len(payload)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit"])
+    try:
+        data: Any = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SchemaError(source, [f"not valid JSON: {exc}"]) from exc
+    if isinstance(data, dict) and isinstance(data.get("v"), int) and data["v"] > MESSAGE_VERSION:
+        raise UnsupportedVersionError(f"{source}: message version {data['v']} is newer than {MESSAGE_VERSION}")
+    return parse_document(model, data, source)
