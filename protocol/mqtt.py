@@ -140,3 +140,19 @@ def decode(model: type[T], payload: bytes, source: str) -> T:
     if isinstance(data, dict) and isinstance(data.get("v"), int) and data["v"] > MESSAGE_VERSION:
         raise UnsupportedVersionError(f"{source}: message version {data['v']} is newer than {MESSAGE_VERSION}")
     return parse_document(model, data, source)
+
+
+def parse_mqtt_url(url: str) -> tuple[str, int]:
+    """``mqtt://host:port`` -> (host, port). Only plain MQTT over TCP in this release."""
+    from urllib.parse import urlsplit
+
+    from protocol.errors import ConfigError
+
+    parts = urlsplit(url)
+    if parts.scheme != "mqtt" or not parts.hostname:
+        raise ConfigError(f"MQTT URL {url!r} must look like mqtt://HOST:PORT")
+    try:
+        port = parts.port or 1883
+    except ValueError as exc:
+        raise ConfigError(f"MQTT URL {url!r} has a bad port") from exc
+    return parts.hostname, port

@@ -1,0 +1,78 @@
+"""Agent configuration: flags or a YAML file, parsed once into a frozen object; unknown keys are errors."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import yaml
+from pydantic import Field, field_validator
+
+from protocol._strict import StrictModel, parse_document
+from protocol.errors import ConfigError, SchemaError
+from protocol.mqtt import device_id_ok
+
+__all__ = ["AgentConfig", "default_profiles", "load_config"]
+
+
+def default_profiles() -> tuple[str, ...]:
+    """Profiles whose bundles this machine can run, judged by its architecture."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return ("arm64-cpu", "jetson-orin-nano", "jetson-agx-orin")
+    return ("x86-cpu", "x86-cpu-vnni")
+
+
+class AgentConfig(StrictModel):
+    device_id: str
+    fleet_url: str  # e.g. http://127.0.0.1:8700
+    data_dir: Path
+    trusted_root: Path | None = None  # root.json from 'edgefleet keys init'; None: trust the fleet's on first use
+    mqtt_url: str | None = None  # None: ask the fleet (/api/v1/bootstrap)
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    profiles: tuple[str, ...] = Field(default_factory=default_profiles)
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_queue_delay_us: int = Field(default=2000, ge=0, le=1_000_000)
+    max_queue_size: int = Field(default=1024, ge=1)  # queued samples beyond this get 503
+    queue_timeout_ms: int = Field(default=5000, ge=1)  # a request waiting longer than this gets 503
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    intra_op_threads: int = Field(default=2, ge=1, le=256)
+    telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
+    max_spool_records: int = Field(default=100_000, ge=10)
+    install_retries: int = Field(default=5, ge=0)
+
+    @field_validator("device_id")
+    @classmethod
+    def _dev(cls, v: str) -> str:
+        if not device_id_ok(v):
+            raise ValueError("1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
+        return v
+
+    @field_validator("fleet_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+def load_config(path: Path | None, overrides: dict[str, object]) -> AgentConfig:
+    """YAML file (optional) with command-line overrides on top (flags win)."""
+    data: dict[str, object] = {}
+    source = "command line"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{path}: config file not found") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings")
+        data.update({str(k).replace("-", "_"): v for k, v in (loaded or {}).items()})
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return parse_document(AgentConfig, data, source)
+    except SchemaError as exc:
+        raise ConfigError(str(exc)) from exc

@@ -1,0 +1,298 @@
+"""The agent daemon: serves the installed model locally and follows the fleet's desired state.
+
+Threads: the asyncio loop (HTTP server, batcher), paho's network loop, the installer, the
+telemetry recorder, the spool sender. Local serving never waits on the fleet: the agent starts
+serving its last committed model before it has even found the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import protocol
+from agent.backends import Backend, load_backend
+from agent.batcher import BatchSettings
+from agent.config import AgentConfig
+from agent.errors import FetchError, SelfTestFailed, TrustError, UpdateError
+from agent.link import MqttLink
+from agent.metrics import Metrics
+from agent.server import ModelHost, create_app
+from agent.spool import Spool
+from agent.store import ModelStore, StagedModel
+from agent.trusted import decide
+from agent.updater import BundleFetcher
+from protocol import mqtt as proto
+from protocol.errors import ContractError
+
+__all__ = ["Agent", "self_test"]
+
+log = logging.getLogger("edgefleet.agent")
+WARMUP_RUNS = 3
+
+
+def self_test(backend: Backend, staged: StagedModel) -> None:
+    """Run the bundle's own sample; outputs must match what the compiler recorded."""
+    path = staged.directory / staged.manifest.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            feeds = {s.name: npz[f"input:{s.name}"] for s in backend.inputs}
+            expected = [npz[f"expected:{s.name}"] for s in backend.outputs]
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"self-test sample {path.name} is unreadable: {exc}") from exc
+    for _ in range(WARMUP_RUNS):
+        got = backend.infer(feeds)
+    for spec, g, e in zip(backend.outputs, got, expected, strict=True):
+        if g.shape != e.shape:
+            raise SelfTestFailed(f"self-test: output {spec.name!r} has shape {g.shape}, expected {e.shape}")
+        tol = 1e-3 + 0.02 * float(np.abs(e).max(initial=0.0))
+        diff = float(np.abs(g.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
+        if diff > tol:
+            raise SelfTestFailed(f"self-test: output {spec.name!r} differs by {diff:.4g} (tolerance {tol:.4g})")
+        if e.ndim == 2 and not np.array_equal(g.argmax(1), e.argmax(1)):
+            raise SelfTestFailed(f"self-test: output {spec.name!r} ranks classes differently from the build")
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.host = ModelHost(BatchSettings(max_batch_size=config.max_batch_size,
+                                            max_queue_delay_us=config.max_queue_delay_us,
+                                            queue_timeout_s=config.queue_timeout_ms / 1000,
+                                            max_queue_size=config.max_queue_size), self.metrics)
+        self.store = ModelStore(config.data_dir / "store")
+        self.spool = Spool(config.data_dir / "spool", config.max_spool_records)
+        self.link: MqttLink | None = None
+        self.fetcher: BundleFetcher | None = None
+        self.inference_url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._desired: proto.DesiredState | None = None
+        self._desired_lock = threading.Lock()
+        self._desired_event = threading.Event()
+        self._failed: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self.ready = threading.Event()  # HTTP is listening (for tests and the demo)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        import uvicorn
+
+        self._loop = asyncio.get_running_loop()
+        entry = self.store.recover()
+        if entry is not None:
+            try:
+                manifest = self.store.load_manifest(entry, verify=False)
+                backend = await self._loop.run_in_executor(
+                    None, load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
+                    self.config.intra_op_threads)
+                await self.host.swap(manifest, backend)
+            except (UpdateError, ContractError) as exc:
+                log.error("could not load the installed model %s: %s", entry.directory, exc)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.http_host, self.config.http_port))
+        port = sock.getsockname()[1]
+        self.inference_url = f"http://{self.config.http_host}:{port}"
+        app = create_app(self.host, self.config.max_body_bytes, self.config.device_id)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                               timeout_graceful_shutdown=5))
+        for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
+                             (self._telemetry_loop, "telemetry")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("agent %s serving on %s", self.config.device_id, self.inference_url)
+        self.ready.set()
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            self._stop.set()
+            self._desired_event.set()
+            if self.link is not None:
+                await self._loop.run_in_executor(None, self.link.stop)
+            for t in self._threads:
+                await self._loop.run_in_executor(None, t.join, 5)
+            await self.host.close()
+
+    # -- fleet connection -----------------------------------------------------------------------
+    def _get_json(self, url: str, timeout_s: float = 5.0) -> Any:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (fleet URL from config)
+            return json.loads(r.read(1024 * 1024))
+
+    def _connect_and_follow(self) -> None:
+        delay = 1.0
+        while not self._stop.is_set():
+            try:
+                boot = self._get_json(f"{self.config.fleet_url}/api/v1/bootstrap")
+                root_bytes = None
+                if self.config.trusted_root is None and not (self.config.data_dir / "tuf/metadata/root.json").exists():
+                    with urllib.request.urlopen(f"{boot['tuf_metadata_url']}1.root.json", timeout=5) as r:  # noqa: S310
+                        root_bytes = r.read(512 * 1024)
+                    log.warning("no --trusted-root given: trusting the fleet's root.json on first use")
+                self.fetcher = BundleFetcher(self.config.data_dir / "tuf", boot["tuf_metadata_url"],
+                                             boot["tuf_targets_url"], self.config.trusted_root, root_bytes)
+                mqtt_url = self.config.mqtt_url or boot["mqtt_url"]
+                break
+            except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
+                log.warning("fleet %s not reachable (%s); retrying in %.0fs", self.config.fleet_url, exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+            except TrustError as exc:
+                log.error("%s", exc)
+                return
+        else:
+            return
+        self.link = MqttLink(self.config.device_id, mqtt_url, self.spool, self.inference_url, self._on_desired)
+        self.link.start()
+
+    def _on_desired(self, desired: proto.DesiredState) -> None:
+        with self._desired_lock:
+            self._desired = desired
+        self._desired_event.set()
+
+    def _report(self, state: str, desired: proto.DesiredState | None, error: str | None = None,
+                install_s: float | None = None) -> None:
+        if self.link is None:
+            return
+        cur = self.store.current
+        msg = proto.ReportedState(
+            device_id=self.config.device_id, ts=time.time(), state=state,  # type: ignore[arg-type]
+            rollout_id=desired.rollout_id if desired else None,
+            model=desired.model if desired else None, version=desired.version if desired else None,
+            running_model=cur.installed.name if cur else None, running_version=cur.installed.version if cur else None,
+            error=error, install_s=install_s)
+        self.link.report(msg)
+
+    # -- installing -----------------------------------------------------------------------------
+    def _install_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._desired_event.wait(timeout=1.0):
+                continue
+            self._desired_event.clear()
+            with self._desired_lock:
+                desired = self._desired
+            if desired is not None and not self._stop.is_set():
+                try:
+                    self.install(desired)
+                except Exception as exc:  # keep serving whatever happens
+                    log.exception("install failed unexpectedly")
+                    self._report("failed", desired, error=f"internal error: {exc}")
+
+    def install(self, desired: proto.DesiredState) -> None:
+        t0 = time.monotonic()
+        cur = self.store.current
+        profile = desired.target.rsplit("/", 1)[-1].removesuffix(".tar")
+        decision = decide(cur.installed if cur else None, desired.model, desired.version, desired.sha256, profile,
+                          self.config.profiles, frozenset(self._failed))
+        if decision.action == "keep":
+            self._report("installed", desired)
+            return
+        if decision.action == "refuse":
+            log.error("refused %s %s: %s", desired.model, desired.version, decision.reason)
+            self._report("failed", desired, error=decision.reason)
+            return
+        log.info("installing %s %s (rollout %s)", desired.model, desired.version, desired.rollout_id)
+        self._report("downloading", desired)
+        staged: StagedModel | None = None
+        backend: Backend | None = None
+        try:
+            fetched = self._fetch_with_retries(desired)
+            if fetched is None:
+                return  # superseded by a newer desired state, or stopping
+            signed = fetched.custom
+            if (signed.get("name"), signed.get("version"), signed.get("profile")) != (desired.model, desired.version,
+                                                                                      profile):
+                raise TrustError(f"signed target says {signed.get('name')} {signed.get('version')} "
+                                 f"{signed.get('profile')}, desired state says {desired.model} {desired.version} {profile}")
+            self._report("installing", desired)
+            staged = self.store.stage(fetched.path, fetched.sha256)
+            m = staged.manifest
+            if (m.name, m.version, m.profile) != (desired.model, desired.version, profile):
+                raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
+                                 f"expected {desired.model} {desired.version} {profile}")
+            backend = load_backend(m, staged.engine, self.config.intra_op_threads)
+            self_test(backend, staged)
+            assert self._loop is not None
+            asyncio.run_coroutine_threadsafe(self.host.swap(m, backend), self._loop).result(timeout=120)
+            backend = None  # the host owns it now
+            self.store.commit(staged, desired.rollout_id)
+            staged = None
+        except (UpdateError, ContractError) as exc:
+            self._failed.add(desired.sha256)
+            log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
+            if backend is not None:
+                backend.close()
+            if staged is not None:
+                self.store.discard(staged)
+            self._report("failed", desired, error=str(exc))
+            return
+        self._report("installed", desired, install_s=round(time.monotonic() - t0, 3))
+        log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
+
+    def _fetch_with_retries(self, desired: proto.DesiredState):
+        delay = 1.0
+        attempt = 0
+        while True:
+            if self.fetcher is None:
+                raise FetchError("not connected to the fleet yet")
+            try:
+                return self.fetcher.fetch(desired.target, desired.sha256)
+            except FetchError as exc:
+                attempt += 1
+                if attempt > self.config.install_retries:
+                    raise
+                log.warning("fetch attempt %d failed (%s); retrying in %.0fs", attempt, exc, delay)
+                if self._stop.wait(delay) or self._desired_event.is_set():
+                    return None
+                delay = min(delay * 2, 30.0)
+
+    # -- telemetry ------------------------------------------------------------------------------
+    def _telemetry_loop(self) -> None:
+        import psutil
+
+        proc = psutil.Process()
+        proc.cpu_percent(None)
+        last = time.monotonic()
+        while not self._stop.wait(self.config.telemetry_interval_s):
+            now = time.monotonic()
+            snap = self.metrics.snapshot_and_reset()
+            cur = self.host.current
+            cpu = proc.cpu_percent(None)
+            rss = proc.memory_info().rss / 2**20
+            interval = now - last
+            last = now
+
+            def make(seq: int, snap=snap, cur=cur, cpu=cpu, rss=rss, interval=interval) -> bytes:
+                return proto.encode(proto.Telemetry(
+                    device_id=self.config.device_id, ts=time.time(), seq=seq, interval_s=round(interval, 3),
+                    model=cur.manifest.name if cur else None, version=cur.manifest.version if cur else None,
+                    requests=snap.requests, errors=snap.errors,
+                    latency=proto.LatencySummary(p50_ms=snap.latency_p50_ms, p95_ms=snap.latency_p95_ms,
+                                                 p99_ms=snap.latency_p99_ms, max_ms=snap.latency_max_ms),
+                    batches=snap.batches, batch_size_mean=snap.batch_size_mean, batch_size_max=snap.batch_size_max,
+                    cpu_percent=round(cpu, 1), rss_mb=round(rss, 1)))
+
+            try:
+                self.spool.append(make)
+            except OSError as exc:
+                log.error("could not spool telemetry: %s", exc)
+
+
+def run_agent(config: AgentConfig) -> None:
+    asyncio.run(Agent(config).run())
+
+
+__all__ += ["run_agent"]
+_ = (Path, protocol)

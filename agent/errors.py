@@ -1,0 +1,78 @@
+"""Agent errors.
+
+    AgentError
+    ├── RequestError        a client's inference request is wrong (HTTP 400; 404 for an unknown model)
+    │   └── ModelNotFound
+    ├── Unavailable         no model loaded, queue full, request expired (HTTP 503)
+    ├── InferenceFailed     the backend failed on a batch (HTTP 500); every request of the batch gets it
+    ├── UpdateError         an update could not be installed; the running model keeps serving
+    │   ├── TrustError      the repository's data failed verification (TUF, hashes, manifest)
+    │   ├── FetchError      the fleet could not be reached or a download broke (retried)
+    │   ├── RefusedUpdate   the update is verified but not acceptable (downgrade, wrong profile)
+    │   └── SelfTestFailed  the new model loaded but gave wrong answers on its own sample
+    └── BackendError        a runtime could not load an engine
+
+Errors from onnxruntime, python-tuf and paho are translated at the boundary and raised ``from exc``.
+"""
+
+from __future__ import annotations
+
+from protocol.errors import EdgefleetError
+
+__all__ = [
+    "AgentError",
+    "BackendError",
+    "FetchError",
+    "InferenceFailed",
+    "ModelNotFound",
+    "RefusedUpdate",
+    "RequestError",
+    "SelfTestFailed",
+    "TrustError",
+    "Unavailable",
+    "UpdateError",
+]
+
+
+class AgentError(EdgefleetError):
+    pass
+
+
+class RequestError(AgentError):
+    status_code = 400
+
+
+class ModelNotFound(RequestError):
+    status_code = 404
+
+
+class Unavailable(AgentError):
+    status_code = 503
+
+
+class InferenceFailed(AgentError):
+    status_code = 500
+
+
+class UpdateError(AgentError):
+    pass
+
+
+class TrustError(UpdateError):
+    pass
+
+
+class FetchError(UpdateError):
+    pass
+
+
+class RefusedUpdate(UpdateError):
+    pass
+
+
+class SelfTestFailed(UpdateError):
+    pass
+
+
+class BackendError(UpdateError):
+    pass

@@ -1,0 +1,120 @@
+"""The agent's MQTT link: status with a last will, desired state in, reports and telemetry out.
+
+paho-mqtt runs the network loop in its own thread and reconnects by itself. Telemetry goes
+through the on-disk spool, so records made while the broker is away are sent when it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import paho.mqtt.client as mqtt
+
+import protocol
+from agent.spool import Spool
+from protocol import mqtt as proto
+from protocol.errors import ContractError
+
+__all__ = ["MqttLink"]
+
+log = logging.getLogger("edgefleet.agent.mqtt")
+
+
+class MqttLink:
+    def __init__(self, device_id: str, url: str, spool: Spool, inference_url: str,
+                 on_desired: Callable[[proto.DesiredState], None]):
+        self.device_id = device_id
+        self.host, self.port = proto.parse_mqtt_url(url)
+        self.spool = spool
+        self.inference_url = inference_url
+        self.on_desired = on_desired
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"edgefleet-agent-{device_id}",
+                                   protocol=mqtt.MQTTv311, clean_session=True)
+        will = proto.StatusMessage(device_id=device_id, ts=0.0, state="offline")
+        self._client.will_set(proto.topic(device_id, "status"), proto.encode(will), qos=1, retain=True)
+        self._client.reconnect_delay_set(min_delay=1, max_delay=15)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+        self._sender = threading.Thread(target=self._send_spool, name="telemetry-sender", daemon=True)
+
+    def start(self) -> None:
+        self._client.connect_async(self.host, self.port, keepalive=15)
+        self._client.loop_start()
+        self._sender.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.connected.is_set():
+            msg = proto.StatusMessage(device_id=self.device_id, ts=time.time(), state="offline")
+            self._client.publish(proto.topic(self.device_id, "status"), proto.encode(msg), qos=1,
+                                 retain=True).wait_for_publish(2)
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._sender.join(timeout=5)
+
+    def report(self, msg: proto.ReportedState) -> None:
+        self._client.publish(proto.topic(self.device_id, "reported"), proto.encode(msg), qos=1)
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("the broker refused the agent: %s", reason_code)
+            return
+        log.info("connected to MQTT %s:%s", self.host, self.port)
+        status = proto.StatusMessage(device_id=self.device_id, ts=time.time(), state="online",
+                                     agent_version=protocol.__version__, inference_url=self.inference_url)
+        client.publish(proto.topic(self.device_id, "status"), proto.encode(status), qos=1, retain=True)
+        client.subscribe(proto.topic(self.device_id, "desired"), qos=1)
+        self.connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connected.clear()
+        if not self._stop.is_set():
+            log.warning("lost MQTT %s:%s (%s); reconnecting, telemetry is spooled on disk",
+                        self.host, self.port, reason_code)
+
+    def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        if message.topic != proto.topic(self.device_id, "desired") or not message.payload:
+            return
+        try:
+            desired = proto.decode(proto.DesiredState, message.payload, source=message.topic)
+            if desired.device_id != self.device_id:
+                raise ContractError(f"desired state addressed to {desired.device_id!r}")
+        except ContractError as exc:
+            log.error("ignored a malformed desired state: %s", exc)
+            return
+        try:
+            self.on_desired(desired)
+        except Exception:
+            log.exception("desired-state handler failed")
+
+    def _send_spool(self) -> None:
+        """Send spooled telemetry oldest first; delete each record once the broker acked it."""
+        while not self._stop.is_set():
+            if not self.connected.wait(timeout=0.5):
+                continue
+            sent_any = False
+            for path in self.spool.pending():
+                if self._stop.is_set() or not self.connected.is_set():
+                    break
+                try:
+                    payload = path.read_bytes()
+                except FileNotFoundError:
+                    continue
+                info = self._client.publish(proto.topic(self.device_id, "telemetry"), payload, qos=1)
+                try:
+                    info.wait_for_publish(timeout=10)
+                except (RuntimeError, ValueError):
+                    break  # not queued (disconnected); try again after reconnect
+                if info.is_published():
+                    self.spool.ack(path)
+                    sent_any = True
+                else:
+                    break
+            if not sent_any:
+                self._stop.wait(0.5)

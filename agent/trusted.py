@@ -1,0 +1,50 @@
+"""Which update the agent accepts: plain decisions, no I/O, like TUF's trusted set.
+
+The record only moves forward. A desired state is installed when it names a newer version of the
+running model (or another model); the same version with other content is refused as tampering; an
+older version is refused as a downgrade (publish the old build under a new version instead). A
+bundle built for a profile this device does not run is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from protocol.manifest import version_key
+
+__all__ = ["Decision", "Installed", "decide"]
+
+
+@dataclass(frozen=True)
+class Installed:
+    name: str
+    version: str
+    sha256: str  # of the bundle archive (the TUF target)
+    profile: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["install", "keep", "refuse"]
+    reason: str
+
+
+def decide(current: Installed | None, name: str, version: str, sha256: str, profile: str | None,
+           accepted_profiles: tuple[str, ...], failed_sha256: frozenset[str] = frozenset()) -> Decision:
+    if profile is not None and profile not in accepted_profiles:
+        return Decision("refuse", f"bundle is built for profile {profile!r}; this device runs "
+                                  f"{', '.join(accepted_profiles)}")
+    if current is not None and current.name == name:
+        if current.sha256 == sha256:
+            return Decision("keep", f"{name} {version} is already running")
+        cmp = (version_key(version) > version_key(current.version)) - (version_key(version) < version_key(current.version))
+        if cmp == 0:
+            return Decision("refuse", f"{name} {version} is running with other content (sha256 {current.sha256[:12]}…, "
+                                      f"offered {sha256[:12]}…); a version is never rebuilt in place")
+        if cmp < 0:
+            return Decision("refuse", f"downgrade refused: running {name} {current.version}, offered {version}; "
+                                      "publish the older build under a new version to roll back")
+    if sha256 in failed_sha256:
+        return Decision("refuse", f"{name} {version} already failed to install on this device")
+    return Decision("install", f"install {name} {version}")

@@ -1,0 +1,390 @@
+"""``edgefleet``: one command line for the compiler, the fleet, the agent and the demo.
+
+Exit codes (stable, for CI):
+  0  success
+  1  unexpected internal error (a bug: please report it with the traceback)
+  2  usage error (bad flags)
+  3  accuracy gate failed
+  4  bad input or configuration (model, data set, profile, config file, keys)
+  5  toolchain missing or failed
+  6  the fleet server is unreachable or answered with an error
+  7  a rollout finished with failed devices, or did not finish in time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_GATE, EXIT_INPUT, EXIT_TOOLCHAIN, EXIT_FLEET, EXIT_ROLLOUT = range(8)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def _need(extra: str, exc: ImportError) -> int:
+    print(f"error: this command needs edgefleet[{extra}] ({exc.name} is not installed): "
+          f"pip install 'edgefleet[{extra}]'", file=sys.stderr)
+    return EXIT_INPUT
+
+
+def _progress_bar(step: int, total: int, what: str) -> None:
+    width = 24
+    filled = int(width * step / total)
+    sys.stderr.write(f"\r[{'#' * filled}{'-' * (width - filled)}] {step}/{total} {what:<60}")
+    if step == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _print(doc: Any, as_json: bool, human: str) -> None:
+    print(json.dumps(doc, indent=2) if as_json else human)
+
+
+# -- compile ----------------------------------------------------------------------------------------
+def cmd_compile(a: argparse.Namespace) -> int:
+    try:
+        from compiler.errors import CompilerError
+        from compiler.pipeline import CompileOptions, compile_model
+    except ImportError as exc:
+        return _need("compiler", exc)
+    from protocol.errors import EdgefleetError
+
+    opts = CompileOptions(model=a.model, profile=a.profile, calibration=a.calibration, eval=a.eval,
+                          out_dir=a.out, name=a.name or a.model.parent.name or a.model.stem, version=a.version,
+                          precision=a.precision, max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark)
+    progress = (lambda *_: None) if a.json or a.quiet else _progress_bar
+    try:
+        result = compile_model(opts, progress)
+    except CompilerError as exc:
+        sys.stderr.write("\n")
+        print(f"error: {exc}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"ok": False, "error": str(exc), "kind": type(exc).__name__}))
+        return exc.exit_code
+    except EdgefleetError as exc:  # profile schema errors and the like
+        sys.stderr.write("\n")
+        print(f"error: {exc}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"ok": False, "error": str(exc), "kind": type(exc).__name__}))
+        return EXIT_INPUT
+    m = result.manifest
+    doc = {"ok": True, "bundle": str(result.bundle), "manifest": m.model_dump(mode="json")}
+    acc = m.accuracy
+    lines = [f"bundle    {result.bundle}",
+             f"model     {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
+             f"accuracy  top-1 {acc.candidate_precision} {acc.candidate:.4f}  vs {acc.reference_precision} "
+             f"{acc.reference:.4f}  (drop {acc.drop:+.4f}, allowed {acc.max_drop:.4f}, {acc.eval_samples} samples)"]
+    if m.benchmark:
+        for p in m.benchmark.points:
+            lines.append(f"latency   batch {p.batch_size:>3}: {acc.reference_precision} {p.reference_ms_p50:.3f} ms, "
+                         f"{acc.candidate_precision} {p.candidate_ms_p50:.3f} ms p50 ({p.speedup:.2f}x)")
+    _print(doc, a.json, "\n".join(lines))
+    return EXIT_OK
+
+
+# -- keys -------------------------------------------------------------------------------------------
+def cmd_keys_init(a: argparse.Namespace) -> int:
+    try:
+        from fleet.errors import KeyStoreError
+        from fleet.keys import init_keys
+    except ImportError as exc:
+        return _need("fleet", exc)
+    try:
+        root = init_keys(a.dir, force=a.force)
+    except KeyStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    _print({"ok": True, "keys_dir": str(a.dir), "root": str(root)}, a.json,
+           f"wrote TUF keys (root, targets, snapshot, timestamp) to {a.dir}\n"
+           f"give agents {root} as --trusted-root; keep root.key offline in production")
+    return EXIT_OK
+
+
+# -- fleet ------------------------------------------------------------------------------------------
+def cmd_fleet_serve(a: argparse.Namespace) -> int:
+    try:
+        from fleet.server import FleetConfig, FleetServer
+    except ImportError as exc:
+        return _need("fleet", exc)
+    from protocol.errors import EdgefleetError
+
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format="%(asctime)s fleet %(levelname)s %(name)s: %(message)s")
+    cfg = FleetConfig(data_dir=a.data_dir, keys_dir=a.keys, host=a.host, port=a.port, db_url=a.db_url,
+                      mqtt_url=a.mqtt_url, embedded_mqtt_host=a.embedded_mqtt_host,
+                      embedded_mqtt_port=a.embedded_mqtt_port, agent_mqtt_url=a.agent_mqtt_url,
+                      public_url=a.public_url, shared_subscription_group=a.shared_subscription_group)
+    try:
+        server = FleetServer(cfg)
+        print(f"edgefleet fleet on http://{a.host}:{a.port}  (console: http://{a.host}:{a.port}/ , "
+              f"MQTT: {server.mqtt_url})", file=sys.stderr, flush=True)
+        server.serve()
+    except EdgefleetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    return EXIT_OK
+
+
+def _client(a: argparse.Namespace):
+    from edgefleet.client import FleetClient
+
+    return FleetClient(a.fleet)
+
+
+def _fleet_call(fn) -> int:
+    from edgefleet.client import FleetHTTPError, FleetUnreachable
+
+    try:
+        return fn()
+    except (FleetHTTPError, FleetUnreachable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FLEET
+
+
+def cmd_fleet_upload(a: argparse.Namespace) -> int:
+    if not a.bundle.is_file():
+        print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
+        return EXIT_INPUT
+
+    def run() -> int:
+        m = _client(a).upload(a.bundle)
+        _print(m, a.json, f"uploaded {m['name']} {m['version']} ({m['profile']}) as TUF target {m['target']}")
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+def cmd_fleet_register(a: argparse.Namespace) -> int:
+    def run() -> int:
+        out = [_client(a).register(d) for d in a.device_ids]
+        _print(out, a.json, "\n".join(f"registered {d['device_id']}" for d in out))
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+def cmd_fleet_devices(a: argparse.Namespace) -> int:
+    def run() -> int:
+        devs = _client(a).devices()
+        lines = [f"{'DEVICE':<20} {'STATUS':<8} {'RUNNING':<20} {'LAST REPORT':<12}"]
+        for d in devs:
+            running = f"{d['running_model']} {d['running_version']}" if d["running_model"] else "-"
+            lines.append(f"{d['device_id']:<20} {'online' if d['online'] else 'offline':<8} {running:<20} "
+                         f"{d['last_state'] or '-':<12}")
+        _print(devs, a.json, "\n".join(lines))
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+def cmd_fleet_models(a: argparse.Namespace) -> int:
+    def run() -> int:
+        ms = _client(a).models()
+        lines = [f"{m['name']} {m['version']} {m['profile']} {m['backend']} {m['precision']} "
+                 f"top-1 {m['accuracy']['candidate']:.4f}" for m in ms]
+        _print(ms, a.json, "\n".join(lines) or "no models uploaded")
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+def wait_rollout(client, rollout_id: int, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    r = client.get_rollout(rollout_id)
+    while r["status"] == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        r = client.get_rollout(rollout_id)
+    return r
+
+
+def cmd_fleet_rollout(a: argparse.Namespace) -> int:
+    def run() -> int:
+        c = _client(a)
+        devices = [d for d in a.devices.split(",") if d]
+        r = c.rollout(a.model, a.version, devices, a.profile)
+        if a.wait:
+            r = wait_rollout(c, r["id"], a.timeout)
+        lines = [f"rollout #{r['id']} {r['model']} {r['version']}: {r['status']}"]
+        lines += [f"  {t['device_id']:<20} {t['state']}" + (f"  ({t['error']})" if t["error"] else "")
+                  for t in r["targets"]]
+        _print(r, a.json, "\n".join(lines))
+        if a.wait and r["status"] != "succeeded":
+            return EXIT_ROLLOUT
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+# -- agent ------------------------------------------------------------------------------------------
+def cmd_agent(a: argparse.Namespace) -> int:
+    try:
+        from agent.config import load_config
+        from agent.daemon import run_agent
+    except ImportError as exc:
+        return _need("agent", exc)
+    from protocol.errors import EdgefleetError
+
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format=f"%(asctime)s agent[{a.device_id or '?'}] %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, object] = {
+        "device_id": a.device_id, "fleet_url": a.fleet, "data_dir": a.data_dir, "trusted_root": a.trusted_root,
+        "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
+        "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
+        "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads,
+    }
+    try:
+        cfg = load_config(a.config, overrides)
+    except EdgefleetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        run_agent(cfg)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    return EXIT_OK
+
+
+# -- demo -------------------------------------------------------------------------------------------
+def cmd_demo(a: argparse.Namespace) -> int:
+    try:
+        from edgefleet.demo import DemoOptions, run_demo
+    except ImportError as exc:
+        return _need("all", exc)
+    return run_demo(DemoOptions(work_dir=a.work_dir, agents=a.agents, mqtt_url=a.mqtt_url, port=a.port,
+                                embedded_mqtt_port=a.embedded_mqtt_port, keep_running=not a.exit,
+                                as_json=a.json))
+
+
+# -- parser -----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgefleet", formatter_class=_Formatter, description=(
+        "edgefleet: compile models into signed bundles, roll them out to edge devices over MQTT, and serve\n"
+        "them on each device with dynamic batching.\n\n"
+        "  edgefleet demo                       the whole loop on this machine, in one command\n"
+        "  edgefleet compile MODEL --profile P  build a quantized, gated, benchmarked bundle\n"
+        "  edgefleet keys init DIR              make the TUF signing keys\n"
+        "  edgefleet fleet serve ...            run the fleet server (REST, console, TUF repo, MQTT)\n"
+        "  edgefleet agent ...                  run the device daemon"), epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("compile", formatter_class=_Formatter, help="compile an ONNX model into a bundle",
+                       description="Check the graph, quantize (static INT8, QDQ) or keep FP32, gate on accuracy "
+                                   "against FP32, benchmark, and write a bundle archive.")
+    c.add_argument("model", type=Path, help="source ONNX model with a dynamic batch dimension")
+    c.add_argument("--profile", required=True, help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path")
+    c.add_argument("--calibration", type=Path, help=".npz with the model's input(s), for INT8 calibration")
+    c.add_argument("--eval", required=True, type=Path, help=".npz with input(s) and 'labels', for the accuracy gate")
+    c.add_argument("--name", help="model name in the registry (default: the model's folder name)")
+    c.add_argument("--version", default="1.0.0", help="model version, MAJOR.MINOR.PATCH")
+    c.add_argument("--precision", choices=["int8", "fp32", "fp16"], help="default: the profile's default_precision")
+    c.add_argument("--max-accuracy-drop", type=float,
+                   help="largest allowed top-1 drop versus FP32, absolute (default: the profile's accuracy.max_drop)")
+    c.add_argument("--out", type=Path, default=Path("dist"), help="folder for the bundle")
+    c.add_argument("--no-benchmark", action="store_true", help="skip the latency benchmark")
+    c.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(fn=cmd_compile)
+
+    k = sub.add_parser("keys", help="manage the TUF signing keys").add_subparsers(dest="keys_cmd", required=True)
+    ki = k.add_parser("init", formatter_class=_Formatter, help="create root/targets/snapshot/timestamp keys",
+                      description="Create one Ed25519 key per TUF role and the first signed root.json.")
+    ki.add_argument("dir", type=Path, help="folder for the keys (created; files are mode 0600)")
+    ki.add_argument("--force", action="store_true", help="replace existing keys (devices must get the new root.json)")
+    ki.add_argument("--json", action="store_true", help="JSON output")
+    ki.set_defaults(fn=cmd_keys_init)
+
+    f = sub.add_parser("fleet", help="run or talk to the fleet server").add_subparsers(dest="fleet_cmd",
+                                                                                       required=True)
+    fs = f.add_parser("serve", formatter_class=_Formatter, help="run the fleet server",
+                      description="REST API, web console, TUF repository and MQTT bridge. Binds 127.0.0.1 unless "
+                                  "--host says otherwise. Without --mqtt-url it embeds an MQTT broker.")
+    fs.add_argument("--data-dir", type=Path, default=Path("fleet-data"), help="database, TUF repository")
+    fs.add_argument("--keys", type=Path, required=True, help="key folder from 'edgefleet keys init'")
+    fs.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 opens it to the network)")
+    fs.add_argument("--port", type=int, default=8700, help="HTTP port")
+    fs.add_argument("--db-url", help="SQLAlchemy URL, e.g. postgresql+psycopg://user@127.0.0.1/fleet "
+                                     "(default: SQLite in --data-dir)")
+    fs.add_argument("--mqtt-url", help="external broker, e.g. mqtt://127.0.0.1:1883 (default: embedded broker)")
+    fs.add_argument("--embedded-mqtt-host", default="127.0.0.1", help="bind address of the embedded broker")
+    fs.add_argument("--embedded-mqtt-port", type=int, default=1884, help="port of the embedded broker")
+    fs.add_argument("--agent-mqtt-url", help="broker URL handed to agents, if it differs from the fleet's")
+    fs.add_argument("--public-url", help="base URL agents use for HTTP (default http://HOST:PORT)")
+    fs.add_argument("--shared-subscription-group",
+                    help="consume telemetry via $share/GROUP/... so replicas split the load (Mosquitto, EMQX)")
+    fs.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    fs.set_defaults(fn=cmd_fleet_serve)
+
+    def client_parser(name: str, help_: str, fn) -> argparse.ArgumentParser:
+        sp = f.add_parser(name, formatter_class=_Formatter, help=help_, description=help_)
+        sp.add_argument("--fleet", default="http://127.0.0.1:8700", help="fleet server URL")
+        sp.add_argument("--json", action="store_true", help="JSON output")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    client_parser("upload", "upload a bundle (publishes it as a signed TUF target)",
+                  cmd_fleet_upload).add_argument("bundle", type=Path)
+    client_parser("register", "register devices by id", cmd_fleet_register).add_argument("device_ids", nargs="+")
+    client_parser("devices", "list devices", cmd_fleet_devices)
+    client_parser("models", "list uploaded models", cmd_fleet_models)
+    ro = client_parser("rollout", "roll a model version out to devices", cmd_fleet_rollout)
+    ro.add_argument("model")
+    ro.add_argument("version")
+    ro.add_argument("--devices", required=True, help="comma-separated device ids")
+    ro.add_argument("--profile", help="which build, when the version exists for several profiles")
+    ro.add_argument("--wait", action="store_true", help="wait until every device installed or failed (exit 7 if any failed)")
+    ro.add_argument("--timeout", type=float, default=300.0, help="seconds to --wait")
+
+    ag = sub.add_parser("agent", formatter_class=_Formatter, help="run the device agent",
+                        description="Follow the fleet's desired state (MQTT), install verified bundles (TUF) and "
+                                    "serve the Open Inference Protocol (KServe v2) on HTTP with dynamic batching. "
+                                    "Flags override the --config YAML file.")
+    ag.add_argument("--config", type=Path, help="YAML file with the settings below (unknown keys are errors)")
+    ag.add_argument("--device-id", help="this device's id")
+    ag.add_argument("--fleet", help="fleet server URL, e.g. http://127.0.0.1:8700")
+    ag.add_argument("--data-dir", type=Path, help="model store, TUF state, telemetry spool")
+    ag.add_argument("--trusted-root", type=Path, help="root.json from 'edgefleet keys init' (the anchor of trust)")
+    ag.add_argument("--mqtt-url", help="override the broker the fleet advertises")
+    ag.add_argument("--http-host", help="inference API bind address (default 127.0.0.1)")
+    ag.add_argument("--http-port", type=int, help="inference API port (default 8000; 0 picks a free one)")
+    ag.add_argument("--max-batch-size", type=int, help="largest batch the batcher forms (default 16)")
+    ag.add_argument("--max-queue-delay-us", type=int, help="longest a request waits for a batch to fill (default 2000)")
+    ag.add_argument("--telemetry-interval-s", type=float, help="seconds between telemetry records (default 10)")
+    ag.add_argument("--threads", type=int, help="inference threads (default 2)")
+    ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    ag.set_defaults(fn=cmd_agent)
+
+    d = sub.add_parser("demo", formatter_class=_Formatter, help="run the whole loop locally",
+                       description="Start a fleet (embedded broker), compile the digits model for x86-cpu, start "
+                                   "agents as separate processes, roll the model out, send the test images through "
+                                   "every agent and print a summary. Ctrl-C stops everything.")
+    d.add_argument("--work-dir", type=Path, default=Path(".edgefleet-demo"), help="keys, fleet data, agent stores")
+    d.add_argument("--agents", type=int, default=3, help="number of agent processes")
+    d.add_argument("--mqtt-url", help="use this broker instead of the embedded one")
+    d.add_argument("--port", type=int, default=0, help="fleet HTTP port (0: a free one)")
+    d.add_argument("--embedded-mqtt-port", type=int, default=0, help="embedded broker port (0: a free one)")
+    d.add_argument("--exit", action="store_true", help="stop after the summary instead of running until Ctrl-C")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""``edgefleet demo``: a fleet, agents as separate processes, a compile and a rollout, on this machine.
+
+:class:`LocalFleet` is also the harness of the end-to-end tests: real processes, a real broker,
+HTTP on loopback only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgefleet.client import FleetClient, FleetHTTPError, FleetUnreachable
+
+__all__ = ["DemoOptions", "LocalFleet", "free_port", "infer_images", "run_demo"]
+
+REPO = Path(__file__).resolve().parent.parent
+DIGITS = REPO / "models" / "digits"
+MARKER = ".edgefleet-demo-dir"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child: SIGTERM it if the demo process dies
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("ab")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "edgefleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+
+@dataclass
+class AgentProc:
+    device_id: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class LocalFleet:
+    work_dir: Path
+    mqtt_url: str | None = None  # None: the fleet's embedded broker
+    port: int = 0
+    embedded_mqtt_port: int = 0
+    telemetry_interval_s: float = 2.0
+    fleet_proc: subprocess.Popen | None = None
+    agents: dict[str, AgentProc] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def keys(self) -> Path:
+        return self.work_dir / "keys"
+
+    @property
+    def client(self) -> FleetClient:
+        return FleetClient(self.url)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        from fleet.keys import init_keys
+
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        if not (self.keys / "root.json").exists():
+            init_keys(self.keys)
+        self.port = self.port or free_port()
+        args = ["fleet", "serve", "--data-dir", str(self.work_dir / "fleet"), "--keys", str(self.keys),
+                "--port", str(self.port), "-v"]
+        if self.mqtt_url:
+            args += ["--mqtt-url", self.mqtt_url]
+        else:
+            self.embedded_mqtt_port = self.embedded_mqtt_port or free_port()
+            args += ["--embedded-mqtt-port", str(self.embedded_mqtt_port)]
+        self.fleet_proc = spawn(args, self.work_dir / "logs" / "fleet.log")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.fleet_proc.poll() is not None:
+                raise RuntimeError(f"the fleet server exited with {self.fleet_proc.returncode}; see "
+                                   f"{self.work_dir / 'logs' / 'fleet.log'}")
+            try:
+                if self.client.health().get("mqtt_connected"):
+                    return
+            except (FleetUnreachable, FleetHTTPError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the fleet did not become healthy in {timeout_s}s")
+            time.sleep(0.2)
+
+    def start_agent(self, device_id: str, extra: list[str] | None = None) -> AgentProc:
+        port = free_port()
+        log = self.work_dir / "logs" / f"agent-{device_id}.log"
+        args = ["agent", "--device-id", device_id, "--fleet", self.url, "--data-dir",
+                str(self.work_dir / "agents" / device_id), "--trusted-root", str(self.keys / "root.json"),
+                "--http-port", str(port), "--telemetry-interval-s", str(self.telemetry_interval_s), "-v",
+                *(extra or [])]
+        a = AgentProc(device_id, f"http://127.0.0.1:{port}", spawn(args, log), log)
+        self.agents[device_id] = a
+        return a
+
+    def wait_online(self, device_ids: list[str], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            online = {d["device_id"] for d in self.client.devices() if d["online"]}
+            if set(device_ids) <= online:
+                return
+            for d in device_ids:
+                a = self.agents.get(d)
+                if a is not None and a.proc.poll() is not None:
+                    raise RuntimeError(f"agent {d} exited with {a.proc.returncode}; see {a.log}")
+            time.sleep(0.2)
+        raise RuntimeError(f"devices not online after {timeout_s}s: {device_ids}")
+
+    def wait_rollout(self, rollout_id: int, timeout_s: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = self.client.get_rollout(rollout_id)
+            if r["status"] != "in_progress" or time.monotonic() > deadline:
+                return r
+            time.sleep(0.2)
+
+    def stop_agent(self, device_id: str, sig: int = signal.SIGTERM) -> None:
+        a = self.agents.pop(device_id)
+        _stop(a.proc, sig)
+
+    def stop(self) -> None:
+        for d in list(self.agents):
+            self.stop_agent(d)
+        if self.fleet_proc is not None:
+            _stop(self.fleet_proc)
+            self.fleet_proc = None
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def infer_images(url: str, model: str, images: np.ndarray, concurrency: int = 8,
+                 timeout_s: float = 30.0) -> tuple[np.ndarray, list[float]]:
+    """Send each image as its own request (so the agent's batcher has work); -> (predicted classes, latencies s)."""
+    import httpx
+
+    def one(client: httpx.Client, img: np.ndarray) -> tuple[int, float]:
+        body = {"inputs": [{"name": "input", "shape": [1, *img.shape], "datatype": "FP32",
+                            "data": img.reshape(-1).tolist()}]}
+        t0 = time.perf_counter()
+        r = client.post(f"{url}/v2/models/{model}/infer", json=body)
+        dt = time.perf_counter() - t0
+        r.raise_for_status()
+        logits = r.json()["outputs"][0]["data"]
+        return int(np.argmax(logits)), dt
+
+    with httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=concurrency)) as client, \
+            ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda img: one(client, img), images))
+    return np.array([r[0] for r in results]), [r[1] for r in results]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    work_dir: Path
+    agents: int = 3
+    mqtt_url: str | None = None
+    port: int = 0
+    embedded_mqtt_port: int = 0
+    keep_running: bool = True
+    as_json: bool = False
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_demo(opts: DemoOptions) -> int:
+    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.cli import EXIT_INTERNAL, EXIT_OK, EXIT_ROLLOUT, _progress_bar
+
+    work = opts.work_dir.resolve()
+    if work.exists():
+        if not (work / MARKER).exists() and any(work.iterdir()):
+            _say(f"error: {work} exists and is not a demo folder; pick another --work-dir")
+            return 4
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work / MARKER).write_text("made by edgefleet demo; deleted and rebuilt by the next demo\n")
+    lf = LocalFleet(work, mqtt_url=opts.mqtt_url, port=opts.port, embedded_mqtt_port=opts.embedded_mqtt_port)
+    try:
+        _say("1/6 starting the fleet server" + ("" if opts.mqtt_url else " with its embedded MQTT broker"))
+        lf.start()
+        _say(f"    fleet on {lf.url}")
+        _say("2/6 compiling models/digits/model.onnx for x86-cpu (static INT8, accuracy gate, benchmark)")
+        result = compile_model(CompileOptions(
+            model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
+            eval=DIGITS / "test.npz", out_dir=work / "dist", name="digits", version="1.0.0"), _progress_bar)
+        acc = result.manifest.accuracy
+        _say(f"    top-1 fp32 {acc.reference:.4f} -> int8 {acc.candidate:.4f} on {acc.eval_samples} test images")
+        _say("3/6 uploading the bundle (published as a signed TUF target)")
+        lf.client.upload(result.bundle)
+        devices = [f"edge-{i + 1:02d}" for i in range(opts.agents)]
+        _say(f"4/6 registering and starting {len(devices)} agents as separate processes")
+        for d in devices:
+            lf.client.register(d, {"site": "demo"})
+            lf.start_agent(d)
+        lf.wait_online(devices)
+        _say("5/6 rolling digits 1.0.0 out (TUF download, verify, install, self-test, swap)")
+        t0 = time.monotonic()
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", devices)["id"])
+        rollout_s = time.monotonic() - t0
+        if r["status"] != "succeeded":
+            _say(f"error: rollout {r['status']}: {json.dumps(r['targets'], indent=2)}")
+            return EXIT_ROLLOUT
+        _say("6/6 sending the 359 test images through every agent, one request per image")
+        with np.load(DIGITS / "test.npz") as npz:
+            images, labels = npz["input"], npz["labels"]
+        rows = []
+        fleet_devices = {d["device_id"]: d for d in lf.client.devices()}
+        for d in devices:
+            pred, lat = infer_images(lf.agents[d].url, "digits", images)
+            lat_ms = np.array(lat) * 1000
+            rows.append({"device": d, "version": fleet_devices[d]["running_version"],
+                         "inference_url": lf.agents[d].url, "images": len(images),
+                         "accuracy_served": round(float((pred == labels).mean()), 4),
+                         "latency_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
+                         "latency_p95_ms": round(float(np.percentile(lat_ms, 95)), 2)})
+        summary = {"model": "digits", "version": "1.0.0", "profile": "x86-cpu", "precision": "int8",
+                   "accuracy_at_compile": {"fp32": acc.reference, "int8": acc.candidate},
+                   "rollout": {"id": r["id"], "status": r["status"], "seconds": round(rollout_s, 2)},
+                   "devices": rows, "console": f"{lf.url}/"}
+        if opts.as_json:
+            print(json.dumps(summary, indent=2))
+        else:
+            print(f"\nedgefleet demo: digits 1.0.0, x86-cpu, static INT8 "
+                  f"(compile-time top-1: fp32 {acc.reference:.4f}, int8 {acc.candidate:.4f})")
+            print(f"rollout #{r['id']} {r['status']} on {len(devices)} devices in {rollout_s:.1f}s\n")
+            print(f"{'device':<10} {'version':<8} {'images':>6} {'accuracy':>9} {'p50 ms':>7} {'p95 ms':>7}  url")
+            for row in rows:
+                print(f"{row['device']:<10} {row['version']:<8} {row['images']:>6} {row['accuracy_served']:>9.4f} "
+                      f"{row['latency_p50_ms']:>7.2f} {row['latency_p95_ms']:>7.2f}  {row['inference_url']}")
+            print(f"\nconsole: {lf.url}/")
+        sys.stdout.flush()
+        if opts.keep_running:
+            _say("the fleet and agents keep running; press Ctrl-C to stop them all")
+            while all(a.proc.poll() is None for a in lf.agents.values()) and lf.fleet_proc is not None \
+                    and lf.fleet_proc.poll() is None:
+                time.sleep(0.5)
+            _say("a process exited; stopping the demo")
+        return EXIT_OK
+    except KeyboardInterrupt:
+        _say("\nstopping…")
+        return EXIT_OK
+    except (RuntimeError, FleetHTTPError, FleetUnreachable) as exc:
+        _say(f"error: {exc} (logs in {work / 'logs'})")
+        return EXIT_INTERNAL
+    finally:
+        lf.stop()

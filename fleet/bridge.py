@@ -1,0 +1,98 @@
+"""The fleet's MQTT link: ingests status, reports and telemetry; publishes desired state.
+
+paho-mqtt runs its network loop in a thread and reconnects by itself; on every (re)connect the
+bridge subscribes again and republishes desired state. Telemetry can be consumed through an MQTT
+shared subscription (``$share/<group>/...``) so several fleet replicas split the load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+
+import paho.mqtt.client as mqtt
+
+from protocol import mqtt as proto
+from protocol.errors import ContractError
+
+__all__ = ["MqttBridge"]
+
+log = logging.getLogger("edgefleet.fleet.mqtt")
+
+
+class MqttBridge:
+    def __init__(self, url: str, shared_group: str | None = None, client_id: str | None = None):
+        self.host, self.port = proto.parse_mqtt_url(url)
+        self.shared_group = shared_group
+        self.connected = threading.Event()
+        self.rejected = 0  # malformed or spoofed messages dropped
+        self.on_status: Callable[[proto.StatusMessage], None] | None = None
+        self.on_reported: Callable[[proto.ReportedState], None] | None = None
+        self.on_telemetry: Callable[[proto.Telemetry], None] | None = None
+        self.on_connected: Callable[[], None] | None = None
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                                   client_id=client_id or f"edgefleet-fleet-{uuid.uuid4().hex[:8]}",
+                                   protocol=mqtt.MQTTv311, clean_session=True)
+        self._client.reconnect_delay_set(min_delay=1, max_delay=10)
+        self._client.max_queued_messages_set(10000)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+
+    def start(self) -> None:
+        self._client.connect_async(self.host, self.port, keepalive=30)
+        self._client.loop_start()
+
+    def stop(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        """Queue a QoS 1 publish; paho keeps it and sends it once the broker is reachable."""
+        info = self._client.publish(topic, payload, qos=1, retain=retain)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            log.error("could not queue publish to %s: %s", topic, mqtt.error_string(info.rc))
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("MQTT broker %s:%s refused the fleet: %s", self.host, self.port, reason_code)
+            return
+        log.info("connected to MQTT broker %s:%s", self.host, self.port)
+        tele = proto.subscription("telemetry")
+        if self.shared_group:
+            tele = f"$share/{self.shared_group}/{tele}"
+        client.subscribe([(proto.subscription("status"), 1), (proto.subscription("reported"), 1), (tele, 1)])
+        self.connected.set()
+        if self.on_connected:
+            try:
+                self.on_connected()
+            except Exception:
+                log.exception("on_connected hook failed")
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connected.clear()
+        log.warning("lost the MQTT broker %s:%s (%s); paho will reconnect", self.host, self.port, reason_code)
+
+    def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        parsed = proto.parse_topic(message.topic)
+        if parsed is None:
+            return
+        device_id, kind = parsed
+        model = {"status": proto.StatusMessage, "reported": proto.ReportedState,
+                 "telemetry": proto.Telemetry}.get(kind)
+        if model is None:
+            return
+        try:
+            msg = proto.decode(model, message.payload, source=message.topic)
+            if msg.device_id != device_id:
+                raise ContractError(f"{message.topic}: payload says device {msg.device_id!r}")
+            handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]
+            if handler is not None:
+                handler(msg)  # type: ignore[operator]
+        except ContractError as exc:
+            self.rejected += 1
+            log.warning("dropped a malformed message: %s", exc)
+        except Exception:
+            log.exception("failed to handle a message on %s", message.topic)

@@ -1,0 +1,73 @@
+"""The web console: one server-rendered page, readable at a glance, refreshing itself."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+__all__ = ["render"]
+
+CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1f24;background:#fafbfc}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 8px}
+.sub{color:#57606a;margin-bottom:16px}
+table{border-collapse:collapse;width:100%;background:#fff;border:1px solid #d0d7de}
+th,td{text-align:left;padding:6px 10px;border-bottom:1px solid #eaeef2;vertical-align:top}
+th{background:#f6f8fa;font-weight:600}
+.pill{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600}
+.ok{background:#dafbe1;color:#116329}.bad{background:#ffebe9;color:#a40e26}
+.wait{background:#fff8c5;color:#7d4e00}.off{background:#eaeef2;color:#57606a}
+.summary span{margin-right:18px} code{font-size:12px}
+"""
+
+_PILL = {"online": "ok", "offline": "off", "installed": "ok", "succeeded": "ok", "failed": "bad",
+         "rolled_back": "bad", "in_progress": "wait", "pending": "wait", "downloading": "wait", "installing": "wait"}
+
+
+def _pill(text: str | None) -> str:
+    if not text:
+        return "–"
+    return f'<span class="pill {_PILL.get(text, "off")}">{escape(text)}</span>'
+
+
+def _e(v: Any) -> str:
+    return "–" if v is None or v == "" else escape(str(v))
+
+
+def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]]) -> str:
+    online = sum(1 for d in devices if d["online"])
+    failing = sum(1 for d in devices if d["last_state"] in ("failed", "rolled_back"))
+    rows = []
+    for d in devices:
+        running = f'{_e(d["running_model"])} {_e(d["running_version"])}' if d["running_model"] else "–"
+        desired = d["desired"]
+        want = f'{escape(desired["model"])} {escape(desired["version"])}' if desired else "–"
+        err = f'<br><small class="pill bad">{escape(d["last_error"][:200])}</small>' if d["last_error"] else ""
+        rows.append(f'<tr><td><b>{escape(d["device_id"])}</b></td><td>{_pill("online" if d["online"] else "offline")}'
+                    f'</td><td>{running}</td><td>{want}</td><td>{_pill(d["last_state"])}{err}</td>'
+                    f'<td>{_e(d["last_seen"])}</td><td>{_e(d["agent_version"])}</td></tr>')
+    mrows = [f'<tr><td><b>{escape(m["name"])}</b></td><td>{escape(m["version"])}</td><td>{escape(m["profile"])}</td>'
+             f'<td>{escape(m["backend"])} {escape(m["precision"])}</td>'
+             f'<td>{m["accuracy"]["candidate"]:.4f} (fp32 {m["accuracy"]["reference"]:.4f})</td>'
+             f'<td><code>{escape(m["sha256"][:16])}…</code></td><td>{_e(m["uploaded_at"])}</td></tr>' for m in models]
+    rrows = []
+    for r in rollouts:
+        counts = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["counts"].items()))
+        rrows.append(f'<tr><td>#{r["id"]}</td><td>{escape(r["model"])} {escape(r["version"])}</td>'
+                     f'<td>{escape(r["profile"])}</td><td>{_pill(r["status"])}</td><td>{counts}</td>'
+                     f'<td>{_e(r["created_at"])}</td></tr>')
+    empty = '<tr><td colspan="7" class="sub">none yet</td></tr>'
+    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<title>edgefleet console</title><style>{CSS}</style></head><body>
+<h1>edgefleet fleet console</h1>
+<div class="sub summary"><span><b>{len(devices)}</b> devices</span><span><b>{online}</b> online</span>
+<span><b>{failing}</b> failing</span><span><b>{len(models)}</b> model builds</span>
+<span><b>{sum(1 for r in rollouts if r["status"] == "in_progress")}</b> rollouts in progress</span>
+<span>refreshes every 5 s</span></div>
+<h2>Devices</h2><table><tr><th>device</th><th>status</th><th>running</th><th>desired</th><th>last report</th>
+<th>last seen (UTC)</th><th>agent</th></tr>{"".join(rows) or empty}</table>
+<h2>Models</h2><table><tr><th>name</th><th>version</th><th>profile</th><th>engine</th><th>accuracy (top-1)</th>
+<th>sha256</th><th>uploaded (UTC)</th></tr>{"".join(mrows) or empty}</table>
+<h2>Rollouts</h2><table><tr><th>id</th><th>model</th><th>profile</th><th>status</th><th>devices</th>
+<th>created (UTC)</th></tr>{"".join(rrows) or empty}</table>
+</body></html>"""

@@ -1,0 +1,100 @@
+"""Fleet state in SQL (SQLite by default, PostgreSQL for several replicas), through SQLAlchemy 2."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+__all__ = ["Base", "Device", "Model", "Rollout", "RolloutTarget", "TelemetryRow", "make_engine", "utcnow"]
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Device(Base):
+    __tablename__ = "devices"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    registered_via: Mapped[str] = mapped_column(String(16))  # "api" or "mqtt" (seen before registration)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    online: Mapped[bool] = mapped_column(default=False)
+    last_seen: Mapped[dt.datetime | None] = mapped_column(default=None)
+    agent_version: Mapped[str | None] = mapped_column(String(32), default=None)
+    inference_url: Mapped[str | None] = mapped_column(String(256), default=None)
+    running_model: Mapped[str | None] = mapped_column(String(64), default=None)
+    running_version: Mapped[str | None] = mapped_column(String(32), default=None)
+    last_state: Mapped[str | None] = mapped_column(String(32), default=None)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    desired_model_id: Mapped[int | None] = mapped_column(ForeignKey("models.id"), default=None)
+    desired_rollout_id: Mapped[int | None] = mapped_column(Integer, default=None)
+
+
+class Model(Base):
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("name", "version", "profile"),)
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(32))
+    profile: Mapped[str] = mapped_column(String(64))
+    backend: Mapped[str] = mapped_column(String(32))
+    precision: Mapped[str] = mapped_column(String(8))
+    target_path: Mapped[str] = mapped_column(String(256))
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    accuracy: Mapped[float] = mapped_column(Float)
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSON)
+    uploaded_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Rollout(Base):
+    __tablename__ = "rollouts"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
+    status: Mapped[str] = mapped_column(String(16), default="in_progress")  # in_progress|succeeded|failed
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class RolloutTarget(Base):
+    __tablename__ = "rollout_targets"
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class TelemetryRow(Base):
+    __tablename__ = "telemetry"
+    __table_args__ = (UniqueConstraint("device_id", "seq"),)
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    device_id: Mapped[str] = mapped_column(String(64), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Float)
+    received_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+def make_engine(url: str) -> tuple[Engine, sessionmaker]:
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+    engine = create_engine(url, **kwargs)
+    if url.startswith("sqlite"):
+        @event.listens_for(engine, "connect")
+        def _pragmas(conn, _record):  # WAL: readers do not block the MQTT writer
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+    Base.metadata.create_all(engine)
+    return engine, sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,43 @@
+"""Fleet errors.
+
+    FleetError
+    ├── NotFound            a device, model or rollout the request names does not exist (HTTP 404)
+    ├── Conflict            the request clashes with what is stored (HTTP 409)
+    ├── BadRequest          the operator's request or upload is malformed (HTTP 400/413/422)
+    ├── KeyStoreError       signing keys missing or unreadable (operator set-up)
+    └── RepositoryError     the TUF repository on disk is inconsistent (internal)
+"""
+
+from __future__ import annotations
+
+from protocol.errors import EdgefleetError
+
+__all__ = ["BadRequest", "Conflict", "FleetError", "KeyStoreError", "NotFound", "RepositoryError"]
+
+
+class FleetError(EdgefleetError):
+    status_code = 500
+
+
+class NotFound(FleetError):
+    status_code = 404
+
+
+class Conflict(FleetError):
+    status_code = 409
+
+
+class BadRequest(FleetError):
+    status_code = 400
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class KeyStoreError(FleetError):
+    pass
+
+
+class RepositoryError(FleetError):
+    pass
