@@ -15,12 +15,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-import protocol
 from agent.backends import Backend, load_backend
 from agent.batcher import BatchSettings
 from agent.config import AgentConfig
@@ -35,7 +33,7 @@ from agent.updater import BundleFetcher
 from protocol import mqtt as proto
 from protocol.errors import ContractError
 
-__all__ = ["Agent", "self_test"]
+__all__ = ["Agent", "run_agent", "self_test"]
 
 log = logging.getLogger("edgefleet.agent")
 WARMUP_RUNS = 3
@@ -83,6 +81,7 @@ class Agent:
         self._desired_event = threading.Event()
         self._failed: set[str] = set()
         self._threads: list[threading.Thread] = []
+        self._server: Any = None
         self.ready = threading.Event()  # HTTP is listening (for tests and the demo)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -100,7 +99,9 @@ class Agent:
                 await self.host.swap(manifest, backend)
             except (UpdateError, ContractError) as exc:
                 log.error("could not load the installed model %s: %s", entry.directory, exc)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
+        # listening socket says so; without it keep-alive responses stall ~40 ms (Nagle + delayed ACK)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.http_host, self.config.http_port))
         port = sock.getsockname()[1]
@@ -108,6 +109,7 @@ class Agent:
         app = create_app(self.host, self.config.max_body_bytes, self.config.device_id)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=5))
+        self._server = server
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
                              (self._telemetry_loop, "telemetry")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -126,9 +128,15 @@ class Agent:
                 await self._loop.run_in_executor(None, t.join, 5)
             await self.host.close()
 
+    def request_stop(self) -> None:
+        """Ask a running agent (from any thread) to shut down as on SIGTERM."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.should_exit = True
+
     # -- fleet connection -----------------------------------------------------------------------
     def _get_json(self, url: str, timeout_s: float = 5.0) -> Any:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (fleet URL from config)
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return json.loads(r.read(1024 * 1024))
 
     def _connect_and_follow(self) -> None:
@@ -138,7 +146,7 @@ class Agent:
                 boot = self._get_json(f"{self.config.fleet_url}/api/v1/bootstrap")
                 root_bytes = None
                 if self.config.trusted_root is None and not (self.config.data_dir / "tuf/metadata/root.json").exists():
-                    with urllib.request.urlopen(f"{boot['tuf_metadata_url']}1.root.json", timeout=5) as r:  # noqa: S310
+                    with urllib.request.urlopen(f"{boot['tuf_metadata_url']}1.root.json", timeout=5) as r:
                         root_bytes = r.read(512 * 1024)
                     log.warning("no --trusted-root given: trusting the fleet's root.json on first use")
                 self.fetcher = BundleFetcher(self.config.data_dir / "tuf", boot["tuf_metadata_url"],
@@ -212,10 +220,10 @@ class Agent:
             if fetched is None:
                 return  # superseded by a newer desired state, or stopping
             signed = fetched.custom
-            if (signed.get("name"), signed.get("version"), signed.get("profile")) != (desired.model, desired.version,
-                                                                                      profile):
+            said = (desired.model, desired.version, profile)
+            if (signed.get("name"), signed.get("version"), signed.get("profile")) != said:
                 raise TrustError(f"signed target says {signed.get('name')} {signed.get('version')} "
-                                 f"{signed.get('profile')}, desired state says {desired.model} {desired.version} {profile}")
+                                 f"{signed.get('profile')}, desired state says {' '.join(said)}")
             self._report("installing", desired)
             staged = self.store.stage(fetched.path, fetched.sha256)
             m = staged.manifest
@@ -293,6 +301,3 @@ class Agent:
 def run_agent(config: AgentConfig) -> None:
     asyncio.run(Agent(config).run())
 
-
-__all__ += ["run_agent"]
-_ = (Path, protocol)

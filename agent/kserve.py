@@ -92,7 +92,7 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec) -> np.ndarray:
     if "data" not in t:
         raise RequestError(f"input {name!r}: no 'data'")
     try:
-        arr = np.asarray(t["data"], dtype=NP_DTYPES[spec.datatype])
+        arr: np.ndarray = np.asarray(t["data"], dtype=NP_DTYPES[spec.datatype])
     except (ValueError, TypeError) as exc:
         raise RequestError(f"input {name!r}: data is not a (nested) list of {spec.datatype} numbers ({exc})") from exc
     count = math.prod(shape)

@@ -82,7 +82,7 @@ class MqttLink:
         if message.topic != proto.topic(self.device_id, "desired") or not message.payload:
             return
         try:
-            desired = proto.decode(proto.DesiredState, message.payload, source=message.topic)
+            desired = proto.decode(proto.DesiredState, bytes(message.payload), source=message.topic)
             if desired.device_id != self.device_id:
                 raise ContractError(f"desired state addressed to {desired.device_id!r}")
         except ContractError as exc:

@@ -16,7 +16,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -25,7 +24,7 @@ from starlette.routing import Route
 
 import protocol
 from agent.backends.base import Backend
-from agent.batcher import BatchSettings, Batcher
+from agent.batcher import Batcher, BatchSettings
 from agent.errors import AgentError, ModelNotFound, RequestError, Unavailable
 from agent.kserve import decode_request, encode_response
 from agent.metrics import Metrics

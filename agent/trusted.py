@@ -38,7 +38,8 @@ def decide(current: Installed | None, name: str, version: str, sha256: str, prof
     if current is not None and current.name == name:
         if current.sha256 == sha256:
             return Decision("keep", f"{name} {version} is already running")
-        cmp = (version_key(version) > version_key(current.version)) - (version_key(version) < version_key(current.version))
+        new, old = version_key(version), version_key(current.version)
+        cmp = (new > old) - (new < old)
         if cmp == 0:
             return Decision("refuse", f"{name} {version} is running with other content (sha256 {current.sha256[:12]}…, "
                                       f"offered {sha256[:12]}…); a version is never rebuilt in place")

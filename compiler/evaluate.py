@@ -35,7 +35,8 @@ def benchmark_pair(reference: Runner, candidate: Runner, data: Dataset, batch_si
     for _ in range(warmup):
         reference(feed)
         candidate(feed)
-    ref_t, cand_t = [], []
+    ref_t: list[float] = []
+    cand_t: list[float] = []
     for i in range(iterations):
         order = (reference, candidate) if i % 2 == 0 else (candidate, reference)
         for r in order:

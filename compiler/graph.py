@@ -48,7 +48,7 @@ def _specs(values, what: str, path: Path) -> tuple[TensorSpec, ...]:
                 dims.append(-1)
         if not dims:
             raise InputError(f"{path}: {what} {v.name!r} is a scalar; edgefleet needs a batch dimension")
-        out.append(TensorSpec(name=v.name, datatype=dtype, shape=tuple(dims)))
+        out.append(TensorSpec.model_validate({"name": v.name, "datatype": dtype, "shape": tuple(dims)}))
     return tuple(out)
 
 

@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -124,8 +125,9 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         progress(6, total, "writing self-test sample")
         sample = eval_set.head(SELFTEST_SAMPLES)
         expected = candidate(sample.inputs)
-        np.savez(work / "selftest.npz", **{f"input:{k}": v for k, v in sample.inputs.items()},
-                 **{f"expected:{o.name}": e for o, e in zip(info.outputs, expected, strict=True)})
+        arrays: dict[str, Any] = {f"input:{k}": v for k, v in sample.inputs.items()}
+        arrays.update({f"expected:{o.name}": e for o, e in zip(info.outputs, expected, strict=True)})
+        np.savez(work / "selftest.npz", **arrays)
 
         progress(7, total, "writing bundle")
         files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size)

@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("version")
     ro.add_argument("--devices", required=True, help="comma-separated device ids")
     ro.add_argument("--profile", help="which build, when the version exists for several profiles")
-    ro.add_argument("--wait", action="store_true", help="wait until every device installed or failed (exit 7 if any failed)")
+    ro.add_argument("--wait", action="store_true",
+                    help="wait until every device installed or failed (exit 7 if any failed)")
     ro.add_argument("--timeout", type=float, default=300.0, help="seconds to --wait")
 
     ag = sub.add_parser("agent", formatter_class=_Formatter, help="run the device agent",

@@ -48,7 +48,7 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     log = log_path.open("ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "edgefleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+                            stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
 
 
 @dataclass

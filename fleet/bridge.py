@@ -28,10 +28,10 @@ class MqttBridge:
         self.shared_group = shared_group
         self.connected = threading.Event()
         self.rejected = 0  # malformed or spoofed messages dropped
-        self.on_status: Callable[[proto.StatusMessage], None] | None = None
-        self.on_reported: Callable[[proto.ReportedState], None] | None = None
-        self.on_telemetry: Callable[[proto.Telemetry], None] | None = None
-        self.on_connected: Callable[[], None] | None = None
+        self.on_status: Callable[[proto.StatusMessage], object] | None = None
+        self.on_reported: Callable[[proto.ReportedState], object] | None = None
+        self.on_telemetry: Callable[[proto.Telemetry], object] | None = None
+        self.on_connected: Callable[[], object] | None = None
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                    client_id=client_id or f"edgefleet-fleet-{uuid.uuid4().hex[:8]}",
                                    protocol=mqtt.MQTTv311, clean_session=True)
@@ -80,12 +80,13 @@ class MqttBridge:
         if parsed is None:
             return
         device_id, kind = parsed
-        model = {"status": proto.StatusMessage, "reported": proto.ReportedState,
-                 "telemetry": proto.Telemetry}.get(kind)
+        model: type[proto.StatusMessage | proto.ReportedState | proto.Telemetry] | None = {
+            "status": proto.StatusMessage, "reported": proto.ReportedState, "telemetry": proto.Telemetry}.get(kind)
         if model is None:
             return
         try:
-            msg = proto.decode(model, message.payload, source=message.topic)
+            msg: proto.StatusMessage | proto.ReportedState | proto.Telemetry = proto.decode(
+                model, bytes(message.payload), source=message.topic)
             if msg.device_id != device_id:
                 raise ContractError(f"{message.topic}: payload says device {msg.device_id!r}")
             handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]

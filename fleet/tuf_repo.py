@@ -96,15 +96,15 @@ class Repository:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     # -- reading ------------------------------------------------------------------------------
-    def _load(self) -> tuple[Any, Any, Any]:
-        from tuf.api.metadata import Metadata
+    def _load(self) -> tuple[Any, Any, Any]:  # (targets, snapshot, timestamp) Metadata
+        from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
 
         try:
-            ts = Metadata.from_file(str(self.metadata_dir / "timestamp.json"))
+            ts = Metadata[Timestamp].from_file(str(self.metadata_dir / "timestamp.json"))
             snap_v = ts.signed.snapshot_meta.version
-            snap = Metadata.from_file(str(self.metadata_dir / f"{snap_v}.snapshot.json"))
+            snap = Metadata[Snapshot].from_file(str(self.metadata_dir / f"{snap_v}.snapshot.json"))
             tgt_v = snap.signed.meta["targets.json"].version
-            tgt = Metadata.from_file(str(self.metadata_dir / f"{tgt_v}.targets.json"))
+            tgt = Metadata[Targets].from_file(str(self.metadata_dir / f"{tgt_v}.targets.json"))
         except (OSError, KeyError, ValueError) as exc:
             raise RepositoryError(f"{self.metadata_dir}: repository metadata unreadable ({exc})") from exc
         return tgt, snap, ts

@@ -96,7 +96,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if isinstance(data, dict):
         pv = data.get("profile_version")
         if isinstance(pv, int) and pv > PROFILE_VERSION:
-            raise SchemaError(str(path), [f"profile_version {pv} is newer than this edgefleet understands ({PROFILE_VERSION})"])
+            raise SchemaError(str(path), [f"profile_version {pv} is newer than this edgefleet understands "
+                                          f"({PROFILE_VERSION})"])
     prof = parse_document(HardwareProfile, data, str(path))
     if prof.name != path.stem:
         raise SchemaError(str(path), [f"key 'name': {prof.name!r} must match the file name {path.stem!r}"])

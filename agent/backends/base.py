@@ -9,7 +9,7 @@ import numpy as np
 
 from protocol.manifest import Manifest, TensorSpec
 
-__all__ = ["Backend", "NP_DTYPES"]
+__all__ = ["NP_DTYPES", "Backend"]
 
 NP_DTYPES: dict[str, type] = {"FP32": np.float32, "FP16": np.float16, "INT8": np.int8, "UINT8": np.uint8,
                               "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_}

@@ -46,7 +46,7 @@ def load_digits_split() -> tuple[np.ndarray, np.ndarray, dict[str, list[int]]]:
     for cls in range(10):  # stratified split
         idx = np.flatnonzero(y == cls)
         rng.shuffle(idx)
-        n_test = int(round(len(idx) * TEST_FRACTION))
+        n_test = round(len(idx) * TEST_FRACTION)
         test_idx += idx[:n_test].tolist()
         rest += idx[n_test:].tolist()
     rest_arr = np.array(rest)
@@ -118,7 +118,8 @@ def forward(p: dict[str, np.ndarray], x: np.ndarray, keep: bool = False) -> tupl
     return logits, cache
 
 
-def backward(p: dict[str, np.ndarray], cache: list, logits: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def backward(p: dict[str, np.ndarray], cache: list, logits: np.ndarray,
+             y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
     n = logits.shape[0]
     z = logits - logits.max(axis=1, keepdims=True)
     prob = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
