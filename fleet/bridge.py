@@ -80,8 +80,9 @@ class MqttBridge:
         if parsed is None:
             return
         device_id, kind = parsed
-        model: type[proto.StatusMessage | proto.ReportedState | proto.Telemetry] | None = {
-            "status": proto.StatusMessage, "reported": proto.ReportedState, "telemetry": proto.Telemetry}.get(kind)
+        kinds: dict[str, type[proto.StatusMessage | proto.ReportedState | proto.Telemetry]] = {
+            "status": proto.StatusMessage, "reported": proto.ReportedState, "telemetry": proto.Telemetry}
+        model = kinds.get(kind)
         if model is None:
             return
         try:
@@ -91,7 +92,7 @@ class MqttBridge:
                 raise ContractError(f"{message.topic}: payload says device {msg.device_id!r}")
             handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]
             if handler is not None:
-                handler(msg)  # type: ignore[operator]
+                handler(msg)  # type: ignore[operator,arg-type]
         except ContractError as exc:
             self.rejected += 1
             log.warning("dropped a malformed message: %s", exc)

@@ -68,6 +68,13 @@ def _open(path: Path) -> tarfile.TarFile:
 
 def read_manifest(path: Path) -> Manifest:
     """The validated manifest of a bundle, without extracting anything else."""
+    try:
+        return _read_manifest(path)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise BundleError(f"{path}: damaged bundle archive ({exc})") from exc
+
+
+def _read_manifest(path: Path) -> Manifest:
     with _open(path) as tar:
         try:
             member = tar.getmember(MANIFEST_FILENAME)
@@ -85,6 +92,13 @@ def extract_bundle(path: Path, dest: Path) -> Manifest:
 
     Raises BundleError on any unexpected member, a missing file or a hash mismatch.
     """
+    try:
+        return _extract(path, dest)
+    except (tarfile.TarError, EOFError) as exc:
+        raise BundleError(f"{path}: damaged bundle archive ({exc})") from exc
+
+
+def _extract(path: Path, dest: Path) -> Manifest:
     manifest = read_manifest(path)
     expected = set(manifest.files) | {MANIFEST_FILENAME}
     dest.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,100 @@
+"""Shared fixtures: a real Mosquitto on a free port, keys, and the compiled digits bundle."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DIGITS = REPO / "models" / "digits"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
+
+
+@dataclass
+class Mosquitto:
+    port: int
+    conf: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not Path(binary).exists():
+            pytest.fail("mosquitto is not installed: run 'bash .ci/run' or 'apt-get install mosquitto'")
+        self.proc = subprocess.Popen([binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
+    """A Mosquitto broker of the test's own, on a free loopback port."""
+    port = free_port()
+    conf = tmp_path / "mosquitto.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    m = Mosquitto(port, conf)
+    m.start()
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="session")
+def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits model compiled for x86-cpu (static INT8), once per test session."""
+    from compiler.pipeline import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("dist")
+    result = compile_model(CompileOptions(
+        model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
+        eval=DIGITS / "test.npz", out_dir=out, name="digits", version="1.0.0", benchmark=False))
+    return result.bundle
+
+
+@pytest.fixture(scope="session")
+def digits_bundle_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from compiler.pipeline import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("dist2")
+    return compile_model(CompileOptions(
+        model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
+        eval=DIGITS / "test.npz", out_dir=out, name="digits", version="1.1.0", benchmark=False,
+        precision="fp32")).bundle
+
+
+@pytest.fixture(scope="session")
+def test_images():
+    import numpy as np
+
+    with np.load(DIGITS / "test.npz") as npz:
+        return npz["input"], npz["labels"]

@@ -1,0 +1,104 @@
+import json
+
+import pytest
+
+from protocol.bundle import BundleError, extract_bundle, read_manifest
+from protocol.errors import SchemaError, UnsupportedVersionError
+from protocol.manifest import MANIFEST_VERSION, parse_manifest, version_key
+
+
+@pytest.fixture
+def manifest_dict(digits_bundle):
+    return read_manifest(digits_bundle).model_dump(mode="json")
+
+
+def test_round_trip(manifest_dict):
+    m = parse_manifest(json.dumps(manifest_dict))
+    assert m.manifest_version == MANIFEST_VERSION
+    assert m.inputs[0].shape == (-1, 1, 8, 8)
+    assert m.precision == "int8" and m.backend == "onnxruntime"
+    assert set(m.files) == {"model.onnx", "selftest.npz"}
+
+
+def test_unknown_key_is_named(manifest_dict):
+    manifest_dict["colour"] = "blue"
+    with pytest.raises(SchemaError, match=r"bundle/manifest.json: unknown key 'colour'"):
+        parse_manifest(manifest_dict, source="bundle/manifest.json")
+
+
+def test_nested_unknown_key_is_named(manifest_dict):
+    manifest_dict["accuracy"]["bonus"] = 1
+    with pytest.raises(SchemaError, match=r"unknown key 'accuracy.bonus'"):
+        parse_manifest(manifest_dict)
+
+
+def test_missing_key_is_named(manifest_dict):
+    del manifest_dict["precision"]
+    with pytest.raises(SchemaError, match=r"missing key 'precision'"):
+        parse_manifest(manifest_dict)
+
+
+def test_newer_manifest_is_refused_with_advice(manifest_dict):
+    manifest_dict["manifest_version"] = MANIFEST_VERSION + 1
+    manifest_dict["new_field"] = True
+    with pytest.raises(UnsupportedVersionError, match="upgrade the agent"):
+        parse_manifest(manifest_dict)
+
+
+def test_batch_dimension_must_be_dynamic(manifest_dict):
+    manifest_dict["inputs"][0]["shape"] = [4, 1, 8, 8]
+    with pytest.raises(SchemaError, match="batch"):
+        parse_manifest(manifest_dict)
+
+
+def test_bad_sha_and_unlisted_engine(manifest_dict):
+    manifest_dict["files"]["model.onnx"]["sha256"] = "xyz"
+    with pytest.raises(SchemaError, match="sha256"):
+        parse_manifest(manifest_dict)
+
+
+def test_file_names_cannot_escape_the_bundle(manifest_dict):
+    manifest_dict["files"]["../evil"] = manifest_dict["files"]["model.onnx"]
+    with pytest.raises(SchemaError, match="plain name"):
+        parse_manifest(manifest_dict)
+
+
+def test_not_json():
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        parse_manifest(b"{nope")
+
+
+def test_version_order():
+    assert version_key("1.2.10") > version_key("1.2.9")
+    with pytest.raises(ValueError):
+        version_key("1.2")
+
+
+def test_tampered_bundle_file_is_caught(digits_bundle, tmp_path):
+    import tarfile
+
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(digits_bundle) as src, tarfile.open(bad, "w") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read()
+            if m.name == "model.onnx":
+                data = data[:-1] + bytes([data[-1] ^ 1])
+            import io
+
+            dst.addfile(m, io.BytesIO(data))
+    with pytest.raises(BundleError, match="sha256"):
+        extract_bundle(bad, tmp_path / "out")
+
+
+def test_truncated_bundle(digits_bundle, tmp_path):
+    bad = tmp_path / "trunc.tar"
+    bad.write_bytes(digits_bundle.read_bytes()[:1000])
+    with pytest.raises(BundleError):
+        extract_bundle(bad, tmp_path / "out")
+
+
+def test_not_a_bundle(tmp_path):
+    p = tmp_path / "x.tar"
+    p.write_bytes(b"hello")
+    with pytest.raises(BundleError, match="not a bundle"):
+        read_manifest(p)

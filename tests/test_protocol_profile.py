@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import SchemaError
+from protocol.profile import load_profile, profile_dir
+
+NAMES = ["x86-cpu", "x86-cpu-vnni", "jetson-orin-nano", "jetson-agx-orin", "arm64-cpu"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shipped_profiles_load(name):
+    p = load_profile(name)
+    assert p.name == name
+
+
+def test_every_shipped_file_is_tested():
+    assert sorted(p.stem for p in profile_dir().glob("*.yaml")) == sorted(NAMES)
+
+
+def test_backends_match_the_architecture_doc():
+    assert load_profile("x86-cpu").backend == "onnxruntime"
+    assert load_profile("jetson-orin-nano").backend == "tensorrt"
+    assert load_profile("arm64-cpu").backend == "litert"
+    assert "int8" in load_profile("x86-cpu").precisions
+
+
+def _write(tmp_path: Path, text: str, name: str = "custom") -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+BASE = (profile_dir() / "x86-cpu.yaml").read_text().replace("name: x86-cpu", "name: custom")
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    p = _write(tmp_path, BASE + "turbo: true\n")
+    with pytest.raises(SchemaError) as e:
+        load_profile(str(p))
+    assert str(p) in str(e.value) and "unknown key 'turbo'" in str(e.value)
+
+
+def test_unknown_nested_key(tmp_path):
+    p = _write(tmp_path, BASE.replace("  per_channel: true", "  per_chanel: true"))
+    with pytest.raises(SchemaError, match=r"unknown key 'quantization.per_chanel'"):
+        load_profile(str(p))
+
+
+def test_missing_key(tmp_path):
+    p = _write(tmp_path, BASE.replace("backend: onnxruntime\n", ""))
+    with pytest.raises(SchemaError, match=r"missing key 'backend'"):
+        load_profile(str(p))
+
+
+def test_name_must_match_file(tmp_path):
+    p = _write(tmp_path, BASE, name="other")
+    with pytest.raises(SchemaError, match="must match the file name"):
+        load_profile(str(p))
+
+
+def test_fp16_on_cpu_is_refused(tmp_path):
+    p = _write(tmp_path, BASE.replace("precisions: [int8, fp32]", "precisions: [int8, fp16]"))
+    with pytest.raises(SchemaError, match="fp16 is for GPU"):
+        load_profile(str(p))
+
+
+def test_bad_yaml(tmp_path):
+    p = _write(tmp_path, "name: [unclosed\n")
+    with pytest.raises(SchemaError, match="not valid YAML"):
+        load_profile(str(p))
+
+
+def test_unknown_profile_lists_known():
+    with pytest.raises(SchemaError, match="known profiles: arm64-cpu"):
+        load_profile("no-such-board")
