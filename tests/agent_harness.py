@@ -1,0 +1,55 @@
+"""Run a real agent (uvicorn on loopback) in a thread of the test process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from agent.config import AgentConfig
+from agent.daemon import Agent
+from agent.store import ModelStore
+from protocol.bundle import sha256_file
+
+
+def preinstall(data_dir: Path, bundle: Path) -> None:
+    store = ModelStore(data_dir / "store")
+    store.recover()
+    store.commit(store.stage(bundle, sha256_file(bundle)), rollout_id=None)
+
+
+@contextmanager
+def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
+    cfg = AgentConfig(**{"device_id": "dev-1", "fleet_url": "http://127.0.0.1:9", "data_dir": data_dir,
+                         "http_port": 0, "telemetry_interval_s": 0.5, **overrides})
+    agent = Agent(cfg)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(agent.run())
+        except BaseException as exc:  # surfaced to the test below
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert agent.ready.wait(30), errors
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # uvicorn needs a moment after the socket is bound
+        try:
+            httpx.get(f"{agent.inference_url}/v2/health/live", timeout=1)
+            break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    try:
+        yield agent, agent.inference_url
+    finally:
+        agent.request_stop()
+        t.join(30)
+        assert not t.is_alive(), "the agent did not stop"
+        assert not errors, errors

@@ -1,0 +1,183 @@
+"""The batching loop enforces the contract: size limits, deadlines, expiry, errors to every request."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from agent.backends.base import Backend
+from agent.batcher import BatchSettings, Batcher
+from agent.errors import InferenceFailed, RequestError, Unavailable
+from protocol.manifest import TensorSpec
+
+
+class FakeBackend(Backend):
+    """A real Backend implementation in NumPy: doubles its input; can be told to misbehave."""
+
+    name = "fake"
+
+    def __init__(self, delay_s: float = 0.0, mode: str = "ok"):
+        self.delay_s = delay_s
+        self.mode = mode
+        self.batches: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    @property
+    def inputs(self):
+        return (TensorSpec(name="x", datatype="FP32", shape=(-1, 2)),)
+
+    @property
+    def outputs(self):
+        return (TensorSpec(name="y", datatype="FP32", shape=(-1, 2)),)
+
+    def load(self, engine, threads):
+        pass
+
+    def infer(self, feeds):
+        self.gate.wait(5)
+        time.sleep(self.delay_s)
+        x = feeds["x"]
+        self.batches.append(len(x))
+        if self.mode == "raise":
+            raise RuntimeError("device lost")
+        if self.mode == "short":
+            return [x[:-1] * 2]
+        return [x * 2]
+
+    def close(self):
+        pass
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def x(n, start=0.0):
+    return {"x": np.arange(start, start + 2 * n, dtype=np.float32).reshape(n, 2)}
+
+
+def test_concurrent_requests_are_batched_and_answered_in_order():
+    async def main():
+        be = FakeBackend()
+        b = Batcher(be, BatchSettings(max_batch_size=8, max_queue_delay_us=50_000))
+        b.start()
+        outs = await asyncio.gather(*(b.submit(x(1, start=10 * i)) for i in range(20)))
+        await b.close()
+        return be, outs
+
+    be, outs = run(main())
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+    assert sum(be.batches) == 20 and max(be.batches) == 8
+    assert len(be.batches) <= 4  # 20 requests in batches of up to 8, not 20 runs
+
+
+def test_multi_sample_requests_never_exceed_max_batch():
+    async def main():
+        be = FakeBackend()
+        b = Batcher(be, BatchSettings(max_batch_size=8, max_queue_delay_us=20_000))
+        b.start()
+        outs = await asyncio.gather(*(b.submit(x(3, start=i)) for i in range(6)))
+        await b.close()
+        return be, outs
+
+    be, outs = run(main())
+    assert all(n <= 8 for n in be.batches) and sum(be.batches) == 18
+    for i, o in enumerate(outs):
+        assert o[0].shape == (3, 2)
+        np.testing.assert_array_equal(o[0], x(3, start=i)["x"] * 2)
+
+
+def test_request_larger_than_max_batch_is_refused():
+    async def main():
+        b = Batcher(FakeBackend(), BatchSettings(max_batch_size=4))
+        b.start()
+        try:
+            with pytest.raises(RequestError, match="exceeds this model's max batch size 4"):
+                await b.submit(x(5))
+        finally:
+            await b.close()
+
+    run(main())
+
+
+def test_failed_batch_fails_every_request_and_the_loop_keeps_going():
+    async def main():
+        be = FakeBackend(mode="raise")
+        b = Batcher(be, BatchSettings(max_batch_size=8, max_queue_delay_us=20_000))
+        b.start()
+        res = await asyncio.gather(*(b.submit(x(1)) for _ in range(5)), return_exceptions=True)
+        assert all(isinstance(r, InferenceFailed) and "device lost" in str(r) for r in res)
+        be.mode = "ok"
+        out = await b.submit(x(1))
+        await b.close()
+        return out
+
+    np.testing.assert_array_equal(run(main())[0], x(1)["x"] * 2)
+
+
+def test_output_batch_mismatch_is_an_error_not_a_wrong_answer():
+    async def main():
+        b = Batcher(FakeBackend(mode="short"), BatchSettings(max_batch_size=8, max_queue_delay_us=10_000))
+        b.start()
+        res = await asyncio.gather(*(b.submit(x(1)) for _ in range(3)), return_exceptions=True)
+        await b.close()
+        return res
+
+    res = run(main())
+    assert all(isinstance(r, InferenceFailed) and "batch" in str(r) for r in res)
+
+
+def test_requests_that_waited_too_long_expire():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()  # the first batch blocks the inference thread
+        b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_delay_us=0, queue_timeout_s=0.05))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1)))
+        await asyncio.sleep(0.02)
+        second = asyncio.ensure_future(b.submit(x(1)))
+        await asyncio.sleep(0.2)
+        be.gate.set()
+        r1 = await first
+        with pytest.raises(Unavailable, match="waited"):
+            await second
+        await b.close()
+        return r1
+
+    assert run(main())[0].shape == (1, 2)
+
+
+def test_queue_full_is_503_not_unbounded_memory():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=2, max_queue_delay_us=0, max_queue_size=4))
+        b.start()
+        futs = [asyncio.ensure_future(b.submit(x(2)))]
+        await asyncio.sleep(0.05)  # the first request is now running (blocked), the queue is empty
+        futs += [asyncio.ensure_future(b.submit(x(2))) for _ in range(2)]
+        await asyncio.sleep(0.05)  # 4 samples queued: the limit
+        with pytest.raises(Unavailable, match="queue full"):
+            await b.submit(x(2))
+        be.gate.set()
+        await asyncio.gather(*futs)
+        await b.close()
+
+    run(main())
+
+
+def test_close_drains_queued_requests():
+    async def main():
+        be = FakeBackend(delay_s=0.01)
+        b = Batcher(be, BatchSettings(max_batch_size=2, max_queue_delay_us=0))
+        b.start()
+        futs = [asyncio.ensure_future(b.submit(x(1))) for _ in range(6)]
+        await asyncio.sleep(0)
+        await b.close()
+        return await asyncio.gather(*futs)
+
+    assert len(run(main())) == 6

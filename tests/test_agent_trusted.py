@@ -1,0 +1,45 @@
+"""The agent's update decisions: plain code, every branch."""
+
+import pytest
+
+from agent.trusted import Installed, decide
+
+CUR = Installed("digits", "1.2.0", "a" * 64, "x86-cpu")
+PROFILES = ("x86-cpu", "x86-cpu-vnni")
+
+
+def test_first_install():
+    assert decide(None, "digits", "1.0.0", "b" * 64, "x86-cpu", PROFILES).action == "install"
+
+
+def test_same_bundle_is_kept():
+    assert decide(CUR, "digits", "1.2.0", "a" * 64, "x86-cpu", PROFILES).action == "keep"
+
+
+def test_newer_version_installs():
+    assert decide(CUR, "digits", "1.10.0", "b" * 64, "x86-cpu", PROFILES).action == "install"
+
+
+def test_downgrade_is_refused():
+    d = decide(CUR, "digits", "1.1.9", "b" * 64, "x86-cpu", PROFILES)
+    assert d.action == "refuse" and "downgrade" in d.reason
+
+
+def test_same_version_other_content_is_refused():
+    d = decide(CUR, "digits", "1.2.0", "b" * 64, "x86-cpu", PROFILES)
+    assert d.action == "refuse" and "other content" in d.reason
+
+
+def test_another_model_installs_whatever_its_version():
+    assert decide(CUR, "faces", "0.1.0", "b" * 64, "x86-cpu", PROFILES).action == "install"
+
+
+@pytest.mark.parametrize("profile", ["jetson-orin-nano", "arm64-cpu"])
+def test_foreign_profile_is_refused(profile):
+    d = decide(CUR, "digits", "2.0.0", "b" * 64, profile, PROFILES)
+    assert d.action == "refuse" and profile in d.reason
+
+
+def test_known_bad_bundle_is_not_retried():
+    d = decide(CUR, "digits", "2.0.0", "b" * 64, "x86-cpu", PROFILES, frozenset({"b" * 64}))
+    assert d.action == "refuse" and "already failed" in d.reason
