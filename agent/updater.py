@@ -71,7 +71,8 @@ class BundleFetcher:
                                  f"the signed metadata says {str(signed_sha)[:12]}…")
             dest = self.download_dir / "bundle.tar"
             updater.download_target(info, str(dest))
-        except tuf_exc.RepositoryError as exc:
+        except (tuf_exc.RepositoryError, tuf_exc.DownloadLengthMismatchError) as exc:
+            # a length mismatch is the endless-data attack, not a network fault: never retried
             raise TrustError(f"TUF verification failed: {type(exc).__name__}: {exc}") from exc
         except tuf_exc.DownloadError as exc:
             raise FetchError(f"download from the fleet failed: {type(exc).__name__}: {exc}") from exc
