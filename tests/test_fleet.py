@@ -1,0 +1,213 @@
+"""The fleet server over real HTTP, a real Mosquitto and a real database (SQLite; PostgreSQL when reachable)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import paho.mqtt.client as mqtt
+import pytest
+
+from protocol import mqtt as proto
+from tests.fleet_harness import running_fleet
+
+
+def wait_for(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def device_client(broker_port: int, device_id: str) -> mqtt.Client:
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"test-{device_id}")
+    c.connect("127.0.0.1", broker_port)
+    c.loop_start()
+    return c
+
+
+@pytest.fixture
+def fleet(tmp_path, mosquitto):
+    with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+        yield fs, url, mosquitto
+
+
+def test_upload_register_rollout_and_desired_state(fleet, digits_bundle):
+    fs, url, broker = fleet
+    r = httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    assert r.status_code == 201, r.text
+    assert r.json()["target"] == "digits/1.0.0/x86-cpu.tar"
+    assert httpx.post(f"{url}/api/v1/devices", json={"device_id": "cam-1"}).status_code == 201
+    got = []
+    c = device_client(broker.port, "cam-1")
+    c.on_message = lambda cl, u, m: got.append(m)
+    c.subscribe(proto.topic("cam-1", "desired"), qos=1)
+    r = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["cam-1"]})
+    assert r.status_code == 201, r.text
+    rid = r.json()["id"]
+    wait_for(lambda: got)
+    desired = proto.decode(proto.DesiredState, got[0].payload, "test")
+    assert desired.rollout_id == rid and desired.target == "digits/1.0.0/x86-cpu.tar"
+    # the device reports; the rollout finishes
+    rep = proto.ReportedState(device_id="cam-1", ts=time.time(), state="installed", rollout_id=rid, model="digits",
+                              version="1.0.0", running_model="digits", running_version="1.0.0")
+    c.publish(proto.topic("cam-1", "reported"), proto.encode(rep), qos=1).wait_for_publish(5)
+    wait_for(lambda: httpx.get(f"{url}/api/v1/rollouts/{rid}").json()["status"] == "succeeded")
+    dev = httpx.get(f"{url}/api/v1/devices/cam-1").json()
+    assert dev["running_version"] == "1.0.0" and dev["desired"]["version"] == "1.0.0"
+    page = httpx.get(f"{url}/").text
+    assert "cam-1" in page and "digits" in page and "succeeded" in page
+    c.loop_stop()
+
+
+def test_desired_state_is_retained_for_late_devices(fleet, digits_bundle):
+    fs, url, broker = fleet
+    httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    httpx.post(f"{url}/api/v1/devices", json={"device_id": "late"})
+    httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["late"]})
+    time.sleep(0.3)
+    got = []
+    c = device_client(broker.port, "late")
+    c.on_message = lambda cl, u, m: got.append(m)
+    c.subscribe(proto.topic("late", "desired"), qos=1)
+    wait_for(lambda: got)
+    assert got[0].retain
+    c.loop_stop()
+
+
+def test_status_last_will_marks_device_offline(fleet):
+    fs, url, broker = fleet
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="dying")
+    will = proto.StatusMessage(device_id="dying", ts=0, state="offline")
+    c.will_set(proto.topic("dying", "status"), proto.encode(will), qos=1, retain=True)
+    c.connect("127.0.0.1", broker.port, keepalive=5)
+    c.loop_start()
+    online = proto.StatusMessage(device_id="dying", ts=time.time(), state="online", agent_version="0.1.0")
+    c.publish(proto.topic("dying", "status"), proto.encode(online), qos=1, retain=True).wait_for_publish(5)
+    wait_for(lambda: httpx.get(f"{url}/api/v1/devices/dying").status_code == 200 and
+             httpx.get(f"{url}/api/v1/devices/dying").json()["online"])
+    c.loop_stop()
+    c._sock.close()  # the device dies without a DISCONNECT: the broker publishes the will
+    wait_for(lambda: not httpx.get(f"{url}/api/v1/devices/dying").json()["online"], timeout_s=20)
+
+
+def test_telemetry_is_stored_once_even_if_delivered_twice(fleet):
+    fs, url, broker = fleet
+    c = device_client(broker.port, "tele")
+    for seq in (0, 1, 1, 2):  # QoS 1 may deliver a message twice
+        t = proto.Telemetry(device_id="tele", ts=time.time(), seq=seq, interval_s=1, model=None, version=None,
+                            requests=seq, errors=0,
+                            latency=proto.LatencySummary(p50_ms=None, p95_ms=None, p99_ms=None, max_ms=None),
+                            batches=0, batch_size_mean=None, batch_size_max=None, cpu_percent=1.0, rss_mb=10.0)
+        c.publish(proto.topic("tele", "telemetry"), proto.encode(t), qos=1).wait_for_publish(5)
+    wait_for(lambda: fs.service.telemetry_count("tele") == 3)
+    rows = httpx.get(f"{url}/api/v1/devices/tele/telemetry").json()
+    assert [r["seq"] for r in rows] == [2, 1, 0]
+    c.loop_stop()
+
+
+def test_malformed_and_spoofed_messages_are_dropped_and_the_fleet_keeps_going(fleet):
+    fs, url, broker = fleet
+    c = device_client(broker.port, "evil")
+    bad = [
+        (proto.topic("evil", "telemetry"), b"{not json"),
+        (proto.topic("evil", "telemetry"), json.dumps({"device_id": "evil", "seq": "x"}).encode()),
+        (proto.topic("evil", "status"), proto.encode(proto.StatusMessage(device_id="victim", ts=0, state="online"))),
+        (proto.topic("evil", "reported"), b"\xff\xfe"),
+        (proto.topic("evil", "telemetry"), b"x" * (proto.MAX_MESSAGE_BYTES + 1)),
+    ]
+    for t, p in bad:
+        c.publish(t, p, qos=1).wait_for_publish(5)
+    wait_for(lambda: fs.bridge.rejected >= len(bad))
+    assert httpx.get(f"{url}/api/v1/devices/victim").status_code == 404
+    ok = proto.StatusMessage(device_id="evil", ts=time.time(), state="online")
+    c.publish(proto.topic("evil", "status"), proto.encode(ok), qos=1).wait_for_publish(5)
+    wait_for(lambda: httpx.get(f"{url}/api/v1/devices/evil").status_code == 200)
+    c.loop_stop()
+
+
+BAD_REQUESTS = [
+    ("post", "/api/v1/devices", {"device_id": "a/b"}, 400, "must be 1-64"),
+    ("post", "/api/v1/devices", {"device_id": "ok", "colour": 1}, 422, "colour"),
+    ("post", "/api/v1/rollouts", {"model": "nope", "version": "1.0.0", "devices": ["x"]}, 404, "no model nope"),
+    ("post", "/api/v1/rollouts", {"model": "digits", "version": "1.0.0", "devices": []}, 422, "devices"),
+    ("get", "/api/v1/devices/ghost", None, 404, "no device 'ghost'"),
+    ("get", "/api/v1/rollouts/999", None, 404, "no rollout 999"),
+    ("get", "/tuf/metadata/../../fleet.db", None, 404, ""),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "doc", "status", "msg"), BAD_REQUESTS, ids=[b[1] + str(b[3]) for b in
+                                                                                      BAD_REQUESTS])
+def test_bad_requests_get_clear_errors(fleet, method, path, doc, status, msg):
+    fs, url, broker = fleet
+    r = httpx.request(method.upper(), f"{url}{path}", json=doc)
+    assert r.status_code == status, r.text
+    assert msg in r.text
+
+
+def test_bad_uploads(fleet, digits_bundle):
+    fs, url, broker = fleet
+    r = httpx.post(f"{url}/api/v1/bundles", content=b"not a tar at all")
+    assert r.status_code == 422 and "not a valid bundle" in r.json()["error"]
+    r = httpx.post(f"{url}/api/v1/bundles", content=b"")
+    assert r.status_code == 400 and "empty body" in r.json()["error"]
+    assert httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
+    r = httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    assert r.status_code == 409 and "bump the version" in r.json()["error"]
+    assert len(httpx.get(f"{url}/api/v1/models").json()) == 1
+
+
+def test_rollout_to_unknown_device(fleet, digits_bundle):
+    fs, url, broker = fleet
+    httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    r = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["ghost"]})
+    assert r.status_code == 404 and "unknown devices: ghost" in r.json()["error"]
+
+
+def test_state_survives_a_fleet_restart(tmp_path, mosquitto, digits_bundle):
+    with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+        httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+        httpx.post(f"{url}/api/v1/devices", json={"device_id": "keep"})
+    with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+        assert [m["version"] for m in httpx.get(f"{url}/api/v1/models").json()] == ["1.0.0"]
+        assert httpx.get(f"{url}/api/v1/devices/keep").status_code == 200
+        assert httpx.get(f"{url}/tuf/metadata/timestamp.json").status_code == 200
+
+
+def _postgres_url() -> str | None:
+    try:
+        import psycopg
+
+        with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
+            conn.autocommit = True
+            conn.execute("DROP DATABASE IF EXISTS edgefleet_test WITH (FORCE)")
+            conn.execute("CREATE DATABASE edgefleet_test")
+        return "postgresql+psycopg://postgres@127.0.0.1:5432/edgefleet_test"
+    except Exception:
+        return None
+
+
+def test_postgresql_backend(tmp_path, mosquitto, digits_bundle):
+    db = _postgres_url()
+    if db is None:
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): "
+                    "the SQLite runs above cover the same code")
+    with running_fleet(tmp_path, mosquitto.url, db_url=db) as (fs, url):
+        assert httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
+        assert httpx.post(f"{url}/api/v1/devices", json={"device_id": "pg-1"}).status_code == 201
+        r = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["pg-1"]})
+        assert r.status_code == 201
+        c = device_client(mosquitto.port, "pg-1")
+        for seq in (0, 0, 1):
+            t = proto.Telemetry(device_id="pg-1", ts=time.time(), seq=seq, interval_s=1, model=None, version=None,
+                                requests=1, errors=0,
+                                latency=proto.LatencySummary(p50_ms=1, p95_ms=1, p99_ms=1, max_ms=1), batches=1,
+                                batch_size_mean=1, batch_size_max=1, cpu_percent=1.0, rss_mb=1.0)
+            c.publish(proto.topic("pg-1", "telemetry"), proto.encode(t), qos=1).wait_for_publish(5)
+        wait_for(lambda: fs.service.telemetry_count("pg-1") == 2)
+        c.loop_stop()
