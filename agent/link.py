@@ -1,7 +1,9 @@
 """The agent's MQTT link: status with a last will, desired state in, reports and telemetry out.
 
 paho-mqtt runs the network loop in its own thread and reconnects by itself. Telemetry goes
-through the on-disk spool, so records made while the broker is away are sent when it is back.
+through the on-disk spool: a record is deleted only when the fleet acks its seq (see
+``protocol.mqtt``), and unacked records are sent again, so nothing made while the broker or the
+fleet is away is lost. The last report is retained and sent again on every reconnect.
 """
 
 from __future__ import annotations
@@ -25,12 +27,18 @@ log = logging.getLogger("edgefleet.agent.mqtt")
 
 class MqttLink:
     def __init__(self, device_id: str, url: str, spool: Spool, inference_url: str,
-                 on_desired: Callable[[proto.DesiredState], None]):
+                 on_desired: Callable[[proto.DesiredState], None], ack_timeout_s: float = 10.0,
+                 window: int = 100):
         self.device_id = device_id
         self.host, self.port = proto.parse_mqtt_url(url)
         self.spool = spool
         self.inference_url = inference_url
         self.on_desired = on_desired
+        self.ack_timeout_s = ack_timeout_s  # resend a record the fleet has not acked after this long
+        self.window = window  # records in flight (sent, not yet acked) at most
+        self._inflight: dict[int, float] = {}  # seq -> monotonic time last sent
+        self._inflight_lock = threading.Lock()
+        self._last_report: proto.ReportedState | None = None
         self.connected = threading.Event()
         self._stop = threading.Event()
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"edgefleet-agent-{device_id}",
@@ -59,7 +67,9 @@ class MqttLink:
         self._sender.join(timeout=5)
 
     def report(self, msg: proto.ReportedState) -> None:
-        self._client.publish(proto.topic(self.device_id, "reported"), proto.encode(msg), qos=1)
+        """Publish (retained) the device's latest install state; it is sent again on every reconnect."""
+        self._last_report = msg
+        self._client.publish(proto.topic(self.device_id, "reported"), proto.encode(msg), qos=1, retain=True)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -69,7 +79,12 @@ class MqttLink:
         status = proto.StatusMessage(device_id=self.device_id, ts=time.time(), state="online",
                                      agent_version=protocol.__version__, inference_url=self.inference_url)
         client.publish(proto.topic(self.device_id, "status"), proto.encode(status), qos=1, retain=True)
-        client.subscribe(proto.topic(self.device_id, "desired"), qos=1)
+        client.subscribe([(proto.topic(self.device_id, "desired"), 1), (proto.topic(self.device_id, "ack"), 1)])
+        if self._last_report is not None:
+            again = self._last_report.model_copy(update={"ts": time.time()})
+            client.publish(proto.topic(self.device_id, "reported"), proto.encode(again), qos=1, retain=True)
+        with self._inflight_lock:
+            self._inflight.clear()  # whatever was in flight may have died with the connection: resend
         self.connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -79,6 +94,9 @@ class MqttLink:
                         self.host, self.port, reason_code)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        if message.topic == proto.topic(self.device_id, "ack"):
+            self._on_ack(bytes(message.payload))
+            return
         if message.topic != proto.topic(self.device_id, "desired") or not message.payload:
             return
         try:
@@ -93,28 +111,41 @@ class MqttLink:
         except Exception:
             log.exception("desired-state handler failed")
 
+    def _on_ack(self, payload: bytes) -> None:
+        try:
+            ack = proto.decode(proto.TelemetryAck, payload, source="ack")
+        except ContractError as exc:
+            log.warning("ignored a malformed ack: %s", exc)
+            return
+        with self._inflight_lock:
+            for seq in ack.seqs:
+                self._inflight.pop(seq, None)
+                self.spool.ack_seq(seq)
+
     def _send_spool(self) -> None:
-        """Send spooled telemetry oldest first; delete each record once the broker acked it."""
+        """Send spooled telemetry oldest first, at most ``window`` unacked at a time; resend stale ones."""
         while not self._stop.is_set():
             if not self.connected.wait(timeout=0.5):
                 continue
-            sent_any = False
-            for path in self.spool.pending():
+            now = time.monotonic()
+            sent = 0
+            for path in self.spool.pending()[: self.window]:
                 if self._stop.is_set() or not self.connected.is_set():
                     break
+                seq = int(path.stem)
+                with self._inflight_lock:
+                    last = self._inflight.get(seq)
+                    if last is not None and now - last < self.ack_timeout_s:
+                        continue
+                    self._inflight[seq] = now
                 try:
                     payload = path.read_bytes()
-                except FileNotFoundError:
+                except FileNotFoundError:  # acked meanwhile
                     continue
                 info = self._client.publish(proto.topic(self.device_id, "telemetry"), payload, qos=1)
-                try:
-                    info.wait_for_publish(timeout=10)
-                except (RuntimeError, ValueError):
-                    break  # not queued (disconnected); try again after reconnect
-                if info.is_published():
-                    self.spool.ack(path)
-                    sent_any = True
-                else:
+                if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                    with self._inflight_lock:
+                        self._inflight.pop(seq, None)
                     break
-            if not sent_any:
-                self._stop.wait(0.5)
+                sent += 1
+            self._stop.wait(0.05 if sent else 0.25)

@@ -57,3 +57,7 @@ class Spool:
 
     def ack(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+
+    def ack_seq(self, seq: int) -> None:
+        """The fleet stored record ``seq``: forget it."""
+        (self.dir / f"{seq:012d}.json").unlink(missing_ok=True)

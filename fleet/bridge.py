@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -93,6 +94,9 @@ class MqttBridge:
             handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]
             if handler is not None:
                 handler(msg)  # type: ignore[operator,arg-type]
+            if isinstance(msg, proto.Telemetry):  # stored (or a duplicate of a stored one): the agent may delete it
+                ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), seqs=(msg.seq,))
+                client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)
         except ContractError as exc:
             self.rejected += 1
             log.warning("dropped a malformed message: %s", exc)

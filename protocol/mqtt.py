@@ -1,9 +1,16 @@
 """MQTT topics and the messages that travel on them.
 
     edgefleet/v1/devices/<id>/desired    retained, fleet -> device: which model to run
-    edgefleet/v1/devices/<id>/reported   device -> fleet: install progress and result
-    edgefleet/v1/devices/<id>/telemetry  device -> fleet, QoS 1, spooled on disk while offline
+    edgefleet/v1/devices/<id>/reported   retained, device -> fleet: install progress and result
+    edgefleet/v1/devices/<id>/telemetry  device -> fleet, QoS 1, spooled on disk until acked
+    edgefleet/v1/devices/<id>/ack        fleet -> device: these telemetry records are stored
     edgefleet/v1/devices/<id>/status     retained, device -> fleet; the last will says offline
+
+Delivery: a broker's PUBACK only says the broker has a message, not that the fleet stored it (the
+fleet may be resubscribing after a broker restart). So the agent deletes a spooled telemetry
+record only when the fleet acks its ``seq``, and resends unacked records; the fleet stores each
+(device, seq) once. Latest-state topics (desired, reported, status) are retained and republished
+on every reconnect, so whichever side reconnects last still sees the current state.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ __all__ = [
     "ReportedState",
     "StatusMessage",
     "Telemetry",
+    "TelemetryAck",
     "decode",
     "device_id_ok",
     "encode",
@@ -35,8 +43,8 @@ MESSAGE_VERSION = 1
 PREFIX = "edgefleet/v1/devices"
 MAX_MESSAGE_BYTES = 256 * 1024  # any message bigger than this is refused unread
 DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-Kind = Literal["desired", "reported", "telemetry", "status"]
-KINDS: tuple[str, ...] = ("desired", "reported", "telemetry", "status")
+Kind = Literal["desired", "reported", "telemetry", "status", "ack"]
+KINDS: tuple[str, ...] = ("desired", "reported", "telemetry", "status", "ack")
 
 
 def device_id_ok(device_id: str) -> bool:
@@ -114,6 +122,11 @@ class Telemetry(_Message):
     batch_size_max: int | None
     cpu_percent: float
     rss_mb: float
+
+
+class TelemetryAck(_Message):
+    kind: Literal["ack"] = "ack"
+    seqs: tuple[int, ...] = Field(min_length=1, max_length=10_000)
 
 
 class StatusMessage(_Message):

@@ -1,0 +1,152 @@
+"""The whole loop with real processes: compile, upload, rollout, agents install and serve real images.
+
+Run against a Mosquitto the test starts on a free port, and again against the fleet's embedded broker.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from edgefleet.demo import LocalFleet, infer_images
+from tests.conftest import Mosquitto
+
+
+def _loop(lf: LocalFleet, bundle, images, labels, devices=("edge-a", "edge-b")) -> None:
+    lf.start()
+    assert lf.client.upload(bundle)["version"] == "1.0.0"
+    for d in devices:
+        lf.client.register(d)
+        lf.start_agent(d)
+    lf.wait_online(list(devices))
+    r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", list(devices))["id"])
+    assert r["status"] == "succeeded", r
+    for d in devices:
+        pred, _ = infer_images(lf.agents[d].url, "digits", images[:120])
+        assert (pred == labels[:120]).mean() >= 0.95
+        meta = httpx.get(f"{lf.agents[d].url}/v2/models/digits").json()
+        assert meta["versions"] == ["1.0.0"] and meta["precision"] == "int8"
+    devs = {x["device_id"]: x for x in lf.client.devices()}
+    assert all(devs[d]["running_version"] == "1.0.0" and devs[d]["online"] for d in devices)
+
+
+@pytest.mark.timeout(300)
+def test_whole_loop_with_mosquitto(tmp_path, mosquitto, digits_bundle, test_images):
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
+    try:
+        _loop(lf, digits_bundle, *test_images)
+    finally:
+        lf.stop()
+
+
+@pytest.mark.timeout(300)
+def test_whole_loop_with_the_embedded_broker(tmp_path, digits_bundle, test_images):
+    lf = LocalFleet(tmp_path)
+    try:
+        _loop(lf, digits_bundle, *test_images)
+    finally:
+        lf.stop()
+
+
+def _wait(pred, timeout_s=60.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not met in {timeout_s}s")
+
+
+@pytest.mark.timeout(400)
+def test_upgrade_downgrade_broker_outage_and_restart(tmp_path, mosquitto: Mosquitto, digits_bundle,
+                                                     digits_bundle_v2, test_images):
+    images, labels = test_images
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url, telemetry_interval_s=0.5)
+    try:
+        lf.start()
+        lf.client.upload(digits_bundle)
+        lf.client.upload(digits_bundle_v2)
+        lf.client.register("edge-x")
+        agent = lf.start_agent("edge-x")
+        lf.wait_online(["edge-x"])
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"])["id"])["status"] == "succeeded"
+
+        # hot swap to 1.1.0 while a client keeps sending: no request fails
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            traffic = pool.submit(infer_images, agent.url, "digits", images[:300], 4)
+            r = lf.wait_rollout(lf.client.rollout("digits", "1.1.0", ["edge-x"])["id"])
+            pred, _ = traffic.result()
+        assert r["status"] == "succeeded"
+        assert (pred == labels[:300]).mean() >= 0.95
+        assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.1.0"]
+
+        # a downgrade is refused, reported, and the device keeps serving 1.1.0
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"])["id"])
+        assert r["status"] == "failed" and "downgrade refused" in r["targets"][0]["error"]
+        assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.1.0"]
+
+        # the broker goes away: the agent keeps serving and spools telemetry; nothing is lost
+        mosquitto.stop()
+        _wait(lambda: not lf.client.get("/api/v1/devices/edge-x") or True, 1)
+        pred, _ = infer_images(agent.url, "digits", images[:50])
+        assert (pred == labels[:50]).mean() >= 0.95
+        spool = tmp_path / "agents" / "edge-x" / "spool"
+        _wait(lambda: len(list(spool.glob("*.json"))) >= 3, 30, "telemetry spooled while offline")
+        mosquitto.start()  # same port
+        _wait(lambda: not list(spool.glob("*.json")), 60, "spool drained after reconnect")
+        rows = lf.client.get("/api/v1/devices/edge-x/telemetry?limit=1000")
+        seqs = sorted(r["seq"] for r in rows)
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "telemetry has gaps"
+        assert seqs[0] == 0
+        served = httpx.get(f"{agent.url}/metrics/summary").json()["requests"]
+        assert sum(r["requests"] for r in rows) == served, (served, [(r["seq"], r["requests"]) for r in rows])
+
+        # the agent restarts with no fleet reachable: it serves its committed model at once
+        lf.stop_agent("edge-x")
+        lf.fleet_proc.terminate()
+        lf.fleet_proc.wait(10)
+        lf.fleet_proc = None
+        again = lf.start_agent("edge-x")
+        _wait(lambda: _ready(again.url), 60, "restarted agent ready")
+        assert httpx.get(f"{again.url}/v2/models/digits").json()["versions"] == ["1.1.0"]
+        pred, _ = infer_images(again.url, "digits", images[:40])
+        assert (pred == labels[:40]).mean() >= 0.95
+    finally:
+        lf.stop()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_rollout_to_a_device_of_another_architecture_fails_cleanly(tmp_path, mosquitto, digits_bundle):
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
+    try:
+        lf.start()
+        lf.client.upload(digits_bundle)
+        lf.client.register("jetson-1")
+        lf.start_agent("jetson-1", ["--config", str(_jetson_config(tmp_path))])
+        lf.wait_online(["jetson-1"])
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["jetson-1"])["id"])
+        assert r["status"] == "failed" and "built for profile 'x86-cpu'" in r["targets"][0]["error"]
+        assert not _ready(lf.agents["jetson-1"].url)
+    finally:
+        lf.stop()
+
+
+def _jetson_config(tmp_path):
+    p = tmp_path / "jetson.yaml"
+    p.write_text("profiles: [jetson-orin-nano]\n")
+    return p
+
+
+_ = np
