@@ -1,0 +1,59 @@
+"""`edgefleet demo`: the one-command main job prints its summary, and Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.timeout(300)
+def test_demo_json_summary(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "demo", "--work-dir", str(tmp_path / "d"), "--exit",
+                        "--json"], capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["rollout"]["status"] == "succeeded" and len(s["devices"]) == 3
+    for d in s["devices"]:
+        assert d["version"] == "1.0.0" and d["images"] == 359
+        # the agents serve exactly the INT8 model whose accuracy the compiler measured
+        assert d["accuracy_served"] == pytest.approx(s["accuracy_at_compile"]["int8"], abs=1e-4)
+    assert s["console"].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_everything(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "edgefleet.cli", "demo", "--work-dir", str(tmp_path / "d"),
+                             "--agents", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 240
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if "press Ctrl-C" in line or time.monotonic() > deadline:
+                break
+        assert any("press Ctrl-C" in s for s in seen), "".join(seen)[-3000:]
+        children = _descendants(proc.pid)
+        assert len(children) >= 3  # the fleet and two agents
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+        assert proc.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left behind: {alive}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
