@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent.backends.base import Backend
-from agent.batcher import BatchSettings, Batcher
+from agent.batcher import Batcher, BatchSettings
 from agent.errors import InferenceFailed, RequestError, Unavailable
 from protocol.manifest import TensorSpec
 

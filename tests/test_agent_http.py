@@ -68,7 +68,8 @@ def test_version_path(agent_url, test_images):
 BAD = [
     ("wrong shape", lambda im: body(np.zeros((1, 1, 9, 9), np.float32)), 400, "dimension 2 must be 8"),
     ("wrong rank", lambda im: body(np.zeros((1, 64), np.float32)), 400, "has 2 dimensions, the model expects 4"),
-    ("wrong dtype", lambda im: body(im[:1], datatype="INT64"), 400, "datatype 'INT64' does not match the model's 'FP32'"),
+    ("wrong dtype", lambda im: body(im[:1], datatype="INT64"), 400,
+     "datatype 'INT64' does not match the model's 'FP32'"),
     ("too few values", lambda im: body(im[:1]) | {"inputs": [body(im[:1])["inputs"][0] | {"data": [0.0] * 10}]},
      400, "10 values given, shape [1, 1, 8, 8] needs 64"),
     ("strings as data", lambda im: body(im[:1]) | {"inputs": [body(im[:1])["inputs"][0] | {"data": ["a"] * 64}]},
@@ -121,10 +122,12 @@ def test_concurrent_clients_get_their_own_answers(agent_url, test_images):
     from concurrent.futures import ThreadPoolExecutor
 
     images, labels = test_images
+    def classify(c: httpx.Client, i: int) -> int:
+        r = c.post(f"{agent_url}/v2/models/digits/infer", json=body(images[i : i + 1]))
+        return int(np.argmax(r.json()["outputs"][0]["data"]))
+
     with httpx.Client(timeout=30) as c, ThreadPoolExecutor(8) as pool:
-        preds = list(pool.map(lambda i: int(np.argmax(c.post(f"{agent_url}/v2/models/digits/infer",
-                                                              json=body(images[i:i + 1])).json()["outputs"][0]["data"])),
-                              range(64)))
+        preds = list(pool.map(lambda i: classify(c, i), range(64)))
     assert (np.array(preds) == labels[:64]).mean() >= 0.95
 
 

@@ -108,7 +108,7 @@ def test_attack_repository_signed_with_other_keys(world, digits_bundle):
     evil.add_target(TARGET, digits_bundle, {"name": "digits"})
     evil_srv = Server(tmp / "evil-repo")
     try:
-        with pytest.raises(TrustError, match="Unsigned|signature|threshold"):
+        with pytest.raises(TrustError, match=r"Unsigned|signature|threshold"):
             client(tmp, evil_srv, name="victim").fetch(TARGET, sha256_file(digits_bundle))
     finally:
         evil_srv.close()
