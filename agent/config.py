@@ -32,7 +32,7 @@ class AgentConfig(StrictModel):
     http_port: int = Field(default=8000, ge=0, le=65535)
     profiles: tuple[str, ...] = Field(default_factory=default_profiles)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
-    max_queue_delay_us: int = Field(default=2000, ge=0, le=1_000_000)
+    max_queue_delay_us: int = Field(default=0, ge=0, le=1_000_000)
     max_queue_size: int = Field(default=1024, ge=1)  # queued samples beyond this get 503
     queue_timeout_ms: int = Field(default=5000, ge=1)  # a request waiting longer than this gets 503
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)

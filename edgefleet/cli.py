@@ -358,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--http-host", help="inference API bind address (default 127.0.0.1)")
     ag.add_argument("--http-port", type=int, help="inference API port (default 8000; 0 picks a free one)")
     ag.add_argument("--max-batch-size", type=int, help="largest batch the batcher forms (default 16)")
-    ag.add_argument("--max-queue-delay-us", type=int, help="longest a request waits for a batch to fill (default 2000)")
+    ag.add_argument("--max-queue-delay-us", type=int,
+                    help="longest a request may wait for a fuller batch; 0 batches what is already queued "
+                         "(default 0, measured best here: bench/README.md)")
     ag.add_argument("--telemetry-interval-s", type=float, help="seconds between telemetry records (default 10)")
     ag.add_argument("--threads", type=int, help="inference threads (default 2)")
     ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
