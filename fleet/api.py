@@ -38,7 +38,8 @@ class RolloutIn(_Body):
     profile: str | None = None
 
 
-def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any]) -> FastAPI:
+def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
+               max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
                   description="Registry, signed model repository and rollouts for edgefleet agents.")
 
@@ -79,16 +80,16 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     async def upload_bundle(request: Request) -> dict[str, Any]:
         """Upload a bundle archive as the raw request body (Content-Type: application/x-tar)."""
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
-            raise BadRequest(f"bundle of {declared} bytes exceeds the {MAX_UPLOAD_BYTES}-byte limit", 413)
+        if declared is not None and declared.isdigit() and int(declared) > max_upload_bytes:
+            raise BadRequest(f"bundle of {declared} bytes exceeds the {max_upload_bytes}-byte limit", 413)
         fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=".tar", dir=repo.dir)
         try:
             size = 0
             with os.fdopen(fd, "wb") as f:
                 async for chunk in request.stream():
                     size += len(chunk)
-                    if size > MAX_UPLOAD_BYTES:
-                        raise BadRequest(f"bundle exceeds the {MAX_UPLOAD_BYTES}-byte limit", 413)
+                    if size > max_upload_bytes:
+                        raise BadRequest(f"bundle exceeds the {max_upload_bytes}-byte limit", 413)
                     f.write(chunk)
             if size == 0:
                 raise BadRequest("empty body: send the bundle archive as the request body")

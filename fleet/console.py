@@ -34,6 +34,17 @@ def _e(v: Any) -> str:
     return "–" if v is None or v == "" else escape(str(v))
 
 
+def _telemetry_cells(t: dict[str, Any] | None) -> str:
+    if not t:
+        return '<td colspan="4" class="sub">no telemetry yet</td>'
+    rate = t["requests"] / t["interval_s"] if t["interval_s"] else 0.0
+    p95 = t["latency"]["p95_ms"]
+    err = f' <span class="pill bad">{t["errors"]} err</span>' if t["errors"] else ""
+    batch = f'{t["batch_size_mean"]:.1f}' if t["batch_size_mean"] is not None else "–"
+    return (f'<td>{rate:.1f}/s{err}</td><td>{"–" if p95 is None else f"{p95:.1f} ms"}</td><td>{batch}</td>'
+            f'<td>{t["cpu_percent"]:.0f}% · {t["rss_mb"]:.0f} MB</td>')
+
+
 def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]]) -> str:
     online = sum(1 for d in devices if d["online"])
     failing = sum(1 for d in devices if d["last_state"] in ("failed", "rolled_back"))
@@ -45,7 +56,7 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         err = f'<br><small class="pill bad">{escape(d["last_error"][:200])}</small>' if d["last_error"] else ""
         rows.append(f'<tr><td><b>{escape(d["device_id"])}</b></td><td>{_pill("online" if d["online"] else "offline")}'
                     f'</td><td>{running}</td><td>{want}</td><td>{_pill(d["last_state"])}{err}</td>'
-                    f'<td>{_e(d["last_seen"])}</td><td>{_e(d["agent_version"])}</td></tr>')
+                    f'{_telemetry_cells(d["telemetry"])}<td>{_e(d["last_seen"])}</td></tr>')
     mrows = [f'<tr><td><b>{escape(m["name"])}</b></td><td>{escape(m["version"])}</td><td>{escape(m["profile"])}</td>'
              f'<td>{escape(m["backend"])} {escape(m["precision"])}</td>'
              f'<td>{m["accuracy"]["candidate"]:.4f} (fp32 {m["accuracy"]["reference"]:.4f})</td>'
@@ -56,7 +67,7 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         rrows.append(f'<tr><td>#{r["id"]}</td><td>{escape(r["model"])} {escape(r["version"])}</td>'
                      f'<td>{escape(r["profile"])}</td><td>{_pill(r["status"])}</td><td>{counts}</td>'
                      f'<td>{_e(r["created_at"])}</td></tr>')
-    empty = '<tr><td colspan="7" class="sub">none yet</td></tr>'
+    empty = '<tr><td colspan="10" class="sub">none yet</td></tr>'
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
 <title>edgefleet console</title><style>{CSS}</style></head><body>
 <h1>edgefleet fleet console</h1>
@@ -65,7 +76,8 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
 <span><b>{sum(1 for r in rollouts if r["status"] == "in_progress")}</b> rollouts in progress</span>
 <span>refreshes every 5 s</span></div>
 <h2>Devices</h2><table><tr><th>device</th><th>status</th><th>running</th><th>desired</th><th>last report</th>
-<th>last seen (UTC)</th><th>agent</th></tr>{"".join(rows) or empty}</table>
+<th>requests</th><th>p95 latency</th><th>mean batch</th><th>cpu · memory</th><th>last seen (UTC)</th></tr>
+{"".join(rows) or empty}</table>
 <h2>Models</h2><table><tr><th>name</th><th>version</th><th>profile</th><th>engine</th><th>accuracy (top-1)</th>
 <th>sha256</th><th>uploaded (UTC)</th></tr>{"".join(mrows) or empty}</table>
 <h2>Rollouts</h2><table><tr><th>id</th><th>model</th><th>profile</th><th>status</th><th>devices</th>

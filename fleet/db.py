@@ -36,6 +36,7 @@ class Device(Base):
     last_error: Mapped[str | None] = mapped_column(Text, default=None)
     desired_model_id: Mapped[int | None] = mapped_column(ForeignKey("models.id"), default=None)
     desired_rollout_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_telemetry: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # newest by seq
 
 
 class Model(Base):

@@ -33,6 +33,7 @@ class FleetConfig:
     public_url: str | None = None  # what agents should dial for HTTP; default http://host:port
     shared_subscription_group: str | None = None
     resign_interval_s: float = 600.0
+    max_upload_bytes: int = 1024**3  # bigger bundle uploads get 413
 
 
 class FleetServer:
@@ -67,7 +68,7 @@ class FleetServer:
     def app(self):
         from fleet.api import create_app
 
-        return create_app(self.service, self.repo, self.bootstrap)
+        return create_app(self.service, self.repo, self.bootstrap, self.config.max_upload_bytes)
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):

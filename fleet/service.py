@@ -72,6 +72,7 @@ class FleetService:
             "last_state": d.last_state, "last_error": d.last_error,
             "desired": None if desired is None else {"model": desired.name, "version": desired.version,
                                                      "rollout_id": d.desired_rollout_id},
+            "telemetry": d.last_telemetry,
         }
 
     def list_devices(self) -> list[dict[str, Any]]:
@@ -263,8 +264,10 @@ class FleetService:
             with self.sessions.begin() as s:
                 dev = self._device_for_message(s, msg.device_id)
                 dev.last_seen = utcnow()
-                s.add(TelemetryRow(device_id=msg.device_id, seq=msg.seq, ts=msg.ts,
-                                   payload=msg.model_dump(mode="json")))
+                payload = msg.model_dump(mode="json")
+                s.add(TelemetryRow(device_id=msg.device_id, seq=msg.seq, ts=msg.ts, payload=payload))
+                if dev.last_telemetry is None or dev.last_telemetry.get("seq", -1) < msg.seq:
+                    dev.last_telemetry = payload
         except IntegrityError:
             return False
         return True

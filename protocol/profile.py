@@ -73,8 +73,13 @@ class HardwareProfile(StrictModel):
 
 
 def profile_dir() -> Path:
-    """The ``hw-profiles`` folder shipped beside the packages."""
-    return Path(__file__).resolve().parent.parent / "hw-profiles"
+    """The ``hw-profiles`` folder: beside the packages in a checkout, else the installed copy."""
+    import sys
+
+    here = Path(__file__).resolve().parent.parent / "hw-profiles"
+    if here.is_dir():
+        return here
+    return Path(sys.prefix) / "share" / "edgefleet" / "hw-profiles"
 
 
 def resolve_profile_path(name_or_path: str) -> Path:

@@ -17,12 +17,13 @@ from tests.conftest import free_port
 
 
 @contextmanager
-def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None) -> Iterator[tuple[FleetServer, str]]:
+def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
+                  **config: object) -> Iterator[tuple[FleetServer, str]]:
     if not (tmp / "keys" / "root.json").exists():
         init_keys(tmp / "keys")
     port = free_port()
     cfg = FleetConfig(data_dir=tmp / "fleet", keys_dir=tmp / "keys", port=port, mqtt_url=mqtt_url, db_url=db_url,
-                      embedded_mqtt_port=free_port())
+                      embedded_mqtt_port=free_port(), **config)  # type: ignore[arg-type]
     fs = FleetServer(cfg)
     fs.start_background()
     server = uvicorn.Server(uvicorn.Config(fs.app(), host="127.0.0.1", port=port, log_level="warning",

@@ -162,6 +162,22 @@ def test_bad_uploads(fleet, digits_bundle):
     assert len(httpx.get(f"{url}/api/v1/models").json()) == 1
 
 
+def test_oversized_upload_is_413_and_nothing_is_kept(tmp_path, mosquitto, digits_bundle):
+    with running_fleet(tmp_path, mosquitto.url, max_upload_bytes=10_000) as (fs, url):
+        r = httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+        assert r.status_code == 413 and "exceeds the 10000-byte limit" in r.json()["error"]
+
+        def chunks():  # no Content-Length: the limit is enforced while streaming
+            data = digits_bundle.read_bytes()
+            for i in range(0, len(data), 4096):
+                yield data[i : i + 4096]
+
+        r = httpx.post(f"{url}/api/v1/bundles", content=chunks())
+        assert r.status_code == 413
+        assert httpx.get(f"{url}/api/v1/models").json() == []
+        assert not list((tmp_path / "fleet" / "tuf").glob("upload-*"))
+
+
 def test_rollout_to_unknown_device(fleet, digits_bundle):
     fs, url, broker = fleet
     httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
