@@ -30,6 +30,11 @@ def _pill(text: str | None) -> str:
     return f'<span class="pill {_PILL.get(text, "off")}">{escape(text)}</span>'
 
 
+def _ts(iso: str | None) -> str:
+    """'2026-11-22T00:41:24.414568+00:00' -> '2026-11-22 00:41:24'."""
+    return "–" if not iso else escape(iso.replace("T", " ")[:19])
+
+
 def _e(v: Any) -> str:
     return "–" if v is None or v == "" else escape(str(v))
 
@@ -56,17 +61,17 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         err = f'<br><small class="pill bad">{escape(d["last_error"][:200])}</small>' if d["last_error"] else ""
         rows.append(f'<tr><td><b>{escape(d["device_id"])}</b></td><td>{_pill("online" if d["online"] else "offline")}'
                     f'</td><td>{running}</td><td>{want}</td><td>{_pill(d["last_state"])}{err}</td>'
-                    f'{_telemetry_cells(d["telemetry"])}<td>{_e(d["last_seen"])}</td></tr>')
+                    f'{_telemetry_cells(d["telemetry"])}<td>{_ts(d["last_seen"])}</td></tr>')
     mrows = [f'<tr><td><b>{escape(m["name"])}</b></td><td>{escape(m["version"])}</td><td>{escape(m["profile"])}</td>'
              f'<td>{escape(m["backend"])} {escape(m["precision"])}</td>'
              f'<td>{m["accuracy"]["candidate"]:.4f} (fp32 {m["accuracy"]["reference"]:.4f})</td>'
-             f'<td><code>{escape(m["sha256"][:16])}…</code></td><td>{_e(m["uploaded_at"])}</td></tr>' for m in models]
+             f'<td><code>{escape(m["sha256"][:16])}…</code></td><td>{_ts(m["uploaded_at"])}</td></tr>' for m in models]
     rrows = []
     for r in rollouts:
         counts = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["counts"].items()))
         rrows.append(f'<tr><td>#{r["id"]}</td><td>{escape(r["model"])} {escape(r["version"])}</td>'
                      f'<td>{escape(r["profile"])}</td><td>{_pill(r["status"])}</td><td>{counts}</td>'
-                     f'<td>{_e(r["created_at"])}</td></tr>')
+                     f'<td>{_ts(r["created_at"])}</td></tr>')
     empty = '<tr><td colspan="10" class="sub">none yet</td></tr>'
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
 <title>edgefleet console</title><style>{CSS}</style></head><body>
