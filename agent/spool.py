@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.fsutil import atomic_write
+from protocol.fsutil import atomic_write
 
 __all__ = ["Spool"]
 

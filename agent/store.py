@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent.errors import TrustError
-from agent.fsutil import atomic_write, fsync_dir
 from agent.trusted import Installed
 from protocol.bundle import extract_bundle, sha256_file
 from protocol.errors import ContractError
+from protocol.fsutil import atomic_write, fsync_dir
 from protocol.manifest import MANIFEST_FILENAME, Manifest, parse_manifest
 
 __all__ = ["ModelStore", "StagedModel", "StoreEntry"]

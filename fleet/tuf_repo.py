@@ -18,7 +18,6 @@ import hashlib
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from fleet.errors import RepositoryError
 from fleet.keys import KeyStore
+from protocol.fsutil import atomic_write
 
 __all__ = ["EXPIRY", "Repository"]
 
@@ -35,19 +35,6 @@ TARGET_PATH_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC).replace(microsecond=0)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Repository:
@@ -70,7 +57,7 @@ class Repository:
                 return
             root_bytes = self.keys.root_json.read_bytes()
             root = Metadata.from_bytes(root_bytes)
-            _atomic_write(self.metadata_dir / f"{root.signed.version}.root.json", root_bytes)
+            atomic_write(self.metadata_dir / f"{root.signed.version}.root.json", root_bytes)
             targets = Metadata(Targets(expires=_now() + EXPIRY["targets"]))
             snapshot = Metadata(Snapshot(expires=_now() + EXPIRY["snapshot"]))
             timestamp = Metadata(Timestamp(expires=_now() + EXPIRY["timestamp"]))
@@ -128,19 +115,19 @@ class Repository:
         targets.signatures.clear()
         targets.sign(self.keys.signer("targets"))
         tbytes = targets.to_bytes(ser)
-        _atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", tbytes)
+        atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", tbytes)
 
         snapshot.signed.meta["targets.json"] = MetaFile(version=targets.signed.version)
         snapshot.signed.expires = _now() + EXPIRY["snapshot"]
         snapshot.signatures.clear()
         snapshot.sign(self.keys.signer("snapshot"))
-        _atomic_write(self.metadata_dir / f"{snapshot.signed.version}.snapshot.json", snapshot.to_bytes(ser))
+        atomic_write(self.metadata_dir / f"{snapshot.signed.version}.snapshot.json", snapshot.to_bytes(ser))
 
         timestamp.signed.snapshot_meta = MetaFile(version=snapshot.signed.version)
         timestamp.signed.expires = _now() + EXPIRY["timestamp"]
         timestamp.signatures.clear()
         timestamp.sign(self.keys.signer("timestamp"))
-        _atomic_write(self.metadata_dir / "timestamp.json", timestamp.to_bytes(ser))
+        atomic_write(self.metadata_dir / "timestamp.json", timestamp.to_bytes(ser))
 
     def add_target(self, target_path: str, local_file: Path, custom: dict[str, Any]) -> dict[str, Any]:
         """Publish ``local_file`` as the TUF target ``target_path``; returns {sha256, length, url_path}."""

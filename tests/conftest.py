@@ -32,6 +32,17 @@ def wait_port(port: int, timeout_s: float = 10.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
 
 
+def wait_for(pred, timeout_s: float = 10.0, what: str = "condition", interval_s: float = 0.05):
+    """Poll ``pred`` until it returns something truthy (bounded); return that value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} not met in {timeout_s}s")
+
+
 @dataclass
 class Mosquitto:
     port: int

@@ -10,17 +10,8 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from protocol import mqtt as proto
+from tests.conftest import wait_for
 from tests.fleet_harness import running_fleet
-
-
-def wait_for(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def device_client(broker_port: int, device_id: str) -> mqtt.Client:

@@ -1,4 +1,5 @@
-"""Atomic file writes: temp file in the same folder, fsync, os.replace, fsync the folder."""
+"""Atomic file writes (stdlib only; used by the agent's store and spool and the fleet's TUF repository):
+temp file in the same folder, fsync, os.replace, fsync the folder."""
 
 from __future__ import annotations
 
