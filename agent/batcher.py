@@ -46,6 +46,10 @@ class _Pending:
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
 
+    def stackable_with(self, other: _Pending) -> bool:
+        """Same non-batch dimensions on every input (dynamic dims may differ between requests)."""
+        return all(v.shape[1:] == other.feeds[k].shape[1:] for k, v in self.feeds.items())
+
 
 class Batcher:
     def __init__(self, backend: Backend, settings: BatchSettings, metrics: Metrics | None = None):
@@ -60,6 +64,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._running = False
         self._arrived_while_running = 0
+        self._forming: list[_Pending] = []  # the batch being formed or run; failed if the loop is cancelled
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
@@ -98,11 +103,13 @@ class Batcher:
                 await self._wake.wait()
             first = self._pop()
             batch, n = [first], first.n
+            self._forming = batch
             deadline = first.enqueued + delay
             concurrent = self._arrived_while_running > 1
             while n < s.max_batch_size:
                 if self._queue:
-                    if n + self._queue[0].n > s.max_batch_size:
+                    nxt = self._queue[0]
+                    if n + nxt.n > s.max_batch_size or not nxt.stackable_with(first):
                         break
                     item = self._pop()
                     batch.append(item)
@@ -122,6 +129,7 @@ class Batcher:
                 await self._run(batch)
             finally:
                 self._running = False
+                self._forming = []
 
     async def _run(self, batch: list[_Pending]) -> None:
         now = time.monotonic()
@@ -171,8 +179,12 @@ class Batcher:
                 await asyncio.wait_for(asyncio.shield(self._task), drain_timeout_s)
             except TimeoutError:
                 self._task.cancel()
-        while self._queue:
-            p = self._pop()
+                log.error("batcher did not drain in %.0fs; failing what is left", drain_timeout_s)
+        gone = Unavailable("the model was replaced before this request ran; retry")
+        for p in [*self._forming, *self._queue]:
             if not p.future.done():
-                p.future.set_exception(Unavailable("the model was replaced before this request ran; retry"))
-        self._executor.shutdown(wait=True)
+                p.future.set_exception(gone)
+        self._queue.clear()
+        self._queued_samples = 0
+        # an inference still running after a drain timeout must not block the event loop
+        self._executor.shutdown(wait=False)

@@ -48,8 +48,11 @@ def self_test(backend: Backend, staged: StagedModel) -> None:
             expected = [npz[f"expected:{s.name}"] for s in backend.outputs]
     except (KeyError, ValueError, OSError) as exc:
         raise SelfTestFailed(f"self-test sample {path.name} is unreadable: {exc}") from exc
-    for _ in range(WARMUP_RUNS):
-        got = backend.infer(feeds)
+    try:
+        for _ in range(WARMUP_RUNS):
+            got = backend.infer(feeds)
+    except Exception as exc:  # the runtime's own error types
+        raise SelfTestFailed(f"self-test: the engine failed on its own sample: {exc}") from exc
     for spec, g, e in zip(backend.outputs, got, expected, strict=True):
         if g.shape != e.shape:
             raise SelfTestFailed(f"self-test: output {spec.name!r} has shape {g.shape}, expected {e.shape}")
@@ -79,7 +82,8 @@ class Agent:
         self._desired: proto.DesiredState | None = None
         self._desired_lock = threading.Lock()
         self._desired_event = threading.Event()
-        self._failed: set[str] = set()
+        self._failed: dict[str, str] = {}  # bundle sha256 -> why it failed (bundle faults only)
+        self._max_rollout: int | None = None  # desired states from older rollouts are stale replays
         self._threads: list[threading.Thread] = []
         self._server: Any = None
         self.ready = threading.Event()  # HTTP is listening (for tests and the demo)
@@ -90,15 +94,20 @@ class Agent:
 
         self._loop = asyncio.get_running_loop()
         entry = self.store.recover()
-        if entry is not None:
+        while entry is not None:
             try:
                 manifest = self.store.load_manifest(entry, verify=False)
                 backend = await self._loop.run_in_executor(
                     None, load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
                     self.config.intra_op_threads)
                 await self.host.swap(manifest, backend)
+                break
             except (UpdateError, ContractError) as exc:
-                log.error("could not load the installed model %s: %s", entry.directory, exc)
+                log.error("could not load the installed model %s (%s); falling back to the previous one",
+                          entry.directory, exc)
+                entry = self.store.revert()
+        if self.store.current is not None:
+            self._max_rollout = self.store.current.rollout_id
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
         # listening socket says so; without it keep-alive responses stall ~40 ms (Nagle + delayed ACK)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -200,6 +209,12 @@ class Agent:
 
     def install(self, desired: proto.DesiredState) -> None:
         t0 = time.monotonic()
+        if desired.rollout_id is not None:
+            if self._max_rollout is not None and desired.rollout_id < self._max_rollout:
+                log.warning("ignored desired state of rollout %s: rollout %s is newer", desired.rollout_id,
+                            self._max_rollout)
+                return
+            self._max_rollout = desired.rollout_id
         cur = self.store.current
         profile = desired.target.rsplit("/", 1)[-1].removesuffix(".tar")
         decision = decide(cur.installed if cur else None, desired.model, desired.version, desired.sha256, profile,
@@ -208,17 +223,20 @@ class Agent:
             self._report("installed", desired)
             return
         if decision.action == "refuse":
-            log.error("refused %s %s: %s", desired.model, desired.version, decision.reason)
-            self._report("failed", desired, error=decision.reason)
+            reason = self._failed.get(desired.sha256, decision.reason)
+            log.error("refused %s %s: %s", desired.model, desired.version, reason)
+            self._report("failed", desired, error=reason)
             return
         log.info("installing %s %s (rollout %s)", desired.model, desired.version, desired.rollout_id)
         self._report("downloading", desired)
         staged: StagedModel | None = None
         backend: Backend | None = None
+        bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
         try:
             fetched = self._fetch_with_retries(desired)
             if fetched is None:
                 return  # superseded by a newer desired state, or stopping
+            bundle_fault = True
             signed = fetched.custom
             said = (desired.model, desired.version, profile)
             if (signed.get("name"), signed.get("version"), signed.get("profile")) != said:
@@ -232,13 +250,20 @@ class Agent:
                                  f"expected {desired.model} {desired.version} {profile}")
             backend = load_backend(m, staged.engine, self.config.intra_op_threads)
             self_test(backend, staged)
-            assert self._loop is not None
-            asyncio.run_coroutine_threadsafe(self.host.swap(m, backend), self._loop).result(timeout=120)
-            backend = None  # the host owns it now
-            self.store.commit(staged, desired.rollout_id)
+            bundle_fault = False
+            self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
             staged = None
-        except (UpdateError, ContractError) as exc:
-            self._failed.add(desired.sha256)
+            assert self._loop is not None
+            try:
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, backend), self._loop).result(timeout=120)
+            except Exception as exc:
+                self.store.revert()
+                backend = None  # the swap may still own it; never close a backend that might be serving
+                raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
+            backend = None  # the host owns it now
+        except (UpdateError, ContractError, OSError) as exc:
+            if bundle_fault:
+                self._failed[desired.sha256] = str(exc)
             log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
             if backend is not None:
                 backend.close()
@@ -246,6 +271,9 @@ class Agent:
                 self.store.discard(staged)
             self._report("failed", desired, error=str(exc))
             return
+        finally:
+            if self.fetcher is not None:
+                self.fetcher.clean()
         self._report("installed", desired, install_s=round(time.monotonic() - t0, 3))
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
 
@@ -284,7 +312,8 @@ class Agent:
 
             def make(seq: int, snap=snap, cur=cur, cpu=cpu, rss=rss, interval=interval) -> bytes:
                 return proto.encode(proto.Telemetry(
-                    device_id=self.config.device_id, ts=time.time(), seq=seq, interval_s=round(interval, 3),
+                    device_id=self.config.device_id, ts=time.time(), stream=self.spool.stream, seq=seq,
+                    interval_s=round(interval, 3),
                     model=cur.manifest.name if cur else None, version=cur.manifest.version if cur else None,
                     requests=snap.requests, errors=snap.errors,
                     latency=proto.LatencySummary(p50_ms=snap.latency_p50_ms, p95_ms=snap.latency_p95_ms,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from agent.backends.base import NP_DTYPES
-from agent.errors import RequestError
+from agent.errors import InferenceFailed, RequestError
 from protocol.manifest import TensorSpec
 
 __all__ = ["decode_request", "encode_response"]
@@ -92,9 +92,13 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec) -> np.ndarray:
     if "data" not in t:
         raise RequestError(f"input {name!r}: no 'data'")
     try:
-        arr: np.ndarray = np.asarray(t["data"], dtype=NP_DTYPES[spec.datatype])
+        with np.errstate(over="raise", invalid="raise"):  # 1e39 into FP32 is an error, not inf
+            arr: np.ndarray = np.asarray(t["data"], dtype=NP_DTYPES[spec.datatype])
     except (ValueError, TypeError) as exc:
         raise RequestError(f"input {name!r}: data is not a (nested) list of {spec.datatype} numbers ({exc})") from exc
+    except (OverflowError, RecursionError, FloatingPointError) as exc:
+        raise RequestError(f"input {name!r}: a value does not fit {spec.datatype} or the data is nested too "
+                           f"deeply ({exc})") from exc
     count = math.prod(shape)
     if arr.size != count:
         raise RequestError(f"input {name!r}: {arr.size} values given, shape {shape} needs {count}")
@@ -113,6 +117,8 @@ def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: 
     for arr, spec in zip(outputs, specs, strict=True):
         if wanted is not None and spec.name not in wanted:
             continue
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
         out.append({"name": spec.name, "datatype": spec.datatype, "shape": list(arr.shape),
                     "data": arr.reshape(-1).tolist()})
     resp: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": out}

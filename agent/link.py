@@ -117,6 +117,8 @@ class MqttLink:
         except ContractError as exc:
             log.warning("ignored a malformed ack: %s", exc)
             return
+        if ack.stream != self.spool.stream:
+            return  # an ack for the spool this device had before it was re-imaged
         with self._inflight_lock:
             for seq in ack.seqs:
                 self._inflight.pop(seq, None)

@@ -63,10 +63,11 @@ class ModelHost:
         log.info("now serving %s %s", manifest.name, manifest.version)
 
     async def close(self) -> None:
-        if self.current is not None:
-            await self.current.batcher.close()
-            self.current.backend.close()
-            self.current = None
+        async with self._swap_lock:  # an install racing shutdown finishes its swap first
+            if self.current is not None:
+                await self.current.batcher.close()
+                self.current.backend.close()
+                self.current = None
 
     def get(self, name: str, version: str | None = None) -> Served:
         cur = self.current
@@ -124,12 +125,16 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str) -> Starlett
         t0 = time.perf_counter()
         ok = False
         try:
-            served = host.get(request.path_params["name"], request.path_params.get("version"))
+            host.get(request.path_params["name"], request.path_params.get("version"))  # fail fast: 404
             body = await _read_body(request, max_body_bytes)
             try:
                 doc = json.loads(body)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise RequestError(f"the body is not valid JSON: {exc}") from exc
+            except RecursionError as exc:
+                raise RequestError("the body's JSON is nested too deeply") from exc
+            # resolved again after the body arrived: a swap during a slow upload serves the new model
+            served = host.get(request.path_params["name"], request.path_params.get("version"))
             feeds, wanted, req_id = decode_request(doc, served.manifest.inputs, served.manifest.outputs)
             outs = await served.batcher.submit(feeds)
             resp = encode_response(served.manifest.name, served.manifest.version, outs, served.manifest.outputs,

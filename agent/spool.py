@@ -1,7 +1,8 @@
 """Telemetry spool: every record is written to disk first and deleted only once the broker acked it.
 
     <dir>/<seq:012d>.json   one record per file, written atomically
-    <dir>/next_seq          the next sequence number (survives restarts; the fleet dedupes by it)
+    <dir>/next_seq          the next sequence number (survives restarts)
+    <dir>/stream            a random id made with the spool; the fleet dedupes by (stream, seq)
 
 Bounded: beyond ``max_records`` the oldest records are dropped and counted.
 """
@@ -9,6 +10,7 @@ Bounded: beyond ``max_records`` the oldest records are dropped and counted.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,12 @@ class Spool:
         self._lock = threading.Lock()
         for tmp in self.dir.glob(".*.tmp"):
             tmp.unlink(missing_ok=True)
+        stream_file = self.dir / "stream"
+        stream = stream_file.read_text().strip() if stream_file.exists() else ""
+        if len(stream) != 16 or not all(c in "0123456789abcdef" for c in stream):
+            stream = secrets.token_hex(8)
+            atomic_write(stream_file, stream.encode())
+        self.stream = stream
         files = self._files()
         seq_file = self.dir / "next_seq"
         stored = int(seq_file.read_text()) if seq_file.exists() and seq_file.read_text().strip().isdigit() else 0
@@ -38,7 +46,7 @@ class Spool:
         return sorted(p for p in self.dir.glob("*.json") if p.stem.isdigit())
 
     def append(self, make: Callable[[int], bytes]) -> int:
-        """Write the record ``make(seq)`` under a fresh sequence number; returns the number."""
+        """Write the record ``make(seq)`` under a fresh sequence number (of stream ``self.stream``)."""
         with self._lock:
             seq = self._next
             self._next += 1

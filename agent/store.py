@@ -149,6 +149,16 @@ class ModelStore:
         self._gc()
         return entry
 
+    def revert(self) -> StoreEntry | None:
+        """Make the previous model current again (the current one failed to load or swap in)."""
+        prev = self.previous
+        state = {"state_version": STATE_VERSION, "current": None if prev is None else {**asdict(prev)},
+                 "previous": None}
+        atomic_write(self.state_path, (json.dumps(state, indent=2) + "\n").encode())
+        self.current, self.previous = prev, None
+        self._gc()
+        return prev
+
     def discard(self, staged: StagedModel) -> None:
         """Remove a staged model that failed to load or self-test (never the current or previous one)."""
         keep = {e.directory for e in (self.current, self.previous) if e is not None}

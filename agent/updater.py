@@ -9,12 +9,12 @@ metadata says.
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.errors import FetchError, TrustError
+from protocol.fsutil import atomic_write
 
 __all__ = ["BundleFetcher", "FetchedBundle"]
 
@@ -41,23 +41,28 @@ class BundleFetcher:
         self.metadata_url = metadata_url
         self.targets_url = targets_url
         root = self.metadata_dir / "root.json"
-        if not root.exists():
+        if not root.exists():  # afterwards TUF itself moves the root forward (key rotation)
             if trusted_root is not None:
                 try:
-                    shutil.copyfile(trusted_root, root)
+                    data = trusted_root.read_bytes()
                 except OSError as exc:
                     raise TrustError(f"cannot read the trusted root {trusted_root}: {exc}") from exc
             elif root_from_fleet is not None:
-                root.write_bytes(root_from_fleet)
+                data = root_from_fleet
             else:
                 raise TrustError("no trusted root.json: pass --trusted-root (from 'edgefleet keys init')")
+            atomic_write(root, data)
+
+    def clean(self) -> None:
+        """Delete downloaded bundles (after they were staged, or failed)."""
+        for leftover in self.download_dir.iterdir():
+            leftover.unlink(missing_ok=True)
 
     def fetch(self, target: str, expected_sha256: str) -> FetchedBundle:
         from tuf.api import exceptions as tuf_exc
         from tuf.ngclient import Updater, UpdaterConfig
 
-        for leftover in self.download_dir.iterdir():
-            leftover.unlink(missing_ok=True)
+        self.clean()
         try:
             updater = Updater(str(self.metadata_dir), self.metadata_url, str(self.download_dir), self.targets_url,
                               config=UpdaterConfig(app_user_agent="edgefleet-agent"), bootstrap=None)

@@ -100,8 +100,9 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             Path(tmp).unlink(missing_ok=True)
 
     @app.get("/api/v1/rollouts")
-    def list_rollouts() -> list[dict[str, Any]]:
-        return service.list_rollouts()
+    def list_rollouts(limit: int = 100) -> list[dict[str, Any]]:
+        """Newest first, at most ``limit`` (up to 1000)."""
+        return service.list_rollouts(limit)
 
     @app.post("/api/v1/rollouts", status_code=201)
     def create_rollout(body: RolloutIn) -> dict[str, Any]:
@@ -125,6 +126,6 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
 
     @app.get("/", response_class=HTMLResponse)
     def index() -> str:
-        return console.render(service.list_devices(), service.list_models(), service.list_rollouts())
+        return console.render(service.list_devices(), service.list_models(), service.list_rollouts(20))
 
     return app

@@ -95,7 +95,7 @@ class MqttBridge:
             if handler is not None:
                 handler(msg)  # type: ignore[operator,arg-type]
             if isinstance(msg, proto.Telemetry):  # stored (or a duplicate of a stored one): the agent may delete it
-                ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), seqs=(msg.seq,))
+                ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), stream=msg.stream, seqs=(msg.seq,))
                 client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)
         except ContractError as exc:
             self.rejected += 1

@@ -5,7 +5,18 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -76,10 +87,12 @@ class RolloutTarget(Base):
 
 class TelemetryRow(Base):
     __tablename__ = "telemetry"
-    __table_args__ = (UniqueConstraint("device_id", "seq"),)
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    __table_args__ = (UniqueConstraint("device_id", "stream", "seq", name="uq_telemetry_record"),)
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
     device_id: Mapped[str] = mapped_column(String(64), index=True)
-    seq: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(16))
+    seq: Mapped[int] = mapped_column(BigInteger)
     ts: Mapped[float] = mapped_column(Float)
     received_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fleet.db import Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
-from fleet.errors import BadRequest, Conflict, NotFound
+from fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
 from fleet.tuf_repo import Repository
 from protocol import mqtt as proto
 from protocol.bundle import BundleError, read_manifest
@@ -91,7 +91,7 @@ class FleetService:
             if s.get(Device, device_id) is None:
                 raise NotFound(f"no device {device_id!r}")
             rows = s.scalars(select(TelemetryRow).where(TelemetryRow.device_id == device_id)
-                             .order_by(TelemetryRow.seq.desc()).limit(max(1, min(limit, 1000))))
+                             .order_by(TelemetryRow.id.desc()).limit(max(1, min(limit, 1000))))
             return [r.payload for r in rows]
 
     # -- models -------------------------------------------------------------------------------
@@ -100,6 +100,10 @@ class FleetService:
             manifest = read_manifest(path)
         except (BundleError, ContractError) as exc:
             raise BadRequest(f"not a valid bundle: {exc}", 422) from exc
+        if not manifest.accuracy.passed:
+            raise BadRequest(f"{manifest.name} {manifest.version} failed its accuracy gate at compile time "
+                             f"(drop {manifest.accuracy.drop:.4f} > {manifest.accuracy.max_drop:.4f}); "
+                             "the fleet does not publish it", 422)
         target_path = f"{manifest.name}/{manifest.version}/{manifest.profile}.tar"
         with self.sessions() as s:
             existing = s.scalars(select(Model).where(Model.name == manifest.name, Model.version == manifest.version,
@@ -109,15 +113,19 @@ class FleetService:
                                "bump the version to publish a new build")
         custom = {"name": manifest.name, "version": manifest.version, "profile": manifest.profile,
                   "backend": manifest.backend, "precision": manifest.precision}
-        info = self.repo.add_target(target_path, path, custom)
-        with self.sessions.begin() as s:
-            m = Model(name=manifest.name, version=manifest.version, profile=manifest.profile,
-                      backend=manifest.backend, precision=manifest.precision, target_path=target_path,
-                      sha256=info["sha256"], size_bytes=info["length"], accuracy=manifest.accuracy.candidate,
-                      manifest=manifest.model_dump(mode="json"))
-            s.add(m)
-            s.flush()
-            return self._model_json(m)
+        try:
+            info = self.repo.add_target(target_path, path, custom)
+            with self.sessions.begin() as s:
+                m = Model(name=manifest.name, version=manifest.version, profile=manifest.profile,
+                          backend=manifest.backend, precision=manifest.precision, target_path=target_path,
+                          sha256=info["sha256"], size_bytes=info["length"], accuracy=manifest.accuracy.candidate,
+                          manifest=manifest.model_dump(mode="json"))
+                s.add(m)
+                s.flush()
+                return self._model_json(m)
+        except (RepositoryError, IntegrityError) as exc:  # a concurrent upload of the same version won
+            raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} was uploaded concurrently "
+                           f"with other content or is already registered: {exc}") from exc
 
     @staticmethod
     def _model_json(m: Model) -> dict[str, Any]:
@@ -158,6 +166,7 @@ class FleetService:
             r = Rollout(model_id=model.id)
             s.add(r)
             s.flush()
+            self._supersede(s, devices, r.id)
             now = time.time()
             for dev_id in devices:
                 s.add(RolloutTarget(rollout_id=r.id, device_id=dev_id))
@@ -170,6 +179,29 @@ class FleetService:
         for t, payload in msgs:  # after commit: a device that answers at once finds its target row
             self.publisher.publish(t, payload, retain=True)
         return self.get_rollout(rollout_id)
+
+    def _supersede(self, s: Session, devices: list[str], new_rollout: int) -> None:
+        """A device gets one desired state: its unfinished targets in older rollouts fail as superseded."""
+        stale = list(s.scalars(select(RolloutTarget).where(
+            RolloutTarget.device_id.in_(devices), RolloutTarget.rollout_id != new_rollout,
+            RolloutTarget.state.not_in(TERMINAL))))
+        for t in stale:
+            t.state = "failed"
+            t.error = f"superseded by rollout {new_rollout}"
+            t.updated_at = utcnow()
+        for rid in {t.rollout_id for t in stale}:
+            self._recompute(s, rid)
+
+    @staticmethod
+    def _recompute(s: Session, rollout_id: int) -> None:
+        r = s.get(Rollout, rollout_id)
+        assert r is not None
+        s.flush()
+        states = list(s.scalars(select(RolloutTarget.state).where(RolloutTarget.rollout_id == rollout_id)))
+        new = rollout_status(states)
+        if new != r.status:
+            r.status = new
+            r.finished_at = utcnow() if new != "in_progress" else None
 
     @staticmethod
     def _desired_message(device_id: str, model: Model, rollout_id: int | None, now: float) -> tuple[str, bytes]:
@@ -189,9 +221,9 @@ class FleetService:
                 self.publisher.publish(*self._desired_message(dev_id, model, rid, now), retain=True)
         return len(rows)
 
-    def list_rollouts(self) -> list[dict[str, Any]]:
+    def list_rollouts(self, limit: int = 100) -> list[dict[str, Any]]:
         with self.sessions() as s:
-            ids = list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc())))
+            ids = list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc()).limit(max(1, min(limit, 1000)))))
         return [self.get_rollout(i) for i in ids]
 
     def get_rollout(self, rollout_id: int) -> dict[str, Any]:
@@ -247,29 +279,35 @@ class FleetService:
             state = "failed" if msg.state == "rolled_back" else msg.state
             if target.state in TERMINAL and state not in TERMINAL:
                 return  # a late progress message must not reopen a finished target
+            if target.state == "installed" and state != "installed":
+                return  # installed stays installed (a replayed old failure must not flip it)
             target.state = state
             target.error = msg.error
             target.updated_at = utcnow()
-            r = s.get(Rollout, msg.rollout_id)
-            assert r is not None
-            states = list(s.scalars(select(RolloutTarget.state).where(RolloutTarget.rollout_id == r.id)))
-            new = rollout_status(states)
-            if new != r.status:
-                r.status = new
-                r.finished_at = utcnow() if new != "in_progress" else None
+            self._recompute(s, msg.rollout_id)
 
     def handle_telemetry(self, msg: proto.Telemetry) -> bool:
         """Store one telemetry record; False if it was a duplicate (QoS 1 may deliver twice)."""
+        with self.sessions() as s:
+            dup = s.scalar(select(TelemetryRow.id).where(
+                TelemetryRow.device_id == msg.device_id, TelemetryRow.stream == msg.stream,
+                TelemetryRow.seq == msg.seq))
+        if dup is not None:
+            return False
         try:
             with self.sessions.begin() as s:
                 dev = self._device_for_message(s, msg.device_id)
                 dev.last_seen = utcnow()
                 payload = msg.model_dump(mode="json")
-                s.add(TelemetryRow(device_id=msg.device_id, seq=msg.seq, ts=msg.ts, payload=payload))
-                if dev.last_telemetry is None or dev.last_telemetry.get("seq", -1) < msg.seq:
+                s.add(TelemetryRow(device_id=msg.device_id, stream=msg.stream, seq=msg.seq, ts=msg.ts,
+                                   payload=payload))
+                last = dev.last_telemetry
+                if last is None or last.get("stream") != msg.stream or last.get("seq", -1) < msg.seq:
                     dev.last_telemetry = payload
-        except IntegrityError:
-            return False
+        except IntegrityError as exc:
+            if "uq_telemetry_record" in str(exc) or "telemetry.device_id, telemetry.stream" in str(exc):
+                return False  # another replica stored it between our check and our insert
+            raise
         return True
 
     def telemetry_count(self, device_id: str | None = None) -> int:

@@ -18,7 +18,8 @@ M = TypeVar("M", bound=BaseModel)
 class StrictModel(BaseModel):
     """Frozen, no unknown keys, no silent coercion of strings to numbers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, protected_namespaces=(),
+                              allow_inf_nan=False)
 
 
 def problems_from(exc: ValidationError) -> list[str]:

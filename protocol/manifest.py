@@ -34,14 +34,15 @@ Backend = Literal["onnxruntime", "litert", "tensorrt"]
 Precision = Literal["fp32", "fp16", "int8"]
 DType = Literal["FP32", "FP16", "INT8", "UINT8", "INT32", "INT64", "BOOL"]
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# used with fullmatch: no trailing newline, ASCII digits only
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def version_key(version: str) -> tuple[int, int, int]:
     """Order of model versions ("1.2.10" > "1.2.9")."""
-    if not VERSION_RE.match(version):
+    if not VERSION_RE.fullmatch(version):
         raise ValueError(f"version {version!r} is not MAJOR.MINOR.PATCH")
     a, b, c = (int(p) for p in version.split("."))
     return (a, b, c)
@@ -72,7 +73,7 @@ class FileEntry(StrictModel):
     @field_validator("sha256")
     @classmethod
     def _hex(cls, v: str) -> str:
-        if not SHA256_RE.match(v):
+        if not SHA256_RE.fullmatch(v):
             raise ValueError("sha256 must be 64 lowercase hex digits")
         return v
 
@@ -87,6 +88,14 @@ class AccuracyReport(StrictModel):
     drop: float
     max_drop: float = Field(ge=0.0)
     passed: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AccuracyReport:
+        if abs(self.drop - (self.reference - self.candidate)) > 1e-4:
+            raise ValueError("drop must equal reference - candidate")
+        if self.passed != (self.drop <= self.max_drop + 1e-9):
+            raise ValueError("passed does not agree with drop <= max_drop")
+        return self
 
 
 class BenchmarkPoint(StrictModel):
@@ -120,11 +129,11 @@ class Manifest(StrictModel):
     toolchain: dict[str, str]
     labels: tuple[str, ...] | None = None
 
-    @field_validator("name")
+    @field_validator("name", "profile")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("model names are 1-63 of [a-z0-9._-], starting with a letter or digit")
+        if not NAME_RE.fullmatch(v):
+            raise ValueError("names are 1-63 of [a-z0-9._-], starting with a letter or digit")
         return v
 
     @field_validator("version")

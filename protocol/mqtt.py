@@ -42,13 +42,13 @@ __all__ = [
 MESSAGE_VERSION = 1
 PREFIX = "edgefleet/v1/devices"
 MAX_MESSAGE_BYTES = 256 * 1024  # any message bigger than this is refused unread
-DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEVICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch
 Kind = Literal["desired", "reported", "telemetry", "status", "ack"]
 KINDS: tuple[str, ...] = ("desired", "reported", "telemetry", "status", "ack")
 
 
 def device_id_ok(device_id: str) -> bool:
-    return bool(DEVICE_ID_RE.match(device_id))
+    return bool(DEVICE_ID_RE.fullmatch(device_id))
 
 
 def topic(device_id: str, kind: Kind) -> str:
@@ -81,11 +81,11 @@ class DesiredState(_Message):
     """What the fleet wants a device to run. ``model`` None means: run nothing new."""
 
     kind: Literal["desired"] = "desired"
-    rollout_id: int | None
-    model: str
-    version: str
-    target: str  # TUF target path of the bundle
-    sha256: str
+    rollout_id: int | None = Field(ge=1)
+    model: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    version: str = Field(pattern=r"^[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}$")
+    target: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*/[0-9.]+/[a-z0-9][a-z0-9._-]*\.tar$")  # TUF target path
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(gt=0)
 
 
@@ -110,7 +110,10 @@ class LatencySummary(StrictModel):
 
 class Telemetry(_Message):
     kind: Literal["telemetry"] = "telemetry"
-    seq: int = Field(ge=0)  # per device, survives restarts; the fleet drops duplicates by it
+    # (stream, seq) identifies a record: stream is random per spool (a re-imaged device starts a new
+    # one), seq counts up within it and survives restarts; the fleet drops duplicates by the pair
+    stream: str = Field(pattern=r"^[0-9a-f]{16}$")
+    seq: int = Field(ge=0, lt=2**62)
     interval_s: float
     model: str | None
     version: str | None
@@ -126,6 +129,7 @@ class Telemetry(_Message):
 
 class TelemetryAck(_Message):
     kind: Literal["ack"] = "ack"
+    stream: str
     seqs: tuple[int, ...] = Field(min_length=1, max_length=10_000)
 
 

@@ -181,3 +181,44 @@ def test_close_drains_queued_requests():
         return await asyncio.gather(*futs)
 
     assert len(run(main())) == 6
+
+
+def test_requests_with_different_dynamic_dims_are_not_stacked():
+    class Dyn(FakeBackend):
+        @property
+        def inputs(self):
+            return (TensorSpec(name="x", datatype="FP32", shape=(-1, -1)),)
+
+        @property
+        def outputs(self):
+            return (TensorSpec(name="y", datatype="FP32", shape=(-1, -1)),)
+
+    async def main():
+        be = Dyn()
+        b = Batcher(be, BatchSettings(max_batch_size=8, max_queue_delay_us=20_000))
+        b.start()
+        small = {"x": np.ones((1, 2), np.float32)}
+        wide = {"x": np.ones((1, 5), np.float32)}
+        outs = await asyncio.gather(b.submit(small), b.submit(wide), b.submit(small), b.submit(wide))
+        await b.close()
+        return outs
+
+    outs = run(main())
+    assert [o[0].shape for o in outs] == [(1, 2), (1, 5), (1, 2), (1, 5)]
+
+
+def test_close_after_drain_timeout_answers_everyone():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()  # inference hangs
+        b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_delay_us=0))
+        b.start()
+        futs = [asyncio.ensure_future(b.submit(x(1))) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        await b.close(drain_timeout_s=0.1)
+        res = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 2)
+        be.gate.set()
+        return res
+
+    res = run(main())
+    assert all(isinstance(r, Unavailable) for r in res), res

@@ -100,6 +100,20 @@ def test_nan_is_refused(agent_url):
     assert r.status_code == 400 and "NaN" in r.json()["error"]
 
 
+@pytest.mark.parametrize(("raw", "message"), [
+    ('{"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [1e39' + ", 0" * 63 + "]}]}",
+     "does not fit FP32"),
+    ('{"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [1e400' + ", 0" * 63 + "]}]}",
+     "NaN or infinity"),
+    ('{"inputs": ' + "[" * 20000 + "]" * 20000 + "}", "nested too deeply"),
+])
+def test_values_that_do_not_fit_are_400_not_500(agent_url, raw, message):
+    r = httpx.post(f"{agent_url}/v2/models/digits/infer", content=raw.encode(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]
+
+
 def test_malformed_json(agent_url):
     r = httpx.post(f"{agent_url}/v2/models/digits/infer", content=b'{"inputs": [', headers={
         "content-type": "application/json"})

@@ -86,18 +86,34 @@ def test_status_last_will_marks_device_offline(fleet):
     wait_for(lambda: not httpx.get(f"{url}/api/v1/devices/dying").json()["online"], timeout_s=20)
 
 
-def test_telemetry_is_stored_once_even_if_delivered_twice(fleet):
+def telemetry(device_id: str, seq: int, stream: str = "0123456789abcdef") -> proto.Telemetry:
+    return proto.Telemetry(device_id=device_id, ts=time.time(), stream=stream, seq=seq, interval_s=1, model=None,
+                           version=None, requests=seq, errors=0,
+                           latency=proto.LatencySummary(p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, max_ms=4.0),
+                           batches=1, batch_size_mean=1.0, batch_size_max=1, cpu_percent=1.0, rss_mb=10.0)
+
+
+def test_telemetry_is_stored_once_and_acked(fleet):
     fs, url, broker = fleet
     c = device_client(broker.port, "tele")
+    acks: list[proto.TelemetryAck] = []
+    c.on_message = lambda cl, u, m: acks.append(proto.decode(proto.TelemetryAck, m.payload, "ack"))
+    c.subscribe(proto.topic("tele", "ack"), qos=1)
+    time.sleep(0.2)
     for seq in (0, 1, 1, 2):  # QoS 1 may deliver a message twice
-        t = proto.Telemetry(device_id="tele", ts=time.time(), seq=seq, interval_s=1, model=None, version=None,
-                            requests=seq, errors=0,
-                            latency=proto.LatencySummary(p50_ms=None, p95_ms=None, p99_ms=None, max_ms=None),
-                            batches=0, batch_size_mean=None, batch_size_max=None, cpu_percent=1.0, rss_mb=10.0)
-        c.publish(proto.topic("tele", "telemetry"), proto.encode(t), qos=1).wait_for_publish(5)
-    wait_for(lambda: fs.service.telemetry_count("tele") == 3)
+        c.publish(proto.topic("tele", "telemetry"), proto.encode(telemetry("tele", seq)), qos=1).wait_for_publish(5)
+    # a re-imaged device starts a new spool: its seq 0 is a new record, not a duplicate
+    c.publish(proto.topic("tele", "telemetry"), proto.encode(telemetry("tele", 0, "fedcba9876543210")),
+              qos=1).wait_for_publish(5)
+    wait_for(lambda: fs.service.telemetry_count("tele") == 4)
     rows = httpx.get(f"{url}/api/v1/devices/tele/telemetry").json()
-    assert [r["seq"] for r in rows] == [2, 1, 0]
+    assert [(r["stream"][:4], r["seq"]) for r in rows] == [("fedc", 0), ("0123", 2), ("0123", 1), ("0123", 0)]
+    # every delivery is acked, duplicates too (the first ack may have been lost)
+    wait_for(lambda: len(acks) == 5)
+    assert sorted((a.stream[:4], a.seqs) for a in acks) == [("0123", (0,)), ("0123", (1,)), ("0123", (1,)),
+                                                            ("0123", (2,)), ("fedc", (0,))]
+    assert httpx.get(f"{url}/api/v1/devices/tele").json()["telemetry"]["stream"] == "fedcba9876543210"
+    assert "p95 latency" in httpx.get(f"{url}/").text
     c.loop_stop()
 
 
@@ -211,10 +227,39 @@ def test_postgresql_backend(tmp_path, mosquitto, digits_bundle):
         assert r.status_code == 201
         c = device_client(mosquitto.port, "pg-1")
         for seq in (0, 0, 1):
-            t = proto.Telemetry(device_id="pg-1", ts=time.time(), seq=seq, interval_s=1, model=None, version=None,
-                                requests=1, errors=0,
-                                latency=proto.LatencySummary(p50_ms=1, p95_ms=1, p99_ms=1, max_ms=1), batches=1,
-                                batch_size_mean=1, batch_size_max=1, cpu_percent=1.0, rss_mb=1.0)
+            t = telemetry("pg-1", seq)
             c.publish(proto.topic("pg-1", "telemetry"), proto.encode(t), qos=1).wait_for_publish(5)
         wait_for(lambda: fs.service.telemetry_count("pg-1") == 2)
         c.loop_stop()
+
+
+def test_a_new_rollout_supersedes_an_unfinished_one(fleet, digits_bundle, digits_bundle_v2):
+    fs, url, broker = fleet
+    for b in (digits_bundle, digits_bundle_v2):
+        httpx.post(f"{url}/api/v1/bundles", content=b.read_bytes())
+    httpx.post(f"{url}/api/v1/devices", json={"device_id": "busy"})
+    first = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0",
+                                                       "devices": ["busy"]}).json()
+    httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.1.0", "devices": ["busy"]})
+    r = httpx.get(f"{url}/api/v1/rollouts/{first['id']}").json()
+    assert r["status"] == "failed" and r["targets"][0]["error"] == f"superseded by rollout {first['id'] + 1}"
+
+
+def test_bundle_that_failed_its_gate_is_not_published(fleet, digits_bundle, tmp_path):
+    import io
+    import json as _json
+    import tarfile
+
+    fs, url, broker = fleet
+    bad = tmp_path / "gate.tar"
+    with tarfile.open(digits_bundle) as src, tarfile.open(bad, "w") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read()
+            if m.name == "manifest.json":
+                doc = _json.loads(data)
+                doc["accuracy"].update(candidate=0.5, drop=doc["accuracy"]["reference"] - 0.5, passed=False)
+                data = _json.dumps(doc).encode()
+                m.size = len(data)
+            dst.addfile(m, io.BytesIO(data))
+    r = httpx.post(f"{url}/api/v1/bundles", content=bad.read_bytes())
+    assert r.status_code == 422 and "failed its accuracy gate" in r.json()["error"]
