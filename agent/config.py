@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 from pathlib import Path
 
 import yaml
@@ -35,7 +36,8 @@ class AgentConfig(StrictModel):
     max_queue_delay_us: int = Field(default=0, ge=0, le=1_000_000)
     max_queue_size: int = Field(default=1024, ge=1)  # queued samples beyond this get 503
     queue_timeout_ms: int = Field(default=5000, ge=1)  # a request waiting longer than this gets 503
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)  # one request
+    max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)  # all requests being read at once
     intra_op_threads: int = Field(default=2, ge=1, le=256)
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)
@@ -75,4 +77,7 @@ def load_config(path: Path | None, overrides: dict[str, object]) -> AgentConfig:
     try:
         return parse_document(AgentConfig, data, source)
     except SchemaError as exc:
-        raise ConfigError(str(exc)) from exc
+        problems = [re.sub(r"missing key '(\w+)'",
+                           lambda m: f"missing setting '{m[1]}' (flag --{m[1].replace('_', '-')} or "
+                                     f"key {m[1]} in --config)", p) for p in exc.problems]
+        raise ConfigError(f"{exc.source}: {'; '.join(problems)}") from exc

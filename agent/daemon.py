@@ -115,7 +115,8 @@ class Agent:
         sock.bind((self.config.http_host, self.config.http_port))
         port = sock.getsockname()[1]
         self.inference_url = f"http://{self.config.http_host}:{port}"
-        app = create_app(self.host, self.config.max_body_bytes, self.config.device_id)
+        app = create_app(self.host, self.config.max_body_bytes, self.config.device_id,
+                         self.config.max_inflight_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=5))
         self._server = server

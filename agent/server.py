@@ -16,8 +16,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -84,8 +86,29 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def create_app(host: ModelHost, max_body_bytes: int, device_id: str) -> Starlette:
+class _ByteBudget:
+    """Bytes of request bodies held at once, across all requests (bounded memory under a flood)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise Unavailable(f"too many request bytes in flight ({self.used} of {self.limit}); retry")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+LARGE_BODY = 256 * 1024  # JSON bodies above this are decoded off the event loop
+
+
+def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
+               max_inflight_body_bytes: int = 256 * 1024 * 1024) -> Starlette:
     metrics = host.metrics
+    budget = _ByteBudget(max_inflight_body_bytes)
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -124,18 +147,17 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str) -> Starlett
     async def infer(request: Request) -> Response:
         t0 = time.perf_counter()
         ok = False
+        held = [0]
         try:
             host.get(request.path_params["name"], request.path_params.get("version"))  # fail fast: 404
-            body = await _read_body(request, max_body_bytes)
-            try:
-                doc = json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(f"the body is not valid JSON: {exc}") from exc
-            except RecursionError as exc:
-                raise RequestError("the body's JSON is nested too deeply") from exc
+            body = await _read_body(request, max_body_bytes, budget, held)
             # resolved again after the body arrived: a swap during a slow upload serves the new model
             served = host.get(request.path_params["name"], request.path_params.get("version"))
-            feeds, wanted, req_id = decode_request(doc, served.manifest.inputs, served.manifest.outputs)
+            if len(body) > LARGE_BODY:
+                feeds, wanted, req_id = await run_in_threadpool(_decode, body, served.manifest)
+            else:
+                feeds, wanted, req_id = _decode(body, served.manifest)
+            del body
             outs = await served.batcher.submit(feeds)
             resp = encode_response(served.manifest.name, served.manifest.version, outs, served.manifest.outputs,
                                    wanted, req_id)
@@ -151,6 +173,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str) -> Starlett
             log.exception("unexpected error in infer")
             return _error(500, f"internal error: {exc}")
         finally:
+            budget.give(held[0])
             metrics.request_done(time.perf_counter() - t0, ok)
 
     async def summary(request: Request) -> Response:
@@ -175,7 +198,8 @@ class _TooLarge(Exception):
     pass
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, budget: _ByteBudget, held: list[int]) -> bytes:
+    """Read at most ``limit`` bytes, charging them to ``budget`` (``held[0]`` says how much to give back)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _TooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
@@ -184,5 +208,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise _TooLarge(f"request body exceeds the {limit}-byte limit")
+        budget.take(len(chunk))
+        held[0] += len(chunk)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _decode(body: bytes, manifest: Manifest) -> tuple[dict[str, Any], list[str] | None, str | None]:
+    try:
+        doc = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise RequestError("the body's JSON is nested too deeply") from exc
+    return decode_request(doc, manifest.inputs, manifest.outputs)

@@ -30,8 +30,8 @@ class EmbeddedBroker:
 
     def start(self, timeout_s: float = 15.0) -> None:
         ready = threading.Event()
-        for name in ("amqtt", "transitions"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("transitions").setLevel(logging.WARNING)
+        logging.getLogger("amqtt").setLevel(logging.CRITICAL)  # start-up failures are reported below, once
 
         def run() -> None:
             loop = asyncio.new_event_loop()

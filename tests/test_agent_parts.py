@@ -28,7 +28,7 @@ def test_unknown_config_key_names_file_and_key(tmp_path):
 @pytest.mark.parametrize(("text", "msg"), [
     ("device_id: 'a/b'\nfleet_url: http://x\ndata_dir: /t\n", "device_id"),
     ("device_id: a\nfleet_url: ftp://x\ndata_dir: /t\n", "must start with http"),
-    ("device_id: a\nfleet_url: http://x\n", "missing key 'data_dir'"),
+    ("device_id: a\nfleet_url: http://x\n", "missing setting 'data_dir' (flag --data-dir"),
     ("device_id: a\nfleet_url: http://x\ndata_dir: /t\nmax_batch_size: 0\n", "max_batch_size"),
     ("- a list\n", "expected a mapping"),
     ("device_id: [unclosed\n", "not valid YAML"),

@@ -141,3 +141,30 @@ def _jetson_config(tmp_path):
 
 
 _ = np
+
+
+@pytest.mark.timeout(300)
+def test_tampered_bundle_on_the_fleet_is_refused_and_the_old_model_keeps_serving(tmp_path, mosquitto, digits_bundle,
+                                                                                 digits_bundle_v2, test_images):
+    images, labels = test_images
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
+    try:
+        lf.start()
+        lf.client.upload(digits_bundle)
+        lf.client.register("edge-t")
+        agent = lf.start_agent("edge-t")
+        lf.wait_online(["edge-t"])
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-t"])["id"])["status"] == "succeeded"
+        lf.client.upload(digits_bundle_v2)
+        stored = next((tmp_path / "fleet" / "tuf" / "targets" / "digits" / "1.1.0").glob("*.tar"))
+        data = bytearray(stored.read_bytes())
+        data[len(data) // 2] ^= 0x01  # someone with write access to the fleet's disk flips one bit
+        stored.write_bytes(bytes(data))
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.1.0", ["edge-t"])["id"])
+        assert r["status"] == "failed"
+        assert "TUF verification failed" in r["targets"][0]["error"]
+        assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.0.0"]
+        pred, _ = infer_images(agent.url, "digits", images[:40])
+        assert (pred == labels[:40]).mean() >= 0.95
+    finally:
+        lf.stop()
