@@ -29,6 +29,7 @@ class MqttBridge:
         self.shared_group = shared_group
         self.connected = threading.Event()
         self.rejected = 0  # malformed or spoofed messages dropped
+        self.handled: dict[str, int] = {"status": 0, "reported": 0, "telemetry": 0}
         self.on_status: Callable[[proto.StatusMessage], object] | None = None
         self.on_reported: Callable[[proto.ReportedState], object] | None = None
         self.on_telemetry: Callable[[proto.Telemetry], object] | None = None
@@ -94,6 +95,7 @@ class MqttBridge:
             handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]
             if handler is not None:
                 handler(msg)  # type: ignore[operator,arg-type]
+            self.handled[kind] += 1
             if isinstance(msg, proto.Telemetry):  # stored (or a duplicate of a stored one): the agent may delete it
                 ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), stream=msg.stream, seqs=(msg.seq,))
                 client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)

@@ -244,15 +244,25 @@ class FleetService:
                                  "updated_at": _iso(t.updated_at)} for t in targets]}
 
     # -- ingest (called from the MQTT bridge) ---------------------------------------------------
+    def _ensure_device(self, device_id: str) -> None:
+        """A device seen on MQTT before anyone registered it is kept visible, not lost. Several replicas
+        may see its first message at once: the losers of the insert race just use the winner's row."""
+        with self.sessions() as s:
+            if s.get(Device, device_id) is not None:
+                return
+        try:
+            with self.sessions.begin() as s:
+                s.add(Device(id=device_id, labels={}, registered_via="mqtt"))
+        except IntegrityError:
+            pass
+
     def _device_for_message(self, s: Session, device_id: str) -> Device:
         dev = s.get(Device, device_id)
-        if dev is None:  # seen on MQTT before anyone registered it: keep it visible, not lost
-            dev = Device(id=device_id, labels={}, registered_via="mqtt")
-            s.add(dev)
-            s.flush()
+        assert dev is not None, "call _ensure_device first"
         return dev
 
     def handle_status(self, msg: proto.StatusMessage) -> None:
+        self._ensure_device(msg.device_id)
         with self.sessions.begin() as s:
             dev = self._device_for_message(s, msg.device_id)
             dev.online = msg.state == "online"
@@ -263,6 +273,7 @@ class FleetService:
                 dev.inference_url = msg.inference_url
 
     def handle_reported(self, msg: proto.ReportedState) -> None:
+        self._ensure_device(msg.device_id)
         with self.sessions.begin() as s:
             dev = self._device_for_message(s, msg.device_id)
             dev.last_seen = utcnow()
@@ -294,6 +305,7 @@ class FleetService:
                 TelemetryRow.seq == msg.seq))
         if dup is not None:
             return False
+        self._ensure_device(msg.device_id)
         try:
             with self.sessions.begin() as s:
                 dev = self._device_for_message(s, msg.device_id)

@@ -263,3 +263,26 @@ def test_bundle_that_failed_its_gate_is_not_published(fleet, digits_bundle, tmp_
             dst.addfile(m, io.BytesIO(data))
     r = httpx.post(f"{url}/api/v1/bundles", content=bad.read_bytes())
     assert r.status_code == 422 and "failed its accuracy gate" in r.json()["error"]
+
+
+def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mosquitto):
+    """Two fleet servers on one database and one broker: each record is stored once and acked."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        replicas = [stack.enter_context(running_fleet(tmp_path, mosquitto.url, shared_subscription_group="fleet"))
+                    for _ in range(2)]
+        c = device_client(mosquitto.port, "busy-cam")
+        acked: set[int] = set()
+        c.on_message = lambda cl, u, m: acked.update(proto.decode(proto.TelemetryAck, m.payload, "ack").seqs)
+        c.subscribe(proto.topic("busy-cam", "ack"), qos=1)
+        time.sleep(0.3)
+        for seq in range(40):
+            c.publish(proto.topic("busy-cam", "telemetry"), proto.encode(telemetry("busy-cam", seq)), qos=1)
+        wait_for(lambda: acked == set(range(40)), 20, "all records acked")
+        assert replicas[0][0].service.telemetry_count("busy-cam") == 40
+        per_replica = [fs.bridge.handled["telemetry"] for fs, _ in replicas]
+        assert sum(per_replica) == 40 and min(per_replica) > 0, per_replica  # the load was split
+        for _fs, url in replicas:  # both replicas serve the same state
+            assert len(httpx.get(f"{url}/api/v1/devices/busy-cam/telemetry?limit=100").json()) == 40
+        c.loop_stop()
