@@ -131,7 +131,7 @@ class MqttLink:
                 continue
             now = time.monotonic()
             sent = 0
-            for path in self.spool.pending()[: self.window]:
+            for path in self.spool.pending(self.window):
                 if self._stop.is_set() or not self.connected.is_set():
                     break
                 seq = int(path.stem)

@@ -9,6 +9,8 @@ Bounded: beyond ``max_records`` the oldest records are dropped and counted.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import secrets
 import threading
@@ -37,13 +39,16 @@ class Spool:
             stream = secrets.token_hex(8)
             atomic_write(stream_file, stream.encode())
         self.stream = stream
-        files = self._files()
+        # the directory is listed once, at start; afterwards an in-memory index of the seqs on disk
+        self._seqs: collections.deque[int] = collections.deque(
+            sorted(int(p.stem) for p in self.dir.glob("*.json") if p.stem.isdigit()))
         seq_file = self.dir / "next_seq"
-        stored = int(seq_file.read_text()) if seq_file.exists() and seq_file.read_text().strip().isdigit() else 0
-        self._next = max([stored] + [int(p.stem) + 1 for p in files])
+        text = seq_file.read_text().strip() if seq_file.exists() else ""
+        stored = int(text) if text.isdigit() else 0
+        self._next = max([stored] + [s + 1 for s in self._seqs])
 
-    def _files(self) -> list[Path]:
-        return sorted(p for p in self.dir.glob("*.json") if p.stem.isdigit())
+    def _path(self, seq: int) -> Path:
+        return self.dir / f"{seq:012d}.json"
 
     def append(self, make: Callable[[int], bytes]) -> int:
         """Write the record ``make(seq)`` under a fresh sequence number (of stream ``self.stream``)."""
@@ -51,21 +56,26 @@ class Spool:
             seq = self._next
             self._next += 1
             atomic_write(self.dir / "next_seq", str(self._next).encode())
-            atomic_write(self.dir / f"{seq:012d}.json", make(seq))
-            files = self._files()
-            for old in files[: max(0, len(files) - self.max_records)]:
-                old.unlink(missing_ok=True)
+            atomic_write(self._path(seq), make(seq))
+            self._seqs.append(seq)
+            while len(self._seqs) > self.max_records:
+                old = self._seqs.popleft()
+                self._path(old).unlink(missing_ok=True)
                 self.dropped += 1
-                log.warning("telemetry spool full (%d records): dropped %s", self.max_records, old.name)
+                log.warning("telemetry spool full (%d records): dropped record %d", self.max_records, old)
             return seq
 
-    def pending(self) -> list[Path]:
+    def pending(self, limit: int | None = None) -> list[Path]:
+        """Paths of unacked records, oldest first (at most ``limit``)."""
         with self._lock:
-            return self._files()
-
-    def ack(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+            seqs = list(itertools.islice(self._seqs, limit))
+        return [self._path(s) for s in seqs]
 
     def ack_seq(self, seq: int) -> None:
         """The fleet stored record ``seq``: forget it."""
-        (self.dir / f"{seq:012d}.json").unlink(missing_ok=True)
+        with self._lock:
+            try:
+                self._seqs.remove(seq)  # acks arrive nearly in order: the seq is near the front
+            except ValueError:
+                return
+            self._path(seq).unlink(missing_ok=True)

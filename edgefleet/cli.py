@@ -173,11 +173,16 @@ def cmd_fleet_register(a: argparse.Namespace) -> int:
 def cmd_fleet_devices(a: argparse.Namespace) -> int:
     def run() -> int:
         devs = _client(a).devices()
-        lines = [f"{'DEVICE':<20} {'STATUS':<8} {'RUNNING':<20} {'LAST REPORT':<12}"]
+        lines = [f"{'DEVICE':<20} {'STATUS':<8} {'RUNNING':<18} {'LAST REPORT':<12} {'REQ/S':>7} {'P95 MS':>7} "
+                 f"{'CPU%':>5} {'RSS MB':>7}"]
         for d in devs:
             running = f"{d['running_model']} {d['running_version']}" if d["running_model"] else "-"
-            lines.append(f"{d['device_id']:<20} {'online' if d['online'] else 'offline':<8} {running:<20} "
-                         f"{d['last_state'] or '-':<12}")
+            t = d.get("telemetry") or {}
+            rate = f"{t['requests'] / t['interval_s']:.1f}" if t.get("interval_s") else "-"
+            p95 = t.get("latency", {}).get("p95_ms")
+            lines.append(f"{d['device_id']:<20} {'online' if d['online'] else 'offline':<8} {running:<18} "
+                         f"{d['last_state'] or '-':<12} {rate:>7} {'-' if p95 is None else f'{p95:.1f}':>7} "
+                         f"{t.get('cpu_percent', '-'):>5} {t.get('rss_mb', '-'):>7}")
         _print(devs, a.json, "\n".join(lines))
         return EXIT_OK
 
@@ -195,12 +200,19 @@ def cmd_fleet_models(a: argparse.Namespace) -> int:
     return _fleet_call(run)
 
 
-def wait_rollout(client, rollout_id: int, timeout_s: float) -> dict[str, Any]:
+def wait_rollout(client, rollout_id: int, timeout_s: float, show: bool) -> dict[str, Any]:
+    """Poll until the rollout finishes (bounded); with ``show``, a one-line progress display on stderr."""
     deadline = time.monotonic() + timeout_s
     r = client.get_rollout(rollout_id)
     while r["status"] == "in_progress" and time.monotonic() < deadline:
+        if show:
+            counts = ", ".join(f"{v} {k}" for k, v in sorted(r["counts"].items()))
+            sys.stderr.write(f"\rrollout #{rollout_id}: {counts:<70}")
+            sys.stderr.flush()
         time.sleep(0.5)
         r = client.get_rollout(rollout_id)
+    if show:
+        sys.stderr.write("\n")
     return r
 
 
@@ -210,7 +222,7 @@ def cmd_fleet_rollout(a: argparse.Namespace) -> int:
         devices = [d for d in a.devices.split(",") if d]
         r = c.rollout(a.model, a.version, devices, a.profile)
         if a.wait:
-            r = wait_rollout(c, r["id"], a.timeout)
+            r = wait_rollout(c, r["id"], a.timeout, show=not a.json)
         lines = [f"rollout #{r['id']} {r['model']} {r['version']}: {r['status']}"]
         lines += [f"  {t['device_id']:<20} {t['state']}" + (f"  ({t['error']})" if t["error"] else "")
                   for t in r["targets"]]
