@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -125,7 +126,10 @@ class Agent:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("agent %s serving on %s", self.config.device_id, self.inference_url)
+        cur = self.host.current
+        serving = f"{cur.manifest.name} {cur.manifest.version}" if cur else "no model yet"
+        print(f"edgefleet agent {self.config.device_id}: KServe v2 on {self.inference_url} ({serving}); "
+              f"following {self.config.fleet_url}", file=sys.stderr, flush=True)
         self.ready.set()
         try:
             await server.serve(sockets=[sock])

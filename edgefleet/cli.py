@@ -34,6 +34,26 @@ def _need(extra: str, exc: ImportError) -> int:
     return EXIT_INPUT
 
 
+EXTRAS = {  # what each part imports lazily; checked up front so a missing one is a message, not a traceback
+    "agent": ("onnxruntime", "paho.mqtt", "starlette", "uvicorn", "tuf", "psutil"),
+    "compiler": ("onnx", "onnxruntime.quantization", "tuf", "cryptography"),
+    "fleet": ("fastapi", "uvicorn", "sqlalchemy", "paho.mqtt", "amqtt", "tuf", "cryptography"),
+}
+
+
+def _require(*extras: str) -> None:
+    import importlib.util
+
+    for extra in extras:
+        for mod in EXTRAS[extra]:
+            try:
+                found = importlib.util.find_spec(mod) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                raise ImportError(f"No module named {mod!r}", name=mod)
+
+
 def _progress_bar(step: int, total: int, what: str) -> None:
     width = 24
     filled = int(width * step / total)
@@ -50,6 +70,7 @@ def _print(doc: Any, as_json: bool, human: str) -> None:
 # -- compile ----------------------------------------------------------------------------------------
 def cmd_compile(a: argparse.Namespace) -> int:
     try:
+        _require("compiler")
         from compiler.errors import CompilerError
         from compiler.pipeline import CompileOptions, compile_model
     except ImportError as exc:
@@ -92,10 +113,14 @@ def cmd_compile(a: argparse.Namespace) -> int:
 # -- keys -------------------------------------------------------------------------------------------
 def cmd_keys_init(a: argparse.Namespace) -> int:
     try:
+        import importlib.util
+
+        if importlib.util.find_spec("cryptography") is None or importlib.util.find_spec("tuf") is None:
+            raise ImportError("No module named 'cryptography' or 'tuf'", name="cryptography/tuf")
         from fleet.errors import KeyStoreError
         from fleet.keys import init_keys
     except ImportError as exc:
-        return _need("fleet", exc)
+        return _need("compiler", exc)
     try:
         root = init_keys(a.dir, force=a.force)
     except KeyStoreError as exc:
@@ -110,6 +135,7 @@ def cmd_keys_init(a: argparse.Namespace) -> int:
 # -- fleet ------------------------------------------------------------------------------------------
 def cmd_fleet_serve(a: argparse.Namespace) -> int:
     try:
+        _require("fleet")
         from fleet.server import FleetConfig, FleetServer
     except ImportError as exc:
         return _need("fleet", exc)
@@ -237,6 +263,7 @@ def cmd_fleet_rollout(a: argparse.Namespace) -> int:
 # -- agent ------------------------------------------------------------------------------------------
 def cmd_agent(a: argparse.Namespace) -> int:
     try:
+        _require("agent")
         from agent.config import load_config
         from agent.daemon import run_agent
     except ImportError as exc:
@@ -269,6 +296,9 @@ def cmd_agent(a: argparse.Namespace) -> int:
 # -- demo -------------------------------------------------------------------------------------------
 def cmd_demo(a: argparse.Namespace) -> int:
     try:
+        _require("agent", "compiler", "fleet")
+        import httpx  # noqa: F401  (the demo's client)
+
         from edgefleet.demo import DemoOptions, run_demo
     except ImportError as exc:
         return _need("all", exc)
