@@ -65,6 +65,26 @@ def self_test(backend: Backend, staged: StagedModel) -> None:
             raise SelfTestFailed(f"self-test: output {spec.name!r} ranks classes differently from the build")
 
 
+CRASH_ENV = "EDGEFLEET_TEST_CRASH_AT"
+
+
+def _crash_hook():
+    """Test hook: with EDGEFLEET_TEST_CRASH_AT=<point> the process dies (os._exit, no clean-up, like a
+    power cut) when the model store reaches that point: extracted, moved, before_commit, after_commit."""
+    import os
+
+    point = os.environ.get(CRASH_ENV)
+    if not point:
+        return None
+
+    def crash(at: str) -> None:
+        if at == point:
+            print(f"{CRASH_ENV}={point}: crashing now", file=sys.stderr, flush=True)
+            os._exit(137)
+
+    return crash
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
@@ -73,7 +93,7 @@ class Agent:
                                             max_queue_delay_us=config.max_queue_delay_us,
                                             queue_timeout_s=config.queue_timeout_ms / 1000,
                                             max_queue_size=config.max_queue_size), self.metrics)
-        self.store = ModelStore(config.data_dir / "store")
+        self.store = ModelStore(config.data_dir / "store", fault=_crash_hook())
         self.spool = Spool(config.data_dir / "spool", config.max_spool_records)
         self.link: MqttLink | None = None
         self.fetcher: BundleFetcher | None = None

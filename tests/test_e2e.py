@@ -168,3 +168,53 @@ def test_tampered_bundle_on_the_fleet_is_refused_and_the_old_model_keeps_serving
         assert (pred == labels[:40]).mean() >= 0.95
     finally:
         lf.stop()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("point", "after_restart"), [("extracted", "1.0.0"), ("moved", "1.0.0"),
+                                                       ("before_commit", "1.0.0"), ("after_commit", "1.1.0")])
+def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mosquitto, digits_bundle,
+                                                                    digits_bundle_v2, test_images, point,
+                                                                    after_restart):
+    """A real crash (os._exit, no clean-up) at each step of an install: on restart the agent serves either
+    the old model or the new one, whole, and then finishes the rollout from the retained desired state."""
+    images, labels = test_images
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
+    try:
+        lf.start()
+        lf.client.upload(digits_bundle)
+        lf.client.upload(digits_bundle_v2)
+        lf.client.register("edge-c")
+        lf.start_agent("edge-c")
+        lf.wait_online(["edge-c"])
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-c"])["id"])["status"] == "succeeded"
+        lf.stop_agent("edge-c")
+        doomed = lf.start_agent("edge-c", env={"EDGEFLEET_TEST_CRASH_AT": point})
+        lf.wait_online(["edge-c"])
+        rid = lf.client.rollout("digits", "1.1.0", ["edge-c"])["id"]
+        assert doomed.proc.wait(60) == 137
+        lf.agents.pop("edge-c")
+        # what the disk holds after the crash: one whole model, the old or the new one by where it died
+        from agent.store import ModelStore
+
+        store = ModelStore(tmp_path / "agents" / "edge-c" / "store")
+        entry = store.recover()
+        assert entry is not None and entry.installed.version == after_restart
+        store.load_manifest(entry, verify=True)  # every file present and matching its sha256
+        again = lf.start_agent("edge-c")
+        _wait(lambda: _version(again.url), 60, "restarted agent serving")
+        pred, _ = infer_images(again.url, "digits", images[:40])
+        assert (pred == labels[:40]).mean() >= 0.95
+        # and the retained desired state brings it to 1.1.0
+        assert lf.wait_rollout(rid)["status"] == "succeeded"
+        assert _version(again.url) == "1.1.0"
+    finally:
+        lf.stop()
+
+
+def _version(url: str) -> str | None:
+    try:
+        r = httpx.get(f"{url}/v2/models/digits", timeout=1)
+    except httpx.TransportError:
+        return None
+    return r.json()["versions"][0] if r.status_code == 200 else None
