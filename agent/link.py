@@ -123,6 +123,11 @@ class MqttLink:
             for seq in ack.seqs:
                 self._inflight.pop(seq, None)
                 self.spool.ack_seq(seq)
+            for seq in ack.rejected:
+                self._inflight.pop(seq, None)
+                if self.spool.set_aside(seq):
+                    log.error("the fleet cannot store telemetry record %d (%s); kept in %s", seq, ack.reason,
+                              self.spool.rejected_dir)
 
     def _send_spool(self) -> None:
         """Send spooled telemetry oldest first, at most ``window`` unacked at a time; resend stale ones."""

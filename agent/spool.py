@@ -3,6 +3,7 @@
     <dir>/<seq:012d>.json   one record per file, written atomically
     <dir>/next_seq          the next sequence number (survives restarts)
     <dir>/stream            a random id made with the spool; the fleet dedupes by (stream, seq)
+    <dir>/rejected/         records the fleet said it cannot read (kept, not resent)
 
 Bounded: beyond ``max_records`` the oldest records are dropped and counted.
 """
@@ -70,6 +71,23 @@ class Spool:
         with self._lock:
             seqs = list(itertools.islice(self._seqs, limit))
         return [self._path(s) for s in seqs]
+
+    @property
+    def rejected_dir(self) -> Path:
+        return self.dir / "rejected"
+
+    def set_aside(self, seq: int) -> bool:
+        """Move record ``seq`` out of the queue into ``rejected/``; False if it was not queued."""
+        with self._lock:
+            try:
+                self._seqs.remove(seq)
+            except ValueError:
+                return False
+            self.rejected_dir.mkdir(exist_ok=True)
+            src = self._path(seq)
+            if src.exists():
+                src.replace(self.rejected_dir / src.name)
+            return True
 
     def ack_seq(self, seq: int) -> None:
         """The fleet stored record ``seq``: forget it."""

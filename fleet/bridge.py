@@ -7,6 +7,7 @@ shared subscription (``$share/<group>/...``) so several fleet replicas split the
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -77,6 +78,20 @@ class MqttBridge:
         self.connected.clear()
         log.warning("lost the MQTT broker %s:%s (%s); paho will reconnect", self.host, self.port, reason_code)
 
+    @staticmethod
+    def _reject_telemetry(client, device_id: str, payload: bytes, reason: str) -> None:
+        """Tell the agent a record it will keep resending cannot be stored, if it is identifiable."""
+        try:
+            doc = json.loads(payload)
+            stream, seq = doc["stream"], doc["seq"]
+            if doc.get("device_id") != device_id or not isinstance(seq, int) or isinstance(seq, bool):
+                return
+            ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), stream=stream, rejected=(seq,),
+                                     reason=reason[:500])
+        except (ValueError, KeyError, TypeError, ContractError):  # ValueError covers pydantic's ValidationError
+            return  # not even identifiable: nothing to tell
+        client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)
+
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         parsed = proto.parse_topic(message.topic)
         if parsed is None:
@@ -102,5 +117,7 @@ class MqttBridge:
         except ContractError as exc:
             self.rejected += 1
             log.warning("dropped a malformed message: %s", exc)
+            if kind == "telemetry":
+                self._reject_telemetry(client, device_id, bytes(message.payload), str(exc))
         except Exception:
             log.exception("failed to handle a message on %s", message.topic)

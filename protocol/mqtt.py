@@ -3,7 +3,7 @@
     edgefleet/v1/devices/<id>/desired    retained, fleet -> device: which model to run
     edgefleet/v1/devices/<id>/reported   retained, device -> fleet: install progress and result
     edgefleet/v1/devices/<id>/telemetry  device -> fleet, QoS 1, spooled on disk until acked
-    edgefleet/v1/devices/<id>/ack        fleet -> device: these telemetry records are stored
+    edgefleet/v1/devices/<id>/ack        fleet -> device: these telemetry records are stored (or rejected)
     edgefleet/v1/devices/<id>/status     retained, device -> fleet; the last will says offline
 
 Delivery: a broker's PUBACK only says the broker has a message, not that the fleet stored it (the
@@ -128,9 +128,14 @@ class Telemetry(_Message):
 
 
 class TelemetryAck(_Message):
+    """``seqs`` are stored. ``rejected`` could not be stored and never will be (the fleet cannot read
+    them); the agent sets them aside on its disk instead of resending them forever."""
+
     kind: Literal["ack"] = "ack"
     stream: str
-    seqs: tuple[int, ...] = Field(min_length=1, max_length=10_000)
+    seqs: tuple[int, ...] = Field(default=(), max_length=10_000)
+    rejected: tuple[int, ...] = Field(default=(), max_length=10_000)
+    reason: str | None = None
 
 
 class StatusMessage(_Message):

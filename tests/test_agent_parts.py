@@ -87,3 +87,14 @@ def test_metrics_percentiles_and_reset():
     empty = m.snapshot_and_reset()
     assert empty.requests == 0 and empty.latency_p50_ms is None
     assert m.total_requests == 100
+
+
+def test_rejected_records_are_set_aside_not_resent(tmp_path):
+    s = Spool(tmp_path)
+    for _ in range(3):
+        s.append(lambda n: json.dumps({"seq": n}).encode())
+    assert s.set_aside(1) is True
+    assert s.set_aside(1) is False
+    assert [int(p.stem) for p in s.pending()] == [0, 2]
+    assert json.loads((s.rejected_dir / f"{1:012d}.json").read_bytes()) == {"seq": 1}
+    assert [int(p.stem) for p in Spool(tmp_path).pending()] == [0, 2]  # still so after a restart

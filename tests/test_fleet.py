@@ -286,3 +286,21 @@ def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mo
         for _fs, url in replicas:  # both replicas serve the same state
             assert len(httpx.get(f"{url}/api/v1/devices/busy-cam/telemetry?limit=100").json()) == 40
         c.loop_stop()
+
+
+def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
+    fs, url, broker = fleet
+    c = device_client(broker.port, "future")
+    acks: list[proto.TelemetryAck] = []
+    c.on_message = lambda cl, u, m: acks.append(proto.decode(proto.TelemetryAck, m.payload, "ack"))
+    c.subscribe(proto.topic("future", "ack"), qos=1)
+    time.sleep(0.2)
+    doc = telemetry("future", 7).model_dump(mode="json") | {"v": 99, "new_field": 1}  # from a newer agent
+    c.publish(proto.topic("future", "telemetry"), json.dumps(doc).encode(), qos=1).wait_for_publish(5)
+    c.publish(proto.topic("future", "telemetry"), b"garbage", qos=1).wait_for_publish(5)  # not identifiable
+    wait_for(lambda: acks)
+    time.sleep(0.3)
+    assert len(acks) == 1
+    assert acks[0].rejected == (7,) and acks[0].seqs == () and "newer" in acks[0].reason
+    assert fs.service.telemetry_count("future") == 0
+    c.loop_stop()
