@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -174,14 +175,20 @@ class Batcher:
         """Stop taking requests, finish the queued ones, release the inference thread."""
         self._closing = True
         self._wake.set()
+        stuck: list[_Pending] = []
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), drain_timeout_s)
             except TimeoutError:
+                stuck = list(self._forming)  # the loop's own clean-up forgets them when cancelled
                 self._task.cancel()
                 log.error("batcher did not drain in %.0fs; failing what is left", drain_timeout_s)
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(self._task, 1.0)
+            except Exception:
+                log.exception("the batching loop had crashed")
         gone = Unavailable("the model was replaced before this request ran; retry")
-        for p in [*self._forming, *self._queue]:
+        for p in [*stuck, *self._forming, *self._queue]:
             if not p.future.done():
                 p.future.set_exception(gone)
         self._queue.clear()

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from protocol._strict import StrictModel, parse_document
 from protocol.errors import ConfigError, SchemaError
@@ -49,6 +49,12 @@ class AgentConfig(StrictModel):
         if not device_id_ok(v):
             raise ValueError("1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
         return v
+
+    @model_validator(mode="after")
+    def _budget(self) -> AgentConfig:
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError("max_inflight_body_bytes must be at least max_body_bytes")
+        return self
 
     @field_validator("fleet_url")
     @classmethod

@@ -23,7 +23,7 @@ import numpy as np
 from agent.backends import Backend, load_backend
 from agent.batcher import BatchSettings
 from agent.config import AgentConfig
-from agent.errors import FetchError, SelfTestFailed, TrustError, UpdateError
+from agent.errors import BackendError, FetchError, SelfTestFailed, TrustError, UpdateError
 from agent.link import MqttLink
 from agent.metrics import Metrics
 from agent.server import ModelHost, create_app
@@ -114,19 +114,25 @@ class Agent:
         import uvicorn
 
         self._loop = asyncio.get_running_loop()
-        entry = self.store.recover()
-        while entry is not None:
+        self.store.recover()
+        # try the committed model, then the previous one; the store changes (and forgets the failed
+        # one) only once a fallback actually loaded: a broken runtime must not cost both models
+        for which, entry in (("current", self.store.current), ("previous", self.store.previous)):
+            if entry is None:
+                continue
             try:
                 manifest = self.store.load_manifest(entry, verify=False)
                 backend = await self._loop.run_in_executor(
                     None, load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
                     self.config.intra_op_threads)
-                await self.host.swap(manifest, backend)
-                break
             except (UpdateError, ContractError) as exc:
-                log.error("could not load the installed model %s (%s); falling back to the previous one",
-                          entry.directory, exc)
-                entry = self.store.revert()
+                log.error("could not load the %s model %s: %s", which, entry.directory, exc)
+                continue
+            await self.host.swap(manifest, backend)
+            if which == "previous":
+                log.error("serving the previous model %s; the committed one would not load", entry.directory)
+                self.store.revert()
+            break
         if self.store.current is not None:
             self._max_rollout = self.store.current.rollout_id
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
@@ -201,6 +207,12 @@ class Agent:
 
     def _on_desired(self, desired: proto.DesiredState) -> None:
         with self._desired_lock:
+            held = self._desired
+            if (held is not None and held.rollout_id is not None and desired.rollout_id is not None
+                    and desired.rollout_id < held.rollout_id):
+                log.warning("ignored desired state of rollout %s: rollout %s arrived first", desired.rollout_id,
+                            held.rollout_id)
+                return
             self._desired = desired
         self._desired_event.set()
 
@@ -248,7 +260,8 @@ class Agent:
             self._report("installed", desired)
             return
         if decision.action == "refuse":
-            reason = self._failed.get(desired.sha256, decision.reason)
+            reason = self._failed.get(desired.sha256, decision.reason) if "already failed" in decision.reason \
+                else decision.reason
             log.error("refused %s %s: %s", desired.model, desired.version, reason)
             self._report("failed", desired, error=reason)
             return
@@ -279,15 +292,18 @@ class Agent:
             self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
             staged = None
             assert self._loop is not None
+            new = backend
+            backend = None  # from here the host may own it; never close a backend that might be serving
             try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, backend), self._loop).result(timeout=120)
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, new), self._loop).result(timeout=120)
             except Exception as exc:
-                self.store.revert()
-                backend = None  # the swap may still own it; never close a backend that might be serving
-                raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
-            backend = None  # the host owns it now
+                serving = self.host.current
+                if serving is None or serving.backend is not new:  # not serving it: the old model stays current
+                    self.store.revert()
+                    raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
+                log.warning("the new model is serving; retiring the old one failed: %r", exc)
         except (UpdateError, ContractError, OSError) as exc:
-            if bundle_fault:
+            if bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError)):
                 self._failed[desired.sha256] = str(exc)
             log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
             if backend is not None:

@@ -147,7 +147,9 @@ class MqttLink:
                     self._inflight[seq] = now
                 try:
                     payload = path.read_bytes()
-                except FileNotFoundError:  # acked meanwhile
+                except FileNotFoundError:  # acked or dropped meanwhile
+                    with self._inflight_lock:
+                        self._inflight.pop(seq, None)
                     continue
                 info = self._client.publish(proto.topic(self.device_id, "telemetry"), payload, qos=1)
                 if info.rc != mqtt.MQTT_ERR_SUCCESS:

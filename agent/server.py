@@ -59,9 +59,12 @@ class ModelHost:
             batcher = Batcher(backend, self.settings, self.metrics)
             batcher.start()
             old, self.current = self.current, Served(manifest, backend, batcher)
-            if old is not None:
-                await old.batcher.close()
-                await asyncio.get_running_loop().run_in_executor(None, old.backend.close)
+            if old is not None:  # best effort: the new model already serves whatever happens here
+                try:
+                    await old.batcher.close()
+                    await asyncio.get_running_loop().run_in_executor(None, old.backend.close)
+                except Exception:
+                    log.exception("retiring %s %s failed", old.manifest.name, old.manifest.version)
         log.info("now serving %s %s", manifest.name, manifest.version)
 
     async def close(self) -> None:
@@ -109,6 +112,8 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                max_inflight_body_bytes: int = 256 * 1024 * 1024) -> Starlette:
     metrics = host.metrics
     budget = _ByteBudget(max_inflight_body_bytes)
+    # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
+    large_decodes = asyncio.Semaphore(2)
 
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -154,7 +159,8 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             # resolved again after the body arrived: a swap during a slow upload serves the new model
             served = host.get(request.path_params["name"], request.path_params.get("version"))
             if len(body) > LARGE_BODY:
-                feeds, wanted, req_id = await run_in_threadpool(_decode, body, served.manifest)
+                async with large_decodes:
+                    feeds, wanted, req_id = await run_in_threadpool(_decode, body, served.manifest)
             else:
                 feeds, wanted, req_id = _decode(body, served.manifest)
             del body

@@ -150,7 +150,8 @@ class ModelStore:
         return entry
 
     def revert(self) -> StoreEntry | None:
-        """Make the previous model current again (the current one failed to load or swap in)."""
+        """Make the previous model current again (the current one failed to load or swap in); the
+        failed one's folder is removed."""
         prev = self.previous
         state = {"state_version": STATE_VERSION, "current": None if prev is None else {**asdict(prev)},
                  "previous": None}

@@ -20,6 +20,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+from protocol.errors import ConfigError
+
 __all__ = ["Base", "Device", "Model", "Rollout", "RolloutTarget", "TelemetryRow", "make_engine", "utcnow"]
 
 
@@ -98,6 +100,15 @@ class TelemetryRow(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
+SCHEMA_VERSION = 1  # bump with any change to the tables above; older databases are refused, not misused
+
+
+class Meta(Base):
+    __tablename__ = "edgefleet_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
 def make_engine(url: str) -> tuple[Engine, sessionmaker]:
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
@@ -110,5 +121,19 @@ def make_engine(url: str) -> tuple[Engine, sessionmaker]:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+    from sqlalchemy import inspect
+
+    existing = set(inspect(engine).get_table_names())
     Base.metadata.create_all(engine)
-    return engine, sessionmaker(engine, expire_on_commit=False)
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    with sessions.begin() as s:
+        row = s.get(Meta, "schema_version")
+        if row is None:
+            if existing - {"edgefleet_meta"}:
+                raise ConfigError(f"{url}: holds fleet tables from an edgefleet without schema versions; "
+                                  "start with a fresh --data-dir / database")
+            s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+        elif row.value != str(SCHEMA_VERSION):
+            raise ConfigError(f"{url}: database schema {row.value}, this edgefleet uses {SCHEMA_VERSION}; "
+                              "migrate it or start with a fresh --data-dir / database")
+    return engine, sessions

@@ -291,7 +291,10 @@ class FleetService:
             if target.state in TERMINAL and state not in TERMINAL:
                 return  # a late progress message must not reopen a finished target
             if target.state == "installed" and state != "installed":
-                return  # installed stays installed (a replayed old failure must not flip it)
+                r = s.get(Rollout, msg.rollout_id)
+                m = s.get(Model, r.model_id) if r else None
+                if m is None or msg.running_version == m.version:
+                    return  # still running what was installed: a replayed old failure must not flip it
             target.state = state
             target.error = msg.error
             target.updated_at = utcnow()
@@ -316,9 +319,12 @@ class FleetService:
                 last = dev.last_telemetry
                 if last is None or last.get("stream") != msg.stream or last.get("seq", -1) < msg.seq:
                     dev.last_telemetry = payload
-        except IntegrityError as exc:
-            if "uq_telemetry_record" in str(exc) or "telemetry.device_id, telemetry.stream" in str(exc):
-                return False  # another replica stored it between our check and our insert
+        except IntegrityError:
+            with self.sessions() as s:  # another replica stored it between our check and our insert?
+                if s.scalar(select(TelemetryRow.id).where(
+                        TelemetryRow.device_id == msg.device_id, TelemetryRow.stream == msg.stream,
+                        TelemetryRow.seq == msg.seq)) is not None:
+                    return False
             raise
         return True
 

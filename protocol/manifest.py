@@ -91,7 +91,7 @@ class AccuracyReport(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> AccuracyReport:
-        if abs(self.drop - (self.reference - self.candidate)) > 1e-4:
+        if abs(self.drop - (self.reference - self.candidate)) > 1e-5:
             raise ValueError("drop must equal reference - candidate")
         if self.passed != (self.drop <= self.max_drop + 1e-9):
             raise ValueError("passed does not agree with drop <= max_drop")

@@ -157,14 +157,14 @@ def test_large_bodies_are_decoded_and_a_flood_is_bounded(tmp_path, digits_bundle
     data = tmp_path / "agent"
     preinstall(data, digits_bundle)
     payload = json.dumps(body(images[:16])).encode()  # ~30 KB
-    with running_agent(data, max_inflight_body_bytes=400_000) as (_agent, url):
+    with running_agent(data, max_body_bytes=400_000, max_inflight_body_bytes=400_000) as (_agent, url):
         padded = payload + b" " * 300_000  # valid JSON above LARGE_BODY: decoded on a worker thread
         r = httpx.post(f"{url}/v2/models/digits/infer", content=padded)
         assert r.status_code == 200
         pred = np.array(r.json()["outputs"][0]["data"]).reshape(16, 10).argmax(1)
         assert (pred == labels[:16]).mean() >= 0.9
     # bodies held at once are bounded: a flood gets 503s, never unbounded memory, and nothing leaks
-    with running_agent(data, max_inflight_body_bytes=40_000) as (_agent, url):
+    with running_agent(data, max_body_bytes=40_000, max_inflight_body_bytes=40_000) as (_agent, url):
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(8) as pool:

@@ -304,3 +304,19 @@ def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
     assert acks[0].rejected == (7,) and acks[0].seqs == () and "newer" in acks[0].reason
     assert fs.service.telemetry_count("future") == 0
     c.loop_stop()
+
+
+def test_a_database_from_another_schema_is_refused(tmp_path):
+    import sqlite3
+
+    from fleet.db import make_engine
+    from protocol.errors import ConfigError
+
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE telemetry (id INTEGER PRIMARY KEY, device_id TEXT, seq INTEGER)")
+    with pytest.raises(ConfigError, match="fresh --data-dir"):
+        make_engine(f"sqlite:///{db}")
+    fresh = f"sqlite:///{tmp_path / 'new.db'}"
+    make_engine(fresh)[0].dispose()
+    make_engine(fresh)[0].dispose()  # reopening its own schema is fine
