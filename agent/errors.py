@@ -1,8 +1,9 @@
 """Agent errors.
 
     AgentError
-    ├── RequestError        a client's inference request is wrong (HTTP 400; 404 for an unknown model)
-    │   └── ModelNotFound
+    ├── RequestError        a client's inference request is wrong (HTTP 400)
+    │   ├── ModelNotFound   (404)
+    │   └── PayloadTooLarge (413)
     ├── Unavailable         no model loaded, queue full, request expired (HTTP 503)
     ├── InferenceFailed     the backend failed on a batch (HTTP 500); every request of the batch gets it
     ├── UpdateError         an update could not be installed; the running model keeps serving
@@ -25,6 +26,7 @@ __all__ = [
     "FetchError",
     "InferenceFailed",
     "ModelNotFound",
+    "PayloadTooLarge",
     "RefusedUpdate",
     "RequestError",
     "SelfTestFailed",
@@ -44,6 +46,10 @@ class RequestError(AgentError):
 
 class ModelNotFound(RequestError):
     status_code = 404
+
+
+class PayloadTooLarge(RequestError):
+    status_code = 413
 
 
 class Unavailable(AgentError):

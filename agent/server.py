@@ -27,7 +27,7 @@ from starlette.routing import Route
 import protocol
 from agent.backends.base import Backend
 from agent.batcher import Batcher, BatchSettings
-from agent.errors import AgentError, ModelNotFound, RequestError, Unavailable
+from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
 from agent.kserve import decode_request, encode_response
 from agent.metrics import Metrics
 from protocol.manifest import Manifest
@@ -169,8 +169,6 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                                    wanted, req_id)
             ok = True
             return JSONResponse(resp)
-        except _TooLarge as exc:
-            return _error(413, str(exc))
         except AgentError as exc:
             status = getattr(exc, "status_code", 500)
             headers = {"Retry-After": "1"} if status == 503 else None
@@ -200,20 +198,16 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
     return Starlette(routes=routes)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 async def _read_body(request: Request, limit: int, budget: _ByteBudget, held: list[int]) -> bytes:
     """Read at most ``limit`` bytes, charging them to ``budget`` (``held[0]`` says how much to give back)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _TooLarge(f"request body exceeds the {limit}-byte limit")
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
         budget.take(len(chunk))
         held[0] += len(chunk)
         chunks.append(chunk)

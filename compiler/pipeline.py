@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import platform
 import sys
 import tempfile
@@ -133,8 +134,6 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size)
                  for p in (engine, work / "selftest.npz")}
         labels = info.metadata.get("edgefleet.labels")
-        import json
-
         manifest = Manifest(
             manifest_version=MANIFEST_VERSION, name=opts.name, version=opts.version, profile=profile.name,
             backend=profile.backend, precision=precision,

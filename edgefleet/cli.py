@@ -38,6 +38,7 @@ EXTRAS = {  # what each part imports lazily; checked up front so a missing one i
     "agent": ("onnxruntime", "paho.mqtt", "starlette", "uvicorn", "tuf", "psutil"),
     "compiler": ("onnx", "onnxruntime.quantization", "tuf", "cryptography"),
     "fleet": ("fastapi", "uvicorn", "sqlalchemy", "paho.mqtt", "amqtt", "tuf", "cryptography"),
+    "keys": ("tuf", "cryptography"),  # in both [compiler] and [fleet]
 }
 
 
@@ -113,10 +114,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
 # -- keys -------------------------------------------------------------------------------------------
 def cmd_keys_init(a: argparse.Namespace) -> int:
     try:
-        import importlib.util
-
-        if importlib.util.find_spec("cryptography") is None or importlib.util.find_spec("tuf") is None:
-            raise ImportError("No module named 'cryptography' or 'tuf'", name="cryptography/tuf")
+        _require("keys")
         from fleet.errors import KeyStoreError
         from fleet.keys import init_keys
     except ImportError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,7 @@ from fleet.errors import BadRequest, FleetError
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
 
-__all__ = ["MAX_UPLOAD_BYTES", "create_app"]
-
-MAX_UPLOAD_BYTES = 1024**3  # bundles above 1 GiB are refused with 413
+__all__ = ["create_app"]
 
 
 class _Body(BaseModel):
@@ -39,7 +38,7 @@ class RolloutIn(_Body):
 
 
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
-               max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
+               mqtt_connected: Callable[[], bool], max_upload_bytes: int) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
                   description="Registry, signed model repository and rollouts for edgefleet agents.")
 
@@ -49,12 +48,12 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
 
     @app.get("/api/v1/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "mqtt_connected": bootstrap.get("_bridge_connected", lambda: None)()}
+        return {"status": "ok", "mqtt_connected": mqtt_connected()}
 
     @app.get("/api/v1/bootstrap")
     def get_bootstrap() -> dict[str, Any]:
         """What an agent needs to find the broker and the TUF repository."""
-        return {k: v for k, v in bootstrap.items() if not k.startswith("_")}
+        return bootstrap
 
     @app.get("/api/v1/devices")
     def list_devices() -> list[dict[str, Any]]:

@@ -62,13 +62,13 @@ class FleetServer:
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,
             "tuf_metadata_url": f"{public}/tuf/metadata/",
             "tuf_targets_url": f"{public}/tuf/targets/",
-            "_bridge_connected": self.bridge.connected.is_set,
         }
 
     def app(self):
         from fleet.api import create_app
 
-        return create_app(self.service, self.repo, self.bootstrap, self.config.max_upload_bytes)
+        return create_app(self.service, self.repo, self.bootstrap, self.bridge.connected.is_set,
+                          self.config.max_upload_bytes)
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):

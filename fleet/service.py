@@ -302,12 +302,6 @@ class FleetService:
 
     def handle_telemetry(self, msg: proto.Telemetry) -> bool:
         """Store one telemetry record; False if it was a duplicate (QoS 1 may deliver twice)."""
-        with self.sessions() as s:
-            dup = s.scalar(select(TelemetryRow.id).where(
-                TelemetryRow.device_id == msg.device_id, TelemetryRow.stream == msg.stream,
-                TelemetryRow.seq == msg.seq))
-        if dup is not None:
-            return False
         self._ensure_device(msg.device_id)
         try:
             with self.sessions.begin() as s:
@@ -320,7 +314,7 @@ class FleetService:
                 if last is None or last.get("stream") != msg.stream or last.get("seq", -1) < msg.seq:
                     dev.last_telemetry = payload
         except IntegrityError:
-            with self.sessions() as s:  # another replica stored it between our check and our insert?
+            with self.sessions() as s:  # a duplicate (QoS 1 redelivery, or another replica stored it)?
                 if s.scalar(select(TelemetryRow.id).where(
                         TelemetryRow.device_id == msg.device_id, TelemetryRow.stream == msg.stream,
                         TelemetryRow.seq == msg.seq)) is not None:

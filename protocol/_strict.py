@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -44,13 +42,3 @@ def parse_document(model: type[M], data: Any, source: str) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise SchemaError(source, problems_from(exc)) from exc
-
-
-def load_json_file(model: type[M], path: Path) -> M:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise SchemaError(str(path), ["file not found"]) from exc
-    except json.JSONDecodeError as exc:
-        raise SchemaError(str(path), [f"not valid JSON: {exc}"]) from exc
-    return parse_document(model, data, str(path))

@@ -6,7 +6,6 @@ Run against a Mosquitto the test starts on a free port, and again against the fl
 from __future__ import annotations
 
 import httpx
-import numpy as np
 import pytest
 
 from edgefleet.demo import LocalFleet, infer_images
@@ -139,8 +138,6 @@ def _jetson_config(tmp_path):
     p.write_text("profiles: [jetson-orin-nano]\n")
     return p
 
-
-_ = np
 
 
 @pytest.mark.timeout(300)

@@ -93,13 +93,19 @@ def telemetry(device_id: str, seq: int, stream: str = "0123456789abcdef") -> pro
                            batches=1, batch_size_mean=1.0, batch_size_max=1, cpu_percent=1.0, rss_mb=10.0)
 
 
-def test_telemetry_is_stored_once_and_acked(fleet):
-    fs, url, broker = fleet
-    c = device_client(broker.port, "tele")
+def ack_listener(broker_port: int, device_id: str) -> tuple[mqtt.Client, list[proto.TelemetryAck]]:
+    """A fake device that collects the fleet's telemetry acks."""
+    c = device_client(broker_port, device_id)
     acks: list[proto.TelemetryAck] = []
     c.on_message = lambda cl, u, m: acks.append(proto.decode(proto.TelemetryAck, m.payload, "ack"))
-    c.subscribe(proto.topic("tele", "ack"), qos=1)
-    time.sleep(0.2)
+    c.subscribe(proto.topic(device_id, "ack"), qos=1)
+    time.sleep(0.3)
+    return c, acks
+
+
+def test_telemetry_is_stored_once_and_acked(fleet):
+    fs, url, broker = fleet
+    c, acks = ack_listener(broker.port, "tele")
     for seq in (0, 1, 1, 2):  # QoS 1 may deliver a message twice
         c.publish(proto.topic("tele", "telemetry"), proto.encode(telemetry("tele", seq)), qos=1).wait_for_publish(5)
     # a re-imaged device starts a new spool: its seq 0 is a new record, not a duplicate
@@ -272,14 +278,10 @@ def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mo
     with ExitStack() as stack:
         replicas = [stack.enter_context(running_fleet(tmp_path, mosquitto.url, shared_subscription_group="fleet"))
                     for _ in range(2)]
-        c = device_client(mosquitto.port, "busy-cam")
-        acked: set[int] = set()
-        c.on_message = lambda cl, u, m: acked.update(proto.decode(proto.TelemetryAck, m.payload, "ack").seqs)
-        c.subscribe(proto.topic("busy-cam", "ack"), qos=1)
-        time.sleep(0.3)
+        c, acks = ack_listener(mosquitto.port, "busy-cam")
         for seq in range(40):
             c.publish(proto.topic("busy-cam", "telemetry"), proto.encode(telemetry("busy-cam", seq)), qos=1)
-        wait_for(lambda: acked == set(range(40)), 20, "all records acked")
+        wait_for(lambda: {s for a in acks for s in a.seqs} == set(range(40)), 20, "all records acked")
         assert replicas[0][0].service.telemetry_count("busy-cam") == 40
         per_replica = [fs.bridge.handled["telemetry"] for fs, _ in replicas]
         assert sum(per_replica) == 40 and min(per_replica) > 0, per_replica  # the load was split
@@ -290,11 +292,7 @@ def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mo
 
 def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
     fs, url, broker = fleet
-    c = device_client(broker.port, "future")
-    acks: list[proto.TelemetryAck] = []
-    c.on_message = lambda cl, u, m: acks.append(proto.decode(proto.TelemetryAck, m.payload, "ack"))
-    c.subscribe(proto.topic("future", "ack"), qos=1)
-    time.sleep(0.2)
+    c, acks = ack_listener(broker.port, "future")
     doc = telemetry("future", 7).model_dump(mode="json") | {"v": 99, "new_field": 1}  # from a newer agent
     c.publish(proto.topic("future", "telemetry"), json.dumps(doc).encode(), qos=1).wait_for_publish(5)
     c.publish(proto.topic("future", "telemetry"), b"garbage", qos=1).wait_for_publish(5)  # not identifiable
