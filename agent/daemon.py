@@ -23,15 +23,16 @@ import numpy as np
 from agent.backends import Backend, load_backend
 from agent.batcher import BatchSettings
 from agent.config import AgentConfig
-from agent.errors import BackendError, FetchError, SelfTestFailed, TrustError, UpdateError
+from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from agent.link import MqttLink
 from agent.metrics import Metrics
 from agent.server import ModelHost, create_app
 from agent.spool import Spool
 from agent.store import ModelStore, StagedModel
-from agent.trusted import decide
+from agent.trusted import check_cpu, decide
 from agent.updater import BundleFetcher
 from protocol import mqtt as proto
+from protocol.cpu import cpu_features
 from protocol.errors import ContractError
 
 __all__ = ["Agent", "run_agent", "self_test"]
@@ -40,13 +41,15 @@ log = logging.getLogger("edgefleet.agent")
 WARMUP_RUNS = 3
 
 
-def self_test(backend: Backend, staged: StagedModel) -> None:
-    """Run the bundle's own sample; outputs must match what the compiler recorded."""
+def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
+    """Run the bundle's own sample; outputs must match what the compiler recorded. Returns the figures
+    measured on this device's CPU, for the install report."""
     path = staged.directory / staged.manifest.selftest
     try:
         with np.load(path, allow_pickle=False) as npz:
             feeds = {s.name: npz[f"input:{s.name}"] for s in backend.inputs}
             expected = [npz[f"expected:{s.name}"] for s in backend.outputs]
+            labels = npz["labels"] if "labels" in npz.files else None
     except (KeyError, ValueError, OSError) as exc:
         raise SelfTestFailed(f"self-test sample {path.name} is unreadable: {exc}") from exc
     try:
@@ -54,15 +57,26 @@ def self_test(backend: Backend, staged: StagedModel) -> None:
             got = backend.infer(feeds)
     except Exception as exc:  # the runtime's own error types
         raise SelfTestFailed(f"self-test: the engine failed on its own sample: {exc}") from exc
+    drift = 0.0
     for spec, g, e in zip(backend.outputs, got, expected, strict=True):
         if g.shape != e.shape:
             raise SelfTestFailed(f"self-test: output {spec.name!r} has shape {g.shape}, expected {e.shape}")
         tol = 1e-3 + 0.02 * float(np.abs(e).max(initial=0.0))
         diff = float(np.abs(g.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
+        drift = max(drift, diff / tol)
         if diff > tol:
-            raise SelfTestFailed(f"self-test: output {spec.name!r} differs by {diff:.4g} (tolerance {tol:.4g})")
+            raise SelfTestFailed(f"self-test: output {spec.name!r} differs by {diff:.4g} (tolerance {tol:.4g}) "
+                                 "on this device's CPU")
         if e.ndim == 2 and not np.array_equal(g.argmax(1), e.argmax(1)):
             raise SelfTestFailed(f"self-test: output {spec.name!r} ranks classes differently from the build")
+    first, want = got[0], expected[0]
+    classes = first.ndim == 2 and len(first) > 0
+    return proto.SelfTestResult(
+        samples=len(first) if first.ndim else 1,
+        top1=float((first.argmax(1) == labels).mean()) if classes and labels is not None
+        and labels.shape == (len(first),) else None,
+        top1_agreement=float((first.argmax(1) == want.argmax(1)).mean()) if classes else None,
+        drift=round(drift, 4))
 
 
 CRASH_ENV = "EDGEFLEET_TEST_CRASH_AT"
@@ -122,6 +136,7 @@ class Agent:
                 continue
             try:
                 manifest = self.store.load_manifest(entry, verify=False)
+                self._require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
                 backend = await self._loop.run_in_executor(
                     None, load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
                     self.config.intra_op_threads)
@@ -217,7 +232,7 @@ class Agent:
         self._desired_event.set()
 
     def _report(self, state: str, desired: proto.DesiredState | None, error: str | None = None,
-                install_s: float | None = None) -> None:
+                install_s: float | None = None, selftest: proto.SelfTestResult | None = None) -> None:
         if self.link is None:
             return
         cur = self.store.current
@@ -226,7 +241,7 @@ class Agent:
             rollout_id=desired.rollout_id if desired else None,
             model=desired.model if desired else None, version=desired.version if desired else None,
             running_model=cur.installed.name if cur else None, running_version=cur.installed.version if cur else None,
-            error=error, install_s=install_s)
+            error=error, install_s=install_s, selftest=selftest)
         self.link.report(msg)
 
     # -- installing -----------------------------------------------------------------------------
@@ -271,7 +286,7 @@ class Agent:
         backend: Backend | None = None
         bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
         try:
-            fetched = self._fetch_with_retries(desired)
+            fetched = self._fetch_with_retries(desired, profile)
             if fetched is None:
                 return  # superseded by a newer desired state, or stopping
             bundle_fault = True
@@ -286,8 +301,9 @@ class Agent:
             if (m.name, m.version, m.profile) != (desired.model, desired.version, profile):
                 raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
                                  f"expected {desired.model} {desired.version} {profile}")
+            self._require_cpu(profile, m.cpu_features)
             backend = load_backend(m, staged.engine, self.config.intra_op_threads)
-            self_test(backend, staged)
+            measured = self_test(backend, staged)
             bundle_fault = False
             self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
             staged = None
@@ -303,7 +319,8 @@ class Agent:
                     raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
                 log.warning("the new model is serving; retiring the old one failed: %r", exc)
         except (UpdateError, ContractError, OSError) as exc:
-            if bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError)):
+            if isinstance(exc, RefusedUpdate) or (
+                    bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError))):
                 self._failed[desired.sha256] = str(exc)
             log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
             if backend is not None:
@@ -315,17 +332,28 @@ class Agent:
         finally:
             if self.fetcher is not None:
                 self.fetcher.clean()
-        self._report("installed", desired, install_s=round(time.monotonic() - t0, 3))
+        self._report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured)
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
 
-    def _fetch_with_retries(self, desired: proto.DesiredState):
+    @staticmethod
+    def _require_cpu(profile: str, required: object) -> None:
+        """Refuse a bundle whose (signed) CPU requirements this CPU does not meet."""
+        if not isinstance(required, (list, tuple)) or not all(isinstance(f, str) for f in required):
+            return  # a repository or manifest from before edgefleet recorded CPU features
+        decision = check_cpu(profile, tuple(required), cpu_features())
+        if decision.action == "refuse":
+            raise RefusedUpdate(decision.reason)
+
+    def _fetch_with_retries(self, desired: proto.DesiredState, profile: str):
         delay = 1.0
         attempt = 0
         while True:
             if self.fetcher is None:
                 raise FetchError("not connected to the fleet yet")
             try:
-                return self.fetcher.fetch(desired.target, desired.sha256)
+                return self.fetcher.fetch(
+                    desired.target, desired.sha256,
+                    precheck=lambda custom: self._require_cpu(profile, custom.get("cpu_features")))
             except FetchError as exc:
                 attempt += 1
                 if attempt > self.config.install_retries:

@@ -9,7 +9,8 @@
     ├── UpdateError         an update could not be installed; the running model keeps serving
     │   ├── TrustError      the repository's data failed verification (TUF, hashes, manifest)
     │   ├── FetchError      the fleet could not be reached or a download broke (retried)
-    │   ├── RefusedUpdate   the update is verified but not acceptable (downgrade, wrong profile)
+    │   ├── RefusedUpdate   the update is verified but not acceptable (downgrade, wrong profile, a CPU
+    │   │                   that lacks the instruction sets the bundle needs)
     │   └── SelfTestFailed  the new model loaded but gave wrong answers on its own sample
     └── BackendError        a runtime could not load an engine
 

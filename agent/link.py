@@ -18,6 +18,7 @@ import paho.mqtt.client as mqtt
 import protocol
 from agent.spool import Spool
 from protocol import mqtt as proto
+from protocol.cpu import cpu_arch, cpu_features
 from protocol.errors import ContractError
 
 __all__ = ["MqttLink"]
@@ -77,7 +78,8 @@ class MqttLink:
             return
         log.info("connected to MQTT %s:%s", self.host, self.port)
         status = proto.StatusMessage(device_id=self.device_id, ts=time.time(), state="online",
-                                     agent_version=protocol.__version__, inference_url=self.inference_url)
+                                     agent_version=protocol.__version__, inference_url=self.inference_url,
+                                     arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features())))
         client.publish(proto.topic(self.device_id, "status"), proto.encode(status), qos=1, retain=True)
         client.subscribe([(proto.topic(self.device_id, "desired"), 1), (proto.topic(self.device_id, "ack"), 1)])
         if self._last_report is not None:

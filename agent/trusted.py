@@ -3,7 +3,9 @@
 The record only moves forward. A desired state is installed when it names a newer version of the
 running model (or another model); the same version with other content is refused as tampering; an
 older version is refused as a downgrade (publish the old build under a new version instead). A
-bundle built for a profile this device does not run is refused.
+bundle built for a profile this device does not run is refused, and so is one that needs CPU
+instruction sets this device lacks (``check_cpu``, decided from the signed target metadata before
+the download and again from the manifest).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal
 
 from protocol.manifest import version_key
 
-__all__ = ["Decision", "Installed", "decide"]
+__all__ = ["Decision", "Installed", "check_cpu", "decide"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +51,14 @@ def decide(current: Installed | None, name: str, version: str, sha256: str, prof
     if sha256 in failed_sha256:
         return Decision("refuse", f"{name} {version} already failed to install on this device")
     return Decision("install", f"install {name} {version}")
+
+
+def check_cpu(profile: str, required: tuple[str, ...] | list[str], have: frozenset[str]) -> Decision:
+    """Refuse a bundle whose profile promises instruction sets this CPU does not have: its engine
+    would compute other answers than the ones it was gated on (or not run at all)."""
+    missing = [f for f in required if f not in have]
+    if missing:
+        return Decision("refuse", f"bundle for profile {profile!r} needs CPU features {', '.join(missing)}, which "
+                                  f"this CPU lacks (it has {', '.join(sorted(have)) or 'none known'}); roll out "
+                                  "a build for a profile this CPU meets (x86-cpu needs only avx2, fma)")
+    return Decision("install", f"this CPU has {', '.join(required) or 'what the bundle needs'}")

@@ -9,6 +9,7 @@ metadata says.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,10 @@ class BundleFetcher:
         for leftover in self.download_dir.iterdir():
             leftover.unlink(missing_ok=True)
 
-    def fetch(self, target: str, expected_sha256: str) -> FetchedBundle:
+    def fetch(self, target: str, expected_sha256: str,
+              precheck: Callable[[dict[str, Any]], None] | None = None) -> FetchedBundle:
+        """Verify the metadata, call ``precheck`` with the target's signed custom fields (it raises to
+        refuse the bundle before a byte of it is downloaded), then download and verify the bundle."""
         from tuf.api import exceptions as tuf_exc
         from tuf.ngclient import Updater, UpdaterConfig
 
@@ -74,6 +78,8 @@ class BundleFetcher:
             if signed_sha != expected_sha256:
                 raise TrustError(f"desired state names sha256 {expected_sha256[:12]}… for {target!r}, "
                                  f"the signed metadata says {str(signed_sha)[:12]}…")
+            if precheck is not None:
+                precheck(dict(info.custom))
             dest = self.download_dir / "bundle.tar"
             updater.download_target(info, str(dest))
         except (tuf_exc.RepositoryError, tuf_exc.DownloadLengthMismatchError) as exc:

@@ -103,10 +103,27 @@ def cmd_compile(a: argparse.Namespace) -> int:
              f"model     {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
              f"accuracy  top-1 {acc.candidate_precision} {acc.candidate:.4f}  vs {acc.reference_precision} "
              f"{acc.reference:.4f}  (drop {acc.drop:+.4f}, allowed {acc.max_drop:.4f}, {acc.eval_samples} samples)"]
+    if m.precision_choice is not None:
+        for c in m.precision_choice.candidates:
+            if c.precision != m.precision and c.top1 is not None:
+                lines.append(f"also      top-1 {c.precision} {c.top1:.4f} (drop {c.drop:+.4f}, "
+                             f"{'passed' if c.passed else 'FAILED'} the gate)")
+            elif c.note:
+                lines.append(f"also      {c.precision}: {c.note}")
+    if m.quantization is not None:
+        q = m.quantization
+        lines.append(f"int8      {q.scheme} ({q.activation_type} activations, {q.weight_bits}-bit {q.weight_type} "
+                     f"weights): {q.reason}")
     if m.benchmark:
+        ref, cand = m.benchmark.reference_precision, m.benchmark.candidate_precision or acc.candidate_precision
         for p in m.benchmark.points:
-            lines.append(f"latency   batch {p.batch_size:>3}: {acc.reference_precision} {p.reference_ms_p50:.3f} ms, "
-                         f"{acc.candidate_precision} {p.candidate_ms_p50:.3f} ms p50 ({p.speedup:.2f}x)")
+            lines.append(f"latency   batch {p.batch_size:>3}: {ref} {p.reference_ms_p50:.3f} ms, "
+                         f"{cand} {p.candidate_ms_p50:.3f} ms p50 ({p.speedup:.2f}x)")
+    if m.build_host is not None:
+        lines.append(f"built on  {m.build_host.arch} with {', '.join(m.build_host.cpu_features)}; "
+                     f"the engine needs {', '.join(m.cpu_features) or 'no particular CPU feature'}")
+    if m.precision_choice is not None:
+        lines.append(f"chose     {m.precision_choice.reason}")
     _print(doc, a.json, "\n".join(lines))
     return EXIT_OK
 
@@ -291,6 +308,50 @@ def cmd_agent(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- verify -----------------------------------------------------------------------------------------
+def cmd_verify(a: argparse.Namespace) -> int:
+    try:
+        _require("agent")
+        from agent.errors import AgentError
+        from agent.verify import verify_bundle
+    except ImportError as exc:
+        return _need("agent", exc)
+    from protocol.errors import EdgefleetError
+
+    if not a.bundle.is_file():
+        print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        r = verify_bundle(a.bundle, a.eval, threads=a.threads)
+    except (AgentError, EdgefleetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        return EXIT_INPUT
+    m = r.manifest
+    lines = [f"bundle    {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
+             f"this CPU  {r.arch} with {', '.join(r.cpu_features)}"]
+    if not r.cpu_ok:
+        lines.append(f"REFUSED   {r.cpu_reason}")
+    elif r.selftest is None:
+        lines.append(f"FAILED    {r.selftest_error}")
+    else:
+        st = r.selftest
+        top = f", top-1 {st.top1:.4f}" if st.top1 is not None else ""
+        lines.append(f"self-test {st.samples} samples: drift {st.drift:.2f}x tolerance{top}"
+                     + (f" (build: {m.selftest_summary.top1:.4f})" if m.selftest_summary
+                        and m.selftest_summary.top1 is not None else ""))
+    if r.top1 is not None:
+        lines.append(f"top-1     {r.top1:.4f} on {r.eval_samples} samples here; recorded {r.recorded_top1:.4f}, "
+                     f"fp32 {m.accuracy.reference:.4f} (drop {r.drop_vs_fp32:+.4f}, allowed {m.accuracy.max_drop:.4f})")
+    lines.append("holds     yes: this CPU computes what the bundle was gated on" if r.holds else
+                 "holds     NO")
+    _print(r.to_json(), a.json, "\n".join(lines))
+    if not r.cpu_ok:
+        return EXIT_INPUT
+    return EXIT_OK if r.holds else EXIT_GATE
+
+
 # -- demo -------------------------------------------------------------------------------------------
 def cmd_demo(a: argparse.Namespace) -> int:
     try:
@@ -318,15 +379,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("compile", formatter_class=_Formatter, help="compile an ONNX model into a bundle",
-                       description="Check the graph, quantize (static INT8, QDQ) or keep FP32, gate on accuracy "
-                                   "against FP32, benchmark, and write a bundle archive.")
+                       description="Check the graph, quantize (static INT8, QDQ) for the weakest CPU the profile "
+                                   "admits (its cpu_features, never the build host), gate on accuracy against FP32, "
+                                   "benchmark, keep the fastest precision that passes (--precision auto), and "
+                                   "write a bundle archive.")
     c.add_argument("model", type=Path, help="source ONNX model with a dynamic batch dimension")
     c.add_argument("--profile", required=True, help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path")
     c.add_argument("--calibration", type=Path, help=".npz with the model's input(s), for INT8 calibration")
     c.add_argument("--eval", required=True, type=Path, help=".npz with input(s) and 'labels', for the accuracy gate")
     c.add_argument("--name", help="model name in the registry (default: the model's folder name)")
     c.add_argument("--version", default="1.0.0", help="model version, MAJOR.MINOR.PATCH")
-    c.add_argument("--precision", choices=["int8", "fp32", "fp16"], help="default: the profile's default_precision")
+    c.add_argument("--precision", choices=["auto", "int8", "fp32", "fp16"], default="auto",
+                   help="auto: build the profile's quantized precision and fp32, keep the fastest that passes the "
+                        "accuracy gate on the profile's benchmark, and record both")
     c.add_argument("--max-accuracy-drop", type=float,
                    help="largest allowed top-1 drop versus FP32, absolute (default: the profile's accuracy.max_drop)")
     c.add_argument("--out", type=Path, default=Path("dist"), help="folder for the bundle")
@@ -334,6 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_compile)
+
+    v = sub.add_parser("verify", formatter_class=_Formatter, help="run a bundle on this CPU as an agent would",
+                       description="Load a bundle through the agent's backend on this machine's CPU, run its "
+                                   "self-test and, with --eval, measure top-1 against the figure the compiler "
+                                   "recorded. Exit 0 if it holds, 3 if this CPU computes something else, 4 if "
+                                   "this CPU lacks the instruction sets the bundle needs. Try it on an emulated "
+                                   "AVX2-only CPU: qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
+    v.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
+    v.add_argument("--eval", type=Path, help=".npz with input(s) and 'labels' (e.g. models/digits/test.npz)")
+    v.add_argument("--threads", type=int, default=2, help="inference threads")
+    v.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
+    v.set_defaults(fn=cmd_verify)
 
     k = sub.add_parser("keys", help="manage the TUF signing keys").add_subparsers(dest="keys_cmd", required=True)
     ki = k.add_parser("init", formatter_class=_Formatter, help="create root/targets/snapshot/timestamp keys",

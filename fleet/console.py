@@ -50,6 +50,42 @@ def _telemetry_cells(t: dict[str, Any] | None) -> str:
             f'<td>{t["cpu_percent"]:.0f}% · {t["rss_mb"]:.0f} MB</td>')
 
 
+def _selftest_cell(st: dict[str, Any] | None) -> str:
+    """The device's own self-test figure next to the compile-time one for the same build."""
+    if not st:
+        return "–"
+    build = st.get("build") or {}
+    if st.get("top1") is not None:
+        mine = f'top-1 {st["top1"]:.3f}'
+        theirs = f'build {build["top1"]:.3f}' if build.get("top1") is not None else ""
+    elif st.get("top1_agreement") is not None:
+        mine, theirs = f'agree {st["top1_agreement"]:.3f}', ""
+    else:
+        mine, theirs = f'drift {st["drift"]:.2f}×', ""
+    cls = "ok" if (st.get("top1") is None or build.get("top1") is None or st["top1"] >= build["top1"]) else "wait"
+    tip = (f'{st["samples"]} samples on this device; drift {st["drift"]:.2f}× tolerance; compile-time top-1 '
+           f'{build.get("accuracy", "?")} on {build.get("eval_samples", "?")} images')
+    return (f'<span class="pill {cls}" title="{escape(tip)}">{escape(mine)}</span>'
+            f'{f" <small>({escape(theirs)})</small>" if theirs else ""}')
+
+
+def _hardware(h: dict[str, Any] | None) -> str:
+    if not h:
+        return ""
+    feats = set(h.get("cpu_features") or [])
+    isa = "AVX-512 VNNI" if "avx512_vnni" in feats else "AVX2" if "avx2" in feats else (h.get("arch") or "")
+    return f'<br><small class="sub">{escape(isa)}</small>'
+
+
+def _choice(m: dict[str, Any]) -> str:
+    c = m.get("precision_choice")
+    q = m.get("quantization")
+    parts = [f'<br><small class="sub">{escape(c["reason"])}</small>'] if c else []
+    if q:
+        parts.append(f'<br><small class="sub">{escape(q["scheme"])}: {q["weight_bits"]}-bit weights</small>')
+    return "".join(parts)
+
+
 def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]]) -> str:
     online = sum(1 for d in devices if d["online"])
     failing = sum(1 for d in devices if d["last_state"] in ("failed", "rolled_back"))
@@ -59,11 +95,13 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         desired = d["desired"]
         want = f'{escape(desired["model"])} {escape(desired["version"])}' if desired else "–"
         err = f'<br><small class="pill bad">{escape(d["last_error"][:200])}</small>' if d["last_error"] else ""
-        rows.append(f'<tr><td><b>{escape(d["device_id"])}</b></td><td>{_pill("online" if d["online"] else "offline")}'
+        rows.append(f'<tr><td><b>{escape(d["device_id"])}</b>{_hardware(d.get("hardware"))}</td>'
+                    f'<td>{_pill("online" if d["online"] else "offline")}'
                     f'</td><td>{running}</td><td>{want}</td><td>{_pill(d["last_state"])}{err}</td>'
+                    f'<td>{_selftest_cell(d.get("selftest"))}</td>'
                     f'{_telemetry_cells(d["telemetry"])}<td>{_ts(d["last_seen"])}</td></tr>')
     mrows = [f'<tr><td><b>{escape(m["name"])}</b></td><td>{escape(m["version"])}</td><td>{escape(m["profile"])}</td>'
-             f'<td>{escape(m["backend"])} {escape(m["precision"])}</td>'
+             f'<td>{escape(m["backend"])} {escape(m["precision"])}{_choice(m)}</td>'
              f'<td>{m["accuracy"]["candidate"]:.4f} (fp32 {m["accuracy"]["reference"]:.4f})</td>'
              f'<td><code>{escape(m["sha256"][:16])}…</code></td><td>{_ts(m["uploaded_at"])}</td></tr>' for m in models]
     rrows = []
@@ -81,7 +119,8 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
 <span><b>{sum(1 for r in rollouts if r["status"] == "in_progress")}</b> rollouts in progress</span>
 <span>refreshes every 5 s</span></div>
 <h2>Devices</h2><table><tr><th>device</th><th>status</th><th>running</th><th>desired</th><th>last report</th>
-<th>requests</th><th>p95 latency</th><th>mean batch</th><th>cpu · memory</th><th>last seen (UTC)</th></tr>
+<th>self-test on device</th><th>requests</th><th>p95 latency</th><th>mean batch</th><th>cpu · memory</th>
+<th>last seen (UTC)</th></tr>
 {"".join(rows) or empty}</table>
 <h2>Models</h2><table><tr><th>name</th><th>version</th><th>profile</th><th>engine</th><th>accuracy (top-1)</th>
 <th>sha256</th><th>uploaded (UTC)</th></tr>{"".join(mrows) or empty}</table>

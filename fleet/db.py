@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from typing import Any
 
 from sqlalchemy import (
@@ -18,11 +19,13 @@ from sqlalchemy import (
     event,
 )
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from protocol.errors import ConfigError
 
 __all__ = ["Base", "Device", "Model", "Rollout", "RolloutTarget", "TelemetryRow", "make_engine", "utcnow"]
+
+log = logging.getLogger("edgefleet.fleet.db")
 
 
 def utcnow() -> dt.datetime:
@@ -50,6 +53,10 @@ class Device(Base):
     desired_model_id: Mapped[int | None] = mapped_column(ForeignKey("models.id"), default=None)
     desired_rollout_id: Mapped[int | None] = mapped_column(Integer, default=None)
     last_telemetry: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # newest by seq
+    # schema 2: what the device's CPU can do (CPUID, from its status message) and the self-test its
+    # last install measured on that CPU, next to the compile-time figures
+    hardware: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    selftest: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
 
 
 class Model(Base):
@@ -100,7 +107,12 @@ class TelemetryRow(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-SCHEMA_VERSION = 1  # bump with any change to the tables above; older databases are refused, not misused
+SCHEMA_VERSION = 2  # bump with any change to the tables above, and add the step to MIGRATIONS
+
+# from version N to N+1: plain DDL that keeps every row (SQLite and PostgreSQL alike)
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE devices ADD COLUMN hardware JSON", "ALTER TABLE devices ADD COLUMN selftest JSON"),
+}
 
 
 class Meta(Base):
@@ -127,13 +139,27 @@ def make_engine(url: str) -> tuple[Engine, sessionmaker]:
     Base.metadata.create_all(engine)
     sessions = sessionmaker(engine, expire_on_commit=False)
     with sessions.begin() as s:
-        row = s.get(Meta, "schema_version")
+        row = s.get(Meta, "schema_version", with_for_update=True)  # replicas starting together migrate once
         if row is None:
             if existing - {"edgefleet_meta"}:
                 raise ConfigError(f"{url}: holds fleet tables from an edgefleet without schema versions; "
                                   "start with a fresh --data-dir / database")
             s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
-        elif row.value != str(SCHEMA_VERSION):
-            raise ConfigError(f"{url}: database schema {row.value}, this edgefleet uses {SCHEMA_VERSION}; "
-                              "migrate it or start with a fresh --data-dir / database")
+        else:
+            _migrate(s, row, url)
     return engine, sessions
+
+
+def _migrate(s: Session, row: Meta, url: str) -> None:
+    """Bring an older schema up to SCHEMA_VERSION in one transaction; refuse a newer one."""
+    from sqlalchemy import text
+
+    have = int(row.value) if row.value.isdigit() else -1
+    if have > SCHEMA_VERSION or have < 1 or any(v not in MIGRATIONS for v in range(have, SCHEMA_VERSION)):
+        raise ConfigError(f"{url}: database schema {row.value}, this edgefleet uses {SCHEMA_VERSION} and cannot "
+                          "migrate it; upgrade edgefleet or start with a fresh --data-dir / database")
+    for v in range(have, SCHEMA_VERSION):
+        for stmt in MIGRATIONS[v]:
+            s.execute(text(stmt))
+        log.warning("%s: migrated the fleet database schema from %d to %d", url.split("@")[-1], v, v + 1)
+    row.value = str(SCHEMA_VERSION)

@@ -72,7 +72,7 @@ class FleetService:
             "last_state": d.last_state, "last_error": d.last_error,
             "desired": None if desired is None else {"model": desired.name, "version": desired.version,
                                                      "rollout_id": d.desired_rollout_id},
-            "telemetry": d.last_telemetry,
+            "telemetry": d.last_telemetry, "hardware": d.hardware, "selftest": d.selftest,
         }
 
     def list_devices(self) -> list[dict[str, Any]]:
@@ -111,8 +111,10 @@ class FleetService:
             if existing is not None:
                 raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} is already uploaded; "
                                "bump the version to publish a new build")
+        # signed with the target: agents refuse a bundle their CPU cannot run before downloading it
         custom = {"name": manifest.name, "version": manifest.version, "profile": manifest.profile,
-                  "backend": manifest.backend, "precision": manifest.precision}
+                  "backend": manifest.backend, "precision": manifest.precision,
+                  "cpu_features": list(manifest.cpu_features)}
         try:
             info = self.repo.add_target(target_path, path, custom)
             with self.sessions.begin() as s:
@@ -131,7 +133,10 @@ class FleetService:
     def _model_json(m: Model) -> dict[str, Any]:
         return {"id": m.id, "name": m.name, "version": m.version, "profile": m.profile, "backend": m.backend,
                 "precision": m.precision, "target": m.target_path, "sha256": m.sha256, "size_bytes": m.size_bytes,
-                "accuracy": m.manifest["accuracy"], "uploaded_at": _iso(m.uploaded_at)}
+                "accuracy": m.manifest["accuracy"], "uploaded_at": _iso(m.uploaded_at),
+                "cpu_features": m.manifest.get("cpu_features", []), "quantization": m.manifest.get("quantization"),
+                "precision_choice": m.manifest.get("precision_choice"),
+                "selftest_summary": m.manifest.get("selftest_summary")}
 
     def list_models(self) -> list[dict[str, Any]]:
         with self.sessions() as s:
@@ -271,6 +276,8 @@ class FleetService:
                 dev.agent_version = msg.agent_version
             if msg.inference_url:
                 dev.inference_url = msg.inference_url
+            if msg.cpu_features is not None:
+                dev.hardware = {"arch": msg.arch, "cpu_features": list(msg.cpu_features)}
 
     def handle_reported(self, msg: proto.ReportedState) -> None:
         self._ensure_device(msg.device_id)
@@ -281,6 +288,8 @@ class FleetService:
             dev.last_error = msg.error
             dev.running_model = msg.running_model
             dev.running_version = msg.running_version
+            if msg.state == "installed" and msg.selftest is not None:
+                dev.selftest = self._selftest_json(s, msg)
             if msg.rollout_id is None:
                 return
             target = s.get(RolloutTarget, (msg.rollout_id, msg.device_id))
@@ -299,6 +308,20 @@ class FleetService:
             target.error = msg.error
             target.updated_at = utcnow()
             self._recompute(s, msg.rollout_id)
+
+    @staticmethod
+    def _selftest_json(s: Session, msg: proto.ReportedState) -> dict[str, Any]:
+        """The device's self-test next to what the compiler measured for the same build."""
+        out: dict[str, Any] = {"model": msg.running_model, "version": msg.running_version,
+                               **(msg.selftest.model_dump(mode="json") if msg.selftest else {})}
+        r = s.get(Rollout, msg.rollout_id) if msg.rollout_id is not None else None
+        m = s.get(Model, r.model_id) if r is not None else None
+        if m is not None and (m.name, m.version) == (msg.running_model, msg.running_version):
+            summary = m.manifest.get("selftest_summary") or {}
+            out["build"] = {"profile": m.profile, "precision": m.precision, "top1": summary.get("top1"),
+                            "accuracy": m.manifest["accuracy"]["candidate"],
+                            "eval_samples": m.manifest["accuracy"]["eval_samples"]}
+        return out
 
     def handle_telemetry(self, msg: proto.Telemetry) -> bool:
         """Store one telemetry record; False if it was a duplicate (QoS 1 may deliver twice)."""

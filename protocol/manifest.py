@@ -2,6 +2,12 @@
 
 A bundle is a tar archive holding ``manifest.json``, the engine file and a self-test sample.
 ``manifest_version`` says which contract the manifest follows; an agent refuses a newer one.
+
+Version 2 adds what makes a build portable and its choices auditable: the CPU features the engine
+needs (``cpu_features``), the INT8 scheme and why (``quantization``), the build host's CPU
+(``build_host``), how the precision was chosen with every candidate's figures
+(``precision_choice``), and the self-test sample's own top-1 (``selftest_summary``), which the
+agent measures again on its CPU. Version 1 manifests still parse, with those fields empty.
 """
 
 from __future__ import annotations
@@ -21,17 +27,24 @@ __all__ = [
     "AccuracyReport",
     "BenchmarkPoint",
     "BenchmarkReport",
+    "BuildHost",
     "FileEntry",
+    "Int8Scheme",
     "Manifest",
+    "PrecisionCandidate",
+    "PrecisionChoice",
+    "QuantizationInfo",
+    "SelfTestSummary",
     "TensorSpec",
     "parse_manifest",
 ]
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 MANIFEST_FILENAME = "manifest.json"
 
 Backend = Literal["onnxruntime", "litert", "tensorrt"]
 Precision = Literal["fp32", "fp16", "int8"]
+Int8Scheme = Literal["u8s8", "u8s8_reduced", "u8u8"]  # see protocol.profile.QuantizationSettings
 DType = Literal["FP32", "FP16", "INT8", "UINT8", "INT32", "INT64", "BOOL"]
 
 # used with fullmatch: no trailing newline, ASCII digits only
@@ -109,6 +122,51 @@ class BenchmarkReport(StrictModel):
     threads: int = Field(gt=0)
     iterations: int = Field(gt=0)
     points: tuple[BenchmarkPoint, ...]
+    reference_precision: Precision = "fp32"
+    candidate_precision: Precision | None = None  # None in version 1: the manifest's precision
+
+
+class QuantizationInfo(StrictModel):
+    """How an INT8 engine was quantized, and why that way."""
+
+    scheme: Int8Scheme
+    activation_type: Literal["uint8", "int8"]
+    weight_type: Literal["uint8", "int8"]
+    weight_bits: int = Field(ge=2, le=8)  # 7 with u8s8_reduced
+    per_channel: bool
+    calibration_method: Literal["minmax", "entropy", "percentile"]
+    calibration_samples: int = Field(gt=0)
+    reason: str
+
+
+class BuildHost(StrictModel):
+    """The machine the compiler ran on: its figures (benchmark, gate) were measured there."""
+
+    arch: str
+    cpu_features: tuple[str, ...]
+
+
+class PrecisionCandidate(StrictModel):
+    precision: Precision
+    top1: float | None = Field(default=None, ge=0.0, le=1.0)
+    drop: float | None = None
+    passed: bool | None = None  # None: not built or not gated
+    speedup: tuple[BenchmarkPoint, ...] = ()  # vs fp32, alternating in one run
+    note: str | None = None  # e.g. why it was not built
+
+
+class PrecisionChoice(StrictModel):
+    mode: Literal["auto", "fixed"]
+    chosen: Precision
+    reason: str
+    candidates: tuple[PrecisionCandidate, ...]
+
+
+class SelfTestSummary(StrictModel):
+    """The self-test sample as the compiler ran it; the agent repeats it on its own CPU."""
+
+    samples: int = Field(gt=0)
+    top1: float | None = Field(default=None, ge=0.0, le=1.0)  # against the sample's labels, when it has them
 
 
 class Manifest(StrictModel):
@@ -128,6 +186,12 @@ class Manifest(StrictModel):
     benchmark: BenchmarkReport | None
     toolchain: dict[str, str]
     labels: tuple[str, ...] | None = None
+    # version 2
+    cpu_features: tuple[str, ...] = ()  # instruction sets the engine needs (the profile's promise)
+    quantization: QuantizationInfo | None = None  # None for float engines
+    build_host: BuildHost | None = None
+    precision_choice: PrecisionChoice | None = None
+    selftest_summary: SelfTestSummary | None = None
 
     @field_validator("name", "profile")
     @classmethod

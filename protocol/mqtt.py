@@ -29,6 +29,7 @@ __all__ = [
     "MESSAGE_VERSION",
     "DesiredState",
     "ReportedState",
+    "SelfTestResult",
     "StatusMessage",
     "Telemetry",
     "TelemetryAck",
@@ -89,6 +90,16 @@ class DesiredState(_Message):
     size_bytes: int = Field(gt=0)
 
 
+class SelfTestResult(StrictModel):
+    """The bundle's self-test as the device ran it on its own CPU (compare with the manifest's
+    ``selftest_summary`` and accuracy, measured on the build host)."""
+
+    samples: int = Field(gt=0)
+    top1: float | None = Field(default=None, ge=0.0, le=1.0)  # against the sample's labels
+    top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)  # argmax equal to the build's outputs
+    drift: float = Field(ge=0.0)  # worst |device - build| / tolerance over the outputs; above 1 fails
+
+
 class ReportedState(_Message):
     kind: Literal["reported"] = "reported"
     state: Literal["downloading", "installing", "installed", "failed", "rolled_back"]
@@ -99,6 +110,7 @@ class ReportedState(_Message):
     running_version: str | None
     error: str | None = None
     install_s: float | None = None
+    selftest: SelfTestResult | None = None  # with state "installed", for the model just installed
 
 
 class LatencySummary(StrictModel):
@@ -143,6 +155,8 @@ class StatusMessage(_Message):
     state: Literal["online", "offline"]
     agent_version: str | None = None
     inference_url: str | None = None
+    arch: str | None = None
+    cpu_features: tuple[str, ...] | None = Field(default=None, max_length=64)  # CPUID, as the runtime sees it
 
 
 T = TypeVar("T", bound=BaseModel)

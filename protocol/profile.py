@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from protocol._strict import StrictModel, parse_document
+from protocol.cpu import KNOWN_FEATURES, VNNI_FEATURES
 from protocol.errors import SchemaError
-from protocol.manifest import Backend, Precision
+from protocol.manifest import Backend, Int8Scheme, Precision
 
-__all__ = ["HardwareProfile", "load_profile", "profile_dir", "resolve_profile_path"]
+__all__ = ["HardwareProfile", "list_profiles", "load_profile", "profile_dir", "resolve_profile_path"]
 
 PROFILE_VERSION = 1
 
@@ -20,6 +22,11 @@ PROFILE_VERSION = 1
 class QuantizationSettings(StrictModel):
     method: Literal["static", "none"] = "static"
     format: Literal["qdq"] = "qdq"
+    # how INT8 is laid out; "auto" derives it from cpu_features (see HardwareProfile.int8_scheme):
+    #   u8s8          uint8 activations, int8 weights, full range: exact only with VNNI on x86
+    #   u8s8_reduced  the same with 7-bit weights: the 16-bit pairwise sums of AVX2 cannot saturate
+    #   u8u8          uint8 weights as well: exact everywhere, slower GEMM kernels on AVX2
+    scheme: Literal["auto"] | Int8Scheme = "auto"
     per_channel: bool = True
     calibration_method: Literal["minmax", "entropy", "percentile"] = "minmax"
     max_calibration_samples: int = Field(default=512, gt=0)
@@ -61,8 +68,23 @@ class HardwareProfile(StrictModel):
     runtime: RuntimeSettings = RuntimeSettings()
     tensorrt: TensorRTSettings | None = None
 
+    @field_validator("cpu_features")
+    @classmethod
+    def _known_features(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for f in v:
+            if f not in KNOWN_FEATURES:
+                near = difflib.get_close_matches(f, sorted(KNOWN_FEATURES), n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise ValueError(f"unknown CPU feature {f!r}{hint}; known: {', '.join(sorted(KNOWN_FEATURES))}")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> HardwareProfile:
+        if self.quantization.scheme == "u8s8" and self._saturates_full_range():
+            raise ValueError(
+                "quantization.scheme 'u8s8' (full-range int8 weights) saturates the 16-bit sums of AVX2 "
+                f"kernels on CPUs without VNNI, and this profile promises only {list(self.cpu_features)}; "
+                "use 'auto', 'u8s8_reduced' or 'u8u8', or add avx512_vnni to cpu_features")
         if self.default_precision not in self.precisions:
             raise ValueError(f"default_precision {self.default_precision!r} is not in precisions")
         if self.backend == "tensorrt" and self.accelerator != "gpu":
@@ -70,6 +92,26 @@ class HardwareProfile(StrictModel):
         if "fp16" in self.precisions and self.accelerator == "cpu":
             raise ValueError("fp16 is for GPU targets; CPU profiles use int8 or fp32")
         return self
+
+    def _saturates_full_range(self) -> bool:
+        """A profile admits every CPU with at least its features, so on x86 full-range u8s8 is safe
+        only when VNNI is promised."""
+        return self.arch == "x86_64" and not (set(self.cpu_features) & VNNI_FEATURES)
+
+    def int8_scheme(self) -> tuple[Int8Scheme, str]:
+        """The INT8 scheme for the weakest CPU this profile admits, and why."""
+        if self.quantization.scheme != "auto":
+            return self.quantization.scheme, f"set by the profile (quantization.scheme: {self.quantization.scheme})"
+        if self._saturates_full_range():
+            return "u8s8_reduced", (f"{self.name} admits x86 CPUs without VNNI (promises "
+                                    f"{', '.join(self.cpu_features) or 'nothing'}): 7-bit weights keep the "
+                                    "AVX2 kernels' 16-bit sums from saturating")
+        return "u8s8", (f"{self.name} promises {', '.join(sorted(set(self.cpu_features) & VNNI_FEATURES))} "
+                        "or is not x86: full-range weights compute exactly")
+
+
+def list_profiles() -> list[str]:
+    return sorted(q.stem for q in profile_dir().glob("*.yaml"))
 
 
 def profile_dir() -> Path:
@@ -92,8 +134,10 @@ def resolve_profile_path(name_or_path: str) -> Path:
 def load_profile(name_or_path: str) -> HardwareProfile:
     path = resolve_profile_path(name_or_path)
     if not path.exists():
-        known = sorted(q.stem for q in profile_dir().glob("*.yaml"))
-        raise SchemaError(str(path), [f"no such profile; known profiles: {', '.join(known)}"])
+        known = list_profiles()
+        near = difflib.get_close_matches(name_or_path, known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise SchemaError(str(path), [f"no such profile; {hint}known profiles: {', '.join(known)}"])
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:

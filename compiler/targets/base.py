@@ -10,6 +10,7 @@ import numpy as np
 
 from compiler.data import Dataset
 from compiler.graph import GraphInfo
+from protocol.manifest import QuantizationInfo
 from protocol.profile import HardwareProfile
 
 __all__ = ["BuildTarget", "Runner"]
@@ -23,8 +24,8 @@ class BuildTarget(Protocol):
     engine_suffix: str
 
     def build(self, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
-              calibration: Dataset | None, out_path: Path) -> None:
-        """Write the engine for ``precision`` to ``out_path``."""
+              calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:
+        """Write the engine for ``precision`` to ``out_path``; for INT8, say how it was quantized."""
 
     def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
         """Load an engine built by this target and return a callable that runs it."""

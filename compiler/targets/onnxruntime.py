@@ -1,6 +1,12 @@
-"""onnxruntime target: FP32 (the source graph, optimized) or static INT8 in QDQ format.
+"""onnxruntime target: FP32 (the source graph) or static INT8 in QDQ format.
 
 Dynamic quantization is never chosen: on CPU it makes conv nets 5-12x slower (measured here).
+
+The INT8 layout follows the profile's promise, never the build host (``HardwareProfile.int8_scheme``):
+full-range int8 weights against uint8 activations saturate the 16-bit pairwise sums of the AVX2
+kernels on CPUs without VNNI, so a profile that admits such CPUs gets 7-bit weights (onnxruntime's
+``reduce_range``) or uint8 weights. With either, the integer arithmetic is exact on every x86 CPU,
+and the engine computes the same outputs with VNNI, on AVX2 alone and without AVX.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from compiler.data import Dataset
 from compiler.errors import InputError, ToolchainError
 from compiler.graph import GraphInfo
 from compiler.targets.base import Runner
+from protocol.manifest import QuantizationInfo
 from protocol.profile import HardwareProfile
 
 __all__ = ["OnnxRuntimeTarget"]
@@ -44,10 +51,10 @@ class OnnxRuntimeTarget:
     engine_suffix = ".onnx"
 
     def build(self, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
-              calibration: Dataset | None, out_path: Path) -> None:
+              calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:
         if precision == "fp32":
             shutil.copyfile(source, out_path)
-            return
+            return None
         if precision != "int8":
             raise InputError(f"onnxruntime target builds fp32 or int8, not {precision}")
         if calibration is None:
@@ -62,19 +69,27 @@ class OnnxRuntimeTarget:
             raise ToolchainError("onnxruntime.quantization is not importable; install edgefleet[compiler]") from exc
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                   "percentile": CalibrationMethod.Percentile}[q.calibration_method]
+        scheme, why = profile.int8_scheme()
+        weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
+        calib = calibration.head(q.max_calibration_samples)
         with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
             pre = Path(tmp) / "pre.onnx"
             try:
                 quant_pre_process(str(source), str(pre), skip_symbolic_shape=True)
                 quantize_static(
-                    str(pre), str(out_path), _Reader(calibration.head(q.max_calibration_samples)),
+                    str(pre), str(out_path), _Reader(calib),
                     quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    activation_type=QuantType.QUInt8, weight_type=weight_type,
+                    reduce_range=scheme == "u8s8_reduced",
                     calibrate_method=method,
                     extra_options={"CalibTensorRangeSymmetric": False},
                 )
             except Exception as exc:
                 raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
+        return QuantizationInfo(
+            scheme=scheme, activation_type="uint8", weight_type="uint8" if scheme == "u8u8" else "int8",
+            weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
+            calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why)
 
     def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
         import onnxruntime as ort

@@ -1,0 +1,126 @@
+"""``edgefleet verify``: run a bundle on this machine's CPU exactly as an agent would, and compare.
+
+A bundle is compiled once and runs on many CPUs. This loads it through the agent's own backend,
+runs the agent's self-test on the bundle's sample (the figure an install report carries) and, given
+a labelled evaluation set, measures top-1 on this CPU against the figure the compiler recorded.
+Run it on a target box, or under emulation (``as-cpu Haswell edgefleet verify ...``) to see what an
+AVX2-only CPU computes. Nothing is installed and nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agent.backends import load_backend
+from agent.daemon import self_test
+from agent.errors import SelfTestFailed
+from agent.store import StagedModel
+from agent.trusted import check_cpu
+from protocol import mqtt as proto
+from protocol.bundle import extract_bundle, sha256_file
+from protocol.cpu import cpu_arch, cpu_features
+from protocol.errors import ConfigError
+from protocol.manifest import Manifest
+
+__all__ = ["VerifyResult", "verify_bundle"]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    manifest: Manifest
+    arch: str
+    cpu_features: tuple[str, ...]
+    cpu_ok: bool
+    cpu_reason: str
+    selftest: proto.SelfTestResult | None
+    selftest_error: str | None
+    top1: float | None  # on --eval, this CPU
+    eval_samples: int | None
+
+    @property
+    def recorded_top1(self) -> float:
+        return self.manifest.accuracy.candidate
+
+    @property
+    def drop_vs_fp32(self) -> float | None:
+        return None if self.top1 is None else round(self.manifest.accuracy.reference - self.top1, 6)
+
+    @property
+    def holds(self) -> bool:
+        """The bundle computes here what it was gated on: self-test passes and top-1 stays in the gate."""
+        if not self.cpu_ok or self.selftest is None:
+            return False
+        drop = self.drop_vs_fp32
+        return drop is None or drop <= self.manifest.accuracy.max_drop + 1e-9
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "ok": self.holds, "bundle": f"{self.manifest.name} {self.manifest.version} {self.manifest.profile}",
+            "precision": self.manifest.precision, "arch": self.arch, "cpu_features": list(self.cpu_features),
+            "cpu_ok": self.cpu_ok, "cpu_reason": self.cpu_reason,
+            "selftest": None if self.selftest is None else self.selftest.model_dump(mode="json"),
+            "selftest_error": self.selftest_error, "top1": self.top1, "eval_samples": self.eval_samples,
+            "recorded_top1": self.recorded_top1, "fp32_top1": self.manifest.accuracy.reference,
+            "drop_vs_fp32": self.drop_vs_fp32, "max_drop": self.manifest.accuracy.max_drop,
+        }
+
+
+def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable .npz file ({exc})") from exc
+    with npz:
+        keys = set(npz.files)
+        if "labels" not in keys:
+            raise ConfigError(f"{path}: needs a 'labels' array to measure top-1")
+        feeds = {}
+        for spec in manifest.inputs:
+            key = spec.name if spec.name in keys else "input" if len(manifest.inputs) == 1 else None
+            if key is None or key not in keys:
+                raise ConfigError(f"{path}: no array for model input {spec.name!r} (keys: {sorted(keys)})")
+            feeds[spec.name] = npz[key]
+        return feeds, npz["labels"]
+
+
+def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
+                  batch: int = 64) -> VerifyResult:
+    feats = cpu_features()
+    with tempfile.TemporaryDirectory(prefix="edgefleet-verify-") as tmp:
+        manifest = extract_bundle(bundle, Path(tmp))
+        cpu = check_cpu(manifest.profile, manifest.cpu_features, feats)
+
+        def result(st: proto.SelfTestResult | None = None, st_err: str | None = None, top1: float | None = None,
+                   n: int | None = None) -> VerifyResult:
+            return VerifyResult(manifest, cpu_arch(), tuple(sorted(feats)), cpu.action != "refuse", cpu.reason,
+                                st, st_err, top1, n)
+
+        if cpu.action == "refuse":
+            return result()
+        backend = load_backend(manifest, Path(tmp) / manifest.engine, threads)
+        try:
+            try:
+                st, st_err = self_test(backend, StagedModel(manifest, Path(tmp), sha256_file(bundle))), None
+            except SelfTestFailed as exc:
+                st, st_err = None, str(exc)
+            top1: float | None = None
+            n: int | None = None
+            if eval_path is not None:
+                from agent.backends.base import NP_DTYPES
+
+                feeds, labels = _load_eval(eval_path, manifest)
+                dtypes = {s.name: NP_DTYPES[s.datatype] for s in manifest.inputs}
+                n = len(labels)
+                hits = 0
+                for i in range(0, n, batch):
+                    out = backend.infer({k: np.ascontiguousarray(v[i:i + batch], dtype=dtypes[k])
+                                         for k, v in feeds.items()})[0]
+                    hits += int((out.argmax(axis=1) == labels[i:i + batch]).sum())
+                top1 = hits / n
+        finally:
+            backend.close()
+    return result(st, st_err, top1, n)

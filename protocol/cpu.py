@@ -1,0 +1,65 @@
+"""What the CPU this process runs on can execute, as CPUID reports it (not as /proc/cpuinfo claims).
+
+onnxruntime picks its INT8 kernels from CPUID, and the answers differ between CPUs: uint8 x int8
+products summed pairwise into 16 bits saturate on AVX2 kernels without VNNI, and do not with VNNI.
+So a hardware profile states the instruction sets it promises (``cpu_features``), the compiler
+quantizes for the weakest CPU that promise admits, and the agent refuses a bundle whose features
+its CPU lacks before downloading it.
+
+Detection reads numpy's runtime-dispatch table, which numpy fills from CPUID and XGETBV at import
+time. That is what a process really gets: under qemu user-mode emulation (``as-cpu Haswell``) it
+reports the emulated CPU, while ``/proc/cpuinfo`` would still describe the host.
+
+Names follow the Linux ``/proc/cpuinfo`` flag spelling (``avx2``, ``fma``, ``avx512_vnni``).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+__all__ = [
+    "KNOWN_FEATURES",
+    "VNNI_FEATURES",
+    "cpu_arch",
+    "cpu_features",
+    "missing_features",
+]
+
+# numpy's name -> the Linux flag name used in profiles and manifests
+_NUMPY_TO_LINUX = {
+    "SSE3": "pni", "SSSE3": "ssse3", "SSE41": "sse4_1", "SSE42": "sse4_2", "POPCNT": "popcnt",
+    "AVX": "avx", "F16C": "f16c", "FMA3": "fma", "AVX2": "avx2", "BMI": "bmi1", "BMI2": "bmi2",
+    "AVX512F": "avx512f", "AVX512CD": "avx512cd", "AVX512BW": "avx512bw", "AVX512DQ": "avx512dq",
+    "AVX512VL": "avx512vl", "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16",
+    "AVX512FP16": "avx512_fp16", "AVX512VBMI": "avx512vbmi",
+    "NEON": "neon", "ASIMD": "asimd", "ASIMDDP": "asimddp", "ASIMDHP": "asimdhp", "SVE": "sve",
+}
+KNOWN_FEATURES: frozenset[str] = frozenset(_NUMPY_TO_LINUX.values())
+# with any of these, onnxruntime's u8s8 kernels accumulate in 32 bits and cannot saturate
+VNNI_FEATURES: frozenset[str] = frozenset({"avx512_vnni"})
+
+
+def cpu_arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The instruction-set features of this CPU that edgefleet knows about (CPUID, via numpy)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as table  # numpy >= 2
+    except ImportError:  # numpy 1.26
+        from numpy.core._multiarray_umath import __cpu_features__ as table  # type: ignore[no-redef]
+    feats = {_NUMPY_TO_LINUX[k] for k, on in table.items() if on and k in _NUMPY_TO_LINUX}
+    if cpu_arch() == "aarch64":
+        feats |= {"neon", "asimd"}  # mandatory on ARMv8-A
+    return frozenset(feats)
+
+
+def missing_features(required: tuple[str, ...] | list[str] | frozenset[str],
+                     have: frozenset[str] | None = None) -> list[str]:
+    """The features in ``required`` that this CPU (or ``have``) lacks, in the order given."""
+    have = cpu_features() if have is None else have
+    return [f for f in required if f not in have]
