@@ -88,7 +88,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     result = compile_model(CompileOptions(
         model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
-        eval=DIGITS / "test.npz", out_dir=out, name="digits", version="1.0.0", benchmark=False))
+        eval=DIGITS / "test.npz", out_dir=out, name="digits", version="1.0.0", benchmark=False, precision="int8"))
     return result.bundle
 
 

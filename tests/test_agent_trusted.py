@@ -43,3 +43,30 @@ def test_foreign_profile_is_refused(profile):
 def test_known_bad_bundle_is_not_retried():
     d = decide(CUR, "digits", "2.0.0", "b" * 64, "x86-cpu", PROFILES, frozenset({"b" * 64}))
     assert d.action == "refuse" and "already failed" in d.reason
+
+
+# -- CPU features: a bundle whose profile promises more than this CPU has is refused --------------
+def test_cpu_without_vnni_refuses_a_vnni_bundle():
+    from agent.trusted import check_cpu
+
+    d = check_cpu("x86-cpu-vnni", ("avx2", "avx512_vnni"), frozenset({"avx2", "fma"}))
+    assert d.action == "refuse"
+    assert "needs CPU features avx512_vnni" in d.reason and "x86-cpu" in d.reason
+
+
+def test_cpu_with_the_features_accepts():
+    from agent.trusted import check_cpu
+
+    assert check_cpu("x86-cpu", ("avx2", "fma"), frozenset({"avx2", "fma", "avx512_vnni"})).action == "install"
+    assert check_cpu("x86-cpu", (), frozenset()).action == "install"
+
+
+def test_this_process_sees_its_cpu_through_cpuid():
+    import platform
+
+    from protocol.cpu import KNOWN_FEATURES, cpu_features
+
+    feats = cpu_features()
+    assert feats <= KNOWN_FEATURES
+    if platform.machine() == "x86_64":
+        assert "sse4_2" in feats  # every x86-64 CPU onnxruntime wheels support has it

@@ -46,7 +46,7 @@ def test_accuracy_gate_fails_the_build(tmp_path):
     np.savez(tmp_path / "blank.npz", input=np.zeros((16, 1, 8, 8), np.float32))
     r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--calibration",
                 str(tmp_path / "blank.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
-                "--name", "digits", "--max-accuracy-drop", "0.01", "--json", "--no-benchmark")
+                "--name", "digits", "--max-accuracy-drop", "0.01", "--json", "--no-benchmark", "--precision", "int8")
     assert r.returncode == 3, (r.stdout, r.stderr)
     doc = json.loads(r.stdout)
     assert not doc["ok"] and "accuracy gate failed" in doc["error"]

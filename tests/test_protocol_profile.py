@@ -74,3 +74,37 @@ def test_bad_yaml(tmp_path):
 def test_unknown_profile_lists_known():
     with pytest.raises(SchemaError, match="known profiles: arm64-cpu"):
         load_profile("no-such-board")
+
+
+# -- what a profile promises about the CPU, and the INT8 scheme that follows from it ---------------
+def test_x86_cpu_gets_a_scheme_that_cannot_saturate_on_avx2():
+    scheme, why = load_profile("x86-cpu").int8_scheme()
+    assert scheme == "u8s8_reduced" and "VNNI" in why
+    assert load_profile("x86-cpu").cpu_features == ("avx2", "fma")
+
+
+def test_the_vnni_profile_keeps_full_range():
+    p = load_profile("x86-cpu-vnni")
+    assert "avx512_vnni" in p.cpu_features and p.int8_scheme()[0] == "u8s8"
+
+
+def test_full_range_on_a_profile_without_vnni_is_refused(tmp_path):
+    p = _write(tmp_path, BASE.replace("  calibration_method: minmax", "  calibration_method: minmax\n  scheme: u8s8"))
+    with pytest.raises(SchemaError, match=r"saturates the 16-bit sums.*add avx512_vnni"):
+        load_profile(str(p))
+
+
+def test_u8u8_can_be_chosen_explicitly(tmp_path):
+    p = _write(tmp_path, BASE.replace("  calibration_method: minmax", "  calibration_method: minmax\n  scheme: u8u8"))
+    assert load_profile(str(p)).int8_scheme()[0] == "u8u8"
+
+
+def test_unknown_cpu_feature_suggests_the_nearest(tmp_path):
+    p = _write(tmp_path, BASE.replace("cpu_features: [avx2, fma]", "cpu_features: [avx2, avx512vnni]"))
+    with pytest.raises(SchemaError, match="unknown CPU feature 'avx512vnni' \\(did you mean 'avx512_vnni'\\?\\)"):
+        load_profile(str(p))
+
+
+def test_profile_typo_suggests_the_nearest():
+    with pytest.raises(SchemaError, match="did you mean 'x86-cpu'"):
+        load_profile("x86-cpuu")

@@ -1,0 +1,188 @@
+"""Builds that hold on every CPU their profile admits.
+
+The compiler quantizes for the weakest CPU a profile promises (never the build host), records the
+scheme and the build host's CPU in the manifest, and chooses the precision by measurement. The
+bundle's figures are then checked on an emulated AVX2-only CPU (qemu ``Haswell``): the top-1 it
+computes there must be the one the compiler recorded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from compiler.pipeline import CompileOptions, choose_precision, compile_model
+from protocol.bundle import extract_bundle
+from protocol.cpu import cpu_features
+from protocol.manifest import BenchmarkPoint
+from tests.conftest import DIGITS
+from tests.emulation import needs_qemu, run_as_cpu
+from tests.test_compiler import run_cli
+
+
+def _compile(tmp_path, profile: str, precision: str = "int8", benchmark: bool = False, calibration=None):
+    return compile_model(CompileOptions(
+        model=DIGITS / "model.onnx", profile=profile, calibration=calibration or DIGITS / "calibration.npz",
+        eval=DIGITS / "test.npz", out_dir=tmp_path, name="digits", version="1.0.0", precision=precision,
+        benchmark=benchmark))
+
+
+def _int8_weights(bundle, tmp_path) -> list[np.ndarray]:
+    m = extract_bundle(bundle, tmp_path / "x")
+    g = onnx.load(str(tmp_path / "x" / m.engine)).graph
+    return [numpy_helper.to_array(t) for t in g.initializer
+            if t.data_type == onnx.TensorProto.INT8 and numpy_helper.to_array(t).size > 1]
+
+
+@pytest.fixture(scope="module")
+def vnni_bundle(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("vnni"), "x86-cpu-vnni").bundle
+
+
+def test_x86_cpu_int8_uses_7_bit_weights(digits_bundle, tmp_path):
+    """Full-range int8 weights saturate AVX2's 16-bit pairwise sums (255 * 127 * 2 > 32767);
+    within [-64, 64] they cannot (255 * 64 * 2 = 32640)."""
+    m = extract_bundle(digits_bundle, tmp_path / "m")
+    assert m.quantization is not None and m.quantization.scheme == "u8s8_reduced"
+    assert m.quantization.weight_bits == 7 and m.quantization.activation_type == "uint8"
+    weights = _int8_weights(digits_bundle, tmp_path)
+    assert weights, "no int8 weight tensors found in the engine"
+    assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= 64
+
+
+def test_vnni_profile_keeps_full_range_weights(vnni_bundle, tmp_path):
+    m = extract_bundle(vnni_bundle, tmp_path / "m")
+    assert m.quantization is not None and m.quantization.scheme == "u8s8" and m.quantization.weight_bits == 8
+    assert max(int(np.abs(w.astype(np.int32)).max()) for w in _int8_weights(vnni_bundle, tmp_path)) > 64
+    assert "avx512_vnni" in m.cpu_features
+
+
+def test_manifest_records_the_promise_and_the_build_host(digits_bundle, tmp_path):
+    m = extract_bundle(digits_bundle, tmp_path / "m")
+    assert m.manifest_version == 2
+    assert m.cpu_features == ("avx2", "fma")
+    assert m.build_host is not None and set(m.build_host.cpu_features) == set(cpu_features())
+    assert m.selftest_summary is not None and m.selftest_summary.samples == 64
+    assert m.selftest_summary.top1 is not None and m.selftest_summary.top1 >= 0.95
+
+
+# -- precision auto ----------------------------------------------------------------------------------
+def _pts(*speedups: float) -> tuple[BenchmarkPoint, ...]:
+    return tuple(BenchmarkPoint(batch_size=b, reference_ms_p50=1.0, candidate_ms_p50=1.0 / s, speedup=s)
+                 for b, s in zip((1, 16), speedups, strict=False))
+
+
+def test_auto_keeps_fp32_when_int8_is_slower():
+    chosen, why = choose_precision("int8", True, "drop 0.0028 <= 0.0100", _pts(0.78, 0.55))
+    assert chosen == "fp32"
+    assert why.startswith("fp32: int8 is 0.78x at batch 1 and 0.55x at batch 16")
+
+
+def test_auto_keeps_int8_when_it_is_faster_and_passes():
+    chosen, why = choose_precision("int8", True, "drop 0.0028 <= 0.0100", _pts(2.6, 3.1))
+    assert chosen == "int8" and "3.10x at batch 16" in why
+
+
+def test_auto_never_ships_a_build_that_failed_the_gate():
+    chosen, why = choose_precision("int8", False, "drop 0.2 > 0.01", _pts(3.0, 3.0))
+    assert chosen == "fp32" and "failed the accuracy gate" in why
+
+
+def test_auto_without_a_benchmark_keeps_what_passes():
+    assert choose_precision("int8", True, "ok", None)[0] == "int8"
+
+
+def test_auto_compile_measures_both_and_records_its_reason(tmp_path):
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--calibration",
+                str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
+                "--name", "digits", "--json")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    choice = m["precision_choice"]
+    assert choice["mode"] == "auto" and choice["chosen"] == m["precision"]
+    cands = {c["precision"]: c for c in choice["candidates"]}
+    assert set(cands) == {"int8", "fp32"}
+    int8 = cands["int8"]
+    assert int8["passed"] and [p["batch_size"] for p in int8["speedup"]] == [1, 16]
+    # the recorded decision is exactly what the rule gives for the recorded figures
+    pts = tuple(BenchmarkPoint.model_validate(p) for p in int8["speedup"])
+    assert choose_precision("int8", True, "x", pts)[0] == m["precision"]
+    assert choice["reason"].startswith(m["precision"] + ":")
+    assert m["benchmark"]["candidate_precision"] == "int8"
+
+
+def test_auto_falls_back_to_fp32_when_int8_fails_the_gate(tmp_path):
+    np.savez(tmp_path / "blank.npz", input=np.zeros((16, 1, 8, 8), np.float32))
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--calibration",
+                str(tmp_path / "blank.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
+                "--name", "digits", "--no-benchmark", "--json")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert m["precision"] == "fp32" and "int8 failed the accuracy gate" in m["precision_choice"]["reason"]
+    assert m["quantization"] is None
+
+
+def test_auto_without_calibration_builds_fp32_and_says_why(tmp_path):
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--eval", str(DIGITS / "test.npz"),
+                "--out", str(tmp_path), "--name", "digits", "--no-benchmark")
+    assert r.returncode == 0, r.stderr
+    assert "chose     fp32: int8 not built: no --calibration set given" in r.stdout
+
+
+# -- the recorded fidelity is the device's fidelity ---------------------------------------------------
+def _verify_native(bundle) -> dict:
+    r = run_cli("verify", str(bundle), "--eval", str(DIGITS / "test.npz"), "--json")
+    return {"rc": r.returncode, **json.loads(r.stdout)}
+
+
+def _verify_haswell(bundle) -> dict:
+    r = run_as_cpu("Haswell", "-m", "edgefleet.cli", "verify", str(bundle), "--eval", str(DIGITS / "test.npz"),
+                   "--json")
+    assert r.stdout, r.stderr
+    doc = json.loads(r.stdout)
+    assert "avx512f" not in doc["cpu_features"] and "avx2" in doc["cpu_features"], "not running as Haswell"
+    return {"rc": r.returncode, **doc}
+
+
+def _holds_as_recorded(doc: dict, bundle, tmp_path) -> None:
+    m = extract_bundle(bundle, tmp_path / "rec")
+    assert doc["rc"] == 0 and doc["ok"], doc
+    assert doc["selftest"]["drift"] <= 1.0
+    # the same top-1 as the compiler recorded (one image of slack for float summation order)
+    assert abs(doc["top1"] - m.accuracy.candidate) <= 1 / m.accuracy.eval_samples + 1e-9, doc
+    assert doc["drop_vs_fp32"] <= m.accuracy.max_drop
+
+
+@needs_qemu
+@pytest.mark.timeout(600)
+def test_x86_cpu_int8_bundle_holds_on_emulated_haswell(digits_bundle, tmp_path):
+    _holds_as_recorded(_verify_haswell(digits_bundle), digits_bundle, tmp_path)
+
+
+@needs_qemu
+@pytest.mark.timeout(600)
+def test_x86_cpu_fp32_bundle_holds_on_emulated_haswell(digits_bundle_v2, tmp_path):
+    _holds_as_recorded(_verify_haswell(digits_bundle_v2), digits_bundle_v2, tmp_path)
+
+
+def test_x86_cpu_bundle_holds_natively(digits_bundle, tmp_path):
+    _holds_as_recorded(_verify_native(digits_bundle), digits_bundle, tmp_path)
+
+
+def test_vnni_bundle_holds_on_a_vnni_cpu(vnni_bundle, tmp_path):
+    if "avx512_vnni" not in cpu_features():
+        pytest.skip("this CPU has no AVX-512 VNNI, the weakest CPU x86-cpu-vnni admits, and qemu cannot "
+                    "emulate it: the VNNI figures need a native run on such a CPU")
+    _holds_as_recorded(_verify_native(vnni_bundle), vnni_bundle, tmp_path)
+
+
+@needs_qemu
+@pytest.mark.timeout(600)
+def test_vnni_bundle_is_refused_on_emulated_haswell(vnni_bundle):
+    doc = _verify_haswell(vnni_bundle)
+    assert doc["rc"] == 4 and not doc["cpu_ok"]
+    assert "needs CPU features avx512f, avx512bw, avx512_vnni" in doc["cpu_reason"]
