@@ -148,12 +148,12 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="edgefleet-build-", dir=opts.out_dir) as tmp:
         work = Path(tmp)
-        progress(3, total, f"building {profile.backend} {' and '.join(wanted)} engine")
+        progress(3, total, "measuring the fp32 reference accuracy")
         from compiler.targets.onnxruntime import OnnxRuntimeTarget
 
         reference = OnnxRuntimeTarget().runner(opts.model, profile)
-        progress(4, total, "measuring accuracy (reference fp32 vs candidate)")
         ref_acc = top1(reference, eval_set)
+        progress(4, total, f"building and gating {profile.backend} {' and '.join(wanted)}")
         built: dict[str, _Built] = {}
         for precision in wanted:
             built[precision] = _build_and_gate(target, opts.model, info, precision, profile, calib, work,

@@ -204,42 +204,62 @@ def _say(msg: str) -> None:
 def run_demo(opts: DemoOptions) -> int:
     from compiler.pipeline import CompileOptions, compile_model
     from edgefleet.cli import EXIT_INTERNAL, EXIT_OK, EXIT_ROLLOUT, _progress_bar
+    from protocol.errors import EdgefleetError
 
     work = opts.work_dir.resolve()
-    if work.exists():
-        if not (work / MARKER).exists() and any(work.iterdir()):
-            _say(f"error: {work} exists and is not a demo folder; pick another --work-dir")
-            return 4
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    (work / MARKER).write_text("made by edgefleet demo; deleted and rebuilt by the next demo\n")
-    lf = LocalFleet(work, mqtt_url=opts.mqtt_url, port=opts.port, embedded_mqtt_port=opts.embedded_mqtt_port)
     try:
-        _say("1/6 starting the fleet server" + ("" if opts.mqtt_url else " with its embedded MQTT broker"))
+        if work.exists():
+            if not (work / MARKER).exists() and any(work.iterdir()):
+                _say(f"error: {work} exists and is not a demo folder; pick another --work-dir")
+                return 4
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        (work / MARKER).write_text("made by edgefleet demo; deleted and rebuilt by the next demo\n")
+    except OSError as exc:
+        _say(f"error: cannot prepare the demo folder {work}: {exc}; pick another --work-dir")
+        return 4
+    lf = LocalFleet(work, mqtt_url=opts.mqtt_url, port=opts.port, embedded_mqtt_port=opts.embedded_mqtt_port)
+    step = "starting"
+    try:
+        step = "1/6 starting the fleet server"
+        _say(step + ("" if opts.mqtt_url else " with its embedded MQTT broker"))
         lf.start()
         _say(f"    fleet on {lf.url}")
-        _say("2/6 compiling models/digits/model.onnx for x86-cpu (static INT8, accuracy gate, benchmark)")
+        step = "2/6 compiling models/digits/model.onnx for x86-cpu"
+        _say(step + " (INT8 and FP32, accuracy gate, benchmark, keep the faster that passes)")
         result = compile_model(CompileOptions(
             model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
             eval=DIGITS / "test.npz", out_dir=work / "dist", name="digits", version="1.0.0"), _progress_bar)
-        acc = result.manifest.accuracy
-        _say(f"    top-1 fp32 {acc.reference:.4f} -> int8 {acc.candidate:.4f} on {acc.eval_samples} test images")
-        _say("3/6 uploading the bundle (published as a signed TUF target)")
+        m = result.manifest
+        acc = m.accuracy
+        choice = m.precision_choice
+        tops: dict[str, float] = {c.precision: c.top1 for c in choice.candidates
+                                  if c.top1 is not None} if choice else {}
+        _say("    top-1 on {} test images: {}".format(
+            acc.eval_samples, ", ".join(f"{p} {t:.4f}" for p, t in tops.items())))
+        if choice is not None:
+            _say(f"    chose {choice.reason}")
+        step = "3/6 uploading the bundle"
+        _say(step + " (published as a signed TUF target)")
         lf.client.upload(result.bundle)
         devices = [f"edge-{i + 1:02d}" for i in range(opts.agents)]
-        _say(f"4/6 registering and starting {len(devices)} agents as separate processes")
+        step = f"4/6 registering and starting {len(devices)} agents"
+        _say(step + " as separate processes")
         for d in devices:
             lf.client.register(d, {"site": "demo"})
             lf.start_agent(d)
         lf.wait_online(devices)
-        _say("5/6 rolling digits 1.0.0 out (TUF download, verify, install, self-test, swap)")
+        step = "5/6 rolling digits 1.0.0 out"
+        _say(step + " (TUF download, verify, install, self-test on the device's CPU, swap)")
         t0 = time.monotonic()
         r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", devices)["id"])
         rollout_s = time.monotonic() - t0
         if r["status"] != "succeeded":
-            _say(f"error: rollout {r['status']}: {json.dumps(r['targets'], indent=2)}")
+            why = "; ".join(f"{t['device_id']}: {t['state']} {t['error'] or ''}".strip() for t in r["targets"])
+            _say(f"error: rollout #{r['id']} {r['status']}: {why} (logs in {work / 'logs'})")
             return EXIT_ROLLOUT
-        _say("6/6 sending the 359 test images through every agent, one request per image")
+        step = "6/6 sending the 359 test images through every agent"
+        _say(step + ", one request per image")
         with np.load(DIGITS / "test.npz") as npz:
             images, labels = npz["input"], npz["labels"]
         rows = []
@@ -247,25 +267,39 @@ def run_demo(opts: DemoOptions) -> int:
         for d in devices:
             pred, lat = infer_images(lf.agents[d].url, "digits", images)
             lat_ms = np.array(lat) * 1000
+            st = fleet_devices[d].get("selftest") or {}
             rows.append({"device": d, "version": fleet_devices[d]["running_version"],
                          "inference_url": lf.agents[d].url, "images": len(images),
                          "accuracy_served": round(float((pred == labels).mean()), 4),
+                         "selftest_top1": st.get("top1"), "selftest_drift": st.get("drift"),
                          "latency_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
                          "latency_p95_ms": round(float(np.percentile(lat_ms, 95)), 2)})
-        summary = {"model": "digits", "version": "1.0.0", "profile": "x86-cpu", "precision": "int8",
-                   "accuracy_at_compile": {"fp32": acc.reference, "int8": acc.candidate},
+        summary = {"model": "digits", "version": "1.0.0", "profile": "x86-cpu", "precision": m.precision,
+                   "precision_reason": choice.reason if choice else None,
+                   "int8_scheme": None if m.quantization is None else m.quantization.scheme,
+                   "accuracy_at_compile": {"fp32": acc.reference, **tops, "shipped": acc.candidate},
+                   "selftest_top1_at_compile": m.selftest_summary.top1 if m.selftest_summary else None,
                    "rollout": {"id": r["id"], "status": r["status"], "seconds": round(rollout_s, 2)},
                    "devices": rows, "console": f"{lf.url}/"}
         if opts.as_json:
             print(json.dumps(summary, indent=2))
         else:
-            print(f"\nedgefleet demo: digits 1.0.0, x86-cpu, static INT8 "
-                  f"(compile-time top-1: fp32 {acc.reference:.4f}, int8 {acc.candidate:.4f})")
+            print(f"\nedgefleet demo: digits 1.0.0, x86-cpu, {m.precision} "
+                  f"(compile-time top-1: {', '.join(f'{p} {t:.4f}' for p, t in tops.items())})")
+            if choice is not None:
+                print(f"precision: {choice.reason}")
             print(f"rollout #{r['id']} {r['status']} on {len(devices)} devices in {rollout_s:.1f}s\n")
-            print(f"{'device':<10} {'version':<8} {'images':>6} {'accuracy':>9} {'p50 ms':>7} {'p95 ms':>7}  url")
+            build_st = summary["selftest_top1_at_compile"]
+            print(f"{'device':<10} {'version':<8} {'images':>6} {'accuracy':>9} {'self-test':>9} {'p50 ms':>7} "
+                  f"{'p95 ms':>7}  url")
             for row in rows:
+                st_top1 = "–" if row["selftest_top1"] is None else f"{row['selftest_top1']:.4f}"
                 print(f"{row['device']:<10} {row['version']:<8} {row['images']:>6} {row['accuracy_served']:>9.4f} "
-                      f"{row['latency_p50_ms']:>7.2f} {row['latency_p95_ms']:>7.2f}  {row['inference_url']}")
+                      f"{st_top1:>9} {row['latency_p50_ms']:>7.2f} {row['latency_p95_ms']:>7.2f}  "
+                      f"{row['inference_url']}")
+            if build_st is not None:
+                print(f"(self-test: top-1 on the bundle's {m.selftest_summary.samples if m.selftest_summary else '?'} "
+                      f"sample images, measured by each agent on its own CPU; {build_st:.4f} at compile time)")
             print(f"\nconsole: {lf.url}/")
         sys.stdout.flush()
         if opts.keep_running:
@@ -278,8 +312,15 @@ def run_demo(opts: DemoOptions) -> int:
     except KeyboardInterrupt:
         _say("\nstopping…")
         return EXIT_OK
-    except (RuntimeError, FleetHTTPError, FleetUnreachable) as exc:
-        _say(f"error: {exc} (logs in {work / 'logs'})")
+    except EdgefleetError as exc:  # compile gate, bad profile, toolchain: the error says what to do
+        _say(f"\nerror in step {step}: {exc}")
+        return int(getattr(exc, "exit_code", 4))
+    except (RuntimeError, FleetHTTPError, FleetUnreachable, OSError) as exc:
+        _say(f"\nerror in step {step}: {exc} (logs in {work / 'logs'})")
+        return EXIT_INTERNAL
+    except Exception as exc:  # never a traceback: one line, the step, and where to look
+        _say(f"\nerror in step {step}: unexpected {type(exc).__name__}: {exc} (logs in {work / 'logs'}; "
+             "please report this with the logs)")
         return EXIT_INTERNAL
     finally:
         lf.stop()

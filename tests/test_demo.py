@@ -29,9 +29,24 @@ def test_demo_json_summary(tmp_path):
     assert s["rollout"]["status"] == "succeeded" and len(s["devices"]) == 3
     for d in s["devices"]:
         assert d["version"] == "1.0.0" and d["images"] == 359
-        # the agents serve exactly the INT8 model whose accuracy the compiler measured
-        assert d["accuracy_served"] == pytest.approx(s["accuracy_at_compile"]["int8"], abs=1e-4)
+        # the agents serve exactly the model whose accuracy the compiler measured, whichever it chose
+        assert d["accuracy_served"] == pytest.approx(s["accuracy_at_compile"]["shipped"], abs=1e-4)
+        # and each measured the bundle's self-test on its own CPU, matching the compile-time figure
+        assert d["selftest_top1"] == pytest.approx(s["selftest_top1_at_compile"], abs=1e-9)
+        assert d["selftest_drift"] <= 1.0
+    assert s["precision"] in ("int8", "fp32") and s["precision_reason"].startswith(s["precision"] + ":")
+    assert {"fp32", "int8"} <= set(s["accuracy_at_compile"])
     assert s["console"].startswith("http://127.0.0.1:")
+
+
+def test_demo_failure_is_one_line_not_a_traceback(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "demo", "--work-dir", str(blocker), "--exit"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("error: ") and "--work-dir" in r.stderr
 
 
 @pytest.mark.timeout(300)
