@@ -43,11 +43,15 @@ def _die_with_parent() -> None:  # runs in the child: SIGTERM it if the demo pro
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def spawn(args: list[str], log_path: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(args: list[str], log_path: Path, env_extra: dict[str, str] | None = None,
+          launcher: list[str] | None = None) -> subprocess.Popen:
+    """Run ``edgefleet ARGS`` in a child process; ``launcher`` prefixes the command (e.g. an emulator:
+    ``["qemu-x86_64", "-cpu", "Haswell"]`` runs the child on an emulated AVX2-only CPU)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "edgefleet.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([*(launcher or []), sys.executable, "-m", "edgefleet.cli", *args], stdout=log,
+                            stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
 
 
@@ -111,14 +115,14 @@ class LocalFleet:
             time.sleep(0.2)
 
     def start_agent(self, device_id: str, extra: list[str] | None = None,
-                    env: dict[str, str] | None = None) -> AgentProc:
+                    env: dict[str, str] | None = None, launcher: list[str] | None = None) -> AgentProc:
         port = free_port()
         log = self.work_dir / "logs" / f"agent-{device_id}.log"
         args = ["agent", "--device-id", device_id, "--fleet", self.url, "--data-dir",
                 str(self.work_dir / "agents" / device_id), "--trusted-root", str(self.keys / "root.json"),
                 "--http-port", str(port), "--telemetry-interval-s", str(self.telemetry_interval_s), "-v",
                 *(extra or [])]
-        a = AgentProc(device_id, f"http://127.0.0.1:{port}", spawn(args, log, env), log)
+        a = AgentProc(device_id, f"http://127.0.0.1:{port}", spawn(args, log, env, launcher), log)
         self.agents[device_id] = a
         return a
 

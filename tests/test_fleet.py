@@ -318,3 +318,66 @@ def test_a_database_from_another_schema_is_refused(tmp_path):
     fresh = f"sqlite:///{tmp_path / 'new.db'}"
     make_engine(fresh)[0].dispose()
     make_engine(fresh)[0].dispose()  # reopening its own schema is fine
+
+
+def test_a_schema_1_database_is_migrated_keeping_every_row(tmp_path):
+    """The previous release's schema (1) gains the device hardware and self-test columns in place."""
+    import sqlite3
+
+    from sqlalchemy import select
+
+    from fleet.db import SCHEMA_VERSION, Device, Meta, make_engine
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    make_engine(url)[0].dispose()
+    with sqlite3.connect(tmp_path / "fleet.db") as conn:  # turn it back into what release 1 wrote
+        conn.execute("ALTER TABLE devices DROP COLUMN hardware")
+        conn.execute("ALTER TABLE devices DROP COLUMN selftest")
+        conn.execute("UPDATE edgefleet_meta SET value = '1' WHERE key = 'schema_version'")
+        conn.execute("INSERT INTO devices (id, labels, registered_via, created_at, online) "
+                     "VALUES ('edge-old', '{\"site\": \"a\"}', 'api', '2026-01-01 00:00:00', 0)")
+    engine, sessions = make_engine(url)
+    with sessions() as s:
+        dev = s.get(Device, "edge-old")
+        assert dev is not None and dev.labels == {"site": "a"} and dev.hardware is None and dev.selftest is None
+        assert s.scalar(select(Meta.value).where(Meta.key == "schema_version")) == str(SCHEMA_VERSION)
+    engine.dispose()
+
+
+def test_a_newer_schema_is_refused(tmp_path):
+    import sqlite3
+
+    from fleet.db import make_engine
+    from protocol.errors import ConfigError
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    make_engine(url)[0].dispose()
+    with sqlite3.connect(tmp_path / "fleet.db") as conn:
+        conn.execute("UPDATE edgefleet_meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(ConfigError, match=r"database schema 99.*cannot migrate it"):
+        make_engine(url)
+
+
+def test_a_schema_1_database_is_migrated_on_postgresql():
+    from sqlalchemy import select, text
+
+    from fleet.db import SCHEMA_VERSION, Device, Meta, make_engine
+
+    db = _postgres_url()
+    if db is None:
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): "
+                    "the SQLite migration test covers the same statements")
+    engine, sessions = make_engine(db)
+    with sessions.begin() as s:
+        s.execute(text("ALTER TABLE devices DROP COLUMN hardware"))
+        s.execute(text("ALTER TABLE devices DROP COLUMN selftest"))
+        s.execute(text("UPDATE edgefleet_meta SET value = '1' WHERE key = 'schema_version'"))
+        s.execute(text("INSERT INTO devices (id, labels, registered_via, created_at, online) "
+                       "VALUES ('edge-old', '{}', 'api', now(), false)"))
+    engine.dispose()
+    engine, sessions = make_engine(db)
+    with sessions() as s:
+        dev = s.get(Device, "edge-old")
+        assert dev is not None and dev.hardware is None
+        assert s.scalar(select(Meta.value).where(Meta.key == "schema_version")) == str(SCHEMA_VERSION)
+    engine.dispose()

@@ -186,3 +186,52 @@ def test_vnni_bundle_is_refused_on_emulated_haswell(vnni_bundle):
     doc = _verify_haswell(vnni_bundle)
     assert doc["rc"] == 4 and not doc["cpu_ok"]
     assert "needs CPU features avx512f, avx512bw, avx512_vnni" in doc["cpu_reason"]
+
+
+# -- an agent on an AVX2-only CPU, end to end --------------------------------------------------------
+@needs_qemu
+@pytest.mark.timeout(900)
+def test_agent_on_emulated_haswell_refuses_vnni_before_download_and_reports_its_selftest(
+        tmp_path, vnni_bundle, digits_bundle):
+    from edgefleet.demo import LocalFleet
+    from tests.emulation import QEMU
+
+    lf = LocalFleet(tmp_path / "lf", telemetry_interval_s=1.0)
+    try:
+        lf.start()
+        lf.client.upload(vnni_bundle)
+        lf.client.upload(digits_bundle)
+        # take the vnni bundle's bytes off the fleet: an agent that tried to download it would get a
+        # download error, so a CPU refusal in the report proves the check ran before any download
+        stored = list((tmp_path / "lf" / "fleet").rglob("*x86-cpu-vnni.tar"))
+        assert stored
+        for f in stored:
+            f.unlink()
+        lf.client.register("old-box")
+        lf.start_agent("old-box", launcher=[str(QEMU), "-cpu", "Haswell"])
+        lf.wait_online(["old-box"], timeout_s=300)
+        dev = next(d for d in lf.client.devices() if d["device_id"] == "old-box")
+        assert "avx2" in dev["hardware"]["cpu_features"] and "avx512_vnni" not in dev["hardware"]["cpu_features"]
+
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["old-box"], profile="x86-cpu-vnni")["id"], 300)
+        assert r["status"] == "failed", r
+        err = r["targets"][0]["error"]
+        assert "needs CPU features avx512f, avx512bw, avx512_vnni, which this CPU lacks" in err, err
+
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["old-box"], profile="x86-cpu")["id"], 300)
+        assert r["status"] == "succeeded", r
+        dev = next(d for d in lf.client.devices() if d["device_id"] == "old-box")
+        st = dev["selftest"]
+        m = extract_bundle(digits_bundle, tmp_path / "m")
+        assert st["version"] == "1.0.0" and st["drift"] <= 1.0
+        assert m.selftest_summary is not None and st["top1"] == pytest.approx(m.selftest_summary.top1, abs=1e-9)
+        assert st["build"]["top1"] == pytest.approx(m.selftest_summary.top1, abs=1e-9)
+        assert st["build"]["accuracy"] == m.accuracy.candidate
+        # the console shows the device's own figure next to the compile-time one, and its CPU class
+        import httpx
+
+        html = httpx.get(f"{lf.url}/").text
+        assert f'top-1 {st["top1"]:.3f}</span> <small>(build {m.selftest_summary.top1:.3f})' in html
+        assert "<small class=\"sub\">AVX2</small>" in html
+    finally:
+        lf.stop()
