@@ -23,13 +23,13 @@ import numpy as np
 
 import protocol
 from compiler.data import Dataset, load_dataset
-from compiler.errors import AccuracyGateFailed, InputError
+from compiler.errors import AccuracyGateFailed, InputError, ToolchainError
 from compiler.evaluate import benchmark_pair, top1
 from compiler.graph import GraphInfo, check_model
 from compiler.targets import get_target
 from compiler.targets.base import BuildTarget, Runner
 from protocol.bundle import sha256_file, write_bundle
-from protocol.cpu import cpu_arch, cpu_features
+from protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
 from protocol.manifest import (
     MANIFEST_VERSION,
     AccuracyReport,
@@ -136,6 +136,11 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         wanted = [opts.precision]
     notes: dict[str, str] = {}
     calib: Dataset | None = None
+    if "int8" in wanted and (why_not := _host_cannot_gate_int8(profile)):
+        if not (auto and len(wanted) > 1):
+            raise ToolchainError(f"cannot build int8 for {profile.name} here: {why_not}")
+        wanted.remove("int8")
+        notes["int8"] = f"not built: {why_not}"
     if "int8" in wanted:
         if opts.calibration is not None:
             calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set")
@@ -232,6 +237,19 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         out = opts.out_dir / f"{opts.name}-{opts.version}-{profile.name}.tar"
         write_bundle(manifest, work, out)
     return CompileResult(bundle=out, manifest=manifest)
+
+
+def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:
+    """The gate runs the engine on the build host, so the host must compute what the profile's CPUs
+    compute. Reduced-range and u8u8 engines compute exactly everywhere; full-range u8s8 (VNNI
+    profiles) saturates on an AVX2 host without VNNI, which would gate numbers no device computes."""
+    if profile.arch != "x86_64" or cpu_arch() != "x86_64" or profile.backend != "onnxruntime":
+        return None
+    if profile.int8_scheme()[0] == "u8s8" and u8s8_saturates():
+        return (f"the build host has AVX2 without VNNI, where full-range int8 saturates, so the accuracy gate "
+                f"would measure numbers no {profile.name} device computes; build {profile.name} on a CPU "
+                "with avx512_vnni (or one without AVX2)")
+    return None
 
 
 def _gate_note(acc: AccuracyReport) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "cpu_arch",
     "cpu_features",
     "missing_features",
+    "u8s8_saturates",
 ]
 
 # numpy's name -> the Linux flag name used in profiles and manifests
@@ -63,3 +64,11 @@ def missing_features(required: tuple[str, ...] | list[str] | frozenset[str],
     """The features in ``required`` that this CPU (or ``have``) lacks, in the order given."""
     have = cpu_features() if have is None else have
     return [f for f in required if f not in have]
+
+
+def u8s8_saturates(have: frozenset[str] | None = None) -> bool:
+    """Whether onnxruntime's x86 u8s8 kernels on this CPU (or ``have``) sum pairs of uint8 x int8
+    products into 16 bits with saturation: AVX2 and AVX-512BW without VNNI do (vpmaddubsw); VNNI
+    accumulates in 32 bits and SSE-only CPUs widen to 16-bit operands first, so both are exact."""
+    have = cpu_features() if have is None else have
+    return "avx2" in have and not (have & VNNI_FEATURES)

@@ -8,6 +8,7 @@ skip and say so.
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -31,3 +32,15 @@ def as_cpu(cpu: str, *python_args: str) -> list[str]:
 
 def run_as_cpu(cpu: str, *python_args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(as_cpu(cpu, *python_args), capture_output=True, text=True, timeout=timeout_s)
+
+
+# Set by `make test-haswell`: this pytest runs under qemu, and the CLI processes the tests start must
+# run on the same emulated CPU (qemu user mode does not follow a child process on its own).
+SESSION_CPU = os.environ.get("EDGEFLEET_TEST_CPU") or None
+
+
+def python_argv() -> list[str]:
+    """argv prefix that starts this venv's Python on the CPU this test session runs on."""
+    if SESSION_CPU and QEMU:
+        return [QEMU, "-cpu", SESSION_CPU, sys.executable]
+    return [sys.executable]

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -12,10 +11,12 @@ from compiler.errors import InputError
 from compiler.graph import check_model
 from protocol.bundle import extract_bundle
 from tests.conftest import DIGITS
+from tests.emulation import python_argv
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgefleet.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([*python_argv(), "-m", "edgefleet.cli", *args], capture_output=True, text=True,
+                          timeout=900)
 
 
 def test_bundle_holds_a_static_int8_qdq_model(digits_bundle, tmp_path):

@@ -17,10 +17,10 @@ from onnx import numpy_helper
 
 from compiler.pipeline import CompileOptions, choose_precision, compile_model
 from protocol.bundle import extract_bundle
-from protocol.cpu import cpu_features
+from protocol.cpu import cpu_features, u8s8_saturates
 from protocol.manifest import BenchmarkPoint
 from tests.conftest import DIGITS
-from tests.emulation import needs_qemu, run_as_cpu
+from tests.emulation import QEMU, needs_qemu, run_as_cpu
 from tests.test_compiler import run_cli
 
 
@@ -40,7 +40,19 @@ def _int8_weights(bundle, tmp_path) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def vnni_bundle(tmp_path_factory):
-    return _compile(tmp_path_factory.mktemp("vnni"), "x86-cpu-vnni").bundle
+    """digits for x86-cpu-vnni (full-range int8). Its gate must run where u8s8 is exact: natively on a
+    VNNI host, else under emulated Nehalem (SSE kernels widen to 16-bit operands: exact as VNNI)."""
+    out = tmp_path_factory.mktemp("vnni")
+    if not u8s8_saturates():
+        return _compile(out, "x86-cpu-vnni").bundle
+    if QEMU is None:
+        pytest.skip("this CPU has AVX2 without VNNI, so a x86-cpu-vnni int8 build cannot be gated here, and "
+                    "qemu-user (to build it on an emulated SSE-only CPU) is not installed")
+    r = run_as_cpu("Nehalem", "-m", "edgefleet.cli", "compile", str(DIGITS / "model.onnx"), "--profile",
+                   "x86-cpu-vnni", "--precision", "int8", "--calibration", str(DIGITS / "calibration.npz"),
+                   "--eval", str(DIGITS / "test.npz"), "--out", str(out), "--name", "digits", "--no-benchmark")
+    assert r.returncode == 0, r.stderr
+    return out / "digits-1.0.0-x86-cpu-vnni.tar"
 
 
 def test_x86_cpu_int8_uses_7_bit_weights(digits_bundle, tmp_path):
@@ -139,18 +151,23 @@ def _verify_native(bundle) -> dict:
     return {"rc": r.returncode, **json.loads(r.stdout)}
 
 
-def _verify_haswell(bundle) -> dict:
-    r = run_as_cpu("Haswell", "-m", "edgefleet.cli", "verify", str(bundle), "--eval", str(DIGITS / "test.npz"),
-                   "--json")
+def _verify_as(cpu: str, bundle, *extra: str) -> dict:
+    r = run_as_cpu(cpu, "-m", "edgefleet.cli", "verify", str(bundle), "--eval", str(DIGITS / "test.npz"),
+                   "--json", *extra)
     assert r.stdout, r.stderr
     doc = json.loads(r.stdout)
-    assert "avx512f" not in doc["cpu_features"] and "avx2" in doc["cpu_features"], "not running as Haswell"
+    assert "avx512f" not in doc["cpu_features"], f"not running as {cpu}"
+    assert ("avx2" in doc["cpu_features"]) == (cpu == "Haswell"), f"not running as {cpu}"
     return {"rc": r.returncode, **doc}
+
+
+def _verify_haswell(bundle) -> dict:
+    return _verify_as("Haswell", bundle)
 
 
 def _holds_as_recorded(doc: dict, bundle, tmp_path) -> None:
     m = extract_bundle(bundle, tmp_path / "rec")
-    assert doc["rc"] == 0 and doc["ok"], doc
+    assert doc["rc"] == 0 and doc["computes_as_gated"], doc
     assert doc["selftest"]["drift"] <= 1.0
     # the same top-1 as the compiler recorded (one image of slack for float summation order)
     assert abs(doc["top1"] - m.accuracy.candidate) <= 1 / m.accuracy.eval_samples + 1e-9, doc
@@ -235,3 +252,38 @@ def test_agent_on_emulated_haswell_refuses_vnni_before_download_and_reports_its_
         assert "<small class=\"sub\">AVX2</small>" in html
     finally:
         lf.stop()
+
+
+@needs_qemu
+@pytest.mark.timeout(600)
+def test_vnni_bundle_computes_as_gated_where_u8s8_is_exact(vnni_bundle, tmp_path):
+    """qemu cannot emulate VNNI; an SSE-only CPU (Nehalem) runs the same exact integer arithmetic
+    (no 16-bit saturation), so the x86-cpu-vnni figures are checked there, past the CPU check."""
+    doc = _verify_as("Nehalem", vnni_bundle, "--skip-cpu-check")
+    assert not doc["cpu_ok"]  # the profile does not admit Nehalem; only its arithmetic is the point
+    _holds_as_recorded(doc, vnni_bundle, tmp_path)
+
+
+@needs_qemu
+@pytest.mark.timeout(600)
+def test_vnni_bundle_would_compute_other_answers_on_avx2_which_is_why_it_is_refused(vnni_bundle):
+    doc = _verify_as("Haswell", vnni_bundle, "--skip-cpu-check")
+    assert doc["rc"] == 3 and not doc["computes_as_gated"]
+    assert "differs by" in doc["selftest_error"]
+
+
+@needs_qemu
+@pytest.mark.timeout(900)
+def test_an_avx2_build_host_will_not_gate_a_vnni_int8_build(tmp_path):
+    args = ("-m", "edgefleet.cli", "compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu-vnni",
+            "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"),
+            "--name", "digits", "--no-benchmark")
+    r = run_as_cpu("Haswell", *args, "--precision", "int8", "--out", str(tmp_path / "a"))
+    assert r.returncode == 5, r.stderr
+    assert "build host has AVX2 without VNNI" in r.stderr and "\n" not in r.stderr.strip().splitlines()[-1]
+    assert not list((tmp_path / "a").glob("*.tar"))
+    r = run_as_cpu("Haswell", *args, "--out", str(tmp_path / "b"), "--json")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert m["precision"] == "fp32" and "int8 not built: the build host has AVX2 without VNNI" in \
+        m["precision_choice"]["reason"]
