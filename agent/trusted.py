@@ -60,5 +60,5 @@ def check_cpu(profile: str, required: tuple[str, ...] | list[str], have: frozens
     if missing:
         return Decision("refuse", f"bundle for profile {profile!r} needs CPU features {', '.join(missing)}, which "
                                   f"this CPU lacks (it has {', '.join(sorted(have)) or 'none known'}); roll out "
-                                  "a build for a profile this CPU meets (x86-cpu needs only avx2, fma)")
+                                  "a build for a profile whose cpu_features this CPU has")
     return Decision("install", f"this CPU has {', '.join(required) or 'what the bundle needs'}")
