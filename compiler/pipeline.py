@@ -233,6 +233,7 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
             build_host=BuildHost(arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features()))),
             precision_choice=choice,
             selftest_summary=SelfTestSummary(samples=len(sample), top1=sample_top1),
+            engine_compatibility=target.engine_compatibility(),
         )
         out = opts.out_dir / f"{opts.name}-{opts.version}-{profile.name}.tar"
         write_bundle(manifest, work, out)

@@ -192,6 +192,8 @@ class Manifest(StrictModel):
     build_host: BuildHost | None = None
     precision_choice: PrecisionChoice | None = None
     selftest_summary: SelfTestSummary | None = None
+    # what the engine file is tied to beyond the CPU (TensorRT: version, GPU compute capability, JetPack)
+    engine_compatibility: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("name", "profile")
     @classmethod

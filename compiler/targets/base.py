@@ -32,3 +32,7 @@ class BuildTarget(Protocol):
 
     def toolchain_versions(self) -> dict[str, str]:
         """Versions of the tools that made the engine, for the manifest."""
+
+    def engine_compatibility(self) -> dict[str, str]:
+        """What a device needs for this engine beyond the profile's CPU features (manifest field
+        ``engine_compatibility``): e.g. TensorRT version, GPU compute capability, JetPack. ``{}`` if nothing."""

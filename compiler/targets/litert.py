@@ -29,3 +29,6 @@ class LiteRTTarget:
 
     def toolchain_versions(self) -> dict[str, str]:
         return {}
+
+    def engine_compatibility(self) -> dict[str, str]:
+        return {}

@@ -111,3 +111,6 @@ class OnnxRuntimeTarget:
         import onnxruntime
 
         return {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+
+    def engine_compatibility(self) -> dict[str, str]:
+        return {}

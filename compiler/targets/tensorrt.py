@@ -36,3 +36,6 @@ class TensorRTTarget:
 
     def toolchain_versions(self) -> dict[str, str]:
         return {}
+
+    def engine_compatibility(self) -> dict[str, str]:
+        return {}
