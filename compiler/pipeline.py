@@ -246,7 +246,7 @@ def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:
     profiles) saturates on an AVX2 host without VNNI, which would gate numbers no device computes."""
     if profile.arch != "x86_64" or cpu_arch() != "x86_64" or profile.backend != "onnxruntime":
         return None
-    if profile.int8_scheme()[0] == "u8s8" and u8s8_saturates():
+    if profile.int8_scheme()[0] in ("u8s8", "s8s8") and u8s8_saturates():
         return (f"the build host has AVX2 without VNNI, where full-range int8 saturates, so the accuracy gate "
                 f"would measure numbers no {profile.name} device computes; build {profile.name} on a CPU "
                 "with avx512_vnni (or one without AVX2)")

@@ -44,7 +44,8 @@ MANIFEST_FILENAME = "manifest.json"
 
 Backend = Literal["onnxruntime", "litert", "tensorrt"]
 Precision = Literal["fp32", "fp16", "int8"]
-Int8Scheme = Literal["u8s8", "u8s8_reduced", "u8u8"]  # see protocol.profile.QuantizationSettings
+# onnxruntime's x86 layouts (see protocol.profile.QuantizationSettings); s8s8: TFLite / TensorRT int8
+Int8Scheme = Literal["u8s8", "u8s8_reduced", "u8u8", "s8s8"]
 DType = Literal["FP32", "FP16", "INT8", "UINT8", "INT32", "INT64", "BOOL"]
 
 # used with fullmatch: no trailing newline, ASCII digits only

@@ -26,6 +26,7 @@ class QuantizationSettings(StrictModel):
     #   u8s8          uint8 activations, int8 weights, full range: exact only with VNNI on x86
     #   u8s8_reduced  the same with 7-bit weights: the 16-bit pairwise sums of AVX2 cannot saturate
     #   u8u8          uint8 weights as well: exact everywhere, slower GEMM kernels on AVX2
+    #   s8s8          int8 activations and weights (TFLite, TensorRT); on x86 onnxruntime as u8s8
     scheme: Literal["auto"] | Int8Scheme = "auto"
     per_channel: bool = True
     calibration_method: Literal["minmax", "entropy", "percentile"] = "minmax"
@@ -80,9 +81,9 @@ class HardwareProfile(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> HardwareProfile:
-        if self.quantization.scheme == "u8s8" and self._saturates_full_range():
+        if self.quantization.scheme in ("u8s8", "s8s8") and self._saturates_full_range():
             raise ValueError(
-                "quantization.scheme 'u8s8' (full-range int8 weights) saturates the 16-bit sums of AVX2 "
+                f"quantization.scheme {self.quantization.scheme!r} (full-range int8 weights) saturates the 16-bit sums of AVX2 "
                 f"kernels on CPUs without VNNI, and this profile promises only {list(self.cpu_features)}; "
                 "use 'auto', 'u8s8_reduced' or 'u8u8', or add avx512_vnni to cpu_features")
         if self.default_precision not in self.precisions:

@@ -71,6 +71,7 @@ class OnnxRuntimeTarget:
                   "percentile": CalibrationMethod.Percentile}[q.calibration_method]
         scheme, why = profile.int8_scheme()
         weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
+        activation_type = QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8
         calib = calibration.head(q.max_calibration_samples)
         with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
             pre = Path(tmp) / "pre.onnx"
@@ -79,7 +80,7 @@ class OnnxRuntimeTarget:
                 quantize_static(
                     str(pre), str(out_path), _Reader(calib),
                     quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
-                    activation_type=QuantType.QUInt8, weight_type=weight_type,
+                    activation_type=activation_type, weight_type=weight_type,
                     reduce_range=scheme == "u8s8_reduced",
                     calibrate_method=method,
                     extra_options={"CalibTensorRangeSymmetric": False},
@@ -87,7 +88,7 @@ class OnnxRuntimeTarget:
             except Exception as exc:
                 raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
         return QuantizationInfo(
-            scheme=scheme, activation_type="uint8", weight_type="uint8" if scheme == "u8u8" else "int8",
+            scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8", weight_type="uint8" if scheme == "u8u8" else "int8",
             weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
             calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why)
 
