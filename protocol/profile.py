@@ -83,8 +83,8 @@ class HardwareProfile(StrictModel):
     def _consistent(self) -> HardwareProfile:
         if self.quantization.scheme in ("u8s8", "s8s8") and self._saturates_full_range():
             raise ValueError(
-                f"quantization.scheme {self.quantization.scheme!r} (full-range int8 weights) saturates the 16-bit sums of AVX2 "
-                f"kernels on CPUs without VNNI, and this profile promises only {list(self.cpu_features)}; "
+                f"quantization.scheme {self.quantization.scheme!r} (full-range int8 weights) saturates the 16-bit "
+                f"sums of AVX2 kernels on CPUs without VNNI, and this profile promises only {list(self.cpu_features)}; "
                 "use 'auto', 'u8s8_reduced' or 'u8u8', or add avx512_vnni to cpu_features")
         if self.default_precision not in self.precisions:
             raise ValueError(f"default_precision {self.default_precision!r} is not in precisions")

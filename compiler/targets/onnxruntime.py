@@ -88,7 +88,8 @@ class OnnxRuntimeTarget:
             except Exception as exc:
                 raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
         return QuantizationInfo(
-            scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8", weight_type="uint8" if scheme == "u8u8" else "int8",
+            scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8",
+            weight_type="uint8" if scheme == "u8u8" else "int8",
             weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
             calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why)
 
