@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from compiler.data import Dataset
 from compiler.errors import InputError
 from protocol.manifest import TensorSpec
 
-__all__ = ["GraphInfo", "check_model"]
+__all__ = ["GraphInfo", "check_model", "ensure_opset"]
 
 _ONNX_TO_KSERVE = {1: "FP32", 10: "FP16", 3: "INT8", 2: "UINT8", 6: "INT32", 7: "INT64", 9: "BOOL"}
 
@@ -72,3 +73,38 @@ def check_model(path: Path) -> GraphInfo:
         opset=opset,
         metadata={p.key: p.value for p in model.metadata_props},
     )
+
+
+def ensure_opset(path: Path, opset: int, out_path: Path, sample: Dataset) -> Path:
+    """Convert the model to ``opset`` (onnx's version converter) and check that the converted graph
+    computes what the original does on ``sample``; return the converted file."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import version_converter
+
+    try:
+        converted = version_converter.convert_version(onnx.load(str(path)), opset)
+        onnx.checker.check_model(converted)
+        onnx.save(converted, str(out_path))
+    except Exception as exc:  # the converter raises assorted types for ops it cannot lift
+        raise InputError(f"{path}: cannot convert the graph to opset {opset}, which per-channel int8 needs "
+                         f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
+                         f"re-export the model with opset {opset} or newer, or compile with --precision fp32") from exc
+
+    def run(p: Path) -> tuple[list[str], list[np.ndarray]]:
+        sess = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+        return [o.name for o in sess.get_outputs()], list(sess.run(None, sample.inputs))
+
+    try:
+        (names, before), (_, after) = run(path), run(out_path)
+    except Exception as exc:
+        raise InputError(f"{path}: the graph converted to opset {opset} does not run: {exc}") from exc
+    for name, a, b in zip(names, before, after, strict=True):
+        tol = 1e-4 + 1e-4 * float(np.abs(a).max(initial=0.0))
+        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0.0)) if a.shape == b.shape \
+            else float("inf")
+        if diff > tol:
+            raise InputError(f"{path}: converting to opset {opset} changed output {name!r} (max abs difference "
+                             f"{diff:.3g}); re-export the model with opset {opset} or newer")
+    return out_path

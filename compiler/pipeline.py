@@ -1,8 +1,9 @@
-"""compile: check -> build each candidate precision -> accuracy gate -> benchmark -> choose -> bundle.
+"""compile: check -> build each candidate precision -> gate -> benchmark -> choose -> bundle.
 
-``precision="auto"`` (the default) builds the profile's quantized precision and fp32, gates the
-quantized one, benchmarks both alternating in one run on the profile's batch sizes, and keeps the
-fastest that passes the gate. A quantized engine that is slower than fp32 (small models, where
+``precision="auto"`` (the default) builds every precision the profile allows, gates each against
+FP32 (accuracy with labels, output agreement without; see :mod:`compiler.gate`), benchmarks each
+against FP32 alternating in one run on the profile's batch sizes (CPU profiles), and keeps the
+fastest that passes the gate. A quantized engine that is slower than FP32 (small models, where
 quantize/dequantize costs more than the integer arithmetic saves) is not shipped by default.
 """
 
@@ -22,10 +23,12 @@ from typing import Any
 import numpy as np
 
 import protocol
+from compiler.cache import BuildCache
 from compiler.data import Dataset, load_dataset
 from compiler.errors import AccuracyGateFailed, InputError, ToolchainError
-from compiler.evaluate import benchmark_pair, top1
-from compiler.graph import GraphInfo, check_model
+from compiler.evaluate import benchmark_pair, predict_all
+from compiler.gate import GateSettings, evaluate_gate
+from compiler.graph import GraphInfo, check_model, ensure_opset
 from compiler.targets import get_target
 from compiler.targets.base import BuildTarget, Runner
 from protocol.bundle import sha256_file, write_bundle
@@ -43,12 +46,14 @@ from protocol.manifest import (
     QuantizationInfo,
     SelfTestSummary,
 )
-from protocol.profile import HardwareProfile, load_profile
+from protocol.profile import HardwareProfile, load_profile, resolve_profile_path
 
-__all__ = ["CompileOptions", "CompileResult", "choose_precision", "compile_model"]
+__all__ = ["CompileOptions", "CompileResult", "Measured", "choose_precision", "compile_model"]
 
 SELFTEST_MAX_SAMPLES = 64
 SELFTEST_MAX_INPUT_BYTES = 1 << 20  # the sample travels in every bundle: keep it small for big inputs
+MIN_CALIBRATION_SAMPLES = 16  # fewer gives activation ranges from a handful of inputs
+QDQ_MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (the axis attribute) needs opset 13
 Progress = Callable[[int, int, str], None]
 
 
@@ -64,12 +69,17 @@ class CompileOptions:
     precision: str = "auto"  # "auto", or one of the profile's precisions
     max_accuracy_drop: float | None = None  # default: the profile's accuracy.max_drop
     benchmark: bool = True
+    gate: str = "auto"  # "auto" (accuracy with labels, agreement without), "accuracy", "agreement"
+    min_agreement: float | None = None  # default: the profile's accuracy.min_agreement
+    agreement_metric: str = "auto"  # "auto", "top1" or "cosine" (embeddings)
+    cache_dir: Path | None = None  # reuse a bundle built from identical inputs (compiler.cache); None: always build
 
 
 @dataclass(frozen=True)
 class CompileResult:
     bundle: Path
     manifest: Manifest
+    cached: bool = False
 
 
 @dataclass
@@ -82,12 +92,22 @@ class _Built:
     points: tuple[BenchmarkPoint, ...] = ()
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What the precision choice looks at, per candidate."""
+
+    precision: str
+    passed: bool
+    gate_note: str
+    points: tuple[BenchmarkPoint, ...] = ()  # vs fp32; empty for fp32 itself or when not benchmarked
+
+
 def _noop(step: int, total: int, what: str) -> None:
     pass
 
 
 def _geomean(points: tuple[BenchmarkPoint, ...]) -> float:
-    return math.exp(sum(math.log(max(p.speedup, 1e-9)) for p in points) / len(points))
+    return math.exp(sum(math.log(max(p.speedup, 1e-9)) for p in points) / len(points)) if points else 1.0
 
 
 def _speed_phrase(precision: str, points: tuple[BenchmarkPoint, ...]) -> str:
@@ -95,21 +115,38 @@ def _speed_phrase(precision: str, points: tuple[BenchmarkPoint, ...]) -> str:
         + " of fp32 on this model"
 
 
-def choose_precision(quantized: str, passed: bool, gate_note: str,
-                     points: tuple[BenchmarkPoint, ...] | None) -> tuple[str, str]:
-    """Pure decision for ``--precision auto``: (chosen, reason).
+def choose_precision(measured: list[Measured], benchmarked: bool) -> tuple[str, str] | None:
+    """Pure decision for ``--precision auto``: (chosen, reason), or None when nothing passed.
 
-    ``points`` are the quantized engine's speedups over fp32 (None: not benchmarked). The quantized
-    engine is kept when it passes the gate and is faster than fp32 (geometric mean over the
-    profile's batch sizes); without a benchmark it is kept when it passes the gate.
+    ``measured`` is in order of preference (the profile's default precision first). With a benchmark
+    the fastest passing candidate wins (fp32 counts as 1.0x, the geometric mean over the profile's
+    batch sizes for the others; a tie keeps fp32); without one, the first that passes.
     """
-    if not passed:
-        return "fp32", f"fp32: {quantized} failed the accuracy gate ({gate_note})"
-    if points is None:
-        return quantized, f"{quantized}: passes the gate ({gate_note}); not benchmarked (--no-benchmark)"
-    if _geomean(points) > 1.0:
-        return quantized, f"{quantized}: passes the gate ({gate_note}) and {_speed_phrase(quantized, points)}"
-    return "fp32", f"fp32: {_speed_phrase(quantized, points)}, though it passes the gate ({gate_note})"
+    passing = [m for m in measured if m.passed]
+    if not passing:
+        return None
+    if benchmarked:
+        best = max(passing, key=lambda m: (1.0 if m.precision == "fp32" else _geomean(m.points),
+                                           m.precision == "fp32"))
+    else:
+        best = passing[0]
+    others = []
+    for m in measured:
+        if m is best:
+            continue
+        if not m.passed:
+            others.append(f"{m.precision} failed the accuracy gate ({m.gate_note})")
+        elif benchmarked and m.precision != "fp32":
+            others.append(_speed_phrase(m.precision, m.points))
+    if best.precision == "fp32" and others:
+        tail = ", though it passes the gate" if any(m.passed and m is not best for m in measured) else ""
+        return "fp32", f"fp32: {'; '.join(others)}{tail}"
+    why = f"passes the gate ({best.gate_note})"
+    if benchmarked and best.precision != "fp32":
+        why += f" and {_speed_phrase(best.precision, best.points)}"
+    elif not benchmarked:
+        why += "; not benchmarked" + (" (--no-benchmark)" if len(measured) > 1 else "")
+    return best.precision, f"{best.precision}: {why}" + (f"; {'; '.join(others)}" if others else "")
 
 
 def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
@@ -120,85 +157,106 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
     if not auto and opts.precision not in profile.precisions:
         raise InputError(f"profile {profile.name} supports {list(profile.precisions)} or 'auto', "
                          f"not {opts.precision!r}")
-    max_drop = profile.accuracy.max_drop if opts.max_accuracy_drop is None else opts.max_accuracy_drop
-    if not 0.0 <= max_drop <= 1.0:
-        raise InputError(f"--max-accuracy-drop must be between 0 and 1, got {max_drop}")
+    gate = GateSettings(
+        kind=opts.gate,  # type: ignore[arg-type]
+        max_accuracy_drop=profile.accuracy.max_drop if opts.max_accuracy_drop is None else opts.max_accuracy_drop,
+        min_agreement=profile.accuracy.min_agreement if opts.min_agreement is None else opts.min_agreement,
+        metric=opts.agreement_metric)  # type: ignore[arg-type]
+    if not 0.0 <= gate.max_accuracy_drop <= 1.0:
+        raise InputError(f"--max-accuracy-drop must be between 0 and 1, got {gate.max_accuracy_drop}")
+    if not 0.0 <= gate.min_agreement <= 1.0:
+        raise InputError(f"--min-agreement must be between 0 and 1, got {gate.min_agreement}")
     target = get_target(profile.backend)
 
     progress(2, total, f"checking graph {opts.model}")
     info = check_model(opts.model)
-    eval_set = load_dataset(opts.eval, info.inputs, need_labels=True, what="evaluation set")
-    # auto: the profile's quantized precision against fp32, when the profile has both
-    quantized = next((p for p in profile.precisions if p != "fp32"), None)
-    if auto:
-        wanted = [p for p in (quantized, "fp32") if p is not None and p in profile.precisions]
-    else:
-        wanted = [opts.precision]
+    out = opts.out_dir / f"{opts.name}-{opts.version}-{profile.name}.tar"
+    cache = cache_key = None
+    if opts.cache_dir is not None:
+        cache = BuildCache(opts.cache_dir)
+        params = {k: v for k, v in vars(opts).items() if k not in ("model", "calibration", "eval", "out_dir",
+                                                                   "cache_dir", "profile")}
+        cache_key = cache.key([opts.model, resolve_profile_path(opts.profile), opts.calibration, opts.eval], {
+            **params, "edgefleet": protocol.__version__, "manifest_version": MANIFEST_VERSION,
+            "toolchain": target.toolchain_versions(), "host": sorted(cpu_features())})
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        hit = cache.get(cache_key, out)
+        if hit is not None:
+            progress(total, total, f"unchanged inputs: reused the bundle built {hit.created_at}")
+            return CompileResult(bundle=out, manifest=hit, cached=True)
+    eval_set = load_dataset(opts.eval, info.inputs, need_labels=gate.kind == "accuracy", what="evaluation set")
+    # the profile's default precision first: it wins when nothing is benchmarked
+    order: list[str] = [profile.default_precision, *[p for p in profile.precisions if p != profile.default_precision]]
+    wanted = order if auto else [opts.precision]
     notes: dict[str, str] = {}
-    calib: Dataset | None = None
+
+    def drop(precision: str, why: str) -> None:
+        if not auto or len(wanted) == 1:
+            raise (ToolchainError if "build host" in why else InputError)(f"cannot build {precision}: {why}")
+        wanted.remove(precision)
+        notes[precision] = f"not built: {why}"
+
     if "int8" in wanted and (why_not := _host_cannot_gate_int8(profile)):
-        if not (auto and len(wanted) > 1):
-            raise ToolchainError(f"cannot build int8 for {profile.name} here: {why_not}")
-        wanted.remove("int8")
-        notes["int8"] = f"not built: {why_not}"
+        drop("int8", why_not)
+    calib: Dataset | None = None
     if "int8" in wanted:
-        if opts.calibration is not None:
-            calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set")
-        elif auto and len(wanted) > 1:
-            wanted.remove("int8")
-            notes["int8"] = "not built: no --calibration set given"
+        if opts.calibration is None:
+            drop("int8", "no --calibration set given (pass --calibration FILE.npz)")
         else:
-            raise InputError("int8 needs a calibration set: pass --calibration FILE.npz")
+            calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set")
+            if len(calib) < MIN_CALIBRATION_SAMPLES:
+                raise InputError(f"{opts.calibration}: {len(calib)} calibration samples; int8 needs at least "
+                                 f"{MIN_CALIBRATION_SAMPLES} representative inputs (a few hundred is better)")
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="edgefleet-build-", dir=opts.out_dir) as tmp:
         work = Path(tmp)
-        progress(3, total, "measuring the fp32 reference accuracy")
+        progress(3, total, "running the fp32 reference")
         from compiler.targets.onnxruntime import OnnxRuntimeTarget
 
         reference = OnnxRuntimeTarget().runner(opts.model, profile)
-        ref_acc = top1(reference, eval_set)
+        ref_out = predict_all(reference, eval_set)
+        source = opts.model
+        if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
+            source = ensure_opset(opts.model, QDQ_MIN_OPSET, work / "source-opset13.onnx", eval_set.head(16))
         progress(4, total, f"building and gating {profile.backend} {' and '.join(wanted)}")
         built: dict[str, _Built] = {}
         for precision in wanted:
-            built[precision] = _build_and_gate(target, opts.model, info, precision, profile, calib, work,
-                                               eval_set, reference, ref_acc, max_drop)
+            built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, info, precision,
+                                               profile, calib, work, eval_set, ref_out, gate)
 
-        if auto and quantized in built and "fp32" in built:
-            q = built[quantized]
-            if opts.benchmark and q.accuracy.passed:
-                progress(5, total, f"benchmarking fp32 vs {quantized} (alternating)")
-                q.points = _benchmark(reference, q.runner, eval_set, profile)
-            else:
-                progress(5, total, "benchmark skipped")
-            chosen, reason = choose_precision(quantized, q.accuracy.passed, _gate_note(q.accuracy),
-                                              q.points if opts.benchmark else None)
+        benchmarked = opts.benchmark and profile.accelerator == "cpu"
+        fp32_runner = built["fp32"].runner if "fp32" in built else reference
+        to_bench = [b for b in built.values() if b.precision != "fp32" and (b.accuracy.passed or not auto)]
+        if benchmarked and to_bench:
+            progress(5, total, f"benchmarking fp32 vs {' and '.join(b.precision for b in to_bench)} (alternating)")
+            for b in to_bench:
+                b.points = _benchmark(fp32_runner, b.runner, eval_set, profile)
         else:
-            chosen = wanted[0]
-            b = built[chosen]
-            if not b.accuracy.passed:
-                raise AccuracyGateFailed(
-                    f"accuracy gate failed: {_gate_note(b.accuracy)}; raise --max-accuracy-drop, give a more "
-                    "representative --calibration set, or compile with --precision fp32 (or auto)")
-            reason = (f"{chosen}: the only precision the profile allows" if auto
-                      else f"{chosen}: asked for with --precision")
-            if auto and quantized is not None and quantized not in built:
-                reason = f"{chosen}: {quantized} {notes.get(quantized, 'not built')}"
-            if opts.benchmark and chosen != "fp32":
-                progress(5, total, f"benchmarking fp32 vs {chosen} (alternating)")
-                b.points = _benchmark(reference, b.runner, eval_set, profile)
-            else:
-                progress(5, total, "benchmark skipped" if not opts.benchmark else "fp32: nothing to compare")
+            progress(5, total, "benchmark skipped" if not benchmarked else "fp32 only: nothing to compare")
+        measured = [Measured(p, b.accuracy.passed, _gate_note(b.accuracy), b.points) for p, b in built.items()]
+        decided = choose_precision(measured, benchmarked) if auto else (
+            (wanted[0], f"{wanted[0]}: asked for with --precision") if built[wanted[0]].accuracy.passed else None)
+        if decided is None:
+            failed = "; ".join(_gate_note(b.accuracy) for b in built.values())
+            raise AccuracyGateFailed(
+                f"accuracy gate failed: {failed}; {_gate_advice(next(iter(built.values())).accuracy)}"
+                + _per_output_report(built))
+        chosen, reason = decided
+        if notes:  # precisions the profile allows that could not be built here, and why
+            why_not = "; ".join(f"{p} {n}" for p, n in notes.items())
+            reason = f"{chosen}: {why_not}" if len(built) == 1 else f"{reason}; {why_not}"
         best = built[chosen]
         choice = PrecisionChoice(
             mode="auto" if auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
             candidates=tuple(
                 [PrecisionCandidate(precision=p, top1=b.accuracy.candidate, drop=b.accuracy.drop,  # type: ignore[arg-type]
-                                    passed=b.accuracy.passed, speedup=b.points) for p, b in built.items()]
+                                    passed=b.accuracy.passed, speedup=b.points, metric=b.accuracy.metric)
+                 for p, b in built.items()]
                 + [PrecisionCandidate(precision=p, note=n) for p, n in notes.items()]))  # type: ignore[arg-type]
 
         bench: BenchmarkReport | None = None
-        compared = next((b for b in built.values() if b.points), None)
+        compared = best if best.points else next((b for b in built.values() if b.points), None)
         if compared is not None:
             bench = BenchmarkReport(threads=profile.runtime.intra_op_threads, iterations=profile.benchmark.iterations,
                                     points=compared.points, candidate_precision=compared.precision)  # type: ignore[arg-type]
@@ -211,7 +269,7 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         sample_top1 = None
         if sample.labels is not None:
             arrays["labels"] = sample.labels
-            if expected[0].ndim == 2:
+            if expected[0].ndim == 2 and sample.labels.shape == expected[0].shape[:1]:
                 sample_top1 = float((expected[0].argmax(axis=1) == sample.labels).mean())
         np.savez_compressed(work / "selftest.npz", **arrays)
 
@@ -227,7 +285,8 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
             engine=engine.name, selftest="selftest.npz", inputs=info.inputs, outputs=info.outputs,
             files=files, accuracy=best.accuracy, benchmark=bench,
             toolchain={"edgefleet": protocol.__version__, "python": sys.version.split()[0],
-                       "platform": platform.machine(), **target.toolchain_versions()},
+                       "platform": platform.machine(), "source_opset": str(info.opset),
+                       **target.toolchain_versions()},
             labels=tuple(json.loads(labels)) if labels else None,
             cpu_features=profile.cpu_features, quantization=best.quantization,
             build_host=BuildHost(arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features()))),
@@ -235,8 +294,9 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
             selftest_summary=SelfTestSummary(samples=len(sample), top1=sample_top1),
             engine_compatibility=target.engine_compatibility(),
         )
-        out = opts.out_dir / f"{opts.name}-{opts.version}-{profile.name}.tar"
         write_bundle(manifest, work, out)
+    if cache is not None and cache_key is not None:
+        cache.put(cache_key, out)
     return CompileResult(bundle=out, manifest=manifest)
 
 
@@ -255,22 +315,40 @@ def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:
 
 def _gate_note(acc: AccuracyReport) -> str:
     rel = "<=" if acc.passed else ">"
+    if acc.metric == "agreement":
+        worst = min(acc.outputs, key=lambda o: o.value)
+        return (f"{acc.candidate_precision} agrees with fp32 at {acc.candidate:.4f} (worst output {worst.name!r}, "
+                f"{worst.metric.replace('_', ' ')}), shortfall {acc.drop:.4f} {rel} {acc.max_drop:.4f}")
+    ci = f", 95% CI {acc.drop_ci95[0]:+.4f}..{acc.drop_ci95[1]:+.4f}" if acc.drop_ci95 else ""
     return (f"{acc.candidate_precision} top-1 {acc.candidate:.4f} vs fp32 {acc.reference:.4f}, "
-            f"drop {acc.drop:.4f} {rel} {acc.max_drop:.4f}")
+            f"drop {acc.drop:.4f} {rel} {acc.max_drop:.4f} on {acc.eval_samples} samples{ci}")
+
+
+def _gate_advice(acc: AccuracyReport) -> str:
+    budget = "--max-accuracy-drop" if acc.metric == "top1" else "--min-agreement"
+    return (f"loosen {budget}, give a more representative --calibration set, or compile with --precision fp32 "
+            "(or auto)")
+
+
+def _per_output_report(built: dict[str, _Built]) -> str:
+    lines = []
+    for p, b in built.items():
+        for o in b.accuracy.outputs:
+            t1 = "–" if o.top1_agreement is None else f"{o.top1_agreement:.4f}"
+            lines.append(f"\n  {p} output {o.name!r}: top-1 agreement {t1}, cosine {o.cosine:.4f}, "
+                         f"max abs error {o.max_abs_error:.4g}, mean abs error {o.mean_abs_error:.4g}")
+    return "".join(lines)
 
 
 def _build_and_gate(target: BuildTarget, model: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
-                    calib: Dataset | None, work: Path, eval_set: Dataset, reference: Runner, ref_acc: float,
-                    max_drop: float) -> _Built:
+                    calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[np.ndarray],
+                    gate: GateSettings) -> _Built:
     engine = work / f"model-{precision}{target.engine_suffix}"
     quant = target.build(model, info, precision, profile, calib if precision == "int8" else None, engine)
     runner = target.runner(engine, profile)
-    acc = ref_acc if precision == "fp32" and target.backend == "onnxruntime" else top1(runner, eval_set)
-    drop = round(ref_acc - acc, 6)  # the gate decides on exactly what the manifest records
-    report = AccuracyReport(
-        metric="top1", eval_samples=len(eval_set), reference_precision="fp32", reference=ref_acc,
-        candidate_precision=precision, candidate=acc, drop=drop, max_drop=max_drop,  # type: ignore[arg-type]
-        passed=drop <= max_drop + 1e-9)
+    same_as_reference = precision == "fp32" and target.backend == "onnxruntime"  # the engine is the source
+    cand_out = ref_out if same_as_reference else predict_all(runner, eval_set)
+    report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate)
     return _Built(precision, engine, runner, quant, report)
 
 
@@ -278,9 +356,12 @@ def _benchmark(reference: Runner, candidate: Runner, data: Dataset,
                profile: HardwareProfile) -> tuple[BenchmarkPoint, ...]:
     pts = []
     for bs in profile.benchmark.batch_sizes:
-        r, c = benchmark_pair(reference, candidate, data, bs, profile.benchmark.iterations, profile.benchmark.warmup)
-        pts.append(BenchmarkPoint(batch_size=bs, reference_ms_p50=round(r, 4), candidate_ms_p50=round(c, 4),
-                                  speedup=round(r / c, 3) if c > 0 else 0.0))
+        (r50, r99), (c50, c99) = benchmark_pair(reference, candidate, data, bs, profile.benchmark.iterations,
+                                                profile.benchmark.warmup)
+        pts.append(BenchmarkPoint(batch_size=bs, reference_ms_p50=round(r50, 4), candidate_ms_p50=round(c50, 4),
+                                  speedup=round(r50 / c50, 3) if c50 > 0 else 0.0, reference_ms_p99=round(r99, 4),
+                                  candidate_ms_p99=round(c99, 4),
+                                  candidate_items_per_s=round(bs * 1000 / c50, 1) if c50 > 0 else None))
     return tuple(pts)
 
 

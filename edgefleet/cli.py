@@ -72,41 +72,78 @@ def _print(doc: Any, as_json: bool, human: str) -> None:
 def cmd_compile(a: argparse.Namespace) -> int:
     try:
         _require("compiler")
+        from compiler.cache import default_cache_dir
         from compiler.errors import CompilerError
         from compiler.pipeline import CompileOptions, compile_model
     except ImportError as exc:
         return _need("compiler", exc)
     from protocol.errors import EdgefleetError
+    from protocol.profile import list_profiles
 
-    opts = CompileOptions(model=a.model, profile=a.profile, calibration=a.calibration, eval=a.eval,
-                          out_dir=a.out, name=a.name or a.model.parent.name or a.model.stem, version=a.version,
-                          precision=a.precision, max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark)
-    progress = (lambda *_: None) if a.json or a.quiet else _progress_bar
-    try:
-        result = compile_model(opts, progress)
-    except CompilerError as exc:
-        sys.stderr.write("\n")
-        print(f"error: {exc}", file=sys.stderr)
-        if a.json:
-            print(json.dumps({"ok": False, "error": str(exc), "kind": type(exc).__name__}))
-        return exc.exit_code
-    except EdgefleetError as exc:  # profile schema errors and the like
-        sys.stderr.write("\n")
-        print(f"error: {exc}", file=sys.stderr)
-        if a.json:
-            print(json.dumps({"ok": False, "error": str(exc), "kind": type(exc).__name__}))
-        return EXIT_INPUT
-    m = result.manifest
-    doc = {"ok": True, "bundle": str(result.bundle), "manifest": m.model_dump(mode="json")}
+    profiles = list_profiles() if a.profile == "all" else [p.strip() for p in a.profile.split(",") if p.strip()]
+    if not profiles:
+        print("error: --profile names no profile", file=sys.stderr)
+        return EXIT_USAGE
+    matrix = len(profiles) > 1
+    results: list[dict[str, Any]] = []
+    first_failure = EXIT_OK
+    for i, profile in enumerate(profiles, start=1):
+        opts = CompileOptions(
+            model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
+            name=a.name or a.model.parent.name or a.model.stem, version=a.version, precision=a.precision,
+            max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark, gate=a.gate,
+            min_agreement=a.min_agreement, agreement_metric=a.agreement_metric,
+            cache_dir=None if a.no_cache else default_cache_dir())
+        label = f"[{i}/{len(profiles)} {profile}] " if matrix else ""
+        progress = (lambda *_: None) if a.json or a.quiet else (
+            lambda step, total, what, label=label: _progress_bar(step, total, label + what))
+        t0 = time.monotonic()
+        try:
+            result = compile_model(opts, progress)
+        except (CompilerError, EdgefleetError) as exc:
+            code = exc.exit_code if isinstance(exc, CompilerError) else EXIT_INPUT
+            first_failure = first_failure or code
+            if not a.json:
+                sys.stderr.write("\n")
+                print(f"error: {label}{exc}", file=sys.stderr)
+            results.append({"ok": False, "profile": profile, "error": str(exc), "kind": type(exc).__name__,
+                            "exit_code": code, "seconds": round(time.monotonic() - t0, 2)})
+            continue
+        m = result.manifest
+        results.append({"ok": True, "profile": profile, "bundle": str(result.bundle), "cached": result.cached,
+                        "seconds": round(time.monotonic() - t0, 2), "manifest": m.model_dump(mode="json")})
+        if not matrix and not a.json:
+            print(_compile_summary(result.bundle, m, result.cached))
+    if a.json:
+        print(json.dumps({"ok": first_failure == EXIT_OK, "builds": results} if matrix else results[0], indent=2))
+    elif matrix:
+        print(_matrix_table(results))
+    return first_failure
+
+
+def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
     acc = m.accuracy
-    lines = [f"bundle    {result.bundle}",
+    if acc.metric == "agreement":
+        worst = min(acc.outputs, key=lambda o: o.value)
+        figure = (f"agreement with fp32 {acc.candidate:.4f} (worst output {worst.name!r} by "
+                  f"{worst.metric.replace('_', ' ')}; needed {1 - acc.max_drop:.4f}, {acc.eval_samples} samples)")
+    else:
+        ci = f", 95% CI {acc.drop_ci95[0]:+.4f}..{acc.drop_ci95[1]:+.4f}" if acc.drop_ci95 else ""
+        figure = (f"top-1 {acc.candidate_precision} {acc.candidate:.4f}  vs {acc.reference_precision} "
+                  f"{acc.reference:.4f}  (drop {acc.drop:+.4f}{ci}, allowed {acc.max_drop:.4f}, "
+                  f"{acc.eval_samples} samples)")
+    lines = [f"bundle    {bundle}" + ("  (reused from the build cache: inputs unchanged)" if cached else ""),
              f"model     {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
-             f"accuracy  top-1 {acc.candidate_precision} {acc.candidate:.4f}  vs {acc.reference_precision} "
-             f"{acc.reference:.4f}  (drop {acc.drop:+.4f}, allowed {acc.max_drop:.4f}, {acc.eval_samples} samples)"]
+             f"accuracy  {figure}"]
+    for o in acc.outputs:
+        t1 = "" if o.top1_agreement is None else f"top-1 agreement {o.top1_agreement:.4f}, "
+        lines.append(f"output    {o.name}: {t1}cosine {o.cosine:.4f}, max abs error {o.max_abs_error:.4g}, "
+                     f"mean abs error {o.mean_abs_error:.4g}")
     if m.precision_choice is not None:
         for c in m.precision_choice.candidates:
             if c.precision != m.precision and c.top1 is not None:
-                lines.append(f"also      top-1 {c.precision} {c.top1:.4f} (drop {c.drop:+.4f}, "
+                what = "agreement" if c.metric == "agreement" else "top-1"
+                lines.append(f"also      {what} {c.precision} {c.top1:.4f} (drop {c.drop:+.4f}, "
                              f"{'passed' if c.passed else 'FAILED'} the gate)")
             elif c.note:
                 lines.append(f"also      {c.precision}: {c.note}")
@@ -117,15 +154,37 @@ def cmd_compile(a: argparse.Namespace) -> int:
     if m.benchmark:
         ref, cand = m.benchmark.reference_precision, m.benchmark.candidate_precision or acc.candidate_precision
         for p in m.benchmark.points:
+            p99 = f", p99 {p.reference_ms_p99:.3f} / {p.candidate_ms_p99:.3f} ms" if p.candidate_ms_p99 else ""
             lines.append(f"latency   batch {p.batch_size:>3}: {ref} {p.reference_ms_p50:.3f} ms, "
-                         f"{cand} {p.candidate_ms_p50:.3f} ms p50 ({p.speedup:.2f}x)")
+                         f"{cand} {p.candidate_ms_p50:.3f} ms p50 ({p.speedup:.2f}x){p99}")
     if m.build_host is not None:
         lines.append(f"built on  {m.build_host.arch} with {', '.join(m.build_host.cpu_features)}; "
                      f"the engine needs {', '.join(m.cpu_features) or 'no particular CPU feature'}")
+    if m.engine_compatibility:
+        lines.append("engine    needs " + ", ".join(f"{k} {v}" for k, v in sorted(m.engine_compatibility.items())))
     if m.precision_choice is not None:
         lines.append(f"chose     {m.precision_choice.reason}")
-    _print(doc, a.json, "\n".join(lines))
-    return EXIT_OK
+    return "\n".join(lines)
+
+
+def _matrix_table(results: list[dict[str, Any]]) -> str:
+    head = f"{'PROFILE':<18} {'BACKEND':<12} {'PREC':<5} {'SIZE':>9} {'FIDELITY':<22} {'LATENCY b1':>11} STATUS"
+    rows = [head]
+    for r in results:
+        if not r["ok"]:
+            rows.append(f"{r['profile']:<18} {'–':<12} {'–':<5} {'–':>9} {'–':<22} {'–':>11} FAILED: {r['error']}")
+            continue
+        m = r["manifest"]
+        acc = m["accuracy"]
+        fid = (f"top-1 {acc['candidate']:.4f} (-{acc['drop']:.4f})" if acc["metric"] == "top1"
+               else f"agree {acc['candidate']:.4f}")
+        size = sum(f["size_bytes"] for f in m["files"].values())
+        pts = (m.get("benchmark") or {}).get("points") or []
+        lat = f"{pts[0]['candidate_ms_p50']:.3f} ms" if pts else "–"
+        status = "ok (cached)" if r["cached"] else "ok"
+        rows.append(f"{r['profile']:<18} {m['backend']:<12} {m['precision']:<5} {size / 1024:>7.0f}KB {fid:<22} "
+                    f"{lat:>11} {status}")
+    return "\n".join(rows)
 
 
 # -- keys -------------------------------------------------------------------------------------------
@@ -385,9 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "benchmark, keep the fastest precision that passes (--precision auto), and "
                                    "write a bundle archive.")
     c.add_argument("model", type=Path, help="source ONNX model with a dynamic batch dimension")
-    c.add_argument("--profile", required=True, help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path")
+    c.add_argument("--profile", required=True,
+                   help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path; several as a comma list, or "
+                        "'all': builds each, continues past a failed one, prints a summary table, and exits "
+                        "non-zero if any failed")
     c.add_argument("--calibration", type=Path, help=".npz with the model's input(s), for INT8 calibration")
-    c.add_argument("--eval", required=True, type=Path, help=".npz with input(s) and 'labels', for the accuracy gate")
+    c.add_argument("--eval", required=True, type=Path,
+                   help=".npz with the input(s), and 'labels' if you have them: with labels the gate is top-1 "
+                        "accuracy against fp32, without it is output agreement with fp32")
     c.add_argument("--name", help="model name in the registry (default: the model's folder name)")
     c.add_argument("--version", default="1.0.0", help="model version, MAJOR.MINOR.PATCH")
     c.add_argument("--precision", choices=["auto", "int8", "fp32", "fp16"], default="auto",
@@ -395,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "accuracy gate on the profile's benchmark, and record both")
     c.add_argument("--max-accuracy-drop", type=float,
                    help="largest allowed top-1 drop versus FP32, absolute (default: the profile's accuracy.max_drop)")
+    c.add_argument("--gate", choices=["auto", "accuracy", "agreement"], default="auto",
+                   help="auto: accuracy when --eval has labels that fit the first output, else agreement")
+    c.add_argument("--min-agreement", type=float,
+                   help="agreement gate: every output's top-1 agreement (class scores, sequences) or cosine "
+                        "similarity (other outputs) with fp32 must reach this (default: the profile's "
+                        "accuracy.min_agreement)")
+    c.add_argument("--agreement-metric", choices=["auto", "top1", "cosine"], default="auto",
+                   help="how outputs are compared without labels; use cosine for embeddings")
+    c.add_argument("--no-cache", action="store_true",
+                   help="build even if an identical build is cached ($EDGEFLEET_CACHE_DIR or ~/.cache/edgefleet)")
     c.add_argument("--out", type=Path, default=Path("dist"), help="folder for the bundle")
     c.add_argument("--no-benchmark", action="store_true", help="skip the latency benchmark")
     c.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")

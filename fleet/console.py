@@ -77,6 +77,12 @@ def _hardware(h: dict[str, Any] | None) -> str:
     return f'<br><small class="sub">{escape(isa)}</small>'
 
 
+def _accuracy(a: dict[str, Any]) -> str:
+    if a["metric"] == "agreement":
+        return f'agreement {a["candidate"]:.4f} with fp32 (no labels)'
+    return f'{a["candidate"]:.4f} (fp32 {a["reference"]:.4f})'
+
+
 def _choice(m: dict[str, Any]) -> str:
     c = m.get("precision_choice")
     q = m.get("quantization")
@@ -102,7 +108,7 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
                     f'{_telemetry_cells(d["telemetry"])}<td>{_ts(d["last_seen"])}</td></tr>')
     mrows = [f'<tr><td><b>{escape(m["name"])}</b></td><td>{escape(m["version"])}</td><td>{escape(m["profile"])}</td>'
              f'<td>{escape(m["backend"])} {escape(m["precision"])}{_choice(m)}</td>'
-             f'<td>{m["accuracy"]["candidate"]:.4f} (fp32 {m["accuracy"]["reference"]:.4f})</td>'
+             f'<td>{_accuracy(m["accuracy"])}</td>'
              f'<td><code>{escape(m["sha256"][:16])}…</code></td><td>{_ts(m["uploaded_at"])}</td></tr>' for m in models]
     rrows = []
     for r in rollouts:

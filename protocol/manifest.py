@@ -31,6 +31,7 @@ __all__ = [
     "FileEntry",
     "Int8Scheme",
     "Manifest",
+    "OutputAgreement",
     "PrecisionCandidate",
     "PrecisionChoice",
     "QuantizationInfo",
@@ -92,8 +93,22 @@ class FileEntry(StrictModel):
         return v
 
 
+class OutputAgreement(StrictModel):
+    """One output of the candidate engine against fp32 on the evaluation set."""
+
+    name: str
+    metric: Literal["top1_agreement", "cosine"]  # the one the agreement gate uses for this output
+    value: float = Field(ge=-1.0, le=1.0)
+    top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    cosine: float = Field(ge=-1.0, le=1.0)  # the worst sample's
+    max_abs_error: float = Field(ge=0.0)
+    mean_abs_error: float = Field(ge=0.0)
+
+
 class AccuracyReport(StrictModel):
-    metric: Literal["top1"]
+    # top1: against labels (drop = fp32 top-1 - candidate top-1); agreement: no labels, reference 1.0 and
+    # candidate = the worst output's agreement with fp32 (top-1 agreement or cosine similarity)
+    metric: Literal["top1", "agreement"]
     eval_samples: int = Field(gt=0)
     reference_precision: Precision
     reference: float = Field(ge=0.0, le=1.0)
@@ -102,6 +117,8 @@ class AccuracyReport(StrictModel):
     drop: float
     max_drop: float = Field(ge=0.0)
     passed: bool
+    outputs: tuple[OutputAgreement, ...] = ()
+    drop_ci95: tuple[float, float] | None = None  # paired 95% interval of the drop (top1 per sample)
 
     @model_validator(mode="after")
     def _consistent(self) -> AccuracyReport:
@@ -116,7 +133,10 @@ class BenchmarkPoint(StrictModel):
     batch_size: int = Field(gt=0)
     reference_ms_p50: float = Field(ge=0)
     candidate_ms_p50: float = Field(ge=0)
-    speedup: float = Field(ge=0)  # reference / candidate, measured alternating in one run
+    speedup: float = Field(ge=0)  # reference / candidate p50, measured alternating in one run
+    reference_ms_p99: float | None = Field(default=None, ge=0)
+    candidate_ms_p99: float | None = Field(default=None, ge=0)
+    candidate_items_per_s: float | None = Field(default=None, ge=0)  # batch_size / candidate p50
 
 
 class BenchmarkReport(StrictModel):
@@ -149,7 +169,8 @@ class BuildHost(StrictModel):
 
 class PrecisionCandidate(StrictModel):
     precision: Precision
-    top1: float | None = Field(default=None, ge=0.0, le=1.0)
+    top1: float | None = Field(default=None, ge=0.0, le=1.0)  # the gate's figure: top-1, or agreement
+    metric: Literal["top1", "agreement"] | None = None
     drop: float | None = None
     passed: bool | None = None  # None: not built or not gated
     speedup: tuple[BenchmarkPoint, ...] = ()  # vs fp32, alternating in one run

@@ -35,6 +35,7 @@ class QuantizationSettings(StrictModel):
 
 class AccuracySettings(StrictModel):
     max_drop: float = Field(default=0.01, ge=0.0, le=1.0)  # absolute top-1 drop allowed
+    min_agreement: float = Field(default=0.99, ge=0.0, le=1.0)  # per output vs fp32, when there are no labels
 
 
 class BenchmarkSettings(StrictModel):

@@ -80,6 +80,20 @@ def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
     m.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _build_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The compiler's build cache of this test session (never the user's ~/.cache)."""
+    import os
+
+    old = os.environ.get("EDGEFLEET_CACHE_DIR")
+    os.environ["EDGEFLEET_CACHE_DIR"] = str(tmp_path_factory.mktemp("edgefleet-cache"))
+    yield
+    if old is None:
+        os.environ.pop("EDGEFLEET_CACHE_DIR", None)
+    else:
+        os.environ["EDGEFLEET_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The digits model compiled for x86-cpu (static INT8), once per test session."""

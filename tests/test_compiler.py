@@ -59,10 +59,12 @@ def test_missing_model_is_exit_4(tmp_path):
     assert r.returncode == 4 and "model file not found" in r.stderr
 
 
-def test_eval_set_without_labels_is_exit_4(tmp_path):
+def test_accuracy_gate_without_labels_is_exit_4(tmp_path):
     r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--eval",
-                str(DIGITS / "calibration.npz"), "--calibration", str(DIGITS / "calibration.npz"))
+                str(DIGITS / "calibration.npz"), "--calibration", str(DIGITS / "calibration.npz"), "--gate",
+                "accuracy", "--out", str(tmp_path))
     assert r.returncode == 4 and "needs a 'labels' array" in r.stderr
+    assert not list(tmp_path.glob("*.tar"))
 
 
 def test_wrong_input_shape_in_data_is_exit_4(tmp_path):

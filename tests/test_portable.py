@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from compiler.pipeline import CompileOptions, choose_precision, compile_model
+from compiler.pipeline import CompileOptions, Measured, choose_precision, compile_model
 from protocol.bundle import extract_bundle
 from protocol.cpu import cpu_features, u8s8_saturates
 from protocol.manifest import BenchmarkPoint
@@ -88,24 +88,39 @@ def _pts(*speedups: float) -> tuple[BenchmarkPoint, ...]:
                  for b, s in zip((1, 16), speedups, strict=False))
 
 
+def _m(precision: str, passed: bool, *speedups: float) -> Measured:
+    return Measured(precision, passed, "drop 0.0028 <= 0.0100" if passed else "drop 0.2 > 0.01", _pts(*speedups))
+
+
 def test_auto_keeps_fp32_when_int8_is_slower():
-    chosen, why = choose_precision("int8", True, "drop 0.0028 <= 0.0100", _pts(0.78, 0.55))
+    chosen, why = choose_precision([_m("int8", True, 0.78, 0.55), _m("fp32", True)], benchmarked=True)
     assert chosen == "fp32"
     assert why.startswith("fp32: int8 is 0.78x at batch 1 and 0.55x at batch 16")
 
 
 def test_auto_keeps_int8_when_it_is_faster_and_passes():
-    chosen, why = choose_precision("int8", True, "drop 0.0028 <= 0.0100", _pts(2.6, 3.1))
+    chosen, why = choose_precision([_m("int8", True, 2.6, 3.1), _m("fp32", True)], benchmarked=True)
     assert chosen == "int8" and "3.10x at batch 16" in why
 
 
 def test_auto_never_ships_a_build_that_failed_the_gate():
-    chosen, why = choose_precision("int8", False, "drop 0.2 > 0.01", _pts(3.0, 3.0))
-    assert chosen == "fp32" and "failed the accuracy gate" in why
+    chosen, why = choose_precision([_m("int8", False, 3.0, 3.0), _m("fp32", True)], benchmarked=True)
+    assert chosen == "fp32" and "int8 failed the accuracy gate" in why
 
 
-def test_auto_without_a_benchmark_keeps_what_passes():
-    assert choose_precision("int8", True, "ok", None)[0] == "int8"
+def test_auto_without_a_benchmark_keeps_the_profile_default_that_passes():
+    assert choose_precision([_m("int8", True), _m("fp32", True)], benchmarked=False)[0] == "int8"
+    assert choose_precision([_m("fp16", False), _m("int8", True)], benchmarked=False)[0] == "int8"
+
+
+def test_auto_picks_the_fastest_of_several_passing():
+    chosen, why = choose_precision([_m("fp16", True, 1.8, 1.9), _m("int8", True, 2.5, 3.0), _m("fp32", True)],
+                                   benchmarked=True)
+    assert chosen == "int8" and "fp16 is 1.80x" in why
+
+
+def test_nothing_passing_is_no_choice():
+    assert choose_precision([_m("int8", False, 3.0)], benchmarked=True) is None
 
 
 def test_auto_compile_measures_both_and_records_its_reason(tmp_path):
@@ -122,7 +137,7 @@ def test_auto_compile_measures_both_and_records_its_reason(tmp_path):
     assert int8["passed"] and [p["batch_size"] for p in int8["speedup"]] == [1, 16]
     # the recorded decision is exactly what the rule gives for the recorded figures
     pts = tuple(BenchmarkPoint.model_validate(p) for p in int8["speedup"])
-    assert choose_precision("int8", True, "x", pts)[0] == m["precision"]
+    assert choose_precision([Measured("int8", True, "x", pts), Measured("fp32", True, "x")], True)[0] == m["precision"]
     assert choice["reason"].startswith(m["precision"] + ":")
     assert m["benchmark"]["candidate_precision"] == "int8"
 

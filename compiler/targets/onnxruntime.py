@@ -11,7 +11,9 @@ and the engine computes the same outputs with VNNI, on AVX2 alone and without AV
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -75,16 +77,18 @@ class OnnxRuntimeTarget:
         calib = calibration.head(q.max_calibration_samples)
         with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
             pre = Path(tmp) / "pre.onnx"
+            # the quantizer prints progress to stdout (percentile calibration): keep stdout clean for --json
             try:
-                quant_pre_process(str(source), str(pre), skip_symbolic_shape=True)
-                quantize_static(
-                    str(pre), str(out_path), _Reader(calib),
-                    quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
-                    activation_type=activation_type, weight_type=weight_type,
-                    reduce_range=scheme == "u8s8_reduced",
-                    calibrate_method=method,
-                    extra_options={"CalibTensorRangeSymmetric": False},
-                )
+                with contextlib.redirect_stdout(sys.stderr):
+                    quant_pre_process(str(source), str(pre), skip_symbolic_shape=True)
+                    quantize_static(
+                        str(pre), str(out_path), _Reader(calib),
+                        quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
+                        activation_type=activation_type, weight_type=weight_type,
+                        reduce_range=scheme == "u8s8_reduced",
+                        calibrate_method=method,
+                        extra_options={"CalibTensorRangeSymmetric": False},
+                    )
             except Exception as exc:
                 raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
         return QuantizationInfo(

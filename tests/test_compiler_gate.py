@@ -1,0 +1,222 @@
+"""The gate fits the output, needs no labels, and the compiler handles models from the wild.
+
+Small graphs are built here with onnx.helper (seeded weights), so each case is explicit: a dense
+map like a text detector's, two outputs of different shapes, an opset-12 export.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.errors import InputError
+from compiler.gate import GateSettings, evaluate_gate, label_axis
+from protocol.bundle import extract_bundle
+from protocol.profile import profile_dir
+from tests.conftest import DIGITS
+from tests.test_compiler import run_cli
+
+RNG = np.random.default_rng(7)
+
+
+# -- the gate, as a pure function ----------------------------------------------------------------
+def test_labels_fit_classes_sequences_and_dense_maps():
+    assert label_axis((8, 10), (8,)) == 1
+    assert label_axis((8, 20, 30), (8, 20)) == 2  # [N, T, C] with [N, T]: per step on the last axis
+    assert label_axis((8, 4, 16, 16), (8, 16, 16)) == 1  # segmentation [N, C, H, W] with [N, H, W]
+    assert label_axis((8, 1, 16, 16), (8,)) is None
+
+
+def test_labels_that_do_not_fit_are_a_clear_error():
+    ref = [RNG.normal(size=(6, 1, 4, 4)).astype(np.float32)]
+    with pytest.raises(InputError, match=r"labels of shape \[6\] do not fit output 'map'"):
+        evaluate_gate(["map"], ref, ref, np.zeros(6, np.int64), "int8", GateSettings())
+
+
+def test_a_sequence_is_judged_per_step_not_on_the_time_axis():
+    ref = RNG.normal(size=(10, 12, 5)).astype(np.float32)  # [N, T, C]
+    cand = ref.copy()
+    cand[:2, :, :] = -cand[:2, :, :]  # two samples' decoded sequences change completely
+    r = evaluate_gate(["seq"], [ref], [cand], None, "int8", GateSettings(min_agreement=0.9))
+    assert r.metric == "agreement" and r.outputs[0].metric == "top1_agreement"
+    assert r.outputs[0].top1_agreement == pytest.approx(0.8, abs=0.05)  # not ~1/T as with argmax(axis=1)
+    assert not r.passed and r.drop == pytest.approx(1 - r.outputs[0].value)
+
+
+def test_dense_outputs_are_gated_by_cosine_and_report_errors():
+    ref = RNG.random(size=(5, 1, 8, 8)).astype(np.float32)
+    cand = ref + 0.001
+    r = evaluate_gate(["prob"], [ref], [cand], None, "int8", GateSettings(min_agreement=0.99))
+    o = r.outputs[0]
+    assert o.metric == "cosine" and o.top1_agreement is None and o.cosine > 0.999
+    assert o.max_abs_error == pytest.approx(0.001, rel=1e-3) and r.passed
+
+
+def test_cosine_can_be_forced_for_embeddings():
+    ref = RNG.normal(size=(5, 64)).astype(np.float32)
+    r = evaluate_gate(["emb"], [ref], [ref * 1.01], None, "int8", GateSettings(metric="cosine"))
+    assert r.outputs[0].metric == "cosine" and r.passed
+
+
+def test_accuracy_reports_a_confidence_interval_for_the_drop():
+    labels = RNG.integers(0, 10, size=200)
+    ref = np.eye(10, dtype=np.float32)[labels]
+    cand = ref.copy()
+    cand[:6] = np.roll(cand[:6], 1, axis=1)  # 6 of 200 now wrong
+    r = evaluate_gate(["logits"], [ref], [cand], labels, "int8", GateSettings(max_accuracy_drop=0.01))
+    assert r.metric == "top1" and r.drop == pytest.approx(0.03) and not r.passed
+    lo, hi = r.drop_ci95
+    assert 0 < lo < 0.03 < hi
+
+
+# -- graphs from the wild ------------------------------------------------------------------------
+def _conv(name: str, cin: int, cout: int, inp: str, out: str) -> tuple[list, list]:
+    w = numpy_helper.from_array((RNG.normal(size=(cout, cin, 3, 3)) * 0.3).astype(np.float32), f"{name}_w")
+    b = numpy_helper.from_array((RNG.normal(size=cout) * 0.05).astype(np.float32), f"{name}_b")
+    return [helper.make_node("Conv", [inp, f"{name}_w", f"{name}_b"], [out], pads=[1, 1, 1, 1])], [w, b]
+
+
+def _detector(path, opset: int = 13, two_outputs: bool = False):
+    """A tiny text-detector-like graph: conv stack -> sigmoid probability map [N, 1, H, W] (dynamic N, H, W);
+    optionally a second output [N, 4] (a pooled head)."""
+    n1, i1 = _conv("c1", 3, 8, "image", "h1")
+    n2, i2 = _conv("c2", 8, 8, "r1", "h2")
+    n3, i3 = _conv("c3", 8, 1, "r2", "h3")
+    nodes = [*n1, helper.make_node("Relu", ["h1"], ["r1"]), *n2, helper.make_node("Relu", ["h2"], ["r2"]), *n3,
+             helper.make_node("Sigmoid", ["h3"], ["prob"])]
+    inits = [*i1, *i2, *i3]
+    outputs = [helper.make_tensor_value_info("prob", TensorProto.FLOAT, ["N", 1, "H", "W"])]
+    if two_outputs:
+        wh = numpy_helper.from_array((RNG.normal(size=(8, 4)) * 0.3).astype(np.float32), "head_w")
+        inits.append(wh)
+        nodes += [helper.make_node("GlobalAveragePool", ["r2"], ["g"]), helper.make_node("Flatten", ["g"], ["gf"]),
+                  helper.make_node("MatMul", ["gf", "head_w"], ["boxes"])]
+        outputs.append(helper.make_tensor_value_info("boxes", TensorProto.FLOAT, ["N", 4]))
+    graph = helper.make_graph(nodes, "det", [helper.make_tensor_value_info("image", TensorProto.FLOAT,
+                                                                           ["N", 3, "H", "W"])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def _images(path, n: int) -> None:
+    x = RNG.random(size=(n, 3, 32, 32)).astype(np.float32)
+    np.savez(path, image=x)
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory):
+    d = tmp_path_factory.mktemp("det")
+    _images(d / "calib.npz", 32)
+    _images(d / "eval.npz", 16)
+    return d
+
+
+def _compile(model, d, out, *extra):
+    return run_cli("compile", str(model), "--profile", "x86-cpu", "--calibration", str(d / "calib.npz"), "--eval",
+                   str(d / "eval.npz"), "--name", "det", "--out", str(out), "--json", "--no-benchmark", *extra)
+
+
+def test_a_detector_without_labels_is_gated_by_agreement(detector, tmp_path):
+    r = _compile(_detector(tmp_path / "det.onnx"), detector, tmp_path, "--precision", "int8")
+    assert r.returncode == 0, r.stderr
+    acc = json.loads(r.stdout)["manifest"]["accuracy"]
+    assert acc["metric"] == "agreement" and acc["passed"]
+    assert [o["name"] for o in acc["outputs"]] == ["prob"] and acc["outputs"][0]["metric"] == "cosine"
+
+
+def test_over_budget_fails_with_a_per_output_report_and_no_bundle(detector, tmp_path):
+    model = _detector(tmp_path / "det2.onnx", two_outputs=True)
+    r = _compile(model, detector, tmp_path, "--precision", "int8", "--min-agreement", "1.0")
+    assert r.returncode == 3, r.stderr
+    err = json.loads(r.stdout)["error"]
+    assert "output 'prob'" in err and "output 'boxes'" in err and "cosine" in err and "max abs error" in err
+    assert not list(tmp_path.glob("*.tar"))
+
+
+def test_several_outputs_are_each_compared(detector, tmp_path):
+    model = _detector(tmp_path / "det3.onnx", two_outputs=True)
+    r = _compile(model, detector, tmp_path, "--precision", "int8", "--agreement-metric", "cosine")
+    assert r.returncode == 0, r.stderr
+    outs = {o["name"]: o for o in json.loads(r.stdout)["manifest"]["accuracy"]["outputs"]}
+    assert set(outs) == {"prob", "boxes"} and all(o["metric"] == "cosine" for o in outs.values())
+
+
+def test_fp32_needs_neither_labels_nor_calibration(detector, tmp_path):
+    r = run_cli("compile", str(_detector(tmp_path / "d.onnx")), "--profile", "x86-cpu", "--eval",
+                str(detector / "eval.npz"), "--precision", "fp32", "--out", str(tmp_path), "--name", "det", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["manifest"]["accuracy"]["passed"]
+
+
+def test_an_opset_12_export_is_converted_checked_and_quantized(detector, tmp_path):
+    model = _detector(tmp_path / "old.onnx", opset=12)
+    r = _compile(model, detector, tmp_path, "--precision", "int8")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert m["toolchain"]["source_opset"] == "12" and m["precision"] == "int8"
+    assert m["quantization"]["per_channel"]
+
+
+def test_too_few_calibration_samples_is_exit_4(detector, tmp_path):
+    _images(tmp_path / "few.npz", 3)
+    r = run_cli("compile", str(_detector(tmp_path / "d.onnx")), "--profile", "x86-cpu", "--calibration",
+                str(tmp_path / "few.npz"), "--eval", str(detector / "eval.npz"), "--precision", "int8", "--out",
+                str(tmp_path))
+    assert r.returncode == 4 and "3 calibration samples" in r.stderr and "at least 16" in r.stderr
+
+
+def test_percentile_calibration_keeps_json_output_clean(tmp_path):
+    prof = tmp_path / "pct.yaml"
+    prof.write_text((profile_dir() / "x86-cpu.yaml").read_text().replace("name: x86-cpu", "name: pct")
+                    .replace("calibration_method: minmax", "calibration_method: percentile"))
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", str(prof), "--calibration",
+                str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--precision", "int8",
+                "--no-benchmark", "--out", str(tmp_path), "--name", "digits", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # nothing but JSON on stdout
+    assert doc["manifest"]["quantization"]["calibration_method"] == "percentile"
+    assert "Number of histogram bins" in r.stderr  # the quantizer's chatter went to stderr
+
+
+# -- the build matrix and the cache ----------------------------------------------------------------
+def test_matrix_builds_each_profile_continues_past_a_failure_and_exits_non_zero(tmp_path):
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu,jetson-orin-nano,x86-cpu-vnni",
+                "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out",
+                str(tmp_path), "--name", "digits", "--no-benchmark", "--json")
+    doc = json.loads(r.stdout)
+    by = {b["profile"]: b for b in doc["builds"]}
+    assert list(by) == ["x86-cpu", "jetson-orin-nano", "x86-cpu-vnni"]
+    assert by["x86-cpu"]["ok"] and by["x86-cpu-vnni"]["ok"]
+    assert not by["jetson-orin-nano"]["ok"] and "TensorRT" in by["jetson-orin-nano"]["error"]
+    assert r.returncode == 5 and not doc["ok"]
+    assert {p.name for p in tmp_path.glob("*.tar")} == {"digits-1.0.0-x86-cpu.tar", "digits-1.0.0-x86-cpu-vnni.tar"}
+    table = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu,jetson-orin-nano", "--calibration",
+                    str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
+                    "--name", "digits", "--no-benchmark", "--quiet")
+    assert "PROFILE" in table.stdout and "FAILED" in table.stdout and "ok (cached)" in table.stdout
+
+
+def test_an_unchanged_rerun_comes_from_the_cache_and_a_change_rebuilds(tmp_path):
+    args = ["compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--eval", str(DIGITS / "test.npz"),
+            "--name", "digits", "--version", "3.0.0", "--no-benchmark", "--json"]
+    first = json.loads(run_cli(*args, "--calibration", str(DIGITS / "calibration.npz"), "--out",
+                               str(tmp_path / "a")).stdout)
+    again = json.loads(run_cli(*args, "--calibration", str(DIGITS / "calibration.npz"), "--out",
+                               str(tmp_path / "b")).stdout)
+    assert not first["cached"] and again["cached"]
+    assert (tmp_path / "a" / "digits-3.0.0-x86-cpu.tar").read_bytes() == \
+        (tmp_path / "b" / "digits-3.0.0-x86-cpu.tar").read_bytes()
+    with np.load(DIGITS / "calibration.npz") as z:
+        np.savez(tmp_path / "calib2.npz", input=z["input"][:100])
+    changed = json.loads(run_cli(*args, "--calibration", str(tmp_path / "calib2.npz"), "--out",
+                                 str(tmp_path / "c")).stdout)
+    assert not changed["cached"]
+    m = extract_bundle(tmp_path / "c" / "digits-3.0.0-x86-cpu.tar", tmp_path / "x")
+    assert m.precision_choice is not None
