@@ -367,6 +367,49 @@ def cmd_agent(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- bench ------------------------------------------------------------------------------------------
+def cmd_bench(a: argparse.Namespace) -> int:
+    try:
+        _require("agent")
+        from agent.bench import bench_bundle
+        from agent.errors import AgentError
+    except ImportError as exc:
+        return _need("agent", exc)
+    from protocol.errors import EdgefleetError
+
+    if not a.bundle.is_file():
+        print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        sizes = tuple(int(x) for x in a.batch_sizes.split(",")) if a.batch_sizes else None
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError("batch sizes must be positive")
+    except ValueError as exc:
+        print(f"error: --batch-sizes {a.batch_sizes!r}: {exc} (e.g. --batch-sizes 1,16)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        m, points, feats = bench_bundle(a.bundle, sizes, a.iterations, threads=a.threads)
+    except (AgentError, EdgefleetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    host = m.build_host
+    doc = {"bundle": f"{m.name} {m.version} {m.profile}", "precision": m.precision, "cpu_features": list(feats),
+           "build_host_cpu_features": list(host.cpu_features) if host else None,
+           "points": [p.to_json() for p in points]}
+    lines = [f"bundle  {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
+             f"here    {', '.join(feats)}",
+             f"build   {', '.join(host.cpu_features) if host else 'not recorded'}",
+             f"{'batch':>6} {'p50 ms':>9} {'p99 ms':>9} {'items/s':>10} {'build p50':>10} {'here vs build':>13}"]
+    for p in points:
+        j = p.to_json()
+        build = f"{p.build_ms_p50:.3f}" if p.build_ms_p50 else "–"
+        ratio = f"{j['vs_build']:.2f}x" if j["vs_build"] else "–"
+        lines.append(f"{p.batch_size:>6} {p.ms_p50:>9.3f} {p.ms_p99:>9.3f} {p.items_per_s:>10.1f} {build:>10} "
+                     f"{ratio:>13}")
+    _print(doc, a.json, "\n".join(lines))
+    return EXIT_OK
+
+
 # -- verify -----------------------------------------------------------------------------------------
 def cmd_verify(a: argparse.Namespace) -> int:
     try:
@@ -474,6 +517,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_compile)
+
+    b = sub.add_parser("bench", formatter_class=_Formatter, help="benchmark a bundle on this box",
+                       description="Run a bundle's engine through the agent's backend on this machine at the "
+                                   "batch sizes the compiler benchmarked (or --batch-sizes), and print latency "
+                                   "p50/p99 and throughput next to the build host's figures from the manifest "
+                                   "(here vs build > 1 means faster here). Fixed iteration counts; nothing leaves "
+                                   "the machine.")
+    b.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
+    b.add_argument("--batch-sizes", help="comma list, e.g. 1,16 (default: those in the manifest's benchmark)")
+    b.add_argument("--iterations", type=int, default=30, help="timed runs per batch size")
+    b.add_argument("--threads", type=int, default=2, help="inference threads")
+    b.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
+    b.set_defaults(fn=cmd_bench)
 
     v = sub.add_parser("verify", formatter_class=_Formatter, help="run a bundle on this CPU as an agent would",
                        description="Load a bundle through the agent's backend on this machine's CPU, run its "

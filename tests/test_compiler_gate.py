@@ -220,3 +220,19 @@ def test_an_unchanged_rerun_comes_from_the_cache_and_a_change_rebuilds(tmp_path)
     assert not changed["cached"]
     m = extract_bundle(tmp_path / "c" / "digits-3.0.0-x86-cpu.tar", tmp_path / "x")
     assert m.precision_choice is not None
+
+
+# -- edgefleet bench: the compiler's benchmark again, on the target box -------------------------------
+def test_bench_runs_the_manifest_batch_sizes_and_compares(tmp_path):
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--precision", "int8", "--calibration",
+                str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
+                "--name", "digits", "--json")
+    bundle = json.loads(r.stdout)["bundle"]
+    b = run_cli("bench", bundle, "--iterations", "5", "--json")
+    assert b.returncode == 0, b.stderr
+    doc = json.loads(b.stdout)
+    assert [p["batch_size"] for p in doc["points"]] == [1, 16]
+    for p in doc["points"]:
+        assert p["ms_p50"] > 0 and p["ms_p99"] >= p["ms_p50"] and p["build_ms_p50"] > 0 and p["vs_build"] > 0
+    assert run_cli("bench", bundle, "--batch-sizes", "0,x").returncode == 2
+    assert run_cli("bench", str(tmp_path / "missing.tar")).returncode == 4
