@@ -1,4 +1,12 @@
-"""Calibration and evaluation sets: ``.npz`` files keyed by the model's input name, plus ``labels``."""
+"""Calibration and evaluation sets.
+
+- ``.npz``: arrays keyed by the model's input names (or ``input`` for a one-input model), plus
+  optional ``labels``;
+- ``.npy``: one array for a one-input model, no labels;
+- a folder of images (JPEG, PNG, BMP, WebP), decoded with OpenCV through the bundle's recorded
+  preprocessing (:mod:`protocol.preprocess`). Images in class subfolders (``cat/1.jpg``) get labels:
+  the subfolder's index in the model's label list, or in the sorted subfolder names.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import numpy as np
 
 from compiler.errors import InputError
 from protocol.manifest import TensorSpec
+from protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
 
 __all__ = ["Dataset", "load_dataset"]
 
@@ -29,9 +38,26 @@ class Dataset:
                        None if self.labels is None else self.labels[:n])
 
 
-def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: str) -> Dataset:
+def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: str,
+                 preprocessing: Preprocessing | None = None, class_names: tuple[str, ...] | None = None) -> Dataset:
     if not path.exists():
         raise InputError(f"{path}: {what} file not found")
+    if path.is_dir():
+        data = _load_images(path, specs, what, preprocessing, class_names)
+        if need_labels and data.labels is None:
+            raise InputError(f"{path}: {what} needs labels: put the images in one subfolder per class")
+        return data
+    if path.suffix == ".npy":
+        if len(specs) != 1:
+            raise InputError(f"{path}: a .npy {what} can feed a one-input model only; this one has "
+                             f"{len(specs)} inputs: use an .npz keyed by input name")
+        if need_labels:
+            raise InputError(f"{path}: a .npy {what} has no labels; use an .npz with a 'labels' array")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{path}: not a readable .npy file ({exc})") from exc
+        return Dataset({specs[0].name: _check(path, "array", arr, specs[0])}, None)
     try:
         npz = np.load(path, allow_pickle=False)
     except Exception as exc:
@@ -43,14 +69,7 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
             key = spec.name if spec.name in keys else ("input" if len(specs) == 1 and "input" in keys else None)
             if key is None:
                 raise InputError(f"{path}: {what} has no array for model input {spec.name!r} (keys: {sorted(keys)})")
-            arr = npz[key]
-            if arr.ndim != len(spec.shape):
-                raise InputError(f"{path}: array {key!r} has {arr.ndim} dimensions, model input {spec.name!r} "
-                                 f"has {len(spec.shape)} {list(spec.shape)}")
-            for i, (have, want) in enumerate(zip(arr.shape[1:], spec.shape[1:], strict=True), start=1):
-                if want != -1 and have != want:
-                    raise InputError(f"{path}: array {key!r} dimension {i} is {have}, the model wants {want}")
-            inputs[spec.name] = arr.astype(_NP[spec.datatype], copy=False)
+            inputs[spec.name] = _check(path, f"array {key!r}", npz[key], spec)
         labels = None
         if "labels" in keys:
             labels = npz["labels"]
@@ -60,3 +79,42 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
     if len(n) != 1 or 0 in n:
         raise InputError(f"{path}: arrays disagree on the number of samples or are empty ({sorted(n)})")
     return Dataset(inputs, labels)
+
+
+def _check(path: Path, what: str, arr: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    if arr.ndim != len(spec.shape):
+        raise InputError(f"{path}: {what} has {arr.ndim} dimensions, model input {spec.name!r} "
+                         f"has {len(spec.shape)} {list(spec.shape)}")
+    for i, (have, want) in enumerate(zip(arr.shape[1:], spec.shape[1:], strict=True), start=1):
+        if want != -1 and have != want:
+            raise InputError(f"{path}: {what} dimension {i} is {have}, the model wants {want}")
+    return arr.astype(_NP[spec.datatype], copy=False)
+
+
+def _load_images(folder: Path, specs: tuple[TensorSpec, ...], what: str, prep: Preprocessing | None,
+                 class_names: tuple[str, ...] | None) -> Dataset:
+    if prep is None:
+        raise InputError(f"{folder}: a folder of images needs preprocessing: the model input's shape does not say "
+                         "how to turn an image into it; pass --preprocess preprocess.yaml")
+    if len(specs) != 1 or specs[0].name != prep.input:
+        raise InputError(f"{folder}: images can feed a model with one input ({prep.input!r}); this one has "
+                         f"{[s.name for s in specs]}: use an .npz keyed by input name")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise InputError(f"{folder}: no images in the {what} folder (looked for {', '.join(IMAGE_SUFFIXES)})")
+    subdirs = sorted({p.parent.relative_to(folder).parts[0] for p in files if p.parent != folder})
+    labelled = bool(subdirs) and all(p.parent != folder for p in files)
+    names = list(class_names) if class_names else subdirs
+    samples, labels = [], []
+    for f in files:
+        try:
+            samples.append(prep.apply(decode_image(f.read_bytes(), str(f))))
+        except (ValueError, OSError) as exc:
+            raise InputError(f"{exc}; remove it from the {what} folder or replace it") from exc
+        if labelled:
+            cls = f.relative_to(folder).parts[0]
+            if cls not in names:
+                raise InputError(f"{f}: class folder {cls!r} is not one of the model's labels {names[:10]}...")
+            labels.append(names.index(cls))
+    arr = _check(folder, f"images preprocessed to {list(prep.sample_shape())}", np.stack(samples), specs[0])
+    return Dataset({specs[0].name: arr}, np.asarray(labels, np.int64) if labelled else None)

@@ -46,6 +46,7 @@ from protocol.manifest import (
     QuantizationInfo,
     SelfTestSummary,
 )
+from protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
 from protocol.profile import HardwareProfile, load_profile, resolve_profile_path
 
 __all__ = ["CompileOptions", "CompileResult", "Measured", "choose_precision", "compile_model"]
@@ -73,6 +74,8 @@ class CompileOptions:
     min_agreement: float | None = None  # default: the profile's accuracy.min_agreement
     agreement_metric: str = "auto"  # "auto", "top1" or "cosine" (embeddings)
     cache_dir: Path | None = None  # reuse a bundle built from identical inputs (compiler.cache); None: always build
+    preprocess: Path | None = None  # preprocess.yaml: how images become the input (default: from the input shape)
+    fallback: bool = True  # int8 over budget: keep the most sensitive layers in float until it passes (onnxruntime)
 
 
 @dataclass(frozen=True)
@@ -175,8 +178,9 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
     if opts.cache_dir is not None:
         cache = BuildCache(opts.cache_dir)
         params = {k: v for k, v in vars(opts).items() if k not in ("model", "calibration", "eval", "out_dir",
-                                                                   "cache_dir", "profile")}
-        cache_key = cache.key([opts.model, resolve_profile_path(opts.profile), opts.calibration, opts.eval], {
+                                                                   "cache_dir", "profile", "preprocess")}
+        cache_key = cache.key([opts.model, resolve_profile_path(opts.profile), opts.preprocess,
+                               *_data_files(opts.calibration), *_data_files(opts.eval)], {
             **params, "edgefleet": protocol.__version__, "manifest_version": MANIFEST_VERSION,
             "toolchain": target.toolchain_versions(), "host": sorted(cpu_features())})
         opts.out_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +188,10 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         if hit is not None:
             progress(total, total, f"unchanged inputs: reused the bundle built {hit.created_at}")
             return CompileResult(bundle=out, manifest=hit, cached=True)
-    eval_set = load_dataset(opts.eval, info.inputs, need_labels=gate.kind == "accuracy", what="evaluation set")
+    prep = _preprocessing(opts, info)
+    class_names = tuple(json.loads(info.metadata["edgefleet.labels"])) if "edgefleet.labels" in info.metadata else None
+    eval_set = load_dataset(opts.eval, info.inputs, need_labels=gate.kind == "accuracy", what="evaluation set",
+                            preprocessing=prep, class_names=class_names)
     # the profile's default precision first: it wins when nothing is benchmarked
     order: list[str] = [profile.default_precision, *[p for p in profile.precisions if p != profile.default_precision]]
     wanted = order if auto else [opts.precision]
@@ -203,7 +210,8 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         if opts.calibration is None:
             drop("int8", "no --calibration set given (pass --calibration FILE.npz)")
         else:
-            calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set")
+            calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set",
+                                 preprocessing=prep)
             if len(calib) < MIN_CALIBRATION_SAMPLES:
                 raise InputError(f"{opts.calibration}: {len(calib)} calibration samples; int8 needs at least "
                                  f"{MIN_CALIBRATION_SAMPLES} representative inputs (a few hundred is better)")
@@ -225,6 +233,12 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
             built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, info, precision,
                                                profile, calib, work, eval_set, ref_out, gate)
 
+        int8 = built.get("int8")
+        if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
+                and profile.backend == "onnxruntime":
+            progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
+            built["int8"] = _float_fallback(int8, source, info, profile, calib, work, eval_set, ref_out, gate,
+                                            opts.benchmark and profile.accelerator == "cpu")
         benchmarked = opts.benchmark and profile.accelerator == "cpu"
         fp32_runner = built["fp32"].runner if "fp32" in built else reference
         to_bench = [b for b in built.values() if b.precision != "fp32" and (b.accuracy.passed or not auto)]
@@ -293,11 +307,43 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
             precision_choice=choice,
             selftest_summary=SelfTestSummary(samples=len(sample), top1=sample_top1),
             engine_compatibility=target.engine_compatibility(),
+            preprocessing=prep,
         )
         write_bundle(manifest, work, out)
     if cache is not None and cache_key is not None:
         cache.put(cache_key, out)
     return CompileResult(bundle=out, manifest=manifest)
+
+
+def _data_files(path: Path | None) -> list[Path | None]:
+    """The files a data set is made of (a folder of images: every file, in order), for the cache key."""
+    if path is None or not path.is_dir():
+        return [path]
+    return [p for p in sorted(path.rglob("*")) if p.is_file()]
+
+
+def _preprocessing(opts: CompileOptions, info: GraphInfo) -> Preprocessing | None:
+    """The recorded image preprocessing: --preprocess, else derived from a fixed-size image input when a
+    data set is a folder of images, else none."""
+    prep: Preprocessing | None
+    if opts.preprocess is not None:
+        prep = load_preprocessing(opts.preprocess)
+    elif any(p is not None and p.is_dir() for p in (opts.calibration, opts.eval)) and len(info.inputs) == 1:
+        prep = default_preprocessing(info.inputs[0].name, info.inputs[0].shape)
+        if prep is None:
+            raise InputError(f"input {info.inputs[0].name!r} has shape {list(info.inputs[0].shape)}, not a fixed-size "
+                             "image: say how to preprocess images with --preprocess preprocess.yaml")
+    else:
+        return None
+    spec = next((s for s in info.inputs if s.name == prep.input), None)
+    if spec is None:
+        raise InputError(f"--preprocess feeds input {prep.input!r}; the model's inputs are "
+                         f"{[s.name for s in info.inputs]}")
+    want = spec.shape[1:]
+    if len(want) != 3 or any(w not in (-1, h) for w, h in zip(want, prep.sample_shape(), strict=True)):
+        raise InputError(f"--preprocess makes {prep.layout} samples of {list(prep.sample_shape())}; model input "
+                         f"{spec.name!r} wants {list(spec.shape)}")
+    return prep
 
 
 def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:
@@ -333,6 +379,8 @@ def _gate_advice(acc: AccuracyReport) -> str:
 def _per_output_report(built: dict[str, _Built]) -> str:
     lines = []
     for p, b in built.items():
+        if b.quantization is not None and b.quantization.fallback_steps:
+            lines += [f"\n  float fallback: {step}" for step in b.quantization.fallback_steps]
         for o in b.accuracy.outputs:
             t1 = "–" if o.top1_agreement is None else f"{o.top1_agreement:.4f}"
             lines.append(f"\n  {p} output {o.name!r}: top-1 agreement {t1}, cosine {o.cosine:.4f}, "
@@ -350,6 +398,51 @@ def _build_and_gate(target: BuildTarget, model: Path, info: GraphInfo, precision
     cand_out = ref_out if same_as_reference else predict_all(runner, eval_set)
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate)
     return _Built(precision, engine, runner, quant, report)
+
+
+def _float_fallback(full: _Built, source: Path, info: GraphInfo, profile: HardwareProfile, calib: Dataset,
+                    work: Path, eval_set: Dataset, ref_out: list[np.ndarray], gate: GateSettings,
+                    benchmark: bool) -> _Built:
+    """Keep the 1, 2, 4, ... layers that lose the most to quantization in float (up to a quarter of the
+    compute layers) until the gate passes; return the first build that passes, else the full one."""
+    import onnx
+
+    from compiler.sensitivity import rank_sensitive_nodes
+    from compiler.targets.onnxruntime import OnnxRuntimeTarget, prepare, quantize
+
+    prepared = prepare(source, work / "prepared.onnx")
+    steps = [f"all layers int8: {_gate_note(full.accuracy)}"]
+    try:
+        ranked = rank_sensitive_nodes(prepared, full.engine, calib.head(8).inputs)
+    except Exception as exc:  # onnxruntime and onnx raise assorted types; the full build still stands
+        steps.append(f"could not rank the layers ({type(exc).__name__}: {str(exc)[:200]}); no fallback")
+        assert full.quantization is not None
+        return _Built("int8", full.engine, full.runner,
+                      full.quantization.model_copy(update={"fallback_steps": tuple(steps)}), full.accuracy)
+
+    layers = len(onnx.load(str(prepared)).graph.node)
+    limit = max(4, layers // 4)
+    tried: set[tuple[str, ...]] = set()
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        keep = tuple(dict.fromkeys(n for group, _ in ranked[:k] for n in group))
+        if len(keep) > limit or not keep or keep in tried:
+            break
+        tried.add(keep)
+        engine = work / f"model-int8-float{k}.onnx"
+        quant = quantize(prepared, profile, calib, engine, keep_float=keep)
+        runner = OnnxRuntimeTarget().runner(engine, profile)
+        report = evaluate_gate([o.name for o in info.outputs], ref_out, predict_all(runner, eval_set), eval_set.labels,
+                               "int8", gate)
+        steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float ({', '.join(keep)}): "
+                     f"{_gate_note(report)}")
+        if report.passed:
+            speed = _benchmark(full.runner, runner, eval_set, profile) if benchmark else ()
+            quant = quant.model_copy(update={"fallback_steps": tuple(steps), "fallback_speed": speed})
+            return _Built("int8", engine, runner, quant, report)
+    steps.append(f"gave up: keeping more than {limit} of {layers} layers in float defeats int8")
+    assert full.quantization is not None
+    return _Built("int8", full.engine, full.runner,
+                  full.quantization.model_copy(update={"fallback_steps": tuple(steps)}), full.accuracy)
 
 
 def _benchmark(reference: Runner, candidate: Runner, data: Dataset,

@@ -93,7 +93,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
             name=a.name or a.model.parent.name or a.model.stem, version=a.version, precision=a.precision,
             max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark, gate=a.gate,
             min_agreement=a.min_agreement, agreement_metric=a.agreement_metric,
-            cache_dir=None if a.no_cache else default_cache_dir())
+            cache_dir=None if a.no_cache else default_cache_dir(), preprocess=a.preprocess,
+            fallback=not a.no_fallback)
         label = f"[{i}/{len(profiles)} {profile}] " if matrix else ""
         progress = (lambda *_: None) if a.json or a.quiet else (
             lambda step, total, what, label=label: _progress_bar(step, total, label + what))
@@ -151,6 +152,10 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
         q = m.quantization
         lines.append(f"int8      {q.scheme} ({q.activation_type} activations, {q.weight_bits}-bit {q.weight_type} "
                      f"weights): {q.reason}")
+        for step in q.fallback_steps:
+            lines.append(f"fallback  {step}")
+        for p in q.fallback_speed:
+            lines.append(f"fallback  speed at batch {p.batch_size}: {p.speedup:.2f}x of all-int8")
     if m.benchmark:
         ref, cand = m.benchmark.reference_precision, m.benchmark.candidate_precision or acc.candidate_precision
         for p in m.benchmark.points:
@@ -491,10 +496,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path; several as a comma list, or "
                         "'all': builds each, continues past a failed one, prints a summary table, and exits "
                         "non-zero if any failed")
-    c.add_argument("--calibration", type=Path, help=".npz with the model's input(s), for INT8 calibration")
+    c.add_argument("--calibration", type=Path,
+                   help="for INT8 calibration: an .npz keyed by input name, an .npy, or a folder of images "
+                        "(decoded with OpenCV through --preprocess)")
+    c.add_argument("--preprocess", type=Path,
+                   help="preprocess.yaml (input, height, width, color rgb|bgr|gray, layout nchw|nhwc, scale, mean, "
+                        "std): how an image becomes the input; recorded in the bundle for the agent's image "
+                        "endpoint (default with image folders: RGB in [0, 1] at the input's size)")
     c.add_argument("--eval", required=True, type=Path,
-                   help=".npz with the input(s), and 'labels' if you have them: with labels the gate is top-1 "
-                        "accuracy against fp32, without it is output agreement with fp32")
+                   help=".npz with the input(s), and 'labels' if you have them, or a folder of images (one "
+                        "subfolder per class gives labels): with labels the gate is top-1 accuracy against fp32, "
+                        "without it is output agreement with fp32")
     c.add_argument("--name", help="model name in the registry (default: the model's folder name)")
     c.add_argument("--version", default="1.0.0", help="model version, MAJOR.MINOR.PATCH")
     c.add_argument("--precision", choices=["auto", "int8", "fp32", "fp16"], default="auto",
@@ -510,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "accuracy.min_agreement)")
     c.add_argument("--agreement-metric", choices=["auto", "top1", "cosine"], default="auto",
                    help="how outputs are compared without labels; use cosine for embeddings")
+    c.add_argument("--no-fallback", action="store_true",
+                   help="int8 over budget fails (or auto ships another precision) instead of keeping the layers "
+                        "that lose most to quantization in float until it passes (onnxruntime targets)")
     c.add_argument("--no-cache", action="store_true",
                    help="build even if an identical build is cached ($EDGEFLEET_CACHE_DIR or ~/.cache/edgefleet)")
     c.add_argument("--out", type=Path, default=Path("dist"), help="folder for the bundle")

@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from protocol._strict import StrictModel, parse_document
 from protocol.errors import SchemaError, UnsupportedVersionError
+from protocol.preprocess import Preprocessing
 
 __all__ = [
     "MANIFEST_FILENAME",
@@ -158,6 +159,10 @@ class QuantizationInfo(StrictModel):
     calibration_method: Literal["minmax", "entropy", "percentile"]
     calibration_samples: int = Field(gt=0)
     reason: str
+    # the float fallback: layers kept in float to meet the gate, the steps it took, and its speed cost
+    float_nodes: tuple[str, ...] = ()
+    fallback_steps: tuple[str, ...] = ()
+    fallback_speed: tuple[BenchmarkPoint, ...] = ()  # this engine vs the all-int8 one (speedup < 1: slower)
 
 
 class BuildHost(StrictModel):
@@ -216,6 +221,8 @@ class Manifest(StrictModel):
     selftest_summary: SelfTestSummary | None = None
     # what the engine file is tied to beyond the CPU (TensorRT: version, GPU compute capability, JetPack)
     engine_compatibility: dict[str, str] = Field(default_factory=dict)
+    # how an image becomes the model's input (the agent's image endpoint applies the same)
+    preprocessing: Preprocessing | None = None
 
     @field_validator("name", "profile")
     @classmethod

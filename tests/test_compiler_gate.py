@@ -236,3 +236,144 @@ def test_bench_runs_the_manifest_batch_sizes_and_compares(tmp_path):
         assert p["ms_p50"] > 0 and p["ms_p99"] >= p["ms_p50"] and p["build_ms_p50"] > 0 and p["vs_build"] > 0
     assert run_cli("bench", bundle, "--batch-sizes", "0,x").returncode == 2
     assert run_cli("bench", str(tmp_path / "missing.tar")).returncode == 4
+
+
+# -- the float fallback -------------------------------------------------------------------------------
+def _outlier_mlp(d):
+    """Six Linear+ReLU layers; layer 2 has one channel with a huge bias that later layers ignore. Its
+    output's quantization range then swamps every other channel: quantizing that tensor wrecks the net,
+    quantizing anything else is harmless. The fallback must find exactly that spot."""
+    inits, nodes, prev, dims = [], [], "x", [16, 32, 32, 32, 32, 32, 10]
+    for i in range(6):
+        w = (RNG.normal(size=(dims[i], dims[i + 1])) / np.sqrt(dims[i])).astype(np.float32)
+        b = np.zeros(dims[i + 1], np.float32)
+        if i == 2:
+            b[5] = 1000.0
+        if i == 3:
+            w[5, :] = 0.0
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        out = "logits" if i == 5 else f"r{i}"
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"h{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"h{i}", f"b{i}"], [f"a{i}" if i < 5 else out], name=f"add{i}")]
+        if i < 5:
+            nodes.append(helper.make_node("Relu", [f"a{i}"], [out], name=f"relu{i}"))
+        prev = out
+    g = helper.make_graph(nodes, "outlier", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, d / "outlier.onnx")
+    np.savez(d / "calib.npz", x=RNG.normal(size=(64, 16)).astype(np.float32))
+    np.savez(d / "eval.npz", x=RNG.normal(size=(64, 16)).astype(np.float32))
+    return d / "outlier.onnx"
+
+
+def test_float_fallback_keeps_the_damaging_layers_in_float(tmp_path):
+    model = _outlier_mlp(tmp_path)
+    args = ["compile", str(model), "--profile", "x86-cpu", "--calibration", str(tmp_path / "calib.npz"), "--eval",
+            str(tmp_path / "eval.npz"), "--precision", "int8", "--name", "mlp", "--min-agreement", "0.85", "--json"]
+    r = run_cli(*args, "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    q = m["quantization"]
+    assert any(n.startswith("mm2") or n == "relu2" for n in q["float_nodes"]), q
+    assert len(q["float_nodes"]) <= 4 and len(q["fallback_steps"]) == 2
+    assert "all layers int8" in q["fallback_steps"][0] and m["accuracy"]["passed"]
+    assert [p["batch_size"] for p in q["fallback_speed"]] == [1, 16]  # what keeping them float cost
+    no = run_cli(*args, "--out", str(tmp_path / "b"), "--no-fallback")
+    assert no.returncode == 3 and "float fallback" not in json.loads(no.stdout)["error"]
+
+
+# -- calibration and evaluation from folders of images --------------------------------------------------
+def _digit_pngs(root, with_classes: bool, n: int = 120):
+    import cv2
+
+    with np.load(DIGITS / "test.npz") as z:
+        x, y = z["input"][:n], z["labels"][:n]
+    for i, (img, label) in enumerate(zip(x, y, strict=True)):
+        d = root / str(label) if with_classes else root
+        d.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(d / f"{i:04d}.png"), np.round(img[0] * 255).astype(np.uint8))
+    return x, y
+
+
+def test_image_folders_calibrate_and_evaluate_through_recorded_preprocessing(tmp_path):
+    _digit_pngs(tmp_path / "calib", with_classes=False)
+    _digit_pngs(tmp_path / "eval", with_classes=True)
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--calibration", str(tmp_path / "calib"),
+                "--eval", str(tmp_path / "eval"), "--precision", "int8", "--no-benchmark", "--out", str(tmp_path),
+                "--name", "digits", "--json")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert m["preprocessing"] == {"input": "input", "height": 8, "width": 8, "color": "gray", "layout": "nchw",
+                                  "scale": 1 / 255, "mean": [0.0], "std": [1.0]}
+    assert m["accuracy"]["metric"] == "top1" and m["accuracy"]["eval_samples"] == 120  # labels from subfolders
+    assert m["accuracy"]["reference"] >= 0.95 and m["accuracy"]["passed"]
+
+
+def test_bad_image_folders_are_one_line_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    base = ["compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--eval", str(DIGITS / "test.npz"),
+            "--precision", "int8", "--out", str(tmp_path / "out")]
+    r = run_cli(*base, "--calibration", str(tmp_path / "empty"))
+    assert r.returncode == 4 and "no images in the calibration set folder" in r.stderr
+    _digit_pngs(tmp_path / "broken", with_classes=False, n=20)
+    (tmp_path / "broken" / "zz-truncated.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    r = run_cli(*base, "--calibration", str(tmp_path / "broken"))
+    assert r.returncode == 4 and "zz-truncated.png: not a readable image" in r.stderr
+    assert "Traceback" not in r.stderr and not list((tmp_path / "out").glob("*.tar"))
+    prep = tmp_path / "prep.yaml"
+    prep.write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayot: nchw\n")
+    r = run_cli(*base, "--calibration", str(tmp_path / "broken"), "--preprocess", str(prep))
+    assert r.returncode == 4 and "unknown key 'layot'" in r.stderr
+
+
+# -- a real pretrained model from a wheel: the PP-OCRv4 text detector -----------------------------------
+def _ppocr_det():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    if spec is None or spec.origin is None:
+        pytest.fail("rapidocr-onnxruntime (a dev dependency that ships PP-OCRv4) is not installed: make venv")
+    return Path(spec.origin).parent / "models" / "ch_PP-OCRv4_det_infer.onnx"
+
+
+def _draw_text_images(d, seed: int, n: int, size: int = 160) -> None:
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    words = ["edgefleet", "INVOICE 2026", "total 42.00", "ship it", "v1.0.0", "AVX2", "Jetson", "hello"]
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        img = np.full((size, size, 3), rng.integers(170, 256, size=3).tolist(), np.uint8)
+        for _ in range(int(rng.integers(1, 4))):
+            cv2.putText(img, str(rng.choice(words)), (int(rng.integers(2, 40)), int(rng.integers(20, size - 10))),
+                        int(rng.choice([0, 2, 3])), float(rng.uniform(0.4, 0.8)), rng.integers(0, 90, 3).tolist(),
+                        int(rng.integers(1, 3)))
+        cv2.imwrite(str(d / f"{i:03d}.png"), img)
+
+
+@pytest.mark.timeout(900)
+def test_the_pp_ocrv4_detector_compiles_and_is_gated_by_agreement(tmp_path):
+    model = _ppocr_det()
+    _draw_text_images(tmp_path / "calib", 1, 24)
+    _draw_text_images(tmp_path / "eval", 2, 8)
+    prep = tmp_path / "prep.yaml"  # PaddleOCR's detector: BGR as OpenCV reads it, ImageNet mean/std
+    prep.write_text("input: x\nheight: 160\nwidth: 160\ncolor: bgr\nlayout: nchw\nscale: 0.00392156862745098\n"
+                    "mean: [0.485, 0.456, 0.406]\nstd: [0.229, 0.224, 0.225]\n")
+    r = run_cli("compile", str(model), "--profile", "x86-cpu", "--calibration", str(tmp_path / "calib"), "--eval",
+                str(tmp_path / "eval"), "--preprocess", str(prep), "--name", "ppocr-det", "--out", str(tmp_path),
+                "--no-benchmark", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(r.stdout)["manifest"]
+    assert m["toolchain"]["source_opset"] == "12" and m["inputs"][0]["shape"] == [-1, 3, -1, -1]
+    assert m["preprocessing"]["color"] == "bgr"
+    cands = {c["precision"]: c for c in m["precision_choice"]["candidates"]}
+    int8 = cands["int8"]
+    assert int8["metric"] == "agreement" and 0.0 < int8["top1"] <= 1.0
+    # the choice follows the gate: int8 ships only if its agreement reached the profile's 0.99
+    assert (m["precision"] == "int8") == bool(int8["passed"])
+    assert m["accuracy"]["outputs"][0]["metric"] == "cosine"
+    bundle = tmp_path / "ppocr-det-1.0.0-x86-cpu.tar"
+    assert bundle.stat().st_size < 2 * model.stat().st_size  # a small self-test sample, compressed

@@ -61,41 +61,9 @@ class OnnxRuntimeTarget:
             raise InputError(f"onnxruntime target builds fp32 or int8, not {precision}")
         if calibration is None:
             raise InputError("static INT8 quantization needs a calibration set (--calibration)")
-        q = profile.quantization
-        if q.method != "static":
-            raise InputError(f"profile {profile.name}: int8 needs quantization.method 'static'")
-        try:
-            from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-            from onnxruntime.quantization.shape_inference import quant_pre_process
-        except ImportError as exc:
-            raise ToolchainError("onnxruntime.quantization is not importable; install edgefleet[compiler]") from exc
-        method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                  "percentile": CalibrationMethod.Percentile}[q.calibration_method]
-        scheme, why = profile.int8_scheme()
-        weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
-        activation_type = QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8
-        calib = calibration.head(q.max_calibration_samples)
         with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
-            pre = Path(tmp) / "pre.onnx"
-            # the quantizer prints progress to stdout (percentile calibration): keep stdout clean for --json
-            try:
-                with contextlib.redirect_stdout(sys.stderr):
-                    quant_pre_process(str(source), str(pre), skip_symbolic_shape=True)
-                    quantize_static(
-                        str(pre), str(out_path), _Reader(calib),
-                        quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
-                        activation_type=activation_type, weight_type=weight_type,
-                        reduce_range=scheme == "u8s8_reduced",
-                        calibrate_method=method,
-                        extra_options={"CalibTensorRangeSymmetric": False},
-                    )
-            except Exception as exc:
-                raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
-        return QuantizationInfo(
-            scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8",
-            weight_type="uint8" if scheme == "u8u8" else "int8",
-            weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
-            calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why)
+            prepared = prepare(source, Path(tmp) / "prepared.onnx")
+            return quantize(prepared, profile, calibration, out_path)
 
     def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
         import onnxruntime as ort
@@ -120,3 +88,56 @@ class OnnxRuntimeTarget:
 
     def engine_compatibility(self) -> dict[str, str]:
         return {}
+
+
+def prepare(source: Path, out_path: Path) -> Path:
+    """The float model as the quantizer sees it (shape inference, fusions), with every node named:
+    the float fallback excludes nodes by these names."""
+    from compiler.sensitivity import name_nodes
+
+    try:
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+    except ImportError as exc:
+        raise ToolchainError("onnxruntime.quantization is not importable; install edgefleet[compiler]") from exc
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            quant_pre_process(str(source), str(out_path), skip_symbolic_shape=True)
+    except Exception as exc:
+        raise ToolchainError(f"onnxruntime quantization pre-processing failed: {exc}") from exc
+    return name_nodes(out_path, out_path)
+
+
+def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,
+             keep_float: tuple[str, ...] = ()) -> QuantizationInfo:
+    """Static INT8 QDQ of a :func:`prepare`d model in the profile's scheme; ``keep_float`` nodes stay float."""
+    q = profile.quantization
+    if q.method != "static":
+        raise InputError(f"profile {profile.name}: int8 needs quantization.method 'static'")
+    try:
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    except ImportError as exc:
+        raise ToolchainError("onnxruntime.quantization is not importable; install edgefleet[compiler]") from exc
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[q.calibration_method]
+    scheme, why = profile.int8_scheme()
+    weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
+    activation_type = QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8
+    calib = calibration.head(q.max_calibration_samples)
+    try:  # the quantizer prints progress to stdout (percentile calibration): keep stdout clean for --json
+        with contextlib.redirect_stdout(sys.stderr):
+            quantize_static(
+                str(prepared), str(out_path), _Reader(calib),
+                quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
+                activation_type=activation_type, weight_type=weight_type,
+                reduce_range=scheme == "u8s8_reduced",
+                calibrate_method=method, nodes_to_exclude=list(keep_float),
+                extra_options={"CalibTensorRangeSymmetric": False},
+            )
+    except Exception as exc:
+        raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
+    return QuantizationInfo(
+        scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8",
+        weight_type="uint8" if scheme == "u8u8" else "int8",
+        weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
+        calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why,
+        float_nodes=keep_float)

@@ -1,0 +1,122 @@
+"""Which layers of a QDQ model lose the most to quantization (for the float fallback).
+
+Both the float model and its QDQ twin keep the float tensors between layers under the same names
+(QDQ inserts QuantizeLinear/DequantizeLinear pairs beside them). So each compute node's input and
+output can be read from both models on a few calibration samples, and its *local* damage measured:
+the signal-to-quantization-noise ratio (dB) its output loses compared with its input. The nodes that
+lose the most are kept in float first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["COMPUTE_OPS", "name_nodes", "rank_sensitive_nodes"]
+
+COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+MAX_SQNR_DB = 100.0
+
+
+def name_nodes(path: Path, out: Path) -> Path:
+    """A copy of the model in which every node has a unique name (exclusion goes by node name)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{i}"
+        seen.add(node.name)
+    onnx.save(model, str(out))
+    return out
+
+
+def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
+    noise = float(np.sum((ref.astype(np.float64) - got.astype(np.float64)) ** 2))
+    signal = float(np.sum(ref.astype(np.float64) ** 2))
+    if noise == 0.0:
+        return MAX_SQNR_DB
+    return min(MAX_SQNR_DB, 10 * np.log10(max(signal, 1e-30) / noise))
+
+
+def _activations(model_path: Path, names: list[str], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(model_path))
+    have = {o.name for o in model.graph.output}
+    produced = {t for node in model.graph.node for t in node.output}  # fusions may have removed some
+    names = [n for n in names if n in produced]
+    for n in names:
+        if n not in have:
+            model.graph.output.append(onnx.ValueInfoProto(name=n))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    wanted = [n for n in names if n in {o.name for o in sess.get_outputs()}]
+    return dict(zip(wanted, sess.run(wanted, feeds), strict=True))
+
+
+def rank_sensitive_nodes(float_model: Path, qdq_model: Path,
+                         feeds: dict[str, np.ndarray]) -> list[tuple[tuple[str, ...], float]]:
+    """Where quantization hurts most, worst first: [(nodes to keep in float, dB lost)].
+
+    QDQ quantizes a *tensor* once, between its producer and its consumers, so keeping a tensor in
+    float means keeping its producer (with any nodes the quantizer fused into it) and its consumers
+    in float. A tensor's damage is the SQNR it has lost relative to the nearest upstream tensor both
+    models still have. Every op type counts, not only convolutions."""
+    import onnx
+
+    graph = onnx.load(str(float_model)).graph
+    inits = {i.name for i in graph.initializer}
+    graph_inputs = {i.name for i in graph.input} - inits
+    producer = {t: n for n in graph.node for t in n.output}
+    consumers: dict[str, list[str]] = {}
+    for n in graph.node:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n.name)
+    names = sorted(t for t in producer if t)
+    ref = _activations(float_model, names, feeds)
+    got = _activations(qdq_model, names, feeds)
+    sq = {t: _sqnr(ref[t], got[t]) for t in names if t in ref and t in got and ref[t].shape == got[t].shape}
+    # a graph input is quantized too: its noise is what the first layers start from
+    dq = _activations(qdq_model, [f"{i}_DequantizeLinear_Output" for i in graph_inputs], feeds)
+    start = {i: _sqnr(feeds[i], dq[f"{i}_DequantizeLinear_Output"]) if f"{i}_DequantizeLinear_Output" in dq
+             else MAX_SQNR_DB for i in graph_inputs if i in feeds}
+
+    def fused(t: str) -> tuple[list[str], list[str]]:
+        """The nodes that make tensor ``t`` in the QDQ model (its producer and any producers the quantizer
+        fused into it) and the tensors both models have where that group starts."""
+        nodes: list[str] = []
+        edge: list[str] = []
+        todo = [t]
+        while todo:
+            node = producer[todo.pop()]
+            if node.name in nodes:
+                continue
+            nodes.append(node.name)
+            for i in node.input:
+                if not i or i in inits:
+                    continue
+                if i in sq or i in graph_inputs or i not in producer:
+                    edge.append(i)
+                else:
+                    todo.append(i)
+        return nodes, edge
+
+    ranked = []
+    for t, s_out in sq.items():
+        group, edge = fused(t)
+        s_in = min((start.get(e, MAX_SQNR_DB) if e in graph_inputs else sq.get(e, MAX_SQNR_DB) for e in edge),
+                   default=MAX_SQNR_DB)
+        # the noise enters where the group's inputs are quantized: keep those tensors float as well,
+        # which means their producers (fused groups) and every consumer
+        keep = list(group)
+        for e in edge:
+            if e in producer:
+                keep += fused(e)[0]
+            keep += consumers.get(e, [])
+        ranked.append((tuple(dict.fromkeys(keep)), round(s_in - s_out, 3)))
+    return sorted(ranked, key=lambda x: -x[1])
