@@ -40,17 +40,41 @@ def _specs(values, what: str, path: Path) -> tuple[TensorSpec, ...]:
                 dims.append(int(d.dim_value))
             elif i == 0:
                 if d.HasField("dim_value") and d.dim_value > 0:
-                    raise InputError(
-                        f"{path}: {what} {v.name!r} has a fixed batch dimension {d.dim_value}; "
-                        "export the model with a dynamic first dimension (e.g. dynamic_axes={'input': {0: 'N'}})"
-                    )
+                    others = [j for j, e in enumerate(tt.shape.dim) if j > 0 and not e.HasField("dim_value")]
+                    hint = (f"its dimension {others[0]} is dynamic: if that is the batch (recurrent state often "
+                            "is [layers, N, hidden]), edgefleet cannot batch on it yet" if others else
+                            "export the model with a dynamic first dimension (e.g. dynamic_axes={'input': {0: 'N'}}) "
+                            "if it takes a batch")
+                    raise InputError(f"{path}: {what} {v.name!r} has a fixed first dimension {d.dim_value}; {hint}")
                 dims.append(-1)
             else:
                 dims.append(-1)
         if not dims:
-            raise InputError(f"{path}: {what} {v.name!r} is a scalar; edgefleet needs a batch dimension")
+            raise InputError(f"{path}: {what} {v.name!r} is a scalar with no batch dimension; edgefleet serves "
+                             "models whose every input and output is batched on axis 0 (feed a scalar parameter as a "
+                             "[N] or [N, 1] input, or fold it into the graph as a constant)")
         out.append(TensorSpec.model_validate({"name": v.name, "datatype": dtype, "shape": tuple(dims)}))
     return tuple(out)
+
+
+def _check_runs(path: Path) -> None:
+    """Every node must have an onnxruntime CPU kernel (the fp32 reference and the x86/ARM targets run
+    on it); name the node that has none."""
+    import re
+
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        text = str(exc)
+        m = re.search(r"Could not find an implementation for (\S+)\((\d+)\) node with name '([^']*)'", text)
+        if m:
+            raise InputError(f"{path}: node {m[3]!r} ({m[1]}, opset {m[2]}) has no onnxruntime CPU kernel, so the "
+                             "onnxruntime targets cannot run it; replace the op or export with another opset") from exc
+        raise InputError(f"{path}: onnxruntime cannot load the model: {text.strip().splitlines()[-1]}") from exc
 
 
 def check_model(path: Path) -> GraphInfo:
@@ -63,6 +87,7 @@ def check_model(path: Path) -> GraphInfo:
         onnx.checker.check_model(model)
     except Exception as exc:  # onnx raises several unrelated types
         raise InputError(f"{path}: not a valid ONNX model: {exc}") from exc
+    _check_runs(path)
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)

@@ -89,7 +89,7 @@ def test_fixed_batch_model_is_refused(tmp_path):
     model = onnx.load(str(DIGITS / "model.onnx"))
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
     onnx.save(model, tmp_path / "fixed.onnx")
-    with pytest.raises(InputError, match="fixed batch dimension 4"):
+    with pytest.raises(InputError, match="fixed first dimension 4"):
         check_model(tmp_path / "fixed.onnx")
 
 

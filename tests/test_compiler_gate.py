@@ -377,3 +377,31 @@ def test_the_pp_ocrv4_detector_compiles_and_is_gated_by_agreement(tmp_path):
     assert m["accuracy"]["outputs"][0]["metric"] == "cosine"
     bundle = tmp_path / "ppocr-det-1.0.0-x86-cpu.tar"
     assert bundle.stat().st_size < 2 * model.stat().st_size  # a small self-test sample, compressed
+
+
+def test_an_op_onnxruntime_cannot_run_is_named(tmp_path):
+    node = helper.make_node("Relu", ["x"], ["y"], name="odd_relu", domain="com.example.custom")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("com.example.custom", 1)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "custom.onnx")
+    np.savez(tmp_path / "e.npz", x=np.ones((2, 4), np.float32))
+    r = run_cli("compile", str(tmp_path / "custom.onnx"), "--profile", "x86-cpu", "--eval", str(tmp_path / "e.npz"),
+                "--out", str(tmp_path), "--quiet")
+    assert r.returncode == 4 and "Traceback" not in r.stderr
+    assert "onnxruntime cannot load the model" in r.stderr and "com.example.custom:Relu" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0  # one line
+
+
+def test_a_recurrent_state_input_gets_an_explanation_not_bad_advice(tmp_path):
+    g = helper.make_graph([helper.make_node("Identity", ["h"], ["y"])], "rnn",
+                          [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, "N", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "N", 8])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "rnn.onnx")
+    with pytest.raises(InputError, match="dimension 1 is dynamic: if that is the batch"):
+        from compiler.graph import check_model
+
+        check_model(tmp_path / "rnn.onnx")

@@ -55,7 +55,7 @@ class OnnxRuntimeTarget:
     def build(self, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
               calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:
         if precision == "fp32":
-            shutil.copyfile(source, out_path)
+            optimize_offline(source, out_path)
             return None
         if precision != "int8":
             raise InputError(f"onnxruntime target builds fp32 or int8, not {precision}")
@@ -141,3 +141,22 @@ def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out
         weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
         calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why,
         float_nodes=keep_float)
+
+
+def optimize_offline(source: Path, out_path: Path) -> Path:
+    """onnxruntime's graph optimizations done once at build time, at the *basic* level only: constant
+    folding and redundant-node removal are portable; the extended and layout levels fuse for the
+    build host's CPU and onnxruntime's docs warn such a saved model may not run elsewhere."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.optimized_model_filepath = str(out_path)
+    so.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise ToolchainError(f"onnxruntime cannot load {source.name}: {exc}") from exc
+    if not out_path.is_file():
+        shutil.copyfile(source, out_path)
+    return out_path
