@@ -405,3 +405,31 @@ def test_a_recurrent_state_input_gets_an_explanation_not_bad_advice(tmp_path):
         from compiler.graph import check_model
 
         check_model(tmp_path / "rnn.onnx")
+
+
+def test_several_inputs_of_different_dtypes(tmp_path):
+    """An image plus an int64 class-conditioning id: each input keeps its dtype through data loading,
+    calibration, the gate and the self-test sample."""
+    w = numpy_helper.from_array((RNG.normal(size=(4, 3, 3, 3)) * 0.3).astype(np.float32), "w")
+    emb = numpy_helper.from_array(RNG.normal(size=(5, 4)).astype(np.float32), "emb")
+    nodes = [helper.make_node("Conv", ["image", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c"], ["g"]), helper.make_node("Flatten", ["g"], ["gf"]),
+             helper.make_node("Gather", ["emb", "cls"], ["e"]), helper.make_node("Add", ["gf", "e"], ["logits"])]
+    g = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, 8, 8]),
+                                         helper.make_tensor_value_info("cls", TensorProto.INT64, ["N"])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])], [w, emb])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "two.onnx")
+    for name, n in (("calib", 32), ("eval", 16)):
+        np.savez(tmp_path / f"{name}.npz", image=RNG.random(size=(n, 3, 8, 8)).astype(np.float32),
+                 cls=RNG.integers(0, 5, size=n))
+    r = run_cli("compile", str(tmp_path / "two.onnx"), "--profile", "x86-cpu", "--calibration",
+                str(tmp_path / "calib.npz"), "--eval", str(tmp_path / "eval.npz"), "--precision", "int8",
+                "--min-agreement", "0.9", "--no-benchmark", "--out", str(tmp_path), "--name", "two", "--json")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert [(i["name"], i["datatype"]) for i in m["inputs"]] == [("image", "FP32"), ("cls", "INT64")]
+    extract_bundle(tmp_path / "two-1.0.0-x86-cpu.tar", tmp_path / "x")
+    with np.load(tmp_path / "x" / "selftest.npz") as z:
+        assert z["input:cls"].dtype == np.int64 and z["input:image"].dtype == np.float32
