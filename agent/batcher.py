@@ -47,9 +47,17 @@ class _Pending:
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
 
-    def stackable_with(self, other: _Pending) -> bool:
-        """Same non-batch dimensions on every input (dynamic dims may differ between requests)."""
-        return all(v.shape[1:] == other.feeds[k].shape[1:] for k, v in self.feeds.items())
+    def stackable_with(self, other: _Pending, axes: dict[str, int | None]) -> bool:
+        """Every input has a batch axis, and the same other dimensions (dynamic dims may differ between
+        requests). A model with an unbatched input (a shared parameter) runs one request at a time."""
+        for k, v in self.feeds.items():
+            a = axes.get(k, 0)
+            if a is None:
+                return False
+            o = other.feeds[k].shape
+            if v.shape[:a] + v.shape[a + 1:] != o[:a] + o[a + 1:]:
+                return False
+        return True
 
 
 class Batcher:
@@ -66,13 +74,15 @@ class Batcher:
         self._running = False
         self._arrived_while_running = 0
         self._forming: list[_Pending] = []  # the batch being formed or run; failed if the loop is cancelled
+        self._in_axes = {t.name: t.batch_axis for t in backend.inputs}
+        self._out_axes = [t.batch_axis for t in backend.outputs]
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
 
     async def submit(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Queue one request (already validated) and wait for its outputs."""
-        n = len(next(iter(feeds.values())))
+        n = next((int(feeds[k].shape[a]) for k, a in self._in_axes.items() if a is not None), 1)
         if n > self.settings.max_batch_size:
             raise RequestError(f"request batch of {n} exceeds this model's max batch size "
                                f"{self.settings.max_batch_size}; split it into smaller requests")
@@ -110,7 +120,7 @@ class Batcher:
             while n < s.max_batch_size:
                 if self._queue:
                     nxt = self._queue[0]
-                    if n + nxt.n > s.max_batch_size or not nxt.stackable_with(first):
+                    if n + nxt.n > s.max_batch_size or not nxt.stackable_with(first, self._in_axes):
                         break
                     item = self._pop()
                     batch.append(item)
@@ -148,15 +158,18 @@ class Batcher:
         n = sum(p.n for p in live)
         names = [spec.name for spec in self.backend.inputs]
         try:
-            feeds = {k: (live[0].feeds[k] if len(live) == 1 else np.concatenate([p.feeds[k] for p in live]))
+            feeds = {k: (live[0].feeds[k] if len(live) == 1 else
+                         np.concatenate([p.feeds[k] for p in live], axis=self._in_axes[k] or 0))
                      for k in names}
             outs = await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.infer, feeds)
             if len(outs) != len(self.backend.outputs):
                 raise InferenceFailed(f"backend returned {len(outs)} outputs, the model declares "
                                       f"{len(self.backend.outputs)}")
             for o, spec in zip(outs, self.backend.outputs, strict=True):
-                if o.ndim == 0 or o.shape[0] != n:
-                    raise InferenceFailed(f"output {spec.name!r} has batch {o.shape[:1]}, the batch had {n} samples")
+                a = spec.batch_axis
+                if a is not None and (o.ndim <= a or o.shape[a] != n):
+                    raise InferenceFailed(f"output {spec.name!r} has shape {list(o.shape)}: not {n} samples on its "
+                                          f"batch axis {a}")
         except Exception as exc:
             err = exc if isinstance(exc, InferenceFailed) else InferenceFailed(f"inference failed: {exc}")
             log.error("batch of %d failed: %s", n, err)
@@ -165,10 +178,15 @@ class Batcher:
                     p.future.set_exception(err)
             return
         self.metrics.batch_done(n)
+        if len(live) == 1:
+            if not live[0].future.done():
+                live[0].future.set_result(outs)
+            return
         start = 0
         for p in live:
             if not p.future.done():
-                p.future.set_result([o[start : start + p.n] for o in outs])
+                p.future.set_result([o if a is None else np.take(o, np.arange(start, start + p.n), axis=a)
+                                     for o, a in zip(outs, self._out_axes, strict=True)])
             start += p.n
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:

@@ -52,8 +52,8 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
     missing = set(by_name) - set(feeds)
     if missing:
         raise RequestError(f"missing input(s) {sorted(missing)}")
-    batches = {k: v.shape[0] for k, v in feeds.items()}
-    if len(set(batches.values())) != 1:
+    batches = {s.name: feeds[s.name].shape[s.batch_axis] for s in specs if s.batch_axis is not None}
+    if len(set(batches.values())) > 1:
         raise RequestError(f"inputs disagree on the batch size: {batches}")
     outputs = body.get("outputs")
     wanted: list[str] | None = None
@@ -80,12 +80,13 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec) -> np.ndarray:
     want = list(spec.shape)
     if len(shape) != len(want):
         raise RequestError(f"input {name!r}: shape {shape} has {len(shape)} dimensions, the model expects "
-                           f"{len(want)} ({_fmt(want)})")
-    if shape[0] < 1:
-        raise RequestError(f"input {name!r}: batch dimension must be at least 1, got {shape[0]}")
+                           f"{len(want)} ({_fmt(want, spec.batch_axis)})")
+    b = spec.batch_axis
+    if b is not None and shape[b] < 1:
+        raise RequestError(f"input {name!r}: batch dimension must be at least 1, got {shape[b]}")
     for i, (have, w) in enumerate(zip(shape, want, strict=True)):
         if w != -1 and have != w:
-            raise RequestError(f"input {name!r}: shape {shape} does not match the model's {_fmt(want)} "
+            raise RequestError(f"input {name!r}: shape {shape} does not match the model's {_fmt(want, b)} "
                                f"(dimension {i} must be {w})")
         if have < 1:
             raise RequestError(f"input {name!r}: dimension {i} must be positive, got {have}")
@@ -107,8 +108,8 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def _fmt(shape: list[int]) -> str:
-    return "[" + ", ".join("N" if i == 0 else ("?" if d == -1 else str(d)) for i, d in enumerate(shape)) + "]"
+def _fmt(shape: list[int], batch_axis: int | None = 0) -> str:
+    return "[" + ", ".join("N" if i == batch_axis else ("?" if d == -1 else str(d)) for i, d in enumerate(shape)) + "]"
 
 
 def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +27,38 @@ _NP = {"FP32": np.float32, "FP16": np.float16, "INT8": np.int8, "UINT8": np.uint
 
 @dataclass(frozen=True)
 class Dataset:
+    """Arrays in the model's own layout: samples run along each input's batch axis (axis 0 unless the
+    model says otherwise); an input with no batch axis holds one tensor shared by every sample."""
+
     inputs: dict[str, np.ndarray]
     labels: np.ndarray | None
+    axes: dict[str, int | None] = field(default_factory=dict)  # input -> batch axis; missing means 0
+
+    def _axis(self, name: str) -> int | None:
+        return self.axes.get(name, 0)
 
     def __len__(self) -> int:
-        return len(next(iter(self.inputs.values())))
+        for k, v in self.inputs.items():
+            axis = self._axis(k)
+            if axis is not None:
+                return int(v.shape[axis])
+        return 1
+
+    def take(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Samples ``start:stop`` as a feed for the model."""
+        out = {}
+        for k, v in self.inputs.items():
+            axis = self._axis(k)
+            out[k] = v if axis is None else np.take(v, np.arange(start, min(stop, v.shape[axis])), axis=axis)
+        return out
+
+    def pick(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The samples at ``idx`` (repeats allowed) as a contiguous feed."""
+        return {k: v if (a := self._axis(k)) is None else np.ascontiguousarray(np.take(v, idx, axis=a))
+                for k, v in self.inputs.items()}
 
     def head(self, n: int) -> Dataset:
-        return Dataset({k: v[:n] for k, v in self.inputs.items()},
-                       None if self.labels is None else self.labels[:n])
+        return Dataset(self.take(0, n), None if self.labels is None else self.labels[:n], self.axes)
 
 
 def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: str,
@@ -57,7 +80,8 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
             arr = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise InputError(f"{path}: not a readable .npy file ({exc})") from exc
-        return Dataset({specs[0].name: _check(path, "array", arr, specs[0])}, None)
+        spec = specs[0]
+        return Dataset({spec.name: _check(path, "array", arr, spec)}, None, {spec.name: spec.batch_axis})
     try:
         npz = np.load(path, allow_pickle=False)
     except Exception as exc:
@@ -75,18 +99,21 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
             labels = npz["labels"]
         elif need_labels:
             raise InputError(f"{path}: {what} needs a 'labels' array for the accuracy gate")
-    n = {len(v) for v in inputs.values()} | ({len(labels)} if labels is not None else set())
+    axes = {spec.name: spec.batch_axis for spec in specs}
+    n = {int(v.shape[a]) for k, v in inputs.items() if (a := axes[k]) is not None} | (
+        {len(labels)} if labels is not None else set())
     if len(n) != 1 or 0 in n:
-        raise InputError(f"{path}: arrays disagree on the number of samples or are empty ({sorted(n)})")
-    return Dataset(inputs, labels)
+        raise InputError(f"{path}: arrays disagree on the number of samples along their batch axes, or are empty "
+                         f"({sorted(n)})")
+    return Dataset(inputs, labels, axes)
 
 
 def _check(path: Path, what: str, arr: np.ndarray, spec: TensorSpec) -> np.ndarray:
     if arr.ndim != len(spec.shape):
         raise InputError(f"{path}: {what} has {arr.ndim} dimensions, model input {spec.name!r} "
                          f"has {len(spec.shape)} {list(spec.shape)}")
-    for i, (have, want) in enumerate(zip(arr.shape[1:], spec.shape[1:], strict=True), start=1):
-        if want != -1 and have != want:
+    for i, (have, want) in enumerate(zip(arr.shape, spec.shape, strict=True)):
+        if i != spec.batch_axis and want != -1 and have != want:
             raise InputError(f"{path}: {what} dimension {i} is {have}, the model wants {want}")
     return arr.astype(_NP[spec.datatype], copy=False)
 
@@ -96,7 +123,7 @@ def _load_images(folder: Path, specs: tuple[TensorSpec, ...], what: str, prep: P
     if prep is None:
         raise InputError(f"{folder}: a folder of images needs preprocessing: the model input's shape does not say "
                          "how to turn an image into it; pass --preprocess preprocess.yaml")
-    if len(specs) != 1 or specs[0].name != prep.input:
+    if len(specs) != 1 or specs[0].name != prep.input or specs[0].batch_axis != 0:
         raise InputError(f"{folder}: images can feed a model with one input ({prep.input!r}); this one has "
                          f"{[s.name for s in specs]}: use an .npz keyed by input name")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)

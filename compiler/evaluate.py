@@ -12,13 +12,18 @@ from compiler.targets.base import Runner
 __all__ = ["benchmark_pair", "predict_all", "top1"]
 
 
-def predict_all(run: Runner, data: Dataset, batch: int = 64) -> list[np.ndarray]:
-    """Every output of ``run`` over ``data``, in batches, concatenated along the batch axis."""
+def predict_all(run: Runner, data: Dataset, batch: int = 64,
+                output_axes: list[int | None] | None = None) -> list[np.ndarray]:
+    """Every output of ``run`` over ``data``, in batches, with the samples on axis 0 (an output with no
+    batch axis gets one entry per call)."""
     outs: list[list[np.ndarray]] = []
     for s in range(0, len(data), batch):
-        feed = {k: v[s : s + batch] for k, v in data.inputs.items()}
-        outs.append(run(feed))
-    return [np.concatenate(parts, axis=0) for parts in zip(*outs, strict=True)]
+        outs.append(run(data.take(s, s + batch)))
+    axes = output_axes or [0] * len(outs[0])
+    merged = []
+    for axis, parts in zip(axes, zip(*outs, strict=True), strict=True):
+        merged.append(np.stack(parts) if axis is None else np.concatenate([np.moveaxis(p, axis, 0) for p in parts]))
+    return merged
 
 
 def top1(run: Runner, data: Dataset) -> float:
@@ -32,9 +37,7 @@ def benchmark_pair(reference: Runner, candidate: Runner, data: Dataset, batch_si
                    warmup: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """((p50, p99) ms of reference, (p50, p99) ms of candidate) at ``batch_size``, alternating which
     runs first so machine drift hits both alike."""
-    n = len(data)
-    idx = np.arange(batch_size) % n
-    feed = {k: np.ascontiguousarray(v[idx]) for k, v in data.inputs.items()}
+    feed = data.pick(np.arange(batch_size) % len(data))
     for _ in range(warmup):
         reference(feed)
         candidate(feed)

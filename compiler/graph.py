@@ -27,34 +27,49 @@ class GraphInfo:
         return bool(self.op_types & {"Conv", "ConvTranspose"})
 
 
-def _specs(values, what: str, path: Path) -> tuple[TensorSpec, ...]:
-    out = []
+def _specs(values, what: str, path: Path) -> list[tuple[str, str, list[int], int | str | None]]:
+    """(name, datatype, shape with -1 for dynamic dims, batch axis | None | "fixed") per tensor."""
+    out: list[tuple[str, str, list[int], int | str | None]] = []
     for v in values:
         tt = v.type.tensor_type
         dtype = _ONNX_TO_KSERVE.get(tt.elem_type)
         if dtype is None:
             raise InputError(f"{path}: {what} {v.name!r} has an unsupported element type {tt.elem_type}")
-        dims = []
-        for i, d in enumerate(tt.shape.dim):
-            if d.HasField("dim_value") and d.dim_value > 0 and i > 0:
-                dims.append(int(d.dim_value))
-            elif i == 0:
-                if d.HasField("dim_value") and d.dim_value > 0:
-                    others = [j for j, e in enumerate(tt.shape.dim) if j > 0 and not e.HasField("dim_value")]
-                    hint = (f"its dimension {others[0]} is dynamic: if that is the batch (recurrent state often "
-                            "is [layers, N, hidden]), edgefleet cannot batch on it yet" if others else
-                            "export the model with a dynamic first dimension (e.g. dynamic_axes={'input': {0: 'N'}}) "
-                            "if it takes a batch")
-                    raise InputError(f"{path}: {what} {v.name!r} has a fixed first dimension {d.dim_value}; {hint}")
-                dims.append(-1)
-            else:
-                dims.append(-1)
+        dims = [int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in tt.shape.dim]
+        dynamic = [i for i, d in enumerate(dims) if d == -1]
+        axis: int | str | None
+        if dims and dims[0] == -1:
+            axis = 0
+        elif len(dynamic) == 1:
+            axis = dynamic[0]  # e.g. recurrent state [layers, N, hidden]
+        elif not dynamic:
+            axis = "fixed"  # a parameter shared by the batch, if anything else in the model is batched
+        else:
+            raise InputError(f"{path}: {what} {v.name!r} has shape {dims} with several dynamic dimensions and a "
+                             "fixed first one: edgefleet cannot tell which is the batch; export it with the batch "
+                             "first (dynamic_axes={name: {0: 'N'}})")
+        out.append((v.name, dtype, dims, axis))
+    return out
+
+
+def _resolve(inputs: list, outputs: list, path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Fixed-shape tensors have no batch if anything else is batched; a model with no batch anywhere
+    was most likely exported with a fixed batch by mistake."""
+    if all(a == "fixed" for *_, a in inputs):
+        name, _, dims, _ = inputs[0]
         if not dims:
-            raise InputError(f"{path}: {what} {v.name!r} is a scalar with no batch dimension; edgefleet serves "
-                             "models whose every input and output is batched on axis 0 (feed a scalar parameter as a "
-                             "[N] or [N, 1] input, or fold it into the graph as a constant)")
-        out.append(TensorSpec.model_validate({"name": v.name, "datatype": dtype, "shape": tuple(dims)}))
-    return tuple(out)
+            raise InputError(f"{path}: input {name!r} is a scalar and no input has a batch dimension; edgefleet "
+                             "serves batched models (feed the scalar as a [N] input, or fold it into the graph)")
+        raise InputError(f"{path}: input {name!r} has a fixed first dimension {dims[0]} and no input has a dynamic "
+                         "one; export the model with a dynamic first dimension (e.g. dynamic_axes={'input': {0: "
+                         "'N'}}) if it takes a batch")
+
+    def spec(t: tuple[str, str, list[int], int | str | None]) -> TensorSpec:
+        name, dtype, dims, axis = t
+        return TensorSpec.model_validate({"name": name, "datatype": dtype, "shape": tuple(dims),
+                                          "batch_axis": None if axis == "fixed" else axis})
+
+    return tuple(spec(t) for t in inputs), tuple(spec(t) for t in outputs)
 
 
 def _check_runs(path: Path) -> None:
@@ -91,9 +106,10 @@ def check_model(path: Path) -> GraphInfo:
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    ins, outs = _resolve(_specs(inputs, "input", path), _specs(model.graph.output, "output", path), path)
     return GraphInfo(
-        inputs=_specs(inputs, "input", path),
-        outputs=_specs(model.graph.output, "output", path),
+        inputs=ins,
+        outputs=outs,
         op_types=frozenset(n.op_type for n in model.graph.node),
         opset=opset,
         metadata={p.key: p.value for p in model.metadata_props},

@@ -223,7 +223,8 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         from compiler.targets.onnxruntime import OnnxRuntimeTarget
 
         reference = OnnxRuntimeTarget().runner(opts.model, profile)
-        ref_out = predict_all(reference, eval_set)
+        out_axes = [o.batch_axis for o in info.outputs]
+        ref_out = predict_all(reference, eval_set, output_axes=out_axes)
         source = opts.model
         if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
             source = ensure_opset(opts.model, QDQ_MIN_OPSET, work / "source-opset13.onnx", eval_set.head(16))
@@ -394,7 +395,7 @@ def _build_and_gate(target: BuildTarget, model: Path, info: GraphInfo, precision
     engine = work / f"model-{precision}{target.engine_suffix}"
     quant = target.build(model, info, precision, profile, calib if precision == "int8" else None, engine)
     runner = target.runner(engine, profile)
-    cand_out = predict_all(runner, eval_set)
+    cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate)
     return _Built(precision, engine, runner, quant, report)
 
@@ -430,8 +431,9 @@ def _float_fallback(full: _Built, source: Path, info: GraphInfo, profile: Hardwa
         engine = work / f"model-int8-float{k}.onnx"
         quant = quantize(prepared, profile, calib, engine, keep_float=keep)
         runner = OnnxRuntimeTarget().runner(engine, profile)
-        report = evaluate_gate([o.name for o in info.outputs], ref_out, predict_all(runner, eval_set), eval_set.labels,
-                               "int8", gate)
+        report = evaluate_gate([o.name for o in info.outputs], ref_out,
+                               predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
+                               eval_set.labels, "int8", gate)
         steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float ({', '.join(keep)}): "
                      f"{_gate_note(report)}")
         if report.passed:
@@ -459,5 +461,5 @@ def _benchmark(reference: Runner, candidate: Runner, data: Dataset,
 
 def _selftest_sample(data: Dataset) -> Dataset:
     """Up to 64 evaluation samples, fewer when the inputs are big (at least one)."""
-    per_sample = sum(v[:1].nbytes for v in data.inputs.values()) or 1
+    per_sample = sum(v.nbytes for v in data.take(0, 1).values()) or 1
     return data.head(max(1, min(SELFTEST_MAX_SAMPLES, SELFTEST_MAX_INPUT_BYTES // per_sample)))

@@ -67,19 +67,22 @@ def version_key(version: str) -> tuple[int, int, int]:
 class TensorSpec(StrictModel):
     name: str = Field(min_length=1)
     datatype: DType
-    # -1 marks a dynamic dimension; the first dimension is the batch and is always -1
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # -1 marks a dynamic dimension; the batch dimension is always -1
+    # which dimension is the batch: 0 for almost every model, 1 for recurrent state laid out as
+    # [layers, N, hidden]; None for a tensor with no batch at all (a parameter shared by the whole
+    # batch, e.g. a scalar). A model with such an input is served one request at a time.
+    batch_axis: int | None = 0
 
-    @field_validator("shape")
-    @classmethod
-    def _batch_first(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if not v:
-            raise ValueError("a tensor needs at least the batch dimension")
-        if v[0] != -1:
-            raise ValueError("the first (batch) dimension must be dynamic (-1)")
-        if any(d == 0 or d < -1 for d in v):
+    @model_validator(mode="after")
+    def _batch(self) -> TensorSpec:
+        if any(d == 0 or d < -1 for d in self.shape):
             raise ValueError("dimensions are positive or -1")
-        return v
+        if self.batch_axis is not None:
+            if not 0 <= self.batch_axis < len(self.shape):
+                raise ValueError(f"batch_axis {self.batch_axis} is outside the shape {list(self.shape)}")
+            if self.shape[self.batch_axis] != -1:
+                raise ValueError(f"the batch dimension ({self.batch_axis}) must be dynamic (-1)")
+        return self
 
 
 class FileEntry(StrictModel):
@@ -246,6 +249,11 @@ class Manifest(StrictModel):
             if "/" in fname or "\\" in fname or fname in ("", ".", "..") or fname == MANIFEST_FILENAME:
                 raise ValueError(f"file name {fname!r} must be a plain name inside the bundle")
         return self
+
+    @property
+    def batchable(self) -> bool:
+        """Requests can be stacked into one batch: every input has a batch dimension."""
+        return all(t.batch_axis is not None for t in self.inputs)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"

@@ -394,17 +394,77 @@ def test_an_op_onnxruntime_cannot_run_is_named(tmp_path):
     assert r.stderr.strip().count("\n") == 0  # one line
 
 
-def test_a_recurrent_state_input_gets_an_explanation_not_bad_advice(tmp_path):
-    g = helper.make_graph([helper.make_node("Identity", ["h"], ["y"])], "rnn",
-                          [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, "N", 8])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "N", 8])])
+def _recurrent(d):
+    """x [N, 4], recurrent state h [2, N, 8] (batch on axis 1) and a scalar temperature shared by the batch
+    -> y [N, 8], h_out [2, N, 8]."""
+    w = numpy_helper.from_array((RNG.normal(size=(4, 8)) * 0.5).astype(np.float32), "w")
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xe"]), helper.make_node("Mul", ["h", "temp"], ["hs"]),
+             helper.make_node("ReduceSum", ["hs", "axes"], ["hsum"], keepdims=0),
+             helper.make_node("Add", ["xe", "hsum"], ["y"]), helper.make_node("Unsqueeze", ["y", "axes"], ["y1"]),
+             helper.make_node("Add", ["h", "y1"], ["h_out"])]
+    g = helper.make_graph(nodes, "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                                         helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, "N", 8]),
+                                         helper.make_tensor_value_info("temp", TensorProto.FLOAT, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8]),
+                           helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [2, "N", 8])], [w, axes])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     m.ir_version = 8
-    onnx.save(m, tmp_path / "rnn.onnx")
-    with pytest.raises(InputError, match="dimension 1 is dynamic: if that is the batch"):
-        from compiler.graph import check_model
+    onnx.save(m, d / "rnn.onnx")
+    np.savez(d / "data.npz", x=RNG.normal(size=(40, 4)).astype(np.float32),
+             h=RNG.normal(size=(2, 40, 8)).astype(np.float32), temp=np.float32(0.5))
+    return d / "rnn.onnx"
 
-        check_model(tmp_path / "rnn.onnx")
+
+def test_a_model_with_recurrent_state_and_a_scalar_compiles_and_is_served(tmp_path):
+    """The batch axis of each tensor is recorded (h on axis 1, the scalar on none); the agent validates
+    requests against it and serves such a model one request at a time, results intact."""
+    import threading
+
+    import httpx
+    import onnxruntime as ort
+
+    from tests.agent_harness import preinstall, running_agent
+
+    model = _recurrent(tmp_path)
+    r = run_cli("compile", str(model), "--profile", "x86-cpu", "--calibration", str(tmp_path / "data.npz"), "--eval",
+                str(tmp_path / "data.npz"), "--name", "rnn", "--out", str(tmp_path), "--json", "--no-benchmark",
+                "--precision", "fp32")  # exact, so the served answers can be compared with onnxruntime's
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert {i["name"]: i["batch_axis"] for i in m["inputs"]} == {"x": 0, "h": 1, "temp": None}
+    assert {o["name"]: o["batch_axis"] for o in m["outputs"]} == {"y": 0, "h_out": 1}
+    preinstall(tmp_path / "agent", tmp_path / "rnn-1.0.0-x86-cpu.tar")
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+    def body(n: int, temp: float) -> tuple[dict, list[np.ndarray]]:
+        x = RNG.normal(size=(n, 4)).astype(np.float32)
+        h = RNG.normal(size=(2, n, 8)).astype(np.float32)
+        want = sess.run(None, {"x": x, "h": h, "temp": np.array(temp, np.float32)})
+        return {"inputs": [{"name": "x", "shape": [n, 4], "datatype": "FP32", "data": x.ravel().tolist()},
+                           {"name": "h", "shape": [2, n, 8], "datatype": "FP32", "data": h.ravel().tolist()},
+                           {"name": "temp", "shape": [], "datatype": "FP32", "data": [temp]}]}, want
+
+    with running_agent(tmp_path / "agent") as (_, url):
+        errors: list[str] = []
+
+        def client(i: int) -> None:
+            doc, want = body(1 + i % 3, 0.25 * i)
+            out = httpx.post(f"{url}/v2/models/rnn/infer", json=doc, timeout=30).json()["outputs"]
+            got = {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in out}
+            if not (np.allclose(got["y"], want[0], atol=1e-3) and np.allclose(got["h_out"], want[1], atol=1e-3)):
+                errors.append(f"request {i}: wrong result")
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        bad, _ = body(3, 1.0)
+        bad["inputs"][1]["shape"], bad["inputs"][1]["data"] = [2, 2, 8], bad["inputs"][1]["data"][:32]
+        resp = httpx.post(f"{url}/v2/models/rnn/infer", json=bad, timeout=30)
+        assert resp.status_code == 400 and "disagree on the batch size" in resp.json()["error"]
 
 
 def test_several_inputs_of_different_dtypes(tmp_path):

@@ -40,9 +40,9 @@ class _Reader:
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self._i >= len(self._data):
             return None
-        s = slice(self._i, self._i + self._batch)
+        feed = self._data.take(self._i, self._i + self._batch)
         self._i += self._batch
-        return {k: v[s] for k, v in self._data.inputs.items()}
+        return feed
 
     def rewind(self) -> None:
         self._i = 0
