@@ -184,8 +184,10 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
         fid = (f"top-1 {acc['candidate']:.4f} (-{acc['drop']:.4f})" if acc["metric"] == "top1"
                else f"agree {acc['candidate']:.4f}")
         size = sum(f["size_bytes"] for f in m["files"].values())
-        pts = (m.get("benchmark") or {}).get("points") or []
-        lat = f"{pts[0]['candidate_ms_p50']:.3f} ms" if pts else "–"
+        bench = m.get("benchmark") or {}
+        pts = bench.get("points") or []
+        shipped = "candidate_ms_p50" if bench.get("candidate_precision") == m["precision"] else "reference_ms_p50"
+        lat = f"{pts[0][shipped]:.3f} ms" if pts else "–"  # of the precision shipped
         status = "ok (cached)" if r["cached"] else "ok"
         rows.append(f"{r['profile']:<18} {m['backend']:<12} {m['precision']:<5} {size / 1024:>7.0f}KB {fid:<22} "
                     f"{lat:>11} {status}")
