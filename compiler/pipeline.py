@@ -266,7 +266,8 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
             mode="auto" if auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
             candidates=tuple(
                 [PrecisionCandidate(precision=p, top1=b.accuracy.candidate, drop=b.accuracy.drop,  # type: ignore[arg-type]
-                                    passed=b.accuracy.passed, speedup=b.points, metric=b.accuracy.metric)
+                                    passed=b.accuracy.passed, speedup=b.points, metric=b.accuracy.metric,
+                                    note=_fallback_note(b))
                  for p, b in built.items()]
                 + [PrecisionCandidate(precision=p, note=n) for p, n in notes.items()]))  # type: ignore[arg-type]
 
@@ -358,6 +359,15 @@ def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:
                 f"would measure numbers no {profile.name} device computes; build {profile.name} on a CPU "
                 "with avx512_vnni (or one without AVX2)")
     return None
+
+
+def _fallback_note(b: _Built) -> str | None:
+    steps = b.quantization.fallback_steps if b.quantization is not None else ()
+    if not steps:
+        return None
+    kept = len(b.quantization.float_nodes) if b.quantization is not None else 0
+    return (f"float fallback: {kept} layers kept in float" if b.accuracy.passed else
+            f"float fallback tried {len(steps) - 1} step(s): {steps[-1]}")
 
 
 def _gate_note(acc: AccuracyReport) -> str:

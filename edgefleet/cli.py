@@ -145,7 +145,7 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
             if c.precision != m.precision and c.top1 is not None:
                 what = "agreement" if c.metric == "agreement" else "top-1"
                 lines.append(f"also      {what} {c.precision} {c.top1:.4f} (drop {c.drop:+.4f}, "
-                             f"{'passed' if c.passed else 'FAILED'} the gate)")
+                             f"{'passed' if c.passed else 'FAILED'} the gate)" + (f"; {c.note}" if c.note else ""))
             elif c.note:
                 lines.append(f"also      {c.precision}: {c.note}")
     if m.quantization is not None:
