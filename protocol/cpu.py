@@ -51,12 +51,28 @@ def cpu_features() -> frozenset[str]:
     """The instruction-set features of this CPU that edgefleet knows about (CPUID, via numpy)."""
     try:
         from numpy._core._multiarray_umath import __cpu_features__ as table  # numpy >= 2
-    except ImportError:  # numpy 1.26
-        from numpy.core._multiarray_umath import __cpu_features__ as table  # type: ignore[no-redef]
+    except ImportError:
+        try:  # numpy 1.26
+            from numpy.core._multiarray_umath import __cpu_features__ as table  # type: ignore[no-redef]
+        except ImportError:  # a numpy without the table: the kernel's view (wrong under emulation)
+            return _proc_cpuinfo_flags()
     feats = {_NUMPY_TO_LINUX[k] for k, on in table.items() if on and k in _NUMPY_TO_LINUX}
     if cpu_arch() == "aarch64":
         feats |= {"neon", "asimd"}  # mandatory on ARMv8-A
     return frozenset(feats)
+
+
+def _proc_cpuinfo_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split()) & KNOWN_FEATURES
+    return frozenset()
 
 
 def missing_features(required: tuple[str, ...] | list[str] | frozenset[str],
