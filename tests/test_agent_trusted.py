@@ -70,3 +70,14 @@ def test_this_process_sees_its_cpu_through_cpuid():
     assert feats <= KNOWN_FEATURES
     if platform.machine() == "x86_64":
         assert "sse4_2" in feats  # every x86-64 CPU onnxruntime wheels support has it
+
+
+def test_the_kernel_view_of_the_cpu_is_the_fallback():
+    import platform
+
+    from protocol.cpu import _proc_cpuinfo_flags, cpu_features
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the x86 flag names are checked on x86-64")
+    flags = _proc_cpuinfo_flags()
+    assert "sse4_2" in flags and flags <= cpu_features() | flags  # same names as the CPUID view
