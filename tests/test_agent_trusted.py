@@ -79,5 +79,9 @@ def test_the_kernel_view_of_the_cpu_is_the_fallback():
 
     if platform.machine() != "x86_64":
         pytest.skip("the x86 flag names are checked on x86-64")
+    from tests.emulation import SESSION_CPU
+
     flags = _proc_cpuinfo_flags()
-    assert "sse4_2" in flags and flags <= cpu_features() | flags  # same names as the CPUID view
+    assert "sse4_2" in flags
+    if not SESSION_CPU:  # natively the kernel and CPUID agree, name for name (under qemu they do not)
+        assert flags == cpu_features()
