@@ -417,6 +417,51 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- toolchain --------------------------------------------------------------------------------------
+def cmd_toolchain_install(a: argparse.Namespace) -> int:
+    from compiler import toolchain
+    from compiler.errors import CompilerError
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        st = toolchain.install(a.name, say, force=True) if a.force else toolchain.ensure(a.name, say)
+    except CompilerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"ok": False, "name": a.name, "error": str(exc), "exit_code": exc.exit_code}))
+        return exc.exit_code
+    _print({"ok": True, **st.to_json()}, a.json, _toolchain_line(st))
+    return EXIT_OK
+
+
+def cmd_toolchain_status(a: argparse.Namespace) -> int:
+    from compiler import toolchain
+    from compiler.errors import CompilerError
+
+    try:
+        found = [toolchain.status(n) for n in ([a.name] if a.name else sorted(toolchain.TOOLCHAINS))]
+    except CompilerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    doc: Any = found[0].to_json() if a.name else {"toolchains": [st.to_json() for st in found]}
+    _print(doc, a.json, "\n".join(_toolchain_line(st) for st in found))
+    return EXIT_TOOLCHAIN if a.name and not found[0].installed else EXIT_OK
+
+
+def _toolchain_line(st: Any) -> str:
+    if not st.installed:
+        line = f"{st.name:<8} not installed: run `edgefleet toolchain install {st.name}`"
+    else:
+        versions = ", ".join(f"{k} {v}" for k, v in st.versions.items())
+        line = (f"{st.name:<8} installed {st.installed_at} in {st.install_seconds:.0f} s, "
+                f"{(st.size_bytes or 0) / 1e9:.2f} GB at {st.path}\n         {versions}")
+    if st.stale:
+        line += f"\n         older environments that can be deleted: {', '.join(str(p) for p in st.stale)}"
+    return line
+
+
 # -- verify -----------------------------------------------------------------------------------------
 def cmd_verify(a: argparse.Namespace) -> int:
     try:
@@ -561,6 +606,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run even if this CPU lacks the features the bundle's profile promises (diagnostics)")
     v.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
     v.set_defaults(fn=cmd_verify)
+
+    tc = sub.add_parser("toolchain", help="install or inspect the isolated build toolchains (tflite: onnx2tf)"
+                        ).add_subparsers(dest="toolchain_cmd", required=True)
+    ti = tc.add_parser("install", formatter_class=_Formatter, help="create a toolchain's environment",
+                       description="Create the toolchain's own virtual environment ($EDGEFLEET_TOOLCHAIN_DIR, "
+                                   "default ~/.cache/edgefleet/toolchains) and install its pinned packages from "
+                                   "PyPI. tflite (onnx2tf, TensorFlow) is about 2.6 GB. Progress goes to stderr. "
+                                   "Nothing is installed into edgefleet's own environment.")
+    ti.add_argument("name", help="toolchain name: tflite")
+    ti.add_argument("--force", action="store_true", help="reinstall even if it is installed")
+    ti.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    ti.set_defaults(fn=cmd_toolchain_install)
+    ts = tc.add_parser("status", formatter_class=_Formatter, help="show installed toolchains",
+                       description="Show whether a toolchain is installed, its versions, size and install time. "
+                                   "With NAME, exits 5 if that toolchain is not installed.")
+    ts.add_argument("name", nargs="?", help="toolchain name (default: all)")
+    ts.add_argument("--json", action="store_true", help="JSON output")
+    ts.set_defaults(fn=cmd_toolchain_status)
 
     k = sub.add_parser("keys", help="manage the TUF signing keys").add_subparsers(dest="keys_cmd", required=True)
     ki = k.add_parser("init", formatter_class=_Formatter, help="create root/targets/snapshot/timestamp keys",

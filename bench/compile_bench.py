@@ -1,0 +1,264 @@
+"""Compiler benchmark: INT8 engines against their FP32 source on the zoo models, measured in one run.
+
+For each zoo model (models/zoo/make_zoo.py: MobileNetV2-like and ResNet-18-like, built on first use):
+
+1. compile it with ``compiler.pipeline.compile_model`` for ``x86-cpu``, and for ``x86-cpu-vnni`` unless this
+   CPU saturates full-range int8 (AVX2 without VNNI, where the compiler refuses to gate that profile),
+   with ``precision="int8"``, ``max_accuracy_drop=1.0`` (speed only: no gate can stop it) and no benchmark;
+   then compile again with identical options, timing both (with a fresh build cache, so the first compile
+   is cold and the second may be a cache hit; ``--no-cache`` builds both times);
+2. time the FP32 source model against the bundle's INT8 engine in onnxruntime at batch 1 and 16: warm-up,
+   then a fixed number of iterations alternating which runs first (``compiler.evaluate.benchmark_pair``);
+   the medians and their ratio are reported. ``--sessions`` says how the two sessions are made:
+   ``compiler`` (the default) loads both through the compiler's own onnxruntime runner (its SessionOptions:
+   the profile's intra-op threads, 2; one inter-op thread; onnxruntime's default thread spinning), and
+   ``agent`` through the agent's onnxruntime backend (the same, but spinning off, as a device serves);
+3. top-1 agreement of INT8 with FP32 over eval.npz (whose labels are the FP32 model's own argmax).
+
+The machine's speed drifts, so only ratios measured within one run mean anything. With spinning on, the
+idle threads of one session keep spinning while the other runs, on the same 2 cores: alternating sessions
+then slow each other, most visibly the faster one at batch 1 (see bench/README.md).
+
+Run from the repository root:  .venv/bin/python bench/compile_bench.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TextIO
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+ZOO_SCRIPT = REPO / "models" / "zoo" / "make_zoo.py"
+MODELS = ("mobilenetv2", "resnet18")
+PROFILES = ("x86-cpu", "x86-cpu-vnni")
+SESSIONS = ("compiler", "agent")
+VNNI_PROFILES = ("x86-cpu-vnni",)
+BATCHES = (1, 16)
+# (warm-up, timed iterations) per batch size; every loop is bounded
+ITERATIONS = {1: (5, 60), 16: (2, 15)}
+QUICK_ITERATIONS = {1: (2, 15), 16: (1, 4)}
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # as compiler.targets.base.Runner
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_zoo() -> ModuleType:
+    """models/ is not a package: load the zoo script by path, as the tests do."""
+    spec = importlib.util.spec_from_file_location("make_zoo", ZOO_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _progress(step: int, total: int, what: str) -> None:
+    _say(f"    [{step}/{total}] {what}")
+
+
+def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cache: bool) -> dict[str, Any]:
+    """Compile the same inputs twice; -> the bundle, its manifest and both wall times."""
+    from compiler.pipeline import CompileOptions, compile_model
+
+    opts = CompileOptions(
+        model=model_dir / "model.onnx", profile=profile, calibration=model_dir / "calibration.npz",
+        eval=model_dir / "eval.npz", out_dir=work / "dist", name=name, version="1.0.0", precision="int8",
+        max_accuracy_drop=1.0, benchmark=False, cache_dir=work / "cache" if use_cache else None)
+    times: list[float] = []
+    cached: list[bool] = []
+    for attempt in ("first", "second"):
+        _say(f"  compile {name} for {profile} ({attempt})")
+        t0 = time.perf_counter()
+        result = compile_model(opts, _progress)
+        times.append(time.perf_counter() - t0)
+        cached.append(result.cached)
+    return {"bundle": result.bundle, "manifest": result.manifest, "first_s": round(times[0], 2),
+            "second_s": round(times[1], 2), "second_cached": cached[1]}
+
+
+def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manifest: Any) -> tuple[Runner, Runner]:
+    """(fp32, int8) runners made as the compiler makes them, or as the agent serves an engine."""
+    if sessions == "compiler":
+        from compiler.targets.onnxruntime import OnnxRuntimeTarget
+
+        target = OnnxRuntimeTarget()
+        return target.runner(fp32_model, profile), target.runner(engine, profile)
+    from agent.backends.onnxruntime import OnnxRuntimeBackend
+
+    pair = []
+    for path in (fp32_model, engine):  # the fp32 source has the same input and output names as the bundle
+        backend = OnnxRuntimeBackend(manifest)
+        backend.load(path, profile.runtime.intra_op_threads)
+        pair.append(backend.infer)
+    return pair[0], pair[1]
+
+
+def measure(model_dir: Path, engine: Path, profile_name: str, manifest: Any, sessions: str,
+            iterations: dict[int, tuple[int, int]]) -> dict[str, Any]:
+    """FP32 source vs INT8 engine: batch timings (alternating) and top-1 agreement over eval.npz."""
+    from compiler.data import Dataset
+    from compiler.evaluate import benchmark_pair, predict_all
+    from protocol.profile import load_profile
+
+    profile = load_profile(profile_name)
+    fp32, int8 = _runners(sessions, model_dir / "model.onnx", engine, profile, manifest)
+    with np.load(model_dir / "eval.npz") as npz:
+        data = Dataset({"input": npz["input"]}, npz["labels"])
+    rows = []
+    for batch in BATCHES:
+        warmup, iters = iterations[batch]
+        (f50, _), (i50, _) = benchmark_pair(fp32, int8, data, batch, iters, warmup)
+        rows.append({"batch": batch, "fp32_ms": round(f50, 3), "int8_ms": round(i50, 3),
+                     "speedup": round(f50 / i50, 3) if i50 > 0 else None, "iterations": iters})
+    assert data.labels is not None
+    fp32_top1 = predict_all(fp32, data, batch=16)[0].argmax(axis=1)
+    int8_top1 = predict_all(int8, data, batch=16)[0].argmax(axis=1)
+    return {
+        "sessions": sessions,
+        "threads": profile.runtime.intra_op_threads,
+        "points": rows,
+        "top1_agreement": round(float((int8_top1 == fp32_top1).mean()), 4),
+        "fp32_matches_labels": round(float((fp32_top1 == data.labels).mean()), 4),  # 1.0 unless a CPU differs
+        "eval_samples": len(data),
+        "eval_classes": len(set(data.labels.tolist())),
+    }
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import onnxruntime
+
+    from protocol.bundle import extract_bundle
+    from protocol.cpu import cpu_features, u8s8_saturates
+
+    t_start = time.perf_counter()
+    zoo = load_zoo()
+    iterations = QUICK_ITERATIONS if args.quick else ITERATIONS
+    saturates = u8s8_saturates()
+    profiles = [p for p in PROFILES if not (p in VNNI_PROFILES and saturates)]
+    skipped = [{"profile": p, "reason": "this CPU has AVX2 without VNNI (protocol.cpu.u8s8_saturates()): full-range "
+                "int8 saturates here, so the compiler will not gate a VNNI build on it"}
+               for p in PROFILES if p not in profiles]
+    for s in skipped:
+        _say(f"skipping {s['profile']}: {s['reason']}")
+    results: list[dict[str, Any]] = []
+    compiles: list[dict[str, Any]] = []
+    for name in args.models:
+        _say(f"{name}: making sure models/zoo/build/{name} is current")
+        model_dir = zoo.ensure(name)
+        for profile in profiles:
+            c = compile_twice(model_dir, name, profile, work / name / profile, not args.no_cache)
+            manifest = c["manifest"]
+            engine_dir = work / name / profile / "engine"
+            extract_bundle(c["bundle"], engine_dir)
+            scheme = manifest.quantization.scheme if manifest.quantization is not None else manifest.precision
+            for sessions in args.sessions:
+                _say(f"  timing {name} fp32 vs int8 ({profile}, {scheme}, {sessions} sessions)")
+                m = measure(model_dir, engine_dir / manifest.engine, profile, manifest, sessions, iterations)
+                results.append({"model": name, "profile": profile, "scheme": scheme, **m})
+            compiles.append({"model": name, "profile": profile, "first_s": c["first_s"], "second_s": c["second_s"],
+                             "second_cached": c["second_cached"], "cache": not args.no_cache,
+                             "bundle_bytes": c["bundle"].stat().st_size})
+    return {
+        "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+        "host": {"cpu_features": sorted(cpu_features()), "u8s8_saturates": saturates,
+                 "onnxruntime": onnxruntime.__version__},
+        "quick": args.quick,
+        "skipped": skipped,
+        "results": results,
+        "compiles": compiles,
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
+def print_report(doc: dict[str, Any], out: TextIO) -> None:
+    def p(line: str = "") -> None:
+        print(line, file=out)
+
+    p(f"onnxruntime {doc['host']['onnxruntime']}; CPU: {' '.join(doc['host']['cpu_features'])}")
+    p()
+    head = f"{'model':<12} {'profile':<13} {'int8 scheme':<13} {'sessions':<9} {'batch':>5} {'fp32 ms':>9} " \
+           f"{'int8 ms':>9} {'speedup':>8} {'top-1 agree':>11}"
+    p(head)
+    p("-" * len(head))
+    for r in doc["results"]:
+        for pt in r["points"]:
+            speed = f"{pt['speedup']:.2f}x" if pt["speedup"] is not None else "-"
+            p(f"{r['model']:<12} {r['profile']:<13} {r['scheme']:<13} {r['sessions']:<9} {pt['batch']:>5} "
+              f"{pt['fp32_ms']:>9.2f} {pt['int8_ms']:>9.2f} {speed:>8} {r['top1_agreement']:>11.4f}")
+    for r in doc["results"]:
+        if r["fp32_matches_labels"] < 1.0:
+            p(f"note: {r['model']}: the FP32 model here matches eval.npz's labels on only "
+              f"{r['fp32_matches_labels']:.4f} of the samples")
+    if doc["results"]:
+        r0 = doc["results"][0]
+        p(f"(medians of {', '.join(str(pt['iterations']) for pt in r0['points'])} alternating iterations at batch "
+          f"{', '.join(str(pt['batch']) for pt in r0['points'])}; {r0['threads']} intra-op threads; top-1 agreement "
+          f"over {r0['eval_samples']} eval images, whose FP32 labels fall in "
+          + ", ".join(f"{r['eval_classes']} classes ({r['model']})" for r in doc["results"]
+                      if r["profile"] == r0["profile"] and r["sessions"] == r0["sessions"]) + ")")
+        p("sessions: compiler = the compiler's onnxruntime runner (thread spinning on); agent = the agent's "
+          "backend (spinning off)")
+    for s in doc["skipped"]:
+        p(f"skipped {s['profile']}: {s['reason']}")
+    p()
+    head = f"{'model':<12} {'profile':<13} {'first compile s':>15} {'second compile s':>16}  second"
+    p(head)
+    p("-" * len(head))
+    for c in doc["compiles"]:
+        how = "reused the build cache" if c["second_cached"] else \
+            "built again" + ("" if c["cache"] else " (--no-cache)")
+        p(f"{c['model']:<12} {c['profile']:<13} {c['first_s']:>15.1f} {c['second_s']:>16.1f}  {how}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="INT8 vs FP32 speed of compiled zoo models, measured in one run.")
+    ap.add_argument("--quick", action="store_true", help="fewer timed iterations (about a quarter)")
+    ap.add_argument("--json", action="store_true", help="print JSON on stdout (the table goes to stderr)")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
+    ap.add_argument("--sessions", default="compiler", help="comma-separated, timed in this order: compiler (the "
+                    "compiler's runner, the default), agent (the agent's backend: spinning off)")
+    ap.add_argument("--no-cache", action="store_true", help="compile without a build cache (the second compile "
+                    "then builds again)")
+    ap.add_argument("--work-dir", type=Path, help="keep bundles here (default: a temporary folder)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.sessions = [m for m in args.sessions.split(",") if m]
+    for opt, given, known in (("--models", args.models, MODELS), ("--sessions", args.sessions, SESSIONS)):
+        unknown = [g for g in given if g not in known]
+        if unknown or not given:
+            ap.error(f"{opt} takes some of {', '.join(known)}, not {','.join(unknown) or 'nothing'}")
+    try:
+        if args.work_dir is not None:
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+            doc = run(args, args.work_dir.resolve())
+        else:
+            with tempfile.TemporaryDirectory(prefix="edgefleet-compile-bench-") as tmp:
+                doc = run(args, Path(tmp))
+    except KeyboardInterrupt:
+        return 130
+    print_report(doc, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    _say(f"done in {doc['total_seconds']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
