@@ -4,7 +4,8 @@
     ├── RequestError        a client's inference request is wrong (HTTP 400)
     │   ├── ModelNotFound   (404)
     │   └── PayloadTooLarge (413)
-    ├── Unavailable         no model loaded, queue full, request expired (HTTP 503)
+    ├── Unavailable         no model loaded, model being replaced, request expired (HTTP 503)
+    │   └── QueueFull       the model's queue is full: retry after a moment (HTTP 429 + Retry-After)
     ├── InferenceFailed     the backend failed on a batch (HTTP 500); every request of the batch gets it
     ├── UpdateError         an update could not be installed; the running model keeps serving
     │   ├── TrustError      the repository's data failed verification (TUF, hashes, manifest)
@@ -28,6 +29,7 @@ __all__ = [
     "InferenceFailed",
     "ModelNotFound",
     "PayloadTooLarge",
+    "QueueFull",
     "RefusedUpdate",
     "RequestError",
     "SelfTestFailed",
@@ -55,6 +57,10 @@ class PayloadTooLarge(RequestError):
 
 class Unavailable(AgentError):
     status_code = 503
+
+
+class QueueFull(Unavailable):
+    status_code = 429
 
 
 class InferenceFailed(AgentError):
