@@ -18,14 +18,18 @@ NP_DTYPES: dict[str, type] = {"FP32": np.float32, "FP16": np.float16, "INT8": np
 class Backend(ABC):
     """Load an engine, describe its tensors, run a batch, close.
 
-    ``infer`` is called from one inference thread at a time; inputs are already validated
-    against ``inputs`` (names, dtypes, shapes), so implementations only run the engine.
+    ``infer`` is called from one inference thread at a time per instance; inputs are already validated
+    against ``inputs`` (names, dtypes, shapes), so implementations only run the engine. Several instances
+    of one backend class may be loaded at once (one per batcher instance); they share nothing.
     """
 
     name: str = "?"
 
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
+        # what actually runs the engine once loaded, e.g. "CPUExecutionProvider", "CUDAExecutionProvider",
+        # "XNNPACK (4 threads)", "TensorRT 10.3.0 on sm87": reported in model metadata and logs
+        self.device: str = "?"
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -43,4 +47,5 @@ class Backend(ABC):
         """Outputs in the order of ``outputs``, each with the same batch size as the inputs."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the engine (idempotent)."""

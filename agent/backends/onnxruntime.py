@@ -1,19 +1,70 @@
-"""onnxruntime backend (x86 and the universal CPU fallback)."""
+"""onnxruntime backend: x86 and the universal CPU fallback; CUDA and TensorRT execution providers on a GPU.
+
+Which providers to ask for comes from the bundle's hardware profile (``accelerator: gpu``) or the agent's
+config; which one *runs* is read back from the session (``get_providers()``): a GPU build of onnxruntime
+lists CUDA as available even where the CUDA libraries or the driver are missing, and then quietly runs on
+the CPU. ``device`` says what the session actually uses, and a fallback is logged.
+"""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from agent.backends.base import Backend
 from agent.errors import BackendError
+from protocol.manifest import Manifest
 
-__all__ = ["OnnxRuntimeBackend"]
+__all__ = ["CPU", "CUDA", "TENSORRT", "OnnxRuntimeBackend", "providers_for"]
+
+log = logging.getLogger("edgefleet.agent.backends.onnxruntime")
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+TENSORRT = "TensorrtExecutionProvider"
+KNOWN_PROVIDERS = (TENSORRT, CUDA, CPU)
+
+
+def providers_for(manifest: Manifest) -> tuple[str, ...]:
+    """The providers a bundle asks for, best first: its profile's accelerator decides (gpu: TensorRT, then
+    CUDA, then CPU). A profile this box does not know is treated as a CPU one."""
+    from protocol.errors import EdgefleetError
+    from protocol.profile import load_profile
+
+    try:
+        accelerator = load_profile(manifest.profile).accelerator
+    except (EdgefleetError, OSError):
+        accelerator = "cpu"
+    return (TENSORRT, CUDA, CPU) if accelerator == "gpu" else (CPU,)
 
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+
+    def __init__(self, manifest: Manifest, providers: tuple[str, ...] | None = None):
+        """``providers``: execution providers to ask for, best first (default: from the bundle's profile)."""
+        super().__init__(manifest)
+        if providers is not None:
+            unknown = [p for p in providers if p not in KNOWN_PROVIDERS]
+            if unknown or not providers:
+                raise BackendError(f"unknown onnxruntime execution provider {unknown[0] if unknown else '(none)'!r}; "
+                                   f"known: {', '.join(KNOWN_PROVIDERS)}")
+        self.requested: tuple[str, ...] = providers if providers is not None else providers_for(manifest)
+        self.providers: tuple[str, ...] = ()  # what the session runs on, best first
+        self._sess: Any = None
+
+    def _provider_options(self, name: str, engine: Path) -> dict[str, str]:
+        if name == TENSORRT:
+            # TensorRT builds its engine on first load (minutes on a Jetson): keep it beside the bundle
+            return {"trt_fp16_enable": str(self.manifest.precision == "fp16"),
+                    "trt_int8_enable": str(self.manifest.precision == "int8"),
+                    "trt_engine_cache_enable": "True",
+                    "trt_engine_cache_path": str(engine.parent / ".ort-tensorrt-cache")}
+        return {}
 
     def load(self, engine: Path, threads: int) -> None:
         try:
@@ -27,17 +78,35 @@ class OnnxRuntimeBackend(Backend):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # idle spinning threads steal CPU from the HTTP front end (measured here: 20-50% at 32 clients)
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        asked = [*self.requested, *([] if CPU in self.requested else [CPU])]
+        options = [self._provider_options(p, engine) for p in asked]
         try:
-            self._sess = ort.InferenceSession(str(engine), so, providers=["CPUExecutionProvider"])
+            with warnings.catch_warnings(record=True) as caught:  # "not in available provider names"
+                warnings.simplefilter("always")
+                self._sess = ort.InferenceSession(str(engine), so, providers=asked, provider_options=options)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-            raise BackendError(f"onnxruntime could not load {engine.name}: {exc}") from exc
+            raise BackendError(f"onnxruntime could not load {engine.name}: {' '.join(str(exc).split())}") from exc
+        for w in caught:
+            log.debug("onnxruntime: %s", w.message)
+        self.providers = tuple(self._sess.get_providers())
+        self.device = self.providers[0] if self.providers else "?"
+        if self.device != asked[0]:
+            log.warning("%s %s asked for %s; onnxruntime runs it on %s", self.manifest.name, self.manifest.version,
+                        asked[0], self.device)
         have = {i.name for i in self._sess.get_inputs()}
         want = {s.name for s in self.inputs}
         if have != want:
             raise BackendError(f"engine inputs {sorted(have)} differ from the manifest's {sorted(want)}")
+        outs = {o.name for o in self._sess.get_outputs()}
+        missing = [o.name for o in self.outputs if o.name not in outs]
+        if missing:
+            raise BackendError(f"the engine has no output {missing[0]!r} (it has {sorted(outs)})")
         self._out_names = [o.name for o in self.outputs]
 
     def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self._sess is None:
+            raise BackendError("the onnxruntime backend is closed")
         return list(self._sess.run(self._out_names, feeds))
 
     def close(self) -> None:
