@@ -37,19 +37,37 @@ class BenchPoint:
                 "vs_build": None if not self.build_ms_p50 else round(self.build_ms_p50 / self.ms_p50, 3)}
 
 
+def _recorded_p50(manifest: Manifest) -> dict[int, float]:
+    """The build host's p50 per batch size for the precision that was shipped (with --precision auto
+    the compiler benchmarks both and may ship the reference)."""
+    b = manifest.benchmark
+    if b is None:
+        return {}
+    shipped_is_candidate = (b.candidate_precision or manifest.precision) == manifest.precision
+    return {p.batch_size: p.candidate_ms_p50 if shipped_is_candidate else p.reference_ms_p50 for p in b.points}
+
+
+def _repeat(arr: np.ndarray, axis: int | None, n: int) -> np.ndarray:
+    """``arr``'s samples repeated to a batch of ``n`` along its batch axis (as-is without one)."""
+    if axis is None or arr.ndim <= axis or arr.shape[axis] == 0:
+        return np.ascontiguousarray(arr)
+    return np.ascontiguousarray(np.take(arr, np.arange(n) % arr.shape[axis], axis=axis))
+
+
 def bench_bundle(bundle: Path, batch_sizes: tuple[int, ...] | None = None, iterations: int = 30, warmup: int = 5,
                  threads: int = 2) -> tuple[Manifest, list[BenchPoint], tuple[str, ...]]:
     with tempfile.TemporaryDirectory(prefix="edgefleet-bench-") as tmp:
         manifest = extract_bundle(bundle, Path(tmp))
-        recorded = {p.batch_size: p.candidate_ms_p50 for p in manifest.benchmark.points} if manifest.benchmark else {}
-        sizes = batch_sizes or tuple(recorded) or (1,)
+        recorded = _recorded_p50(manifest)
+        batchable = manifest.batchable
+        sizes = (batch_sizes or tuple(recorded) or (1,)) if batchable else (1,)
         backend = load_backend(manifest, Path(tmp) / manifest.engine, threads)
         try:
             with np.load(Path(tmp) / manifest.selftest, allow_pickle=False) as npz:
                 sample = {s.name: npz[f"input:{s.name}"] for s in manifest.inputs}
             points = []
             for bs in sizes:
-                feed = {k: np.ascontiguousarray(v[np.arange(bs) % len(v)]) for k, v in sample.items()}
+                feed = {s.name: _repeat(sample[s.name], s.batch_axis, bs) for s in manifest.inputs}
                 for _ in range(warmup):
                     backend.infer(feed)
                 times = []

@@ -34,6 +34,7 @@ from agent.updater import BundleFetcher
 from protocol import mqtt as proto
 from protocol.cpu import cpu_features
 from protocol.errors import ContractError
+from protocol.profile import load_profile
 
 __all__ = ["Agent", "run_agent", "self_test"]
 
@@ -61,18 +62,22 @@ def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
     for spec, g, e in zip(backend.outputs, got, expected, strict=True):
         if g.shape != e.shape:
             raise SelfTestFailed(f"self-test: output {spec.name!r} has shape {g.shape}, expected {e.shape}")
+        if not np.isfinite(g).all():
+            raise SelfTestFailed(f"self-test: output {spec.name!r} has NaN or infinite values on this device's CPU")
         tol = 1e-3 + 0.02 * float(np.abs(e).max(initial=0.0))
         diff = float(np.abs(g.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
         drift = max(drift, diff / tol)
-        if diff > tol:
+        if not diff <= tol:
             raise SelfTestFailed(f"self-test: output {spec.name!r} differs by {diff:.4g} (tolerance {tol:.4g}) "
                                  "on this device's CPU")
         if e.ndim == 2 and not np.array_equal(g.argmax(1), e.argmax(1)):
             raise SelfTestFailed(f"self-test: output {spec.name!r} ranks classes differently from the build")
     first, want = got[0], expected[0]
-    classes = first.ndim == 2 and len(first) > 0
+    classes = first.ndim == 2 and len(first) > 0 and backend.outputs[0].batch_axis == 0
+    axis = backend.inputs[0].batch_axis if backend.inputs else None
+    sample = feeds[backend.inputs[0].name] if backend.inputs else first
     return proto.SelfTestResult(
-        samples=len(first) if first.ndim else 1,
+        samples=int(sample.shape[axis]) if axis is not None and sample.ndim > axis else 1,
         top1=float((first.argmax(1) == labels).mean()) if classes and labels is not None
         and labels.shape == (len(first),) else None,
         top1_agreement=float((first.argmax(1) == want.argmax(1)).mean()) if classes else None,
@@ -339,7 +344,12 @@ class Agent:
     def _require_cpu(profile: str, required: object) -> None:
         """Refuse a bundle whose (signed) CPU requirements this CPU does not meet."""
         if not isinstance(required, (list, tuple)) or not all(isinstance(f, str) for f in required):
-            return  # a repository or manifest from before edgefleet recorded CPU features
+            # a repository or manifest from before edgefleet recorded CPU features: what the profile
+            # promises today, if this agent knows the profile, is the best evidence there is
+            try:
+                required = load_profile(profile).cpu_features
+            except ContractError:  # a profile this agent does not know: nothing to check against
+                return
         decision = check_cpu(profile, tuple(required), cpu_features())
         if decision.action == "refuse":
             raise RefusedUpdate(decision.reason)

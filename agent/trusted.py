@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from protocol.cpu import missing_features
 from protocol.manifest import version_key
 
 __all__ = ["Decision", "Installed", "check_cpu", "decide"]
@@ -56,7 +57,7 @@ def decide(current: Installed | None, name: str, version: str, sha256: str, prof
 def check_cpu(profile: str, required: tuple[str, ...] | list[str], have: frozenset[str]) -> Decision:
     """Refuse a bundle whose profile promises instruction sets this CPU does not have: its engine
     would compute other answers than the ones it was gated on (or not run at all)."""
-    missing = [f for f in required if f not in have]
+    missing = missing_features(required, have)
     if missing:
         return Decision("refuse", f"bundle for profile {profile!r} needs CPU features {', '.join(missing)}, which "
                                   f"this CPU lacks (it has {', '.join(sorted(have)) or 'none known'}); roll out "

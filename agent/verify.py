@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.backends import load_backend
+from agent.backends import Backend, load_backend
+from agent.backends.base import NP_DTYPES
 from agent.daemon import self_test
 from agent.errors import SelfTestFailed
 from agent.store import StagedModel
@@ -24,6 +25,7 @@ from protocol import mqtt as proto
 from protocol.bundle import extract_bundle, sha256_file
 from protocol.cpu import cpu_arch, cpu_features
 from protocol.errors import ConfigError
+from protocol.evaluation import label_axis, top1_hits
 from protocol.manifest import Manifest
 
 __all__ = ["VerifyResult", "verify_bundle"]
@@ -47,7 +49,12 @@ class VerifyResult:
 
     @property
     def drop_vs_fp32(self) -> float | None:
-        return None if self.top1 is None else round(self.manifest.accuracy.reference - self.top1, 6)
+        """Top-1 drop on this CPU against the build's fp32 figure; None unless the bundle was gated on
+        labels (a bundle gated by agreement with fp32 has no labelled figure to compare with: its
+        self-test compares every output with the build's instead)."""
+        if self.top1 is None or self.manifest.accuracy.metric != "top1":
+            return None
+        return round(self.manifest.accuracy.reference - self.top1, 6)
 
     @property
     def computes_as_gated(self) -> bool:
@@ -93,6 +100,32 @@ def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], n
         return feeds, npz["labels"]
 
 
+def _top1(backend: Backend, manifest: Manifest, feeds: dict[str, np.ndarray], labels: np.ndarray,
+          batch: int) -> tuple[float, int]:
+    """Top-1 of the first output against ``labels``, scored as the compiler's gate scores it."""
+    n = len(labels)
+    dtypes = {s.name: NP_DTYPES[s.datatype] for s in manifest.inputs}
+    for spec in manifest.inputs:
+        arr = feeds[spec.name]
+        if arr.ndim != len(spec.shape) or spec.batch_axis != 0 or arr.shape[0] != n:
+            raise ConfigError(f"input {spec.name!r}: the evaluation set has shape {list(arr.shape)}, the model "
+                              f"takes {list(spec.shape)} with the batch on axis {spec.batch_axis}; give one "
+                              f"sample per label ({n}) along axis 0")
+    hits: list[np.ndarray] = []
+    for i in range(0, n, batch):
+        try:
+            out = backend.infer({k: np.ascontiguousarray(v[i:i + batch], dtype=dtypes[k]) for k, v in feeds.items()})[0]
+        except Exception as exc:  # the runtime's own error types: a shape the engine does not take
+            raise ConfigError(f"the engine refused the evaluation set: {exc}") from exc
+        axis = label_axis(out.shape, labels[i:i + batch].shape)
+        if axis is None:
+            raise ConfigError(f"labels of shape {list(labels.shape)} do not fit output {manifest.outputs[0].name!r} "
+                              f"of shape {list(out.shape)} (expected [N] for [N, C], [N, T] for [N, T, C] or "
+                              "[N, H, W] for [N, C, H, W])")
+        hits.append(top1_hits(out, labels[i:i + batch], axis))
+    return float(np.concatenate(hits).mean()), n
+
+
 def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
                   batch: int = 64, skip_cpu_check: bool = False) -> VerifyResult:
     """``skip_cpu_check`` runs the bundle even on a CPU its profile does not admit (diagnostics: what
@@ -118,17 +151,8 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
             top1: float | None = None
             n: int | None = None
             if eval_path is not None:
-                from agent.backends.base import NP_DTYPES
-
                 feeds, labels = _load_eval(eval_path, manifest)
-                dtypes = {s.name: NP_DTYPES[s.datatype] for s in manifest.inputs}
-                n = len(labels)
-                hits = 0
-                for i in range(0, n, batch):
-                    out = backend.infer({k: np.ascontiguousarray(v[i:i + batch], dtype=dtypes[k])
-                                         for k, v in feeds.items()})[0]
-                    hits += int((out.argmax(axis=1) == labels[i:i + batch]).sum())
-                top1 = hits / n
+                top1, n = _top1(backend, manifest, feeds, labels, batch)
         finally:
             backend.close()
     return result(st, st_err, top1, n)

@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 
 from compiler.errors import InputError
+from protocol.evaluation import label_axis, top1_hits
 from protocol.manifest import AccuracyReport, OutputAgreement
 
 __all__ = ["GateSettings", "evaluate_gate", "label_axis"]
@@ -40,16 +41,6 @@ class GateSettings:
     max_accuracy_drop: float = 0.01  # absolute top-1 drop vs fp32, with labels
     min_agreement: float = 0.99  # per output, without labels
     metric: AgreementMetric = "auto"
-
-
-def label_axis(output_shape: tuple[int, ...], labels_shape: tuple[int, ...]) -> int | None:
-    """The class axis of an output that ``labels`` index, or None if they do not fit."""
-    if len(output_shape) == len(labels_shape) + 1:
-        if output_shape[:1] + output_shape[2:] == labels_shape:
-            return 1
-        if output_shape[:-1] == labels_shape:
-            return len(output_shape) - 1
-    return None
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -110,8 +101,8 @@ def evaluate_gate(output_names: list[str], reference: list[np.ndarray], candidat
             raise InputError(f"labels of shape {list(labels.shape)} do not fit output {output_names[0]!r} of shape "
                              f"{list(reference[0].shape)} (expected [N] for [N, C], [N, T] for [N, T, C] or "
                              "[N, H, W] for [N, C, H, W]); drop the labels to gate by agreement with fp32")
-        ref_hit = (reference[0].argmax(axis=axis) == labels).reshape(n, -1)
-        cand_hit = (candidate[0].argmax(axis=axis) == labels).reshape(n, -1)
+        ref_hit = top1_hits(reference[0], labels, axis)
+        cand_hit = top1_hits(candidate[0], labels, axis)
         ref_acc, cand_acc = float(ref_hit.mean()), float(cand_hit.mean())
         drop = round(ref_acc - cand_acc, 6)  # the gate decides on exactly what the manifest records
         per_sample = ref_hit.shape[1] == 1

@@ -25,7 +25,7 @@ import numpy as np
 import protocol
 from compiler.cache import BuildCache
 from compiler.data import Dataset, load_dataset
-from compiler.errors import AccuracyGateFailed, InputError, ToolchainError
+from compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 from compiler.evaluate import benchmark_pair, predict_all
 from compiler.gate import GateSettings, evaluate_gate
 from compiler.graph import GraphInfo, check_model, ensure_opset
@@ -227,12 +227,22 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         ref_out = predict_all(reference, eval_set, output_axes=out_axes)
         source = opts.model
         if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
-            source = ensure_opset(opts.model, QDQ_MIN_OPSET, work / "source-opset13.onnx", eval_set.head(16))
+            try:
+                source = ensure_opset(opts.model, QDQ_MIN_OPSET, work / "source-opset13.onnx", eval_set.head(16))
+            except CompilerError as exc:  # with auto, the float build still ships
+                if not auto or len(wanted) == 1:
+                    raise
+                drop("int8", f"opset {info.opset} could not be converted for QDQ: {exc}")
         progress(4, total, f"building and gating {profile.backend} {' and '.join(wanted)}")
         built: dict[str, _Built] = {}
-        for precision in wanted:
-            built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, info, precision,
-                                               profile, calib, work, eval_set, ref_out, gate)
+        for precision in list(wanted):
+            try:
+                built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, info,
+                                                   precision, profile, calib, work, eval_set, ref_out, gate)
+            except CompilerError as exc:
+                if precision == "fp32" or not auto or len(wanted) == 1:
+                    raise
+                drop(precision, f"its build failed: {exc}")  # auto: another precision may still ship
 
         int8 = built.get("int8")
         if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
@@ -403,8 +413,11 @@ def _build_and_gate(target: BuildTarget, model: Path, info: GraphInfo, precision
                     calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[np.ndarray],
                     gate: GateSettings) -> _Built:
     engine = work / f"model-{precision}{target.engine_suffix}"
-    quant = target.build(model, info, precision, profile, calib if precision == "int8" else None, engine)
-    runner = target.runner(engine, profile)
+    # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
+    # fixes the dynamic dimensions other than the batch (a detector's H and W) at their size
+    data = calib if precision == "int8" else eval_set.head(1) if profile.backend == "tensorrt" else None
+    quant = target.build(model, info, precision, profile, data, engine)
+    runner = target.runner(engine, profile, output_names=[o.name for o in info.outputs])
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate)
     return _Built(precision, engine, runner, quant, report)

@@ -495,9 +495,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
         lines.append(f"self-test {st.samples} samples: drift {st.drift:.2f}x tolerance{top}"
                      + (f" (build: {m.selftest_summary.top1:.4f})" if m.selftest_summary
                         and m.selftest_summary.top1 is not None else ""))
-    if r.top1 is not None:
+    if r.top1 is not None and r.drop_vs_fp32 is not None:
         lines.append(f"top-1     {r.top1:.4f} on {r.eval_samples} samples here; recorded {r.recorded_top1:.4f}, "
                      f"fp32 {m.accuracy.reference:.4f} (drop {r.drop_vs_fp32:+.4f}, allowed {m.accuracy.max_drop:.4f})")
+    elif r.top1 is not None:
+        lines.append(f"top-1     {r.top1:.4f} on {r.eval_samples} samples here (the build was gated by agreement "
+                     f"with fp32, worst output {m.accuracy.candidate:.4f}: no labelled figure to compare)")
     if r.selftest is not None or r.selftest_error:
         lines.append("computes  " + ("as gated: the same answers the compiler measured" if r.computes_as_gated
                                      else "NOT as gated: this CPU gives other answers than the ones gated"))

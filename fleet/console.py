@@ -50,10 +50,14 @@ def _telemetry_cells(t: dict[str, Any] | None) -> str:
             f'<td>{t["cpu_percent"]:.0f}% · {t["rss_mb"]:.0f} MB</td>')
 
 
-def _selftest_cell(st: dict[str, Any] | None) -> str:
-    """The device's own self-test figure next to the compile-time one for the same build."""
+def _selftest_cell(st: dict[str, Any] | None, running: tuple[Any, Any] | None = None) -> str:
+    """The device's own self-test figure next to the compile-time one for the same build; marked as
+    stale when the device no longer runs the build it was measured on (e.g. after a rollback)."""
     if not st:
         return "–"
+    stale = ""
+    if running is not None and (st.get("model"), st.get("version")) != tuple(running):
+        stale = f' <small class="pill wait">of {escape(str(st.get("model")))} {escape(str(st.get("version")))}</small>'
     build = st.get("build") or {}
     if st.get("top1") is not None:
         mine = f'top-1 {st["top1"]:.3f}'
@@ -63,10 +67,11 @@ def _selftest_cell(st: dict[str, Any] | None) -> str:
     else:
         mine, theirs = f'drift {st["drift"]:.2f}×', ""
     cls = "ok" if (st.get("top1") is None or build.get("top1") is None or st["top1"] >= build["top1"]) else "wait"
-    tip = (f'{st["samples"]} samples on this device; drift {st["drift"]:.2f}× tolerance; compile-time top-1 '
-           f'{build.get("accuracy", "?")} on {build.get("eval_samples", "?")} images')
+    what = "agreement with fp32 (worst output)" if build.get("metric") == "agreement" else "top-1"
+    tip = (f'{st["samples"]} samples on this device; drift {st["drift"]:.2f}× tolerance; compile-time {what} '
+           f'{build.get("accuracy", "?")} on {build.get("eval_samples", "?")} samples')
     return (f'<span class="pill {cls}" title="{escape(tip)}">{escape(mine)}</span>'
-            f'{f" <small>({escape(theirs)})</small>" if theirs else ""}')
+            f'{f" <small>({escape(theirs)})</small>" if theirs else ""}{stale}')
 
 
 def _hardware(h: dict[str, Any] | None) -> str:
@@ -104,7 +109,7 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         rows.append(f'<tr><td><b>{escape(d["device_id"])}</b>{_hardware(d.get("hardware"))}</td>'
                     f'<td>{_pill("online" if d["online"] else "offline")}'
                     f'</td><td>{running}</td><td>{want}</td><td>{_pill(d["last_state"])}{err}</td>'
-                    f'<td>{_selftest_cell(d.get("selftest"))}</td>'
+                    f'<td>{_selftest_cell(d.get("selftest"), (d["running_model"], d["running_version"]))}</td>'
                     f'{_telemetry_cells(d["telemetry"])}<td>{_ts(d["last_seen"])}</td></tr>')
     mrows = [f'<tr><td><b>{escape(m["name"])}</b></td><td>{escape(m["version"])}</td><td>{escape(m["profile"])}</td>'
              f'<td>{escape(m["backend"])} {escape(m["precision"])}{_choice(m)}</td>'

@@ -320,6 +320,7 @@ class FleetService:
             summary = m.manifest.get("selftest_summary") or {}
             out["build"] = {"profile": m.profile, "precision": m.precision, "top1": summary.get("top1"),
                             "accuracy": m.manifest["accuracy"]["candidate"],
+                            "metric": m.manifest["accuracy"].get("metric", "top1"),
                             "eval_samples": m.manifest["accuracy"]["eval_samples"]}
         return out
 

@@ -157,13 +157,29 @@ class StatusMessage(_Message):
     inference_url: str | None = None
     arch: str | None = None
     cpu_features: tuple[str, ...] | None = Field(default=None, max_length=64)  # CPUID, as the runtime sees it
+    # the hardware profile (hw-profiles/<name>.yaml) the device runs as; the fleet picks its bundle by it
+    profile: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
 T = TypeVar("T", bound=BaseModel)
 
 
+def _compact(msg: BaseModel) -> dict[str, Any]:
+    """The message as JSON data without the optional fields that are unset (None and defaulting to
+    None), so that a fleet or agent of the previous release, which forbids keys it does not know,
+    still reads the messages of this one as long as they carry nothing new."""
+    data = msg.model_dump(mode="json")
+    for name, field in type(msg).model_fields.items():
+        value = getattr(msg, name)
+        if value is None and not field.is_required() and field.default is None:
+            del data[name]
+        elif isinstance(value, BaseModel):
+            data[name] = _compact(value)
+    return data
+
+
 def encode(msg: BaseModel) -> bytes:
-    return json.dumps(msg.model_dump(mode="json"), separators=(",", ":")).encode()
+    return json.dumps(_compact(msg), separators=(",", ":")).encode()
 
 
 def decode(model: type[T], payload: bytes, source: str) -> T:

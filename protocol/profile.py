@@ -108,8 +108,13 @@ class HardwareProfile(StrictModel):
             return "u8s8_reduced", (f"{self.name} admits x86 CPUs without VNNI (promises "
                                     f"{', '.join(self.cpu_features) or 'nothing'}): 7-bit weights keep the "
                                     "AVX2 kernels' 16-bit sums from saturating")
-        return "u8s8", (f"{self.name} promises {', '.join(sorted(set(self.cpu_features) & VNNI_FEATURES))} "
-                        "or is not x86: full-range weights compute exactly")
+        if self.backend != "onnxruntime":
+            return "s8s8", (f"{self.backend} quantizes symmetrically: int8 activations and int8 weights, "
+                            "which its kernels sum in 32 bits")
+        if self.arch != "x86_64":
+            return "u8s8", f"{self.arch} kernels sum in 32 bits: full-range weights compute exactly"
+        return "u8s8", (f"{self.name} promises {', '.join(sorted(set(self.cpu_features) & VNNI_FEATURES))}: "
+                        "VNNI sums in 32 bits, so full-range weights compute exactly")
 
 
 def list_profiles() -> list[str]:

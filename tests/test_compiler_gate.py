@@ -493,3 +493,18 @@ def test_several_inputs_of_different_dtypes(tmp_path):
     extract_bundle(tmp_path / "two-1.0.0-x86-cpu.tar", tmp_path / "x")
     with np.load(tmp_path / "x" / "selftest.npz") as z:
         assert z["input:cls"].dtype == np.int64 and z["input:image"].dtype == np.float32
+
+
+def test_bench_compares_with_the_build_figure_of_the_precision_that_shipped(tmp_path):
+    # --precision auto benchmarks fp32 and int8; whichever ships, bench compares with its own figure
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--calibration",
+                str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
+                "--name", "digits", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    m = out["manifest"]
+    key = "candidate_ms_p50" if m["benchmark"]["candidate_precision"] == m["precision"] else "reference_ms_p50"
+    want = {p["batch_size"]: p[key] for p in m["benchmark"]["points"]}
+    b = run_cli("bench", out["bundle"], "--iterations", "3", "--json")
+    assert b.returncode == 0, b.stderr
+    assert {p["batch_size"]: p["build_ms_p50"] for p in json.loads(b.stdout)["points"]} == want

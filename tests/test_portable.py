@@ -295,10 +295,64 @@ def test_an_avx2_build_host_will_not_gate_a_vnni_int8_build(tmp_path):
             "--name", "digits", "--no-benchmark")
     r = run_as_cpu("Haswell", *args, "--precision", "int8", "--out", str(tmp_path / "a"))
     assert r.returncode == 5, r.stderr
-    assert "build host has AVX2 without VNNI" in r.stderr and "\n" not in r.stderr.strip().splitlines()[-1]
+    last = r.stderr.strip().splitlines()[-1]  # one line that says what failed, no traceback
+    assert last.startswith("error:") and "build host has AVX2 without VNNI" in last, r.stderr
+    assert "Traceback" not in r.stderr
     assert not list((tmp_path / "a").glob("*.tar"))
     r = run_as_cpu("Haswell", *args, "--out", str(tmp_path / "b"), "--json")
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)["manifest"]
     assert m["precision"] == "fp32" and "int8 not built: the build host has AVX2 without VNNI" in \
         m["precision_choice"]["reason"]
+
+
+@pytest.mark.parametrize("what", ["rank", "count", "labels"])
+def test_verify_eval_that_does_not_fit_the_model_is_one_line(digits_bundle, tmp_path, what):
+    d = np.load(DIGITS / "test.npz")
+    x, y = d["input"][:10], d["labels"][:10]
+    bad = {"rank": (x[:, 0], y), "count": (x, y[:7]), "labels": (x, np.stack([y, y], axis=1))}[what]
+    np.savez(tmp_path / "bad.npz", input=bad[0], labels=bad[1])
+    r = run_cli("verify", str(digits_bundle), "--eval", str(tmp_path / "bad.npz"))
+    assert r.returncode == 4, r.stderr  # EXIT_INPUT
+    assert "Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error:") and ("shape" in line), r.stderr
+
+
+def test_verify_eval_of_a_bundle_gated_by_agreement_reports_top1_without_a_drop(tmp_path):
+    r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--precision", "int8",
+                "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "calibration.npz"),
+                "--gate", "agreement", "--out", str(tmp_path), "--name", "digits", "--no-benchmark")
+    assert r.returncode == 0, r.stderr
+    bundle = next(tmp_path.glob("*.tar"))
+    assert extract_bundle(bundle, tmp_path / "x").accuracy.metric == "agreement"
+    doc = _verify_native(bundle)
+    # the labelled top-1 is measured, but there is no labelled build figure to hold it against
+    assert doc["rc"] == 0 and doc["computes_as_gated"] and doc["top1"] > 0.9 and doc["drop_vs_fp32"] is None, doc
+
+
+def test_auto_ships_fp32_when_the_int8_build_itself_fails(tmp_path, monkeypatch):
+    # the quantizer is not under test here: what auto does when it fails is
+    import compiler.targets.onnxruntime as ort_target
+    from compiler.errors import CompilerError, ToolchainError
+
+    def broken(*_a, **_k):
+        raise ToolchainError("the quantizer failed on node 'conv1': unsupported")
+
+    monkeypatch.setattr(ort_target, "quantize", broken)
+    r = _compile(tmp_path / "auto", "x86-cpu", precision="auto")
+    assert r.manifest.precision == "fp32"
+    assert "int8 not built: its build failed: the quantizer failed on node 'conv1'" in r.manifest.precision_choice.reason
+    with pytest.raises(CompilerError, match="conv1"):  # asked for int8: the error, not a silent fp32
+        _compile(tmp_path / "int8", "x86-cpu", precision="int8")
+
+
+def test_console_selftest_cell_names_the_metric_and_marks_a_figure_of_another_build():
+    from fleet.console import _selftest_cell
+
+    st = {"model": "det", "version": "1.0.0", "samples": 8, "drift": 0.1, "top1_agreement": 1.0,
+          "build": {"metric": "agreement", "accuracy": 0.95, "eval_samples": 64}}
+    cell = _selftest_cell(st, ("det", "1.0.0"))
+    assert "compile-time agreement with fp32" in cell and "top-1 0.95" not in cell and "of det" not in cell
+    # the device rolled back to 0.9.0: its figure is of 1.0.0, and the console says so
+    assert "of det 1.0.0" in _selftest_cell(st, ("det", "0.9.0"))

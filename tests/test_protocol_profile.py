@@ -88,6 +88,12 @@ def test_the_vnni_profile_keeps_full_range():
     assert "avx512_vnni" in p.cpu_features and p.int8_scheme()[0] == "u8s8"
 
 
+@pytest.mark.parametrize("name", ["arm64-cpu", "jetson-orin-nano", "jetson-agx-orin"])
+def test_litert_and_tensorrt_profiles_quantize_symmetrically(name):
+    scheme, why = load_profile(name).int8_scheme()
+    assert scheme == "s8s8" and "int8 activations and int8 weights" in why
+
+
 def test_full_range_on_a_profile_without_vnni_is_refused(tmp_path):
     p = _write(tmp_path, BASE.replace("  calibration_method: minmax", "  calibration_method: minmax\n  scheme: u8s8"))
     with pytest.raises(SchemaError, match=r"saturates the 16-bit sums.*add avx512_vnni"):

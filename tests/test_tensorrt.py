@@ -299,3 +299,37 @@ def test_real_tensorrt_build_matches_onnxruntime(tmp_path, info, digits, referen
         (logits,) = run({"input": digits[:n]})
         np.testing.assert_allclose(logits, reference(digits[:n]), rtol=2e-2, atol=2e-2)
     assert set(target.engine_compatibility()) == {"tensorrt", "gpu_compute_capability", "l4t"}
+
+
+def _dynamic_hw_model(path: Path) -> Path:
+    """A one-conv 'detector': [N, 3, H, W] -> [N, 1, H, W], every dimension but C dynamic."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).normal(size=(1, 3, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "det",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, "H", "W"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, "H", "W"])],
+        [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_pipeline_fp16_fixes_dynamic_height_and_width_at_the_data_size(monkeypatch, tmp_path):
+    # no calibration set for a float build: the evaluation data gives the sizes TensorRT builds for
+    install_fake_gpu(monkeypatch)
+    model = _dynamic_hw_model(tmp_path / "det.onnx")
+    np.savez(tmp_path / "eval.npz", x=np.random.default_rng(1).random((8, 3, 24, 32), dtype=np.float32))
+    result = compile_model(CompileOptions(
+        model=model, profile="jetson-orin-nano", calibration=None, eval=tmp_path / "eval.npz",
+        out_dir=tmp_path / "out", name="det", version="1.0.0", precision="fp16", benchmark=False))
+    m = result.manifest
+    assert (m.backend, m.precision, m.accuracy.metric) == ("tensorrt", "fp16", "agreement") and m.accuracy.passed
+    header, _ = read_engine(_engine_of(result.bundle, tmp_path))
+    assert header["profiles"] == [{"x": [[1, 3, 24, 32], [16, 3, 24, 32], [16, 3, 24, 32]]}]  # min, opt, max
+
+
+def _engine_of(bundle: Path, tmp_path: Path) -> Path:
+    m = extract_bundle(bundle, tmp_path / "unpacked")
+    return tmp_path / "unpacked" / m.engine

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -27,8 +27,9 @@ class BuildTarget(Protocol):
               calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:
         """Write the engine for ``precision`` to ``out_path``; for INT8, say how it was quantized."""
 
-    def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
-        """Load an engine built by this target and return a callable that runs it."""
+    def runner(self, engine: Path, profile: HardwareProfile, output_names: Sequence[str] | None = None) -> Runner:
+        """Load an engine built by this target and return a callable that runs it; its results come in
+        the order of ``output_names`` (the source model's outputs) when given."""
 
     def toolchain_versions(self) -> dict[str, str]:
         """Versions of the tools that made the engine, for the manifest."""

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,9 +136,12 @@ class LiteRTTarget:
                    f"{'per channel' if q.per_channel else 'per tensor'} and int8 activations with min-max ranges "
                    f"from {len(calib)} calibration samples; float32 input and output" + asked)
 
-    def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
+    def runner(self, engine: Path, profile: HardwareProfile, output_names: Sequence[str] | None = None) -> Runner:
         interp = _interpreter(engine, profile.runtime.intra_op_threads)
         io = read_io_map(engine, interp)
+        if output_names is not None and [p.name for p in io.outputs] != list(output_names):
+            raise ToolchainError(f"{engine.name}: its outputs {[p.name for p in io.outputs]} are not the model's "
+                                 f"{list(output_names)}; rebuild it")
         sig = interp.get_signature_runner(io.signature)
         in_details = sig.get_input_details()
         out_details = sig.get_output_details()

@@ -15,6 +15,7 @@ import contextlib
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,15 +66,18 @@ class OnnxRuntimeTarget:
             prepared = prepare(source, Path(tmp) / "prepared.onnx")
             return quantize(prepared, profile, calibration, out_path)
 
-    def runner(self, engine: Path, profile: HardwareProfile) -> Runner:
+    def runner(self, engine: Path, profile: HardwareProfile, output_names: Sequence[str] | None = None) -> Runner:
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = profile.runtime.intra_op_threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        # idle worker threads must not spin: the benchmark alternates two sessions in one process, and a
+        # spinning one steals the core the other is measured on (the agent turns it off for the same reason)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = ort.InferenceSession(str(engine), so, providers=["CPUExecutionProvider"])
-        names = [o.name for o in sess.get_outputs()]
+        names = list(output_names) if output_names is not None else [o.name for o in sess.get_outputs()]
 
         def run(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
             return list(sess.run(names, feed))
