@@ -1,14 +1,22 @@
 """Dynamic batching: the loop, not user code, enforces the contract.
 
-Requests queue on the server's event loop. One loop task forms a batch: it takes the oldest
-request, then keeps taking queued requests until the batch holds ``max_batch_size`` samples or
-the oldest request has waited ``max_queue_delay_us``. It waits for more only when there is
-evidence of concurrent clients (the batch already holds two requests, or requests arrived while
-the previous batch ran): a lone client is never made to wait for company that is not coming
-(a fixed wait cost ~3 ms per request at one client here, see bench/README.md). The batch runs on
-a single inference thread while the next one forms. Requests that waited longer than ``queue_timeout_s`` are
-answered 503 without running; a batch whose outputs do not match its inputs, or that raises,
-fails every request in it with the same error.
+Requests queue on the server's event loop, in two priority levels (high first, then normal; first in,
+first out within a level). One loop task forms batches and hands each to a free *instance*: a backend
+object with its own inference thread, so several batches run at once when a model has several
+instances. Inference never runs on the event loop.
+
+Forming a batch: take the oldest request of the highest level, then keep taking queued requests while
+the batch stays within ``max_batch_size`` samples. If the batch is not full (or not of a preferred size)
+it waits for more, until the oldest request has waited ``max_queue_delay_us`` -- but only when there is
+evidence of concurrent clients (the batch already holds two requests, or requests arrived while a
+batch ran): a lone client is never made to wait for company that is not coming. With
+``preferred_batch_sizes``, a batch larger than a preferred size gives its newest requests back to the
+queue to run at the largest preferred size it can fill (the runtime's fastest sizes per sample).
+
+The contract: every request gets exactly one answer. A request whose timeout passes while it is still
+queued gets 503 at its deadline (running requests are not interrupted); a full queue answers 429
+(:class:`QueueFull`) at once; a batch whose outputs do not match its inputs, or that raises, fails every
+request in it with the same error.
 """
 
 from __future__ import annotations
@@ -18,34 +26,51 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from agent.backends.base import Backend
-from agent.errors import InferenceFailed, RequestError, Unavailable
-from agent.metrics import Metrics
+from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
+from agent.metrics import Metrics, ModelMetrics
 
-__all__ = ["BatchSettings", "Batcher"]
+__all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
+
+HIGH, NORMAL = 0, 1  # priority levels: the index of their queue
 
 
 @dataclass(frozen=True)
 class BatchSettings:
-    max_batch_size: int = 16
-    max_queue_delay_us: int = 0
-    queue_timeout_s: float = 5.0
-    max_queue_size: int = 1024  # samples
+    max_batch_size: int = 16  # samples
+    max_queue_delay_us: int = 0  # longest the oldest request waits for a fuller batch (only under concurrency)
+    preferred_batch_sizes: tuple[int, ...] = ()  # sizes the runtime runs best at, e.g. (4, 8)
+    queue_timeout_s: float = 5.0  # a request's default timeout in the queue; a request may ask for less
+    max_queue_size: int = 1024  # samples waiting, both levels together; beyond it: 429
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        if self.max_queue_delay_us < 0 or self.queue_timeout_s <= 0 or self.max_queue_size < 1:
+            raise ValueError("max_queue_delay_us must be >= 0, queue_timeout_s > 0, max_queue_size >= 1")
+        bad = [p for p in self.preferred_batch_sizes if not 1 <= p <= self.max_batch_size]
+        if bad:
+            raise ValueError(f"preferred_batch_sizes {bad} are outside 1..max_batch_size ({self.max_batch_size})")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     feeds: dict[str, np.ndarray]
     n: int
     future: asyncio.Future
+    priority: int
     enqueued: float = field(default_factory=time.monotonic)
+    counted: bool = True  # its samples are still in the queue's count
+    dispatched: bool = False
+    timer: asyncio.TimerHandle | None = None
 
     def stackable_with(self, other: _Pending, axes: dict[str, int | None]) -> bool:
         """Every input has a batch axis, and the same other dimensions (dynamic dims may differ between
@@ -60,111 +85,215 @@ class _Pending:
         return True
 
 
-class Batcher:
-    def __init__(self, backend: Backend, settings: BatchSettings, metrics: Metrics | None = None):
+class _Instance:
+    """One backend object and the one thread that runs it."""
+
+    def __init__(self, backend: Backend, index: int):
         self.backend = backend
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{index}")
+
+
+class Batcher:
+    def __init__(self, backends: Backend | Sequence[Backend], settings: BatchSettings,
+                 metrics: ModelMetrics | Metrics | None = None):
+        backends = [backends] if isinstance(backends, Backend) else list(backends)
+        if not backends:
+            raise ValueError("a batcher needs at least one backend instance")
+        self.backend = backends[0]  # the model's description (inputs, outputs); every instance has the same
         self.settings = settings
-        self.metrics = metrics or Metrics()
-        self._queue: collections.deque[_Pending] = collections.deque()
+        if metrics is None or isinstance(metrics, Metrics):
+            name = self.backend.manifest.name if hasattr(self.backend, "manifest") else "?"
+            version = self.backend.manifest.version if hasattr(self.backend, "manifest") else "?"
+            metrics = (metrics or Metrics()).for_model(name, version)
+        self.metrics: ModelMetrics = metrics
+        self._instances = [_Instance(b, i) for i, b in enumerate(backends)]
+        self._idle: list[_Instance] = list(reversed(self._instances))  # pop() takes instance 0 first
+        self._queues: tuple[collections.deque[_Pending], collections.deque[_Pending]] = (
+            collections.deque(), collections.deque())
         self._queued_samples = 0
         self._wake = asyncio.Event()
         self._closing = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._task: asyncio.Task | None = None
-        self._running = False
+        self._running: dict[asyncio.Task, list[_Pending]] = {}  # batches being run, by their task
         self._arrived_while_running = 0
-        self._forming: list[_Pending] = []  # the batch being formed or run; failed if the loop is cancelled
-        self._in_axes = {t.name: t.batch_axis for t in backend.inputs}
-        self._out_axes = [t.batch_axis for t in backend.outputs]
+        self._forming: list[_Pending] = []  # the batch being formed; failed if the loop is cancelled
+        self._in_axes = {t.name: t.batch_axis for t in self.backend.inputs}
+        self._out_axes = [t.batch_axis for t in self.backend.outputs]
+        self._in_names = [t.name for t in self.backend.inputs]
+        self._preferred = sorted(set(settings.preferred_batch_sizes))
+
+    @property
+    def instances(self) -> int:
+        return len(self._instances)
+
+    @property
+    def queued_samples(self) -> int:
+        return self._queued_samples
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+        self.metrics.watch_queue(lambda: self._queued_samples)
 
-    async def submit(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Queue one request (already validated) and wait for its outputs."""
+    async def submit(self, feeds: dict[str, np.ndarray], priority: int = NORMAL,
+                     timeout_s: float | None = None) -> list[np.ndarray]:
+        """Queue one request (already validated) and wait for its outputs. ``timeout_s`` (at most the
+        configured ``queue_timeout_s``) bounds its time in the queue."""
         n = next((int(feeds[k].shape[a]) for k, a in self._in_axes.items() if a is not None), 1)
-        if n > self.settings.max_batch_size:
+        s = self.settings
+        if n > s.max_batch_size:
             raise RequestError(f"request batch of {n} exceeds this model's max batch size "
-                               f"{self.settings.max_batch_size}; split it into smaller requests")
+                               f"{s.max_batch_size}; split it into smaller requests")
         if self._closing:
             raise Unavailable("the model is being replaced; retry")
-        if self._queued_samples + n > self.settings.max_queue_size:
-            raise Unavailable(f"queue full ({self._queued_samples} samples waiting); retry later")
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(feeds, n, fut))
+        if self._queued_samples + n > s.max_queue_size:
+            raise QueueFull(f"queue full ({self._queued_samples} samples waiting, limit {s.max_queue_size}); "
+                            "retry later")
+        loop = asyncio.get_running_loop()
+        p = _Pending(feeds, n, loop.create_future(), HIGH if priority == HIGH else NORMAL)
+        timeout = s.queue_timeout_s if timeout_s is None else min(timeout_s, s.queue_timeout_s)
+        p.timer = loop.call_later(timeout, self._expire, p, timeout)
+        self._queues[p.priority].append(p)
         self._queued_samples += n
         if self._running:
             self._arrived_while_running += 1
         self._wake.set()
-        return await fut
+        try:
+            return await p.future
+        finally:
+            if not p.dispatched and p.counted:  # cancelled (the client went away) while queued
+                p.counted = False
+                self._queued_samples -= p.n
+            p.timer.cancel()
 
-    def _pop(self) -> _Pending:
-        item = self._queue.popleft()
-        self._queued_samples -= item.n
-        return item
+    def _expire(self, p: _Pending, timeout: float) -> None:
+        if p.dispatched or p.future.done():
+            return
+        if p.counted:
+            p.counted = False
+            self._queued_samples -= p.n
+        p.future.set_exception(Unavailable(f"request waited {time.monotonic() - p.enqueued:.3f}s in the queue "
+                                           f"(timeout {timeout:g}s); retry later"))
+
+    # -- forming batches -------------------------------------------------------------------------
+    def _peek(self) -> _Pending | None:
+        """The next live request (answered ones -- expired, cancelled -- are dropped on the way)."""
+        for q in self._queues:
+            while q:
+                p = q[0]
+                if not p.future.done():
+                    return p
+                q.popleft()
+                if p.counted:
+                    p.counted = False
+                    self._queued_samples -= p.n
+        return None
+
+    def _take(self, p: _Pending) -> None:
+        self._queues[p.priority].popleft()
+        p.counted = False
+        self._queued_samples -= p.n
+
+    def _give_back(self, items: list[_Pending]) -> None:
+        for p in reversed(items):
+            self._queues[p.priority].appendleft(p)
+            p.counted = True
+            self._queued_samples += p.n
+
+    async def _form(self) -> list[_Pending]:
+        s = self.settings
+        first = self._peek()
+        if first is None:
+            return []
+        self._take(first)
+        batch, n = [first], first.n
+        self._forming = batch
+        deadline = first.enqueued + s.max_queue_delay_us / 1e6
+        concurrent = self._arrived_while_running > 1
+        while n < s.max_batch_size:
+            nxt = self._peek()
+            if nxt is not None:
+                if n + nxt.n > s.max_batch_size or not nxt.stackable_with(first, self._in_axes):
+                    break
+                self._take(nxt)
+                batch.append(nxt)
+                n += nxt.n
+                continue
+            if self._preferred and n in self._preferred:
+                break  # a preferred size: run it rather than wait
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closing or not (concurrent or len(batch) > 1):
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except TimeoutError:
+                break
+        if self._preferred and n not in self._preferred:
+            fits = [p for p in self._preferred if p <= n]
+            if fits:  # run the largest preferred size; the newest requests wait for the next batch
+                keep: list[_Pending] = []
+                kept = 0
+                for p in batch:
+                    if kept + p.n > fits[-1] and keep:
+                        break
+                    keep.append(p)
+                    kept += p.n
+                self._give_back(batch[len(keep):])
+                batch = keep
+        live = [p for p in batch if not p.future.done()]  # expired or cancelled while the batch formed
+        for p in live:
+            p.dispatched = True
+            if p.timer is not None:
+                p.timer.cancel()
+        self._forming = []
+        return live
 
     async def _loop(self) -> None:
-        s = self.settings
-        delay = s.max_queue_delay_us / 1e6
+        loop = asyncio.get_running_loop()
         while True:
-            while not self._queue:
-                if self._closing:
+            while not (self._idle and self._peek() is not None):
+                if self._closing and self._peek() is None and not self._running:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            first = self._pop()
-            batch, n = [first], first.n
-            self._forming = batch
-            deadline = first.enqueued + delay
-            concurrent = self._arrived_while_running > 1
-            while n < s.max_batch_size:
-                if self._queue:
-                    nxt = self._queue[0]
-                    if n + nxt.n > s.max_batch_size or not nxt.stackable_with(first, self._in_axes):
-                        break
-                    item = self._pop()
-                    batch.append(item)
-                    n += item.n
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closing or not (concurrent or len(batch) > 1):
-                    break
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), remaining)
-                except TimeoutError:
-                    break
-            self._running = True
+            batch = await self._form()
+            if not batch:
+                continue
+            inst = self._idle.pop()
             self._arrived_while_running = 0
-            try:
-                await self._run(batch)
-            finally:
-                self._running = False
-                self._forming = []
+            task = loop.create_task(self._run(inst, batch))
+            self._running[task] = batch
+            task.add_done_callback(self._ran)
 
-    async def _run(self, batch: list[_Pending]) -> None:
-        now = time.monotonic()
-        live = []
-        for p in batch:
-            if p.future.done():  # the client went away
-                continue
-            if now - p.enqueued > self.settings.queue_timeout_s:
-                p.future.set_exception(Unavailable(
-                    f"request waited {now - p.enqueued:.1f}s in the queue (limit {self.settings.queue_timeout_s}s)"))
-                continue
-            live.append(p)
-        if not live:
-            return
-        n = sum(p.n for p in live)
-        names = [spec.name for spec in self.backend.inputs]
+    def _ran(self, task: asyncio.Task) -> None:
+        self._running.pop(task, None)
+        self._wake.set()
+
+    async def _run(self, inst: _Instance, batch: list[_Pending]) -> None:
         try:
-            feeds = {k: (live[0].feeds[k] if len(live) == 1 else
-                         np.concatenate([p.feeds[k] for p in live], axis=self._in_axes[k] or 0))
-                     for k in names}
-            outs = await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.infer, feeds)
-            if len(outs) != len(self.backend.outputs):
+            await self._run_batch(inst, batch)
+        finally:
+            self._idle.append(inst)
+
+    def _infer(self, inst: _Instance, feeds: dict[str, np.ndarray]) -> tuple[list[np.ndarray], float]:
+        t0 = time.perf_counter()
+        outs = inst.backend.infer(feeds)
+        return outs, time.perf_counter() - t0
+
+    async def _run_batch(self, inst: _Instance, batch: list[_Pending]) -> None:
+        n = sum(p.n for p in batch)
+        start_t = time.monotonic()
+        try:
+            if len(batch) == 1:
+                feeds = batch[0].feeds
+            else:
+                feeds = {k: np.concatenate([p.feeds[k] for p in batch], axis=self._in_axes[k] or 0)
+                         for k in self._in_names}
+            outs, compute_s = await asyncio.get_running_loop().run_in_executor(inst.executor, self._infer, inst,
+                                                                               feeds)
+            if len(outs) != len(self._out_axes):
                 raise InferenceFailed(f"backend returned {len(outs)} outputs, the model declares "
-                                      f"{len(self.backend.outputs)}")
+                                      f"{len(self._out_axes)}")
             for o, spec in zip(outs, self.backend.outputs, strict=True):
                 a = spec.batch_axis
                 if a is not None and (o.ndim <= a or o.shape[a] != n):
@@ -173,24 +302,24 @@ class Batcher:
         except Exception as exc:
             err = exc if isinstance(exc, InferenceFailed) else InferenceFailed(f"inference failed: {exc}")
             log.error("batch of %d failed: %s", n, err)
-            for p in live:
+            for p in batch:
                 if not p.future.done():
                     p.future.set_exception(err)
             return
-        self.metrics.batch_done(n)
-        if len(live) == 1:
-            if not live[0].future.done():
-                live[0].future.set_result(outs)
+        self.metrics.batch(n, [start_t - p.enqueued for p in batch], compute_s)
+        if len(batch) == 1:
+            if not batch[0].future.done():
+                batch[0].future.set_result(outs)
             return
         start = 0
-        for p in live:
+        for p in batch:
             if not p.future.done():
-                p.future.set_result([o if a is None else np.take(o, np.arange(start, start + p.n), axis=a)
+                p.future.set_result([o if a is None else o[(slice(None),) * a + (slice(start, start + p.n),)]
                                      for o, a in zip(outs, self._out_axes, strict=True)])
             start += p.n
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:
-        """Stop taking requests, finish the queued ones, release the inference thread."""
+        """Stop taking requests, finish the queued ones, release the inference threads."""
         self._closing = True
         self._wake.set()
         stuck: list[_Pending] = []
@@ -206,10 +335,16 @@ class Batcher:
             except Exception:
                 log.exception("the batching loop had crashed")
         gone = Unavailable("the model was replaced before this request ran; retry")
-        for p in [*stuck, *self._forming, *self._queue]:
+        running = [p for batch in self._running.values() for p in batch]  # only after a drain timeout
+        for p in [*stuck, *self._forming, *running, *self._queues[HIGH], *self._queues[NORMAL]]:
             if not p.future.done():
                 p.future.set_exception(gone)
-        self._queue.clear()
+        for q in self._queues:
+            q.clear()
         self._queued_samples = 0
-        # an inference still running after a drain timeout must not block the event loop
-        self._executor.shutdown(wait=False)
+        for t in list(self._running):  # their threads are let go below; the tasks must not wait for them
+            t.cancel()
+        self.metrics.retire()
+        for inst in self._instances:
+            # an inference still running after a drain timeout must not block the event loop
+            inst.executor.shutdown(wait=False)

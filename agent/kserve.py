@@ -1,12 +1,25 @@
-"""Open Inference Protocol (KServe v2) JSON: decode a request into validated arrays, encode outputs.
+"""Open Inference Protocol (KServe v2) infer requests and responses, JSON and binary tensor data.
 
 Pure functions, no I/O: every way a request can be wrong raises RequestError with a message that
 names the tensor and says what was expected.
+
+The binary tensor data extension (Triton's): the body is a JSON header of
+``Inference-Header-Content-Length`` bytes followed by the raw tensors, in the order of the inputs that
+carry ``"parameters": {"binary_data_size": n}``, each in row-major order with the datatype's
+little-endian layout. Binary tensors become arrays with ``np.frombuffer`` (no copy); JSON ``data``
+with one ``np.asarray``. Nothing here loops over elements in Python.
+
+A response carries an output in binary when the request asks: ``"binary_data": true`` in the output's
+``parameters``, or ``"binary_data_output": true`` in the request's ``parameters`` for every output it
+does not say otherwise for. The response's JSON header then gives each binary output's
+``binary_data_size`` and the HTTP header ``Inference-Header-Content-Length`` says where the JSON ends.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,15 +28,55 @@ from agent.backends.base import NP_DTYPES
 from agent.errors import InferenceFailed, RequestError
 from protocol.manifest import TensorSpec
 
-__all__ = ["decode_request", "encode_response"]
+__all__ = ["HEADER_LENGTH", "InferRequest", "decode_request", "encode_response", "parse_body"]
+
+HEADER_LENGTH = "inference-header-content-length"  # the HTTP header (lower case, as ASGI gives headers)
 
 _REQ_KEYS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_KEYS = {"name", "shape", "datatype", "parameters", "data"}
+_OUTPUT_KEYS = {"name", "parameters"}
+MAX_PRIORITY = 2  # priority 1 is high; 0 (the default) and 2 are normal, as in Triton with two levels
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    feeds: dict[str, np.ndarray]
+    outputs: tuple[str, ...] | None  # names asked for, in order; None: every output
+    binary_outputs: frozenset[str]  # outputs to return as binary data
+    id: str | None = None
+    priority: int = 0  # 0 default, 1 high, 2 normal
+    timeout_us: int | None = None  # the most the request may wait in the queue
+
+
+def parse_body(body: bytes, header_length: str | None, specs: tuple[TensorSpec, ...],
+               out_specs: tuple[TensorSpec, ...]) -> InferRequest:
+    """An HTTP infer body -> a validated request. ``header_length`` is the ``Inference-Header-Content-Length``
+    header's value, if the request has one (binary tensor data follows the JSON)."""
+    binary: memoryview | None = None
+    if header_length is not None:
+        if not header_length.isdigit():
+            raise RequestError(f"Inference-Header-Content-Length must be a byte count, got {header_length!r}")
+        hl = int(header_length)
+        if hl > len(body):
+            raise RequestError(f"Inference-Header-Content-Length says the JSON header is {hl} bytes; the body has "
+                               f"only {len(body)}")
+        binary = memoryview(body)[hl:]
+        text: bytes | memoryview = memoryview(body)[:hl]
+    else:
+        text = body
+    try:
+        doc = json.loads(bytes(text) if isinstance(text, memoryview) else text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = "the JSON header (Inference-Header-Content-Length bytes)" if binary is not None else "the body"
+        raise RequestError(f"{where} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise RequestError("the body's JSON is nested too deeply") from exc
+    return decode_request(doc, specs, out_specs, binary)
 
 
 def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
-                   ) -> tuple[dict[str, np.ndarray], list[str] | None, str | None]:
-    """-> (feeds by input name, requested output names or None, request id)."""
+                   binary: memoryview | None = None) -> InferRequest:
+    """A parsed JSON request (and the binary data after its header, if any) -> a validated request."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object with an 'inputs' list")
     unknown = set(body) - _REQ_KEYS
@@ -32,11 +85,13 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
     req_id = body.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise RequestError("'id' must be a string")
+    params = _params(body.get("parameters"), "the request")
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise RequestError("'inputs' must be a non-empty list of tensors")
     by_name = {s.name: s for s in specs}
     feeds: dict[str, np.ndarray] = {}
+    offset = 0
     for i, t in enumerate(inputs):
         if not isinstance(t, dict):
             raise RequestError(f"inputs[{i}] must be an object with name, shape, datatype and data")
@@ -48,28 +103,68 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
             raise RequestError(f"inputs[{i}]: unknown input {name!r}; the model takes {sorted(by_name)}")
         if name in feeds:
             raise RequestError(f"input {name!r} is given twice")
-        feeds[name] = _decode_tensor(t, by_name[name])
+        feeds[name], offset = _decode_tensor(t, by_name[name], binary, offset)
+    if binary is not None and offset != len(binary):
+        raise RequestError(f"the inputs' binary_data_size add up to {offset} bytes, but {len(binary)} bytes of "
+                           "binary data follow the JSON header")
     missing = set(by_name) - set(feeds)
     if missing:
         raise RequestError(f"missing input(s) {sorted(missing)}")
     batches = {s.name: feeds[s.name].shape[s.batch_axis] for s in specs if s.batch_axis is not None}
     if len(set(batches.values())) > 1:
         raise RequestError(f"inputs disagree on the batch size: {batches}")
+    all_binary = _flag(params, "binary_data_output", "the request")
+    names = [s.name for s in out_specs]
     outputs = body.get("outputs")
-    wanted: list[str] | None = None
+    wanted: tuple[str, ...] | None = None
+    binary_out = set(names) if all_binary else set()
     if outputs is not None:
         if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                      for o in outputs):
             raise RequestError("'outputs' must be a list of objects with a 'name'")
-        wanted = [o["name"] for o in outputs]
-        names = [s.name for s in out_specs]
+        wanted = tuple(o["name"] for o in outputs)
         unknown_out = [w for w in wanted if w not in names]
         if unknown_out:
             raise RequestError(f"unknown output(s) {unknown_out}; the model has {names}")
-    return feeds, wanted, req_id
+        for o in outputs:
+            bad = set(o) - _OUTPUT_KEYS
+            if bad:
+                raise RequestError(f"output {o['name']!r}: unknown field(s) {sorted(bad)}")
+            op = _params(o.get("parameters"), f"output {o['name']!r}")
+            if "binary_data" in op:
+                if _flag(op, "binary_data", f"output {o['name']!r}"):
+                    binary_out.add(o["name"])
+                else:
+                    binary_out.discard(o["name"])
+            elif not all_binary:
+                binary_out.discard(o["name"])
+    priority = params.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= MAX_PRIORITY:
+        raise RequestError(f"parameter 'priority' must be 0 (default), 1 (high) or 2 (normal), got {priority!r}")
+    timeout = params.get("timeout")
+    if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1):
+        raise RequestError(f"parameter 'timeout' must be a positive number of microseconds, got {timeout!r}")
+    return InferRequest(feeds, wanted, frozenset(binary_out), req_id, priority, timeout)
 
 
-def _decode_tensor(t: dict[str, Any], spec: TensorSpec) -> np.ndarray:
+def _params(p: Any, what: str) -> dict[str, Any]:
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise RequestError(f"{what}: 'parameters' must be an object")
+    return p
+
+
+def _flag(p: dict[str, Any], key: str, what: str) -> bool:
+    v = p.get(key, False)
+    if not isinstance(v, bool):
+        raise RequestError(f"{what}: parameter {key!r} must be true or false, got {v!r}")
+    return v
+
+
+def _decode_tensor(t: dict[str, Any], spec: TensorSpec, binary: memoryview | None,
+                   offset: int) -> tuple[np.ndarray, int]:
+    """-> (the array, the offset of the next binary tensor)."""
     name = spec.name
     dtype = t.get("datatype")
     if dtype != spec.datatype:
@@ -90,22 +185,50 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec) -> np.ndarray:
                                f"(dimension {i} must be {w})")
         if have < 1:
             raise RequestError(f"input {name!r}: dimension {i} must be positive, got {have}")
-    if "data" not in t:
-        raise RequestError(f"input {name!r}: no 'data'")
-    try:
-        with np.errstate(over="raise", invalid="raise"):  # 1e39 into FP32 is an error, not inf
-            arr: np.ndarray = np.asarray(t["data"], dtype=NP_DTYPES[spec.datatype])
-    except (ValueError, TypeError) as exc:
-        raise RequestError(f"input {name!r}: data is not a (nested) list of {spec.datatype} numbers ({exc})") from exc
-    except (OverflowError, RecursionError, FloatingPointError) as exc:
-        raise RequestError(f"input {name!r}: a value does not fit {spec.datatype} or the data is nested too "
-                           f"deeply ({exc})") from exc
     count = math.prod(shape)
-    if arr.size != count:
-        raise RequestError(f"input {name!r}: {arr.size} values given, shape {shape} needs {count}")
+    np_dtype = np.dtype(NP_DTYPES[spec.datatype])
+    params = _params(t.get("parameters"), f"input {name!r}")
+    size = params.get("binary_data_size")
+    arr: np.ndarray
+    if size is not None:
+        if binary is None:
+            raise RequestError(f"input {name!r} has binary_data_size but the request has no "
+                               "Inference-Header-Content-Length header (no binary data)")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise RequestError(f"input {name!r}: binary_data_size must be a byte count, got {size!r}")
+        if "data" in t:
+            raise RequestError(f"input {name!r}: give either 'data' or binary_data_size, not both")
+        need = count * np_dtype.itemsize
+        if size != need:
+            raise RequestError(f"input {name!r}: binary_data_size is {size} bytes; shape {shape} of "
+                               f"{spec.datatype} needs {need}")
+        if offset + size > len(binary):
+            raise RequestError(f"input {name!r}: binary data truncated: needs bytes {offset}..{offset + size} but "
+                               f"only {len(binary)} bytes follow the JSON header")
+        arr = np.frombuffer(binary, dtype=np_dtype.newbyteorder("<"), count=count, offset=offset).reshape(shape)
+        if arr.ctypes.data % np_dtype.alignment:  # the runtimes want aligned buffers; a copy is cheap next to them
+            arr = arr.copy()
+        if not np_dtype.isnative:
+            arr = arr.astype(np_dtype)
+        offset += size
+    else:
+        if "data" not in t:
+            raise RequestError(f"input {name!r}: no 'data' and no binary_data_size")
+        try:
+            with np.errstate(over="raise", invalid="raise"):  # 1e39 into FP32 is an error, not inf
+                arr = np.asarray(t["data"], dtype=np_dtype)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"input {name!r}: data is not a (nested) list of {spec.datatype} numbers "
+                               f"({exc})") from exc
+        except (OverflowError, RecursionError, FloatingPointError) as exc:
+            raise RequestError(f"input {name!r}: a value does not fit {spec.datatype} or the data is nested too "
+                               f"deeply ({exc})") from exc
+        if arr.size != count:
+            raise RequestError(f"input {name!r}: {arr.size} values given, shape {shape} needs {count}")
+        arr = arr.reshape(shape)
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise RequestError(f"input {name!r}: data contains NaN or infinity")
-    return arr.reshape(shape)
+    return arr, offset
 
 
 def _fmt(shape: list[int], batch_axis: int | None = 0) -> str:
@@ -113,16 +236,28 @@ def _fmt(shape: list[int], batch_axis: int | None = 0) -> str:
 
 
 def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
-                    wanted: list[str] | None, req_id: str | None) -> dict[str, Any]:
+                    req: InferRequest) -> tuple[bytes, int | None]:
+    """-> (the body, the length of its JSON header if binary data follows it, else None)."""
     out = []
-    for arr, spec in zip(outputs, specs, strict=True):
-        if wanted is not None and spec.name not in wanted:
-            continue
+    blobs: list[bytes] = []
+    order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
+    by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
+    for name in order:
+        arr, spec = by_name[name]
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
-        out.append({"name": spec.name, "datatype": spec.datatype, "shape": list(arr.shape),
-                    "data": arr.reshape(-1).tolist()})
+        t: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype, "shape": list(arr.shape)}
+        if name in req.binary_outputs:
+            data = np.ascontiguousarray(arr, dtype=np.dtype(NP_DTYPES[spec.datatype]).newbyteorder("<")).tobytes()
+            t["parameters"] = {"binary_data_size": len(data)}
+            blobs.append(data)
+        else:
+            t["data"] = arr.reshape(-1).tolist()
+        out.append(t)
     resp: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": out}
-    if req_id is not None:
-        resp["id"] = req_id
-    return resp
+    if req.id is not None:
+        resp["id"] = req.id
+    head = json.dumps(resp, separators=(",", ":")).encode()
+    if not blobs:
+        return head, None
+    return b"".join([head, *blobs]), len(head)

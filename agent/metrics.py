@@ -1,15 +1,40 @@
-"""Counters for telemetry: requests, errors, latencies and batch sizes per reporting interval."""
+"""What the agent counts, for three readers.
+
+- **Prometheus** (``GET /metrics``, text exposition format): requests and errors by model, version and
+  status code (rejected requests included), request latency, queue time and compute time histograms,
+  batch sizes, queue depth, model load and swap events. One registry per :class:`Metrics`, never
+  prometheus_client's global one, so several agents can live in one process (the tests).
+- **Open Inference Protocol statistics** (``GET /v2/models/{m}/stats``): cumulative counts and
+  nanoseconds per model version, in Triton's layout (:meth:`ModelMetrics.stats`).
+- **Telemetry** to the fleet: counters and latency percentiles per reporting interval
+  (:meth:`Metrics.snapshot_and_reset`).
+
+The lifecycle code reports loads, swaps, failed loads and rollbacks with :meth:`Metrics.model_event`.
+The batcher reports through a :class:`ModelMetrics` bound to one model version, so the request path
+does no label look-ups.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["Metrics", "MetricsSnapshot"]
+__all__ = ["CONTENT_TYPE", "UNKNOWN_MODEL", "Metrics", "MetricsSnapshot", "ModelMetrics"]
 
 MAX_SAMPLES = 100_000  # latencies kept per interval; beyond this, every other one is dropped
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNKNOWN_MODEL = "_unknown"  # the model label of a request for a model this agent does not serve (bounded labels)
+
+# seconds: from 100 us (a tiny model over loopback) to 10 s (a queue timeout)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -25,13 +50,154 @@ class MetricsSnapshot:
     batch_size_max: int | None
 
 
+class _Duration:
+    """A count and a total in nanoseconds (Triton's ``{"count": n, "ns": t}``)."""
+
+    __slots__ = ("count", "ns")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.ns = 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+    def doc(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+class ModelMetrics:
+    """Counters of one model version, with its Prometheus children bound once."""
+
+    def __init__(self, parent: Metrics, model: str, version: str):
+        self.parent = parent
+        self.model, self.version = model, version
+        self._lock = threading.Lock()
+        self._requests = parent.requests.labels(model, version)
+        self._latency = parent.latency.labels(model, version)
+        self._queue = parent.queue_time.labels(model, version)
+        self._compute = parent.compute_time.labels(model, version)
+        self._batch = parent.batch_size.labels(model, version)
+        self._errors: dict[int, Counter] = {}
+        self.success, self.fail, self.queue, self.compute = _Duration(), _Duration(), _Duration(), _Duration()
+        self.inference_count = 0  # samples
+        self.execution_count = 0  # batches run
+        self.last_inference_ms = 0
+        self.batch_stats: dict[int, _Duration] = {}
+
+    def request(self, latency_s: float, status: int) -> None:
+        """One HTTP request for this model finished (any outcome: ``status`` is the HTTP code)."""
+        self._requests.inc()
+        self._latency.observe(latency_s)
+        ok = status < 400
+        if not ok:
+            c = self._errors.get(status)
+            if c is None:
+                c = self._errors[status] = self.parent.errors.labels(self.model, self.version, str(status))
+            c.inc()
+        with self._lock:
+            (self.success if ok else self.fail).add(latency_s)
+        self.parent.request_done(latency_s, ok)
+
+    def batch(self, size: int, queue_s: list[float], compute_s: float) -> None:
+        """A batch of ``size`` samples ran: ``queue_s`` is each request's time in the queue."""
+        self._batch.observe(size)
+        self._compute.observe(compute_s)
+        for q in queue_s:
+            self._queue.observe(q)
+        with self._lock:
+            self.inference_count += size
+            self.execution_count += 1
+            self.last_inference_ms = int(time.time() * 1000)
+            self.queue.add(sum(queue_s), len(queue_s))
+            self.compute.add(compute_s, len(queue_s))
+            bs = self.batch_stats.get(size)
+            if bs is None:
+                bs = self.batch_stats[size] = _Duration()
+            bs.add(compute_s)
+        self.parent.batch_done(size)
+
+    def stats(self) -> dict[str, object]:
+        """Triton's per-model statistics (``/v2/models/{m}/stats``): counts and nanoseconds since load."""
+        zero = {"count": 0, "ns": 0}
+        with self._lock:
+            return {
+                "name": self.model, "version": self.version, "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count, "execution_count": self.execution_count,
+                "inference_stats": {"success": self.success.doc(), "fail": self.fail.doc(), "queue": self.queue.doc(),
+                                    "compute_input": zero, "compute_infer": self.compute.doc(),
+                                    "compute_output": zero, "cache_hit": zero, "cache_miss": zero},
+                "batch_stats": [{"batch_size": size, "compute_input": {"count": d.count, "ns": 0},
+                                 "compute_infer": d.doc(), "compute_output": {"count": d.count, "ns": 0}}
+                                for size, d in sorted(self.batch_stats.items())],
+            }
+
+    def watch_queue(self, depth: Callable[[], float]) -> None:
+        """Report ``depth()`` (samples waiting) as this version's queue depth at every scrape."""
+        self.parent.queue_depth.labels(self.model, self.version).set_function(depth)
+
+    def retire(self) -> None:
+        """The version no longer serves: stop reporting its queue depth (its counters stay)."""
+        try:
+            self.parent.queue_depth.remove(self.model, self.version)
+        except KeyError:
+            pass
+
+
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reset()
         self.total_requests = 0
         self.total_errors = 0
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        mv = ["model", "version"]
+        self.requests = Counter("edgefleet_inference_requests", "Inference requests, by model and version "
+                                "(every outcome)", mv, registry=r)
+        self.errors = Counter("edgefleet_inference_errors", "Inference requests that failed or were rejected, by "
+                              "HTTP status code", [*mv, "code"], registry=r)
+        self.latency = Histogram("edgefleet_request_duration_seconds", "Inference request latency in the agent "
+                                 "(body read to response)", mv, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("edgefleet_queue_duration_seconds", "Time a request waited in the batching "
+                                    "queue", mv, buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_time = Histogram("edgefleet_compute_duration_seconds", "Time the runtime took for one batch",
+                                      mv, buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("edgefleet_batch_size", "Samples per batch run", mv, buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.queue_depth = Gauge("edgefleet_queue_depth", "Samples waiting in the batching queue", mv, registry=r)
+        self.model_events = Counter("edgefleet_model_events", "Model lifecycle events (load, swap, unload, "
+                                    "load_failed, selftest_failed, rollback)", [*mv, "kind"], registry=r)
+        self.serving = Gauge("edgefleet_model_serving", "1 for each model version being served", mv, registry=r)
+        self._models: dict[tuple[str, str], ModelMetrics] = {}
 
+    # -- per model -----------------------------------------------------------------------------
+    def for_model(self, model: str, version: str) -> ModelMetrics:
+        key = (model, version)
+        with self._lock:
+            m = self._models.get(key)
+            if m is None:
+                m = self._models[key] = ModelMetrics(self, model, version)
+            return m
+
+    def model_event(self, model: str, version: str, kind: str) -> None:
+        """Count a lifecycle event; ``load`` and ``swap`` mark the version as serving, ``unload`` clears it."""
+        self.model_events.labels(model, version, kind).inc()
+        if kind in ("load", "swap"):
+            self.serving.labels(model, version).set(1)
+        elif kind == "unload":
+            self.serving.labels(model, version).set(0)
+
+    def rejected(self, latency_s: float, status: int) -> None:
+        """A request refused before it reached a model (unknown model, no model loaded)."""
+        self.requests.labels(UNKNOWN_MODEL, "").inc()
+        self.errors.labels(UNKNOWN_MODEL, "", str(status)).inc()
+        self.request_done(latency_s, False)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- telemetry -----------------------------------------------------------------------------
     def _reset(self) -> None:
         self._requests = 0
         self._errors = 0

@@ -1,12 +1,25 @@
-"""The agent's local inference API: Open Inference Protocol (KServe v2) over HTTP.
+"""The agent's local inference API: the Open Inference Protocol (KServe v2) over HTTP, and Prometheus metrics.
 
-    GET  /v2/health/live            the process is up
-    GET  /v2/health/ready           a model is loaded and serving
-    GET  /v2                        server metadata
-    GET  /v2/models/{name}          model metadata (inputs, outputs, version, accuracy)
-    GET  /v2/models/{name}/ready
-    POST /v2/models/{name}/infer    JSON tensors in, JSON tensors out (also under /versions/{v}/)
-    GET  /metrics/summary           counters since start (JSON)
+    GET  /v2/health/live                      the process is up
+    GET  /v2/health/ready                     at least one model is loaded and serving
+    GET  /v2                                  server metadata (name, version, extensions)
+    GET  /v2/models/{m}[/versions/{v}]        model metadata (inputs, outputs, versions)
+    GET  /v2/models/{m}[/versions/{v}]/ready
+    GET  /v2/models/{m}[/versions/{v}]/config model configuration (Triton's layout: batching, instances)
+    GET  /v2/models/{m}[/versions/{v}]/stats  statistics of one model; GET /v2/models/stats: every model
+    POST /v2/repository/index                 the models this agent knows and their state
+    POST /v2/models/{m}[/versions/{v}]/infer  tensors in, tensors out: JSON, or the binary tensor data
+                                              extension (header Inference-Header-Content-Length)
+    POST /v2/models/{m}[/versions/{v}]/infer/image
+                                              JPEG or PNG bytes in (the body is the file), the bundle's
+                                              recorded preprocessing applied, JSON tensors out
+    GET  /metrics                             Prometheus text exposition
+    GET  /metrics/summary                     counters since start (JSON)
+
+Every error, unknown routes and wrong methods included, is JSON ``{"error": "..."}`` with a 4xx or 5xx
+status; a full queue is 429 with ``Retry-After``. Infer request parameters (Triton's): ``priority``
+(1 high, 0 or 2 normal), ``timeout`` (microseconds in the queue), ``binary_data_output``; per output
+``binary_data``.
 """
 
 from __future__ import annotations
@@ -15,78 +28,162 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import protocol
 from agent.backends.base import Backend
-from agent.batcher import Batcher, BatchSettings
-from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
-from agent.kserve import decode_request, encode_response
-from agent.metrics import Metrics
+from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings
+from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, Unavailable
+from agent.image import preprocess_image
+from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
+from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from protocol.manifest import Manifest
 
-__all__ = ["ModelHost", "Served", "create_app"]
+__all__ = ["IndexEntry", "ModelHost", "Served", "create_app", "model_config"]
 
 log = logging.getLogger("edgefleet.agent.http")
+
+TRITON_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT8": "TYPE_INT8", "UINT8": "TYPE_UINT8",
+                "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL"}
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository_index", "image_infer"]
 
 
 @dataclass
 class Served:
     manifest: Manifest
-    backend: Backend
+    backends: tuple[Backend, ...]
     batcher: Batcher
+    settings: BatchSettings
+    metrics: ModelMetrics
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def backend(self) -> Backend:
+        """The first instance (every instance describes the same model)."""
+        return self.backends[0]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """A model the agent knows of, for ``/v2/repository/index`` (state: READY, UNAVAILABLE, LOADING)."""
+
+    name: str
+    version: str
+    state: str
+    reason: str = ""
 
 
 class ModelHost:
-    """Holds the model being served; swaps a new one in without dropping requests."""
+    """The models being served, one version each; swaps a new version in without dropping requests.
+
+    ``swap`` starts serving a model version (with one or more backend instances, one inference thread
+    each) and retires the version of the same name it replaces once its queue is empty; other models
+    keep serving. ``index``, if the lifecycle code sets it, lists the versions on disk for the repository
+    index (served versions are always listed as READY).
+    """
 
     def __init__(self, settings: BatchSettings, metrics: Metrics):
-        self.settings = settings
+        self.settings = settings  # the default for models swapped in without their own
         self.metrics = metrics
-        self.current: Served | None = None
+        self.models: dict[str, Served] = {}
+        self.current: Served | None = None  # the version swapped in last
+        self.index: Callable[[], Sequence[IndexEntry]] | None = None
         self._swap_lock = asyncio.Lock()
 
-    async def swap(self, manifest: Manifest, backend: Backend) -> None:
-        """Start serving ``backend``; the old model finishes its queue, then closes. Runs on the server loop."""
+    async def swap(self, manifest: Manifest, backends: Backend | Sequence[Backend],
+                   settings: BatchSettings | None = None) -> None:
+        """Start serving ``backends`` (loaded instances of one model version); the version it replaces
+        finishes its queue, then closes. Runs on the server loop."""
+        instances = (backends,) if isinstance(backends, Backend) else tuple(backends)
+        s = settings or self.settings
+        if not manifest.batchable and s.max_batch_size != 1:  # an unbatched input: one request at a time
+            s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": ()})
         async with self._swap_lock:
-            batcher = Batcher(backend, self.settings, self.metrics)
+            mm = self.metrics.for_model(manifest.name, manifest.version)
+            batcher = Batcher(instances, s, mm)
             batcher.start()
-            old, self.current = self.current, Served(manifest, backend, batcher)
-            if old is not None:  # best effort: the new model already serves whatever happens here
-                try:
-                    await old.batcher.close()
-                    await asyncio.get_running_loop().run_in_executor(None, old.backend.close)
-                except Exception:
-                    log.exception("retiring %s %s failed", old.manifest.name, old.manifest.version)
-        log.info("now serving %s %s", manifest.name, manifest.version)
+            served = Served(manifest, instances, batcher, s, mm)
+            old = self.models.get(manifest.name)
+            self.models[manifest.name] = served
+            self.current = served
+            self.metrics.model_event(manifest.name, manifest.version, "swap" if old is not None else "load")
+            if old is not None:
+                await self._retire(old)
+        log.info("now serving %s %s (%d instance%s)", manifest.name, manifest.version, len(instances),
+                 "" if len(instances) == 1 else "s")
+
+    async def remove(self, name: str) -> None:
+        """Stop serving model ``name`` (its queued requests are answered first)."""
+        async with self._swap_lock:
+            old = self.models.pop(name, None)
+            if old is None:
+                return
+            if self.current is old:
+                self.current = next(reversed(self.models.values()), None)
+            await self._retire(old)
+
+    async def _retire(self, old: Served) -> None:
+        now = self.models.get(old.manifest.name)
+        if now is None or now.manifest.version != old.manifest.version:
+            self.metrics.model_event(old.manifest.name, old.manifest.version, "unload")
+        try:  # best effort: whatever serves now already does, whatever happens here
+            await old.batcher.close()
+            loop = asyncio.get_running_loop()
+            for b in old.backends:
+                await loop.run_in_executor(None, b.close)
+        except Exception:
+            log.exception("retiring %s %s failed", old.manifest.name, old.manifest.version)
 
     async def close(self) -> None:
         async with self._swap_lock:  # an install racing shutdown finishes its swap first
-            if self.current is not None:
-                await self.current.batcher.close()
-                self.current.backend.close()
-                self.current = None
+            for served in list(self.models.values()):
+                await served.batcher.close()
+                for b in served.backends:
+                    b.close()
+            self.models.clear()
+            self.current = None
 
     def get(self, name: str, version: str | None = None) -> Served:
-        cur = self.current
-        if cur is None:
-            raise Unavailable("no model is loaded yet; the agent is waiting for its first install")
-        if name != cur.manifest.name:
-            raise ModelNotFound(f"unknown model {name!r}; this agent serves {cur.manifest.name!r}")
-        if version is not None and version != cur.manifest.version:
-            raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {cur.manifest.version}")
-        return cur
+        served = self.models.get(name)
+        if served is None:
+            if not self.models:
+                raise Unavailable("no model is loaded yet; the agent is waiting for its first install")
+            raise ModelNotFound(f"unknown model {name!r}; this agent serves {_names(self.models)}")
+        if version is not None and version != served.manifest.version:
+            raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {served.manifest.version}")
+        return served
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        entries: dict[tuple[str, str], IndexEntry] = {}
+        if self.index is not None:
+            for e in self.index():
+                entries[(e.name, e.version)] = e
+        for s in self.models.values():
+            entries[(s.manifest.name, s.manifest.version)] = IndexEntry(s.manifest.name, s.manifest.version, "READY")
+        return [{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+                for _, e in sorted(entries.items()) if not ready_only or e.state == "READY"]
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def _names(models: dict[str, Served]) -> str:
+    return ", ".join(repr(n) for n in sorted(models))
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _agent_error(exc: AgentError) -> JSONResponse:
+    status = getattr(exc, "status_code", 500)
+    return _error(status, str(exc), {"Retry-After": "1"} if status in (429, 503) else None)
 
 
 class _ByteBudget:
@@ -108,6 +205,41 @@ class _ByteBudget:
 LARGE_BODY = 256 * 1024  # JSON bodies above this are decoded off the event loop
 
 
+def model_config(served: Served) -> dict[str, Any]:
+    """Triton's model configuration layout (what ``tritonclient`` get_model_config returns)."""
+    m, s = served.manifest, served.settings
+    batched = m.batchable and s.max_batch_size > 1
+
+    def dims(spec: Any) -> list[int]:
+        shape = list(spec.shape)
+        if batched and spec.batch_axis == 0:
+            return shape[1:]
+        return shape
+
+    return {
+        "name": m.name, "version": m.version, "platform": m.backend, "backend": m.backend,
+        "max_batch_size": s.max_batch_size if batched else 0,
+        "input": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
+                  for t in m.inputs],
+        "output": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
+                   for t in m.outputs],
+        "dynamic_batching": {
+            "preferred_batch_size": list(s.preferred_batch_sizes),
+            "max_queue_delay_microseconds": s.max_queue_delay_us,
+            "priority_levels": 2, "default_priority_level": 2,
+            "default_queue_policy": {"timeout_action": "REJECT",
+                                     "default_timeout_microseconds": int(s.queue_timeout_s * 1e6),
+                                     "allow_timeout_override": True, "max_queue_size": s.max_queue_size},
+        },
+        "instance_group": [{"name": f"{m.name}_0", "kind": "KIND_GPU" if any(
+            "CUDA" in b.device or "TensorRT" in b.device for b in served.backends if hasattr(b, "device"))
+            else "KIND_CPU", "count": len(served.backends)}],
+        "version_policy": {"specific": {"versions": [m.version]}},
+        "parameters": {"precision": {"string_value": m.precision}, "profile": {"string_value": m.profile}},
+        "image_preprocessing": m.preprocessing.model_dump() if m.preprocessing else None,
+    }
+
+
 def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                max_inflight_body_bytes: int = 256 * 1024 * 1024) -> Starlette:
     metrics = host.metrics
@@ -115,22 +247,25 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
     # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
     large_decodes = asyncio.Semaphore(2)
 
+    def resolve(request: Request) -> Served:
+        return host.get(request.path_params["name"], request.path_params.get("version"))
+
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
 
     async def ready(request: Request) -> Response:
-        ok = host.current is not None
+        ok = bool(host.models)
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def server_meta(request: Request) -> Response:
         return JSONResponse({"name": "edgefleet-agent", "version": protocol.__version__, "device_id": device_id,
-                             "extensions": []})
+                             "extensions": EXTENSIONS})
 
     async def model_meta(request: Request) -> Response:
         try:
-            served = host.get(request.path_params["name"], request.path_params.get("version"))
+            served = resolve(request)
         except AgentError as exc:
-            return _error(getattr(exc, "status_code", 500), str(exc))
+            return _agent_error(exc)
         m = served.manifest
         return JSONResponse({
             "name": m.name, "versions": [m.version], "platform": m.backend, "precision": m.precision,
@@ -138,64 +273,149 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.inputs],
             "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.outputs],
             "accuracy": m.accuracy.model_dump(), "labels": list(m.labels) if m.labels else None,
-            "max_batch_size": host.settings.max_batch_size,
+            "max_batch_size": served.settings.max_batch_size, "instances": len(served.backends),
+            "devices": [getattr(b, "device", "?") for b in served.backends],
         })
 
     async def model_ready(request: Request) -> Response:
         try:
-            host.get(request.path_params["name"], request.path_params.get("version"))
+            resolve(request)
         except AgentError as exc:
             return JSONResponse({"name": request.path_params["name"], "ready": False, "error": str(exc)},
                                 status_code=getattr(exc, "status_code", 503))
         return JSONResponse({"name": request.path_params["name"], "ready": True})
 
+    async def config(request: Request) -> Response:
+        try:
+            return JSONResponse(model_config(resolve(request)))
+        except AgentError as exc:
+            return _agent_error(exc)
+
+    async def stats(request: Request) -> Response:
+        if "name" not in request.path_params:
+            return JSONResponse({"model_stats": [s.metrics.stats() for _, s in sorted(host.models.items())]})
+        try:
+            return JSONResponse({"model_stats": [resolve(request).metrics.stats()]})
+        except AgentError as exc:
+            return _agent_error(exc)
+
+    async def repository_index(request: Request) -> Response:
+        raw = await request.body() if int(request.headers.get("content-length") or 0) <= 64 * 1024 else b"x"
+        try:
+            doc = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
+        if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
+            return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
+        return JSONResponse(host.repository_index(ready_only=doc.get("ready", False)))
+
+    def finish(served: Served | None, t0: float, status: int) -> None:
+        dt = time.perf_counter() - t0
+        if served is None:
+            metrics.rejected(dt, status)
+        else:
+            served.metrics.request(dt, status)
+
     async def infer(request: Request) -> Response:
         t0 = time.perf_counter()
-        ok = False
+        status = 500
+        served: Served | None = None
         held = [0]
         try:
-            host.get(request.path_params["name"], request.path_params.get("version"))  # fail fast: 404
+            served = resolve(request)  # fail fast: 404
             body = await _read_body(request, max_body_bytes, budget, held)
-            # resolved again after the body arrived: a swap during a slow upload serves the new model
-            served = host.get(request.path_params["name"], request.path_params.get("version"))
-            if len(body) > LARGE_BODY:
+            # resolved again after the body arrived: a swap during a slow upload serves the new version
+            served = resolve(request)
+            m = served.manifest
+            header_length = request.headers.get(HEADER_LENGTH)
+            if header_length is None and len(body) > LARGE_BODY:
                 async with large_decodes:
-                    feeds, wanted, req_id = await run_in_threadpool(_decode, body, served.manifest)
+                    req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs)
             else:
-                feeds, wanted, req_id = _decode(body, served.manifest)
-            del body
-            outs = await served.batcher.submit(feeds)
-            resp = encode_response(served.manifest.name, served.manifest.version, outs, served.manifest.outputs,
-                                   wanted, req_id)
-            ok = True
-            return JSONResponse(resp)
+                req = parse_body(body, header_length, m.inputs, m.outputs)
+            outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
+                                               None if req.timeout_us is None else req.timeout_us / 1e6)
+            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req)
+            status = 200
+            if json_length is None:
+                return Response(content, media_type="application/json")
+            return Response(content, media_type="application/octet-stream",
+                            headers={"Inference-Header-Content-Length": str(json_length)})
         except AgentError as exc:
             status = getattr(exc, "status_code", 500)
-            headers = {"Retry-After": "1"} if status == 503 else None
-            return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
+            return _agent_error(exc)
         except Exception as exc:  # never let one request take the server down
             log.exception("unexpected error in infer")
             return _error(500, f"internal error: {exc}")
         finally:
             budget.give(held[0])
-            metrics.request_done(time.perf_counter() - t0, ok)
+            finish(served, t0, status)
+
+    async def infer_image(request: Request) -> Response:
+        t0 = time.perf_counter()
+        status = 500
+        served: Served | None = None
+        held = [0]
+        try:
+            served = resolve(request)
+            body = await _read_body(request, max_body_bytes, budget, held)
+            served = resolve(request)
+            m = served.manifest
+            feeds = await run_in_threadpool(preprocess_image, body, m)  # OpenCV releases the GIL
+            del body
+            outs = await served.batcher.submit(feeds)
+            content, _ = encode_response(m.name, m.version, outs, m.outputs,
+                                         InferRequest(feeds, None, frozenset()))
+            status = 200
+            return Response(content, media_type="application/json")
+        except AgentError as exc:
+            status = getattr(exc, "status_code", 500)
+            return _agent_error(exc)
+        except Exception as exc:
+            log.exception("unexpected error in infer/image")
+            return _error(500, f"internal error: {exc}")
+        finally:
+            budget.give(held[0])
+            finish(served, t0, status)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def summary(request: Request) -> Response:
         cur = host.current
         return JSONResponse({"requests": metrics.total_requests, "errors": metrics.total_errors,
                              "model": cur.manifest.name if cur else None,
-                             "version": cur.manifest.version if cur else None})
+                             "version": cur.manifest.version if cur else None,
+                             "models": {n: s.manifest.version for n, s in sorted(host.models.items())}})
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return _error(404, f"no such endpoint: {request.method} {request.url.path}")
+        if exc.status_code == 405:
+            return _error(405, f"{request.method} is not allowed on {request.url.path}",
+                          dict(exc.headers or {}))
+        return _error(exc.status_code, str(exc.detail))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s: %r", request.url.path, exc)
+        return _error(500, f"internal error: {exc}")
+
+    get, post = ["GET"], ["POST"]
     routes = [
-        Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", server_meta),
-        Route("/v2/models/{name}", model_meta), Route("/v2/models/{name}/versions/{version}", model_meta),
-        Route("/v2/models/{name}/ready", model_ready),
-        Route("/v2/models/{name}/versions/{version}/ready", model_ready),
-        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
-        Route("/metrics/summary", summary),
+        Route("/v2/health/live", live, methods=get), Route("/v2/health/ready", ready, methods=get),
+        Route("/v2", server_meta, methods=get),
+        Route("/v2/repository/index", repository_index, methods=post),
+        Route("/v2/models/stats", stats, methods=get),
     ]
-    return Starlette(routes=routes)
+    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        routes += [
+            Route(base, model_meta, methods=get), Route(f"{base}/ready", model_ready, methods=get),
+            Route(f"{base}/config", config, methods=get), Route(f"{base}/stats", stats, methods=get),
+            Route(f"{base}/infer", infer, methods=post), Route(f"{base}/infer/image", infer_image, methods=post),
+        ]
+    routes += [Route("/metrics", prometheus, methods=get), Route("/metrics/summary", summary, methods=get)]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
 async def _read_body(request: Request, limit: int, budget: _ByteBudget, held: list[int]) -> bytes:
@@ -212,13 +432,3 @@ async def _read_body(request: Request, limit: int, budget: _ByteBudget, held: li
         held[0] += len(chunk)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _decode(body: bytes, manifest: Manifest) -> tuple[dict[str, Any], list[str] | None, str | None]:
-    try:
-        doc = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise RequestError("the body's JSON is nested too deeply") from exc
-    return decode_request(doc, manifest.inputs, manifest.outputs)
