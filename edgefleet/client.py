@@ -26,15 +26,20 @@ class FleetHTTPError(EdgefleetError):
 
 
 class FleetClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0):
+    def __init__(self, base_url: str, timeout_s: float = 30.0, token: str | None = None):
+        import os
+
         self.base = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.token = token or os.environ.get("EDGEFLEET_TOKEN")  # the fleet's API token (Bearer)
 
     def _call(self, method: str, path: str, body: bytes | None = None,
               content_type: str = "application/json") -> Any:
         req = urllib.request.Request(f"{self.base}{path}", data=body, method=method)
         if body is not None:
             req.add_header("Content-Type", content_type)
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 return json.loads(r.read() or b"null")

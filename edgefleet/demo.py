@@ -83,7 +83,8 @@ class LocalFleet:
 
     @property
     def client(self) -> FleetClient:
-        return FleetClient(self.url)
+        token_file = self.work_dir / "fleet" / "admin-token"  # written by the fleet on its first start
+        return FleetClient(self.url, token=token_file.read_text().strip() if token_file.exists() else None)
 
     def start(self, timeout_s: float = 60.0) -> None:
         from fleet.keys import init_keys

@@ -7,44 +7,98 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet import console
-from fleet.errors import BadRequest, FleetError
+from fleet.auth import ROLES, Caller, TokenStore
+from fleet.errors import BadRequest, FleetError, Unauthorized
+from fleet.rollout import Gates, RolloutSpec
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
 
-__all__ = ["create_app"]
+__all__ = ["COOKIE", "create_app"]
+
+COOKIE = "edgefleet_token"
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
 class DeviceIn(_Body):
     device_id: str = Field(min_length=1, max_length=64)
     labels: dict[str, str] | None = None
+    group: str | None = Field(default=None, pattern=_NAME)
+    tags: list[str] | None = Field(default=None, max_length=32)
+    profile: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+class DevicePatch(_Body):
+    group: str | None = Field(default=None, pattern=r"^$|" + _NAME)  # "" clears it
+    tags: list[str] | None = Field(default=None, max_length=32)
+    profile: str | None = Field(default=None, pattern=r"^$|^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
 class RolloutIn(_Body):
+    """Target: ``devices``, or a ``group``, ``tags`` (all of them) and/or a hardware ``profile``. With a device
+    list, ``profile`` also says which build devices of unknown profile get."""
+
     model: str
     version: str
-    devices: list[str] = Field(min_length=1, max_length=10000)
+    devices: list[str] | None = Field(default=None, min_length=1, max_length=100_000)
+    group: str | None = None
+    tags: list[str] | None = Field(default=None, max_length=32)
     profile: str | None = None
+    waves: list[str] = Field(default=["100%"], min_length=1, max_length=20,
+                             description="cumulative ends: counts ('5') or percentages ('10%')")
+    soak_s: list[float] = Field(default=[0.0], min_length=1, max_length=20, description="per wave; the last repeats")
+    gates: Gates = Gates()
+    on_failure: Literal["pause", "abort"] = "abort"
+    rollback_on_failure: bool = False
+    offline_grace_s: float = Field(default=300.0, ge=0)
+
+
+class TokenIn(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    role: str = Field(pattern="^(viewer|operator|admin)$")
 
 
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
-               mqtt_connected: Callable[[], bool], max_upload_bytes: int) -> FastAPI:
+               mqtt_connected: Callable[[], bool], max_upload_bytes: int,
+               tokens: TokenStore | None = None) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
-                  description="Registry, signed model repository and rollouts for edgefleet agents.")
+                  description="Registry, signed model repository and rollouts for edgefleet agents. Every "
+                              "/api/v1 endpoint but health and bootstrap needs 'Authorization: Bearer <token>' "
+                              f"of a role ({' < '.join(ROLES)}).")
+    store = tokens or TokenStore(service.sessions)
 
     @app.exception_handler(FleetError)
     async def _fleet_error(request: Request, exc: FleetError) -> JSONResponse:
+        if isinstance(exc, Unauthorized) or exc.status_code == 403:
+            service.rejections.add("api_" + ("unauthorized" if isinstance(exc, Unauthorized) else "forbidden"),
+                                   request.client.host if request.client else "?", f"{request.url.path}: {exc}")
         return JSONResponse({"error": str(exc)}, status_code=exc.status_code)
+
+    def caller(authorization: str | None = Header(default=None)) -> Caller:
+        return store.check(authorization)
+
+    def viewer(c: Caller = Depends(caller)) -> Caller:
+        return c
+
+    def operator(c: Caller = Depends(caller)) -> Caller:
+        c.require("operator", "this change")
+        return c
+
+    def admin(c: Caller = Depends(caller)) -> Caller:
+        c.require("admin", "managing tokens")
+        return c
 
     @app.get("/api/v1/health")
     def health() -> dict[str, Any]:
@@ -56,27 +110,40 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return bootstrap
 
     @app.get("/api/v1/devices")
-    def list_devices() -> list[dict[str, Any]]:
+    def list_devices(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.list_devices()
 
     @app.post("/api/v1/devices", status_code=201)
-    def register_device(body: DeviceIn) -> dict[str, Any]:
-        return service.register_device(body.device_id, body.labels)
+    def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
+        return service.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
+
+    @app.patch("/api/v1/devices/{device_id}")
+    def update_device(device_id: str, body: DevicePatch, c: Caller = Depends(operator)) -> dict[str, Any]:
+        return service.update_device(device_id, body.group, body.tags, body.profile, c.name)
 
     @app.get("/api/v1/devices/{device_id}")
-    def get_device(device_id: str) -> dict[str, Any]:
+    def get_device(device_id: str, _: Caller = Depends(viewer)) -> dict[str, Any]:
         return service.get_device(device_id)
 
     @app.get("/api/v1/devices/{device_id}/telemetry")
-    def get_telemetry(device_id: str, limit: int = 50) -> list[dict[str, Any]]:
+    def get_telemetry(device_id: str, limit: int = 50, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.device_telemetry(device_id, limit)
 
+    @app.get("/api/v1/groups")
+    def list_groups(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        return service.list_groups()
+
     @app.get("/api/v1/models")
-    def list_models() -> list[dict[str, Any]]:
+    def list_models(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.list_models()
 
+    @app.get("/api/v1/stats")
+    def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
+        """Counters of rejected input (by kind) and of handled MQTT messages."""
+        return {"rejected": service.rejections.snapshot()}
+
     @app.post("/api/v1/bundles", status_code=201)
-    async def upload_bundle(request: Request) -> dict[str, Any]:
+    async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
         """Upload a bundle archive as the raw request body (Content-Type: application/x-tar)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_upload_bytes:
@@ -99,17 +166,53 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             Path(tmp).unlink(missing_ok=True)
 
     @app.get("/api/v1/rollouts")
-    def list_rollouts(limit: int = 100) -> list[dict[str, Any]]:
-        """Newest first, at most ``limit`` (up to 1000)."""
+    def list_rollouts(limit: int = 100, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        """Newest first, at most ``limit`` (up to 1000), without their target lists."""
         return service.list_rollouts(limit)
 
     @app.post("/api/v1/rollouts", status_code=201)
-    def create_rollout(body: RolloutIn) -> dict[str, Any]:
-        return service.create_rollout(body.model, body.version, body.devices, body.profile)
+    def create_rollout(body: RolloutIn, c: Caller = Depends(operator)) -> dict[str, Any]:
+        try:
+            spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates,
+                               on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
+                               offline_grace_s=body.offline_grace_s)
+        except ValueError as exc:
+            raise BadRequest(f"bad rollout spec: {exc}", 422) from exc
+        return service.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,
+                                      spec, c.name)
 
     @app.get("/api/v1/rollouts/{rollout_id}")
-    def get_rollout(rollout_id: int) -> dict[str, Any]:
-        return service.get_rollout(rollout_id)
+    def get_rollout(rollout_id: int, targets: bool = True, _: Caller = Depends(viewer)) -> dict[str, Any]:
+        return service.get_rollout(rollout_id, with_targets=targets)
+
+    @app.post("/api/v1/rollouts/{rollout_id}/{action}")
+    def rollout_action(rollout_id: int, action: str, c: Caller = Depends(operator)) -> dict[str, Any]:
+        """``action``: pause, resume, abort or rollback."""
+        if action not in ("pause", "resume", "abort", "rollback"):
+            raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback", 404)
+        return service.rollout_action(rollout_id, action, c.name)
+
+    @app.get("/api/v1/rollouts/{rollout_id}/audit")
+    def rollout_audit(rollout_id: int, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        service.get_rollout(rollout_id, with_targets=False)
+        return service.audit_log(rollout_id)
+
+    @app.get("/api/v1/audit")
+    def audit_log(limit: int = 200, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        return service.audit_log(None, limit)
+
+    @app.get("/api/v1/tokens")
+    def list_tokens(_: Caller = Depends(admin)) -> list[dict[str, Any]]:
+        return store.list()
+
+    @app.post("/api/v1/tokens", status_code=201)
+    def create_token(body: TokenIn, c: Caller = Depends(admin)) -> dict[str, str]:
+        """The token is in this answer only; the fleet keeps its SHA-256."""
+        return store.create(body.name, body.role, c.name)
+
+    @app.delete("/api/v1/tokens/{name}", status_code=204)
+    def revoke_token(name: str, c: Caller = Depends(admin)) -> None:
+        store.revoke(name, c.name)
 
     safe = re.compile(r"^[A-Za-z0-9._/-]+$")
 
@@ -123,8 +226,33 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         media = "application/json" if kind == "metadata" else "application/octet-stream"
         return FileResponse(path, media_type=media, headers={"Cache-Control": "no-store"})
 
+    def console_caller(request: Request) -> Caller | None:
+        header = request.headers.get("authorization")
+        token = request.cookies.get(COOKIE)
+        try:
+            return store.check(header or f"Bearer {token}") if (header or token) else None
+        except Unauthorized:
+            return None
+
     @app.get("/", response_class=HTMLResponse)
-    def index() -> str:
+    def index(request: Request) -> Any:
+        c = console_caller(request)
+        if c is None:
+            return HTMLResponse(console.login_page(), status_code=401)
         return console.render(service.list_devices(), service.list_models(), service.list_rollouts(20))
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Any:
+        from urllib.parse import parse_qs
+
+        body = await request.body()
+        token = (parse_qs(body[:4096].decode(errors="replace")).get("token") or [""])[0]
+        try:
+            store.check(f"Bearer {token.strip()}")
+        except Unauthorized as exc:
+            return HTMLResponse(console.login_page(str(exc)), status_code=401)
+        r = RedirectResponse("/", status_code=303)
+        r.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict")
+        return r
 
     return app

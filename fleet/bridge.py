@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import paho.mqtt.client as mqtt
 
+from fleet.audit import Rejections
 from protocol import mqtt as proto
 from protocol.errors import ContractError
 
@@ -35,11 +36,13 @@ class MqttBridge:
         self.on_reported: Callable[[proto.ReportedState], object] | None = None
         self.on_telemetry: Callable[[proto.Telemetry], object] | None = None
         self.on_connected: Callable[[], object] | None = None
+        self.rejections: Rejections | None = None  # the service's counters, when wired
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                    client_id=client_id or f"edgefleet-fleet-{uuid.uuid4().hex[:8]}",
                                    protocol=mqtt.MQTTv311, clean_session=True)
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
-        self._client.max_queued_messages_set(10000)
+        self._client.max_queued_messages_set(0)  # unbounded: a wave's desired states are queued at once
+        self._client.max_inflight_messages_set(1000)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
@@ -116,7 +119,10 @@ class MqttBridge:
                 client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)
         except ContractError as exc:
             self.rejected += 1
-            log.warning("dropped a malformed message: %s", exc)
+            if self.rejections is not None:
+                self.rejections.add(f"malformed_{kind}", device_id, f"dropped a malformed message: {exc}")
+            else:
+                log.warning("dropped a malformed message: %s", exc)
             if kind == "telemetry":
                 self._reject_telemetry(client, device_id, bytes(message.payload), str(exc))
         except Exception:

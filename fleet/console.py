@@ -138,3 +138,12 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
 <h2>Rollouts</h2><table><tr><th>id</th><th>model</th><th>profile</th><th>status</th><th>devices</th>
 <th>created (UTC)</th></tr>{"".join(rrows) or empty}</table>
 </body></html>"""
+
+
+def login_page(error: str | None = None) -> str:
+    err = f'<p class="pill bad">{escape(error)}</p>' if error else ""
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>edgefleet console: sign in</title>
+<style>{CSS}</style></head><body><h1>edgefleet fleet console</h1>
+<div class="sub">Paste an API token (the first admin token is in the fleet's data dir, <code>admin-token</code>).</div>
+{err}<form method="post" action="/login"><input name="token" type="password" size="60" autofocus>
+<button type="submit">Sign in</button></form></body></html>"""

@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -23,7 +24,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from protocol.errors import ConfigError
 
-__all__ = ["Base", "Device", "Model", "Rollout", "RolloutTarget", "TelemetryRow", "make_engine", "utcnow"]
+__all__ = ["ApiToken", "AuditRow", "Base", "Device", "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow",
+           "make_engine", "utcnow"]
 
 log = logging.getLogger("edgefleet.fleet.db")
 
@@ -57,6 +59,10 @@ class Device(Base):
     # last install measured on that CPU, next to the compile-time figures
     hardware: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     selftest: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # schema 3: the registry's selectors (a rollout targets a group, tags or a hardware profile)
+    group_name: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    tags: Mapped[list[str] | None] = mapped_column(JSON, default=None)
+    profile: Mapped[str | None] = mapped_column(String(64), default=None)  # hardware profile (hw-profiles/*.yaml)
 
 
 class Model(Base):
@@ -77,21 +83,86 @@ class Model(Base):
 
 
 class Rollout(Base):
+    """A rollout of one model version (one bundle per hardware profile) in waves; see fleet.rollout."""
+
     __tablename__ = "rollouts"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))
-    status: Mapped[str] = mapped_column(String(16), default="in_progress")  # in_progress|succeeded|failed
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))  # one of its bundles (the first profile)
+    status: Mapped[str] = mapped_column(String(16), default="in_progress")  # fleet.rollout.TRANSITIONS
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # schema 3
+    model_name: Mapped[str | None] = mapped_column(String(64), default=None)
+    model_version: Mapped[str | None] = mapped_column(String(32), default=None)
+    spec: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # fleet.rollout.RolloutSpec
+    current_wave: Mapped[int] = mapped_column(Integer, default=0)
+    created_by: Mapped[str | None] = mapped_column(String(64), default=None)
+    reason: Mapped[str | None] = mapped_column(Text, default=None)  # why it paused, failed or stopped
+    lease_owner: Mapped[str | None] = mapped_column(String(64), default=None)  # the replica advancing it
+    lease_until: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class RolloutWave(Base):
+    """One wave: its size, soak time and counters kept up to date by each report (never recounted)."""
+
+    __tablename__ = "rollout_waves"
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    size: Mapped[int] = mapped_column(Integer)
+    soak_s: Mapped[float] = mapped_column(Float, default=0.0)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending|installing|soaking|passed|failed
+    n_installed: Mapped[int] = mapped_column(Integer, default=0)
+    n_failed: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    soak_until: Mapped[dt.datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    gates: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)  # last evaluation
 
 
 class RolloutTarget(Base):
     __tablename__ = "rollout_targets"
+    __table_args__ = (Index("ix_rollout_targets_wave", "rollout_id", "wave"),
+                      Index("ix_rollout_targets_device", "device_id"))
     rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), primary_key=True)
     state: Mapped[str] = mapped_column(String(16), default="pending")
     error: Mapped[str | None] = mapped_column(Text, default=None)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # schema 3
+    wave: Mapped[int] = mapped_column(Integer, default=0)
+    model_id: Mapped[int | None] = mapped_column(Integer, default=None)  # the bundle for this device's profile
+    previous_model_id: Mapped[int | None] = mapped_column(Integer, default=None)  # what it ran before (rollback)
+    p99_before: Mapped[float | None] = mapped_column(Float, default=None)  # on the previous model
+    p99_after: Mapped[float | None] = mapped_column(Float, default=None)  # newest, on this rollout's model
+    tele_requests: Mapped[int] = mapped_column(BigInteger, default=0)  # on this rollout's model
+    tele_errors: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class AuditRow(Base):
+    """Every action on the fleet: who (a token's name, "fleet" for the rollout engine), what, on what."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    ts: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    actor: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(32))
+    rollout_id: Mapped[int | None] = mapped_column(Integer, default=None, index=True)
+    device_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+
+
+class ApiToken(Base):
+    """An operator's bearer token: only its SHA-256 is stored (tokens are 256 random bits)."""
+
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[str] = mapped_column(String(16))  # viewer|operator|admin
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str | None] = mapped_column(String(64), default=None)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(default=None)
 
 
 class TelemetryRow(Base):
@@ -107,11 +178,44 @@ class TelemetryRow(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-SCHEMA_VERSION = 2  # bump with any change to the tables above, and add the step to MIGRATIONS
+SCHEMA_VERSION = 3  # bump with any change to the tables above, and add the step to MIGRATIONS
 
 # from version N to N+1: plain DDL that keeps every row (SQLite and PostgreSQL alike)
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE devices ADD COLUMN hardware JSON", "ALTER TABLE devices ADD COLUMN selftest JSON"),
+    # 3: registry selectors, rollouts in waves (new tables come from create_all), per-target gate figures
+    2: ("ALTER TABLE devices ADD COLUMN group_name VARCHAR(64)",
+        "ALTER TABLE devices ADD COLUMN tags JSON",
+        "ALTER TABLE devices ADD COLUMN profile VARCHAR(64)",
+        "CREATE INDEX IF NOT EXISTS ix_devices_group_name ON devices (group_name)",
+        "ALTER TABLE rollouts ADD COLUMN model_name VARCHAR(64)",
+        "ALTER TABLE rollouts ADD COLUMN model_version VARCHAR(32)",
+        "ALTER TABLE rollouts ADD COLUMN spec JSON",
+        "ALTER TABLE rollouts ADD COLUMN current_wave INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE rollouts ADD COLUMN created_by VARCHAR(64)",
+        "ALTER TABLE rollouts ADD COLUMN reason TEXT",
+        "ALTER TABLE rollouts ADD COLUMN lease_owner VARCHAR(64)",
+        "ALTER TABLE rollouts ADD COLUMN lease_until TIMESTAMP",
+        "UPDATE rollouts SET model_name = (SELECT name FROM models WHERE models.id = rollouts.model_id), "
+        "model_version = (SELECT version FROM models WHERE models.id = rollouts.model_id), spec = '{}'",
+        "ALTER TABLE rollout_targets ADD COLUMN wave INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE rollout_targets ADD COLUMN model_id INTEGER",
+        "ALTER TABLE rollout_targets ADD COLUMN previous_model_id INTEGER",
+        "ALTER TABLE rollout_targets ADD COLUMN p99_before FLOAT",
+        "ALTER TABLE rollout_targets ADD COLUMN p99_after FLOAT",
+        "ALTER TABLE rollout_targets ADD COLUMN tele_requests BIGINT NOT NULL DEFAULT 0",
+        "ALTER TABLE rollout_targets ADD COLUMN tele_errors BIGINT NOT NULL DEFAULT 0",
+        "UPDATE rollout_targets SET model_id = (SELECT model_id FROM rollouts WHERE rollouts.id = "
+        "rollout_targets.rollout_id)",
+        "CREATE INDEX IF NOT EXISTS ix_rollout_targets_wave ON rollout_targets (rollout_id, wave)",
+        "CREATE INDEX IF NOT EXISTS ix_rollout_targets_device ON rollout_targets (device_id)",
+        # a release-2 rollout becomes one wave of all its targets, its counters counted once here
+        "INSERT INTO rollout_waves (rollout_id, idx, size, soak_s, state, n_installed, n_failed, started_at) "
+        "SELECT r.id, 0, (SELECT count(*) FROM rollout_targets t WHERE t.rollout_id = r.id), 0, "
+        "CASE WHEN r.status = 'in_progress' THEN 'installing' ELSE 'passed' END, "
+        "(SELECT count(*) FROM rollout_targets t WHERE t.rollout_id = r.id AND t.state = 'installed'), "
+        "(SELECT count(*) FROM rollout_targets t WHERE t.rollout_id = r.id AND t.state = 'failed'), "
+        "r.created_at FROM rollouts r"),
 }
 
 
@@ -129,10 +233,19 @@ def make_engine(url: str) -> tuple[Engine, sessionmaker]:
     if url.startswith("sqlite"):
         @event.listens_for(engine, "connect")
         def _pragmas(conn, _record):  # WAL: readers do not block the MQTT writer
+            conn.isolation_level = None  # transactions are begun below, not by the sqlite3 module
             cur = conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash of the process loses nothing
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn):
+            # IMMEDIATE: a transaction takes the write lock when it starts, so a read-then-write one
+            # (a report, the rollout tick, an operator's action) waits for another instead of failing
+            # with "database is locked" when it upgrades
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
     from sqlalchemy import inspect
 
     existing = set(inspect(engine).get_table_names())

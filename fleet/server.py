@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleet.auth import TokenStore
 from fleet.bridge import MqttBridge
 from fleet.broker import EmbeddedBroker
 from fleet.db import make_engine
@@ -34,6 +35,9 @@ class FleetConfig:
     shared_subscription_group: str | None = None
     resign_interval_s: float = 600.0
     max_upload_bytes: int = 1024**3  # bigger bundle uploads get 413
+    rollout_tick_s: float = 0.25  # how often the rollout engine looks at waves (soaks, gates, next wave)
+    accept_unknown_devices: bool = True  # False: MQTT from unregistered devices is counted and dropped
+    replica_id: str | None = None  # names this replica in rollout leases; default random
 
 
 class FleetServer:
@@ -52,7 +56,11 @@ class FleetServer:
         else:
             self.mqtt_url = config.mqtt_url
         self.bridge = MqttBridge(self.mqtt_url, shared_group=config.shared_subscription_group)
-        self.service = FleetService(self.sessions, self.repo, self.bridge)
+        self.service = FleetService(self.sessions, self.repo, self.bridge, config.accept_unknown_devices,
+                                    config.replica_id)
+        self.tokens = TokenStore(self.sessions)
+        self.tokens.bootstrap_admin(config.data_dir / "admin-token")
+        self.bridge.rejections = self.service.rejections
         self.bridge.on_status = self.service.handle_status
         self.bridge.on_reported = self.service.handle_reported
         self.bridge.on_telemetry = self.service.handle_telemetry
@@ -68,7 +76,7 @@ class FleetServer:
         from fleet.api import create_app
 
         return create_app(self.service, self.repo, self.bootstrap, self.bridge.connected.is_set,
-                          self.config.max_upload_bytes)
+                          self.config.max_upload_bytes, self.tokens)
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):
@@ -78,15 +86,31 @@ class FleetServer:
             except Exception:
                 log.exception("re-signing TUF metadata failed")
 
+    def _rollout_loop(self) -> None:
+        """The rollout engine: every tick, advance the rollouts this replica holds the lease of."""
+        while not self._stop.wait(self.config.rollout_tick_s):
+            try:
+                self.service.rollouts.tick()
+            except Exception:
+                log.exception("rollout tick failed; trying again at the next one")
+
     def start_background(self) -> None:
         if self.broker is not None:
             self.broker.start()
         self.bridge.start()
         self.repo.refresh_expiring()
         threading.Thread(target=self._resign_loop, name="tuf-resign", daemon=True).start()
+        self._ticker = threading.Thread(target=self._rollout_loop, name="rollout-engine", daemon=True)
+        self._ticker.start()
 
     def stop_background(self) -> None:
         self._stop.set()
+        if getattr(self, "_ticker", None) is not None:
+            self._ticker.join(10)
+        try:
+            self.service.rollouts.release_leases()
+        except Exception:
+            log.exception("could not release rollout leases (they expire by themselves)")
         self.bridge.stop()
         if self.broker is not None:
             self.broker.stop()

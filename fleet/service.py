@@ -8,33 +8,26 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from fleet.db import Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
-from fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
+from fleet.audit import Rejections, audit
+from fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
+from fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound, RepositoryError
+from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
 from fleet.tuf_repo import Repository
 from protocol import mqtt as proto
 from protocol.bundle import BundleError, read_manifest
 from protocol.errors import ContractError
 from protocol.manifest import version_key
 
-__all__ = ["FleetService", "Publisher", "rollout_status"]
+__all__ = ["FleetService", "Publisher"]
 
 log = logging.getLogger("edgefleet.fleet")
-TERMINAL = {"installed", "failed"}
-
 
 class Publisher(Protocol):
     def publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
-
-
-def rollout_status(states: list[str]) -> str:
-    """in_progress until every target is installed or failed; then succeeded only if all installed."""
-    if not states or any(s not in TERMINAL for s in states):
-        return "in_progress"
-    return "succeeded" if all(s == "installed" for s in states) else "failed"
 
 
 def _iso(t: dt.datetime | None) -> str | None:
@@ -42,13 +35,22 @@ def _iso(t: dt.datetime | None) -> str | None:
 
 
 class FleetService:
-    def __init__(self, sessions: sessionmaker, repo: Repository, publisher: Publisher):
+    def __init__(self, sessions: sessionmaker, repo: Repository, publisher: Publisher,
+                 accept_unknown_devices: bool = True, owner: str | None = None):
         self.sessions = sessions
         self.repo = repo
         self.publisher = publisher
+        # True: a device seen on MQTT before registration is added (registered_via "mqtt"). Enrollment
+        # (fleet/enroll.py) turns it off: then only enrolled devices are heard, the rest counted and dropped.
+        self.accept_unknown_devices = accept_unknown_devices
+        self.rejections = Rejections()
+        self.rollouts = RolloutEngine(sessions, publisher, owner)
+        self._known: set[str] = set()
 
     # -- devices ------------------------------------------------------------------------------
-    def register_device(self, device_id: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    def register_device(self, device_id: str, labels: dict[str, str] | None = None, group: str | None = None,
+                        tags: list[str] | None = None, profile: str | None = None,
+                        actor: str = "api") -> dict[str, Any]:
         if not proto.device_id_ok(device_id):
             raise BadRequest(f"device id {device_id!r} must be 1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
         with self.sessions.begin() as s:
@@ -60,8 +62,39 @@ class FleetService:
                 dev.registered_via = "api"
                 if labels is not None:
                     dev.labels = labels
+            self._set_selectors(dev, group, tags, profile)
+            audit(s, actor, "device_registered", device_id=device_id, group=group, tags=tags, profile=profile)
+            s.flush()
+            self._known.add(device_id)
+            return self._device_json(s, dev)
+
+    @staticmethod
+    def _set_selectors(dev: Device, group: str | None, tags: list[str] | None, profile: str | None) -> None:
+        if group is not None:
+            dev.group_name = group or None
+        if tags is not None:
+            dev.tags = sorted(set(tags))
+        if profile is not None:
+            dev.profile = profile or None
+
+    def update_device(self, device_id: str, group: str | None = None, tags: list[str] | None = None,
+                      profile: str | None = None, actor: str = "api") -> dict[str, Any]:
+        with self.sessions.begin() as s:
+            dev = s.get(Device, device_id)
+            if dev is None:
+                raise NotFound(f"no device {device_id!r}; register it with POST /api/v1/devices")
+            self._set_selectors(dev, group, tags, profile)
+            audit(s, actor, "device_updated", device_id=device_id, group=group, tags=tags, profile=profile)
             s.flush()
             return self._device_json(s, dev)
+
+    def list_groups(self) -> list[dict[str, Any]]:
+        with self.sessions() as s:
+            rows = s.execute(select(Device.group_name, func.count(), func.sum(case((Device.online.is_(True), 1),
+                                                                                 else_=0)))
+                             .where(Device.group_name.is_not(None)).group_by(Device.group_name)
+                             .order_by(Device.group_name))
+            return [{"group": g, "devices": int(n), "online": int(o or 0)} for g, n, o in rows]
 
     def _device_json(self, s: Session, d: Device) -> dict[str, Any]:
         desired = s.get(Model, d.desired_model_id) if d.desired_model_id else None
@@ -73,6 +106,7 @@ class FleetService:
             "desired": None if desired is None else {"model": desired.name, "version": desired.version,
                                                      "rollout_id": d.desired_rollout_id},
             "telemetry": d.last_telemetry, "hardware": d.hardware, "selftest": d.selftest,
+            "group": d.group_name, "tags": d.tags or [], "profile": d.profile,
         }
 
     def list_devices(self) -> list[dict[str, Any]]:
@@ -156,110 +190,67 @@ class FleetService:
                              f"({', '.join(m.profile for m in found)}); say which with 'profile'")
         return found[0]
 
-    # -- rollouts -----------------------------------------------------------------------------
-    def create_rollout(self, name: str, version: str, devices: list[str], profile: str | None = None) -> dict[str, Any]:
-        if not devices:
-            raise BadRequest("a rollout needs at least one device")
-        if len(set(devices)) != len(devices):
-            raise BadRequest("the device list names a device twice")
-        msgs = []
-        with self.sessions.begin() as s:
-            model = self._find_model(s, name, version, profile)
-            missing = [d for d in devices if s.get(Device, d) is None]
-            if missing:
-                raise NotFound(f"unknown devices: {', '.join(missing)}; register them first")
-            r = Rollout(model_id=model.id)
-            s.add(r)
-            s.flush()
-            self._supersede(s, devices, r.id)
-            now = time.time()
-            for dev_id in devices:
-                s.add(RolloutTarget(rollout_id=r.id, device_id=dev_id))
-                dev = s.get(Device, dev_id)
-                assert dev is not None
-                dev.desired_model_id = model.id
-                dev.desired_rollout_id = r.id
-                msgs.append(self._desired_message(dev_id, model, r.id, now))
-            rollout_id = r.id
-        for t, payload in msgs:  # after commit: a device that answers at once finds its target row
-            self.publisher.publish(t, payload, retain=True)
-        return self.get_rollout(rollout_id)
+    # -- rollouts (the state machine lives in fleet.rollout) --------------------------------------
+    def create_rollout(self, name: str, version: str, devices: list[str] | None = None, profile: str | None = None,
+                       group: str | None = None, tags: list[str] | None = None, spec: RolloutSpec | None = None,
+                       actor: str = "api") -> dict[str, Any]:
+        sel = Selector(devices=tuple(devices or ()), group=group, tags=tuple(tags or ()), profile=profile)
+        rid = self.rollouts.create(name, version, sel, spec or RolloutSpec(), actor)
+        return self.get_rollout(rid)
 
-    def _supersede(self, s: Session, devices: list[str], new_rollout: int) -> None:
-        """A device gets one desired state: its unfinished targets in older rollouts fail as superseded."""
-        stale = list(s.scalars(select(RolloutTarget).where(
-            RolloutTarget.device_id.in_(devices), RolloutTarget.rollout_id != new_rollout,
-            RolloutTarget.state.not_in(TERMINAL))))
-        for t in stale:
-            t.state = "failed"
-            t.error = f"superseded by rollout {new_rollout}"
-            t.updated_at = utcnow()
-        for rid in {t.rollout_id for t in stale}:
-            self._recompute(s, rid)
-
-    @staticmethod
-    def _recompute(s: Session, rollout_id: int) -> None:
-        r = s.get(Rollout, rollout_id)
-        assert r is not None
-        s.flush()
-        states = list(s.scalars(select(RolloutTarget.state).where(RolloutTarget.rollout_id == rollout_id)))
-        new = rollout_status(states)
-        if new != r.status:
-            r.status = new
-            r.finished_at = utcnow() if new != "in_progress" else None
-
-    @staticmethod
-    def _desired_message(device_id: str, model: Model, rollout_id: int | None, now: float) -> tuple[str, bytes]:
-        msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=model.name,
-                                 version=model.version, target=model.target_path, sha256=model.sha256,
-                                 size_bytes=model.size_bytes)
-        return proto.topic(device_id, "desired"), proto.encode(msg)
+    def rollout_action(self, rollout_id: int, action: str, actor: str) -> dict[str, Any]:
+        self.rollouts.act(rollout_id, action, actor)
+        return self.get_rollout(rollout_id, with_targets=False)
 
     def republish_desired(self) -> int:
         """Publish every device's desired state again (retained), e.g. after a broker restart."""
         with self.sessions() as s:
-            rows = [(d.id, s.get(Model, d.desired_model_id), d.desired_rollout_id)
+            rows = [(d.id, self.rollouts.model(s, d.desired_model_id), d.desired_rollout_id)
                     for d in s.scalars(select(Device).where(Device.desired_model_id.is_not(None)))]
         now = time.time()
         for dev_id, model, rid in rows:
             if model is not None:
-                self.publisher.publish(*self._desired_message(dev_id, model, rid, now), retain=True)
+                self.publisher.publish(*desired_message(dev_id, model, rid, now), retain=True)
         return len(rows)
 
     def list_rollouts(self, limit: int = 100) -> list[dict[str, Any]]:
         with self.sessions() as s:
             ids = list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc()).limit(max(1, min(limit, 1000)))))
-        return [self.get_rollout(i) for i in ids]
+        return [self.get_rollout(i, with_targets=False) for i in ids]
 
-    def get_rollout(self, rollout_id: int) -> dict[str, Any]:
+    def get_rollout(self, rollout_id: int, with_targets: bool = True) -> dict[str, Any]:
+        return self.rollouts.status(rollout_id, with_targets)
+
+    def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[dict[str, Any]]:
         with self.sessions() as s:
-            r = s.get(Rollout, rollout_id)
-            if r is None:
-                raise NotFound(f"no rollout {rollout_id}")
-            m = s.get(Model, r.model_id)
-            assert m is not None
-            targets = list(s.scalars(select(RolloutTarget).where(RolloutTarget.rollout_id == r.id)
-                                     .order_by(RolloutTarget.device_id)))
-            counts: dict[str, int] = {}
-            for t in targets:
-                counts[t.state] = counts.get(t.state, 0) + 1
-            return {"id": r.id, "model": m.name, "version": m.version, "profile": m.profile, "status": r.status,
-                    "created_at": _iso(r.created_at), "finished_at": _iso(r.finished_at), "counts": counts,
-                    "targets": [{"device_id": t.device_id, "state": t.state, "error": t.error,
-                                 "updated_at": _iso(t.updated_at)} for t in targets]}
+            q = select(AuditRow).order_by(AuditRow.id.desc()).limit(max(1, min(limit, 5000)))
+            if rollout_id is not None:
+                q = q.where(AuditRow.rollout_id == rollout_id)
+            return [{"id": a.id, "ts": _iso(a.ts), "actor": a.actor, "action": a.action, "rollout_id": a.rollout_id,
+                     "device_id": a.device_id, "detail": a.detail} for a in s.scalars(q)]
 
     # -- ingest (called from the MQTT bridge) ---------------------------------------------------
-    def _ensure_device(self, device_id: str) -> None:
-        """A device seen on MQTT before anyone registered it is kept visible, not lost. Several replicas
-        may see its first message at once: the losers of the insert race just use the winner's row."""
+    def _ensure_device(self, device_id: str) -> bool:
+        """A device seen on MQTT before anyone registered it is kept visible, not lost (unless the fleet
+        accepts only known devices: then False, counted and logged once). Several replicas may see its
+        first message at once: the losers of the insert race just use the winner's row."""
+        if device_id in self._known:
+            return True
         with self.sessions() as s:
             if s.get(Device, device_id) is not None:
-                return
+                self._known.add(device_id)
+                return True
+        if not self.accept_unknown_devices:
+            self.rejections.add("unknown_device", device_id, f"device {device_id} is not registered: its "
+                                "messages are dropped until it is")
+            return False
         try:
             with self.sessions.begin() as s:
                 s.add(Device(id=device_id, labels={}, registered_via="mqtt"))
         except IntegrityError:
             pass
+        self._known.add(device_id)
+        return True
 
     def _device_for_message(self, s: Session, device_id: str) -> Device:
         dev = s.get(Device, device_id)
@@ -267,7 +258,8 @@ class FleetService:
         return dev
 
     def handle_status(self, msg: proto.StatusMessage) -> None:
-        self._ensure_device(msg.device_id)
+        if not self._ensure_device(msg.device_id):
+            return
         with self.sessions.begin() as s:
             dev = self._device_for_message(s, msg.device_id)
             dev.online = msg.state == "online"
@@ -278,44 +270,39 @@ class FleetService:
                 dev.inference_url = msg.inference_url
             if msg.cpu_features is not None:
                 dev.hardware = {"arch": msg.arch, "cpu_features": list(msg.cpu_features)}
+            if msg.profile is not None:
+                dev.profile = msg.profile
 
     def handle_reported(self, msg: proto.ReportedState) -> None:
-        self._ensure_device(msg.device_id)
-        with self.sessions.begin() as s:
-            dev = self._device_for_message(s, msg.device_id)
-            dev.last_seen = utcnow()
-            dev.last_state = msg.state
-            dev.last_error = msg.error
-            dev.running_model = msg.running_model
-            dev.running_version = msg.running_version
-            if msg.state == "installed" and msg.selftest is not None:
-                dev.selftest = self._selftest_json(s, msg)
-            if msg.rollout_id is None:
-                return
-            target = s.get(RolloutTarget, (msg.rollout_id, msg.device_id))
-            if target is None:
-                log.warning("device %s reported on rollout %s it is not part of", msg.device_id, msg.rollout_id)
-                return
-            state = "failed" if msg.state == "rolled_back" else msg.state
-            if target.state in TERMINAL and state not in TERMINAL:
-                return  # a late progress message must not reopen a finished target
-            if target.state == "installed" and state != "installed":
-                r = s.get(Rollout, msg.rollout_id)
-                m = s.get(Model, r.model_id) if r else None
-                if m is None or msg.running_version == m.version:
-                    return  # still running what was installed: a replayed old failure must not flip it
-            target.state = state
-            target.error = msg.error
-            target.updated_at = utcnow()
-            self._recompute(s, msg.rollout_id)
+        if not self._ensure_device(msg.device_id):
+            return
+        try:
+            with self.sessions.begin() as s:
+                dev = self._device_for_message(s, msg.device_id)
+                dev.last_seen = utcnow()
+                dev.last_state = msg.state
+                dev.last_error = msg.error
+                dev.running_model = msg.running_model
+                dev.running_version = msg.running_version
+                if msg.state == "installed" and msg.selftest is not None:
+                    dev.selftest = self._selftest_json(s, msg)
+                if msg.rollout_id is not None:
+                    self.rollouts.on_report(s, msg)
+        except DeviceInputRejected as exc:
+            self.rejections.add(exc.kind, msg.device_id, str(exc))
+            with self.sessions.begin() as s:  # what the device runs is still news
+                dev = self._device_for_message(s, msg.device_id)
+                dev.last_seen = utcnow()
+                dev.running_model = msg.running_model
+                dev.running_version = msg.running_version
 
     @staticmethod
     def _selftest_json(s: Session, msg: proto.ReportedState) -> dict[str, Any]:
         """The device's self-test next to what the compiler measured for the same build."""
         out: dict[str, Any] = {"model": msg.running_model, "version": msg.running_version,
                                **(msg.selftest.model_dump(mode="json") if msg.selftest else {})}
-        r = s.get(Rollout, msg.rollout_id) if msg.rollout_id is not None else None
-        m = s.get(Model, r.model_id) if r is not None else None
+        t = s.get(RolloutTarget, (msg.rollout_id, msg.device_id)) if msg.rollout_id is not None else None
+        m = s.get(Model, t.model_id) if t is not None and t.model_id is not None else None
         if m is not None and (m.name, m.version) == (msg.running_model, msg.running_version):
             summary = m.manifest.get("selftest_summary") or {}
             out["build"] = {"profile": m.profile, "precision": m.precision, "top1": summary.get("top1"),
@@ -326,7 +313,8 @@ class FleetService:
 
     def handle_telemetry(self, msg: proto.Telemetry) -> bool:
         """Store one telemetry record; False if it was a duplicate (QoS 1 may deliver twice)."""
-        self._ensure_device(msg.device_id)
+        if not self._ensure_device(msg.device_id):
+            return False
         try:
             with self.sessions.begin() as s:
                 dev = self._device_for_message(s, msg.device_id)
@@ -337,6 +325,7 @@ class FleetService:
                 last = dev.last_telemetry
                 if last is None or last.get("stream") != msg.stream or last.get("seq", -1) < msg.seq:
                     dev.last_telemetry = payload
+                self.rollouts.on_telemetry(s, dev, msg)
         except IntegrityError:
             with self.sessions() as s:  # a duplicate (QoS 1 redelivery, or another replica stored it)?
                 if s.scalar(select(TelemetryRow.id).where(

@@ -137,6 +137,7 @@ class Telemetry(_Message):
     batch_size_max: int | None
     cpu_percent: float
     rss_mb: float
+    dropped: int | None = Field(default=None, ge=0)  # records this stream's full spool dropped, in total
 
 
 class TelemetryAck(_Message):

@@ -16,6 +16,35 @@ from fleet.server import FleetConfig, FleetServer
 from tests.conftest import free_port
 
 
+class Api:
+    """httpx's module functions with the running fleet's admin token (``token=None`` sends none)."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+
+    def request(self, method: str, url: str, token: str | bool | None = True, **kw: object) -> httpx.Response:
+        tok = self.token if token is True else (token or None)
+        headers = dict(kw.pop("headers", None) or {})  # type: ignore[call-overload]
+        if tok:
+            headers["Authorization"] = f"Bearer {tok}"
+        return httpx.request(method, url, headers=headers, timeout=30, **kw)  # type: ignore[arg-type]
+
+    def get(self, url: str, **kw: object) -> httpx.Response:
+        return self.request("GET", url, **kw)  # type: ignore[arg-type]
+
+    def post(self, url: str, **kw: object) -> httpx.Response:
+        return self.request("POST", url, **kw)  # type: ignore[arg-type]
+
+    def patch(self, url: str, **kw: object) -> httpx.Response:
+        return self.request("PATCH", url, **kw)  # type: ignore[arg-type]
+
+    def delete(self, url: str, **kw: object) -> httpx.Response:
+        return self.request("DELETE", url, **kw)  # type: ignore[arg-type]
+
+
+api = Api()
+
+
 @contextmanager
 def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
                   **config: object) -> Iterator[tuple[FleetServer, str]]:
@@ -25,6 +54,7 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
     cfg = FleetConfig(data_dir=tmp / "fleet", keys_dir=tmp / "keys", port=port, mqtt_url=mqtt_url, db_url=db_url,
                       embedded_mqtt_port=free_port(), **config)  # type: ignore[arg-type]
     fs = FleetServer(cfg)
+    api.token = (cfg.data_dir / "admin-token").read_text().strip()
     fs.start_background()
     server = uvicorn.Server(uvicorn.Config(fs.app(), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))

@@ -3,12 +3,15 @@
 import json
 
 from tests.conftest import free_port
-from tests.fleet_harness import running_fleet
+from tests.fleet_harness import api, running_fleet
 from tests.test_compiler import run_cli
 
 
-def test_fleet_cli_round_trip(tmp_path, mosquitto, digits_bundle):
+def test_fleet_cli_round_trip(tmp_path, mosquitto, digits_bundle, monkeypatch):
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+        r = run_cli("fleet", "devices", "--fleet", url)
+        assert r.returncode == 6 and "no API token" in r.stderr
+        monkeypatch.setenv("EDGEFLEET_TOKEN", api.token)
         r = run_cli("fleet", "upload", str(digits_bundle), "--fleet", url, "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["target"] == "digits/1.0.0/x86-cpu.tar"

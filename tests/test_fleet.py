@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import paho.mqtt.client as mqtt
 import pytest
 
 from protocol import mqtt as proto
 from tests.conftest import wait_for
-from tests.fleet_harness import running_fleet
+from tests.fleet_harness import api, running_fleet
 
 
 def device_client(broker_port: int, device_id: str) -> mqtt.Client:
@@ -29,15 +28,15 @@ def fleet(tmp_path, mosquitto):
 
 def test_upload_register_rollout_and_desired_state(fleet, digits_bundle):
     fs, url, broker = fleet
-    r = httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    r = api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
     assert r.status_code == 201, r.text
     assert r.json()["target"] == "digits/1.0.0/x86-cpu.tar"
-    assert httpx.post(f"{url}/api/v1/devices", json={"device_id": "cam-1"}).status_code == 201
+    assert api.post(f"{url}/api/v1/devices", json={"device_id": "cam-1"}).status_code == 201
     got = []
     c = device_client(broker.port, "cam-1")
     c.on_message = lambda cl, u, m: got.append(m)
     c.subscribe(proto.topic("cam-1", "desired"), qos=1)
-    r = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["cam-1"]})
+    r = api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["cam-1"]})
     assert r.status_code == 201, r.text
     rid = r.json()["id"]
     wait_for(lambda: got)
@@ -47,19 +46,19 @@ def test_upload_register_rollout_and_desired_state(fleet, digits_bundle):
     rep = proto.ReportedState(device_id="cam-1", ts=time.time(), state="installed", rollout_id=rid, model="digits",
                               version="1.0.0", running_model="digits", running_version="1.0.0")
     c.publish(proto.topic("cam-1", "reported"), proto.encode(rep), qos=1).wait_for_publish(5)
-    wait_for(lambda: httpx.get(f"{url}/api/v1/rollouts/{rid}").json()["status"] == "succeeded")
-    dev = httpx.get(f"{url}/api/v1/devices/cam-1").json()
+    wait_for(lambda: api.get(f"{url}/api/v1/rollouts/{rid}").json()["status"] == "succeeded")
+    dev = api.get(f"{url}/api/v1/devices/cam-1").json()
     assert dev["running_version"] == "1.0.0" and dev["desired"]["version"] == "1.0.0"
-    page = httpx.get(f"{url}/").text
+    page = api.get(f"{url}/").text
     assert "cam-1" in page and "digits" in page and "succeeded" in page
     c.loop_stop()
 
 
 def test_desired_state_is_retained_for_late_devices(fleet, digits_bundle):
     fs, url, broker = fleet
-    httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
-    httpx.post(f"{url}/api/v1/devices", json={"device_id": "late"})
-    httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["late"]})
+    api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    api.post(f"{url}/api/v1/devices", json={"device_id": "late"})
+    api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["late"]})
     time.sleep(0.3)
     got = []
     c = device_client(broker.port, "late")
@@ -79,11 +78,11 @@ def test_status_last_will_marks_device_offline(fleet):
     c.loop_start()
     online = proto.StatusMessage(device_id="dying", ts=time.time(), state="online", agent_version="0.1.0")
     c.publish(proto.topic("dying", "status"), proto.encode(online), qos=1, retain=True).wait_for_publish(5)
-    wait_for(lambda: httpx.get(f"{url}/api/v1/devices/dying").status_code == 200 and
-             httpx.get(f"{url}/api/v1/devices/dying").json()["online"])
+    wait_for(lambda: api.get(f"{url}/api/v1/devices/dying").status_code == 200 and
+             api.get(f"{url}/api/v1/devices/dying").json()["online"])
     c.loop_stop()
     c._sock.close()  # the device dies without a DISCONNECT: the broker publishes the will
-    wait_for(lambda: not httpx.get(f"{url}/api/v1/devices/dying").json()["online"], timeout_s=20)
+    wait_for(lambda: not api.get(f"{url}/api/v1/devices/dying").json()["online"], timeout_s=20)
 
 
 def telemetry(device_id: str, seq: int, stream: str = "0123456789abcdef") -> proto.Telemetry:
@@ -112,14 +111,14 @@ def test_telemetry_is_stored_once_and_acked(fleet):
     c.publish(proto.topic("tele", "telemetry"), proto.encode(telemetry("tele", 0, "fedcba9876543210")),
               qos=1).wait_for_publish(5)
     wait_for(lambda: fs.service.telemetry_count("tele") == 4)
-    rows = httpx.get(f"{url}/api/v1/devices/tele/telemetry").json()
+    rows = api.get(f"{url}/api/v1/devices/tele/telemetry").json()
     assert [(r["stream"][:4], r["seq"]) for r in rows] == [("fedc", 0), ("0123", 2), ("0123", 1), ("0123", 0)]
     # every delivery is acked, duplicates too (the first ack may have been lost)
     wait_for(lambda: len(acks) == 5)
     assert sorted((a.stream[:4], a.seqs) for a in acks) == [("0123", (0,)), ("0123", (1,)), ("0123", (1,)),
                                                             ("0123", (2,)), ("fedc", (0,))]
-    assert httpx.get(f"{url}/api/v1/devices/tele").json()["telemetry"]["stream"] == "fedcba9876543210"
-    assert "p95 latency" in httpx.get(f"{url}/").text
+    assert api.get(f"{url}/api/v1/devices/tele").json()["telemetry"]["stream"] == "fedcba9876543210"
+    assert "p95 latency" in api.get(f"{url}/").text
     c.loop_stop()
 
 
@@ -136,10 +135,10 @@ def test_malformed_and_spoofed_messages_are_dropped_and_the_fleet_keeps_going(fl
     for t, p in bad:
         c.publish(t, p, qos=1).wait_for_publish(5)
     wait_for(lambda: fs.bridge.rejected >= len(bad))
-    assert httpx.get(f"{url}/api/v1/devices/victim").status_code == 404
+    assert api.get(f"{url}/api/v1/devices/victim").status_code == 404
     ok = proto.StatusMessage(device_id="evil", ts=time.time(), state="online")
     c.publish(proto.topic("evil", "status"), proto.encode(ok), qos=1).wait_for_publish(5)
-    wait_for(lambda: httpx.get(f"{url}/api/v1/devices/evil").status_code == 200)
+    wait_for(lambda: api.get(f"{url}/api/v1/devices/evil").status_code == 200)
     c.loop_stop()
 
 
@@ -158,26 +157,26 @@ BAD_REQUESTS = [
                                                                                       BAD_REQUESTS])
 def test_bad_requests_get_clear_errors(fleet, method, path, doc, status, msg):
     fs, url, broker = fleet
-    r = httpx.request(method.upper(), f"{url}{path}", json=doc)
+    r = api.request(method.upper(), f"{url}{path}", json=doc)
     assert r.status_code == status, r.text
     assert msg in r.text
 
 
 def test_bad_uploads(fleet, digits_bundle):
     fs, url, broker = fleet
-    r = httpx.post(f"{url}/api/v1/bundles", content=b"not a tar at all")
+    r = api.post(f"{url}/api/v1/bundles", content=b"not a tar at all")
     assert r.status_code == 422 and "not a valid bundle" in r.json()["error"]
-    r = httpx.post(f"{url}/api/v1/bundles", content=b"")
+    r = api.post(f"{url}/api/v1/bundles", content=b"")
     assert r.status_code == 400 and "empty body" in r.json()["error"]
-    assert httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
-    r = httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    assert api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
+    r = api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
     assert r.status_code == 409 and "bump the version" in r.json()["error"]
-    assert len(httpx.get(f"{url}/api/v1/models").json()) == 1
+    assert len(api.get(f"{url}/api/v1/models").json()) == 1
 
 
 def test_oversized_upload_is_413_and_nothing_is_kept(tmp_path, mosquitto, digits_bundle):
     with running_fleet(tmp_path, mosquitto.url, max_upload_bytes=10_000) as (fs, url):
-        r = httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+        r = api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
         assert r.status_code == 413 and "exceeds the 10000-byte limit" in r.json()["error"]
 
         def chunks():  # no Content-Length: the limit is enforced while streaming
@@ -185,27 +184,27 @@ def test_oversized_upload_is_413_and_nothing_is_kept(tmp_path, mosquitto, digits
             for i in range(0, len(data), 4096):
                 yield data[i : i + 4096]
 
-        r = httpx.post(f"{url}/api/v1/bundles", content=chunks())
+        r = api.post(f"{url}/api/v1/bundles", content=chunks())
         assert r.status_code == 413
-        assert httpx.get(f"{url}/api/v1/models").json() == []
+        assert api.get(f"{url}/api/v1/models").json() == []
         assert not list((tmp_path / "fleet" / "tuf").glob("upload-*"))
 
 
 def test_rollout_to_unknown_device(fleet, digits_bundle):
     fs, url, broker = fleet
-    httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
-    r = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["ghost"]})
+    api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+    r = api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["ghost"]})
     assert r.status_code == 404 and "unknown devices: ghost" in r.json()["error"]
 
 
 def test_state_survives_a_fleet_restart(tmp_path, mosquitto, digits_bundle):
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
-        httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
-        httpx.post(f"{url}/api/v1/devices", json={"device_id": "keep"})
+        api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
+        api.post(f"{url}/api/v1/devices", json={"device_id": "keep"})
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
-        assert [m["version"] for m in httpx.get(f"{url}/api/v1/models").json()] == ["1.0.0"]
-        assert httpx.get(f"{url}/api/v1/devices/keep").status_code == 200
-        assert httpx.get(f"{url}/tuf/metadata/timestamp.json").status_code == 200
+        assert [m["version"] for m in api.get(f"{url}/api/v1/models").json()] == ["1.0.0"]
+        assert api.get(f"{url}/api/v1/devices/keep").status_code == 200
+        assert api.get(f"{url}/tuf/metadata/timestamp.json").status_code == 200
 
 
 def _postgres_url() -> str | None:
@@ -227,9 +226,9 @@ def test_postgresql_backend(tmp_path, mosquitto, digits_bundle):
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): "
                     "the SQLite runs above cover the same code")
     with running_fleet(tmp_path, mosquitto.url, db_url=db) as (fs, url):
-        assert httpx.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
-        assert httpx.post(f"{url}/api/v1/devices", json={"device_id": "pg-1"}).status_code == 201
-        r = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["pg-1"]})
+        assert api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
+        assert api.post(f"{url}/api/v1/devices", json={"device_id": "pg-1"}).status_code == 201
+        r = api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["pg-1"]})
         assert r.status_code == 201
         c = device_client(mosquitto.port, "pg-1")
         for seq in (0, 0, 1):
@@ -242,12 +241,12 @@ def test_postgresql_backend(tmp_path, mosquitto, digits_bundle):
 def test_a_new_rollout_supersedes_an_unfinished_one(fleet, digits_bundle, digits_bundle_v2):
     fs, url, broker = fleet
     for b in (digits_bundle, digits_bundle_v2):
-        httpx.post(f"{url}/api/v1/bundles", content=b.read_bytes())
-    httpx.post(f"{url}/api/v1/devices", json={"device_id": "busy"})
-    first = httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0",
+        api.post(f"{url}/api/v1/bundles", content=b.read_bytes())
+    api.post(f"{url}/api/v1/devices", json={"device_id": "busy"})
+    first = api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0",
                                                        "devices": ["busy"]}).json()
-    httpx.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.1.0", "devices": ["busy"]})
-    r = httpx.get(f"{url}/api/v1/rollouts/{first['id']}").json()
+    api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.1.0", "devices": ["busy"]})
+    r = api.get(f"{url}/api/v1/rollouts/{first['id']}").json()
     assert r["status"] == "failed" and r["targets"][0]["error"] == f"superseded by rollout {first['id'] + 1}"
 
 
@@ -267,7 +266,7 @@ def test_bundle_that_failed_its_gate_is_not_published(fleet, digits_bundle, tmp_
                 data = _json.dumps(doc).encode()
                 m.size = len(data)
             dst.addfile(m, io.BytesIO(data))
-    r = httpx.post(f"{url}/api/v1/bundles", content=bad.read_bytes())
+    r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes())
     assert r.status_code == 422 and "failed its accuracy gate" in r.json()["error"]
 
 
@@ -286,7 +285,7 @@ def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mo
         per_replica = [fs.bridge.handled["telemetry"] for fs, _ in replicas]
         assert sum(per_replica) == 40 and min(per_replica) > 0, per_replica  # the load was split
         for _fs, url in replicas:  # both replicas serve the same state
-            assert len(httpx.get(f"{url}/api/v1/devices/busy-cam/telemetry?limit=100").json()) == 40
+            assert len(api.get(f"{url}/api/v1/devices/busy-cam/telemetry?limit=100").json()) == 40
         c.loop_stop()
 
 
@@ -320,30 +319,6 @@ def test_a_database_from_another_schema_is_refused(tmp_path):
     make_engine(fresh)[0].dispose()  # reopening its own schema is fine
 
 
-def test_a_schema_1_database_is_migrated_keeping_every_row(tmp_path):
-    """The previous release's schema (1) gains the device hardware and self-test columns in place."""
-    import sqlite3
-
-    from sqlalchemy import select
-
-    from fleet.db import SCHEMA_VERSION, Device, Meta, make_engine
-
-    url = f"sqlite:///{tmp_path / 'fleet.db'}"
-    make_engine(url)[0].dispose()
-    with sqlite3.connect(tmp_path / "fleet.db") as conn:  # turn it back into what release 1 wrote
-        conn.execute("ALTER TABLE devices DROP COLUMN hardware")
-        conn.execute("ALTER TABLE devices DROP COLUMN selftest")
-        conn.execute("UPDATE edgefleet_meta SET value = '1' WHERE key = 'schema_version'")
-        conn.execute("INSERT INTO devices (id, labels, registered_via, created_at, online) "
-                     "VALUES ('edge-old', '{\"site\": \"a\"}', 'api', '2026-01-01 00:00:00', 0)")
-    engine, sessions = make_engine(url)
-    with sessions() as s:
-        dev = s.get(Device, "edge-old")
-        assert dev is not None and dev.labels == {"site": "a"} and dev.hardware is None and dev.selftest is None
-        assert s.scalar(select(Meta.value).where(Meta.key == "schema_version")) == str(SCHEMA_VERSION)
-    engine.dispose()
-
-
 def test_a_newer_schema_is_refused(tmp_path):
     import sqlite3
 
@@ -356,28 +331,3 @@ def test_a_newer_schema_is_refused(tmp_path):
         conn.execute("UPDATE edgefleet_meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(ConfigError, match=r"database schema 99.*cannot migrate it"):
         make_engine(url)
-
-
-def test_a_schema_1_database_is_migrated_on_postgresql():
-    from sqlalchemy import select, text
-
-    from fleet.db import SCHEMA_VERSION, Device, Meta, make_engine
-
-    db = _postgres_url()
-    if db is None:
-        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): "
-                    "the SQLite migration test covers the same statements")
-    engine, sessions = make_engine(db)
-    with sessions.begin() as s:
-        s.execute(text("ALTER TABLE devices DROP COLUMN hardware"))
-        s.execute(text("ALTER TABLE devices DROP COLUMN selftest"))
-        s.execute(text("UPDATE edgefleet_meta SET value = '1' WHERE key = 'schema_version'"))
-        s.execute(text("INSERT INTO devices (id, labels, registered_via, created_at, online) "
-                       "VALUES ('edge-old', '{}', 'api', now(), false)"))
-    engine.dispose()
-    engine, sessions = make_engine(db)
-    with sessions() as s:
-        dev = s.get(Device, "edge-old")
-        assert dev is not None and dev.hardware is None
-        assert s.scalar(select(Meta.value).where(Meta.key == "schema_version")) == str(SCHEMA_VERSION)
-    engine.dispose()
