@@ -1,7 +1,17 @@
-"""Agent configuration: flags or a YAML file, parsed once into a frozen object; unknown keys are errors."""
+"""Agent configuration: flags or a YAML file, parsed once into a frozen object; unknown keys are errors that
+name the key and the nearest valid one.
+
+    # /etc/edgefleet/agent.yaml
+    device_id: cam-7
+    fleet_url: https://fleet.example:8700
+    data_dir: /var/lib/edgefleet-agent
+    trusted_root: /etc/edgefleet/root.json
+    max_batch_size: 8
+"""
 
 from __future__ import annotations
 
+import difflib
 import platform
 import re
 from pathlib import Path
@@ -42,6 +52,17 @@ class AgentConfig(StrictModel):
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)
     install_retries: int = Field(default=5, ge=0)
+    # slow retrieval: after this grace, a download averaging less than the minimum speed is aborted
+    download_grace_s: float = Field(default=30.0, gt=0, le=3600)
+    download_min_bytes_per_s: int = Field(default=2048, ge=0)
+    # on SIGTERM: stop accepting, finish the requests in flight for at most this long, then stop
+    shutdown_grace_s: float = Field(default=20.0, ge=0, le=600)
+    # onnxruntime execution providers to ask for, best first; None: from the bundle's profile (gpu: TensorRT,
+    # CUDA, CPU). Which one runs is read back from the session.
+    onnxruntime_providers: tuple[str, ...] | None = None
+    # device telemetry: thermal zones under <sysfs_root>/class/thermal; Jetson's tegrastats when it exists
+    sysfs_root: Path = Path("/sys")
+    tegrastats: Path | None = Path("/usr/bin/tegrastats")
 
     @field_validator("device_id")
     @classmethod
@@ -55,6 +76,19 @@ class AgentConfig(StrictModel):
         if self.max_inflight_body_bytes < self.max_body_bytes:
             raise ValueError("max_inflight_body_bytes must be at least max_body_bytes")
         return self
+
+    @field_validator("onnxruntime_providers")
+    @classmethod
+    def _providers(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        known = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+        for p in v or ():
+            if p not in known:
+                near = difflib.get_close_matches(p, known, n=1, cutoff=0.5)
+                raise ValueError(f"unknown execution provider {p!r}" + (f" (did you mean {near[0]!r}?)" if near
+                                                                        else f"; known: {', '.join(known)}"))
+        if v is not None and not v:
+            raise ValueError("name at least one provider, or leave the setting out")
+        return v
 
     @field_validator("fleet_url")
     @classmethod
@@ -86,4 +120,13 @@ def load_config(path: Path | None, overrides: dict[str, object]) -> AgentConfig:
         problems = [re.sub(r"missing key '(\w+)'",
                            lambda m: f"missing setting '{m[1]}' (flag --{m[1].replace('_', '-')} or "
                                      f"key {m[1]} in --config)", p) for p in exc.problems]
+        problems = [re.sub(r"^unknown key '([^']*)'$", lambda m: f"unknown key '{m[1]}' ({_nearest(m[1])})", p)
+                    for p in problems]
         raise ConfigError(f"{exc.source}: {'; '.join(problems)}") from exc
+
+
+def _nearest(key: str) -> str:
+    known = sorted(AgentConfig.model_fields)
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6) or \
+        [k for k in known if key in k or k in key][:1]
+    return f"did you mean '{near[0]}'?" if near else f"valid keys: {', '.join(known)}"

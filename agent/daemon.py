@@ -8,14 +8,19 @@ serving its last committed model before it has even found the broker.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import math
+import os
+import signal
 import socket
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,14 +34,15 @@ from agent.metrics import Metrics
 from agent.server import ModelHost, create_app
 from agent.spool import Spool
 from agent.store import ModelStore, StagedModel
+from agent.telemetry import DeviceSampler, DeviceStats
 from agent.trusted import check_cpu, decide
 from agent.updater import BundleFetcher
 from protocol import mqtt as proto
 from protocol.cpu import cpu_features
-from protocol.errors import ContractError
+from protocol.errors import ConfigError, ContractError
 from protocol.profile import load_profile
 
-__all__ = ["Agent", "run_agent", "self_test"]
+__all__ = ["Agent", "install_unit", "render_unit", "run_agent", "sd_notify", "self_test"]
 
 log = logging.getLogger("edgefleet.agent")
 WARMUP_RUNS = 3
@@ -87,6 +93,24 @@ def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
 CRASH_ENV = "EDGEFLEET_TEST_CRASH_AT"
 
 
+def sd_notify(message: str) -> bool:
+    """Tell systemd (``Type=notify`` units) about the service: "READY=1", "STOPPING=1", "STATUS=...". A no-op
+    outside systemd (no ``$NOTIFY_SOCKET``). Returns whether the message was sent."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address or address[0] not in "/@":
+        return False
+    if address[0] == "@":  # an abstract socket
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(address)
+            s.sendall(message.encode())
+    except OSError as exc:
+        log.warning("cannot notify systemd at %s: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+        return False
+    return True
+
+
 def _crash_hook():
     """Test hook: with EDGEFLEET_TEST_CRASH_AT=<point> the process dies (os._exit, no clean-up, like a
     power cut) when the model store reaches that point: extracted, moved, before_commit, after_commit."""
@@ -127,6 +151,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self._server: Any = None
         self.ready = threading.Event()  # HTTP is listening (for tests and the demo)
+        self.device_stats: DeviceStats | None = None  # the latest sample of the box itself
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -142,9 +167,9 @@ class Agent:
             try:
                 manifest = self.store.load_manifest(entry, verify=False)
                 self._require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
-                backend = await self._loop.run_in_executor(
-                    None, load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
-                    self.config.intra_op_threads)
+                backend = await self._loop.run_in_executor(None, functools.partial(
+                    load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
+                    self.config.intra_op_threads, onnxruntime_providers=self.config.onnxruntime_providers))
             except (UpdateError, ContractError) as exc:
                 log.error("could not load the %s model %s: %s", which, entry.directory, exc)
                 continue
@@ -160,12 +185,15 @@ class Agent:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.http_host, self.config.http_port))
+        sock.listen(2048)  # connections queue from here on, so READY below is true before uvicorn's first accept
         port = sock.getsockname()[1]
         self.inference_url = f"http://{self.config.http_host}:{port}"
         app = create_app(self.host, self.config.max_body_bytes, self.config.device_id,
                          self.config.max_inflight_body_bytes)
+        # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
+        # batchers close only after it returns), then waits for the connections for at most the grace period
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=math.ceil(self.config.shutdown_grace_s)))
         self._server = server
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
                              (self._telemetry_loop, "telemetry")):
@@ -177,9 +205,13 @@ class Agent:
         print(f"edgefleet agent {self.config.device_id}: KServe v2 on {self.inference_url} ({serving}); "
               f"following {self.config.fleet_url}", file=sys.stderr, flush=True)
         self.ready.set()
+        self._own_signals()
+        sd_notify(f"READY=1\nSTATUS=serving {serving} on {self.inference_url}")
         try:
             await server.serve(sockets=[sock])
         finally:
+            sd_notify("STOPPING=1")
+            log.info("stopping: in-flight requests are done; closing the models and the fleet link")
             self._stop.set()
             self._desired_event.set()
             if self.link is not None:
@@ -187,6 +219,20 @@ class Agent:
             for t in self._threads:
                 await self._loop.run_in_executor(None, t.join, 5)
             await self.host.close()
+
+    def _own_signals(self) -> None:
+        """SIGTERM and SIGINT stop the agent gracefully. uvicorn catches them while it serves and raises them
+        again once it has finished the requests in flight; with the default handler that second delivery
+        would kill the process before the models are closed and the fleet link says goodbye, so the handler
+        uvicorn restores is this one, which only asks for a stop."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # tests run the agent in a thread; signals belong to the main one
+
+        def handle(signum: int, frame: object) -> None:
+            self.request_stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handle)
 
     def request_stop(self) -> None:
         """Ask a running agent (from any thread) to shut down as on SIGTERM."""
@@ -210,7 +256,8 @@ class Agent:
                         root_bytes = r.read(512 * 1024)
                     log.warning("no --trusted-root given: trusting the fleet's root.json on first use")
                 self.fetcher = BundleFetcher(self.config.data_dir / "tuf", boot["tuf_metadata_url"],
-                                             boot["tuf_targets_url"], self.config.trusted_root, root_bytes)
+                                             boot["tuf_targets_url"], self.config.trusted_root, root_bytes,
+                                             self.config.download_grace_s, self.config.download_min_bytes_per_s)
                 mqtt_url = self.config.mqtt_url or boot["mqtt_url"]
                 break
             except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
@@ -307,7 +354,8 @@ class Agent:
                 raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
                                  f"expected {desired.model} {desired.version} {profile}")
             self._require_cpu(profile, m.cpu_features)
-            backend = load_backend(m, staged.engine, self.config.intra_op_threads)
+            backend = load_backend(m, staged.engine, self.config.intra_op_threads,
+                                   onnxruntime_providers=self.config.onnxruntime_providers)
             measured = self_test(backend, staged)
             bundle_fault = False
             self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
@@ -380,7 +428,19 @@ class Agent:
         proc = psutil.Process()
         proc.cpu_percent(None)
         last = time.monotonic()
+        sampler = DeviceSampler(self.config.data_dir, self.config.sysfs_root, self.config.tegrastats,
+                                self.config.telemetry_interval_s)
+        try:
+            self._telemetry_until_stopped(proc, last, sampler)
+        finally:
+            sampler.close()
+
+    def _telemetry_until_stopped(self, proc: Any, last: float, sampler: DeviceSampler) -> None:
         while not self._stop.wait(self.config.telemetry_interval_s):
+            try:
+                self.device_stats = sampler.sample()
+            except Exception as exc:  # a sensor must never stop the agent's own figures
+                log.warning("device telemetry failed: %s", exc)
             now = time.monotonic()
             snap = self.metrics.snapshot_and_reset()
             cur = self.host.current
@@ -398,7 +458,7 @@ class Agent:
                     latency=proto.LatencySummary(p50_ms=snap.latency_p50_ms, p95_ms=snap.latency_p95_ms,
                                                  p99_ms=snap.latency_p99_ms, max_ms=snap.latency_max_ms),
                     batches=snap.batches, batch_size_mean=snap.batch_size_mean, batch_size_max=snap.batch_size_max,
-                    cpu_percent=round(cpu, 1), rss_mb=round(rss, 1)))
+                    cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None))
 
             try:
                 self.spool.append(make)
@@ -408,4 +468,57 @@ class Agent:
 
 def run_agent(config: AgentConfig) -> None:
     asyncio.run(Agent(config).run())
+
+
+# -- running as a systemd service ---------------------------------------------------------------------------
+SERVICE_NAME = "edgefleet-agent"
+UNIT_TEMPLATE = "edgefleet-agent.service"  # package data beside this module
+
+
+def _agent_command() -> str:
+    """How systemd starts this installation's CLI: the ``edgefleet`` script of this environment, else
+    ``python -m edgefleet`` (absolute paths: a unit has no PATH to search)."""
+    exe = Path(sys.executable)
+    script = exe.parent / "edgefleet"
+    return str(script) if script.is_file() else f"{exe} -m edgefleet"
+
+
+def render_unit(config_path: Path, config: AgentConfig, user: str = "edgefleet",
+                supplementary_groups: tuple[str, ...] = ("video", "render")) -> str:
+    """The systemd unit for an agent run with ``config_path`` (already validated into ``config``).
+    ``supplementary_groups``: on a Jetson the GPU device nodes belong to ``video`` and ``render``."""
+    from importlib import resources
+
+    template = resources.files("agent").joinpath(UNIT_TEMPLATE).read_text(encoding="utf-8")
+    data = config.data_dir.resolve()
+    if data.is_relative_to("/var/lib") and data != Path("/var/lib"):
+        # systemd creates it owned by User= and makes it writable despite ProtectSystem=strict
+        access = f"StateDirectory={data.relative_to('/var/lib')}\nStateDirectoryMode=0750"
+    else:
+        access = f"ReadWritePaths={data}"
+    for value, what in ((str(config_path), "config path"), (str(data), "data_dir"), (user, "user")):
+        if any(c in value for c in "\n\r%$\\\"'") or " " in value:
+            raise ConfigError(f"{what} {value!r} has characters a systemd unit would misread; use a plain path/name")
+    fields = {"@NAME@": SERVICE_NAME, "@EXEC@": _agent_command(), "@CONFIG@": str(config_path), "@USER@": user,
+              "@SUPPLEMENTARY_GROUPS@": f"SupplementaryGroups={' '.join(supplementary_groups)}"
+              if supplementary_groups else "", "@STOP_TIMEOUT@": str(math.ceil(config.shutdown_grace_s) + 15),
+              "@DATA_ACCESS@": access}
+    for key, value in fields.items():
+        template = template.replace(key, value)
+    return template
+
+
+def install_unit(unit_text: str, unit_dir: Path) -> Path:
+    """Write the unit atomically into ``unit_dir`` (never runs systemctl)."""
+    from protocol.fsutil import atomic_write
+
+    if not unit_dir.is_dir():
+        raise ConfigError(f"{unit_dir}: no such directory for the unit file")
+    path = unit_dir / f"{SERVICE_NAME}.service"
+    try:
+        atomic_write(path, unit_text.encode())
+        path.chmod(0o644)
+    except PermissionError as exc:
+        raise ConfigError(f"{path}: permission denied (run as root, or give --unit-dir)") from exc
+    return path
 

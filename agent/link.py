@@ -3,7 +3,13 @@
 paho-mqtt runs the network loop in its own thread and reconnects by itself. Telemetry goes
 through the on-disk spool: a record is deleted only when the fleet acks its seq (see
 ``protocol.mqtt``), and unacked records are sent again, so nothing made while the broker or the
-fleet is away is lost. The last report is retained and sent again on every reconnect.
+fleet is away is lost. The last report is retained, kept on disk (``<spool>/report.json``) and
+sent again on every reconnect, also after a restart during an outage.
+
+Order: after a (re)connect the fleet may not be subscribed yet (after a broker restart both sides
+race back), and records sent into that gap would be resent later, behind newer ones. So until the
+first ack after a connect, only the oldest record goes out (resent every ``probe_interval_s``);
+then up to ``window`` records flow, oldest first.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
@@ -20,6 +27,7 @@ from agent.spool import Spool
 from protocol import mqtt as proto
 from protocol.cpu import cpu_arch, cpu_features
 from protocol.errors import ContractError
+from protocol.fsutil import atomic_write
 
 __all__ = ["MqttLink"]
 
@@ -29,7 +37,7 @@ log = logging.getLogger("edgefleet.agent.mqtt")
 class MqttLink:
     def __init__(self, device_id: str, url: str, spool: Spool, inference_url: str,
                  on_desired: Callable[[proto.DesiredState], None], ack_timeout_s: float = 10.0,
-                 window: int = 100):
+                 window: int = 100, probe_interval_s: float = 1.0):
         self.device_id = device_id
         self.host, self.port = proto.parse_mqtt_url(url)
         self.spool = spool
@@ -37,9 +45,12 @@ class MqttLink:
         self.on_desired = on_desired
         self.ack_timeout_s = ack_timeout_s  # resend a record the fleet has not acked after this long
         self.window = window  # records in flight (sent, not yet acked) at most
+        self.probe_interval_s = probe_interval_s  # resend the oldest record this often until the fleet acks
+        self._fleet_listens = threading.Event()  # an ack arrived since the last connect
         self._inflight: dict[int, float] = {}  # seq -> monotonic time last sent
         self._inflight_lock = threading.Lock()
-        self._last_report: proto.ReportedState | None = None
+        self._report_path: Path = spool.dir / "report.json"
+        self._last_report: proto.ReportedState | None = self._load_report()
         self.connected = threading.Event()
         self._stop = threading.Event()
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"edgefleet-agent-{device_id}",
@@ -67,9 +78,24 @@ class MqttLink:
         self._client.loop_stop()
         self._sender.join(timeout=5)
 
+    def _load_report(self) -> proto.ReportedState | None:
+        try:
+            msg = proto.decode(proto.ReportedState, self._report_path.read_bytes(), source=str(self._report_path))
+        except FileNotFoundError:
+            return None
+        except (OSError, ContractError) as exc:
+            log.warning("ignored the saved report: %s", exc)
+            return None
+        return msg if msg.device_id == self.device_id else None
+
     def report(self, msg: proto.ReportedState) -> None:
-        """Publish (retained) the device's latest install state; it is sent again on every reconnect."""
+        """Publish (retained) the device's latest install state; it is kept on disk and sent again on
+        every reconnect."""
         self._last_report = msg
+        try:
+            atomic_write(self._report_path, proto.encode(msg))
+        except OSError as exc:
+            log.error("could not save the report on disk: %s", exc)
         self._client.publish(proto.topic(self.device_id, "reported"), proto.encode(msg), qos=1, retain=True)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -87,6 +113,7 @@ class MqttLink:
             client.publish(proto.topic(self.device_id, "reported"), proto.encode(again), qos=1, retain=True)
         with self._inflight_lock:
             self._inflight.clear()  # whatever was in flight may have died with the connection: resend
+            self._fleet_listens.clear()
         self.connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -122,6 +149,7 @@ class MqttLink:
         if ack.stream != self.spool.stream:
             return  # an ack for the spool this device had before it was re-imaged
         with self._inflight_lock:
+            self._fleet_listens.set()
             for seq in ack.seqs:
                 self._inflight.pop(seq, None)
                 self.spool.ack_seq(seq)
@@ -138,13 +166,15 @@ class MqttLink:
                 continue
             now = time.monotonic()
             sent = 0
-            for path in self.spool.pending(self.window):
+            probing = not self._fleet_listens.is_set()
+            resend_after = self.probe_interval_s if probing else self.ack_timeout_s
+            for path in self.spool.pending(1 if probing else self.window):
                 if self._stop.is_set() or not self.connected.is_set():
                     break
                 seq = int(path.stem)
                 with self._inflight_lock:
                     last = self._inflight.get(seq)
-                    if last is not None and now - last < self.ack_timeout_s:
+                    if last is not None and now - last < resend_after:
                         continue
                     self._inflight[seq] = now
                 try:

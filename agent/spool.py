@@ -4,8 +4,10 @@
     <dir>/next_seq          the next sequence number (survives restarts)
     <dir>/stream            a random id made with the spool; the fleet dedupes by (stream, seq)
     <dir>/rejected/         records the fleet said it cannot read (kept, not resent)
+    <dir>/dropped           how many records overflow dropped, in total (survives restarts)
 
-Bounded: beyond ``max_records`` the oldest records are dropped and counted.
+Bounded: beyond ``max_records`` the oldest records are dropped and counted; the count travels in
+every later telemetry record (``Telemetry.dropped``), so the fleet learns what it will never get.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class Spool:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_records = max_records
-        self.dropped = 0
         self._lock = threading.Lock()
         for tmp in self.dir.glob(".*.tmp"):
             tmp.unlink(missing_ok=True)
+        dropped_text = (self.dir / "dropped").read_text().strip() if (self.dir / "dropped").exists() else ""
+        self.dropped = int(dropped_text) if dropped_text.isdigit() else 0
         stream_file = self.dir / "stream"
         stream = stream_file.read_text().strip() if stream_file.exists() else ""
         if len(stream) != 16 or not all(c in "0123456789abcdef" for c in stream):
@@ -55,15 +58,19 @@ class Spool:
         """Write the record ``make(seq)`` under a fresh sequence number (of stream ``self.stream``)."""
         with self._lock:
             seq = self._next
+            dropped = 0
+            while len(self._seqs) >= self.max_records:  # make room first: the new record counts the drop
+                old = self._seqs.popleft()
+                self._path(old).unlink(missing_ok=True)
+                dropped += 1
+                log.warning("telemetry spool full (%d records): dropped record %d", self.max_records, old)
+            if dropped:
+                self.dropped += dropped
+                atomic_write(self.dir / "dropped", str(self.dropped).encode())
             self._next += 1
             atomic_write(self.dir / "next_seq", str(self._next).encode())
             atomic_write(self._path(seq), make(seq))
             self._seqs.append(seq)
-            while len(self._seqs) > self.max_records:
-                old = self._seqs.popleft()
-                self._path(old).unlink(missing_ok=True)
-                self.dropped += 1
-                log.warning("telemetry spool full (%d records): dropped record %d", self.max_records, old)
             return seq
 
     def pending(self, limit: int | None = None) -> list[Path]:

@@ -65,6 +65,8 @@ class ModelStore:
             d.mkdir(parents=True, exist_ok=True)
         for leftover in self.staging_dir.iterdir():
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        for tmp in self.root.glob(".*.tmp"):  # a state.json write a crash interrupted
+            tmp.unlink(missing_ok=True)
         self.current = self.previous = None
         if self.state_path.exists():
             try:

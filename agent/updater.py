@@ -4,22 +4,83 @@ TUF verifies the metadata chain (root -> timestamp -> snapshot -> targets), refu
 freeze, mix-and-match and endless-data attacks, and checks the bundle's length and hashes. The
 desired-state message from MQTT is only a hint: what gets installed is what the signed targets
 metadata says.
+
+Slow retrieval: python-tuf bounds only the gap between two reads, so a server dribbling a byte now
+and then could hold a download forever. Every download here must also average at least
+``min_bytes_per_s`` once ``grace_s`` have passed (like curl's --speed-limit), or it is aborted.
 """
 
 from __future__ import annotations
 
+import http.client
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from tuf.api import exceptions as tuf_exc
+from tuf.ngclient.fetcher import FetcherInterface
 
 from agent.errors import FetchError, TrustError
 from protocol.fsutil import atomic_write
 
-__all__ = ["BundleFetcher", "FetchedBundle"]
+__all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 
 log = logging.getLogger("edgefleet.agent.updater")
+
+
+class GuardedFetcher(FetcherInterface):
+    """A python-tuf fetcher (http.client) that also refuses slow retrieval (see the module docstring)."""
+
+    def __init__(self, grace_s: float = 30.0, min_bytes_per_s: int = 2048, socket_timeout_s: float = 30.0,
+                 user_agent: str = "edgefleet-agent"):
+        self.grace_s = grace_s  # no speed check before this much time has passed
+        self.min_bytes_per_s = min_bytes_per_s  # average speed a download must keep after grace_s
+        self.socket_timeout_s = socket_timeout_s  # connect, and longest gap between two reads
+        self.user_agent = user_agent
+
+    def _fetch(self, url: str) -> Iterator[bytes]:
+        u = urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise tuf_exc.DownloadError(f"unsupported URL {url!r}")
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = cls(u.hostname, u.port, timeout=self.socket_timeout_s)
+        try:
+            conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""),
+                         headers={"User-Agent": self.user_agent})
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise tuf_exc.DownloadError(f"GET {url}: {exc}") from exc
+        if resp.status != 200:
+            conn.close()
+            raise tuf_exc.DownloadHTTPError(f"GET {url}: HTTP {resp.status}", resp.status)
+        return self._chunks(url, conn, resp)
+
+    def _chunks(self, url: str, conn: http.client.HTTPConnection,
+                resp: http.client.HTTPResponse) -> Iterator[bytes]:
+        start = time.monotonic()
+        got = 0
+        try:
+            while True:
+                try:
+                    chunk = resp.read1(64 * 1024)  # returns what has arrived; never waits to fill
+                except (OSError, http.client.HTTPException) as exc:
+                    raise tuf_exc.DownloadError(f"GET {url}: {exc}") from exc
+                if not chunk:
+                    return
+                got += len(chunk)
+                elapsed = time.monotonic() - start
+                if elapsed > self.grace_s and got / elapsed < self.min_bytes_per_s:
+                    raise tuf_exc.SlowRetrievalError(
+                        f"GET {url}: {got} bytes in {elapsed:.0f}s, below the {self.min_bytes_per_s} B/s "
+                        "minimum (slow-retrieval attack or a dying link)")
+                yield chunk
+        finally:
+            conn.close()
 
 
 @dataclass(frozen=True)
@@ -32,15 +93,22 @@ class FetchedBundle:
 
 class BundleFetcher:
     def __init__(self, state_dir: Path, metadata_url: str, targets_url: str, trusted_root: Path | None,
-                 root_from_fleet: bytes | None = None):
+                 root_from_fleet: bytes | None = None, grace_s: float = 30.0, min_bytes_per_s: int = 2048):
         """``trusted_root`` (root.json from ``edgefleet keys init``) anchors trust. Without it the
-        fleet's current root is trusted on first use (``root_from_fleet``), which the caller logs."""
+        fleet's current root is trusted on first use (``root_from_fleet``), which the caller logs.
+        Every download must average ``min_bytes_per_s`` once ``grace_s`` have passed."""
+        self.grace_s = grace_s
+        self.min_bytes_per_s = min_bytes_per_s
         self.metadata_dir = state_dir / "metadata"
         self.download_dir = state_dir / "downloads"
         self.metadata_dir.mkdir(parents=True, exist_ok=True)
         self.download_dir.mkdir(parents=True, exist_ok=True)
         self.metadata_url = metadata_url
         self.targets_url = targets_url
+        # what a crash mid-download or mid-write left: a partial bundle, python-tuf's temp files
+        self.clean()
+        for leftover in self.metadata_dir.glob("tmp*"):
+            leftover.unlink(missing_ok=True)
         root = self.metadata_dir / "root.json"
         if not root.exists():  # afterwards TUF itself moves the root forward (key rotation)
             if trusted_root is not None:
@@ -69,6 +137,7 @@ class BundleFetcher:
         self.clean()
         try:
             updater = Updater(str(self.metadata_dir), self.metadata_url, str(self.download_dir), self.targets_url,
+                              fetcher=GuardedFetcher(self.grace_s, self.min_bytes_per_s),
                               config=UpdaterConfig(app_user_agent="edgefleet-agent"), bootstrap=None)
             updater.refresh()
             info = updater.get_targetinfo(target)
