@@ -374,6 +374,29 @@ def cmd_agent(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_agent_install_service(a: argparse.Namespace) -> int:
+    try:
+        _require("agent")
+        from agent.config import load_config
+        from agent.daemon import SERVICE_NAME, install_unit, render_unit
+    except ImportError as exc:
+        return _need("agent", exc)
+    from protocol.errors import EdgefleetError
+
+    config = a.service_config.resolve()
+    try:
+        unit = render_unit(config, load_config(config, {}), user=a.user)
+        if a.dry_run:
+            print(unit, end="")
+            return EXIT_OK
+        path = install_unit(unit, a.unit_dir)
+    except EdgefleetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    print(f"wrote {path}\nnext: systemctl daemon-reload && systemctl enable --now {SERVICE_NAME}")
+    return EXIT_OK
+
+
 # -- bench ------------------------------------------------------------------------------------------
 def cmd_bench(a: argparse.Namespace) -> int:
     try:
@@ -698,6 +721,17 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--threads", type=int, help="inference threads (default 2)")
     ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     ag.set_defaults(fn=cmd_agent)
+    ag_sub = ag.add_subparsers(dest="agent_command", metavar="{install-service}")
+    svc = ag_sub.add_parser("install-service", formatter_class=_Formatter, help="write the systemd unit",
+                            description="Validate the agent's YAML config and write a systemd unit that runs "
+                                        "`edgefleet agent --config CONFIG` (Type=notify, SIGTERM drains in-flight "
+                                        "requests). Never runs systemctl: it prints the commands to enable it.")
+    svc.add_argument("--config", dest="service_config", type=Path, default=Path("/etc/edgefleet/agent.yaml"),
+                     help="the agent's YAML config (validated now; the unit refers to it)")
+    svc.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"), help="where to write the unit")
+    svc.add_argument("--user", default="edgefleet", help="the system user the agent runs as")
+    svc.add_argument("--dry-run", action="store_true", help="print the unit instead of writing it")
+    svc.set_defaults(fn=cmd_agent_install_service)
 
     d = sub.add_parser("demo", formatter_class=_Formatter, help="run the whole loop locally",
                        description="Start a fleet (embedded broker), compile the digits model for x86-cpu, start "
