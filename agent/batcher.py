@@ -143,6 +143,8 @@ class Batcher:
         if n > s.max_batch_size:
             raise RequestError(f"request batch of {n} exceeds this model's max batch size "
                                f"{s.max_batch_size}; split it into smaller requests")
+        if n > s.max_queue_size:
+            raise RequestError(f"request batch of {n} exceeds this model's queue of {s.max_queue_size} samples")
         if self._closing:
             raise Unavailable("the model is being replaced; retry")
         if self._queued_samples + n > s.max_queue_size:

@@ -188,10 +188,12 @@ class Metrics:
         elif kind == "unload":
             self.serving.labels(model, version).set(0)
 
-    def rejected(self, latency_s: float, status: int) -> None:
-        """A request refused before it reached a model (unknown model, no model loaded)."""
-        self.requests.labels(UNKNOWN_MODEL, "").inc()
-        self.errors.labels(UNKNOWN_MODEL, "", str(status)).inc()
+    def rejected(self, latency_s: float, status: int, model: str | None = None) -> None:
+        """A request refused before it reached a model version: an unknown model (``model`` None: counted under
+        ``_unknown``), or a served ``model`` asked for a version it does not serve (version ``_unknown``)."""
+        labels = (UNKNOWN_MODEL, "") if model is None else (model, UNKNOWN_MODEL)
+        self.requests.labels(*labels).inc()
+        self.errors.labels(*labels, str(status)).inc()
         self.request_done(latency_s, False)
 
     def exposition(self) -> bytes:

@@ -309,12 +309,13 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
         return JSONResponse(host.repository_index(ready_only=doc.get("ready", False)))
 
-    def finish(served: Served | None, t0: float, status: int) -> None:
+    def finish(request: Request, served: Served | None, t0: float, status: int) -> None:
         dt = time.perf_counter() - t0
-        if served is None:
-            metrics.rejected(dt, status)
-        else:
+        if served is not None:
             served.metrics.request(dt, status)
+        else:  # label values from the URL only when they name a served model: bounded label sets
+            name = request.path_params["name"]
+            metrics.rejected(dt, status, name if name in host.models else None)
 
     async def infer(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -349,7 +350,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _error(500, f"internal error: {exc}")
         finally:
             budget.give(held[0])
-            finish(served, t0, status)
+            finish(request, served, t0, status)
 
     async def infer_image(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -376,7 +377,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _error(500, f"internal error: {exc}")
         finally:
             budget.give(held[0])
-            finish(served, t0, status)
+            finish(request, served, t0, status)
 
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)

@@ -53,3 +53,35 @@ def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
         t.join(30)
         assert not t.is_alive(), "the agent did not stop"
         assert not errors, errors
+
+
+@contextmanager
+def serving_app(app, setup=None) -> Iterator[str]:
+    """Any ASGI app (e.g. ``agent.server.create_app`` around a test backend) on uvicorn, 127.0.0.1, a free port;
+    ``setup`` (a coroutine function) runs first on the server's event loop, e.g. ``ModelHost.swap``."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    async def main() -> None:
+        if setup is not None:
+            await setup()
+        await server.serve(sockets=[sock])
+
+    t = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        t.join(10)
+        sock.close()

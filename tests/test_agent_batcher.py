@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from agent.backends.base import Backend
-from agent.batcher import Batcher, BatchSettings
-from agent.errors import InferenceFailed, RequestError, Unavailable
+from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings
+from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from protocol.manifest import TensorSpec
 
 
@@ -22,6 +22,8 @@ class FakeBackend(Backend):
         self.delay_s = delay_s
         self.mode = mode
         self.batches: list[int] = []
+        self.seen: list[float] = []  # the first value of every batch, in the order batches ran
+        self.started = threading.Event()  # set when a batch has reached infer()
         self.gate = threading.Event()
         self.gate.set()
 
@@ -37,10 +39,12 @@ class FakeBackend(Backend):
         pass
 
     def infer(self, feeds):
+        self.started.set()
         self.gate.wait(5)
         time.sleep(self.delay_s)
         x = feeds["x"]
         self.batches.append(len(x))
+        self.seen.append(float(x[0, 0]))
         if self.mode == "raise":
             raise RuntimeError("device lost")
         if self.mode == "short":
@@ -151,7 +155,7 @@ def test_requests_that_waited_too_long_expire():
     assert run(main())[0].shape == (1, 2)
 
 
-def test_queue_full_is_503_not_unbounded_memory():
+def test_queue_full_is_429_not_unbounded_memory():
     async def main():
         be = FakeBackend()
         be.gate.clear()
@@ -161,8 +165,9 @@ def test_queue_full_is_503_not_unbounded_memory():
         await asyncio.sleep(0.05)  # the first request is now running (blocked), the queue is empty
         futs += [asyncio.ensure_future(b.submit(x(2))) for _ in range(2)]
         await asyncio.sleep(0.05)  # 4 samples queued: the limit
-        with pytest.raises(Unavailable, match="queue full"):
+        with pytest.raises(QueueFull, match="queue full") as exc:
             await b.submit(x(2))
+        assert exc.value.status_code == 429
         be.gate.set()
         await asyncio.gather(*futs)
         await b.close()
@@ -222,3 +227,170 @@ def test_close_after_drain_timeout_answers_everyone():
 
     res = run(main())
     assert all(isinstance(r, Unavailable) for r in res), res
+
+
+async def _until(pred, what: str) -> None:
+    """Let the loop and the inference threads run until ``pred()`` (bounded: fails after 500 steps)."""
+    for _ in range(500):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_several_instances_run_batches_at_the_same_time():
+    async def main():
+        a, b_ = FakeBackend(), FakeBackend()
+        a.gate.clear()
+        b_.gate.clear()
+        b = Batcher([a, b_], BatchSettings(max_batch_size=1))
+        b.start()
+        assert b.instances == 2
+        futs = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
+        # both instances hold a batch while neither may finish: two inference threads, not one
+        await _until(lambda: a.started.is_set() and b_.started.is_set(), "both instances running")
+        a.gate.set()
+        b_.gate.set()
+        outs = await asyncio.gather(*futs)
+        more = await asyncio.gather(*(b.submit(x(1, start=10 * i)) for i in range(8)))
+        await b.close()
+        return a, b_, outs, more
+
+    a, b_, outs, more = run(main())
+    for group in (outs, more):
+        for i, o in enumerate(group):
+            np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+    assert len(a.batches) >= 1 and len(b_.batches) >= 1 and sum(a.batches) + sum(b_.batches) == 10
+
+
+def test_high_priority_requests_run_first():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=1))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1, start=0)))
+        await _until(be.started.is_set, "the first batch running")
+        normal = [asyncio.ensure_future(b.submit(x(1, start=100 + i), priority=NORMAL)) for i in range(2)]
+        await asyncio.sleep(0)
+        high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
+        await asyncio.sleep(0)
+        be.gate.set()
+        await asyncio.gather(first, *normal, high)
+        await b.close()
+        return be.seen
+
+    assert run(main()) == [0.0, 200.0, 100.0, 101.0]
+
+
+def test_preferred_batch_sizes_split_a_queue():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=8, preferred_batch_sizes=(4,)))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1)))
+        await _until(be.started.is_set, "the first batch running")
+        rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(6)]
+        await asyncio.sleep(0)
+        be.gate.set()
+        outs = await asyncio.gather(first, *rest)
+        await b.close()
+        return be.batches, outs
+
+    batches, outs = run(main())
+    assert batches == [1, 4, 2]  # not [1, 6]: the runtime's preferred size first, the rest after
+    for i, o in enumerate(outs[1:]):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+
+
+def test_a_request_timeout_is_answered_at_its_deadline_not_when_the_queue_moves():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=1, queue_timeout_s=60))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1)))
+        await _until(be.started.is_set, "the first batch running")
+        with pytest.raises(Unavailable, match=r"timeout 0.05s"):
+            await b.submit(x(1), timeout_s=0.05)
+        assert not be.gate.is_set() and not first.done()  # answered while the model was still busy
+        assert b.queued_samples == 0
+        be.gate.set()
+        await first
+        await b.close()
+        return be.batches
+
+    assert run(main()) == [1]  # the expired request never ran
+
+
+def test_a_lone_request_does_not_wait_for_a_batch_that_is_not_coming():
+    async def main():
+        be = FakeBackend()
+        # a queue delay of 1000 s: a batcher that waited for company would hang here (pytest-timeout)
+        b = Batcher(be, BatchSettings(max_batch_size=8, max_queue_delay_us=1_000_000_000))
+        b.start()
+        outs = [await asyncio.wait_for(b.submit(x(1, start=i)), 60) for i in range(3)]
+        await b.close()
+        return be.batches, outs
+
+    batches, outs = run(main())
+    assert batches == [1, 1, 1]
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(o[0], x(1, start=i)["x"] * 2)
+
+
+def test_a_request_larger_than_the_queue_is_a_400_not_a_retry():
+    async def main():
+        b = Batcher(FakeBackend(), BatchSettings(max_batch_size=8, max_queue_size=4))
+        b.start()
+        try:
+            with pytest.raises(RequestError, match="exceeds this model's queue of 4 samples"):
+                await b.submit(x(5))
+        finally:
+            await b.close()
+
+    run(main())
+
+
+def test_as_many_results_as_requests_with_mixed_sizes_and_instances():
+    async def main():
+        bes = [FakeBackend(), FakeBackend(), FakeBackend()]
+        b = Batcher(bes, BatchSettings(max_batch_size=8, max_queue_delay_us=5_000, preferred_batch_sizes=(2, 4)))
+        b.start()
+        sizes = [1 + (i * 7) % 5 for i in range(60)]
+        outs = await asyncio.gather(*(b.submit(x(n, start=100 * i), priority=HIGH if i % 3 == 0 else NORMAL)
+                                      for i, n in enumerate(sizes)))
+        await b.close()
+        return bes, sizes, outs
+
+    bes, sizes, outs = run(main())
+    assert len(outs) == len(sizes)
+    for i, (n, o) in enumerate(zip(sizes, outs, strict=True)):
+        np.testing.assert_array_equal(o[0], x(n, start=100 * i)["x"] * 2)
+    ran = [n for be in bes for n in be.batches]
+    assert sum(ran) == sum(sizes) and max(ran) <= 8
+
+
+def test_a_cancelled_request_leaves_the_queue_count_right():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_size=2))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1)))
+        await _until(be.started.is_set, "the first batch running")
+        gone = asyncio.ensure_future(b.submit(x(1)))
+        await asyncio.sleep(0)
+        gone.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert b.queued_samples == 0
+        kept = [asyncio.ensure_future(b.submit(x(1))) for _ in range(2)]  # the cancelled one holds no room
+        await asyncio.sleep(0)
+        be.gate.set()
+        await asyncio.gather(first, *kept)
+        await b.close()
+        return be.batches
+
+    assert run(main()) == [1, 1, 1]
