@@ -8,7 +8,6 @@ serving its last committed model before it has even found the broker.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import math
@@ -31,7 +30,7 @@ from agent.config import AgentConfig
 from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from agent.link import MqttLink
 from agent.metrics import Metrics
-from agent.server import ModelHost, create_app
+from agent.server import IndexEntry, ModelHost, create_app
 from agent.spool import Spool
 from agent.store import ModelStore, StagedModel
 from agent.telemetry import DeviceSampler, DeviceStats
@@ -40,6 +39,7 @@ from agent.updater import BundleFetcher
 from protocol import mqtt as proto
 from protocol.cpu import cpu_features
 from protocol.errors import ConfigError, ContractError
+from protocol.manifest import Manifest
 from protocol.profile import load_profile
 
 __all__ = ["Agent", "install_unit", "render_unit", "run_agent", "sd_notify", "self_test"]
@@ -88,6 +88,28 @@ def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
         and labels.shape == (len(first),) else None,
         top1_agreement=float((first.argmax(1) == want.argmax(1)).mean()) if classes else None,
         drift=round(drift, 4))
+
+
+def warm_up(backends: list[Backend], staged: StagedModel, batch_sizes: tuple[int, ...]) -> None:
+    """Run every instance once at each batch size the batcher will form, on the bundle's own sample, before
+    the version takes traffic: the first call at a new shape allocates (onnxruntime arenas, LiteRT tensor
+    resizes, TensorRT shape setup) and would otherwise land on a client's request."""
+    path = staged.directory / staged.manifest.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            sample = {s.name: npz[f"input:{s.name}"] for s in staged.manifest.inputs}
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"warm-up: self-test sample {path.name} is unreadable: {exc}") from exc
+    axes = {s.name: s.batch_axis for s in staged.manifest.inputs}
+    sizes = batch_sizes if staged.manifest.batchable else (None,)
+    for n in sizes:
+        feeds = {k: v if (a := axes[k]) is None or n is None else
+                 np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}
+        for b in backends:
+            try:
+                b.infer(feeds)
+            except Exception as exc:  # the runtime's own error types
+                raise SelfTestFailed(f"warm-up at batch size {n}: the engine failed: {exc}") from exc
 
 
 CRASH_ENV = "EDGEFLEET_TEST_CRASH_AT"
@@ -152,6 +174,7 @@ class Agent:
         self._server: Any = None
         self.ready = threading.Event()  # HTTP is listening (for tests and the demo)
         self.device_stats: DeviceStats | None = None  # the latest sample of the box itself
+        self._unavailable: dict[tuple[str, str], str] = {}  # (model, version) -> why it is not serving
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -159,25 +182,33 @@ class Agent:
 
         self._loop = asyncio.get_running_loop()
         self.store.recover()
-        # try the committed model, then the previous one; the store changes (and forgets the failed
-        # one) only once a fallback actually loaded: a broken runtime must not cost both models
-        for which, entry in (("current", self.store.current), ("previous", self.store.previous)):
-            if entry is None:
-                continue
-            try:
-                manifest = self.store.load_manifest(entry, verify=False)
-                self._require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
-                backend = await self._loop.run_in_executor(None, functools.partial(
-                    load_backend, manifest, self.store.models_dir / entry.directory / manifest.engine,
-                    self.config.intra_op_threads, onnxruntime_providers=self.config.onnxruntime_providers))
-            except (UpdateError, ContractError) as exc:
-                log.error("could not load the %s model %s: %s", which, entry.directory, exc)
-                continue
-            await self.host.swap(manifest, backend)
-            if which == "previous":
-                log.error("serving the previous model %s; the committed one would not load", entry.directory)
-                self.store.revert()
-            break
+        self.host.index = self._index
+        # every model on disk, the one installed last last (it is "current" for the fleet): its active version,
+        # else the previous one; the store changes (and forgets the failed one) only once a fallback actually
+        # loaded: a broken runtime must not cost both versions
+        slots = self.store.active()
+        primary = self.store.current.installed.name if self.store.current else None
+        for name in sorted(slots, key=lambda n: n == primary):
+            for which, entry in zip(("current", "previous"), slots[name], strict=True):
+                if entry is None:
+                    continue
+                try:
+                    manifest = self.store.load_manifest(entry, verify=False)
+                    self._require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
+                    backends = await self._loop.run_in_executor(
+                        None, self._load_instances, manifest, self.store.models_dir / entry.directory)
+                except (UpdateError, ContractError) as exc:
+                    log.error("could not load the %s model %s: %s", which, entry.directory, exc)
+                    self._unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
+                    continue
+                await self.host.swap(manifest, backends)
+                if which == "previous":
+                    log.error("serving the previous model %s; the committed one would not load", entry.directory)
+                    if name == primary:
+                        self.store.revert()
+                    else:
+                        self.store.rollback(name)
+                break
         if self.store.current is not None:
             self._max_rollout = self.store.current.rollout_id
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
@@ -336,6 +367,7 @@ class Agent:
         self._report("downloading", desired)
         staged: StagedModel | None = None
         backend: Backend | None = None
+        loaded: list[Backend] = []  # instances of the new version, closed on failure until the host owns them
         bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
         try:
             fetched = self._fetch_with_retries(desired, profile)
@@ -354,30 +386,35 @@ class Agent:
                 raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
                                  f"expected {desired.model} {desired.version} {profile}")
             self._require_cpu(profile, m.cpu_features)
-            backend = load_backend(m, staged.engine, self.config.intra_op_threads,
-                                   onnxruntime_providers=self.config.onnxruntime_providers)
+            loaded = self._load_instances(m, staged.directory)
+            backend = loaded[0]
+            # the old version serves all along: the new one is loaded, self-tested and warmed up first
             measured = self_test(backend, staged)
+            warm_up(loaded, staged, self._warm_batch_sizes())
             bundle_fault = False
             self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
             staged = None
             assert self._loop is not None
             new = backend
             backend = None  # from here the host may own it; never close a backend that might be serving
+            loaded_now, loaded = loaded, []
             try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, new), self._loop).result(timeout=120)
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now), self._loop).result(timeout=120)
             except Exception as exc:
                 serving = self.host.current
                 if serving is None or serving.backend is not new:  # not serving it: the old model stays current
                     self.store.revert()
                     raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
                 log.warning("the new model is serving; retiring the old one failed: %r", exc)
+            self._unavailable.pop((m.name, m.version), None)
         except (UpdateError, ContractError, OSError) as exc:
             if isinstance(exc, RefusedUpdate) or (
                     bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError))):
                 self._failed[desired.sha256] = str(exc)
             log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
-            if backend is not None:
-                backend.close()
+            self._unavailable[(desired.model, desired.version)] = str(exc)
+            for b in loaded:
+                b.close()
             if staged is not None:
                 self.store.discard(staged)
             self._report("failed", desired, error=str(exc))
@@ -387,6 +424,62 @@ class Agent:
                 self.fetcher.clean()
         self._report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured)
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
+
+    # -- model lifecycle ------------------------------------------------------------------------
+    def _load_instances(self, manifest: Manifest, directory: Path) -> list[Backend]:
+        """``instances`` loaded backends of one model version (each its own runtime session/interpreter)."""
+        out: list[Backend] = []
+        try:
+            for _ in range(self.config.instances):
+                out.append(load_backend(manifest, directory / manifest.engine, self.config.intra_op_threads,
+                                        onnxruntime_providers=self.config.onnxruntime_providers))
+        except BaseException:
+            for b in out:
+                b.close()
+            raise
+        return out
+
+    def _warm_batch_sizes(self) -> tuple[int, ...]:
+        s = self.host.settings
+        return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
+
+    def _index(self) -> list[IndexEntry]:
+        """Versions on disk and versions that failed, for the repository index (serving ones are added by
+        the host as READY)."""
+        out = [IndexEntry(n, v, "UNAVAILABLE", why) for (n, v), why in self._unavailable.items()]
+        for name, (active, prev) in self.store.active().items():
+            out.append(IndexEntry(name, active.installed.version, "UNAVAILABLE", "installed; not loaded"))
+            if prev is not None:
+                out.append(IndexEntry(name, prev.installed.version, "UNAVAILABLE",
+                                      "previous version, kept for rollback"))
+        return out
+
+    async def rollback(self, name: str) -> Manifest:
+        """Serve model ``name``'s previous version again (loaded, self-tested and warmed up while the active
+        one serves). On any failure the active version keeps serving and the store is unchanged."""
+        loop = asyncio.get_running_loop()
+        slots = self.store.active()
+        if name not in slots or slots[name][1] is None:
+            raise RefusedUpdate(f"{name} has no previous version to roll back to" if name in slots
+                                else f"no model {name!r} is installed")
+        prev = slots[name][1]
+        assert prev is not None
+        directory = self.store.models_dir / prev.directory
+        manifest = self.store.load_manifest(prev)
+        staged = StagedModel(manifest, directory, prev.installed.sha256)
+        backends = await loop.run_in_executor(None, self._load_instances, manifest, directory)
+        try:
+            await loop.run_in_executor(None, self_test, backends[0], staged)
+            await loop.run_in_executor(None, warm_up, backends, staged, self._warm_batch_sizes())
+        except BaseException:
+            for b in backends:
+                b.close()
+            raise
+        self.store.rollback(name)
+        await self.host.swap(manifest, backends)
+        self._unavailable.pop((manifest.name, manifest.version), None)
+        log.warning("rolled %s back to %s", name, manifest.version)
+        return manifest
 
     @staticmethod
     def _require_cpu(profile: str, required: object) -> None:

@@ -4,6 +4,11 @@
     <data_dir>/staging/                            extraction in progress; emptied at start-up
     <data_dir>/state.json                          which bundle is current and which was before
                                                    (replaced atomically; the commit point)
+
+Several models live side by side, one active version each, with the version before it kept for
+rollback. ``current``/``previous`` are the model installed last (the one the fleet's desired state
+names); ``others`` are the rest, by name. state.json keeps that shape (``current``, ``previous``,
+``others``), so an agent of the previous release still reads its model from it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class ModelStore:
         self._fault = fault or (lambda point: None)
         self.current: StoreEntry | None = None
         self.previous: StoreEntry | None = None
+        self.others: dict[str, tuple[StoreEntry, StoreEntry | None]] = {}  # name -> (active, previous)
 
     # -- start-up -----------------------------------------------------------------------------
     def recover(self) -> StoreEntry | None:
@@ -68,6 +74,7 @@ class ModelStore:
         for tmp in self.root.glob(".*.tmp"):  # a state.json write a crash interrupted
             tmp.unlink(missing_ok=True)
         self.current = self.previous = None
+        self.others = {}
         if self.state_path.exists():
             try:
                 state = json.loads(self.state_path.read_text())
@@ -75,8 +82,20 @@ class ModelStore:
                     raise ValueError(f"state_version {state.get('state_version')!r}")
                 self.current = self._entry(state.get("current"))
                 self.previous = self._entry(state.get("previous"))
-            except (ValueError, KeyError, TypeError) as exc:
+                for name, slot in (state.get("others") or {}).items():
+                    active = self._entry(slot["current"])
+                    if active is not None:
+                        self.others[str(name)] = (active, self._entry(slot.get("previous")))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.error("%s is unreadable (%s); starting with no model", self.state_path, exc)
+                self.current = self.previous = None
+                self.others = {}
+        for name, (active, prev) in list(self.others.items()):
+            good = [e for e in (active, prev) if e is not None and self._intact(e, name)]
+            if good:
+                self.others[name] = (good[0], good[1] if len(good) > 1 else None)
+            else:
+                del self.others[name]
         for which in ("current", "previous"):
             entry = getattr(self, which)
             if entry is not None:
@@ -87,8 +106,33 @@ class ModelStore:
                     setattr(self, which, None)
         if self.current is None and self.previous is not None:
             self.current, self.previous = self.previous, None
+        if self.current is None and self.others:
+            self.current, self.previous = self.others.pop(next(reversed(self.others)))
         self._gc()
         return self.current
+
+    def _intact(self, entry: StoreEntry, which: str) -> bool:
+        try:
+            self.load_manifest(entry)
+        except (TrustError, ContractError) as exc:
+            log.error("%s model %s is damaged (%s); dropping it", which, entry.directory, exc)
+            return False
+        return True
+
+    def active(self) -> dict[str, tuple[StoreEntry, StoreEntry | None]]:
+        """Every model on disk: name -> (active version, previous version kept for rollback)."""
+        out = dict(self.others)
+        if self.current is not None:
+            out[self.current.installed.name] = (self.current, self.previous)
+        return out
+
+    def _write_state(self) -> None:
+        def slot(entry: StoreEntry | None) -> dict | None:
+            return None if entry is None else {**asdict(entry)}
+
+        state = {"state_version": STATE_VERSION, "current": slot(self.current), "previous": slot(self.previous),
+                 "others": {name: {"current": slot(a), "previous": slot(p)} for name, (a, p) in self.others.items()}}
+        atomic_write(self.state_path, (json.dumps(state, indent=2) + "\n").encode())
 
     @staticmethod
     def _entry(raw: dict | None) -> StoreEntry | None:
@@ -142,11 +186,18 @@ class ModelStore:
         entry = StoreEntry(Installed(m.name, m.version, staged.bundle_sha256, m.profile), staged.directory.name,
                            rollout_id)
         self._fault("before_commit")
-        prev = self.current if self.current is not None and self.current.directory != entry.directory else self.previous
-        state = {"state_version": STATE_VERSION,
-                 "current": {**asdict(entry)}, "previous": None if prev is None else {**asdict(prev)}}
-        atomic_write(self.state_path, (json.dumps(state, indent=2) + "\n").encode())
-        self.current, self.previous = entry, prev
+        cur, prev, others = self.current, self.previous, dict(self.others)
+        if cur is not None and cur.installed.name != m.name:  # another model: it keeps serving beside this one
+            others[cur.installed.name] = (cur, prev)
+            cur, prev = others.pop(m.name, (None, None))
+        new_prev = cur if cur is not None and cur.directory != entry.directory else prev
+        old = (self.current, self.previous, self.others)
+        self.current, self.previous, self.others = entry, new_prev, others
+        try:
+            self._write_state()
+        except BaseException:
+            self.current, self.previous, self.others = old
+            raise
         self._fault("after_commit")
         self._gc()
         return entry
@@ -154,22 +205,59 @@ class ModelStore:
     def revert(self) -> StoreEntry | None:
         """Make the previous model current again (the current one failed to load or swap in); the
         failed one's folder is removed."""
-        prev = self.previous
-        state = {"state_version": STATE_VERSION, "current": None if prev is None else {**asdict(prev)},
-                 "previous": None}
-        atomic_write(self.state_path, (json.dumps(state, indent=2) + "\n").encode())
-        self.current, self.previous = prev, None
+        if self.current is None:
+            return None
+        self._set_slot(self.current.installed.name, self.previous, None)
         self._gc()
+        return self.current
+
+    def rollback(self, name: str) -> StoreEntry:
+        """Make model ``name``'s previous version active again; the version rolled back from becomes the
+        previous one (so the rollback itself can be undone). Raises KeyError naming what is missing."""
+        slots = self.active()
+        if name not in slots:
+            raise KeyError(f"no model {name!r} is installed (installed: {', '.join(sorted(slots)) or 'none'})")
+        active, prev = slots[name]
+        if prev is None:
+            raise KeyError(f"{name} has no previous version to roll back to (active: {active.installed.version})")
+        self._set_slot(name, prev, active)
         return prev
 
+    def remove(self, name: str) -> None:
+        """Forget model ``name`` (both versions); its folders go."""
+        if name not in self.active():
+            raise KeyError(f"no model {name!r} is installed")
+        self._set_slot(name, None, None)
+        self._gc()
+
+    def _set_slot(self, name: str, active: StoreEntry | None, prev: StoreEntry | None) -> None:
+        old = (self.current, self.previous, dict(self.others))
+        if self.current is not None and self.current.installed.name == name:
+            self.current, self.previous = active, prev
+            if active is None and self.others:  # the primary model went: the last other one takes its place
+                promoted = next(reversed(self.others))
+                self.current, self.previous = self.others.pop(promoted)
+        elif active is None:
+            self.others.pop(name, None)
+        else:
+            self.others[name] = (active, prev)
+        try:
+            self._write_state()
+        except BaseException:
+            self.current, self.previous, self.others = old
+            raise
+
+    def _kept(self) -> set[str]:
+        return {e.directory for pair in self.active().values() for e in pair if e is not None}
+
     def discard(self, staged: StagedModel) -> None:
-        """Remove a staged model that failed to load or self-test (never the current or previous one)."""
-        keep = {e.directory for e in (self.current, self.previous) if e is not None}
+        """Remove a staged model that failed to load or self-test (never one the state names)."""
+        keep = self._kept()
         if staged.directory.name not in keep:
             shutil.rmtree(staged.directory, ignore_errors=True)
 
     def _gc(self) -> None:
-        keep = {e.directory for e in (self.current, self.previous) if e is not None}
+        keep = self._kept()
         for d in self.models_dir.iterdir():
             if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
