@@ -63,6 +63,7 @@ class RolloutIn(_Body):
     on_failure: Literal["pause", "abort"] = "abort"
     rollback_on_failure: bool = False
     offline_grace_s: float = Field(default=300.0, ge=0)
+    require_telemetry: bool = False
 
 
 class TokenIn(_Body):
@@ -175,7 +176,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         try:
             spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates,
                                on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
-                               offline_grace_s=body.offline_grace_s)
+                               offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry)
         except ValueError as exc:
             raise BadRequest(f"bad rollout spec: {exc}", 422) from exc
         return service.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,

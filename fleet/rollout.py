@@ -85,6 +85,8 @@ class RolloutSpec(BaseModel):
     on_failure: Literal["pause", "abort"] = "abort"
     rollback_on_failure: bool = False
     offline_grace_s: float = Field(default=300.0, ge=0.0)  # then a wave stops waiting for offline devices
+    # True: a wave whose telemetry gates have no figures yet keeps soaking until they do
+    require_telemetry: bool = False
 
     @field_validator("waves")
     @classmethod
@@ -485,6 +487,8 @@ class RolloutEngine:
                     return
                 results = evaluate_gates(self._figures(s, w), spec.gates)
                 w.gates = [g.as_json() for g in results]
+                if spec.require_telemetry and any(g.value is None for g in results if g.name != "install_success"):
+                    return  # not judged yet: soak on until the devices send figures
                 if not all(g.passed for g in results):
                     self._fail_wave(s, r, w, spec, self._figures(s, w), msgs, results)
                     return
