@@ -745,6 +745,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--exit", action="store_true", help="stop after the summary instead of running until Ctrl-C")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.set_defaults(fn=cmd_demo)
+
+    from fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
+
+    simulator.add_parser(sub, _Formatter)
+    cli_rollout.add_parsers(sub, _Formatter)
     return p
 
 
