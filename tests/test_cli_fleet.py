@@ -45,3 +45,58 @@ def test_keys_init_json_and_refusal(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["root"].endswith("root.json")
     r = run_cli("keys", "init", str(tmp_path / "k"))
     assert r.returncode == 4 and "--force" in r.stderr
+
+
+def test_rollout_cli_over_the_rest_api(tmp_path, mosquitto, digits_bundle, monkeypatch):
+    """create (with --wait), status, pause, resume, abort, rollback and audit, JSON and human, with their exit codes."""
+    from fleet.simulator import SimConfig, Simulator
+
+    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
+        r = run_cli("rollout", "list", "--fleet", url)
+        assert r.returncode == 6 and "no API token" in r.stderr
+        monkeypatch.setenv("EDGEFLEET_TOKEN", api.token)
+        assert run_cli("fleet", "upload", str(digits_bundle), "--fleet", url).returncode == 0
+        sim = Simulator(SimConfig(mqtt_url=mosquitto.url, devices=4, install_s=0.01, prefix="cli"))
+        sim.start()
+        try:
+            r = run_cli("rollout", "create", "digits", "1.0.0", "--profile", "x86-cpu", "--waves", "1,100%",
+                        "--soak-s", "0.1", "--min-install-success", "0.9", "--wait", "--wait-s", "60", "--json",
+                        "--fleet", url)
+            assert r.returncode == 0, r.stderr
+            doc = json.loads(r.stdout)
+            assert doc["status"] == "succeeded" and [w["size"] for w in doc["waves"]] == [1, 3]
+            rid = doc["id"]
+            r = run_cli("rollout", "status", str(rid), "--fleet", url)
+            assert r.returncode == 0 and "wave 2:" in r.stdout and "4 installed" in r.stdout
+            r = run_cli("rollout", "pause", str(rid), "--fleet", url)
+            assert r.returncode == 6 and "succeeded; it cannot become paused" in r.stderr
+            r = run_cli("rollout", "rollback", str(rid), "--fleet", url, "--json")
+            assert r.returncode == 0 and json.loads(r.stdout)["status"] == "rolled_back"
+            assert "4 had none" in json.loads(r.stdout)["reason"]  # nothing ran before 1.0.0
+            r = run_cli("rollout", "audit", str(rid), "--fleet", url, "--json")
+            acts = [x["action"] for x in json.loads(r.stdout)]
+            assert acts[0] == "rollout_rolled_back" and acts[-1] == "rollout_created"
+            r = run_cli("rollout", "create", "digits", "1.0.0", "--group", "nowhere", "--fleet", url)
+            assert r.returncode == 6 and "unknown group 'nowhere'" in r.stderr
+            r = run_cli("rollout", "create", "digits", "1.0.0", "--profile", "x86-cpu", "--waves", "1,100%",
+                        "--soak-s", "30", "--fleet", url, "--json")
+            rid = json.loads(r.stdout)["id"]
+            assert json.loads(run_cli("rollout", "pause", str(rid), "--fleet", url, "--json").stdout)["status"] \
+                == "paused"
+            assert json.loads(run_cli("rollout", "resume", str(rid), "--fleet", url, "--json").stdout)["status"] \
+                == "in_progress"
+            r = run_cli("rollout", "abort", str(rid), "--fleet", url)
+            assert r.returncode == 0 and "aborted" in r.stdout
+            r = run_cli("rollout", "list", "--fleet", url, "--json")
+            assert [x["status"] for x in json.loads(r.stdout)] == ["aborted", "rolled_back"]
+        finally:
+            sim.stop()
+
+
+def test_simulate_cli_runs_devices_for_a_while(mosquitto):
+    r = run_cli("simulate", "--devices", "5", "--mqtt-url", mosquitto.url, "--duration-s", "0.5", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "5 simulated devices connected" in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["connected"] == 0  # then all left cleanly
+    r = run_cli("simulate", "--devices", "1", "--mqtt-url", "http://x")
+    assert r.returncode == 4 and "mqtt://HOST:PORT" in r.stderr
