@@ -446,13 +446,14 @@ class Agent:
     def _index(self) -> list[IndexEntry]:
         """Versions on disk and versions that failed, for the repository index (serving ones are added by
         the host as READY)."""
-        out = [IndexEntry(n, v, "UNAVAILABLE", why) for (n, v), why in self._unavailable.items()]
+        out = []
         for name, (active, prev) in self.store.active().items():
             out.append(IndexEntry(name, active.installed.version, "UNAVAILABLE", "installed; not loaded"))
             if prev is not None:
                 out.append(IndexEntry(name, prev.installed.version, "UNAVAILABLE",
                                       "previous version, kept for rollback"))
-        return out
+        # why a version failed says more than where it lies (later entries win)
+        return out + [IndexEntry(n, v, "UNAVAILABLE", why) for (n, v), why in self._unavailable.items()]
 
     async def rollback(self, name: str) -> Manifest:
         """Serve model ``name``'s previous version again (loaded, self-tested and warmed up while the active
@@ -471,9 +472,12 @@ class Agent:
         try:
             await loop.run_in_executor(None, self_test, backends[0], staged)
             await loop.run_in_executor(None, warm_up, backends, staged, self._warm_batch_sizes())
-        except BaseException:
+        except BaseException as exc:
             for b in backends:
                 b.close()
+            self._unavailable[(manifest.name, manifest.version)] = str(exc)
+            log.error("rollback of %s to %s failed; %s keeps serving: %s", name, manifest.version,
+                      slots[name][0].installed.version, exc)
             raise
         self.store.rollback(name)
         await self.host.swap(manifest, backends)
