@@ -38,11 +38,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import protocol
 from agent.backends.base import Backend
 from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings
-from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, Unavailable
+from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
 from agent.image import preprocess_image
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
@@ -241,7 +242,7 @@ def model_config(served: Served) -> dict[str, Any]:
 
 
 def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
-               max_inflight_body_bytes: int = 256 * 1024 * 1024) -> Starlette:
+               max_inflight_body_bytes: int = 256 * 1024 * 1024) -> ASGIApp:
     metrics = host.metrics
     budget = _ByteBudget(max_inflight_body_bytes)
     # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
@@ -317,40 +318,53 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             name = request.path_params["name"]
             metrics.rejected(dt, status, name if name in host.models else None)
 
-    async def infer(request: Request) -> Response:
+    async def infer_core(name: str, version: str | None, header: Callable[[str], str | None],
+                         receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """One infer request, from its path parameters, headers and body -> (status, headers, body)."""
         t0 = time.perf_counter()
         status = 500
         served: Served | None = None
         held = [0]
         try:
-            served = resolve(request)  # fail fast: 404
-            body = await _read_body(request, max_body_bytes, budget, held)
+            served = host.get(name, version)  # fail fast: 404
+            body = await _receive_body(receive, header("content-length"), max_body_bytes, budget, held)
             # resolved again after the body arrived: a swap during a slow upload serves the new version
-            served = resolve(request)
+            served = host.get(name, version)
             m = served.manifest
-            header_length = request.headers.get(HEADER_LENGTH)
+            header_length = header(HEADER_LENGTH)
             if header_length is None and len(body) > LARGE_BODY:
                 async with large_decodes:
                     req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs)
             else:
                 req = parse_body(body, header_length, m.inputs, m.outputs)
+            del body
             outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
                                                None if req.timeout_us is None else req.timeout_us / 1e6)
             content, json_length = encode_response(m.name, m.version, outs, m.outputs, req)
             status = 200
             if json_length is None:
-                return Response(content, media_type="application/json")
-            return Response(content, media_type="application/octet-stream",
-                            headers={"Inference-Header-Content-Length": str(json_length)})
+                return 200, [(b"content-type", b"application/json")], content
+            return 200, [(b"content-type", b"application/octet-stream"),
+                         (b"inference-header-content-length", str(json_length).encode())], content
         except AgentError as exc:
             status = getattr(exc, "status_code", 500)
-            return _agent_error(exc)
+            retry = [(b"retry-after", b"1")] if status in (429, 503) else []
+            return status, [(b"content-type", b"application/json"), *retry], _error_body(str(exc))
         except Exception as exc:  # never let one request take the server down
             log.exception("unexpected error in infer")
-            return _error(500, f"internal error: {exc}")
+            return 500, [(b"content-type", b"application/json")], _error_body(f"internal error: {exc}")
         finally:
             budget.give(held[0])
-            finish(request, served, t0, status)
+            dt = time.perf_counter() - t0
+            if served is not None:
+                served.metrics.request(dt, status)
+            else:  # label values from the URL only when they name a served model: bounded label sets
+                metrics.rejected(dt, status, name if name in host.models else None)
+
+    async def infer(request: Request) -> Response:
+        status, headers, content = await infer_core(request.path_params["name"], request.path_params.get("version"),
+                                                    request.headers.get, request.receive)
+        return Response(content, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
     async def infer_image(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -359,7 +373,8 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         held = [0]
         try:
             served = resolve(request)
-            body = await _read_body(request, max_body_bytes, budget, held)
+            body = await _receive_body(request.receive, request.headers.get("content-length"), max_body_bytes,
+                                       budget, held)
             served = resolve(request)
             m = served.manifest
             feeds = await run_in_threadpool(preprocess_image, body, m)  # OpenCV releases the GIL
@@ -416,20 +431,55 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             Route(f"{base}/infer", infer, methods=post), Route(f"{base}/infer/image", infer_image, methods=post),
         ]
     routes += [Route("/metrics", prometheus, methods=get), Route("/metrics/summary", summary, methods=get)]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    slow = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        """The infer routes straight to the handler (Starlette's routing, request objects and middleware cost
+        more than the rest of a small model's request); everything else through Starlette."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            parts = scope["path"].split("/")
+            n = len(parts)
+            if (n == 5 or (n == 7 and parts[4] == "versions")) and parts[-1] == "infer" and parts[1] == "v2" \
+                    and parts[2] == "models" and parts[0] == "":
+                headers = dict(scope["headers"])
+
+                def header(key: str) -> str | None:
+                    v = headers.get(key.encode())
+                    return None if v is None else v.decode("latin-1")
+
+                status, out_headers, content = await infer_core(parts[3], parts[5] if n == 7 else None, header,
+                                                                receive)
+                await send({"type": "http.response.start", "status": status,
+                            "headers": [*out_headers, (b"content-length", str(len(content)).encode())]})
+                await send({"type": "http.response.body", "body": content})
+                return
+        await slow(scope, receive, send)
+
+    return app
 
 
-async def _read_body(request: Request, limit: int, budget: _ByteBudget, held: list[int]) -> bytes:
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": message}, ensure_ascii=False).encode()
+
+
+async def _receive_body(receive: Receive, declared: str | None, limit: int, budget: _ByteBudget,
+                        held: list[int]) -> bytes:
     """Read at most ``limit`` bytes, charging them to ``budget`` (``held[0]`` says how much to give back)."""
-    declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
-        budget.take(len(chunk))
-        held[0] += len(chunk)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise RequestError("the client went away before the body arrived")
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+            budget.take(len(chunk))
+            held[0] += len(chunk)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

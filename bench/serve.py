@@ -1,0 +1,483 @@
+"""Serving benchmark: the agent against the runtime's limit and a naive micro-batcher, in one run.
+
+For each model (digits INT8, MobileNetV2-like FP32 and INT8 from models/zoo/make_zoo.py), all on 127.0.0.1
+and with every loop bounded:
+
+1. compile it for x86-cpu and install the bundle into an agent data dir (no fleet);
+2. **the limit**: raw onnxruntime in this process, the agent's session options, at batch 1, 2, 4, 8, 16:
+   the best images/s is the limit (measured before and after the servers run; the mean is used);
+3. start **the agent** (``python -m edgefleet.cli agent``, cold start to ready and idle RSS measured) and
+   **the naive baseline** (this script with ``--naive-server``: a Starlette endpoint taking raw float32 bytes
+   with an asyncio micro-batcher that collects for up to 5 ms and runs the model inside the event loop, the
+   common tutorial pattern) as separate processes;
+4. closed-loop load from a separate process at 1, 8 and 32 clients (one image per request), interleaving
+   the variants level by level: naive raw bytes, agent binary OIP, agent JSON OIP;
+5. print ratios against the limit, p50/p99, the median latency the server adds at 1 client over a raw
+   batch-1 call, and the JSON decode cost (``json.loads`` + ``np.asarray`` of one request body).
+
+Run from the repository root:  .venv/bin/python bench/serve.py [--quick] [--models digits,mobilenetv2-fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench import AgentProcess, _die_with_parent, _free_port
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = ("digits", "mobilenetv2-fp32", "mobilenetv2-int8")
+NAIVE_DELAY_S = 0.005  # the naive batcher's fixed collection window
+NAIVE_MAX_BATCH = 16
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- models ------------------------------------------------------------------------------------------
+
+
+def prepare(name: str, work: Path) -> dict[str, Any]:
+    """Compile and install one model; -> data dir, engine, images and labels for the load."""
+    import importlib.util
+
+    from agent.store import ModelStore
+    from compiler.pipeline import CompileOptions, compile_model
+    from protocol.bundle import sha256_file
+
+    if name == "digits":
+        src = REPO / "models" / "digits"
+        model, calib, evalp, precision, model_name = (src / "model.onnx", src / "calibration.npz",
+                                                      src / "test.npz", "int8", "digits")
+        with np.load(evalp) as npz:
+            images, labels = npz["input"].astype(np.float32), npz["labels"].astype(np.int64)
+    else:
+        spec = importlib.util.spec_from_file_location("make_zoo", REPO / "models" / "zoo" / "make_zoo.py")
+        assert spec is not None and spec.loader is not None
+        zoo = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(zoo)
+        d = zoo.ensure("mobilenetv2")
+        precision = name.rsplit("-", 1)[1]
+        model, calib, evalp, model_name = d / "model.onnx", d / "calibration.npz", d / "eval.npz", "mobilenetv2"
+        with np.load(evalp) as npz:
+            images, labels = npz["input"][:16].astype(np.float32), npz["labels"][:16].astype(np.int64)
+    result = compile_model(CompileOptions(model=model, profile="x86-cpu", calibration=calib, eval=evalp,
+                                          out_dir=work / name / "dist", name=model_name, version="1.0.0",
+                                          benchmark=False, precision=precision, max_accuracy_drop=1.0))
+    data_dir = work / name / "agent"
+    store = ModelStore(data_dir / "store")
+    store.recover()
+    staged = store.stage(result.bundle, sha256_file(result.bundle))
+    store.commit(staged, None)
+    if name != "digits":  # labels for a random-weight model: what this engine itself says
+        labels = _session(staged.engine, 2).run(None, {"input": images})[0].argmax(1)
+    return {"name": name, "model": model_name, "data_dir": data_dir, "engine": staged.engine,
+            "images": images, "labels": [int(v) for v in labels], "precision": result.manifest.precision}
+
+
+def _session(engine: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the agent's backend
+    return ort.InferenceSession(str(engine), so, providers=["CPUExecutionProvider"])
+
+
+def the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float) -> dict[str, Any]:
+    """Images/s of InferenceSession.run at batch 1..16 (bounded: at most 5000 calls a size) and the batch-1
+    median call time."""
+    sess = _session(engine, threads)
+    rates: dict[int, float] = {}
+    b1_ms = float("nan")
+    for batch in (1, 2, 4, 8, 16):
+        x = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])), dtype=np.float32)
+        for _ in range(3):
+            sess.run(None, {"input": x})
+        times = []
+        t_end = time.perf_counter() + seconds_each
+        for _ in range(5000):
+            t0 = time.perf_counter()
+            sess.run(None, {"input": x})
+            times.append(time.perf_counter() - t0)
+            if t0 > t_end:
+                break
+        rates[batch] = batch * len(times) / sum(times)
+        if batch == 1:
+            b1_ms = statistics.median(times) * 1000
+    best = max(rates, key=lambda b: rates[b])
+    return {"images_per_s": rates[best], "best_batch": best, "by_batch": {b: round(r, 1) for b, r in rates.items()},
+            "batch1_ms": b1_ms}
+
+
+def json_decode_ms(body: bytes, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        doc = json.loads(body)
+        np.asarray(doc["inputs"][0]["data"], dtype=np.float32)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+# -- the naive baseline server (runs as its own process) ---------------------------------------------
+
+
+def naive_server(engine: str, port: int, threads: int) -> None:
+    """A Starlette endpoint with the tutorial asyncio micro-batcher: collect for 5 ms, run in the event loop."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    sess = _session(Path(engine), threads)
+    shape = [d if isinstance(d, int) else 1 for d in sess.get_inputs()[0].shape][1:]
+    pending: list[tuple[np.ndarray, asyncio.Future]] = []
+    wake = asyncio.Event()
+
+    async def batcher() -> None:
+        while True:
+            await wake.wait()
+            await asyncio.sleep(NAIVE_DELAY_S)
+            wake.clear()
+            while pending:
+                batch, rest = pending[:NAIVE_MAX_BATCH], pending[NAIVE_MAX_BATCH:]
+                pending[:] = rest
+                out = sess.run(None, {"input": np.concatenate([x for x, _ in batch])})[0]  # in the event loop
+                for i, (_, fut) in enumerate(batch):
+                    if not fut.done():
+                        fut.set_result(out[i : i + 1])
+
+    async def predict(request: Request) -> Response:
+        x = np.frombuffer(await request.body(), np.float32).reshape(1, *shape)
+        fut = asyncio.get_running_loop().create_future()
+        pending.append((x, fut))
+        wake.set()
+        return Response((await fut).tobytes(), media_type="application/octet-stream")
+
+    async def ready(request: Request) -> Response:
+        return Response(b"{}", media_type="application/json")
+
+    async def main() -> None:
+        task = asyncio.create_task(batcher())
+        app = Starlette(routes=[Route("/predict", predict, methods=["POST"]), Route("/v2/health/ready", ready)])
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off")
+        await uvicorn.Server(cfg).serve()
+        task.cancel()
+
+    asyncio.run(main())
+
+
+class NaiveProcess:
+    def __init__(self, engine: Path, threads: int, log_path: Path):
+        self.engine, self.threads, self.log_path = engine, threads, log_path
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> NaiveProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--naive-server", str(self.engine), str(self.port),
+                                          str(self.threads)], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=REPO, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the naive server exited: {self.log_path.read_text()[-2000:]}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(f"{self.url}/v2/health/ready", timeout=2):
+                    return self
+            time.sleep(0.1)
+        raise RuntimeError("the naive server did not start in 60 s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# -- requests and the load generator -------------------------------------------------------------------
+
+
+def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes], dict[str, str]]:
+    """-> (path, one body per image, extra headers) for one variant."""
+    if kind == "naive":
+        return "/predict", [np.ascontiguousarray(img[None]).tobytes() for img in images], {}
+    path = f"/v2/models/{model}/infer"
+    shape = [1, *images.shape[1:]]
+    if kind == "json":
+        return path, [json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                              "data": img.reshape(-1).tolist()}]}).encode() for img in images], {}
+    out = []
+    for img in images:
+        raw = np.ascontiguousarray(img[None], dtype=np.float32).tobytes()
+        head = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                       "parameters": {"binary_data_size": len(raw)}}],
+                           "parameters": {"binary_data_output": True}}).encode()
+        out.append(len(head).to_bytes(4, "little") + head + raw)  # the header length rides in front, split later
+    return path, out, {}
+
+
+def _request(host: str, port: int, path: str, body: bytes, kind: str) -> bytes:
+    extra = ""
+    if kind == "binary":
+        hl = int.from_bytes(body[:4], "little")
+        body = body[4:]
+        extra = f"Inference-Header-Content-Length: {hl}\r\n"
+    ctype = "application/json" if kind == "json" else "application/octet-stream"
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {ctype}\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _post(conn: list[Any], host: str, port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    if not conn:
+        r, w = await asyncio.open_connection(host, port)
+        w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn[:] = [r, w]
+    reader, writer = conn
+    try:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        headers = {}
+        for line in head.split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip()
+        return int(head[9:12]), headers, await reader.readexactly(int(headers[b"content-length"]))
+    except BaseException:
+        writer.close()
+        conn.clear()
+        raise
+
+
+def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
+    if kind == "naive":
+        return int(np.frombuffer(content, np.float32).argmax())
+    if kind == "binary":
+        hl = int(headers[b"inference-header-content-length"])
+        return int(np.frombuffer(content, np.float32, offset=hl).argmax())
+    return int(np.argmax(json.loads(content)["outputs"][0]["data"]))
+
+
+async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
+                 warmup: int) -> dict[str, Any]:
+    host, port_s = url.removeprefix("http://").rsplit(":", 1)
+    port = int(port_s)
+    prebuilt = [_request(host, port, path, b, kind) for b in reqs]
+    conns: list[list[Any]] = [[] for _ in range(clients)]
+    lat: list[float] = []
+    bad = {"errors": 0, "wrong": 0}
+    first_error: list[str] = []
+
+    async def client(slot: int, n: int, record: bool) -> None:
+        i = (slot * 7919) % len(prebuilt)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                status, headers, content = await asyncio.wait_for(_post(conns[slot], host, port, prebuilt[i]), 60)
+            except Exception as exc:
+                status, headers, content = 0, {}, repr(exc).encode()
+            dt = time.perf_counter() - t0
+            if record:
+                if status == 200:
+                    lat.append(dt)
+                    bad["wrong"] += _top1(kind, headers, content) != labels[i]
+                else:
+                    bad["errors"] += 1
+                    if not first_error:
+                        first_error.append(f"{status}: {content[:200]!r}")
+            i = (i + 1) % len(prebuilt)
+
+    await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
+    per = max(1, total // clients)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k, per, True) for k in range(clients)))
+    wall = time.perf_counter() - t0
+    for c in conns:
+        if c:
+            c[1].close()
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None}
+
+
+def _load_worker(args: tuple, results: Any) -> None:
+    try:
+        results.put(asyncio.run(_drive(*args)))
+    except BaseException as exc:
+        results.put({"fatal": f"{type(exc).__name__}: {exc}"})
+
+
+def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
+              warmup: int, timeout_s: float = 600) -> dict[str, Any]:
+    """One closed-loop level from a separate (spawned) load-generator process."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results),
+                    daemon=True)
+    w.start()
+    try:
+        out = results.get(timeout=timeout_s)
+    except queue.Empty as exc:
+        raise RuntimeError(f"the load generator did not finish in {timeout_s:.0f}s") from exc
+    finally:
+        w.join(10)
+        if w.is_alive():
+            w.terminate()
+    if "fatal" in out:
+        raise RuntimeError(f"load generator: {out['fatal']}")
+    lat = np.array(out["latencies"]) * 1000
+    n = len(lat)
+    return {"requests": n, "errors": out["errors"], "wrong": out["wrong"], "first_error": out["first_error"],
+            "req_per_s": n / out["wall"] if out["wall"] > 0 else float("nan"),
+            "p50_ms": float(np.percentile(lat, 50)) if n else float("nan"),
+            "p99_ms": float(np.percentile(lat, 99)) if n else float("nan")}
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- one model ---------------------------------------------------------------------------------------
+
+
+def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    name, images, labels = m["name"], m["images"], m["labels"]
+    small = name == "digits"
+    totals = {"naive": args.requests if small else args.requests_big,
+              "binary": args.requests if small else args.requests_big,
+              "json": args.requests if small else max(20, args.requests_big // 5)}
+    _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16)")
+    limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
+    json_body = bodies("json", m["model"], images[:1])[1][0]
+    decode_ms = json_decode_ms(json_body)
+    t0 = time.monotonic()
+    agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, 16, args.threads, 120)
+    rows: list[dict[str, Any]] = []
+    with agent:
+        cold_s = time.monotonic() - t0
+        assert agent.proc is not None
+        time.sleep(1.0)
+        idle_rss = _rss_mb(agent.proc.pid)
+        with NaiveProcess(m["engine"], args.threads, work / "logs" / f"{name}-naive.log") as naive:
+            variants = [("naive", naive.url), ("binary", agent.url), ("json", agent.url)]
+            for clients in args.clients:
+                order = variants if clients % 2 == 0 else list(reversed(variants))  # interleave, alternating order
+                for kind, url in order:
+                    path, reqs, _ = bodies(kind, m["model"], images)
+                    r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup)
+                    rows.append({"variant": kind, "clients": clients, **r})
+                    _say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
+                         f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
+                         f"wrong {r['wrong']}" + (f"  first error {r['first_error']}" if r["first_error"] else ""))
+    limit_after = the_limit(m["engine"], images, args.threads, args.limit_seconds)
+    limit = (limit_before["images_per_s"] + limit_after["images_per_s"]) / 2
+    b1_ms = (limit_before["batch1_ms"] + limit_after["batch1_ms"]) / 2
+    for r in rows:
+        r["vs_limit"] = r["req_per_s"] / limit
+        if r["clients"] == 1:
+            r["added_ms"] = r["p50_ms"] - b1_ms
+    naive_by_c = {r["clients"]: r["req_per_s"] for r in rows if r["variant"] == "naive"}
+    json_target = {c: 1 / (1 / v + decode_ms / 1000) for c, v in naive_by_c.items()}
+    return {"model": name, "precision": m["precision"], "limit_img_s": limit, "limit_before": limit_before,
+            "limit_after": limit_after, "raw_batch1_ms": b1_ms, "json_decode_ms": decode_ms,
+            "json_target_req_s": json_target, "cold_start_s": cold_s, "idle_rss_mb": idle_rss, "rows": rows}
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    print(f"\nbench/serve.py: {doc['machine']['cpus']} CPUs, python {doc['machine']['python']}, onnxruntime "
+          f"{doc['machine']['onnxruntime']}, {doc['config']['threads']} intra-op threads, spinning off everywhere")
+    for res in doc["models"]:
+        lb, la = res["limit_before"], res["limit_after"]
+        print(f"\n{res['model']} ({res['precision']}): limit {res['limit_img_s']:.1f} img/s (before "
+              f"{lb['images_per_s']:.1f} at batch {lb['best_batch']}, after {la['images_per_s']:.1f} at batch "
+              f"{la['best_batch']}); raw batch-1 call {res['raw_batch1_ms']:.3f} ms; agent cold start to ready "
+              f"{res['cold_start_s']:.2f} s, idle RSS {res['idle_rss_mb']:.0f} MB; JSON decode of one request "
+              f"{res['json_decode_ms']:.2f} ms")
+        print(f"{'variant':>8} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'added ms':>8} {'errors':>6} {'wrong':>5}")
+        for r in res["rows"]:
+            added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
+            print(f"{r['variant']:>8} {r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>8.1%} "
+                  f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {added:>8} {r['errors']:>6} {r['wrong']:>5}")
+        tgt = ", ".join(f"{c} clients {v:.1f}" for c, v in res["json_target_req_s"].items())
+        print(f"JSON target (naive raw-bytes req/s with the decode cost added per request): {tgt}")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--naive-server"]:
+        naive_server(argv[1], int(argv[2]), int(argv[3]))
+        return 0
+    p = argparse.ArgumentParser(prog="serve.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests (a rough look, about 2 minutes)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--clients", default="1,8,32", help="closed-loop client counts")
+    p.add_argument("--requests", type=int, help="timed requests per level, digits (default 3000, quick 1000)")
+    p.add_argument("--requests-big", type=int, help="timed requests per level, MobileNetV2 binary and naive (JSON: "
+                                                    "a fifth) (default 600, quick 200)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed requests per client first")
+    p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads, everywhere")
+    p.add_argument("--limit-seconds", type=float, default=1.5, help="timing per batch size for the limit")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--work-dir", type=Path, help="keep bundles and logs here (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    args.requests = args.requests or (1000 if args.quick else 3000)
+    args.requests_big = args.requests_big or (200 if args.quick else 600)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+    import onnxruntime as ort
+
+    with contextlib.ExitStack() as stack:
+        work = args.work_dir.resolve() if args.work_dir else Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="edgefleet-serve-")))
+        results = []
+        for n in names:
+            _say(f"{n}: compiling for x86-cpu and installing")
+            results.append(bench_model(prepare(n, work), args, work))
+    doc = {"benchmark": "edgefleet bench/serve.py", "models": results,
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": ort.__version__,
+                       "platform": platform.platform()},
+           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    print_report(doc)
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
