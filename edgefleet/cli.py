@@ -213,6 +213,65 @@ def cmd_keys_init(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _keys_call(a: argparse.Namespace, fn) -> int:
+    """Run a key operation; errors are one line (exit 4). ``fn`` returns (json doc, human text)."""
+    try:
+        _require("keys")
+        from fleet.errors import FleetError
+    except ImportError as exc:
+        return _need("compiler", exc)
+    try:
+        doc, human = fn()
+    except (FleetError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    _print({"ok": True, **doc}, a.json, human)
+    return EXIT_OK
+
+
+def _publish_signed(a: argparse.Namespace, path: Path) -> str:
+    if a.publish_to is None:
+        return f"the fleet publishes {path.name} when it starts next (or pass --publish-to)"
+    from fleet.keys import KeyStore
+    from fleet.tuf_repo import Repository
+
+    repo = Repository(a.publish_to, KeyStore(a.dir / "fleet"))
+    (repo.publish_targets if path.name == "targets.json" else repo.publish_root)(path.read_bytes())
+    return f"published in {a.publish_to}"
+
+
+def cmd_keys_create(a: argparse.Namespace) -> int:
+    def run() -> tuple[dict[str, Any], str]:
+        from fleet.keys import create_keys
+
+        fleet = create_keys(a.dir, force=a.force)
+        return ({"fleet_keys": str(fleet), "offline": str(a.dir / "offline"), "ci": str(a.dir / "ci")},
+                f"offline (root, targets; keep off any server): {a.dir / 'offline'}\n"
+                f"fleet (snapshot, timestamp; start the fleet with --keys): {fleet}\n"
+                f"ci (bundles: signs each bundle, delegated): {a.dir / 'ci'}\n"
+                f"give agents {fleet / 'root.json'} as --trusted-root")
+    return _keys_call(a, run)
+
+
+def cmd_keys_rotate(a: argparse.Namespace) -> int:
+    def run() -> tuple[dict[str, Any], str]:
+        from fleet.keys import rotate_key
+
+        out = rotate_key(a.dir, a.role)
+        return {"role": a.role, "signed": str(out)}, f"new {a.role} key; signed {out}; {_publish_signed(a, out)}"
+    return _keys_call(a, run)
+
+
+def cmd_keys_revoke(a: argparse.Namespace) -> int:
+    def run() -> tuple[dict[str, Any], str]:
+        from fleet.keys import revoke_key
+
+        out = revoke_key(a.dir, a.role, a.keyid)
+        return ({"role": a.role, "keyid": a.keyid, "signed": str(out)},
+                f"revoked {a.role} key {a.keyid[:12]}…; signed {out}; {_publish_signed(a, out)}")
+    return _keys_call(a, run)
+
+
 # -- fleet ------------------------------------------------------------------------------------------
 def cmd_fleet_serve(a: argparse.Namespace) -> int:
     try:
@@ -658,6 +717,25 @@ def build_parser() -> argparse.ArgumentParser:
     ki.add_argument("--force", action="store_true", help="replace existing keys (devices must get the new root.json)")
     ki.add_argument("--json", action="store_true", help="JSON output")
     ki.set_defaults(fn=cmd_keys_init)
+    kc = k.add_parser("create", formatter_class=_Formatter, help="create keys split by where they live",
+                      description="Root and targets keys for offline storage, snapshot and timestamp keys for the "
+                                  "fleet, and a 'bundles' key for the compiler's CI (a delegated targets role): a "
+                                  "compromised fleet server alone cannot make a device install a model.")
+    kc.add_argument("dir", type=Path, help="folder for offline/, fleet/ and ci/ (files are mode 0600)")
+    kc.add_argument("--force", action="store_true", help="replace existing keys (devices must get the new root.json)")
+    kc.add_argument("--json", action="store_true", help="JSON output")
+    kc.set_defaults(fn=cmd_keys_create)
+    for name, fn, help_ in (("rotate", cmd_keys_rotate, "replace a role's key (needs the offline keys)"),
+                            ("revoke", cmd_keys_revoke, "remove one key from a role (needs the offline keys)")):
+        kr = k.add_parser(name, formatter_class=_Formatter, help=help_, description=help_ + "; writes a newly "
+                          "signed root.json (or targets.json for 'bundles') into DIR/fleet.")
+        kr.add_argument("dir", type=Path, help="the folder from 'edgefleet keys create'")
+        kr.add_argument("role", choices=("root", "targets", "snapshot", "timestamp", "bundles"))
+        if name == "revoke":
+            kr.add_argument("keyid", help="the key's id (hex), as in root.json or targets.json")
+        kr.add_argument("--publish-to", type=Path, help="a fleet's TUF folder (DATA_DIR/tuf) to publish in at once")
+        kr.add_argument("--json", action="store_true", help="JSON output")
+        kr.set_defaults(fn=fn)
 
     f = sub.add_parser("fleet", help="run or talk to the fleet server").add_subparsers(dest="fleet_cmd",
                                                                                        required=True)

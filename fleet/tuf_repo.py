@@ -8,6 +8,12 @@ On disk (served read-only under ``/tuf/``)::
 Every change bumps targets, snapshot and timestamp together under a file lock, so several fleet
 processes sharing the folder cannot interleave. Roles close to expiry are re-signed by
 :meth:`Repository.refresh_expiring`, which the server calls periodically.
+
+Delegated layout (``edgefleet keys create``): the top-level targets metadata is signed offline and
+delegates every path to the ``bundles`` role, whose metadata the compiler's CI signs
+(``N.bundles.json``). The fleet then holds only the snapshot and timestamp keys: it publishes what
+CI signed (:meth:`Repository.publish_bundles`), offline-signed roots and targets
+(:meth:`Repository.publish_root`, :meth:`Repository.publish_targets`), and re-signs freshness.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.errors import RepositoryError
-from fleet.keys import KeyStore
+from fleet.keys import BUNDLES_ROLE, KeyStore
 from protocol.fsutil import atomic_write
 
 __all__ = ["EXPIRY", "Repository"]
@@ -55,22 +61,165 @@ class Repository:
             if (self.metadata_dir / "timestamp.json").exists():
                 self._check_root_matches()
                 return
-            root_bytes = self.keys.root_json.read_bytes()
-            root = Metadata.from_bytes(root_bytes)
-            atomic_write(self.metadata_dir / f"{root.signed.version}.root.json", root_bytes)
-            targets = Metadata(Targets(expires=_now() + EXPIRY["targets"]))
+            roots = self.keys.roots()
+            for root_bytes in roots:
+                root = Metadata.from_bytes(root_bytes)
+                atomic_write(self.metadata_dir / f"{root.signed.version}.root.json", root_bytes)
             snapshot = Metadata(Snapshot(expires=_now() + EXPIRY["snapshot"]))
             timestamp = Metadata(Timestamp(expires=_now() + EXPIRY["timestamp"]))
-            self._publish(targets, snapshot, timestamp)
+            offline = self.keys.offline_targets
+            if offline is None:
+                targets = Metadata(Targets(expires=_now() + EXPIRY["targets"]))
+                self._publish(targets, snapshot, timestamp)
+                return
+            targets = Metadata[Targets].from_bytes(offline.read_bytes())
+            self._verify_targets(targets)
+            atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", offline.read_bytes())
+            initial = self.keys.initial_bundles
+            if initial is None:
+                raise RepositoryError(f"{self.keys.directory}: targets.json delegates to {BUNDLES_ROLE!r} but there is "
+                                      f"no {BUNDLES_ROLE}.json (from 'edgefleet keys create')")
+            bundles = Metadata[Targets].from_bytes(initial.read_bytes())
+            targets.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
+            atomic_write(self.metadata_dir / f"{bundles.signed.version}.{BUNDLES_ROLE}.json", initial.read_bytes())
+            self._publish(targets, snapshot, timestamp, bundles=bundles)
 
     def _check_root_matches(self) -> None:
-        from tuf.api.metadata import Metadata
+        """The key folder's roots must be the repository's; newer ones (a rotation done offline) and a
+        newer offline-signed targets.json are published here."""
+        from tuf.api.metadata import Metadata, Targets
 
-        ours = Metadata.from_bytes(self.keys.root_json.read_bytes())
-        path = self.metadata_dir / f"{ours.signed.version}.root.json"
-        if not path.exists() or Metadata.from_bytes(path.read_bytes()).signed != ours.signed:
-            raise RepositoryError(f"{self.dir}: the repository was created with other keys than {self.keys.directory}; "
-                                  "use the matching key store or a fresh --data-dir")
+        for raw in self.keys.roots():
+            ours = Metadata.from_bytes(raw)
+            path = self.metadata_dir / f"{ours.signed.version}.root.json"
+            if path.exists():
+                if Metadata.from_bytes(path.read_bytes()).signed != ours.signed:
+                    raise RepositoryError(f"{self.dir}: the repository was created with other keys than "
+                                          f"{self.keys.directory}; use the matching key store or a fresh --data-dir")
+            else:
+                self._publish_root_locked(raw)
+        offline = self.keys.offline_targets
+        if offline is not None:
+            tgt, _, _, _ = self._load_all()
+            if Metadata[Targets].from_bytes(offline.read_bytes()).signed.version > tgt.signed.version:
+                self._publish_targets_locked(offline.read_bytes())
+
+    # -- the delegated layout: metadata signed elsewhere, published here ------------------------
+    def _root(self) -> Any:
+        from tuf.api.metadata import Metadata, Root
+
+        return Metadata[Root].from_bytes(self.root_bytes())
+
+    def _verify_targets(self, targets: Any) -> None:
+        from tuf.api.exceptions import UnsignedMetadataError
+
+        try:
+            self._root().signed.verify_delegate("targets", targets.signed_bytes, targets.signatures)
+        except UnsignedMetadataError as exc:
+            raise RepositoryError(f"targets metadata is not signed by the root's targets key(s): {exc}") from exc
+
+    def delegated(self) -> bool:
+        tgt, _, _, _ = self._load_all()
+        d = tgt.signed.delegations
+        return d is not None and d.roles is not None and BUNDLES_ROLE in d.roles
+
+    def publish_root(self, data: bytes) -> None:
+        """Publish a new root version signed offline (key rotation or revocation)."""
+        with self._lock():
+            self._publish_root_locked(data)
+
+    def _publish_root_locked(self, data: bytes) -> None:
+        from tuf.api.exceptions import UnsignedMetadataError
+        from tuf.api.metadata import Metadata, Root
+
+        try:
+            new = Metadata[Root].from_bytes(data)
+        except Exception as exc:  # python-tuf raises several types for bad JSON
+            raise RepositoryError(f"not a root metadata file: {exc}") from exc
+        cur = self._root()
+        if new.signed.version != cur.signed.version + 1:
+            raise RepositoryError(f"root version {new.signed.version} does not follow the published "
+                                  f"{cur.signed.version}; publish the versions in between first")
+        try:
+            cur.signed.verify_delegate("root", new.signed_bytes, new.signatures)  # the old root vouches
+            new.signed.verify_delegate("root", new.signed_bytes, new.signatures)  # and the new one signs
+        except UnsignedMetadataError as exc:
+            raise RepositoryError(f"root version {new.signed.version} is not signed by the old and the new root "
+                                  f"keys: {exc}") from exc
+        atomic_write(self.metadata_dir / f"{new.signed.version}.root.json", data)
+        tgt, snap, ts, bundles = self._load_all()
+        online_changed = any(set(new.signed.roles[r].keyids) != set(cur.signed.roles[r].keyids)
+                             for r in ("snapshot", "timestamp", "targets"))
+        if online_changed:  # signatures by the old keys no longer count: sign again with the new ones
+            if not self.delegated():
+                tgt.signed.version += 1
+            snap.signed.version += 1
+            ts.signed.version += 1
+            self._publish(tgt, snap, ts, bundles=bundles)
+
+    def publish_targets(self, data: bytes) -> None:
+        """Publish top-level targets metadata signed offline (a new or revoked CI key)."""
+        with self._lock():
+            self._publish_targets_locked(data)
+
+    def _publish_targets_locked(self, data: bytes) -> None:
+        from tuf.api.exceptions import UnsignedMetadataError
+        from tuf.api.metadata import Metadata, Targets
+
+        new = Metadata[Targets].from_bytes(data)
+        self._verify_targets(new)
+        tgt, snap, ts, bundles = self._load_all()
+        if new.signed.version <= tgt.signed.version:
+            raise RepositoryError(f"targets version {new.signed.version} is not newer than the published "
+                                  f"{tgt.signed.version}")
+        if bundles is not None:
+            try:  # the published bundles must still verify under the new delegation, else CI must re-sign
+                new.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
+            except UnsignedMetadataError:
+                bundles = None  # withdrawn: signed by a revoked key; devices see no bundle until CI re-signs
+        atomic_write(self.metadata_dir / f"{new.signed.version}.targets.json", data)
+        snap.signed.version += 1
+        ts.signed.version += 1
+        self._publish(new, snap, ts, bundles=bundles, resign_targets=False)
+
+    def publish_bundles(self, data: bytes) -> dict[str, Any]:
+        """Publish ``bundles`` metadata signed by the CI key (verified here first); returns its targets."""
+        from tuf.api.exceptions import UnsignedMetadataError
+        from tuf.api.metadata import Metadata, Targets
+
+        try:
+            new = Metadata[Targets].from_bytes(data)
+        except Exception as exc:  # python-tuf raises several types for bad JSON
+            raise RepositoryError(f"not a targets metadata file: {exc}") from exc
+        with self._lock():
+            tgt, snap, ts, bundles = self._load_all()
+            try:
+                tgt.signed.verify_delegate(BUNDLES_ROLE, new.signed_bytes, new.signatures)
+            except (UnsignedMetadataError, ValueError) as exc:
+                raise RepositoryError(f"{BUNDLES_ROLE} metadata is not signed by a CI key the offline targets "
+                                      f"metadata delegates to: {exc}") from exc
+            if bundles is not None and new.signed.version <= bundles.signed.version:
+                raise RepositoryError(f"{BUNDLES_ROLE} version {new.signed.version} is not newer than the published "
+                                      f"{bundles.signed.version}; sign on top of the fleet's current one")
+            for path in new.signed.targets:
+                if not TARGET_PATH_RE.match(path) or ".." in path:
+                    raise RepositoryError(f"target path {path!r} is not a plain relative path")
+            atomic_write(self.metadata_dir / f"{new.signed.version}.{BUNDLES_ROLE}.json", data)
+            snap.signed.version += 1
+            ts.signed.version += 1
+            self._publish(tgt, snap, ts, bundles=new, resign_targets=False)
+            return dict(new.signed.targets)
+
+    def current_bundles(self) -> bytes:
+        """The published ``bundles`` metadata, as CI needs it to sign the next version."""
+        _, snap, _, _ = self._load_all()
+        meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
+        if meta is None:  # withdrawn (signed by a revoked key): CI re-signs on top of the last one
+            found = sorted(self.metadata_dir.glob(f"*.{BUNDLES_ROLE}.json"), key=lambda p: int(p.name.split(".")[0]))
+            if not found:
+                raise RepositoryError(f"this repository has no {BUNDLES_ROLE} metadata (not the delegated layout)")
+            return found[-1].read_bytes()
+        return (self.metadata_dir / f"{meta.version}.{BUNDLES_ROLE}.json").read_bytes()
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
@@ -84,6 +233,10 @@ class Repository:
 
     # -- reading ------------------------------------------------------------------------------
     def _load(self) -> tuple[Any, Any, Any]:  # (targets, snapshot, timestamp) Metadata
+        tgt, snap, ts, _ = self._load_all()
+        return tgt, snap, ts
+
+    def _load_all(self) -> tuple[Any, Any, Any, Any]:  # (targets, snapshot, timestamp, bundles or None)
         from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
 
         try:
@@ -92,32 +245,44 @@ class Repository:
             snap = Metadata[Snapshot].from_file(str(self.metadata_dir / f"{snap_v}.snapshot.json"))
             tgt_v = snap.signed.meta["targets.json"].version
             tgt = Metadata[Targets].from_file(str(self.metadata_dir / f"{tgt_v}.targets.json"))
+            bundles = None
+            meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
+            if meta is not None:
+                bundles = Metadata[Targets].from_file(str(self.metadata_dir / f"{meta.version}.{BUNDLES_ROLE}.json"))
         except (OSError, KeyError, ValueError) as exc:
             raise RepositoryError(f"{self.metadata_dir}: repository metadata unreadable ({exc})") from exc
-        return tgt, snap, ts
+        return tgt, snap, ts, bundles
 
     def targets(self) -> dict[str, Any]:
-        tgt, _, _ = self._load()
-        return dict(tgt.signed.targets)
+        tgt, _, _, bundles = self._load_all()
+        return {**dict(tgt.signed.targets), **(dict(bundles.signed.targets) if bundles is not None else {})}
 
     def root_bytes(self) -> bytes:
         versions = sorted(int(p.name.split(".")[0]) for p in self.metadata_dir.glob("*.root.json"))
         return (self.metadata_dir / f"{versions[-1]}.root.json").read_bytes()
 
     # -- writing ------------------------------------------------------------------------------
-    def _publish(self, targets: Any, snapshot: Any, timestamp: Any) -> None:
-        """Bump and sign targets, snapshot, timestamp (in that order) and write them atomically."""
+    def _publish(self, targets: Any, snapshot: Any, timestamp: Any, bundles: Any = None,
+                 resign_targets: bool | None = None) -> None:
+        """Sign targets (unless it is signed offline), snapshot, timestamp (in that order) and write
+        them atomically. ``bundles``: the CI-signed delegated metadata to list in the snapshot."""
         from tuf.api.metadata import MetaFile
         from tuf.api.serialization.json import JSONSerializer
 
         ser = JSONSerializer(compact=True)
-        targets.signed.expires = _now() + EXPIRY["targets"]
-        targets.signatures.clear()
-        targets.sign(self.keys.signer("targets"))
-        tbytes = targets.to_bytes(ser)
-        atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", tbytes)
+        if resign_targets is None:
+            resign_targets = bundles is None and self.keys.has("targets")
+        if resign_targets:
+            targets.signed.expires = _now() + EXPIRY["targets"]
+            targets.signatures.clear()
+            targets.sign(self.keys.signer("targets"))
+            tbytes = targets.to_bytes(ser)
+            atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", tbytes)
 
         snapshot.signed.meta["targets.json"] = MetaFile(version=targets.signed.version)
+        snapshot.signed.meta.pop(f"{BUNDLES_ROLE}.json", None)
+        if bundles is not None:
+            snapshot.signed.meta[f"{BUNDLES_ROLE}.json"] = MetaFile(version=bundles.signed.version)
         snapshot.signed.expires = _now() + EXPIRY["snapshot"]
         snapshot.signatures.clear()
         snapshot.sign(self.keys.signer("snapshot"))
@@ -146,7 +311,9 @@ class Repository:
         dest_dir.mkdir(parents=True, exist_ok=True)
         dest = dest_dir / f"{digest}.{basename}"
         with self._lock():
-            tgt, snap, ts = self._load()
+            tgt, snap, ts, bundles = self._load_all()
+            if bundles is not None or self.delegated():
+                return self._register_signed(target_path, local_file, dest, digest, length, bundles)
             existing = tgt.signed.targets.get(target_path)
             if existing is not None:
                 if existing.hashes.get("sha256") == digest:
@@ -166,19 +333,40 @@ class Repository:
             self._publish(tgt, snap, ts)
         return {"sha256": digest, "length": length, "created": True}
 
+    def _register_signed(self, target_path: str, local_file: Path, dest: Path, digest: str, length: int,
+                         bundles: Any) -> dict[str, Any]:
+        """Delegated layout: the fleet cannot sign; it stores the file of a target CI already signed."""
+        signed = None if bundles is None else bundles.signed.targets.get(target_path)
+        if signed is None:
+            raise RepositoryError(f"{target_path} is not signed by the CI key: sign it with 'edgefleet keys "
+                                  "sign-bundle' and publish the signed bundles metadata first")
+        if signed.hashes.get("sha256") != digest or signed.length != length:
+            raise RepositoryError(f"{target_path}: this file is not the one the CI key signed")
+        created = not dest.exists()
+        if created:
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.copyfile(local_file, tmp)
+            os.replace(tmp, dest)
+        return {"sha256": digest, "length": length, "created": created}
+
     def refresh_expiring(self, margin: float = 0.5) -> bool:
-        """Re-sign every role when any has less than ``margin`` of its lifetime left."""
+        """Re-sign every role this fleet holds the key of when any has less than ``margin`` of its
+        lifetime left (targets only in the all-keys layout; signed offline otherwise)."""
         with self._lock():
-            tgt, snap, ts = self._load()
+            tgt, snap, ts, bundles = self._load_all()
             now = _now()
-            stale = any(md.signed.expires - now < EXPIRY[name] * margin
-                        for name, md in (("targets", tgt), ("snapshot", snap), ("timestamp", ts)))
+            online = [("snapshot", snap), ("timestamp", ts)]
+            resign_targets = bundles is None and self.keys.has("targets")
+            if resign_targets:
+                online.append(("targets", tgt))
+            stale = any(md.signed.expires - now < EXPIRY[name] * margin for name, md in online)
             if not stale:
                 return False
-            tgt.signed.version += 1
+            if resign_targets:
+                tgt.signed.version += 1
             snap.signed.version += 1
             ts.signed.version += 1
-            self._publish(tgt, snap, ts)
+            self._publish(tgt, snap, ts, bundles=bundles, resign_targets=resign_targets)
             return True
 
     def resolve_file(self, kind: str, rel: str) -> Path | None:
