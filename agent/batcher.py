@@ -120,6 +120,8 @@ class Batcher:
         self._in_axes = {t.name: t.batch_axis for t in self.backend.inputs}
         self._out_axes = [t.batch_axis for t in self.backend.outputs]
         self._in_names = [t.name for t in self.backend.inputs]
+        # a model with an unbatched input runs each request alone, whatever its size: no batch limit applies
+        self._batchable = all(a is not None for a in self._in_axes.values())
         self._preferred = sorted(set(settings.preferred_batch_sizes))
 
     @property
@@ -140,7 +142,7 @@ class Batcher:
         configured ``queue_timeout_s``) bounds its time in the queue."""
         n = next((int(feeds[k].shape[a]) for k, a in self._in_axes.items() if a is not None), 1)
         s = self.settings
-        if n > s.max_batch_size:
+        if self._batchable and n > s.max_batch_size:
             raise RequestError(f"request batch of {n} exceeds this model's max batch size "
                                f"{s.max_batch_size}; split it into smaller requests")
         if n > s.max_queue_size:

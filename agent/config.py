@@ -38,7 +38,15 @@ class AgentConfig(StrictModel):
     fleet_url: str  # e.g. http://127.0.0.1:8700
     data_dir: Path
     trusted_root: Path | None = None  # root.json from 'edgefleet keys init'; None: trust the fleet's on first use
-    mqtt_url: str | None = None  # None: ask the fleet (/api/v1/bootstrap)
+    mqtt_url: str | None = None  # None: ask the fleet (/api/v1/bootstrap); mqtts://host:port for TLS
+    # MQTT identity (agent/enroll.py): a one-time token from 'edgefleet fleet enroll DEVICE', traded once for
+    # credentials kept in data_dir; or credentials given here. TLS: the broker's CA; mutual TLS: cert + key.
+    enroll_token: str | None = None
+    mqtt_username: str | None = None
+    mqtt_password: str | None = None
+    mqtt_ca_file: Path | None = None
+    mqtt_cert_file: Path | None = None
+    mqtt_key_file: Path | None = None
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8000, ge=0, le=65535)
     profiles: tuple[str, ...] = Field(default_factory=default_profiles)
@@ -76,6 +84,10 @@ class AgentConfig(StrictModel):
     def _budget(self) -> AgentConfig:
         if self.max_inflight_body_bytes < self.max_body_bytes:
             raise ValueError("max_inflight_body_bytes must be at least max_body_bytes")
+        if (self.mqtt_cert_file is None) != (self.mqtt_key_file is None):
+            raise ValueError("mqtt_cert_file and mqtt_key_file go together (mutual TLS)")
+        if self.mqtt_password is not None and self.mqtt_username is None:
+            raise ValueError("mqtt_password needs mqtt_username")
         return self
 
     @field_validator("onnxruntime_providers")

@@ -27,6 +27,7 @@ import numpy as np
 from agent.backends import Backend, load_backend
 from agent.batcher import BatchSettings
 from agent.config import AgentConfig
+from agent.enroll import mqtt_security
 from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from agent.link import MqttLink
 from agent.metrics import Metrics
@@ -290,7 +291,13 @@ class Agent:
                                              boot["tuf_targets_url"], self.config.trusted_root, root_bytes,
                                              self.config.download_grace_s, self.config.download_min_bytes_per_s)
                 mqtt_url = self.config.mqtt_url or boot["mqtt_url"]
+                security = mqtt_security(self.config, bool(boot.get("mqtt_auth", False)))
                 break
+            except ConfigError as exc:  # only a person can fix it (a token, credentials): say so, keep serving
+                log.error("not connecting to the fleet's broker: %s", exc)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 300.0)
+                continue
             except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
                 log.warning("fleet %s not reachable (%s); retrying in %.0fs", self.config.fleet_url, exc, delay)
                 self._stop.wait(delay)
@@ -300,7 +307,8 @@ class Agent:
                 return
         else:
             return
-        self.link = MqttLink(self.config.device_id, mqtt_url, self.spool, self.inference_url, self._on_desired)
+        self.link = MqttLink(self.config.device_id, mqtt_url, self.spool, self.inference_url, self._on_desired,
+                             security=security)
         self.link.start()
 
     def _on_desired(self, desired: proto.DesiredState) -> None:

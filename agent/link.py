@@ -15,9 +15,11 @@ then up to ``window`` records flow, oldest first.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -29,17 +31,30 @@ from protocol.cpu import cpu_arch, cpu_features
 from protocol.errors import ContractError
 from protocol.fsutil import atomic_write
 
-__all__ = ["MqttLink"]
+__all__ = ["MqttLink", "MqttSecurity"]
 
 log = logging.getLogger("edgefleet.agent.mqtt")
+
+
+@dataclass(frozen=True)
+class MqttSecurity:
+    """The device's identity on the broker: the credentials from enrollment and, for TLS, the
+    broker's CA (``mqtts://`` URLs need it); for mutual TLS also this device's certificate and key."""
+
+    username: str | None = None
+    password: str | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
 
 
 class MqttLink:
     def __init__(self, device_id: str, url: str, spool: Spool, inference_url: str,
                  on_desired: Callable[[proto.DesiredState], None], ack_timeout_s: float = 10.0,
-                 window: int = 100, probe_interval_s: float = 1.0):
+                 window: int = 100, probe_interval_s: float = 1.0, security: MqttSecurity | None = None):
         self.device_id = device_id
-        self.host, self.port = proto.parse_mqtt_url(url)
+        tls = url.startswith("mqtts://")
+        self.host, self.port = proto.parse_mqtt_url("mqtt://" + url.removeprefix("mqtts://") if tls else url)
         self.spool = spool
         self.inference_url = inference_url
         self.on_desired = on_desired
@@ -58,6 +73,14 @@ class MqttLink:
         will = proto.StatusMessage(device_id=device_id, ts=0.0, state="offline")
         self._client.will_set(proto.topic(device_id, "status"), proto.encode(will), qos=1, retain=True)
         self._client.reconnect_delay_set(min_delay=1, max_delay=15)
+        sec = security or MqttSecurity()
+        if sec.username is not None:
+            self._client.username_pw_set(sec.username, sec.password)
+        if tls or sec.ca_file is not None:
+            self._client.tls_set(ca_certs=str(sec.ca_file) if sec.ca_file else None,
+                                 certfile=str(sec.cert_file) if sec.cert_file else None,
+                                 keyfile=str(sec.key_file) if sec.key_file else None,
+                                 tls_version=ssl.PROTOCOL_TLS_CLIENT)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message

@@ -10,14 +10,13 @@ For each zoo model (models/zoo/make_zoo.py: MobileNetV2-like and ResNet-18-like,
 2. time the FP32 source model against the bundle's INT8 engine in onnxruntime at batch 1 and 16: warm-up,
    then a fixed number of iterations alternating which runs first (``compiler.evaluate.benchmark_pair``);
    the medians and their ratio are reported. ``--sessions`` says how the two sessions are made:
-   ``compiler`` (the default) loads both through the compiler's own onnxruntime runner (its SessionOptions:
-   the profile's intra-op threads, 2; one inter-op thread; onnxruntime's default thread spinning), and
-   ``agent`` through the agent's onnxruntime backend (the same, but spinning off, as a device serves);
+   ``compiler`` (the default) loads both through the compiler's own onnxruntime runner (the profile's
+   intra-op threads, 2; one inter-op thread; thread spinning off), and ``agent`` through the agent's
+   onnxruntime backend, as a device serves. For ``arm64-cpu`` (LiteRT), the FP32 and full-integer INT8
+   ``.tflite`` engines the compiler builds are timed against each other through LiteRT (XNNPACK);
 3. top-1 agreement of INT8 with FP32 over eval.npz (whose labels are the FP32 model's own argmax).
 
-The machine's speed drifts, so only ratios measured within one run mean anything. With spinning on, the
-idle threads of one session keep spinning while the other runs, on the same 2 cores: alternating sessions
-then slow each other, most visibly the faster one at batch 1 (see bench/README.md).
+The machine's speed drifts, so only ratios measured within one run mean anything.
 
 Run from the repository root:  .venv/bin/python bench/compile_bench.py --quick
 """
@@ -41,7 +40,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 ZOO_SCRIPT = REPO / "models" / "zoo" / "make_zoo.py"
 MODELS = ("mobilenetv2", "resnet18")
-PROFILES = ("x86-cpu", "x86-cpu-vnni")
+PROFILES = ("x86-cpu", "x86-cpu-vnni", "arm64-cpu")
+LITERT_PROFILES = ("arm64-cpu",)  # LiteRT (XNNPACK) engines, which run on this x86 host too
 SESSIONS = ("compiler", "agent")
 VNNI_PROFILES = ("x86-cpu-vnni",)
 BATCHES = (1, 16)
@@ -68,28 +68,35 @@ def _progress(step: int, total: int, what: str) -> None:
     _say(f"    [{step}/{total}] {what}")
 
 
-def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cache: bool) -> dict[str, Any]:
+def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cache: bool,
+                  precision: str = "int8", times_: int = 2) -> dict[str, Any]:
     """Compile the same inputs twice; -> the bundle, its manifest and both wall times."""
     from compiler.pipeline import CompileOptions, compile_model
 
     opts = CompileOptions(
         model=model_dir / "model.onnx", profile=profile, calibration=model_dir / "calibration.npz",
-        eval=model_dir / "eval.npz", out_dir=work / "dist", name=name, version="1.0.0", precision="int8",
+        eval=model_dir / "eval.npz", out_dir=work / f"dist-{precision}", name=name, version="1.0.0",
+        precision=precision,  # type: ignore[arg-type]
         max_accuracy_drop=1.0, benchmark=False, cache_dir=work / "cache" if use_cache else None)
     times: list[float] = []
     cached: list[bool] = []
-    for attempt in ("first", "second"):
-        _say(f"  compile {name} for {profile} ({attempt})")
+    for attempt in ("first", "second")[:times_]:
+        _say(f"  compile {name} {precision} for {profile} ({attempt})")
         t0 = time.perf_counter()
         result = compile_model(opts, _progress)
         times.append(time.perf_counter() - t0)
         cached.append(result.cached)
     return {"bundle": result.bundle, "manifest": result.manifest, "first_s": round(times[0], 2),
-            "second_s": round(times[1], 2), "second_cached": cached[1]}
+            "second_s": round(times[-1], 2), "second_cached": cached[-1]}
 
 
 def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manifest: Any) -> tuple[Runner, Runner]:
     """(fp32, int8) runners made as the compiler makes them, or as the agent serves an engine."""
+    if sessions == "litert":  # both .tflite engines through the compiler's LiteRT runner
+        from compiler.targets.litert import LiteRTTarget
+
+        lt = LiteRTTarget()
+        return lt.runner(fp32_model, profile), lt.runner(engine, profile)
     if sessions == "compiler":
         from compiler.targets.onnxruntime import OnnxRuntimeTarget
 
@@ -106,14 +113,14 @@ def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manife
 
 
 def measure(model_dir: Path, engine: Path, profile_name: str, manifest: Any, sessions: str,
-            iterations: dict[int, tuple[int, int]]) -> dict[str, Any]:
+            iterations: dict[int, tuple[int, int]], fp32_engine: Path | None = None) -> dict[str, Any]:
     """FP32 source vs INT8 engine: batch timings (alternating) and top-1 agreement over eval.npz."""
     from compiler.data import Dataset
     from compiler.evaluate import benchmark_pair, predict_all
     from protocol.profile import load_profile
 
     profile = load_profile(profile_name)
-    fp32, int8 = _runners(sessions, model_dir / "model.onnx", engine, profile, manifest)
+    fp32, int8 = _runners(sessions, fp32_engine or model_dir / "model.onnx", engine, profile, manifest)
     with np.load(model_dir / "eval.npz") as npz:
         data = Dataset({"input": npz["input"]}, npz["labels"])
     rows = []
@@ -146,10 +153,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     zoo = load_zoo()
     iterations = QUICK_ITERATIONS if args.quick else ITERATIONS
     saturates = u8s8_saturates()
-    profiles = [p for p in PROFILES if not (p in VNNI_PROFILES and saturates)]
+    from compiler import toolchain
+
+    litert_ready = toolchain.status("tflite").installed
+    profiles = [p for p in args.profiles if not (p in VNNI_PROFILES and saturates)
+                and not (p in LITERT_PROFILES and not litert_ready)]
     skipped = [{"profile": p, "reason": "this CPU has AVX2 without VNNI (protocol.cpu.u8s8_saturates()): full-range "
-                "int8 saturates here, so the compiler will not gate a VNNI build on it"}
-               for p in PROFILES if p not in profiles]
+                "int8 saturates here, so the compiler will not gate a VNNI build on it" if p in VNNI_PROFILES else
+                "the tflite toolchain is not installed: run `edgefleet toolchain install tflite`"}
+               for p in args.profiles if p not in profiles]
     for s in skipped:
         _say(f"skipping {s['profile']}: {s['reason']}")
     results: list[dict[str, Any]] = []
@@ -163,9 +175,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             engine_dir = work / name / profile / "engine"
             extract_bundle(c["bundle"], engine_dir)
             scheme = manifest.quantization.scheme if manifest.quantization is not None else manifest.precision
-            for sessions in args.sessions:
+            fp32_engine: Path | None = None
+            if profile in LITERT_PROFILES:  # FP32 LiteRT is a .tflite of its own, not the ONNX source
+                f = compile_twice(model_dir, name, profile, work / name / profile, not args.no_cache, "fp32", 1)
+                extract_bundle(f["bundle"], work / name / profile / "fp32")
+                fp32_engine = work / name / profile / "fp32" / f["manifest"].engine
+            for sessions in (["litert"] if profile in LITERT_PROFILES else args.sessions):
                 _say(f"  timing {name} fp32 vs int8 ({profile}, {scheme}, {sessions} sessions)")
-                m = measure(model_dir, engine_dir / manifest.engine, profile, manifest, sessions, iterations)
+                m = measure(model_dir, engine_dir / manifest.engine, profile, manifest, sessions, iterations,
+                            fp32_engine)
                 results.append({"model": name, "profile": profile, "scheme": scheme, **m})
             compiles.append({"model": name, "profile": profile, "first_s": c["first_s"], "second_s": c["second_s"],
                              "second_cached": c["second_cached"], "cache": not args.no_cache,
@@ -208,8 +226,8 @@ def print_report(doc: dict[str, Any], out: TextIO) -> None:
           f"over {r0['eval_samples']} eval images, whose FP32 labels fall in "
           + ", ".join(f"{r['eval_classes']} classes ({r['model']})" for r in doc["results"]
                       if r["profile"] == r0["profile"] and r["sessions"] == r0["sessions"]) + ")")
-        p("sessions: compiler = the compiler's onnxruntime runner (thread spinning on); agent = the agent's "
-          "backend (spinning off)")
+        p("sessions: compiler = the compiler's onnxruntime runner; agent = the agent's onnxruntime backend; "
+          "litert = LiteRT (XNNPACK) FP32 .tflite vs full-integer INT8 .tflite")
     for s in doc["skipped"]:
         p(f"skipped {s['profile']}: {s['reason']}")
     p()
@@ -228,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print JSON on stdout (the table goes to stderr)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
     ap.add_argument("--sessions", default="compiler", help="comma-separated, timed in this order: compiler (the "
-                    "compiler's runner, the default), agent (the agent's backend: spinning off)")
+                    "compiler's runner, the default), agent (the agent's backend)")
+    ap.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated (default: all of "
+                    f"{','.join(PROFILES)}; arm64-cpu builds LiteRT engines, which need the tflite toolchain)")
     ap.add_argument("--no-cache", action="store_true", help="compile without a build cache (the second compile "
                     "then builds again)")
     ap.add_argument("--work-dir", type=Path, help="keep bundles here (default: a temporary folder)")
@@ -240,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.sessions = [m for m in args.sessions.split(",") if m]
-    for opt, given, known in (("--models", args.models, MODELS), ("--sessions", args.sessions, SESSIONS)):
+    args.profiles = [m for m in args.profiles.split(",") if m]
+    for opt, given, known in (("--models", args.models, MODELS), ("--sessions", args.sessions, SESSIONS),
+                              ("--profiles", args.profiles, PROFILES)):
         unknown = [g for g in given if g not in known]
         if unknown or not given:
             ap.error(f"{opt} takes some of {', '.join(known)}, not {','.join(unknown) or 'nothing'}")

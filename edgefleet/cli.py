@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -286,7 +287,9 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
     cfg = FleetConfig(data_dir=a.data_dir, keys_dir=a.keys, host=a.host, port=a.port, db_url=a.db_url,
                       mqtt_url=a.mqtt_url, embedded_mqtt_host=a.embedded_mqtt_host,
                       embedded_mqtt_port=a.embedded_mqtt_port, agent_mqtt_url=a.agent_mqtt_url,
-                      public_url=a.public_url, shared_subscription_group=a.shared_subscription_group)
+                      public_url=a.public_url, shared_subscription_group=a.shared_subscription_group,
+                      mqtt_username=a.mqtt_username, mosquitto_password_file=a.mosquitto_password_file,
+                      mosquitto_acl_file=a.mosquitto_acl_file, mosquitto_pid_file=a.mosquitto_pid_file)
     try:
         server = FleetServer(cfg)
         print(f"edgefleet fleet on http://{a.host}:{a.port}  (console: http://{a.host}:{a.port}/ , "
@@ -331,6 +334,26 @@ def cmd_fleet_register(a: argparse.Namespace) -> int:
     def run() -> int:
         out = [_client(a).register(d) for d in a.device_ids]
         _print(out, a.json, "\n".join(f"registered {d['device_id']}" for d in out))
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+def cmd_fleet_enroll(a: argparse.Namespace) -> int:
+    def run() -> int:
+        c = _client(a)
+        out = [c.post(f"/api/v1/devices/{d}/enrollment-token", {"ttl_s": a.ttl}) for d in a.device_ids]
+        _print(out, a.json, "\n".join(f"{t['device_id']}  {t['token']}" for t in out)
+               + f"\n(one-time tokens, valid {a.ttl:.0f}s: edgefleet agent --device-id DEVICE --enroll-token TOKEN)")
+        return EXIT_OK
+
+    return _fleet_call(run)
+
+
+def cmd_fleet_decommission(a: argparse.Namespace) -> int:
+    def run() -> int:
+        d = _client(a).post(f"/api/v1/devices/{a.device_id}/decommission", {})
+        _print(d, a.json, f"decommissioned {d['device_id']}: its MQTT credentials are revoked")
         return EXIT_OK
 
     return _fleet_call(run)
@@ -417,6 +440,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
         "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
         "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
         "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads,
+        "enroll_token": a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN"),
     }
     try:
         cfg = load_config(a.config, overrides)
@@ -755,6 +779,12 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--public-url", help="base URL agents use for HTTP (default http://HOST:PORT)")
     fs.add_argument("--shared-subscription-group",
                     help="consume telemetry via $share/GROUP/... so replicas split the load (Mosquitto, EMQX)")
+    fs.add_argument("--mqtt-username", help="the fleet's account on the external broker (password: "
+                                            "$EDGEFLEET_MQTT_PASSWORD); the embedded broker needs none")
+    fs.add_argument("--mosquitto-password-file", type=Path,
+                    help="write device accounts here (Mosquitto password_file) whenever they change")
+    fs.add_argument("--mosquitto-acl-file", type=Path, help="write the topic ACL here (Mosquitto acl_file)")
+    fs.add_argument("--mosquitto-pid-file", type=Path, help="Mosquitto's pid file: SIGHUP it after writing")
     fs.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     fs.set_defaults(fn=cmd_fleet_serve)
 
@@ -769,6 +799,12 @@ def build_parser() -> argparse.ArgumentParser:
                   cmd_fleet_upload).add_argument("bundle", type=Path)
     client_parser("register", "register devices by id", cmd_fleet_register).add_argument("device_ids", nargs="+")
     client_parser("devices", "list devices", cmd_fleet_devices)
+    en = client_parser("enroll", "issue one-time enrollment tokens (a device trades its token for its own MQTT "
+                                 "credentials: edgefleet agent --enroll-token TOKEN)", cmd_fleet_enroll)
+    en.add_argument("device_ids", nargs="+")
+    en.add_argument("--ttl", type=float, default=86400.0, help="seconds the token can be redeemed")
+    client_parser("decommission", "revoke a device's MQTT credentials (it can no longer connect); admin role",
+                  cmd_fleet_decommission).add_argument("device_id")
     client_parser("models", "list uploaded models", cmd_fleet_models)
     ro = client_parser("rollout", "roll a model version out to devices", cmd_fleet_rollout)
     ro.add_argument("model")
@@ -789,6 +825,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--data-dir", type=Path, help="model store, TUF state, telemetry spool")
     ag.add_argument("--trusted-root", type=Path, help="root.json from 'edgefleet keys init' (the anchor of trust)")
     ag.add_argument("--mqtt-url", help="override the broker the fleet advertises")
+    ag.add_argument("--enroll-token", help="one-time token from 'edgefleet fleet enroll DEVICE', traded once for this "
+                                           "device's MQTT credentials (kept in the data dir); or set "
+                                           "$EDGEFLEET_ENROLL_TOKEN")
     ag.add_argument("--http-host", help="inference API bind address (default 127.0.0.1)")
     ag.add_argument("--http-port", type=int, help="inference API port (default 8000; 0 picks a free one)")
     ag.add_argument("--max-batch-size", type=int, help="largest batch the batcher forms (default 16)")

@@ -115,12 +115,25 @@ class LocalFleet:
                 raise RuntimeError(f"the fleet did not become healthy in {timeout_s}s")
             time.sleep(0.2)
 
+    def _needs_accounts(self) -> bool:
+        """Does the fleet's broker need device credentials? (False when the fleet is down: nothing to ask.)"""
+        try:
+            return bool(self.client.get("/api/v1/bootstrap").get("mqtt_auth"))
+        except FleetUnreachable:
+            return False
+
     def start_agent(self, device_id: str, extra: list[str] | None = None,
                     env: dict[str, str] | None = None, launcher: list[str] | None = None) -> AgentProc:
         port = free_port()
         log = self.work_dir / "logs" / f"agent-{device_id}.log"
+        data_dir = self.work_dir / "agents" / device_id
+        if not (data_dir / "mqtt-credentials.json").exists() and self._needs_accounts():
+            # a broker with device accounts: the agent enrolls with a one-time token (in its environment,
+            # not on its command line)
+            token = self.client.post(f"/api/v1/devices/{device_id}/enrollment-token", {"ttl_s": 600})["token"]
+            env = {**(env or {}), "EDGEFLEET_ENROLL_TOKEN": token}
         args = ["agent", "--device-id", device_id, "--fleet", self.url, "--data-dir",
-                str(self.work_dir / "agents" / device_id), "--trusted-root", str(self.keys / "root.json"),
+                str(data_dir), "--trusted-root", str(self.keys / "root.json"),
                 "--http-port", str(port), "--telemetry-interval-s", str(self.telemetry_interval_s), "-v",
                 *(extra or [])]
         a = AgentProc(device_id, f"http://127.0.0.1:{port}", spawn(args, log, env, launcher), log)
@@ -249,7 +262,8 @@ def run_demo(opts: DemoOptions) -> int:
         lf.client.upload(result.bundle)
         devices = [f"edge-{i + 1:02d}" for i in range(opts.agents)]
         step = f"4/6 registering and starting {len(devices)} agents"
-        _say(step + " as separate processes")
+        _say(step + " as separate processes" + ("" if opts.mqtt_url else
+                                                   ", each enrolled with a one-time token for its own MQTT account"))
         for d in devices:
             lf.client.register(d, {"site": "demo"})
             lf.start_agent(d)

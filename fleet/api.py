@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet import console
 from fleet.auth import ROLES, Caller, TokenStore
-from fleet.errors import BadRequest, FleetError, Unauthorized
+from fleet.enroll import Enrollment
+from fleet.errors import BadRequest, FleetError, NotFound, Unauthorized
 from fleet.rollout import Gates, RolloutSpec
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
@@ -66,6 +67,14 @@ class RolloutIn(_Body):
     require_telemetry: bool = False
 
 
+class EnrollTokenIn(_Body):
+    ttl_s: float = Field(default=86400.0, gt=0, le=30 * 86400, description="how long the token can be redeemed")
+
+
+class EnrollIn(_Body):
+    token: str = Field(min_length=8, max_length=256)
+
+
 class TokenIn(_Body):
     name: str = Field(min_length=1, max_length=64)
     role: str = Field(pattern="^(viewer|operator|admin)$")
@@ -73,7 +82,7 @@ class TokenIn(_Body):
 
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
                mqtt_connected: Callable[[], bool], max_upload_bytes: int,
-               tokens: TokenStore | None = None) -> FastAPI:
+               tokens: TokenStore | None = None, enrollment: Enrollment | None = None) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
                   description="Registry, signed model repository and rollouts for edgefleet agents. Every "
                               "/api/v1 endpoint but health and bootstrap needs 'Authorization: Bearer <token>' "
@@ -126,6 +135,52 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     def get_device(device_id: str, _: Caller = Depends(viewer)) -> dict[str, Any]:
         return service.get_device(device_id)
 
+    def _enrollment() -> Enrollment:
+        if enrollment is None:
+            raise NotFound("this fleet does not enroll devices (no MQTT accounts are managed here)")
+        return enrollment
+
+    @app.post("/api/v1/devices/{device_id}/enrollment-token", status_code=201)
+    def issue_enrollment_token(device_id: str, body: EnrollTokenIn | None = None,
+                               c: Caller = Depends(operator)) -> dict[str, Any]:
+        """A one-time token (shown only here; the fleet keeps its hash) that the device trades for its own
+        MQTT credentials with POST /api/v1/enroll. Registers the device if it is new."""
+        import datetime as dt
+
+        ttl = (body or EnrollTokenIn()).ttl_s
+        try:
+            service.get_device(device_id)
+        except NotFound:
+            service.register_device(device_id, actor=c.name)
+        token = _enrollment().issue_token(device_id, dt.timedelta(seconds=ttl))
+        service.device_audit(device_id, c.name, "enrollment_token_issued", ttl_s=ttl)
+        return {"device_id": device_id, "token": token, "expires_in_s": ttl}
+
+    @app.post("/api/v1/enroll")
+    def enroll(body: EnrollIn, request: Request) -> dict[str, Any]:
+        """For devices: trade a one-time enrollment token (it is the authorization) for this device's MQTT
+        username and password, returned once, with what /api/v1/bootstrap says."""
+        try:
+            creds = _enrollment().redeem(body.token)
+        except BadRequest as exc:
+            service.rejections.add("enroll_refused", request.client.host if request.client else "?", str(exc))
+            raise
+        service.device_audit(creds.device_id, creds.device_id, "device_enrolled")
+        return {"device_id": creds.device_id, "mqtt_username": creds.username, "mqtt_password": creds.password,
+                **bootstrap}
+
+    @app.post("/api/v1/devices/{device_id}/decommission")
+    def decommission(device_id: str, c: Caller = Depends(caller)) -> dict[str, Any]:
+        """Revoke the device's MQTT credentials (it can no longer connect) and mark it decommissioned; its
+        history stays. Enrolling it again takes a new token. Admin role."""
+        c.require("admin", "decommissioning a device")
+        doc = service.decommission_device(device_id, c.name)
+        try:
+            _enrollment().decommission(device_id)
+        except NotFound:
+            pass  # never enrolled: nothing to revoke
+        return doc
+
     @app.get("/api/v1/devices/{device_id}/telemetry")
     def get_telemetry(device_id: str, limit: int = 50, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.device_telemetry(device_id, limit)
@@ -140,8 +195,8 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
 
     @app.get("/api/v1/stats")
     def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
-        """Counters of rejected input (by kind) and of handled MQTT messages."""
-        return {"rejected": service.rejections.snapshot()}
+        """Device and telemetry counts, and counters of rejected input by kind."""
+        return {"rejected": service.rejections.snapshot(), **service.counts()}
 
     @app.post("/api/v1/bundles", status_code=201)
     async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:

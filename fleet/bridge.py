@@ -17,6 +17,7 @@ from collections.abc import Callable
 import paho.mqtt.client as mqtt
 
 from fleet.audit import Rejections
+from fleet.ingest import IngestWorker
 from protocol import mqtt as proto
 from protocol.errors import ContractError
 
@@ -26,7 +27,8 @@ log = logging.getLogger("edgefleet.fleet.mqtt")
 
 
 class MqttBridge:
-    def __init__(self, url: str, shared_group: str | None = None, client_id: str | None = None):
+    def __init__(self, url: str, shared_group: str | None = None, client_id: str | None = None,
+                 username: str | None = None, password: str | None = None):
         self.host, self.port = proto.parse_mqtt_url(url)
         self.shared_group = shared_group
         self.connected = threading.Event()
@@ -37,10 +39,13 @@ class MqttBridge:
         self.on_telemetry: Callable[[proto.Telemetry], object] | None = None
         self.on_connected: Callable[[], object] | None = None
         self.rejections: Rejections | None = None  # the service's counters, when wired
+        self.ingest: IngestWorker | None = None  # when set, messages are stored in batches by it
         self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                    client_id=client_id or f"edgefleet-fleet-{uuid.uuid4().hex[:8]}",
                                    protocol=mqtt.MQTTv311, clean_session=True)
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
+        if username is not None:
+            self._client.username_pw_set(username, password)
         self._client.max_queued_messages_set(0)  # unbounded: a wave's desired states are queued at once
         self._client.max_inflight_messages_set(1000)
         self._client.on_connect = self._on_connect
@@ -81,6 +86,15 @@ class MqttBridge:
         self.connected.clear()
         log.warning("lost the MQTT broker %s:%s (%s); paho will reconnect", self.host, self.port, reason_code)
 
+    def stored(self, kind: str, msgs: list) -> None:
+        """Messages are in the database: count them, and ack telemetry (stored, or a duplicate of a stored
+        record): the agent may delete it from its spool."""
+        self.handled[kind] += len(msgs)
+        for msg in msgs:
+            if isinstance(msg, proto.Telemetry):
+                ack = proto.TelemetryAck(device_id=msg.device_id, ts=time.time(), stream=msg.stream, seqs=(msg.seq,))
+                self._client.publish(proto.topic(msg.device_id, "ack"), proto.encode(ack), qos=1)
+
     @staticmethod
     def _reject_telemetry(client, device_id: str, payload: bytes, reason: str) -> None:
         """Tell the agent a record it will keep resending cannot be stored, if it is identifiable."""
@@ -110,13 +124,13 @@ class MqttBridge:
                 model, bytes(message.payload), source=message.topic)
             if msg.device_id != device_id:
                 raise ContractError(f"{message.topic}: payload says device {msg.device_id!r}")
+            if self.ingest is not None:
+                self.ingest.put(kind, msg)  # stored in a batch; acked by stored() after its commit
+                return
             handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]
             if handler is not None:
                 handler(msg)  # type: ignore[operator,arg-type]
-            self.handled[kind] += 1
-            if isinstance(msg, proto.Telemetry):  # stored (or a duplicate of a stored one): the agent may delete it
-                ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), stream=msg.stream, seqs=(msg.seq,))
-                client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)
+            self.stored(kind, [msg])
         except ContractError as exc:
             self.rejected += 1
             if self.rejections is not None:

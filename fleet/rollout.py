@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import and_, case, func, insert, or_, select, update
+from sqlalchemy import Float, Table, and_, bindparam, case, func, insert, or_, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from fleet.audit import ENGINE_ACTOR, audit
@@ -374,17 +374,49 @@ class RolloutEngine:
 
     # -- ingest ----------------------------------------------------------------------------------
     def on_report(self, s: Session, msg: proto.ReportedState) -> None:
-        """A device's report on a rollout: O(1) rows whatever the size of the rollout or the fleet."""
-        assert msg.rollout_id is not None
-        t = s.get(RolloutTarget, (msg.rollout_id, msg.device_id))
-        if t is None:
-            raise DeviceInputRejected("report_not_a_target", f"device {msg.device_id} reported on rollout "
-                                      f"{msg.rollout_id}, which does not target it")
-        model = self.model(s, t.model_id)
-        prev = self.model(s, t.previous_model_id)
-        new = self._next_state(t.state, msg, model, prev)
-        if new is not None and (new != t.state or msg.error != t.error):
-            self._set_target(s, t, new, msg.error)
+        for exc, _ in self.on_reports(s, [msg]):
+            raise exc
+
+    def on_reports(self, s: Session, msgs: list[proto.ReportedState]) -> list[tuple[DeviceInputRejected,
+                                                                                   proto.ReportedState]]:
+        """Reports on rollouts, in arrival order: one SELECT of their targets, one executemany UPDATE, and
+        one counter UPDATE per wave touched, whatever the size of the rollout or of the fleet."""
+        if not msgs:
+            return []
+        t: Table = RolloutTarget.__table__  # type: ignore[assignment]
+        keys = list({(m.rollout_id, m.device_id) for m in msgs})
+        cur = {(r.rollout_id, r.device_id): [r.state, r.error, r.model_id, r.previous_model_id, r.wave]
+               for r in s.execute(select(t.c.rollout_id, t.c.device_id, t.c.state, t.c.error, t.c.model_id,
+                                         t.c.previous_model_id, t.c.wave)
+                                  .where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
+        rejected: list[tuple[DeviceInputRejected, proto.ReportedState]] = []
+        changed: dict[tuple[int, str], dict[str, Any]] = {}
+        deltas: dict[tuple[int, int], list[int]] = {}
+        now = utcnow()
+        for m in msgs:
+            key = (m.rollout_id or 0, m.device_id)
+            row = cur.get(key)
+            if row is None:
+                rejected.append((DeviceInputRejected("report_not_a_target", f"device {m.device_id} reported on "
+                                                     f"rollout {m.rollout_id}, which does not target it"), m))
+                continue
+            old, err, model_id, prev_id, wave = row
+            new = self._next_state(old, m, self.model(s, model_id), self.model(s, prev_id))
+            if new is None or (new == old and m.error == err):
+                continue
+            row[0], row[1] = new, m.error
+            changed[key] = {"b_r": key[0], "b_d": key[1], "state": new, "error": m.error, "updated_at": now}
+            d = deltas.setdefault((key[0], wave), [0, 0])
+            d[0] += (new == "installed") - (old == "installed")
+            d[1] += (new == "failed") - (old == "failed")
+        if changed:
+            s.connection().execute(update(t).where(t.c.rollout_id == bindparam("b_r"),
+                                                   t.c.device_id == bindparam("b_d")), list(changed.values()))
+        for (rid, wave), (d_ok, d_bad) in deltas.items():
+            if d_ok or d_bad:
+                s.execute(update(RolloutWave).where(RolloutWave.rollout_id == rid, RolloutWave.idx == wave)
+                          .values(n_installed=RolloutWave.n_installed + d_ok, n_failed=RolloutWave.n_failed + d_bad))
+        return rejected
 
     @staticmethod
     def _next_state(old: str, msg: proto.ReportedState, model: ModelInfo | None,
@@ -404,18 +436,31 @@ class RolloutEngine:
             return None  # an install of something else (an older retained report)
         return state
 
-    def on_telemetry(self, s: Session, dev: Device, msg: proto.Telemetry) -> None:
-        """Figures for the gates: requests, errors and p99 on the rollout's model, per target."""
-        if dev.desired_rollout_id is None or msg.version is None:
+    def on_telemetry_batch(self, s: Session, rollout_of: dict[str, int | None], msgs: list[proto.Telemetry]) -> None:
+        """Figures for the gates: requests, errors and newest p99 on the rollout's model, per target."""
+        t: Table = RolloutTarget.__table__  # type: ignore[assignment]
+        keys = list({(rollout_of[m.device_id], m.device_id) for m in msgs
+                     if rollout_of.get(m.device_id) is not None and m.version is not None})
+        if not keys:
             return
-        t = s.get(RolloutTarget, (dev.desired_rollout_id, dev.id))
-        m = self.model(s, t.model_id) if t is not None else None
-        if t is None or m is None or (m.name, m.version) != (msg.model, msg.version):
-            return
-        t.tele_requests = (t.tele_requests or 0) + msg.requests
-        t.tele_errors = (t.tele_errors or 0) + msg.errors
-        if msg.latency.p99_ms is not None:
-            t.p99_after = msg.latency.p99_ms
+        models = {(r.rollout_id, r.device_id): r.model_id for r in s.execute(
+            select(t.c.rollout_id, t.c.device_id, t.c.model_id).where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
+        acc: dict[tuple[int, str], dict[str, Any]] = {}
+        for m in msgs:
+            key = (rollout_of.get(m.device_id) or 0, m.device_id)
+            info = self.model(s, models.get(key))
+            if info is None or (info.name, info.version) != (m.model, m.version):
+                continue
+            a = acc.setdefault(key, {"b_r": key[0], "b_d": key[1], "dr": 0, "de": 0, "p99": None})
+            a["dr"] += m.requests
+            a["de"] += m.errors
+            if m.latency.p99_ms is not None:
+                a["p99"] = m.latency.p99_ms
+        if acc:
+            s.connection().execute(
+                update(t).where(t.c.rollout_id == bindparam("b_r"), t.c.device_id == bindparam("b_d")).values(
+                    tele_requests=t.c.tele_requests + bindparam("dr"), tele_errors=t.c.tele_errors + bindparam("de"),
+                    p99_after=func.coalesce(bindparam("p99", type_=Float), t.c.p99_after)), list(acc.values()))
 
     # -- the tick ----------------------------------------------------------------------------------
     def tick(self) -> int:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleet.acl import FLEET_USER, Account, reload_mosquitto, verify_password, write_mosquitto_files
 from fleet.auth import TokenStore
 from fleet.bridge import MqttBridge
 from fleet.broker import EmbeddedBroker
 from fleet.db import make_engine
+from fleet.enroll import Enrollment
+from fleet.ingest import IngestWorker
 from fleet.keys import KeyStore
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
@@ -38,6 +43,28 @@ class FleetConfig:
     rollout_tick_s: float = 0.25  # how often the rollout engine looks at waves (soaks, gates, next wave)
     accept_unknown_devices: bool = True  # False: MQTT from unregistered devices is counted and dropped
     replica_id: str | None = None  # names this replica in rollout leases; default random
+    # MQTT identity. The embedded broker always enforces per-device accounts and topic ACLs (fleet.acl);
+    # the fleet's own account gets a fresh random password at each start. With an external broker:
+    mqtt_username: str | None = None  # the fleet's account there (e.g. edgefleet-fleet); None: anonymous
+    mqtt_password: str | None = None  # default: $EDGEFLEET_MQTT_PASSWORD
+    mosquitto_password_file: Path | None = None  # written (with the ACL file) whenever credentials change
+    mosquitto_acl_file: Path | None = None
+    mosquitto_pid_file: Path | None = None  # Mosquitto's pid file: SIGHUP makes it reread both files
+    mqtt_auth: bool | None = None  # do agents need credentials? default: yes unless an anonymous external broker
+
+
+class _Accounts:
+    """The active MQTT accounts, as the embedded broker checks them (refreshed on every change)."""
+
+    def __init__(self) -> None:
+        self._hashes: dict[str, str] = {}
+
+    def update(self, accounts: list[Account]) -> None:
+        self._hashes = {a.username: a.password_hash for a in accounts}
+
+    def authenticate(self, username: str | None, password: str | None) -> bool:
+        stored = self._hashes.get(username or "")
+        return stored is not None and password is not None and verify_password(password, stored)
 
 
 class FleetServer:
@@ -50,12 +77,24 @@ class FleetServer:
         self.repo.init()
         db_url = config.db_url or f"sqlite:///{(config.data_dir / 'fleet.db').resolve()}"
         self.engine, self.sessions = make_engine(db_url)
+        self.accounts = _Accounts()
+        self.enrollment = Enrollment(self.engine, self._credentials_changed)
+        mqtt_user, mqtt_password = config.mqtt_username, config.mqtt_password or os.environ.get(
+            "EDGEFLEET_MQTT_PASSWORD")
         if config.mqtt_url is None:
-            self.broker = EmbeddedBroker(config.embedded_mqtt_host, config.embedded_mqtt_port)
+            self.broker = EmbeddedBroker(config.embedded_mqtt_host, config.embedded_mqtt_port, self.accounts)
             self.mqtt_url = self.broker.url
+            mqtt_user, mqtt_password = FLEET_USER, secrets.token_urlsafe(24)
+            self.enrollment.set_fleet_password(mqtt_password)
         else:
             self.mqtt_url = config.mqtt_url
-        self.bridge = MqttBridge(self.mqtt_url, shared_group=config.shared_subscription_group)
+            if config.mosquitto_password_file is not None and mqtt_user and mqtt_password:
+                self.enrollment.set_fleet_password(mqtt_password)  # its hash goes into Mosquitto's file
+        self._credentials_changed(self.enrollment.accounts())
+        self.mqtt_auth = config.mqtt_auth if config.mqtt_auth is not None else (
+            config.mqtt_url is None or mqtt_user is not None)
+        self.bridge = MqttBridge(self.mqtt_url, shared_group=config.shared_subscription_group,
+                                 username=mqtt_user, password=mqtt_password)
         self.service = FleetService(self.sessions, self.repo, self.bridge, config.accept_unknown_devices,
                                     config.replica_id)
         self.tokens = TokenStore(self.sessions)
@@ -64,19 +103,39 @@ class FleetServer:
         self.bridge.on_status = self.service.handle_status
         self.bridge.on_reported = self.service.handle_reported
         self.bridge.on_telemetry = self.service.handle_telemetry
+        self.ingest = IngestWorker({"status": self.service.handle_statuses, "reported": self.service.handle_reports,
+                                    "telemetry": self.service.store_telemetry}, self.service.rejections,
+                                   self.bridge.stored)
+        self.bridge.ingest = self.ingest
         self.bridge.on_connected = self.service.republish_desired
         public = config.public_url or f"http://{config.host}:{config.port}"
         self.bootstrap = {
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,
             "tuf_metadata_url": f"{public}/tuf/metadata/",
             "tuf_targets_url": f"{public}/tuf/targets/",
+            "mqtt_auth": self.mqtt_auth,  # True: agents need credentials (POST /api/v1/enroll with a token)
         }
+
+    def _credentials_changed(self, accounts: list[Account]) -> None:
+        """Every broker learns the new set of accounts: the embedded one at once, Mosquitto through its
+        password and ACL files and a SIGHUP."""
+        self.accounts.update(accounts)
+        cfg = self.config
+        if cfg.mosquitto_password_file is None or cfg.mosquitto_acl_file is None:
+            return
+        n = write_mosquitto_files(accounts, cfg.mosquitto_password_file, cfg.mosquitto_acl_file)
+        if cfg.mosquitto_pid_file is not None:
+            try:
+                reload_mosquitto(int(cfg.mosquitto_pid_file.read_text().strip()))
+            except (OSError, ValueError) as exc:
+                log.error("wrote %d MQTT accounts but could not signal Mosquitto (pid file %s): %s; it keeps "
+                          "the old accounts until it is reloaded", n, cfg.mosquitto_pid_file, exc)
 
     def app(self):
         from fleet.api import create_app
 
         return create_app(self.service, self.repo, self.bootstrap, self.bridge.connected.is_set,
-                          self.config.max_upload_bytes, self.tokens)
+                          self.config.max_upload_bytes, self.tokens, self.enrollment)
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):
@@ -97,6 +156,7 @@ class FleetServer:
     def start_background(self) -> None:
         if self.broker is not None:
             self.broker.start()
+        self.ingest.start()
         self.bridge.start()
         self.repo.refresh_expiring()
         threading.Thread(target=self._resign_loop, name="tuf-resign", daemon=True).start()
@@ -112,6 +172,7 @@ class FleetServer:
         except Exception:
             log.exception("could not release rollout leases (they expire by themselves)")
         self.bridge.stop()
+        self.ingest.stop()
         if self.broker is not None:
             self.broker.stop()
         self.engine.dispose()

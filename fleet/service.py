@@ -8,13 +8,15 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy import case, func, select
+from sqlalchemy import Table, bindparam, case, func, select, tuple_, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fleet.audit import Rejections, audit
 from fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
-from fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound, RepositoryError
+from fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
 from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
 from fleet.tuf_repo import Repository
 from protocol import mqtt as proto
@@ -66,6 +68,24 @@ class FleetService:
             audit(s, actor, "device_registered", device_id=device_id, group=group, tags=tags, profile=profile)
             s.flush()
             self._known.add(device_id)
+            return self._device_json(s, dev)
+
+    def device_audit(self, device_id: str, actor: str, action: str, **detail: Any) -> None:
+        """An audit row for a device event that happens outside this service (enrollment)."""
+        with self.sessions.begin() as s:
+            audit(s, actor, action, device_id=device_id, **detail)
+
+    def decommission_device(self, device_id: str, actor: str) -> dict[str, Any]:
+        """The device is kept (its history stays readable) but marked decommissioned and offline; its
+        broker credentials are revoked by the caller (fleet.enroll)."""
+        with self.sessions.begin() as s:
+            dev = s.get(Device, device_id)
+            if dev is None:
+                raise NotFound(f"no device {device_id!r}")
+            dev.online = False
+            dev.last_state = "decommissioned"
+            audit(s, actor, "device_decommissioned", device_id=device_id)
+            s.flush()
             return self._device_json(s, dev)
 
     @staticmethod
@@ -257,44 +277,61 @@ class FleetService:
         assert dev is not None, "call _ensure_device first"
         return dev
 
+    # Each handler takes a batch (the MQTT bridge hands over whatever queued up, in arrival order) and
+    # costs a fixed number of statements per batch: executemany updates by primary key, no recount.
     def handle_status(self, msg: proto.StatusMessage) -> None:
-        if not self._ensure_device(msg.device_id):
+        self.handle_statuses([msg])
+
+    def handle_statuses(self, msgs: list[proto.StatusMessage]) -> None:
+        last: dict[str, proto.StatusMessage] = {}
+        for m in msgs:
+            if self._ensure_device(m.device_id):
+                last[m.device_id] = m  # the newest status of a device wins
+        if not last:
             return
+        now = utcnow()
+        rows = []
+        for m in last.values():
+            row: dict[str, Any] = {"b_id": m.device_id, "online": m.state == "online", "last_seen": now}
+            rows.append(row)
+        dev: Table = Device.__table__  # type: ignore[assignment]
         with self.sessions.begin() as s:
-            dev = self._device_for_message(s, msg.device_id)
-            dev.online = msg.state == "online"
-            dev.last_seen = utcnow()
-            if msg.agent_version:
-                dev.agent_version = msg.agent_version
-            if msg.inference_url:
-                dev.inference_url = msg.inference_url
-            if msg.cpu_features is not None:
-                dev.hardware = {"arch": msg.arch, "cpu_features": list(msg.cpu_features)}
-            if msg.profile is not None:
-                dev.profile = msg.profile
+            s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), rows)
+            details = [m for m in last.values() if m.agent_version or m.inference_url or m.cpu_features is not None
+                       or m.profile is not None]
+            for m in details:
+                values: dict[str, Any] = {}
+                if m.agent_version:
+                    values["agent_version"] = m.agent_version
+                if m.inference_url:
+                    values["inference_url"] = m.inference_url
+                if m.cpu_features is not None:
+                    values["hardware"] = {"arch": m.arch, "cpu_features": list(m.cpu_features)}
+                if m.profile is not None:
+                    values["profile"] = m.profile
+                s.connection().execute(update(dev).where(dev.c.id == m.device_id).values(**values))
 
     def handle_reported(self, msg: proto.ReportedState) -> None:
-        if not self._ensure_device(msg.device_id):
+        self.handle_reports([msg])
+
+    def handle_reports(self, msgs: list[proto.ReportedState]) -> None:
+        msgs = [m for m in msgs if self._ensure_device(m.device_id)]
+        if not msgs:
             return
-        try:
-            with self.sessions.begin() as s:
-                dev = self._device_for_message(s, msg.device_id)
-                dev.last_seen = utcnow()
-                dev.last_state = msg.state
-                dev.last_error = msg.error
-                dev.running_model = msg.running_model
-                dev.running_version = msg.running_version
-                if msg.state == "installed" and msg.selftest is not None:
-                    dev.selftest = self._selftest_json(s, msg)
-                if msg.rollout_id is not None:
-                    self.rollouts.on_report(s, msg)
-        except DeviceInputRejected as exc:
-            self.rejections.add(exc.kind, msg.device_id, str(exc))
-            with self.sessions.begin() as s:  # what the device runs is still news
-                dev = self._device_for_message(s, msg.device_id)
-                dev.last_seen = utcnow()
-                dev.running_model = msg.running_model
-                dev.running_version = msg.running_version
+        now = utcnow()
+        dev: Table = Device.__table__  # type: ignore[assignment]
+        with self.sessions.begin() as s:
+            rows = {m.device_id: {"b_id": m.device_id, "last_seen": now, "last_state": m.state, "last_error": m.error,
+                                  "running_model": m.running_model, "running_version": m.running_version}
+                    for m in msgs}  # the newest report of a device wins
+            s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), list(rows.values()))
+            rejected = self.rollouts.on_reports(s, [m for m in msgs if m.rollout_id is not None])
+            for m in msgs:
+                if m.state == "installed" and m.selftest is not None:
+                    s.connection().execute(update(dev).where(dev.c.id == m.device_id).values(
+                        selftest=self._selftest_json(s, m)))
+        for exc, m in rejected:
+            self.rejections.add(exc.kind, m.device_id, str(exc))
 
     @staticmethod
     def _selftest_json(s: Session, msg: proto.ReportedState) -> dict[str, Any]:
@@ -313,27 +350,59 @@ class FleetService:
 
     def handle_telemetry(self, msg: proto.Telemetry) -> bool:
         """Store one telemetry record; False if it was a duplicate (QoS 1 may deliver twice)."""
-        if not self._ensure_device(msg.device_id):
-            return False
-        try:
-            with self.sessions.begin() as s:
-                dev = self._device_for_message(s, msg.device_id)
-                dev.last_seen = utcnow()
-                payload = msg.model_dump(mode="json")
-                s.add(TelemetryRow(device_id=msg.device_id, stream=msg.stream, seq=msg.seq, ts=msg.ts,
-                                   payload=payload))
-                last = dev.last_telemetry
-                if last is None or last.get("stream") != msg.stream or last.get("seq", -1) < msg.seq:
-                    dev.last_telemetry = payload
-                self.rollouts.on_telemetry(s, dev, msg)
-        except IntegrityError:
-            with self.sessions() as s:  # a duplicate (QoS 1 redelivery, or another replica stored it)?
-                if s.scalar(select(TelemetryRow.id).where(
-                        TelemetryRow.device_id == msg.device_id, TelemetryRow.stream == msg.stream,
-                        TelemetryRow.seq == msg.seq)) is not None:
-                    return False
-            raise
-        return True
+        return self.store_telemetry([msg]) == 1
+
+    def store_telemetry(self, msgs: list[proto.Telemetry]) -> int:
+        """Store a batch of records, each (device, stream, seq) once; returns how many were new. A record
+        another replica stores at the same moment is skipped by the insert (ON CONFLICT DO NOTHING)."""
+        msgs = [m for m in msgs if self._ensure_device(m.device_id)]
+        if not msgs:
+            return 0
+        tel: Table = TelemetryRow.__table__  # type: ignore[assignment]
+        dev: Table = Device.__table__  # type: ignore[assignment]
+        now = utcnow()
+        with self.sessions.begin() as s:
+            keys = {(m.device_id, m.stream, m.seq) for m in msgs}
+            have = {tuple(r) for r in s.execute(select(tel.c.device_id, tel.c.stream, tel.c.seq).where(
+                tuple_(tel.c.device_id, tel.c.stream, tel.c.seq).in_(list(keys))))}
+            fresh: dict[tuple[str, str, int], proto.Telemetry] = {}
+            for m in msgs:
+                k = (m.device_id, m.stream, m.seq)
+                if k not in have and k not in fresh:
+                    fresh[k] = m
+            if not fresh:
+                return 0
+            payloads = {k: m.model_dump(mode="json") for k, m in fresh.items()}
+            ins = sqlite_insert(tel) if s.get_bind().dialect.name == "sqlite" else pg_insert(tel)
+            s.connection().execute(ins.on_conflict_do_nothing(index_elements=["device_id", "stream", "seq"]), [
+                {"device_id": k[0], "stream": k[1], "seq": k[2], "ts": fresh[k].ts, "received_at": now,
+                 "payload": payloads[k]} for k in fresh])
+            devices = {k[0] for k in fresh}
+            current = {i: (t, r) for i, t, r in s.execute(select(dev.c.id, dev.c.last_telemetry,
+                                                                 dev.c.desired_rollout_id)
+                                                          .where(dev.c.id.in_(devices)))}
+            newest: dict[str, dict[str, Any]] = {}
+            for k in fresh:
+                p = payloads[k]
+                last = newest.get(k[0]) or (current.get(k[0]) or (None, None))[0]
+                if last is None or last.get("stream") != p["stream"] or last.get("seq", -1) < p["seq"]:
+                    newest[k[0]] = p
+            rows = [{"b_id": d, "last_seen": now, **({"last_telemetry": newest[d]} if d in newest else {})}
+                    for d in devices]
+            with_tel = [r for r in rows if "last_telemetry" in r]
+            without = [r for r in rows if "last_telemetry" not in r]
+            for group in (with_tel, without):
+                if group:
+                    s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), group)
+            self.rollouts.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
+            return len(fresh)
+
+    def counts(self) -> dict[str, int]:
+        with self.sessions() as s:
+            devices, online = s.execute(select(func.count(), func.sum(case((Device.online.is_(True), 1), else_=0)))
+                                        .select_from(Device)).one()
+            return {"devices": int(devices or 0), "online": int(online or 0),
+                    "telemetry_rows": int(s.scalar(select(func.count()).select_from(TelemetryRow)) or 0)}
 
     def telemetry_count(self, device_id: str | None = None) -> int:
         with self.sessions() as s:

@@ -59,6 +59,7 @@ class SimConfig:
     connect_concurrency: int = 200
     keepalive_s: int = 60
     progress_reports: bool = False  # also report downloading/installing, as the real agent does
+    passwords: dict[str, str] = field(default_factory=dict)  # device id -> MQTT password (from enrollment)
 
 
 @dataclass
@@ -106,12 +107,20 @@ class MiniMqtt:
         self._tasks: list[asyncio.Task] = []
         self.closed = asyncio.Event()
 
-    async def connect(self, will_topic: str, will: bytes, timeout_s: float = 30.0) -> None:
+    async def connect(self, will_topic: str, will: bytes, timeout_s: float = 30.0,
+                      username: str | None = None, password: str | None = None) -> None:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout_s)
         self._reader, self._writer = reader, writer
         flags = 0x02 | 0x04 | 0x08 | 0x20  # clean session, will, will QoS 1, will retain
+        creds = b""
+        if username is not None:
+            flags |= 0x80
+            creds += _str(username)
+            if password is not None:
+                flags |= 0x40
+                creds += _str(password)
         body = _str("MQTT") + bytes([4, flags]) + struct.pack("!H", self.keepalive_s) + _str(self.client_id) \
-            + _str(will_topic) + _str(will)
+            + _str(will_topic) + _str(will) + creds
         writer.write(_packet(0x10, body))
         kind, payload = await asyncio.wait_for(self._read(), timeout_s)
         if kind >> 4 != 2 or len(payload) < 2 or payload[1] != 0:
@@ -211,7 +220,9 @@ class SimDevice:
         host, port = proto.parse_mqtt_url(self.cfg.mqtt_url)
         self.client = MiniMqtt(host, port, f"sim-{self.id}", self.cfg.keepalive_s, self._on_message)
         will = proto.encode(proto.StatusMessage(device_id=self.id, ts=0, state="offline"))
-        await self.client.connect(proto.topic(self.id, "status"), will)
+        password = self.cfg.passwords.get(self.id)
+        await self.client.connect(proto.topic(self.id, "status"), will, username=self.id if password else None,
+                                  password=password)
         self.client.subscribe([proto.topic(self.id, "desired"), proto.topic(self.id, "ack")])
         online = proto.StatusMessage(device_id=self.id, ts=time.time(), state="online", agent_version="sim-0.1",
                                      arch="x86_64", cpu_features=("sse4_2", "avx2"), profile=self.cfg.profile)
@@ -358,8 +369,8 @@ class Simulator:
         self._thread.start()
         if not ready.wait(timeout_s):
             raise TimeoutError(f"the simulated devices did not connect in {timeout_s}s")
-        if failure:
-            self.stop()
+        if failure:  # the thread closes the connections that did open, then ends by itself
+            self._thread.join(30)
             raise failure[0]
 
     def call(self, fn: Callable[[], Any], timeout_s: float = 30.0) -> Any:
@@ -425,8 +436,27 @@ def add_parser(sub: Any, formatter: Any = argparse.HelpFormatter) -> None:
                     help="p99 of this version is FACTOR times --p99-ms (repeatable)")
     sp.add_argument("--error-rate", type=float, default=0.0, help="share of requests that fail")
     sp.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
+    sp.add_argument("--fleet", help="a fleet whose broker needs device accounts (the embedded one does): enroll "
+                                    "each device there first (an operator token in $EDGEFLEET_TOKEN)")
     sp.add_argument("--json", action="store_true", help="print the final counters as JSON")
     sp.set_defaults(fn=cmd_simulate)
+
+
+def enroll_all(fleet_url: str, device_ids: list[str], token: str | None, concurrency: int = 16) -> dict[str, str]:
+    """Enroll simulated devices through the fleet's API: device id -> MQTT password."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgefleet.client import FleetClient
+
+    client = FleetClient(fleet_url, token=token)
+
+    def one(device_id: str) -> tuple[str, str]:
+        t = client.post(f"/api/v1/devices/{device_id}/enrollment-token", {"ttl_s": 600})["token"]
+        creds = FleetClient(fleet_url).post("/api/v1/enroll", {"token": t})
+        return device_id, creds["mqtt_password"]
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return dict(pool.map(one, device_ids))
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
@@ -446,6 +476,19 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                     failure_rate_by_version=_pairs(a.fail_version, "--fail-version"),
                     telemetry_interval_s=a.telemetry_interval_s, p99_ms=a.p99_ms,
                     p99_factor_by_version=_pairs(a.slow_version, "--slow-version"), error_rate=a.error_rate)
+    if a.fleet:
+        import dataclasses
+        import os
+
+        from protocol.errors import EdgefleetError
+
+        ids = [f"{a.prefix}-{a.first_index + i:05d}" for i in range(a.devices)]
+        try:
+            cfg = dataclasses.replace(cfg, passwords=enroll_all(a.fleet, ids, os.environ.get("EDGEFLEET_TOKEN")))
+        except EdgefleetError as exc:
+            print(f"error: enrolling the simulated devices failed: {exc}", file=sys.stderr)
+            return 6
+        print(f"enrolled {len(ids)} simulated devices at {a.fleet}", file=sys.stderr, flush=True)
     sim = Simulator(cfg)
 
     async def main() -> None:

@@ -450,7 +450,9 @@ def test_a_model_with_recurrent_state_and_a_scalar_compiles_and_is_served(tmp_pa
 
         def client(i: int) -> None:
             doc, want = body(1 + i % 3, 0.25 * i)
-            out = httpx.post(f"{url}/v2/models/rnn/infer", json=doc, timeout=30).json()["outputs"]
+            resp = httpx.post(f"{url}/v2/models/rnn/infer", json=doc, timeout=30)
+            assert resp.status_code == 200, resp.text
+            out = resp.json()["outputs"]
             got = {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in out}
             if not (np.allclose(got["y"], want[0], atol=1e-3) and np.allclose(got["h_out"], want[1], atol=1e-3)):
                 errors.append(f"request {i}: wrong result")

@@ -73,6 +73,12 @@ def _phase(data: Path, want_dir_prefix: str) -> str:
     return "download" if downloaded else "before_download"
 
 
+def _serving_or_exit(a: AgentProc) -> str | None:
+    if a.proc.poll() is not None:
+        raise AssertionError(f"agent exited with {a.proc.returncode}; see {a.log}")
+    return _serving(a.url)
+
+
 def _serving(url: str) -> str | None:
     try:
         r = httpx.get(f"{url}/v2/models/digits", timeout=2)
@@ -165,7 +171,7 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
         _kill(agent)
         t0 = time.monotonic()
         agent = _start_agent(tmp_path, url)
-        wait_for(lambda: _serving(agent.url), 60, "agent serving after restart", interval_s=0.05)
+        wait_for(lambda: _serving_or_exit(agent), 60, "agent serving after restart", interval_s=0.05)
         startup_s = time.monotonic() - t0
         print(f"undisturbed install {install_s:.2f}s, restart to serving {startup_s:.2f}s")
 
@@ -189,7 +195,7 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
                 phases[_phase(data, f"digits-{version}-")] += 1
             agent = _start_agent(tmp_path, url)
             # at once, before the fleet is even asked: a complete model that is the old or the new one
-            first = wait_for(lambda a=agent: _serving(a.url), 60, f"iteration {i}: serving after restart",
+            first = wait_for(lambda a=agent: _serving_or_exit(a), 60, f"iteration {i}: serving after restart",
                              interval_s=0.05)
             if first not in (old, version) or not _infer_ok(agent.url, images, labels):
                 broken.append(f"iteration {i}: served {first!r} after restart, wanted {old} or {version}")

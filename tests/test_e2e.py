@@ -87,9 +87,9 @@ def test_upgrade_downgrade_broker_outage_and_restart(tmp_path, mosquitto: Mosqui
         pred, _ = infer_images(agent.url, "digits", images[:50])
         assert (pred == labels[:50]).mean() >= 0.95
         spool = tmp_path / "agents" / "edge-x" / "spool"
-        _wait(lambda: len(list(spool.glob("*.json"))) >= 3, 30, "telemetry spooled while offline")
+        _wait(lambda: len(list(spool.glob("[0-9]*.json"))) >= 3, 30, "telemetry spooled while offline")
         mosquitto.start()  # same port
-        _wait(lambda: not list(spool.glob("*.json")), 60, "spool drained after reconnect")
+        _wait(lambda: not list(spool.glob("[0-9]*.json")), 60, "spool drained after reconnect")
         rows = lf.client.get("/api/v1/devices/edge-x/telemetry?limit=1000")
         seqs = sorted(r["seq"] for r in rows)
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "telemetry has gaps"

@@ -84,7 +84,9 @@ def test_full_spool_drops_the_oldest_and_the_fleet_learns_how_many(tmp_path, mos
     stored = {r["seq"] for r in rows}
     print(f"\nspool overflow: {made} made, {len(stored)} stored, {dropped} dropped (reported: "
           f"{max(r.get('dropped') or 0 for r in rows)})")
-    assert len(stored) + dropped == made  # every record is either at the fleet or counted as dropped
+    # every record is at the fleet or counted as dropped; a record the fleet stored but whose ack the outage
+    # cut off can be both (the spool cannot know): at most the few in flight when the broker went away
+    assert made - len(stored) <= dropped <= made - len(stored) + 3
     assert max(r.get("dropped") or 0 for r in rows) == dropped  # and the fleet was told the count
     # the dropped ones are the oldest of the backlog: what was stored is a head and a contiguous tail
     tail = sorted(stored)[-10:]

@@ -262,7 +262,7 @@ def test_agent_on_emulated_haswell_refuses_vnni_before_download_and_reports_its_
         # the console shows the device's own figure next to the compile-time one, and its CPU class
         import httpx
 
-        html = httpx.get(f"{lf.url}/").text
+        html = httpx.get(f"{lf.url}/", headers={"Authorization": f"Bearer {lf.client.token}"}).text
         assert f'top-1 {st["top1"]:.3f}</span> <small>(build {m.selftest_summary.top1:.3f})' in html
         assert "<small class=\"sub\">AVX2</small>" in html
     finally:
@@ -342,7 +342,8 @@ def test_auto_ships_fp32_when_the_int8_build_itself_fails(tmp_path, monkeypatch)
     monkeypatch.setattr(ort_target, "quantize", broken)
     r = _compile(tmp_path / "auto", "x86-cpu", precision="auto")
     assert r.manifest.precision == "fp32"
-    assert "int8 not built: its build failed: the quantizer failed on node 'conv1'" in r.manifest.precision_choice.reason
+    reason = r.manifest.precision_choice.reason
+    assert "int8 not built: its build failed: the quantizer failed on node 'conv1'" in reason
     with pytest.raises(CompilerError, match="conv1"):  # asked for int8: the error, not a silent fp32
         _compile(tmp_path / "int8", "x86-cpu", precision="int8")
 

@@ -1,0 +1,121 @@
+"""Who may publish and subscribe where on MQTT: one rule, enforced by Mosquitto and the embedded broker.
+
+    the fleet (user ``edgefleet-fleet``)  read and write everything under edgefleet/v1/devices/
+    device <id> (user <id>)               write its own reported, telemetry, status;
+                                          read its own desired and ack
+    anyone else                           nothing (anonymous clients are refused at connect)
+
+Mosquitto gets a password file (PBKDF2-SHA512, its ``$7$`` format) and an ACL file written
+atomically from the device credentials; :func:`reload_mosquitto` sends SIGHUP so it rereads both
+without dropping anyone. The embedded amqtt broker asks :func:`allowed` through the plugins in
+``fleet.broker``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import secrets
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from protocol import mqtt as proto
+from protocol.fsutil import atomic_write
+
+__all__ = ["FLEET_USER", "Account", "allowed", "hash_password", "reload_mosquitto", "verify_password",
+           "write_mosquitto_files"]
+
+FLEET_USER = "edgefleet-fleet"
+DEVICE_WRITES = ("reported", "telemetry", "status")
+DEVICE_READS = ("desired", "ack")
+PBKDF2_ITERATIONS = 101  # Mosquitto 2.0's own default for $7$ hashes; the passwords are 32 random bytes
+
+
+@dataclass(frozen=True)
+class Account:
+    username: str  # a device id, or FLEET_USER
+    password_hash: str  # hash_password() output
+
+
+def hash_password(password: str, salt: bytes | None = None) -> str:
+    """Mosquitto's ``$7$`` hash (PBKDF2-HMAC-SHA512); also how the fleet stores device passwords."""
+    salt = salt or secrets.token_bytes(12)
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, PBKDF2_ITERATIONS)
+    return f"$7${PBKDF2_ITERATIONS}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def verify_password(password: str, stored: str) -> bool:
+    try:
+        _, kind, iterations, salt, digest = stored.split("$")
+        if kind != "7":
+            return False
+        got = hashlib.pbkdf2_hmac("sha512", password.encode(), base64.b64decode(salt), int(iterations))
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(base64.b64encode(got).decode(), digest)
+
+
+def _matches(topic_filter: str, topic: str) -> bool:
+    """MQTT wildcard match of ``topic`` against ``topic_filter`` (+ one level, # the rest)."""
+    f, t = topic_filter.split("/"), topic.split("/")
+    for i, part in enumerate(f):
+        if part == "#":
+            return True
+        if i >= len(t) or (part != "+" and part != t[i]):
+            return False
+    return len(f) == len(t)
+
+
+def allowed(username: str | None, topic: str, action: Literal["publish", "subscribe"]) -> bool:
+    """The one rule. ``topic`` is a topic name (publish) or a topic filter (subscribe)."""
+    if not username:
+        return False
+    if topic.startswith("$share/"):  # $share/<group>/<filter>: judged by the filter
+        parts = topic.split("/", 2)
+        if len(parts) < 3:
+            return False
+        topic = parts[2]
+    if username == FLEET_USER:
+        return topic.startswith(proto.PREFIX + "/") or topic == proto.PREFIX + "/#"
+    if not proto.device_id_ok(username):
+        return False
+    kinds = DEVICE_WRITES if action == "publish" else DEVICE_READS
+    # a device may subscribe to exactly its own topics: no wildcard can widen the filter
+    if "+" in topic or "#" in topic:
+        return False
+    return any(topic == proto.topic(username, k) for k in kinds)  # type: ignore[arg-type]
+
+
+def acl_text() -> str:
+    """The Mosquitto ACL file: the same rule as :func:`allowed` (``%u`` is the username)."""
+    lines = [f"user {FLEET_USER}", f"topic readwrite {proto.PREFIX}/#", ""]
+    lines += [f"pattern write {proto.PREFIX}/%u/{k}" for k in DEVICE_WRITES]
+    lines += [f"pattern read {proto.PREFIX}/%u/{k}" for k in DEVICE_READS]
+    return "\n".join(lines) + "\n"
+
+
+def write_mosquitto_files(accounts: Iterable[Account], password_file: Path, acl_file: Path) -> int:
+    """Write both files atomically (mode 0640: Mosquitto, which runs as its own user, reads them through
+    their group; give the directory the mosquitto group with the setgid bit); returns how many accounts
+    were written."""
+    rows = []
+    for a in accounts:
+        if a.username != FLEET_USER and not proto.device_id_ok(a.username):
+            raise ValueError(f"username {a.username!r} is not a device id")
+        if ":" in a.username or "\n" in a.password_hash:
+            raise ValueError(f"account {a.username!r} cannot be written to a password file")
+        rows.append(f"{a.username}:{a.password_hash}")
+    for path, text in ((password_file, "\n".join(rows) + "\n"), (acl_file, acl_text())):
+        atomic_write(path, text.encode())
+        os.chmod(path, 0o640)
+    return len(rows)
+
+
+def reload_mosquitto(pid: int) -> None:
+    """Mosquitto rereads its password and ACL files on SIGHUP."""
+    os.kill(pid, signal.SIGHUP)
