@@ -99,6 +99,8 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
         if bad:
             raise RequestError(f"inputs[{i}]: unknown field(s) {sorted(bad)}")
         name = t.get("name")
+        if not isinstance(name, str):
+            raise RequestError(f"inputs[{i}]: 'name' must be a string, got {type(name).__name__}")
         if name not in by_name:
             raise RequestError(f"inputs[{i}]: unknown input {name!r}; the model takes {sorted(by_name)}")
         if name in feeds:

@@ -47,6 +47,7 @@ from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestErro
 from agent.image import preprocess_image
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
+from agent.openapi import openapi
 from protocol.manifest import Manifest
 
 __all__ = ["IndexEntry", "ModelHost", "Served", "create_app", "model_config"]
@@ -430,7 +431,12 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             Route(f"{base}/config", config, methods=get), Route(f"{base}/stats", stats, methods=get),
             Route(f"{base}/infer", infer, methods=post), Route(f"{base}/infer/image", infer_image, methods=post),
         ]
-    routes += [Route("/metrics", prometheus, methods=get), Route("/metrics/summary", summary, methods=get)]
+    async def openapi_doc(request: Request) -> Response:
+        return JSONResponse(openapi(protocol.__version__, max_body_bytes,
+                                    {n: s.manifest.version for n, s in host.models.items()}))
+
+    routes += [Route("/metrics", prometheus, methods=get), Route("/metrics/summary", summary, methods=get),
+               Route("/openapi.json", openapi_doc, methods=get)]
     slow = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -72,6 +72,10 @@ def parse_topic(t: str) -> tuple[str, str] | None:
     return parts[3], parts[4]
 
 
+# integers fit a database's BIGINT (SQLite's INTEGER): a bigger one is refused here, not at the insert
+MAX_INT = 2**62
+
+
 class _Message(StrictModel):
     v: int = MESSAGE_VERSION
     device_id: str
@@ -82,19 +86,19 @@ class DesiredState(_Message):
     """What the fleet wants a device to run. ``model`` None means: run nothing new."""
 
     kind: Literal["desired"] = "desired"
-    rollout_id: int | None = Field(ge=1)
+    rollout_id: int | None = Field(ge=1, lt=MAX_INT)
     model: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
     version: str = Field(pattern=r"^[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}$")
     target: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*/[0-9.]+/[a-z0-9][a-z0-9._-]*\.tar$")  # TUF target path
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size_bytes: int = Field(gt=0)
+    size_bytes: int = Field(gt=0, lt=MAX_INT)
 
 
 class SelfTestResult(StrictModel):
     """The bundle's self-test as the device ran it on its own CPU (compare with the manifest's
     ``selftest_summary`` and accuracy, measured on the build host)."""
 
-    samples: int = Field(gt=0)
+    samples: int = Field(gt=0, lt=MAX_INT)
     top1: float | None = Field(default=None, ge=0.0, le=1.0)  # against the sample's labels
     top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)  # argmax equal to the build's outputs
     drift: float = Field(ge=0.0)  # worst |device - build| / tolerance over the outputs; above 1 fails
@@ -103,7 +107,7 @@ class SelfTestResult(StrictModel):
 class ReportedState(_Message):
     kind: Literal["reported"] = "reported"
     state: Literal["downloading", "installing", "installed", "failed", "rolled_back"]
-    rollout_id: int | None
+    rollout_id: int | None = Field(ge=1, lt=MAX_INT)
     model: str | None
     version: str | None
     running_model: str | None
@@ -125,19 +129,19 @@ class Telemetry(_Message):
     # (stream, seq) identifies a record: stream is random per spool (a re-imaged device starts a new
     # one), seq counts up within it and survives restarts; the fleet drops duplicates by the pair
     stream: str = Field(pattern=r"^[0-9a-f]{16}$")
-    seq: int = Field(ge=0, lt=2**62)
+    seq: int = Field(ge=0, lt=MAX_INT)
     interval_s: float
     model: str | None
     version: str | None
-    requests: int = Field(ge=0)
-    errors: int = Field(ge=0)
+    requests: int = Field(ge=0, lt=MAX_INT)
+    errors: int = Field(ge=0, lt=MAX_INT)
     latency: LatencySummary
-    batches: int = Field(ge=0)
+    batches: int = Field(ge=0, lt=MAX_INT)
     batch_size_mean: float | None
-    batch_size_max: int | None
+    batch_size_max: int | None = Field(ge=0, lt=MAX_INT)
     cpu_percent: float
     rss_mb: float
-    dropped: int | None = Field(default=None, ge=0)  # records this stream's full spool dropped, in total
+    dropped: int | None = Field(default=None, ge=0, lt=MAX_INT)  # records this stream's full spool dropped, in total
 
 
 class TelemetryAck(_Message):
