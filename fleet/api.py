@@ -7,9 +7,10 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +32,7 @@ class _Body(BaseModel):
 
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+RolloutId = Annotated[int, PathParam(ge=1, lt=2**62, description="a rollout's id")]  # fits BIGINT
 
 
 class DeviceIn(_Body):
@@ -238,18 +240,18 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
                                       spec, c.name)
 
     @app.get("/api/v1/rollouts/{rollout_id}")
-    def get_rollout(rollout_id: int, targets: bool = True, _: Caller = Depends(viewer)) -> dict[str, Any]:
+    def get_rollout(rollout_id: RolloutId, targets: bool = True, _: Caller = Depends(viewer)) -> dict[str, Any]:
         return service.get_rollout(rollout_id, with_targets=targets)
 
     @app.post("/api/v1/rollouts/{rollout_id}/{action}")
-    def rollout_action(rollout_id: int, action: str, c: Caller = Depends(operator)) -> dict[str, Any]:
+    def rollout_action(rollout_id: RolloutId, action: str, c: Caller = Depends(operator)) -> dict[str, Any]:
         """``action``: pause, resume, abort or rollback."""
         if action not in ("pause", "resume", "abort", "rollback"):
             raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback", 404)
         return service.rollout_action(rollout_id, action, c.name)
 
     @app.get("/api/v1/rollouts/{rollout_id}/audit")
-    def rollout_audit(rollout_id: int, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         service.get_rollout(rollout_id, with_targets=False)
         return service.audit_log(rollout_id)
 
