@@ -323,7 +323,14 @@ def cmd_fleet_upload(a: argparse.Namespace) -> int:
         return EXIT_INPUT
 
     def run() -> int:
-        m = _client(a).upload(a.bundle)
+        from fleet.errors import KeyStoreError
+        from protocol.errors import ContractError
+
+        try:
+            m = _client(a).upload(a.bundle, a.sign_key)
+        except (KeyStoreError, ContractError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_INPUT
         _print(m, a.json, f"uploaded {m['name']} {m['version']} ({m['profile']}) as TUF target {m['target']}")
         return EXIT_OK
 
@@ -795,8 +802,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    client_parser("upload", "upload a bundle (publishes it as a signed TUF target)",
-                  cmd_fleet_upload).add_argument("bundle", type=Path)
+    up = client_parser("upload", "upload a bundle (publishes it as a signed TUF target)", cmd_fleet_upload)
+    up.add_argument("bundle", type=Path)
+    up.add_argument("--sign-key", type=Path, help="the CI's bundles key (from 'edgefleet keys create DIR': DIR/ci/"
+                                                  "bundles.key): sign the bundle here, for a fleet that holds no "
+                                                  "signing key for bundles")
     client_parser("register", "register devices by id", cmd_fleet_register).add_argument("device_ids", nargs="+")
     client_parser("devices", "list devices", cmd_fleet_devices)
     en = client_parser("enroll", "issue one-time enrollment tokens (a device trades its token for its own MQTT "

@@ -35,6 +35,10 @@ class FleetClient:
 
     def _call(self, method: str, path: str, body: bytes | None = None,
               content_type: str = "application/json") -> Any:
+        return json.loads(self._raw(method, path, body, content_type) or b"null")
+
+    def _raw(self, method: str, path: str, body: bytes | None = None,
+             content_type: str = "application/json") -> bytes:
         req = urllib.request.Request(f"{self.base}{path}", data=body, method=method)
         if body is not None:
             req.add_header("Content-Type", content_type)
@@ -42,7 +46,7 @@ class FleetClient:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return json.loads(r.read() or b"null")
+                return bytes(r.read())
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:
@@ -64,7 +68,17 @@ class FleetClient:
     def health(self) -> dict[str, Any]:
         return self.get("/api/v1/health")
 
-    def upload(self, bundle: Path) -> dict[str, Any]:
+    def upload(self, bundle: Path, sign_key: Path | None = None) -> dict[str, Any]:
+        """Upload a bundle. With ``sign_key`` (the compiler CI's ``bundles`` key, for a fleet that does not
+        sign): first sign it into the fleet's current bundles metadata, here, and publish that."""
+        if sign_key is not None:
+            from fleet.keys import bundle_target, sign_bundle
+            from protocol.bundle import read_manifest
+
+            target, custom = bundle_target(read_manifest(bundle))
+            current = self._raw("GET", "/api/v1/bundles/signed-metadata")
+            signed = sign_bundle(sign_key, current, target, bundle, custom)
+            self._call("POST", "/api/v1/bundles/signed-metadata", signed)
         return self._call("POST", "/api/v1/bundles", bundle.read_bytes(), "application/x-tar")
 
     def register(self, device_id: str, labels: dict[str, str] | None = None) -> dict[str, Any]:

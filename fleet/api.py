@@ -11,13 +11,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet import console
 from fleet.auth import ROLES, Caller, TokenStore
 from fleet.enroll import Enrollment
-from fleet.errors import BadRequest, FleetError, NotFound, Unauthorized
+from fleet.errors import BadRequest, FleetError, NotFound, RepositoryError, Unauthorized
 from fleet.rollout import Gates, RolloutSpec
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
@@ -222,6 +222,28 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             return await run_in_threadpool(service.upload_bundle, Path(tmp))
         finally:
             Path(tmp).unlink(missing_ok=True)
+
+    @app.get("/api/v1/bundles/signed-metadata")
+    def get_bundles_metadata(_: Caller = Depends(operator)) -> Response:
+        """Delegated signing: the published ``bundles`` TUF metadata, which the compiler's CI extends with a new
+        bundle and signs with its key (``edgefleet fleet upload BUNDLE --sign-key``)."""
+        try:
+            return Response(repo.current_bundles(), media_type="application/json")
+        except RepositoryError as exc:
+            raise BadRequest(f"{exc}; this fleet signs bundles itself: upload them without --sign-key", 409) from exc
+
+    @app.post("/api/v1/bundles/signed-metadata", status_code=201)
+    async def publish_bundles_metadata(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
+        """Publish ``bundles`` metadata signed by a CI key the offline targets metadata delegates to; then the
+        bundles it lists can be uploaded."""
+        body = await request.body() if int(request.headers.get("content-length") or 0) <= 16 * 1024 * 1024 else b""
+        if not body:
+            raise BadRequest("send the signed bundles metadata (JSON, at most 16 MiB) as the request body")
+        try:
+            repo.publish_bundles(body)
+        except RepositoryError as exc:
+            raise BadRequest(str(exc), 422) from exc
+        return {"published": True}
 
     @app.get("/api/v1/rollouts")
     def list_rollouts(limit: int = 100, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:

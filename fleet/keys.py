@@ -36,8 +36,17 @@ from typing import Any
 
 from fleet.errors import KeyStoreError
 
-__all__ = ["BUNDLES_ROLE", "ROLES", "KeyStore", "create_keys", "init_keys", "revoke_key", "rotate_key",
-           "sign_bundle"]
+__all__ = [
+    "BUNDLES_ROLE",
+    "ROLES",
+    "KeyStore",
+    "bundle_target",
+    "create_keys",
+    "init_keys",
+    "revoke_key",
+    "rotate_key",
+    "sign_bundle",
+]
 
 ROLES = ("root", "targets", "snapshot", "timestamp")
 BUNDLES_ROLE = "bundles"  # the delegated targets role the compiler's CI signs bundles with
@@ -268,6 +277,15 @@ def _resign_targets(fleet: Path, md: Any, signer: Any) -> Path:
     out = fleet / "targets.json"
     out.write_bytes(_dump(md))
     return out
+
+
+def bundle_target(manifest: Any) -> tuple[str, dict[str, Any]]:
+    """The TUF target path of a bundle and the custom fields signed with it (the fleet's signature or the
+    CI key's): agents refuse a bundle their CPU cannot run before downloading it."""
+    custom = {"name": manifest.name, "version": manifest.version, "profile": manifest.profile,
+              "backend": manifest.backend, "precision": manifest.precision,
+              "cpu_features": list(manifest.cpu_features)}
+    return f"{manifest.name}/{manifest.version}/{manifest.profile}.tar", custom
 
 
 def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custom: dict[str, Any]) -> bytes:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from fleet.audit import Rejections, audit
 from fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
 from fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
+from fleet.keys import bundle_target
 from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
 from fleet.tuf_repo import Repository
 from protocol import mqtt as proto
@@ -158,17 +159,16 @@ class FleetService:
             raise BadRequest(f"{manifest.name} {manifest.version} failed its accuracy gate at compile time "
                              f"(drop {manifest.accuracy.drop:.4f} > {manifest.accuracy.max_drop:.4f}); "
                              "the fleet does not publish it", 422)
-        target_path = f"{manifest.name}/{manifest.version}/{manifest.profile}.tar"
+        target_path, custom = bundle_target(manifest)
+        if self.repo.delegated() and not self.repo.is_signed(target_path):
+            raise BadRequest(f"this fleet does not sign bundles (the CI key does): upload with 'edgefleet fleet "
+                             f"upload BUNDLE --sign-key ci/bundles.key', which signs {target_path} first", 422)
         with self.sessions() as s:
             existing = s.scalars(select(Model).where(Model.name == manifest.name, Model.version == manifest.version,
                                                      Model.profile == manifest.profile)).first()
             if existing is not None:
                 raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} is already uploaded; "
                                "bump the version to publish a new build")
-        # signed with the target: agents refuse a bundle their CPU cannot run before downloading it
-        custom = {"name": manifest.name, "version": manifest.version, "profile": manifest.profile,
-                  "backend": manifest.backend, "precision": manifest.precision,
-                  "cpu_features": list(manifest.cpu_features)}
         try:
             info = self.repo.add_target(target_path, path, custom)
             with self.sessions.begin() as s:

@@ -210,6 +210,11 @@ class Repository:
             self._publish(tgt, snap, ts, bundles=new, resign_targets=False)
             return dict(new.signed.targets)
 
+    def is_signed(self, target_path: str) -> bool:
+        """Delegated layout: has the CI key signed this target in the published bundles metadata?"""
+        _, _, _, bundles = self._load_all()
+        return bundles is not None and target_path in bundles.signed.targets
+
     def current_bundles(self) -> bytes:
         """The published ``bundles`` metadata, as CI needs it to sign the next version."""
         _, snap, _, _ = self._load_all()
@@ -338,8 +343,8 @@ class Repository:
         """Delegated layout: the fleet cannot sign; it stores the file of a target CI already signed."""
         signed = None if bundles is None else bundles.signed.targets.get(target_path)
         if signed is None:
-            raise RepositoryError(f"{target_path} is not signed by the CI key: sign it with 'edgefleet keys "
-                                  "sign-bundle' and publish the signed bundles metadata first")
+            raise RepositoryError(f"{target_path} is not signed by the CI key: upload it with 'edgefleet fleet "
+                                  "upload BUNDLE --sign-key ci/bundles.key'")
         if signed.hashes.get("sha256") != digest or signed.length != length:
             raise RepositoryError(f"{target_path}: this file is not the one the CI key signed")
         created = not dest.exists()

@@ -8,6 +8,7 @@ a real HTTP server on loopback. The attacker in these tests owns the fleet serve
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shutil
 import subprocess
 import sys
@@ -289,3 +290,36 @@ def test_cli_create_rotate_revoke(tmp_path, digits_bundle):
     assert r.returncode == 4 and "is not a bundles key" in r.stderr and "Traceback" not in r.stderr
     r = _cli("create", str(tmp_path / "k"))
     assert r.returncode == 4 and "--force" in r.stderr
+
+
+def test_ci_signs_and_uploads_through_the_fleet_api(tmp_path, digits_bundle, mosquitto):
+    """The user's path for the split layout: the fleet holds no bundles key, so a plain upload is refused
+    with what to do; 'edgefleet fleet upload --sign-key' signs in CI and the fleet publishes it; metadata
+    signed by another key is refused."""
+    import os
+
+    from tests.fleet_harness import api, running_fleet
+
+    create_keys(tmp_path / "split")
+    shutil.copytree(tmp_path / "split" / "fleet", tmp_path / "keys")  # what the fleet is started with
+    ci_key = tmp_path / "split" / "ci" / f"{BUNDLES_ROLE}.key"
+    with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+        r = api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes(),
+                     headers={"Content-Type": "application/x-tar"})
+        assert r.status_code == 422 and "--sign-key" in r.json()["error"], r.text
+        create_keys(tmp_path / "other")
+        other = tmp_path / "other" / "ci" / f"{BUNDLES_ROLE}.key"
+        current = api.get(f"{url}/api/v1/bundles/signed-metadata").content
+        forged = sign_bundle(other, current, "digits/1.0.0/x86-cpu.tar", digits_bundle, _custom(digits_bundle))
+        r = api.post(f"{url}/api/v1/bundles/signed-metadata", content=forged)
+        assert r.status_code == 422 and "not signed by a CI key" in r.json()["error"], r.text
+        env = {**os.environ, "EDGEFLEET_TOKEN": api.token or ""}
+        cli = [sys.executable, "-m", "edgefleet.cli", "fleet", "upload", str(digits_bundle), "--fleet", url, "--json"]
+        r = subprocess.run([*cli, "--sign-key", str(tmp_path / "nope.key")], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 4 and "no bundles key here" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = subprocess.run([*cli, "--sign-key", str(ci_key)], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["target"] == "digits/1.0.0/x86-cpu.tar"
+        assert fs.repo.is_signed("digits/1.0.0/x86-cpu.tar")
+        assert [m["version"] for m in api.get(f"{url}/api/v1/models").json()] == ["1.0.0"]
