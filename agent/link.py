@@ -53,8 +53,8 @@ class MqttLink:
                  on_desired: Callable[[proto.DesiredState], None], ack_timeout_s: float = 10.0,
                  window: int = 100, probe_interval_s: float = 1.0, security: MqttSecurity | None = None):
         self.device_id = device_id
-        tls = url.startswith("mqtts://")
-        self.host, self.port = proto.parse_mqtt_url("mqtt://" + url.removeprefix("mqtts://") if tls else url)
+        tls = proto.mqtt_tls(url)
+        self.host, self.port = proto.parse_mqtt_url(url)
         self.spool = spool
         self.inference_url = inference_url
         self.on_desired = on_desired

@@ -289,7 +289,8 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
                       embedded_mqtt_port=a.embedded_mqtt_port, agent_mqtt_url=a.agent_mqtt_url,
                       public_url=a.public_url, shared_subscription_group=a.shared_subscription_group,
                       mqtt_username=a.mqtt_username, mosquitto_password_file=a.mosquitto_password_file,
-                      mosquitto_acl_file=a.mosquitto_acl_file, mosquitto_pid_file=a.mosquitto_pid_file)
+                      mosquitto_acl_file=a.mosquitto_acl_file, mosquitto_pid_file=a.mosquitto_pid_file,
+                      mqtt_ca_file=a.mqtt_ca_file, mqtt_cert_file=a.mqtt_cert_file, mqtt_key_file=a.mqtt_key_file)
     try:
         server = FleetServer(cfg)
         print(f"edgefleet fleet on http://{a.host}:{a.port}  (console: http://{a.host}:{a.port}/ , "
@@ -788,6 +789,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consume telemetry via $share/GROUP/... so replicas split the load (Mosquitto, EMQX)")
     fs.add_argument("--mqtt-username", help="the fleet's account on the external broker (password: "
                                             "$EDGEFLEET_MQTT_PASSWORD); the embedded broker needs none")
+    fs.add_argument("--mqtt-ca-file", type=Path, help="for mqtts:// brokers: the CA of the broker's certificate")
+    fs.add_argument("--mqtt-cert-file", type=Path, help="mutual TLS: the fleet's client certificate")
+    fs.add_argument("--mqtt-key-file", type=Path, help="mutual TLS: the fleet's client key")
     fs.add_argument("--mosquitto-password-file", type=Path,
                     help="write device accounts here (Mosquitto password_file) whenever they change")
     fs.add_argument("--mosquitto-acl-file", type=Path, help="write the topic ACL here (Mosquitto acl_file)")

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -82,6 +83,59 @@ class TokenIn(_Body):
     role: str = Field(pattern="^(viewer|operator|admin)$")
 
 
+MAX_BODY_BYTES = 1024 * 1024  # every request body but a bundle upload (own limit) and signed metadata
+MAX_METADATA_BYTES = 16 * 1024 * 1024
+_OWN_LIMIT = ("/api/v1/bundles",)
+
+
+class BodyLimit:
+    """Every request body is bounded before any handler reads it: the declared length is checked first,
+    a chunked body is read (at most the limit) and replayed. Bundle uploads stream under their own limit."""
+
+    def __init__(self, app: Any, on_reject: Callable[[str, str], None]):
+        self.app = app
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS") or scope["path"] in _OWN_LIMIT:
+            await self.app(scope, receive, send)
+            return
+        limit = MAX_METADATA_BYTES if scope["path"] == "/api/v1/bundles/signed-metadata" else MAX_BODY_BYTES
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._too_large(scope, send, limit)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._too_large(scope, send, limit)
+                return
+            chunks.append(chunk)
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict[str, Any], send: Any, limit: int) -> None:
+        client = scope.get("client") or ("?",)
+        self.on_reject(str(client[0]), f"{scope['path']}: request body over {limit} bytes")
+        await JSONResponse({"error": f"request body exceeds the {limit}-byte limit of {scope['path']}"},
+                           status_code=413)(scope, None, send)  # type: ignore[arg-type]
+
+
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
                mqtt_connected: Callable[[], bool], max_upload_bytes: int,
                tokens: TokenStore | None = None, enrollment: Enrollment | None = None) -> FastAPI:
@@ -97,6 +151,14 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             service.rejections.add("api_" + ("unauthorized" if isinstance(exc, Unauthorized) else "forbidden"),
                                    request.client.host if request.client else "?", f"{request.url.path}: {exc}")
         return JSONResponse({"error": str(exc)}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 with one line per problem, counted like every other rejected input."""
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:10])
+        service.rejections.add("api_invalid_request", request.client.host if request.client else "?",
+                               f"{request.method} {request.url.path}: {problems}")
+        return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
 
     def caller(authorization: str | None = Header(default=None)) -> Caller:
         return store.check(authorization)
@@ -236,7 +298,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     async def publish_bundles_metadata(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
         """Publish ``bundles`` metadata signed by a CI key the offline targets metadata delegates to; then the
         bundles it lists can be uploaded."""
-        body = await request.body() if int(request.headers.get("content-length") or 0) <= 16 * 1024 * 1024 else b""
+        body = await request.body()  # at most MAX_METADATA_BYTES: BodyLimit
         if not body:
             raise BadRequest("send the signed bundles metadata (JSON, at most 16 MiB) as the request body")
         try:
@@ -335,4 +397,6 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         r.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict")
         return r
 
+    app.add_middleware(BodyLimit, on_reject=lambda who, what: service.rejections.add("api_body_too_large", who,
+                                                                                       what))
     return app

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
@@ -28,7 +30,10 @@ log = logging.getLogger("edgefleet.fleet.mqtt")
 
 class MqttBridge:
     def __init__(self, url: str, shared_group: str | None = None, client_id: str | None = None,
-                 username: str | None = None, password: str | None = None):
+                 username: str | None = None, password: str | None = None, ca_file: Path | None = None,
+                 cert_file: Path | None = None, key_file: Path | None = None):
+        """``mqtts://`` URLs (or a ``ca_file``) connect over TLS, verifying the broker against ``ca_file`` (the
+        system's CAs if None); ``cert_file`` + ``key_file`` present a client certificate (mutual TLS)."""
         self.host, self.port = proto.parse_mqtt_url(url)
         self.shared_group = shared_group
         self.connected = threading.Event()
@@ -46,6 +51,10 @@ class MqttBridge:
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
         if username is not None:
             self._client.username_pw_set(username, password)
+        if proto.mqtt_tls(url) or ca_file is not None:
+            self._client.tls_set(ca_certs=str(ca_file) if ca_file else None,
+                                 certfile=str(cert_file) if cert_file else None,
+                                 keyfile=str(key_file) if key_file else None, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         self._client.max_queued_messages_set(0)  # unbounded: a wave's desired states are queued at once
         self._client.max_inflight_messages_set(1000)
         self._client.on_connect = self._on_connect

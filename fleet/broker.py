@@ -31,6 +31,8 @@ __all__ = ["Authorizer", "EmbeddedBroker"]
 class Authorizer(Protocol):
     def authenticate(self, username: str | None, password: str | None) -> bool: ...
 
+    def is_active(self, username: str | None) -> bool: ...
+
 
 # amqtt builds plugins from dotted paths and plain config; a key in the config finds the broker's authorizer
 _AUTHORIZERS: dict[str, Authorizer] = {}
@@ -70,7 +72,10 @@ class AclTopicPlugin(BaseTopicPlugin):
                               action: Action | None = None) -> bool | None:
         if session is None or topic is None or action is None:
             return False
-        return allowed(session.username, topic, _ACTIONS[action])
+        auth = _AUTHORIZERS.get(self.config.key)
+        # a device decommissioned while connected can no longer publish, subscribe or receive
+        return auth is not None and auth.is_active(session.username) and allowed(session.username, topic,
+                                                                                 _ACTIONS[action])
 
 
 class EmbeddedBroker:

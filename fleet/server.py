@@ -51,6 +51,9 @@ class FleetConfig:
     mosquitto_acl_file: Path | None = None
     mosquitto_pid_file: Path | None = None  # Mosquitto's pid file: SIGHUP makes it reread both files
     mqtt_auth: bool | None = None  # do agents need credentials? default: yes unless an anonymous external broker
+    mqtt_ca_file: Path | None = None  # mqtts:// brokers: the CA that signed the broker's certificate
+    mqtt_cert_file: Path | None = None  # mutual TLS: the fleet's client certificate and key
+    mqtt_key_file: Path | None = None
 
 
 class _Accounts:
@@ -61,6 +64,9 @@ class _Accounts:
 
     def update(self, accounts: list[Account]) -> None:
         self._hashes = {a.username: a.password_hash for a in accounts}
+
+    def is_active(self, username: str | None) -> bool:
+        return (username or "") in self._hashes
 
     def authenticate(self, username: str | None, password: str | None) -> bool:
         stored = self._hashes.get(username or "")
@@ -94,7 +100,8 @@ class FleetServer:
         self.mqtt_auth = config.mqtt_auth if config.mqtt_auth is not None else (
             config.mqtt_url is None or mqtt_user is not None)
         self.bridge = MqttBridge(self.mqtt_url, shared_group=config.shared_subscription_group,
-                                 username=mqtt_user, password=mqtt_password)
+                                 username=mqtt_user, password=mqtt_password, ca_file=config.mqtt_ca_file,
+                                 cert_file=config.mqtt_cert_file, key_file=config.mqtt_key_file)
         self.service = FleetService(self.sessions, self.repo, self.bridge, config.accept_unknown_devices,
                                     config.replica_id)
         self.tokens = TokenStore(self.sessions)

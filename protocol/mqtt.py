@@ -200,16 +200,20 @@ def decode(model: type[T], payload: bytes, source: str) -> T:
 
 
 def parse_mqtt_url(url: str) -> tuple[str, int]:
-    """``mqtt://host:port`` -> (host, port). Only plain MQTT over TCP in this release."""
+    """``mqtt://host[:1883]`` or ``mqtts://host[:8883]`` (TLS) -> (host, port)."""
     from urllib.parse import urlsplit
 
     from protocol.errors import ConfigError
 
     parts = urlsplit(url)
-    if parts.scheme != "mqtt" or not parts.hostname:
-        raise ConfigError(f"MQTT URL {url!r} must look like mqtt://HOST:PORT")
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise ConfigError(f"MQTT URL {url!r} must look like mqtt://HOST:PORT (or mqtts://HOST:PORT for TLS)")
     try:
-        port = parts.port or 1883
+        port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
     except ValueError as exc:
         raise ConfigError(f"MQTT URL {url!r} has a bad port") from exc
     return parts.hostname, port
+
+
+def mqtt_tls(url: str) -> bool:
+    return url.startswith("mqtts://")

@@ -112,9 +112,18 @@ def test_the_embedded_broker_takes_only_enrolled_devices_each_on_its_own_topics(
         assert api.post(f"{url}/api/v1/enroll", token=None, json={"token": token}).status_code == 200
         again = api.post(f"{url}/api/v1/enroll", token=None, json={"token": token})
         assert again.status_code == 401 and "already used" in again.json()["error"]
+        cb = _device(port, b)  # connected when it is decommissioned
         r = api.post(f"{url}/api/v1/devices/edge-b/decommission")
         assert r.status_code == 200 and r.json()["last_state"] == "decommissioned"
         assert not Client(port, b["mqtt_username"], b["mqtt_password"], "edge-b").connect()
+        assert not _suback(cb, proto.topic("edge-b", "desired")), "a decommissioned session still subscribes"
+        cb.publish(proto.topic("edge-b", "status"), _status("edge-b"))  # dropped by the broker
+        ca2 = _device(port, a)
+        _barrier(url, ca2, "edge-a")
+        assert _device_doc(url, "edge-b")["last_state"] == "decommissioned"
+        assert not _device_doc(url, "edge-b")["agent_version"], "a decommissioned session's status got through"
+        cb.close()
+        ca2.close()
         assert api.get(f"{url}/api/v1/stats").json()["rejected"].get("enroll_refused", 0) >= 1
 
 

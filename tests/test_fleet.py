@@ -331,3 +331,25 @@ def test_a_newer_schema_is_refused(tmp_path):
         conn.execute("UPDATE edgefleet_meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(ConfigError, match=r"database schema 99.*cannot migrate it"):
         make_engine(url)
+
+
+def test_every_request_body_is_bounded_and_bad_ones_are_one_line_json(tmp_path, mosquitto):
+    from fleet.api import MAX_BODY_BYTES
+
+    with running_fleet(tmp_path, mosquitto.url) as (_, url):
+        big = b'{"device_id": "' + b"x" * (MAX_BODY_BYTES + 10) + b'"}'
+        r = api.post(f"{url}/api/v1/devices", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "limit" in r.json()["error"], r.text
+
+        def chunks():  # no Content-Length: the limit holds while the body streams
+            for _ in range(20):
+                yield b" " * (MAX_BODY_BYTES // 10)
+
+        r = api.post(f"{url}/api/v1/devices", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        r = api.post(f"{url}/api/v1/devices", json={"labels": {}})
+        assert r.status_code == 422 and r.json()["error"].startswith("invalid request: body.device_id"), r.text
+        r = api.post(f"{url}/api/v1/devices", json={"device_id": "edge-ok"})  # the fleet still serves
+        assert r.status_code == 201, r.text
+        rejected = api.get(f"{url}/api/v1/stats").json()["rejected"]
+        assert rejected.get("api_body_too_large") == 2 and rejected.get("api_invalid_request") == 1, rejected

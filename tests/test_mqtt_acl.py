@@ -333,3 +333,23 @@ def test_mutual_tls_identity_is_the_certificate(broker: Broker):
 ])
 def test_the_rule_the_embedded_broker_applies(user, topic, action, ok):
     assert allowed(user, topic, action) is ok
+
+
+def test_the_fleet_connects_over_tls_and_refuses_a_broker_it_cannot_verify(broker: Broker):
+    from fleet.bridge import MqttBridge
+
+    good = MqttBridge(f"mqtts://127.0.0.1:{broker.tls_port}", username=FLEET_USER, password=FLEET_PASSWORD,
+                      ca_file=broker.pki["ca"])
+    good.start()
+    try:
+        assert good.connected.wait(20), "the fleet did not connect to the TLS listener"
+    finally:
+        good.stop()
+    wrong = MqttBridge(f"mqtts://127.0.0.1:{broker.tls_port}", username=FLEET_USER, password=FLEET_PASSWORD,
+                       ca_file=broker.pki["evil-ca"])
+    wrong.start()
+    try:
+        assert not wrong.connected.wait(3), "the fleet trusted a broker certificate from another CA"
+    finally:
+        wrong.stop()
+    broker.probe("fleet link to a broker signed by another CA", True)
