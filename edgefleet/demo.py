@@ -299,7 +299,8 @@ def run_demo(opts: DemoOptions) -> int:
                    "accuracy_at_compile": {"fp32": acc.reference, **tops, "shipped": acc.candidate},
                    "selftest_top1_at_compile": m.selftest_summary.top1 if m.selftest_summary else None,
                    "rollout": {"id": r["id"], "status": r["status"], "seconds": round(rollout_s, 2)},
-                   "devices": rows, "console": f"{lf.url}/"}
+                   "devices": rows, "console": f"{lf.url}/",
+                   "admin_token_file": str(lf.work_dir / "fleet" / "admin-token")}
         if opts.as_json:
             print(json.dumps(summary, indent=2))
         else:
@@ -319,7 +320,8 @@ def run_demo(opts: DemoOptions) -> int:
             if build_st is not None:
                 print(f"(self-test: top-1 on the bundle's {m.selftest_summary.samples if m.selftest_summary else '?'} "
                       f"sample images, measured by each agent on its own CPU; {build_st:.4f} at compile time)")
-            print(f"\nconsole: {lf.url}/")
+            token_file = lf.work_dir / "fleet" / "admin-token"
+            print(f"\nconsole: {lf.url}/  (sign in with the admin token in {token_file})")
         sys.stdout.flush()
         if opts.keep_running:
             _say("the fleet and agents keep running; press Ctrl-C to stop them all")
