@@ -388,7 +388,8 @@ class RolloutEngine:
         cur = {(r.rollout_id, r.device_id): [r.state, r.error, r.model_id, r.previous_model_id, r.wave]
                for r in s.execute(select(t.c.rollout_id, t.c.device_id, t.c.state, t.c.error, t.c.model_id,
                                          t.c.previous_model_id, t.c.wave)
-                                  .where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
+                                  .where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys))
+                                  .with_for_update())}  # replicas that both got a report serialize here
         rejected: list[tuple[DeviceInputRejected, proto.ReportedState]] = []
         changed: dict[tuple[int, str], dict[str, Any]] = {}
         deltas: dict[tuple[int, int], list[int]] = {}

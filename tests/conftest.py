@@ -123,3 +123,21 @@ def test_images():
 
     with np.load(DIGITS / "test.npz") as npz:
         return npz["input"], npz["labels"]
+
+
+@pytest.fixture
+def sims():
+    """Start simulated fleets (fleet.simulator) for the test; all are stopped after it."""
+    from fleet.simulator import SimConfig, Simulator
+
+    started: list[Simulator] = []
+
+    def make(**kw) -> Simulator:
+        s = Simulator(SimConfig(**kw))
+        s.start()
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import event
 
 from fleet.rollout import TRANSITIONS, Gates, RolloutSpec, WaveFigures, evaluate_gates, install_gate_lost, plan_waves
-from fleet.simulator import SimConfig, Simulator, fails
+from fleet.simulator import fails
 from protocol import mqtt as proto
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
@@ -67,21 +67,6 @@ def test_simulated_failures_are_spread_evenly():
 def fleet(tmp_path, mosquitto):
     with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
         yield fs, url, mosquitto
-
-
-@pytest.fixture
-def sims():
-    started: list[Simulator] = []
-
-    def make(**kw) -> Simulator:
-        s = Simulator(SimConfig(**kw))
-        s.start()
-        started.append(s)
-        return s
-
-    yield make
-    for s in started:
-        s.stop()
 
 
 def upload(url, *bundles):
@@ -206,7 +191,8 @@ def test_a_fleet_restart_mid_rollout_resumes_where_it_was(tmp_path, mosquitto, s
         upload(url, digits_bundle)
         sims(mqtt_url=mosquitto.url, devices=6, install_s=0.01)
         online(url, 6)
-        rid = rollout(url, version="1.0.0", profile="x86-cpu", waves=["2", "100%"])
+        # wave 1 soaks a second, so the pause lands inside it even on a loaded machine
+        rid = rollout(url, version="1.0.0", profile="x86-cpu", waves=["2", "100%"], soak_s=[1.0])
         assert api.post(f"{url}/api/v1/rollouts/{rid}/pause").json()["status"] == "paused"
         wait_for(lambda: status(url, rid)["waves"][0]["installed"] == 2, 20, "wave 1 installed")
     with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
