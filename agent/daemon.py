@@ -151,6 +151,15 @@ def _crash_hook():
     return crash
 
 
+def _device_summary(st: DeviceStats | None) -> proto.DeviceSummary | None:
+    if st is None:
+        return None
+    temps = [t for t in st.temperatures_c.values() if math.isfinite(t)]
+    return proto.DeviceSummary(cpu_percent=round(st.cpu_percent, 1), memory_used_mb=round(st.memory_used_mb, 1),
+                               memory_total_mb=round(st.memory_total_mb, 1),
+                               temperature_c=round(max(temps), 1) if temps else None)
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
@@ -563,7 +572,8 @@ class Agent:
                     latency=proto.LatencySummary(p50_ms=snap.latency_p50_ms, p95_ms=snap.latency_p95_ms,
                                                  p99_ms=snap.latency_p99_ms, max_ms=snap.latency_max_ms),
                     batches=snap.batches, batch_size_mean=snap.batch_size_mean, batch_size_max=snap.batch_size_max,
-                    cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None))
+                    cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None,
+                    device=_device_summary(self.device_stats)))
 
             try:
                 self.spool.append(make)

@@ -376,12 +376,86 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         except Unauthorized:
             return None
 
-    @app.get("/", response_class=HTMLResponse)
+    def can_operate(c: Caller) -> bool:
+        return ROLES.index(c.role) >= ROLES.index("operator")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request) -> Any:
         c = console_caller(request)
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
-        return console.render(service.list_devices(), service.list_models(), service.list_rollouts(20))
+        return console.render(service.list_devices(), service.list_models(), service.list_rollouts(20),
+                              can_operate(c))
+
+    @app.get("/rollouts/{rollout_id}", response_class=HTMLResponse, include_in_schema=False)
+    def console_rollout(rollout_id: RolloutId, request: Request) -> Any:
+        c = console_caller(request)
+        if c is None:
+            return HTMLResponse(console.login_page(), status_code=401)
+        r = service.get_rollout(rollout_id)
+        devices = {d["device_id"]: d for d in service.list_devices()}
+        return console.rollout_page(r, devices, can_operate(c))
+
+    @app.get("/devices/{device_id}", response_class=HTMLResponse, include_in_schema=False)
+    def console_device(device_id: str, request: Request) -> Any:
+        c = console_caller(request)
+        if c is None:
+            return HTMLResponse(console.login_page(), status_code=401)
+        return console.device_page(service.get_device(device_id), service.device_telemetry(device_id, 200))
+
+    async def _form(request: Request) -> dict[str, str]:
+        from urllib.parse import parse_qs
+
+        body = await request.body()  # bounded by BodyLimit
+        return {k: v[0].strip() for k, v in parse_qs(body.decode(errors="replace")).items()}
+
+    def _console_operator(request: Request) -> Caller:
+        c = console_caller(request)
+        if c is None:
+            raise Unauthorized("sign in to the console first")
+        c.require("operator", "this change")
+        return c
+
+    @app.post("/console/rollouts", include_in_schema=False)
+    async def console_create_rollout(request: Request) -> Any:
+        """The console's new-rollout form: the same checks as POST /api/v1/rollouts, errors shown on the page."""
+        c = _console_operator(request)
+        f = await _form(request)
+
+        def split(key: str) -> list[str]:
+            return [x.strip() for x in f.get(key, "").split(",") if x.strip()]
+
+        def num(key: str) -> float | None:
+            return float(f[key]) if f.get(key) else None
+
+        try:
+            name, _, version = f.get("model_version", "").partition(" ")
+            gates = Gates(install_success_min=num("install_success_min"), error_rate_max=num("error_rate_max"),
+                          p99_ratio_max=num("p99_ratio_max"))
+            spec = RolloutSpec(waves=tuple(split("waves") or ["100%"]),
+                               soak_s=tuple(float(x) for x in split("soak_s") or ["0"]), gates=gates,
+                               on_failure="abort" if f.get("on_failure") == "abort" else "pause",
+                               rollback_on_failure=f.get("rollback_on_failure") == "1")
+            r = service.create_rollout(name, version, split("devices") or None, f.get("profile") or None,
+                                       f.get("group") or None, split("tags") or None, spec, c.name)
+        except (ValueError, FleetError) as exc:
+            return HTMLResponse(console.render(service.list_devices(), service.list_models(),
+                                               service.list_rollouts(20), True, f"rollout not started: {exc}"),
+                                status_code=400)
+        return RedirectResponse(f"/rollouts/{r['id']}", status_code=303)
+
+    @app.post("/console/rollouts/{rollout_id}/{action}", include_in_schema=False)
+    async def console_rollout_action(rollout_id: RolloutId, action: str, request: Request) -> Any:
+        c = _console_operator(request)
+        if action not in ("pause", "resume", "abort", "rollback"):
+            raise BadRequest(f"unknown action {action!r}", 404)
+        try:
+            service.rollout_action(rollout_id, action, c.name)
+        except FleetError as exc:
+            devices = {d["device_id"]: d for d in service.list_devices()}
+            return HTMLResponse(console.rollout_page(service.get_rollout(rollout_id), devices, True, str(exc)),
+                                status_code=exc.status_code)
+        return RedirectResponse(f"/rollouts/{rollout_id}", status_code=303)
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request) -> Any:

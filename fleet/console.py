@@ -21,7 +21,8 @@ th{background:#f6f8fa;font-weight:600}
 """
 
 _PILL = {"online": "ok", "offline": "off", "installed": "ok", "succeeded": "ok", "failed": "bad",
-         "rolled_back": "bad", "in_progress": "wait", "pending": "wait", "downloading": "wait", "installing": "wait"}
+         "rolled_back": "bad", "in_progress": "wait", "pending": "wait", "downloading": "wait", "installing": "wait",
+         "passed": "ok", "soaking": "wait", "paused": "wait", "aborted": "bad", "decommissioned": "off"}
 
 
 def _pill(text: str | None) -> str:
@@ -97,7 +98,8 @@ def _choice(m: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]]) -> str:
+def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]],
+           can_operate: bool = False, message: str | None = None) -> str:
     online = sum(1 for d in devices if d["online"])
     failing = sum(1 for d in devices if d["last_state"] in ("failed", "rolled_back"))
     rows = []
@@ -106,7 +108,8 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         desired = d["desired"]
         want = f'{escape(desired["model"])} {escape(desired["version"])}' if desired else "–"
         err = f'<br><small class="pill bad">{escape(d["last_error"][:200])}</small>' if d["last_error"] else ""
-        rows.append(f'<tr><td><b>{escape(d["device_id"])}</b>{_hardware(d.get("hardware"))}</td>'
+        rows.append(f'<tr><td><a href="/devices/{escape(d["device_id"])}"><b>{escape(d["device_id"])}</b></a>'
+                    f'{_hardware(d.get("hardware"))}</td>'
                     f'<td>{_pill("online" if d["online"] else "offline")}'
                     f'</td><td>{running}</td><td>{want}</td><td>{_pill(d["last_state"])}{err}</td>'
                     f'<td>{_selftest_cell(d.get("selftest"), (d["running_model"], d["running_version"]))}</td>'
@@ -118,7 +121,11 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
     rrows = []
     for r in rollouts:
         counts = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["counts"].items()))
-        rrows.append(f'<tr><td>#{r["id"]}</td><td>{escape(r["model"])} {escape(r["version"])}</td>'
+        done = r["counts"].get("installed", 0)
+        bad = r["counts"].get("failed", 0) + r["counts"].get("rolled_back", 0)
+        total = sum(w["size"] for w in r["waves"])
+        rrows.append(f'<tr><td><a href="/rollouts/{r["id"]}">#{r["id"]}</a> {_bar(done, bad, total)}</td>'
+                     f'<td>{escape(r["model"])} {escape(r["version"])}</td>'
                      f'<td>{escape(r["profile"])}</td><td>{_pill(r["status"])}</td><td>{counts}</td>'
                      f'<td>{_ts(r["created_at"])}</td></tr>')
     empty = '<tr><td colspan="10" class="sub">none yet</td></tr>'
@@ -135,7 +142,9 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
 {"".join(rows) or empty}</table>
 <h2>Models</h2><table><tr><th>name</th><th>version</th><th>profile</th><th>engine</th><th>accuracy (top-1)</th>
 <th>sha256</th><th>uploaded (UTC)</th></tr>{"".join(mrows) or empty}</table>
-<h2>Rollouts</h2><table><tr><th>id</th><th>model</th><th>profile</th><th>status</th><th>devices</th>
+<h2>Rollouts</h2>{f'<p class="pill bad">{escape(message)}</p>' if message else ""}
+{new_rollout_form(models) if can_operate else ""}
+<table><tr><th>id</th><th>model</th><th>profile</th><th>status</th><th>devices</th>
 <th>created (UTC)</th></tr>{"".join(rrows) or empty}</table>
 </body></html>"""
 
@@ -147,3 +156,190 @@ def login_page(error: str | None = None) -> str:
 <div class="sub">Paste an API token (the first admin token is in the fleet's data dir, <code>admin-token</code>).</div>
 {err}<form method="post" action="/login"><input name="token" type="password" size="60" autofocus>
 <button type="submit">Sign in</button></form></body></html>"""
+
+
+# -- rollout and device pages ---------------------------------------------------------------------------
+ACTIONS = {"in_progress": ("pause", "abort", "rollback"), "paused": ("resume", "abort", "rollback"),
+           "failed": ("rollback",), "aborted": ("rollback",), "succeeded": ("rollback",)}
+CSS_MORE = """
+.bar{background:#eaeef2;border-radius:4px;height:10px;width:160px;display:inline-block;vertical-align:middle}
+.bar i{display:block;height:10px;border-radius:4px;background:#2da44e}.bar i.badbar{background:#cf222e}
+form.inline{display:inline;margin-right:6px} button{font:inherit;padding:3px 12px;cursor:pointer}
+button.danger{color:#a40e26} nav{margin-bottom:12px} nav a{margin-right:14px}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(330px,1fr));gap:12px}
+.chart{background:#fff;border:1px solid #d0d7de;padding:8px} .chart h3{font-size:13px;margin:0 0 4px}
+label{margin-right:12px} input,select{font:inherit}
+"""
+
+
+def _page(title: str, body: str, refresh_s: int | None = None) -> str:
+    meta = f'<meta http-equiv="refresh" content="{refresh_s}">' if refresh_s else ""
+    return (f'<!doctype html><html><head><meta charset="utf-8">{meta}<title>{escape(title)}</title>'
+            f'<style>{CSS}{CSS_MORE}</style></head><body><nav><a href="/">overview</a></nav>{body}</body></html>')
+
+
+def _bar(done: int, bad: int, total: int) -> str:
+    ok = 100 * done / total if total else 0
+    no = 100 * bad / total if total else 0
+    return (f'<span class="bar" title="{done} installed, {bad} failed of {total}">'
+            f'<i style="width:{ok:.0f}%;float:left"></i>'
+            f'<i class="badbar" style="width:{no:.0f}%;float:left"></i></span>')
+
+
+def _gate_cells(gates: list[dict[str, Any]] | None, live: bool) -> str:
+    if not gates:
+        return '<span class="sub">–</span>'
+    out = []
+    for g in gates:
+        value = "–" if g["value"] is None else f'{g["value"]:.3g}'
+        op = "≥" if g["name"] == "install_success" else "≤"
+        cls = ("wait" if live else "ok") if g["passed"] else ("wait" if live else "bad")
+        out.append(f'<span class="pill {cls}" title="{escape(g["detail"])}">{escape(g["name"])} {value} '
+                   f'{op} {g["threshold"]:.3g}</span>')
+    return " ".join(out) + (' <small class="sub">(so far)</small>' if live else "")
+
+
+def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_operate: bool,
+                 message: str | None = None) -> str:
+    """One rollout: progress, each wave with its gates against their thresholds, the buttons, each device."""
+    total = sum(w["size"] for w in r["waves"])
+    installed = r["counts"].get("installed", 0)
+    failed = r["counts"].get("failed", 0) + r["counts"].get("rolled_back", 0)
+    wrows = []
+    for w in r["waves"]:
+        gates, live = (w.get("gates"), False) if w.get("gates") else (w.get("gates_live"), True)
+        soak = f'{w["soak_s"]:.0f} s soak' + (f', until {_ts(w["soak_until"])}' if w["soak_until"] else "")
+        wrows.append(f'<tr data-wave="{w["index"]}"><td>{w["index"] + 1}</td><td>{w["size"]}</td>'
+                     f'<td class="wave-state">{_pill(w["state"])}</td>'
+                     f'<td>{_bar(w["installed"], w["failed"], w["size"])} '
+                     f'{w["installed"]} ok · {w["failed"]} failed</td>'
+                     f'<td>{_gate_cells(gates, live)}</td><td class="sub">{soak}</td></tr>')
+    buttons = ""
+    if can_operate:
+        buttons = "".join(
+            f'<form class="inline" method="post" action="/console/rollouts/{r["id"]}/{a}">'
+            f'<button type="submit" name="action" value="{a}" '
+            f'class="{"danger" if a in ("abort", "rollback") else ""}">{a}</button></form>'
+            for a in ACTIONS.get(r["status"], ()))
+    trows = []
+    for t in r.get("targets", []):
+        d = devices.get(t["device_id"], {})
+        tel = d.get("telemetry")
+        err = f'<br><small class="pill bad">{escape(t["error"][:200])}</small>' if t.get("error") else ""
+        trows.append(f'<tr><td><a href="/devices/{escape(t["device_id"])}">{escape(t["device_id"])}</a></td>'
+                     f'<td>{t["wave"] + 1}</td><td>{_pill(t["state"])}{err}</td>'
+                     f'<td>{_e(d.get("running_version"))}</td>{_telemetry_cells(tel)}</tr>')
+    by_version = _by_version([devices.get(t["device_id"], {}) for t in r.get("targets", [])])
+    msg = f'<p class="pill bad">{escape(message)}</p>' if message else ""
+    tone = "bad" if r["status"] in ("failed", "aborted") else "wait"
+    reason = f'<div class="pill {tone}">{escape(r["reason"])}</div>' if r.get("reason") else ""
+    body = f"""<h1>Rollout #{r["id"]}: {escape(r["model"])} {escape(r["version"])} {_pill(r["status"])}</h1>
+<div class="sub summary"><span>{_bar(installed, failed, total)} <b>{installed}</b> of {total} installed</span>
+<span><b>{failed}</b> failed</span>
+<span>wave <b>{min(r["current_wave"] + 1, len(r["waves"]))}</b> of {len(r["waves"])}</span>
+<span>by {escape(r["created_by"] or "?")}, {_ts(r["created_at"])}</span><span>refreshes every 2 s</span></div>
+{reason}{msg}<div id="actions">{buttons}</div>
+<h2>Waves</h2><table id="waves"><tr><th>wave</th><th>devices</th><th>state</th><th>progress</th>
+<th>gates (value vs threshold)</th><th>soak</th></tr>{"".join(wrows)}</table>
+<h2>By model version (latest telemetry of these devices)</h2>{by_version}
+<h2>Devices</h2><table><tr><th>device</th><th>wave</th><th>state</th><th>running</th><th>requests</th>
+<th>p95 latency</th><th>mean batch</th><th>cpu · memory</th></tr>{"".join(trows)}</table>"""
+    return _page(f"rollout #{r['id']}", body, refresh_s=2)
+
+
+def _by_version(devs: list[dict[str, Any]]) -> str:
+    acc: dict[str, list[dict[str, Any]]] = {}
+    for d in devs:
+        t = d.get("telemetry")
+        if t and t.get("version"):
+            acc.setdefault(f'{t.get("model")} {t["version"]}', []).append(t)
+    if not acc:
+        return '<p class="sub">no telemetry from these devices yet</p>'
+    rows = []
+    for v, ts in sorted(acc.items()):
+        req = sum(t["requests"] for t in ts)
+        rate = sum(t["requests"] / t["interval_s"] for t in ts if t["interval_s"])
+        errs = sum(t["errors"] for t in ts)
+        p99s = [t["latency"]["p99_ms"] for t in ts if t["latency"]["p99_ms"] is not None]
+        p99 = f"{sum(p99s) / len(p99s):.1f} ms" if p99s else "–"
+        rows.append(f"<tr><td>{escape(v)}</td><td>{len(ts)}</td><td>{rate:.1f}/s</td><td>{p99}</td>"
+                    f"<td>{errs / req:.2%}</td></tr>" if req else
+                    f"<tr><td>{escape(v)}</td><td>{len(ts)}</td><td>0/s</td><td>{p99}</td><td>–</td></tr>")
+    return ("<table><tr><th>model version</th><th>devices</th><th>requests</th><th>mean p99</th><th>errors</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def _chart(title: str, series: dict[str, list[float | None]], unit: str) -> str:
+    """A small SVG line chart (oldest left); each series one polyline."""
+    w, h, pad = 320, 90, 4
+    values = [v for vs in series.values() for v in vs if v is not None]
+    if not values:
+        return f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">no data yet</span></div>'
+    top = max(values) or 1.0
+    colors = ["#0969da", "#cf222e", "#8250df", "#1a7f37"]
+    lines, legend = [], []
+    for (name, vs), color in zip(series.items(), colors, strict=False):
+        n = len(vs)
+        pts = [f"{pad + (w - 2 * pad) * i / max(n - 1, 1):.1f},{h - pad - (h - 2 * pad) * v / top:.1f}"
+               for i, v in enumerate(vs) if v is not None]
+        lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(pts)}"/>')
+        last = next((v for v in reversed(vs) if v is not None), None)
+        legend.append(f'<span style="color:{color}">{escape(name)} {"–" if last is None else f"{last:.3g}"}</span>')
+    return (f'<div class="chart"><h3>{escape(title)} <small class="sub">max {top:.3g} {escape(unit)}</small></h3>'
+            f'<svg width="{w}" height="{h}" role="img" aria-label="{escape(title)}">{"".join(lines)}</svg>'
+            f'<div class="sub">{" · ".join(legend)}</div></div>')
+
+
+def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]]) -> str:
+    """One device: what it runs, its self-test, and charts of its telemetry by model version."""
+    rows = list(reversed(telemetry))  # oldest first
+
+    def col(f) -> list[float | None]:
+        return [f(t) for t in rows]
+
+    versions = sorted({f'{t.get("model")} {t.get("version")}' for t in rows if t.get("version")})
+    charts = [
+        _chart("throughput", {"req/s": col(lambda t: t["requests"] / t["interval_s"] if t["interval_s"] else None)},
+               "req/s"),
+        _chart("latency", {"p50": col(lambda t: t["latency"]["p50_ms"]), "p99": col(lambda t: t["latency"]["p99_ms"])},
+               "ms"),
+        _chart("errors", {"errors": col(lambda t: float(t["errors"]))}, "per interval"),
+        _chart("cpu", {"agent %": col(lambda t: t["cpu_percent"]),
+                       "box %": col(lambda t: (t.get("device") or {}).get("cpu_percent"))}, "%"),
+        _chart("memory", {"agent rss MB": col(lambda t: t["rss_mb"]),
+                          "box used MB": col(lambda t: (t.get("device") or {}).get("memory_used_mb"))}, "MB"),
+    ]
+    temps = col(lambda t: (t.get("device") or {}).get("temperature_c"))
+    if any(v is not None for v in temps):
+        charts.append(_chart("temperature", {"°C": temps}, "°C"))
+    by_version = [_chart(f"p99 on {v}", {"p99": col(lambda t, v=v: t["latency"]["p99_ms"]
+                                                     if f'{t.get("model")} {t.get("version")}' == v else None)}, "ms")
+                  for v in versions] if len(versions) > 1 else []
+    body = f"""<h1>{escape(d["device_id"])} {_pill("online" if d["online"] else "offline")}</h1>
+<div class="sub summary"><span>running <b>{_e(d["running_model"])} {_e(d["running_version"])}</b></span>
+<span>last report {_pill(d["last_state"])}</span>
+<span>self-test {_selftest_cell(d.get("selftest"), (d["running_model"], d["running_version"]))}</span>
+<span>group {_e(d.get("group"))}</span><span>profile {_e(d.get("profile"))}</span>
+<span>last seen {_ts(d["last_seen"])}</span><span>{len(rows)} telemetry records</span></div>
+<div class="grid">{"".join(charts + by_version)}</div>"""
+    return _page(f"device {d['device_id']}", body, refresh_s=5)
+
+
+def new_rollout_form(models: list[dict[str, Any]]) -> str:
+    versions = sorted({(m["name"], m["version"]) for m in models})
+    opts = "".join(f'<option value="{escape(n)} {escape(v)}">{escape(n)} {escape(v)}</option>' for n, v in versions)
+    if not opts:
+        return '<p class="sub">upload a bundle to start a rollout</p>'
+    return f"""<form id="new-rollout" method="post" action="/console/rollouts">
+<label>model <select name="model_version">{opts}</select></label>
+<label>group <input name="group" size="10"></label><label>tags <input name="tags" size="10" placeholder="a,b"></label>
+<label>profile <input name="profile" size="10"></label>
+<label>devices <input name="devices" size="16" placeholder="id,id"></label>
+<br><label>waves <input name="waves" value="10%,100%" size="14"></label>
+<label>soak s <input name="soak_s" value="60" size="5"></label>
+<label>install success ≥ <input name="install_success_min" value="0.95" size="4"></label>
+<label>error rate ≤ <input name="error_rate_max" size="4"></label>
+<label>p99 ratio ≤ <input name="p99_ratio_max" size="4"></label>
+<label>on failure <select name="on_failure"><option>pause</option><option>abort</option></select></label>
+<label><input type="checkbox" name="rollback_on_failure" value="1"> roll back a failed wave</label>
+<button type="submit">start rollout</button></form>"""

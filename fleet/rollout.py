@@ -685,6 +685,10 @@ class RolloutEngine:
                            "installed": w.n_installed, "failed": w.n_failed, "started_at": _iso(w.started_at),
                            "soak_until": _iso(w.soak_until), "gates": w.gates} for w in waves],
             }
+            spec = RolloutSpec.model_validate(r.spec or {})
+            for wj, w in zip(out["waves"], waves, strict=True):  # gates not judged yet: their values so far
+                if w.gates is None and w.state in ("installing", "soaking"):
+                    wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
             if with_targets:
                 out["targets"] = [{"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,
                                    "updated_at": _iso(t.updated_at)}

@@ -308,7 +308,9 @@ class SimDevice:
                               errors=round(n * err),
                               latency=proto.LatencySummary(p50_ms=p99 / 3, p95_ms=p99 * 0.8, p99_ms=p99,
                                                            max_ms=p99 * 1.2),
-                              batches=n, batch_size_mean=1.0, batch_size_max=1, cpu_percent=20.0, rss_mb=100.0)
+                              batches=n, batch_size_mean=1.0, batch_size_max=1, cpu_percent=20.0, rss_mb=100.0,
+                              device=proto.DeviceSummary(cpu_percent=35.0, memory_used_mb=900.0, memory_total_mb=4096.0,
+                                                         temperature_c=45.0 + self.index % 10))
         self.seq += 1
         self.sim.stats.telemetry_sent += 1
         self.client.publish(proto.topic(self.id, "telemetry"), proto.encode(msg), qos=1)

@@ -124,6 +124,15 @@ class LatencySummary(StrictModel):
     max_ms: float | None
 
 
+class DeviceSummary(StrictModel):
+    """The box itself, not the agent process: whole-box CPU, memory, hottest thermal zone."""
+
+    cpu_percent: float | None = Field(default=None, ge=0.0)
+    memory_used_mb: float | None = Field(default=None, ge=0.0)
+    memory_total_mb: float | None = Field(default=None, ge=0.0)
+    temperature_c: float | None = Field(default=None, ge=-273.15, le=1000.0)
+
+
 class Telemetry(_Message):
     kind: Literal["telemetry"] = "telemetry"
     # (stream, seq) identifies a record: stream is random per spool (a re-imaged device starts a new
@@ -142,6 +151,7 @@ class Telemetry(_Message):
     cpu_percent: float
     rss_mb: float
     dropped: int | None = Field(default=None, ge=0, lt=MAX_INT)  # records this stream's full spool dropped, in total
+    device: DeviceSummary | None = None  # the box itself; left out by agents that have no sample yet
 
 
 class TelemetryAck(_Message):

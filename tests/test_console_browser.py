@@ -1,0 +1,123 @@
+"""The console in a real headless Chromium (Debian's, driven by Playwright through its executable path):
+sign in, start a rollout from the form, watch its waves pass, start one whose installs fail and watch it
+halt, abort it with the button, read a device's charts. Screenshots are kept in .artifacts/console/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+from tests.fleet_harness import api, running_fleet
+from tests.test_rollout import online, upload
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(__file__).resolve().parent.parent / ".artifacts" / "console"
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                                          "(.ci/ensure-system-deps installs it)")
+
+
+def _until_text(page, selector: str, pattern: str, timeout_s: float = 60.0) -> str:
+    """Reload (the page refreshes itself too) until ``selector``'s text matches; bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = page.inner_text(selector)
+        if re.search(pattern, text):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{selector!r} never matched {pattern!r}; last text: {text[:500]}")
+        time.sleep(0.5)
+        page.reload()
+
+
+def test_a_person_runs_rollouts_from_the_console(tmp_path, mosquitto, sims, digits_bundle, digits_bundle_v2):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
+        upload(url, digits_bundle, digits_bundle_v2)
+        sims(mqtt_url=mosquitto.url, devices=10, install_s=0.05, telemetry_interval_s=0.3,
+             failure_rate_by_version={"1.1.0": 0.5})
+        online(url, 10)
+        viewer = api.post(f"{url}/api/v1/tokens", json={"name": "watcher", "role": "viewer"}).json()["token"]
+        with sync_playwright() as p:
+            args = ["--no-sandbox"] if os.geteuid() == 0 else []  # Chromium's sandbox refuses to run as root
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"{url}/")
+                assert "sign in" in page.title()
+                page.fill("input[name=token]", "wrong")
+                page.click("button[type=submit]")
+                assert "unknown or revoked" in page.inner_text("body")
+                page.fill("input[name=token]", api.token or "")
+                page.click("button[type=submit]")
+                assert page.inner_text("h1") == "edgefleet fleet console"
+                assert "10 devices" in page.inner_text(".summary").replace("\n", " ")
+
+                # a good rollout, started from the form: its two waves pass
+                page.select_option("select[name=model_version]", "digits 1.0.0")
+                page.fill("input[name=profile]", "x86-cpu")
+                page.fill("input[name=waves]", "3,100%")
+                page.fill("input[name=soak_s]", "1")
+                page.fill("input[name=install_success_min]", "0.9")
+                page.click("#new-rollout button[type=submit]")
+                assert re.search(r"Rollout #\d+: digits 1\.0\.0", page.inner_text("h1"))
+                good = page.url
+                _until_text(page, "h1", "succeeded")
+                waves = page.inner_text("#waves")
+                assert waves.count("passed") == 2 and "install_success 1 ≥ 0.9" in waves, waves
+                page.screenshot(path=str(ARTIFACTS / "rollout-succeeded.png"), full_page=True)
+
+                # a bad one: half the installs of 1.1.0 fail, the first wave fails its gate and it pauses
+                page.goto(f"{url}/")
+                page.select_option("select[name=model_version]", "digits 1.1.0")
+                page.fill("input[name=profile]", "x86-cpu")
+                page.fill("input[name=waves]", "4,100%")
+                page.fill("input[name=soak_s]", "0")
+                page.fill("input[name=install_success_min]", "0.9")
+                page.select_option("select[name=on_failure]", "pause")
+                page.click("#new-rollout button[type=submit]")
+                bad = page.url
+                _until_text(page, "h1", "paused")
+                waves = page.inner_text("#waves")
+                assert re.search(r"failed[\s\S]*pending", waves), waves  # wave 2 never started
+                assert "install_success 0.5 ≥ 0.9" in waves, waves
+                page.screenshot(path=str(ARTIFACTS / "rollout-halted.png"), full_page=True)
+                page.click("#actions button[value=abort]")
+                _until_text(page, "h1", "aborted")
+                assert api.get(f"{bad.replace('/rollouts/', '/api/v1/rollouts/')}?targets=false").json()["status"] \
+                    == "aborted"
+
+                # a device's charts
+                page.goto(f"{url}/devices/sim-00000")
+
+                def charts_have_data() -> bool:
+                    page.reload()
+                    return "no data yet" not in page.inner_text(".grid")
+
+                wait_for(charts_have_data, 30, "the device's charts have data", interval_s=0.5)
+                assert page.locator("svg polyline").count() >= 6
+                assert "temperature" in page.inner_text(".grid") and "box %" in page.inner_text(".grid")
+                page.screenshot(path=str(ARTIFACTS / "device.png"), full_page=True)
+
+                # a viewer sees rollouts but gets no buttons and no form
+                ctx = browser.new_context()
+                vpage = ctx.new_page()
+                vpage.goto(f"{url}/")
+                vpage.fill("input[name=token]", viewer)
+                vpage.click("button[type=submit]")
+                assert vpage.locator("#new-rollout").count() == 0
+                vpage.goto(good)
+                assert vpage.locator("#actions button").count() == 0
+                ctx.close()
+            finally:
+                browser.close()
+        print(f"\nscreenshots: {ARTIFACTS}")
