@@ -19,7 +19,7 @@ from fleet import console
 from fleet.auth import ROLES, Caller, TokenStore
 from fleet.enroll import Enrollment
 from fleet.errors import BadRequest, FleetError, NotFound, RepositoryError, Unauthorized
-from fleet.rollout import Gates, RolloutSpec
+from fleet.rollout import Gates, RolloutSpec, ShadowGate
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
 
@@ -64,6 +64,7 @@ class RolloutIn(_Body):
                              description="cumulative ends: counts ('5') or percentages ('10%')")
     soak_s: list[float] = Field(default=[0.0], min_length=1, max_length=20, description="per wave; the last repeats")
     gates: Gates = Gates()
+    shadow: ShadowGate | None = Field(default=None, description="run each wave's candidate in shadow first")
     on_failure: Literal["pause", "abort"] = "abort"
     rollback_on_failure: bool = False
     offline_grace_s: float = Field(default=300.0, ge=0)
@@ -315,7 +316,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     @app.post("/api/v1/rollouts", status_code=201)
     def create_rollout(body: RolloutIn, c: Caller = Depends(operator)) -> dict[str, Any]:
         try:
-            spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates,
+            spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates, shadow=body.shadow,
                                on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
                                offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry)
         except ValueError as exc:

@@ -81,6 +81,8 @@ def cmd_create(a: argparse.Namespace) -> int:
                             "soak_s": [float(x) for x in a.soak_s.split(",") if x], "gates": gates,
                             "on_failure": a.on_failure, "rollback_on_failure": a.rollback_on_failure,
                             "offline_grace_s": a.offline_grace_s, "require_telemetry": a.require_telemetry}
+    if a.shadow_agreement is not None:
+        body["shadow"] = {"agreement_min": a.shadow_agreement, "min_samples": a.shadow_samples}
     for key, val in (("devices", [d for d in (a.devices or "").split(",") if d] or None), ("group", a.group),
                      ("tags", a.tag or None), ("profile", a.profile)):
         if val is not None:
@@ -166,6 +168,10 @@ def add_parsers(sub: Any, formatter: Any = argparse.HelpFormatter) -> None:
     c.add_argument("--min-install-success", type=float, default=1.0, help="gate: installed/(installed+failed)")
     c.add_argument("--max-error-rate", type=float, help="gate: errors/requests on the new model")
     c.add_argument("--max-p99-ratio", type=float, help="gate: p99 new / p99 previous model, same devices")
+    c.add_argument("--shadow-agreement", type=float,
+                   help="run each wave's candidate in shadow first (devices mirror live requests to it and keep "
+                        "serving their model); install only if top-1 agreement reaches this, e.g. 0.99")
+    c.add_argument("--shadow-samples", type=int, default=100, help="mirrored requests per wave before judging")
     c.add_argument("--require-telemetry", action="store_true", help="soak until telemetry gates have figures")
     c.add_argument("--on-failure", choices=("pause", "abort"), default="pause", help="what a failed gate does")
     c.add_argument("--rollback-on-failure", action="store_true", help="send a failed wave back to its previous model")

@@ -138,6 +138,20 @@ class RolloutTarget(Base):
     tele_errors: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class RolloutShadow(Base):
+    """A device's latest shadow figures for a rollout's candidate (cumulative since it was loaded). A new
+    table: create_all adds it to older databases, no migration step needed."""
+
+    __tablename__ = "rollout_shadow"
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), primary_key=True)
+    samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    agreement: Mapped[float | None] = mapped_column(Float, default=None)
+    max_abs_error: Mapped[float | None] = mapped_column(Float, default=None)
+    p99_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 class AuditRow(Base):
     """Every action on the fleet: who (a token's name, "fleet" for the rollout engine), what, on what."""
 

@@ -42,7 +42,7 @@ from sqlalchemy import Float, Table, and_, bindparam, case, func, insert, or_, s
 from sqlalchemy.orm import Session, sessionmaker
 
 from fleet.audit import ENGINE_ACTOR, audit
-from fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave, utcnow
+from fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
 from fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
 from protocol import mqtt as proto
 
@@ -75,6 +75,16 @@ class Gates(BaseModel):
     p99_ratio_max: float | None = Field(default=None, gt=0.0)  # p99 new / p99 previous, same devices
 
 
+class ShadowGate(BaseModel):
+    """Run each wave's candidate in shadow first: devices keep serving their model, mirror a sample of live
+    requests to the candidate and report agreement; the wave installs only once enough samples agree."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    agreement_min: float = Field(default=0.99, ge=0.0, le=1.0)  # top-1 agreement over the wave's samples
+    min_samples: int = Field(default=100, ge=1, le=10_000_000)  # mirrored requests, summed over the wave
+    max_abs_error: float | None = Field(default=None, ge=0.0)  # optional: the worst difference allowed
+
+
 class RolloutSpec(BaseModel):
     """How a rollout proceeds; stored with it. Defaults: one wave, no soak, every install must succeed."""
 
@@ -82,6 +92,7 @@ class RolloutSpec(BaseModel):
     waves: tuple[str, ...] = Field(default=("100%",), min_length=1, max_length=20)  # cumulative: "1%", "10", "100%"
     soak_s: tuple[float, ...] = Field(default=(0.0,), min_length=1, max_length=20)  # per wave; the last repeats
     gates: Gates = Gates()
+    shadow: ShadowGate | None = None  # None: no shadow phase
     on_failure: Literal["pause", "abort"] = "abort"
     rollback_on_failure: bool = False
     offline_grace_s: float = Field(default=300.0, ge=0.0)  # then a wave stops waiting for offline devices
@@ -153,6 +164,27 @@ class GateResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ShadowWaveFigures:
+    devices: int  # devices of the wave that reported shadow figures
+    samples: int
+    agreement: float | None  # sample-weighted top-1 agreement
+    max_abs_error: float | None
+
+
+def evaluate_shadow(f: ShadowWaveFigures, gate: ShadowGate) -> GateResult | None:
+    """None until the wave has mirrored enough requests; then the agreement against the threshold."""
+    if f.samples < gate.min_samples:
+        return None
+    ok = f.agreement is not None and f.agreement >= gate.agreement_min
+    detail = (f"{f.samples} live requests mirrored on {f.devices} devices; top-1 agreement with the active model "
+              f"{'n/a' if f.agreement is None else f'{f.agreement:.4f}'}")
+    if gate.max_abs_error is not None:
+        ok = ok and f.max_abs_error is not None and f.max_abs_error <= gate.max_abs_error
+        detail += f"; max abs error {f.max_abs_error}"
+    return GateResult("shadow_agreement", f.agreement, gate.agreement_min, ok, detail)
+
+
 def install_gate_lost(f: WaveFigures, gates: Gates) -> bool:
     """True once the failures alone make the install-success threshold unreachable."""
     if gates.install_success_min is None:
@@ -199,9 +231,11 @@ class ModelInfo:
     size_bytes: int
 
 
-def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float) -> tuple[str, bytes]:
+def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float,
+                    mode: str | None = None) -> tuple[str, bytes]:
     msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=m.name, version=m.version,
-                             target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes)
+                             target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
+                             mode=mode)  # type: ignore[arg-type]
     return proto.topic(device_id, "desired"), proto.encode(msg)
 
 
@@ -437,6 +471,27 @@ class RolloutEngine:
             return None  # an install of something else (an older retained report)
         return state
 
+    def on_shadow_batch(self, s: Session, msgs: list[proto.Telemetry]) -> None:
+        """Shadow figures of devices whose target is shadowing a candidate: the newest per device is kept."""
+        newest = {m.device_id: m.shadow for m in msgs if m.shadow is not None}
+        if not newest:
+            return
+        t = RolloutTarget
+        rows = s.execute(select(t.rollout_id, t.device_id, t.model_id).where(
+            t.device_id.in_(list(newest)), t.state == "shadowing")).all()
+        now = utcnow()
+        for rid, dev, model_id in rows:
+            fig = newest[dev]
+            info = self.model(s, model_id)
+            if fig is None or info is None or (info.name, info.version) != (fig.model, fig.version):
+                continue
+            row = s.get(RolloutShadow, (rid, dev))
+            if row is None:
+                row = RolloutShadow(rollout_id=rid, device_id=dev)
+                s.add(row)
+            row.samples, row.agreement = fig.samples, fig.top1_agreement
+            row.max_abs_error, row.p99_ms, row.updated_at = fig.max_abs_error, fig.p99_ms, now
+
     def on_telemetry_batch(self, s: Session, rollout_of: dict[str, int | None], msgs: list[proto.Telemetry]) -> None:
         """Figures for the gates: requests, errors and newest p99 on the rollout's model, per target."""
         t: Table = RolloutTarget.__table__  # type: ignore[assignment]
@@ -508,7 +563,19 @@ class RolloutEngine:
                 return
             now = utcnow()
             if w.state == "pending":
-                self._start_wave(s, r, w, msgs)
+                self._start_wave(s, r, w, msgs, shadow=spec.shadow is not None)
+                continue
+            if w.state == "shadowing":
+                assert spec.shadow is not None
+                result = evaluate_shadow(self._shadow_figures(s, w), spec.shadow)
+                if result is None:
+                    return  # not enough mirrored requests yet
+                w.gates = [result.as_json()]
+                if not result.passed:
+                    self._fail_shadow(s, r, w, spec, result, msgs)
+                    return
+                audit(s, ENGINE_ACTOR, "wave_shadow_passed", r.id, wave=w.idx, gates=w.gates)
+                self._start_wave(s, r, w, msgs, shadow=False)  # promote: the real install
                 continue
             if w.state in ("installing", "soaking"):
                 f = WaveFigures(w.size, w.n_installed, w.n_failed, 0, 0, None, None, 0)
@@ -532,7 +599,8 @@ class RolloutEngine:
                 if w.soak_until is not None and now < w.soak_until:
                     return
                 results = evaluate_gates(self._figures(s, w), spec.gates)
-                w.gates = [g.as_json() for g in results]
+                w.gates = [g for g in (w.gates or []) if g["name"] == "shadow_agreement"] + [
+                    g.as_json() for g in results]
                 if spec.require_telemetry and any(g.value is None for g in results if g.name != "install_success"):
                     return  # not judged yet: soak on until the devices send figures
                 if not all(g.passed for g in results):
@@ -548,15 +616,31 @@ class RolloutEngine:
                 continue
             return
 
-    def _start_wave(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]]) -> None:
+    def _start_wave(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]],
+                    shadow: bool = False) -> None:
+        """Send the wave its desired states: in shadow (the devices keep what they run) or to install."""
         pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
                                .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
+        if shadow:
+            now_ts = time.time()
+            n = 0
+            for t, d in pairs:
+                if t.state != "pending":
+                    continue
+                m = self.model(s, t.model_id)
+                assert m is not None
+                msgs.append(desired_message(d.id, m, r.id, now_ts, mode="shadow"))
+                n += 1
+            w.state = "shadowing"
+            w.started_at = utcnow()
+            audit(s, ENGINE_ACTOR, "wave_shadow_started", r.id, wave=w.idx, devices=n)
+            return
         running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
             select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
         now = time.time()
         sent = 0
         for t, d in pairs:
-            if t.state != "pending":
+            if t.state not in ("pending", "shadowing"):
                 continue  # superseded meanwhile
             m = self.model(s, t.model_id)
             assert m is not None
@@ -578,6 +662,40 @@ class RolloutEngine:
             Device, Device.id == RolloutTarget.device_id).where(
             RolloutTarget.rollout_id == w.rollout_id, RolloutTarget.wave == w.idx,
             RolloutTarget.state.not_in(TARGET_TERMINAL), Device.online.is_(True))) or 0)
+
+    @staticmethod
+    def _shadow_figures(s: Session, w: RolloutWave) -> ShadowWaveFigures:
+        sh, t = RolloutShadow, RolloutTarget
+        row = s.execute(select(
+            func.count(), func.coalesce(func.sum(sh.samples), 0),
+            func.sum(case((sh.agreement.is_not(None), sh.samples * sh.agreement))),
+            func.sum(case((sh.agreement.is_not(None), sh.samples))), func.max(sh.max_abs_error))
+            .join(t, and_(t.rollout_id == sh.rollout_id, t.device_id == sh.device_id))
+            .where(sh.rollout_id == w.rollout_id, t.wave == w.idx)).one()
+        judged = float(row[3] or 0)
+        return ShadowWaveFigures(int(row[0] or 0), int(row[1] or 0),
+                                 float(row[2]) / judged if judged else None,
+                                 None if row[4] is None else float(row[4]))
+
+    def _fail_shadow(self, s: Session, r: Rollout, w: RolloutWave, spec: RolloutSpec, result: GateResult,
+                     msgs: list[tuple[str, bytes]]) -> None:
+        """The candidate disagreed in shadow: nothing was installed; the devices drop the shadow (their
+        desired state goes back to what they run)."""
+        w.state = "failed"
+        w.finished_at = utcnow()
+        audit(s, ENGINE_ACTOR, "wave_failed", r.id, wave=w.idx, gates=w.gates)
+        now = time.time()
+        for t, d in s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
+                              .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)):
+            if t.state == "shadowing":
+                t.state = "pending"
+            cur = self.model(s, d.desired_model_id) if d.desired_model_id else None
+            if cur is not None:
+                msgs.append(desired_message(d.id, cur, d.desired_rollout_id, now))
+        value = "n/a" if result.value is None else f"{result.value:.4g}"
+        reason = (f"wave {w.idx + 1} failed in shadow, before any install: shadow_agreement {value} vs threshold "
+                  f"{result.threshold:g} ({result.detail})")
+        self.transition(s, r, "paused" if spec.on_failure == "pause" else "failed", ENGINE_ACTOR, reason)
 
     @staticmethod
     def _figures(s: Session, w: RolloutWave) -> WaveFigures:
@@ -687,7 +805,14 @@ class RolloutEngine:
             }
             spec = RolloutSpec.model_validate(r.spec or {})
             for wj, w in zip(out["waves"], waves, strict=True):  # gates not judged yet: their values so far
-                if w.gates is None and w.state in ("installing", "soaking"):
+                if w.state == "shadowing" and spec.shadow is not None:
+                    f = self._shadow_figures(s, w)
+                    g = evaluate_shadow(f, spec.shadow) or GateResult(
+                        "shadow_agreement", f.agreement, spec.shadow.agreement_min, False,
+                        f"{f.samples} of {spec.shadow.min_samples} mirrored requests so far")
+                    wj["gates_live"] = [g.as_json()]
+                elif w.state in ("installing", "soaking") and not any(
+                        g["name"] != "shadow_agreement" for g in (w.gates or [])):
                     wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
             if with_targets:
                 out["targets"] = [{"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,

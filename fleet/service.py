@@ -395,6 +395,7 @@ class FleetService:
                 if group:
                     s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), group)
             self.rollouts.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
+            self.rollouts.on_shadow_batch(s, list(fresh.values()))
             return len(fresh)
 
     def counts(self) -> dict[str, int]:

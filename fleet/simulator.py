@@ -60,6 +60,7 @@ class SimConfig:
     keepalive_s: int = 60
     progress_reports: bool = False  # also report downloading/installing, as the real agent does
     passwords: dict[str, str] = field(default_factory=dict)  # device id -> MQTT password (from enrollment)
+    shadow_agreement_by_version: dict[str, float] = field(default_factory=dict)  # default 1.0
 
 
 @dataclass
@@ -215,6 +216,8 @@ class SimDevice:
         self.client: MiniMqtt | None = None
         self._install: asyncio.Task | None = None
         self._telemetry: asyncio.Task | None = None
+        self.shadow: tuple[str, str] | None = None  # a candidate in shadow (model, version)
+        self.shadow_samples = 0
 
     async def start(self) -> None:
         host, port = proto.parse_mqtt_url(self.cfg.mqtt_url)
@@ -270,6 +273,14 @@ class SimDevice:
         self.client.publish(proto.topic(self.id, "reported"), proto.encode(msg), retain=True)
 
     async def _apply(self, d: proto.DesiredState) -> None:
+        if d.mode == "shadow":
+            if self.cfg.install_s > 0:
+                await asyncio.sleep(self.cfg.install_s)
+            if self.shadow != (d.model, d.version):
+                self.shadow, self.shadow_samples = (d.model, d.version), 0
+            self._report("shadowing", d)
+            return
+        self.shadow = None
         if self.installed_sha == d.sha256:
             self._report("installed", d)  # already running it: say so again
             return
@@ -294,6 +305,14 @@ class SimDevice:
             self.send_telemetry()
             await asyncio.sleep(cfg.telemetry_interval_s)
 
+    def _shadow_figures(self, n: int, p99: float) -> proto.ShadowFigures | None:
+        if self.shadow is None:
+            return None
+        self.shadow_samples += max(1, n // 10)  # a tenth of the requests is mirrored
+        return proto.ShadowFigures(model=self.shadow[0], version=self.shadow[1], samples=self.shadow_samples,
+                                   top1_agreement=self.cfg.shadow_agreement_by_version.get(self.shadow[1], 1.0),
+                                   max_abs_error=0.0, p99_ms=p99)
+
     def send_telemetry(self) -> None:
         if self.client is None:
             return
@@ -310,7 +329,8 @@ class SimDevice:
                                                            max_ms=p99 * 1.2),
                               batches=n, batch_size_mean=1.0, batch_size_max=1, cpu_percent=20.0, rss_mb=100.0,
                               device=proto.DeviceSummary(cpu_percent=35.0, memory_used_mb=900.0, memory_total_mb=4096.0,
-                                                         temperature_c=45.0 + self.index % 10))
+                                                         temperature_c=45.0 + self.index % 10),
+                              shadow=self._shadow_figures(n, p99))
         self.seq += 1
         self.sim.stats.telemetry_sent += 1
         self.client.publish(proto.topic(self.id, "telemetry"), proto.encode(msg), qos=1)

@@ -92,6 +92,9 @@ class DesiredState(_Message):
     target: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*/[0-9.]+/[a-z0-9][a-z0-9._-]*\.tar$")  # TUF target path
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(gt=0, lt=MAX_INT)
+    # "shadow": load the model next to the active one, mirror a sample of live requests to it off the
+    # request path and report how well it agrees (Telemetry.shadow); keep serving the active model
+    mode: Literal["shadow"] | None = None
 
 
 class SelfTestResult(StrictModel):
@@ -106,7 +109,7 @@ class SelfTestResult(StrictModel):
 
 class ReportedState(_Message):
     kind: Literal["reported"] = "reported"
-    state: Literal["downloading", "installing", "installed", "failed", "rolled_back"]
+    state: Literal["downloading", "installing", "installed", "failed", "rolled_back", "shadowing"]
     rollout_id: int | None = Field(ge=1, lt=MAX_INT)
     model: str | None
     version: str | None
@@ -133,6 +136,18 @@ class DeviceSummary(StrictModel):
     temperature_c: float | None = Field(default=None, ge=-273.15, le=1000.0)
 
 
+class ShadowFigures(StrictModel):
+    """A candidate running in shadow, since it was loaded: how often its answers agree with the active
+    model's on the same live requests (top-1 for class scores), the worst absolute difference, its p99."""
+
+    model: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    version: str = Field(pattern=r"^[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}$")
+    samples: int = Field(ge=0, lt=MAX_INT)
+    top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_abs_error: float | None = Field(default=None, ge=0.0)
+    p99_ms: float | None = Field(default=None, ge=0.0)
+
+
 class Telemetry(_Message):
     kind: Literal["telemetry"] = "telemetry"
     # (stream, seq) identifies a record: stream is random per spool (a re-imaged device starts a new
@@ -152,6 +167,7 @@ class Telemetry(_Message):
     rss_mb: float
     dropped: int | None = Field(default=None, ge=0, lt=MAX_INT)  # records this stream's full spool dropped, in total
     device: DeviceSummary | None = None  # the box itself; left out by agents that have no sample yet
+    shadow: ShadowFigures | None = None  # while a candidate runs in shadow
 
 
 class TelemetryAck(_Message):

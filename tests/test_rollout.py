@@ -324,3 +324,35 @@ def test_cost_of_a_report_does_not_grow_with_the_fleet(tmp_path):
     assert not any("count(" in q.lower() for q in statements)  # counters move by one; nothing is recounted
     assert svc.get_rollout(big, with_targets=False)["waves"][0]["installed"] == 1
     engine.dispose()
+
+
+def test_a_shadow_wave_promotes_an_agreeing_candidate_and_stops_a_disagreeing_one_before_any_install(
+        fleet, sims, digits_bundle, digits_bundle_v2):
+    """Each wave first runs the candidate in shadow (devices keep serving, mirror requests, report
+    agreement); it installs only above the threshold. A disagreeing candidate never reaches a device."""
+    fs, url, broker = fleet
+    upload(url, digits_bundle, digits_bundle_v2)
+    sim = sims(mqtt_url=broker.url, devices=6, install_s=0.01, telemetry_interval_s=0.1,
+               running=("digits", "1.0.0"), shadow_agreement_by_version={"1.1.0": 0.62})
+    online(url, 6)
+    shadow = {"agreement_min": 0.95, "min_samples": 30}
+    rid = rollout(url, version="1.1.0", profile="x86-cpu", waves=["2", "100%"], shadow=shadow, on_failure="pause")
+    r = until(url, rid, "paused")
+    assert r["waves"][0]["state"] == "failed" and r["waves"][1]["state"] == "pending"
+    gate = r["waves"][0]["gates"][0]
+    assert gate["name"] == "shadow_agreement" and gate["value"] == pytest.approx(0.62) and not gate["passed"]
+    assert "before any install" in r["reason"]
+    assert sim.stats.installed == 0, "a candidate that failed in shadow was installed somewhere"
+    assert all(d.running == ("digits", "1.0.0") for d in sim.devices)
+    wave1 = [t["device_id"] for t in api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"] if t["wave"] == 0]
+    for d in wave1:  # they shadowed it and said so, running 1.0.0 all along
+        dev = api.get(f"{url}/api/v1/devices/{d}").json()
+        assert dev["last_state"] == "shadowing" and dev["running_version"] == "1.0.0", dev
+    api.post(f"{url}/api/v1/rollouts/{rid}/abort")
+
+    good = rollout(url, version="1.0.0", profile="x86-cpu", waves=["2", "100%"], shadow=shadow)
+    r = until(url, good, "succeeded")  # every device already runs 1.0.0: shadow agrees (1.0), then "installs"
+    assert [w["state"] for w in r["waves"]] == ["passed", "passed"]
+    assert all(w["gates"][0]["name"] == "shadow_agreement" and w["gates"][0]["passed"] for w in r["waves"])
+    log = actions(url, good)
+    assert log.count("wave_shadow_started") == 2 and log.count("wave_shadow_passed") == 2
