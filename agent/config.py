@@ -57,6 +57,7 @@ class AgentConfig(StrictModel):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)  # one request
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)  # all requests being read at once
     intra_op_threads: int = Field(default=2, ge=1, le=256)
+    shadow_sample_rate: float = Field(default=0.1, gt=0.0, le=1.0)  # live requests mirrored to a shadow candidate
     instances: int = Field(default=1, ge=1, le=16)  # backend instances per model, one inference thread each
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)

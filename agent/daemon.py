@@ -32,6 +32,7 @@ from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed
 from agent.link import MqttLink
 from agent.metrics import Metrics
 from agent.server import IndexEntry, ModelHost, create_app
+from agent.shadow import ShadowMirror
 from agent.spool import Spool
 from agent.store import ModelStore, StagedModel
 from agent.telemetry import DeviceSampler, DeviceStats
@@ -359,8 +360,24 @@ class Agent:
                     log.exception("install failed unexpectedly")
                     self._report("failed", desired, error=f"internal error: {exc}")
 
+    def _drop_shadow(self) -> None:
+        sh, self.host.shadow = self.host.shadow, None
+        if sh is not None:
+            sh.close()
+            if sh.staged is not None:
+                self.store.discard(sh.staged)
+            log.info("dropped the shadow of %s %s", sh.manifest.name, sh.manifest.version)
+
     def install(self, desired: proto.DesiredState) -> None:
         t0 = time.monotonic()
+        shadow = desired.mode == "shadow"
+        if not shadow or (self.host.shadow is not None and (self.host.shadow.manifest.name,
+                                                            self.host.shadow.manifest.version)
+                          != (desired.model, desired.version)):
+            self._drop_shadow()  # any other desired state ends a shadow
+        elif self.host.shadow is not None:
+            self._report("shadowing", desired)  # already shadowing it (a re-sent desired state)
+            return
         if desired.rollout_id is not None:
             if self._max_rollout is not None and desired.rollout_id < self._max_rollout:
                 log.warning("ignored desired state of rollout %s: rollout %s is newer", desired.rollout_id,
@@ -380,7 +397,8 @@ class Agent:
             log.error("refused %s %s: %s", desired.model, desired.version, reason)
             self._report("failed", desired, error=reason)
             return
-        log.info("installing %s %s (rollout %s)", desired.model, desired.version, desired.rollout_id)
+        log.info("%s %s %s (rollout %s)", "loading in shadow" if shadow else "installing", desired.model,
+                 desired.version, desired.rollout_id)
         self._report("downloading", desired)
         staged: StagedModel | None = None
         backend: Backend | None = None
@@ -409,6 +427,15 @@ class Agent:
             measured = self_test(backend, staged)
             warm_up(loaded, staged, self._warm_batch_sizes())
             bundle_fault = False
+            if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
+                for extra in loaded[1:]:
+                    extra.close()
+                self.host.shadow = ShadowMirror(m, backend, self.config.shadow_sample_rate, staged)
+                loaded, backend, staged = [], None, None
+                self._report("shadowing", desired, selftest=measured)
+                log.info("shadowing %s %s on %.0f%% of live requests", m.name, m.version,
+                         100 * self.config.shadow_sample_rate)
+                return
             self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
             staged = None
             assert self._loop is not None
@@ -573,7 +600,8 @@ class Agent:
                                                  p99_ms=snap.latency_p99_ms, max_ms=snap.latency_max_ms),
                     batches=snap.batches, batch_size_mean=snap.batch_size_mean, batch_size_max=snap.batch_size_max,
                     cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None,
-                    device=_device_summary(self.device_stats)))
+                    device=_device_summary(self.device_stats),
+                    shadow=self.host.shadow.figures() if self.host.shadow is not None else None))
 
             try:
                 self.spool.append(make)

@@ -99,6 +99,7 @@ class ModelHost:
         self.models: dict[str, Served] = {}
         self.current: Served | None = None  # the version swapped in last
         self.index: Callable[[], Sequence[IndexEntry]] | None = None
+        self.shadow: Any = None  # agent.shadow.ShadowMirror of a candidate in shadow, if any
         self._swap_lock = asyncio.Lock()
 
     async def swap(self, manifest: Manifest, backends: Backend | Sequence[Backend],
@@ -341,6 +342,8 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             del body
             outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
                                                None if req.timeout_us is None else req.timeout_us / 1e6)
+            if host.shadow is not None:
+                host.shadow.offer(m.name, req.feeds, outs)
             content, json_length = encode_response(m.name, m.version, outs, m.outputs, req)
             status = 200
             if json_length is None:
@@ -381,6 +384,8 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             feeds = await run_in_threadpool(preprocess_image, body, m)  # OpenCV releases the GIL
             del body
             outs = await served.batcher.submit(feeds)
+            if host.shadow is not None:
+                host.shadow.offer(m.name, feeds, outs)
             content, _ = encode_response(m.name, m.version, outs, m.outputs,
                                          InferRequest(feeds, None, frozenset()))
             status = 200

@@ -433,7 +433,9 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             name, _, version = f.get("model_version", "").partition(" ")
             gates = Gates(install_success_min=num("install_success_min"), error_rate_max=num("error_rate_max"),
                           p99_ratio_max=num("p99_ratio_max"))
-            spec = RolloutSpec(waves=tuple(split("waves") or ["100%"]),
+            shadow = ShadowGate(agreement_min=num("shadow_agreement") or 0.99,
+                                min_samples=int(num("shadow_samples") or 100)) if f.get("shadow") == "1" else None
+            spec = RolloutSpec(waves=tuple(split("waves") or ["100%"]), shadow=shadow,
                                soak_s=tuple(float(x) for x in split("soak_s") or ["0"]), gates=gates,
                                on_failure="abort" if f.get("on_failure") == "abort" else "pause",
                                rollback_on_failure=f.get("rollback_on_failure") == "1")

@@ -342,4 +342,7 @@ def new_rollout_form(models: list[dict[str, Any]]) -> str:
 <label>p99 ratio ≤ <input name="p99_ratio_max" size="4"></label>
 <label>on failure <select name="on_failure"><option>pause</option><option>abort</option></select></label>
 <label><input type="checkbox" name="rollback_on_failure" value="1"> roll back a failed wave</label>
+<br><label><input type="checkbox" name="shadow" value="1"> shadow each wave first: top-1 agreement ≥
+<input name="shadow_agreement" value="0.99" size="4"> over <input name="shadow_samples" value="100" size="5">
+mirrored requests</label>
 <button type="submit">start rollout</button></form>"""

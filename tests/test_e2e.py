@@ -215,3 +215,38 @@ def _version(url: str) -> str | None:
     except httpx.TransportError:
         return None
     return r.json()["versions"][0] if r.status_code == 200 else None
+
+
+@pytest.mark.timeout(300)
+def test_a_shadow_wave_on_a_real_agent_mirrors_live_requests_then_installs(tmp_path, mosquitto, digits_bundle,
+                                                                           digits_bundle_v2, test_images):
+    """The agent loads 1.1.0 in shadow next to 1.0.0, keeps answering with 1.0.0, mirrors the live requests
+    to 1.1.0 off the request path, and reports their agreement; the fleet installs 1.1.0 once it agrees."""
+    images, labels = test_images
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("shadow_sample_rate: 1.0\n")
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url, telemetry_interval_s=0.3)
+    try:
+        lf.start()
+        lf.client.upload(digits_bundle)
+        lf.client.upload(digits_bundle_v2)
+        lf.client.register("edge-s")
+        agent = lf.start_agent("edge-s", ["--config", str(cfg)])
+        lf.wait_online(["edge-s"])
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-s"])["id"])["status"] == "succeeded"
+        r = lf.client.post("/api/v1/rollouts", {"model": "digits", "version": "1.1.0", "devices": ["edge-s"],
+                                                "shadow": {"agreement_min": 0.95, "min_samples": 100}})
+        _wait(lambda: lf.client.get("/api/v1/devices/edge-s")["last_state"] == "shadowing", 60,
+              "the agent shadowing 1.1.0")
+        pred, _ = infer_images(agent.url, "digits", images[:150])  # answered by 1.0.0, mirrored to 1.1.0
+        assert (pred == labels[:150]).mean() >= 0.95
+        assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.0.0"]
+        done = lf.wait_rollout(r["id"])
+        assert done["status"] == "succeeded", done
+        gate = done["waves"][0]["gates"][0]
+        assert gate["name"] == "shadow_agreement" and gate["passed"] and gate["value"] >= 0.95, gate
+        _wait(lambda: httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.1.0"], 30,
+              "1.1.0 serving after the shadow passed")
+        print(f"\nshadow: {gate['detail']}")
+    finally:
+        lf.stop()
