@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -192,45 +193,9 @@ class TelemetryRow(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-SCHEMA_VERSION = 3  # bump with any change to the tables above, and add the step to MIGRATIONS
-
-# from version N to N+1: plain DDL that keeps every row (SQLite and PostgreSQL alike)
-MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: ("ALTER TABLE devices ADD COLUMN hardware JSON", "ALTER TABLE devices ADD COLUMN selftest JSON"),
-    # 3: registry selectors, rollouts in waves (new tables come from create_all), per-target gate figures
-    2: ("ALTER TABLE devices ADD COLUMN group_name VARCHAR(64)",
-        "ALTER TABLE devices ADD COLUMN tags JSON",
-        "ALTER TABLE devices ADD COLUMN profile VARCHAR(64)",
-        "CREATE INDEX IF NOT EXISTS ix_devices_group_name ON devices (group_name)",
-        "ALTER TABLE rollouts ADD COLUMN model_name VARCHAR(64)",
-        "ALTER TABLE rollouts ADD COLUMN model_version VARCHAR(32)",
-        "ALTER TABLE rollouts ADD COLUMN spec JSON",
-        "ALTER TABLE rollouts ADD COLUMN current_wave INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE rollouts ADD COLUMN created_by VARCHAR(64)",
-        "ALTER TABLE rollouts ADD COLUMN reason TEXT",
-        "ALTER TABLE rollouts ADD COLUMN lease_owner VARCHAR(64)",
-        "ALTER TABLE rollouts ADD COLUMN lease_until TIMESTAMP",
-        "UPDATE rollouts SET model_name = (SELECT name FROM models WHERE models.id = rollouts.model_id), "
-        "model_version = (SELECT version FROM models WHERE models.id = rollouts.model_id), spec = '{}'",
-        "ALTER TABLE rollout_targets ADD COLUMN wave INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE rollout_targets ADD COLUMN model_id INTEGER",
-        "ALTER TABLE rollout_targets ADD COLUMN previous_model_id INTEGER",
-        "ALTER TABLE rollout_targets ADD COLUMN p99_before FLOAT",
-        "ALTER TABLE rollout_targets ADD COLUMN p99_after FLOAT",
-        "ALTER TABLE rollout_targets ADD COLUMN tele_requests BIGINT NOT NULL DEFAULT 0",
-        "ALTER TABLE rollout_targets ADD COLUMN tele_errors BIGINT NOT NULL DEFAULT 0",
-        "UPDATE rollout_targets SET model_id = (SELECT model_id FROM rollouts WHERE rollouts.id = "
-        "rollout_targets.rollout_id)",
-        "CREATE INDEX IF NOT EXISTS ix_rollout_targets_wave ON rollout_targets (rollout_id, wave)",
-        "CREATE INDEX IF NOT EXISTS ix_rollout_targets_device ON rollout_targets (device_id)",
-        # a release-2 rollout becomes one wave of all its targets, its counters counted once here
-        "INSERT INTO rollout_waves (rollout_id, idx, size, soak_s, state, n_installed, n_failed, started_at) "
-        "SELECT r.id, 0, (SELECT count(*) FROM rollout_targets t WHERE t.rollout_id = r.id), 0, "
-        "CASE WHEN r.status = 'in_progress' THEN 'installing' ELSE 'passed' END, "
-        "(SELECT count(*) FROM rollout_targets t WHERE t.rollout_id = r.id AND t.state = 'installed'), "
-        "(SELECT count(*) FROM rollout_targets t WHERE t.rollout_id = r.id AND t.state = 'failed'), "
-        "r.created_at FROM rollouts r"),
-}
+SCHEMA_VERSION = 3  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+# edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
+REVISIONS = {1: "0001", 2: "0002", 3: "0003"}
 
 
 class Meta(Base):
@@ -268,25 +233,54 @@ def make_engine(url: str) -> tuple[Engine, sessionmaker]:
     with sessions.begin() as s:
         row = s.get(Meta, "schema_version", with_for_update=True)  # replicas starting together migrate once
         if row is None:
-            if existing - {"edgefleet_meta"}:
+            if existing - {"edgefleet_meta", "alembic_version"}:
                 raise ConfigError(f"{url}: holds fleet tables from an edgefleet without schema versions; "
                                   "start with a fresh --data-dir / database")
             s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
-        else:
-            _migrate(s, row, url)
+        _migrate(s, row, url)
     return engine, sessions
 
 
-def _migrate(s: Session, row: Meta, url: str) -> None:
-    """Bring an older schema up to SCHEMA_VERSION in one transaction; refuse a newer one."""
-    from sqlalchemy import text
+def _alembic(connection: Any) -> Any:
+    from alembic.config import Config
 
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(__file__).resolve().parent / "migrations"))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def _migrate(s: Session, row: Meta | None, url: str) -> None:
+    """Bring the schema to SCHEMA_VERSION through Alembic, in the caller's transaction; refuse a newer one.
+    A fresh database (``row`` None) has every table from create_all and is stamped at the head."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from alembic.util.exc import CommandError
+
+    cfg = _alembic(s.connection())
+    head = REVISIONS[SCHEMA_VERSION]
+    if row is None:
+        command.stamp(cfg, head)
+        return
     have = int(row.value) if row.value.isdigit() else -1
-    if have > SCHEMA_VERSION or have < 1 or any(v not in MIGRATIONS for v in range(have, SCHEMA_VERSION)):
-        raise ConfigError(f"{url}: database schema {row.value}, this edgefleet uses {SCHEMA_VERSION} and cannot "
-                          "migrate it; upgrade edgefleet or start with a fresh --data-dir / database")
-    for v in range(have, SCHEMA_VERSION):
-        for stmt in MIGRATIONS[v]:
-            s.execute(text(stmt))
-        log.warning("%s: migrated the fleet database schema from %d to %d", url.split("@")[-1], v, v + 1)
+    current = MigrationContext.configure(s.connection()).get_current_revision()
+    newer = ConfigError(f"{url}: database schema {row.value} (revision {current}), this edgefleet uses "
+                        f"{SCHEMA_VERSION} and cannot migrate it; upgrade edgefleet or start with a fresh "
+                        "--data-dir / database")
+    if have > SCHEMA_VERSION:
+        raise newer
+    if current is None:  # written before Alembic: stamp the revision its schema_version names
+        if have not in REVISIONS:
+            raise newer
+        command.stamp(cfg, REVISIONS[have])
+        current = REVISIONS[have]
+    try:
+        ScriptDirectory.from_config(cfg).get_revision(current)
+    except CommandError as exc:
+        raise newer from exc
+    if current != head:
+        command.upgrade(cfg, head)
+        log.warning("%s: migrated the fleet database schema from revision %s to %s", url.split("@")[-1], current,
+                    head)
     row.value = str(SCHEMA_VERSION)

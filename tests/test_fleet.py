@@ -331,6 +331,11 @@ def test_a_newer_schema_is_refused(tmp_path):
         conn.execute("UPDATE edgefleet_meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(ConfigError, match=r"database schema 99.*cannot migrate it"):
         make_engine(url)
+    with sqlite3.connect(tmp_path / "fleet.db") as conn:  # a revision of a newer edgefleet, schema number kept
+        conn.execute("UPDATE edgefleet_meta SET value = '3' WHERE key = 'schema_version'")
+        conn.execute("UPDATE alembic_version SET version_num = '0099'")
+    with pytest.raises(ConfigError, match=r"revision 0099.*cannot migrate it"):
+        make_engine(url)
 
 
 def test_every_request_body_is_bounded_and_bad_ones_are_one_line_json(tmp_path, mosquitto):

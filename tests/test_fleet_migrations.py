@@ -8,7 +8,7 @@ import time
 import pytest
 from sqlalchemy import create_engine, select, text
 
-from fleet.db import SCHEMA_VERSION, Device, Meta, Rollout, RolloutWave, TelemetryRow, make_engine
+from fleet.db import REVISIONS, SCHEMA_VERSION, Device, Meta, Rollout, RolloutWave, TelemetryRow, make_engine
 from fleet.rollout import RolloutEngine
 from protocol import mqtt as proto
 
@@ -80,6 +80,7 @@ def _check_upgrade(url: str) -> None:
     engine, sessions = make_engine(url)
     with sessions() as s:
         assert s.scalar(select(Meta.value).where(Meta.key == "schema_version")) == str(SCHEMA_VERSION)
+        assert s.scalar(text("SELECT version_num FROM alembic_version")) == REVISIONS[SCHEMA_VERSION]  # Alembic's head
         a, b = s.get(Device, "edge-a"), s.get(Device, "edge-b")
         assert a is not None and a.labels == {"site": "a"} and a.running_version == "1.0.0" and a.group_name is None
         assert b is not None and b.registered_via == "mqtt"
