@@ -141,3 +141,29 @@ def sims():
     yield make
     for s in started:
         s.stop()
+
+
+def postgres_db(name: str) -> str | None:
+    """A fresh PostgreSQL database on 127.0.0.1:5432 (user postgres, trust auth), or None if unreachable."""
+    try:
+        import psycopg
+
+        with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
+            conn.autocommit = True
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            conn.execute(f"CREATE DATABASE {name}")
+        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    except Exception:
+        return None
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def fleet_db(request) -> str | None:
+    """The fleet's database for tests that must pass on both: None (SQLite in the data dir) or PostgreSQL."""
+    if request.param == "sqlite":
+        return None
+    url = postgres_db("edgefleet_fleet_test")
+    if url is None:
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): the SQLite run "
+                    "covers the same code")
+    return url

@@ -21,8 +21,8 @@ def device_client(broker_port: int, device_id: str) -> mqtt.Client:
 
 
 @pytest.fixture
-def fleet(tmp_path, mosquitto):
-    with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+def fleet(tmp_path, mosquitto, fleet_db):
+    with running_fleet(tmp_path, mosquitto.url, db_url=fleet_db) as (fs, url):
         yield fs, url, mosquitto
 
 

@@ -64,8 +64,8 @@ def test_simulated_failures_are_spread_evenly():
 
 # -- against the real thing ------------------------------------------------------------------------------
 @pytest.fixture
-def fleet(tmp_path, mosquitto):
-    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
+def fleet(tmp_path, mosquitto, fleet_db):
+    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05, db_url=fleet_db) as (fs, url):
         yield fs, url, mosquitto
 
 
