@@ -89,7 +89,10 @@ def test_a_person_runs_rollouts_from_the_console(tmp_path, mosquitto, sims, digi
                 _until_text(page, "h1", "paused")
                 waves = page.inner_text("#waves")
                 assert re.search(r"failed[\s\S]*pending", waves), waves  # wave 2 never started
-                assert "install_success 0.5 ≥ 0.9" in waves, waves
+                # the gate fails as soon as 0.9 is out of reach, so its value is that of the reports in by
+                # then (2 of 4 devices fail: 0, 0.333, 0.5 or 0.667 depending on the order they report in)
+                gate = re.search(r"install_success ([\d.]+) ≥ 0\.9", waves)
+                assert gate and float(gate.group(1)) < 0.9, waves
                 page.screenshot(path=str(ARTIFACTS / "rollout-halted.png"), full_page=True)
                 page.click("#actions button[value=abort]")
                 _until_text(page, "h1", "aborted")
