@@ -27,6 +27,8 @@ __all__ = ["MqttBridge"]
 
 log = logging.getLogger("edgefleet.fleet.mqtt")
 
+ACK_MAX_SEQS = 1000  # seqs per ack message (the protocol allows 10,000)
+
 
 class MqttBridge:
     def __init__(self, url: str, shared_group: str | None = None, client_id: str | None = None,
@@ -97,12 +99,20 @@ class MqttBridge:
 
     def stored(self, kind: str, msgs: list) -> None:
         """Messages are in the database: count them, and ack telemetry (stored, or a duplicate of a stored
-        record): the agent may delete it from its spool."""
+        record): the agent may delete it from its spool. One ack per device and stream in the batch, at
+        QoS 0: a lost ack costs only a resend, which the fleet stores once (the key is device, stream, seq)
+        and acks again."""
         self.handled[kind] += len(msgs)
+        seqs: dict[tuple[str, str], list[int]] = {}
         for msg in msgs:
             if isinstance(msg, proto.Telemetry):
-                ack = proto.TelemetryAck(device_id=msg.device_id, ts=time.time(), stream=msg.stream, seqs=(msg.seq,))
-                self._client.publish(proto.topic(msg.device_id, "ack"), proto.encode(ack), qos=1)
+                seqs.setdefault((msg.device_id, msg.stream), []).append(msg.seq)
+        now = time.time()
+        for (device_id, stream), got in seqs.items():
+            for i in range(0, len(got), ACK_MAX_SEQS):
+                ack = proto.TelemetryAck(device_id=device_id, ts=now, stream=stream,
+                                         seqs=tuple(got[i:i + ACK_MAX_SEQS]))
+                self._client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=0)
 
     @staticmethod
     def _reject_telemetry(client, device_id: str, payload: bytes, reason: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -50,7 +51,12 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
                   **config: object) -> Iterator[tuple[FleetServer, str]]:
     if not (tmp / "keys" / "root.json").exists():
         init_keys(tmp / "keys")
-    port = free_port()
+    # the HTTP socket is bound here and handed to uvicorn: a port found free and bound later could be taken
+    # in between (the fleet's own connection to its embedded broker gets an ephemeral port from the same range)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = int(sock.getsockname()[1])
     cfg = FleetConfig(data_dir=tmp / "fleet", keys_dir=tmp / "keys", port=port, mqtt_url=mqtt_url, db_url=db_url,
                       embedded_mqtt_port=free_port(), **config)  # type: ignore[arg-type]
     fs = FleetServer(cfg)
@@ -58,7 +64,7 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
     fs.start_background()
     server = uvicorn.Server(uvicorn.Config(fs.app(), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
@@ -77,3 +83,4 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
         server.should_exit = True
         t.join(10)
         fs.stop_background()
+        sock.close()
