@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -204,8 +205,14 @@ class Meta(Base):
     value: Mapped[str] = mapped_column(String(256))
 
 
+def _json_dumps(value: Any) -> str:
+    return pydantic_core.to_json(value).decode()
+
+
 def make_engine(url: str) -> tuple[Engine, sessionmaker]:
-    kwargs: dict[str, Any] = {}
+    # JSON columns (telemetry payloads above all) through pydantic-core's serializer: several times faster
+    # than the json module's, and the same JSON
+    kwargs: dict[str, Any] = {"json_serializer": _json_dumps, "json_deserializer": pydantic_core.from_json}
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
     engine = create_engine(url, **kwargs)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy import Table, bindparam, case, func, select, tuple_, update
+from sqlalchemy import Table, bindparam, case, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -362,30 +362,33 @@ class FleetService:
         dev: Table = Device.__table__  # type: ignore[assignment]
         now = utcnow()
         with self.sessions.begin() as s:
-            keys = {(m.device_id, m.stream, m.seq) for m in msgs}
-            have = {tuple(r) for r in s.execute(select(tel.c.device_id, tel.c.stream, tel.c.seq).where(
-                tuple_(tel.c.device_id, tel.c.stream, tel.c.seq).in_(list(keys))))}
-            fresh: dict[tuple[str, str, int], proto.Telemetry] = {}
+            batch: dict[tuple[str, str, int], proto.Telemetry] = {}
             for m in msgs:
-                k = (m.device_id, m.stream, m.seq)
-                if k not in have and k not in fresh:
-                    fresh[k] = m
+                batch.setdefault((m.device_id, m.stream, m.seq), m)
+            payloads = {k: m.model_dump(mode="json") for k, m in batch.items()}
+            ins = sqlite_insert(tel) if s.get_bind().dialect.name == "sqlite" else pg_insert(tel)
+            # records stored before (a resend, or another replica's) are skipped by the insert; RETURNING says
+            # which rows are new (multi-row INSERTs: one statement per few hundred records)
+            stmt = ins.on_conflict_do_nothing(index_elements=["device_id", "stream", "seq"]).returning(
+                tel.c.device_id, tel.c.stream, tel.c.seq)
+            new = {tuple(r) for r in s.connection().execute(stmt, [
+                {"device_id": k[0], "stream": k[1], "seq": k[2], "ts": m.ts, "received_at": now,
+                 "payload": payloads[k]} for k, m in batch.items()])}
+            fresh = {k: m for k, m in batch.items() if k in new}
             if not fresh:
                 return 0
-            payloads = {k: m.model_dump(mode="json") for k, m in fresh.items()}
-            ins = sqlite_insert(tel) if s.get_bind().dialect.name == "sqlite" else pg_insert(tel)
-            s.connection().execute(ins.on_conflict_do_nothing(index_elements=["device_id", "stream", "seq"]), [
-                {"device_id": k[0], "stream": k[1], "seq": k[2], "ts": fresh[k].ts, "received_at": now,
-                 "payload": payloads[k]} for k in fresh])
             devices = {k[0] for k in fresh}
-            current = {i: (t, r) for i, t, r in s.execute(select(dev.c.id, dev.c.last_telemetry,
-                                                                 dev.c.desired_rollout_id)
-                                                          .where(dev.c.id.in_(devices)))}
+            # only the stream and seq of each device's last record (not its whole JSON): is this one newer?
+            last_tel = dev.c.last_telemetry
+            current = {i: ((st, sq), r) for i, st, sq, r in s.execute(
+                select(dev.c.id, last_tel["stream"].as_string(), last_tel["seq"].as_integer(),
+                       dev.c.desired_rollout_id).where(dev.c.id.in_(devices)))}
             newest: dict[str, dict[str, Any]] = {}
             for k in fresh:
                 p = payloads[k]
-                last = newest.get(k[0]) or (current.get(k[0]) or (None, None))[0]
-                if last is None or last.get("stream") != p["stream"] or last.get("seq", -1) < p["seq"]:
+                last = (newest[k[0]]["stream"], newest[k[0]]["seq"]) if k[0] in newest \
+                    else (current.get(k[0]) or ((None, None), None))[0]
+                if last[0] is None or last[0] != p["stream"] or (last[1] if last[1] is not None else -1) < p["seq"]:
                     newest[k[0]] = p
             rows = [{"b_id": d, "last_seen": now, **({"last_telemetry": newest[d]} if d in newest else {})}
                     for d in devices]

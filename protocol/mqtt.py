@@ -19,6 +19,7 @@ import json
 import re
 from typing import Any, Literal, TypeVar
 
+import pydantic_core
 from pydantic import BaseModel, Field
 
 from protocol._strict import StrictModel, parse_document
@@ -216,9 +217,9 @@ def encode(msg: BaseModel) -> bytes:
 def decode(model: type[T], payload: bytes, source: str) -> T:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise SchemaError(source, [f"message of {len(payload)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit"])
-    try:
-        data: Any = json.loads(payload)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    try:  # pydantic-core's parser: the fleet decodes thousands of these a second (json.loads is ~2x slower)
+        data: Any = pydantic_core.from_json(payload)
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise SchemaError(source, [f"not valid JSON: {exc}"]) from exc
     if isinstance(data, dict) and isinstance(data.get("v"), int) and data["v"] > MESSAGE_VERSION:
         raise UnsupportedVersionError(f"{source}: message version {data['v']} is newer than {MESSAGE_VERSION}")
