@@ -9,7 +9,9 @@ as they would on one box. Figures:
 
 - rollout: seconds from POST /api/v1/rollouts (one wave, every device, no soak) until the fleet counts
   every device installed; and how long until every desired state had been answered;
-- telemetry: records/s the fleet stores while devices send at a fixed rate, and sent vs stored (loss);
+- telemetry: records/s the fleet stores while devices send at a fixed rate, and sent vs stored (loss), on
+  SQLite; then on PostgreSQL (127.0.0.1:5432, if reachable) with one replica and with two replicas that split
+  the stream through an MQTT shared subscription (what each replica handled is printed);
 - halt: a rollout of waves 10%,100% where 30% of installs fail: the state it stops in, and whether the
   second wave started.
 """
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -75,13 +77,16 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
 
 
 @contextmanager
-def fleet(work: Path, mqtt_url: str, bundle: Path):
+def fleet(work: Path, mqtt_url: str, bundle: Path | None, *extra: str, name: str = "fleet"):
+    """``edgefleet fleet serve`` on a free port; uploads ``bundle`` if given. Replicas: the same ``work``
+    (keys, data dir), ``--db-url`` and ``--shared-subscription-group`` in ``extra``, another ``name``."""
     from fleet.keys import init_keys
 
-    init_keys(work / "keys")
+    if not (work / "keys" / "root.json").exists():
+        init_keys(work / "keys")
     port = free_port()
     proc = cli("fleet", "serve", "--data-dir", str(work / "fleet"), "--keys", str(work / "keys"), "--port", str(port),
-               "--mqtt-url", mqtt_url, log=work / "fleet.log")
+               "--mqtt-url", mqtt_url, *extra, log=work / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         def healthy() -> bool:
@@ -93,8 +98,8 @@ def fleet(work: Path, mqtt_url: str, bundle: Path):
         wait(healthy, 60, "fleet healthy")
         token = (work / "fleet" / "admin-token").read_text().strip()
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-        r = client.post("/api/v1/bundles", content=bundle.read_bytes())
-        r.raise_for_status()
+        if bundle is not None:
+            client.post("/api/v1/bundles", content=bundle.read_bytes()).raise_for_status()
         yield client
     finally:
         proc.terminate()
@@ -158,15 +163,38 @@ def bench_rollout(base: Path, bundle: Path, n: int) -> dict:
             "rollout_s": round(took, 1), "status": final["status"], "counts": final["counts"]}
 
 
-def bench_telemetry(base: Path, bundle: Path, n: int, interval_s: float, duration_s: float) -> dict:
-    work = base / "telemetry"
+def postgres_url(name: str) -> str | None:
+    """A fresh PostgreSQL database on 127.0.0.1:5432 (user postgres, trust auth), or None if unreachable."""
+    try:
+        import psycopg
+
+        with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
+            conn.autocommit = True
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            conn.execute(f"CREATE DATABASE {name}")
+        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    except Exception:
+        return None
+
+
+def bench_telemetry(base: Path, n: int, interval_s: float, duration_s: float, db_url: str | None = None,
+                    replicas: int = 1) -> dict:
+    """Devices send telemetry at a fixed rate for ``duration_s``; the fleet (``replicas`` servers on one database
+    and one shared subscription) stores it. -> rate stored, sent vs stored, and what each replica handled."""
+    label = f"telemetry-{'sqlite' if db_url is None else 'postgresql'}-{replicas}"
+    work = base / label
     work.mkdir()
-    with mosquitto(work) as mq, fleet(work, mq, bundle) as client:
+    extra = ([] if db_url is None else ["--db-url", db_url]) + \
+        (["--shared-subscription-group", "fleet"] if replicas > 1 else [])
+    with mosquitto(work) as mq, ExitStack() as fleets:
+        clients = [fleets.enter_context(fleet(work, mq, None, *extra, name=f"fleet-{i}")) for i in range(replicas)]
+        client = clients[0]
         with simulator(work, mq, n, "--telemetry-interval-s", str(interval_s), "--duration-s", str(duration_s)) as p:
             wait(lambda: stats(client)["online"] == n, 300, f"{n} devices online", 0.5)
             t0 = time.monotonic()
             start_rows = stats(client)["telemetry_rows"]
             p.wait(duration_s + 120)
+            sim_end = time.monotonic()
         sent = sim_counters(work)["telemetry_sent"]
         last = [0, time.monotonic()]
 
@@ -179,9 +207,11 @@ def bench_telemetry(base: Path, bundle: Path, n: int, interval_s: float, duratio
         wait(drained, 600, "telemetry stored", 0.5)
         stored = stats(client)["telemetry_rows"]
         took = last[1] - t0
-    return {"devices": n, "offered_msg_s": round(n / interval_s), "sent": sent, "stored": stored,
-            "lost": sent - stored, "store_msg_s": round((stored - start_rows) / took), "acked": sim_counters(work)
-            .get("telemetry_acked")}
+        handled = [stats(c)["replica"]["mqtt_handled"]["telemetry"] for c in clients]
+    return {"devices": n, "db": "sqlite" if db_url is None else "postgresql", "replicas": replicas,
+            "offered_msg_s": round(n / interval_s), "sent": sent, "stored": stored, "lost": sent - stored,
+            "store_msg_s": round((stored - start_rows) / took), "acked": sim_counters(work).get("telemetry_acked"),
+            "handled_by_replica": handled, "drain_s": round(max(0.0, last[1] - sim_end), 1)}
 
 
 def bench_halt(base: Path, bundle: Path, n: int) -> dict:
@@ -218,6 +248,8 @@ def main() -> int:
     ap.add_argument("--telemetry-duration-s", type=float, default=10.0)
     ap.add_argument("--skip-telemetry", action="store_true")
     ap.add_argument("--skip-halt", action="store_true")
+    ap.add_argument("--skip-replicas", action="store_true",
+                    help="no telemetry runs on PostgreSQL (one replica, then two on a shared subscription)")
     a = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     bundle = build_bundle(base)
@@ -228,11 +260,24 @@ def main() -> int:
         print(f"rollout to {n:>6} devices: {res['rollout_s']:>6.1f} s ({res['status']}, {res['counts']}); "
               f"devices online after {res['online_s']} s, POST took {res['create_s']} s", flush=True)
     if not a.skip_telemetry:
-        res = bench_telemetry(base, bundle, a.telemetry_devices, a.telemetry_interval_s, a.telemetry_duration_s)
-        results["telemetry"] = res
-        print(f"telemetry: {res['devices']} devices offering {res['offered_msg_s']} msg/s: stored "
-              f"{res['store_msg_s']} msg/s; sent {res['sent']}, stored {res['stored']}, lost {res['lost']}, "
-              f"acked {res['acked']}", flush=True)
+        runs: list[tuple[str | None, int]] = [(None, 1)]
+        if not a.skip_replicas:
+            pg = postgres_url("edgefleet_bench_scale")
+            if pg is None:
+                print("telemetry with replicas: skipped, PostgreSQL is not reachable on 127.0.0.1:5432 (user "
+                      "postgres, trust auth); replicas need a shared database", flush=True)
+            else:
+                runs += [(pg, 1), (postgres_url("edgefleet_bench_scale2"), 2)]
+        results["telemetry"] = []
+        for db_url, replicas in runs:
+            res = bench_telemetry(base, a.telemetry_devices, a.telemetry_interval_s, a.telemetry_duration_s, db_url,
+                                  replicas)
+            results["telemetry"].append(res)
+            print(f"telemetry, {replicas} replica{'s' if replicas > 1 else ''} on {res['db']}: {res['devices']} "
+                  f"devices offering {res['offered_msg_s']} msg/s: stored {res['store_msg_s']} msg/s; sent "
+                  f"{res['sent']}, stored {res['stored']}, lost {res['lost']}, all stored {res['drain_s']} s after the "
+                  f"last send; acked {res['acked']}; handled by "
+                  f"each replica {res['handled_by_replica']}", flush=True)
     if not a.skip_halt:
         res = bench_halt(base, bundle, 1000)
         results["halt"] = res

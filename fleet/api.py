@@ -139,7 +139,8 @@ class BodyLimit:
 
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
                mqtt_connected: Callable[[], bool], max_upload_bytes: int,
-               tokens: TokenStore | None = None, enrollment: Enrollment | None = None) -> FastAPI:
+               tokens: TokenStore | None = None, enrollment: Enrollment | None = None,
+               replica_stats: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
                   description="Registry, signed model repository and rollouts for edgefleet agents. Every "
                               "/api/v1 endpoint but health and bootstrap needs 'Authorization: Bearer <token>' "
@@ -260,8 +261,10 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
 
     @app.get("/api/v1/stats")
     def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
-        """Device and telemetry counts, and counters of rejected input by kind."""
-        return {"rejected": service.rejections.snapshot(), **service.counts()}
+        """Device and telemetry counts (the database's), counters of rejected input by kind, and what this
+        replica handled from MQTT (with several replicas, each answers for itself)."""
+        return {"rejected": service.rejections.snapshot(), **service.counts(),
+                **({"replica": replica_stats()} if replica_stats is not None else {})}
 
     @app.post("/api/v1/bundles", status_code=201)
     async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fleet.acl import FLEET_USER, Account, reload_mosquitto, verify_password, write_mosquitto_files
 from fleet.auth import TokenStore
@@ -142,7 +143,11 @@ class FleetServer:
         from fleet.api import create_app
 
         return create_app(self.service, self.repo, self.bootstrap, self.bridge.connected.is_set,
-                          self.config.max_upload_bytes, self.tokens, self.enrollment)
+                          self.config.max_upload_bytes, self.tokens, self.enrollment, self._replica_stats)
+
+    def _replica_stats(self) -> dict[str, Any]:
+        return {"id": self.service.rollouts.owner, "mqtt_handled": dict(self.bridge.handled),
+                "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog()}
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):
