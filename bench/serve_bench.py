@@ -124,9 +124,10 @@ class AgentProcess:
     """``python -m edgefleet.cli agent`` on a free loopback port; a context manager that always stops it."""
 
     def __init__(self, data_dir: Path, log_path: Path, delay_us: int, max_batch_size: int, threads: int,
-                 ready_timeout_s: float):
+                 ready_timeout_s: float, instances: int = 1):
         self.data_dir, self.log_path = data_dir, log_path
         self.delay_us, self.max_batch_size, self.threads = delay_us, max_batch_size, threads
+        self.instances = instances
         self.ready_timeout_s = ready_timeout_s
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -136,7 +137,7 @@ class AgentProcess:
         args = [sys.executable, "-m", "edgefleet.cli", "agent", "--device-id", "bench", "--fleet", UNREACHABLE_FLEET,
                 "--data-dir", str(self.data_dir), "--http-port", str(self.port),
                 "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", str(self.delay_us),
-                "--threads", str(self.threads)]
+                "--threads", str(self.threads), "--instances", str(self.instances)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -447,7 +447,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
         "device_id": a.device_id, "fleet_url": a.fleet, "data_dir": a.data_dir, "trusted_root": a.trusted_root,
         "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
         "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
-        "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads,
+        "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads, "instances": a.instances,
         "enroll_token": a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN"),
     }
     try:
@@ -849,7 +849,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest a request may wait for a fuller batch; 0 batches what is already queued "
                          "(default 0, measured best here: bench/README.md)")
     ag.add_argument("--telemetry-interval-s", type=float, help="seconds between telemetry records (default 10)")
-    ag.add_argument("--threads", type=int, help="inference threads (default 2)")
+    ag.add_argument("--threads", type=int, help="onnxruntime intra-op threads per instance (default 2)")
+    ag.add_argument("--instances", type=int,
+                    help="backend instances per model, each with its own inference thread (default 1); on CPUs, "
+                         "N instances of 1 thread often serve more under load than 1 of N threads, while 1 of N "
+                         "answers a lone request sooner: bench/serve.py measures both")
     ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     ag.set_defaults(fn=cmd_agent)
     ag_sub = ag.add_subparsers(dest="agent_command", metavar="{install-service}")
