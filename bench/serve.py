@@ -317,7 +317,8 @@ def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
 
 
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
-                 warmup: int) -> dict[str, Any]:
+                 warmup: int, timed: Any = None) -> dict[str, Any]:
+    """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
@@ -347,32 +348,60 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
 
     await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
     per = max(1, total // clients)
+    if timed is not None:
+        timed()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     await asyncio.gather(*(client(k, per, True) for k in range(clients)))
     wall = time.perf_counter() - t0
+    load_cpu_s = time.process_time() - cpu0
     for c in conns:
         if c:
             c[1].close()
-    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None}
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
+            "load_cpu_s": load_cpu_s}
 
 
 def _load_worker(args: tuple, results: Any) -> None:
     try:
-        results.put(asyncio.run(_drive(*args)))
+        url, kind, path, reqs, labels, clients, total, warmup = args
+        results.put(asyncio.run(_drive(url, kind, path, reqs, labels, clients, total, warmup,
+                                       timed=lambda: results.put({"timed": True}))))
     except BaseException as exc:
         results.put({"fatal": f"{type(exc).__name__}: {exc}"})
 
 
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of a process, by thread id (Linux /proc)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
-              warmup: int, timeout_s: float = 600) -> dict[str, Any]:
-    """One closed-loop level from a separate (spawned) load-generator process."""
+              warmup: int, timeout_s: float = 600, server_pid: int | None = None) -> dict[str, Any]:
+    """One closed-loop level from a separate (spawned) load-generator process. With ``server_pid``, also where
+    the machine's CPU went during the timed phase, in cores: the server's main (event-loop) thread, its other
+    threads (inference), and the load generator."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results),
                     daemon=True)
     w.start()
+    before: dict[str, float] = {}
     try:
-        out = results.get(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = results.get(timeout=max(0.0, deadline - time.monotonic()))
+            if "timed" not in out:
+                break
+            if server_pid is not None:
+                before = _thread_cpu_s(server_pid)
     except queue.Empty as exc:
         raise RuntimeError(f"the load generator did not finish in {timeout_s:.0f}s") from exc
     finally:
@@ -383,10 +412,18 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
         raise RuntimeError(f"load generator: {out['fatal']}")
     lat = np.array(out["latencies"]) * 1000
     n = len(lat)
-    return {"requests": n, "errors": out["errors"], "wrong": out["wrong"], "first_error": out["first_error"],
-            "req_per_s": n / out["wall"] if out["wall"] > 0 else float("nan"),
-            "p50_ms": float(np.percentile(lat, 50)) if n else float("nan"),
-            "p99_ms": float(np.percentile(lat, 99)) if n else float("nan")}
+    res = {"requests": n, "errors": out["errors"], "wrong": out["wrong"], "first_error": out["first_error"],
+           "req_per_s": n / out["wall"] if out["wall"] > 0 else float("nan"),
+           "p50_ms": float(np.percentile(lat, 50)) if n else float("nan"),
+           "p99_ms": float(np.percentile(lat, 99)) if n else float("nan"),
+           "load_cores": out["load_cpu_s"] / out["wall"] if out["wall"] > 0 else float("nan")}
+    if server_pid is not None and out["wall"] > 0:
+        after = _thread_cpu_s(server_pid)
+        main = str(server_pid)
+        used = {t: after[t] - before.get(t, 0.0) for t in after}
+        res["server_main_cores"] = used.get(main, 0.0) / out["wall"]
+        res["server_other_cores"] = sum(v for t, v in used.items() if t != main) / out["wall"]
+    return res
 
 
 def _rss_mb(pid: int) -> float:
@@ -427,7 +464,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                 order = variants if clients % 2 == 0 else list(reversed(variants))  # interleave, alternating order
                 for kind, url in order:
                     path, reqs, _ = bodies(kind, m["model"], images)
-                    r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup)
+                    pid = (naive if kind == "naive" else agent).proc.pid  # type: ignore[union-attr]
+                    r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid)
                     rows.append({"variant": kind, "clients": clients, **r})
                     _say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
                          f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
@@ -439,8 +477,12 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     b1_ms = {k: (limit_before["batch1_ms"][k] + limit_after["batch1_ms"][k]) / 2 for k in limit_before["batch1_ms"]}
     if layout not in b1_ms:  # a layout the limit did not measure
         b1_ms[layout] = statistics.median(_rate(_session(m["engine"], per), images[:1], args.limit_seconds)[1]) * 1000
+    cpus = os.cpu_count() or 1
     for r in rows:
         r["vs_limit"] = r["req_per_s"] / limit
+        # the limit ran alone; under load the generator's own CPU is gone from the machine: the ratio against the
+        # limit scaled to the cores it left
+        r["vs_limit_cpu_left"] = r["req_per_s"] / (limit * max(0.05, cpus - r["load_cores"]) / cpus)
         if r["clients"] == 1:
             r["added_ms"] = r["p50_ms"] - b1_ms[f"1x{args.threads}" if r["variant"] == "naive" else layout]
     naive_by_c = {r["clients"]: r["req_per_s"] for r in rows if r["variant"] == "naive"}
@@ -464,11 +506,18 @@ def print_report(doc: dict[str, Any]) -> None:
               f"{res['cold_start_s']:.2f} s, idle RSS {res['idle_rss_mb']:.0f} MB; JSON decode of one request "
               f"{res['json_decode_ms']:.2f} ms")
         print(f"{'variant':>8} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'added ms':>8} {'errors':>6} {'wrong':>5}")
+              f"{'added ms':>8} {'errors':>6} {'wrong':>5} | cores: {'load':>5} {'main':>5} {'other':>5} "
+              f"| {'vs limit on CPU left':>20}")
         for r in res["rows"]:
             added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
             print(f"{r['variant']:>8} {r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>8.1%} "
-                  f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {added:>8} {r['errors']:>6} {r['wrong']:>5}")
+                  f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {added:>8} {r['errors']:>6} {r['wrong']:>5} | "
+                  f"{'':>6} {r['load_cores']:>5.2f} {r.get('server_main_cores', float('nan')):>5.2f} "
+                  f"{r.get('server_other_cores', float('nan')):>5.2f} | {r['vs_limit_cpu_left']:>20.1%}")
+        print("cores: CPU used during the timed phase, in cores, by the load generator, the server's main (event "
+              "loop) thread and its other threads (inference; the naive server runs inference on its main thread "
+              "and in onnxruntime's pool). vs limit on CPU left: against the limit scaled to the cores the load "
+              "generator left.")
         tgt = ", ".join(f"{c} clients {v:.1f}" for c, v in res["json_target_req_s"].items())
         print(f"JSON target (naive raw-bytes req/s with the decode cost added per request): {tgt}")
     sys.stdout.flush()
