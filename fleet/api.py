@@ -231,6 +231,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         except BadRequest as exc:
             service.rejections.add("enroll_refused", request.client.host if request.client else "?", str(exc))
             raise
+        service.device_enrolled(creds.device_id)
         service.device_audit(creds.device_id, creds.device_id, "device_enrolled")
         return {"device_id": creds.device_id, "mqtt_username": creds.username, "mqtt_password": creds.password,
                 **bootstrap}

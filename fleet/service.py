@@ -28,6 +28,8 @@ from protocol.manifest import version_key
 __all__ = ["FleetService", "Publisher"]
 
 log = logging.getLogger("edgefleet.fleet")
+DECOMMISSIONED = "decommissioned"  # a device's last_state once decommissioned, until it enrolls again
+
 
 class Publisher(Protocol):
     def publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
@@ -84,10 +86,17 @@ class FleetService:
             if dev is None:
                 raise NotFound(f"no device {device_id!r}")
             dev.online = False
-            dev.last_state = "decommissioned"
+            dev.last_state = DECOMMISSIONED  # sticky: its messages are dropped until it enrolls again
             audit(s, actor, "device_decommissioned", device_id=device_id)
             s.flush()
             return self._device_json(s, dev)
+
+    def device_enrolled(self, device_id: str) -> None:
+        """A device traded an enrollment token for credentials: if it was decommissioned, it is back."""
+        with self.sessions.begin() as s:
+            dev = s.get(Device, device_id)
+            if dev is not None and dev.last_state == DECOMMISSIONED:
+                dev.last_state = None
 
     @staticmethod
     def _set_selectors(dev: Device, group: str | None, tags: list[str] | None, profile: str | None) -> None:
@@ -272,6 +281,20 @@ class FleetService:
         self._known.add(device_id)
         return True
 
+    def _without_decommissioned(self, s: Session, msgs: list[Any]) -> list[Any]:
+        """Drop (count, log once) the messages of decommissioned devices. A broker that does not cut a session
+        when its account is revoked (Mosquitto with password files: it refuses only the next connect) lets such
+        a device go on publishing until it disconnects; nothing it says then is stored. One query per batch."""
+        ids = {m.device_id for m in msgs}
+        gone = set(s.scalars(select(Device.id).where(Device.id.in_(ids), Device.last_state == DECOMMISSIONED)))
+        if not gone:
+            return msgs
+        for m in msgs:
+            if m.device_id in gone:
+                self.rejections.add("decommissioned_device", m.device_id, f"device {m.device_id} is decommissioned: "
+                                    "its messages are dropped (enroll it again to take it back)")
+        return [m for m in msgs if m.device_id not in gone]
+
     def _device_for_message(self, s: Session, device_id: str) -> Device:
         dev = s.get(Device, device_id)
         assert dev is not None, "call _ensure_device first"
@@ -290,12 +313,12 @@ class FleetService:
         if not last:
             return
         now = utcnow()
-        rows = []
-        for m in last.values():
-            row: dict[str, Any] = {"b_id": m.device_id, "online": m.state == "online", "last_seen": now}
-            rows.append(row)
         dev: Table = Device.__table__  # type: ignore[assignment]
         with self.sessions.begin() as s:
+            last = {m.device_id: m for m in self._without_decommissioned(s, list(last.values()))}
+            if not last:
+                return
+            rows = [{"b_id": m.device_id, "online": m.state == "online", "last_seen": now} for m in last.values()]
             s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), rows)
             details = [m for m in last.values() if m.agent_version or m.inference_url or m.cpu_features is not None
                        or m.profile is not None]
@@ -321,6 +344,9 @@ class FleetService:
         now = utcnow()
         dev: Table = Device.__table__  # type: ignore[assignment]
         with self.sessions.begin() as s:
+            msgs = self._without_decommissioned(s, msgs)
+            if not msgs:
+                return
             rows = {m.device_id: {"b_id": m.device_id, "last_seen": now, "last_state": m.state, "last_error": m.error,
                                   "running_model": m.running_model, "running_version": m.running_version}
                     for m in msgs}  # the newest report of a device wins
@@ -362,6 +388,9 @@ class FleetService:
         dev: Table = Device.__table__  # type: ignore[assignment]
         now = utcnow()
         with self.sessions.begin() as s:
+            msgs = self._without_decommissioned(s, msgs)
+            if not msgs:
+                return 0
             batch: dict[tuple[str, str, int], proto.Telemetry] = {}
             for m in msgs:
                 batch.setdefault((m.device_id, m.stream, m.seq), m)

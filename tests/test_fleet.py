@@ -125,6 +125,35 @@ def test_telemetry_is_stored_once_and_acked(fleet):
     c.loop_stop()
 
 
+def test_a_decommissioned_device_is_not_heard_until_it_enrolls_again(fleet):
+    """On a broker the fleet does not manage (an open lab Mosquitto), or in the moment before a managed one
+    drops the session, a decommissioned device can still publish: the fleet stores none of it, counts it,
+    and the device stays decommissioned. Enrolling it again takes it back."""
+    fs, url, broker = fleet
+    c = device_client(broker.port, "gone")
+    c.publish(proto.topic("gone", "telemetry"), proto.encode(telemetry("gone", 0)), qos=1).wait_for_publish(5)
+    wait_for(lambda: fs.service.telemetry_count("gone") == 1)
+    r = api.post(f"{url}/api/v1/devices/gone/decommission")
+    assert r.status_code == 200 and r.json()["last_state"] == "decommissioned"
+
+    c.publish(proto.topic("gone", "status"), proto.encode(proto.StatusMessage(
+        device_id="gone", ts=time.time(), state="online", agent_version="9.9.9")), qos=1).wait_for_publish(5)
+    c.publish(proto.topic("gone", "reported"), proto.encode(proto.ReportedState(
+        device_id="gone", ts=time.time(), state="installed", rollout_id=None, model="digits", version="1.0.0",
+        running_model="digits", running_version="1.0.0")), qos=1).wait_for_publish(5)
+    c.publish(proto.topic("gone", "telemetry"), proto.encode(telemetry("gone", 1)), qos=1).wait_for_publish(5)
+    wait_for(lambda: api.get(f"{url}/api/v1/stats").json()["rejected"].get("decommissioned_device", 0) >= 3)
+    doc = api.get(f"{url}/api/v1/devices/gone").json()
+    assert (doc["last_state"], doc["online"], doc["running_version"]) == ("decommissioned", False, None), doc
+    assert doc["agent_version"] != "9.9.9"
+    assert fs.service.telemetry_count("gone") == 1
+
+    fs.service.device_enrolled("gone")  # what POST /api/v1/enroll does after trading a new token
+    c.publish(proto.topic("gone", "telemetry"), proto.encode(telemetry("gone", 2)), qos=1).wait_for_publish(5)
+    wait_for(lambda: fs.service.telemetry_count("gone") == 2)
+    c.loop_stop()
+
+
 def test_malformed_and_spoofed_messages_are_dropped_and_the_fleet_keeps_going(fleet):
     fs, url, broker = fleet
     c = device_client(broker.port, "evil")
