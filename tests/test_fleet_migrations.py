@@ -11,6 +11,7 @@ from sqlalchemy import create_engine, select, text
 from fleet.db import REVISIONS, SCHEMA_VERSION, Device, Meta, Rollout, RolloutWave, TelemetryRow, make_engine
 from fleet.rollout import RolloutEngine
 from protocol import mqtt as proto
+from tests.conftest import postgres_db
 
 # CREATE statements of release 2 (fleet/db.py at schema 2), as SQLAlchemy emitted them
 _V2 = {
@@ -108,23 +109,9 @@ def test_upgrade_from_an_older_release_keeps_every_row_sqlite(tmp_path, version)
     _check_upgrade(url)
 
 
-def postgres_url(name: str) -> str | None:
-    try:
-        import psycopg
-
-        with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
-            conn.autocommit = True
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-            conn.execute(f"CREATE DATABASE {name}")
-        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    except Exception as exc:
-        print(f"PostgreSQL not reachable: {exc}")
-        return None
-
-
 @pytest.mark.parametrize("version", [1, 2])
 def test_upgrade_from_an_older_release_keeps_every_row_postgresql(version):
-    url = postgres_url(f"edgefleet_migrate_v{version}")
+    url = postgres_db(f"edgefleet_migrate_v{version}")
     if url is None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth)")
     _old_database(url, "postgresql", version)
