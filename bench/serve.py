@@ -36,6 +36,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +318,7 @@ def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
 
 
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
-                 warmup: int, timed: Any = None) -> dict[str, Any]:
+                 warmup: int, timed: Callable[[], object] | None = None) -> dict[str, Any]:
     """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)

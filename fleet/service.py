@@ -282,9 +282,10 @@ class FleetService:
         return True
 
     def _without_decommissioned(self, s: Session, msgs: list[Any]) -> list[Any]:
-        """Drop (count, log once) the messages of decommissioned devices. A broker that does not cut a session
-        when its account is revoked (Mosquitto with password files: it refuses only the next connect) lets such
-        a device go on publishing until it disconnects; nothing it says then is stored. One query per batch."""
+        """Drop (count, log once) the messages of decommissioned devices. A broker the fleet does not manage (an
+        open lab broker), or a managed one in the moment before it drops the revoked session (Mosquitto does on
+        the SIGHUP that reloads its password file), lets such a device go on publishing; nothing it says then
+        is stored. One query per batch, against the database, so every replica agrees."""
         ids = {m.device_id for m in msgs}
         gone = set(s.scalars(select(Device.id).where(Device.id.in_(ids), Device.last_state == DECOMMISSIONED)))
         if not gone:
