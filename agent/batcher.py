@@ -13,6 +13,13 @@ batch ran): a lone client is never made to wait for company that is not coming. 
 ``preferred_batch_sizes``, a batch larger than a preferred size gives its newest requests back to the
 queue to run at the largest preferred size it can fill (the runtime's fastest sizes per sample).
 
+Several versions of one model share a :class:`ComputeGate`: every batch holds one of its permits while it
+runs, and so does each self-test or warm-up call of a version being installed (``ComputeGate.call``). The
+cores are not shared between a serving batch and the next version's warm-up, nor between the old
+version's last batch and the new version's first: each waits its turn, first come first served, so a
+swap adds at most one such call to the time between two answers instead of slowing every batch it
+overlaps.
+
 The contract: every request gets exactly one answer. A request whose timeout passes while it is still
 queued gets 503 at its deadline (running requests are not interrupted); a full queue answers 429
 (:class:`QueueFull`) at once; a batch whose outputs do not match its inputs, or that raises, fails every
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -36,11 +45,12 @@ from agent.backends.base import Backend
 from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from agent.metrics import Metrics, ModelMetrics
 
-__all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher"]
+__all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher", "ComputeGate"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
 
 HIGH, NORMAL = 0, 1  # priority levels: the index of their queue
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,65 @@ class BatchSettings:
         bad = [p for p in self.preferred_batch_sizes if not 1 <= p <= self.max_batch_size]
         if bad:
             raise ValueError(f"preferred_batch_sizes {bad} are outside 1..max_batch_size ({self.max_batch_size})")
+
+
+class ComputeGate:
+    """Turns on one model's compute, first come first served: ``permits`` runs at a time (one per
+    instance), shared by every version of the model. Acquired on the event loop; ``call`` runs a function
+    in its turn from another thread (an install's self-test and warm-up)."""
+
+    def __init__(self, permits: int = 1):
+        if permits < 1:
+            raise ValueError("a compute gate needs at least one permit")
+        self.permits = permits
+        self._free = permits
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def busy(self) -> int:
+        return self.permits - self._free
+
+    async def acquire(self) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a permit just as it was cancelled: pass it on
+                self.release()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the permit passes straight to the oldest waiter
+                return
+        self._free += 1
+
+    def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., _T], *args: object,
+             wait_s: float = 30.0) -> _T:
+        """Run ``fn(*args)`` in this (non-loop) thread in its turn. If no turn comes within ``wait_s`` (a
+        loop that has stopped, a batch stuck in the runtime), it runs anyway: a turn is a courtesy to
+        the requests being served, not a condition of installing."""
+        fut = asyncio.run_coroutine_threadsafe(self.acquire(), loop)
+        try:
+            fut.result(wait_s)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+            fut.cancel()
+            log.warning("no compute turn within %.0fs; running without one", wait_s)
+            return fn(*args)
+        try:
+            return fn(*args)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing left to hand on to
+                loop.call_soon_threadsafe(self.release)
 
 
 @dataclass(eq=False)
@@ -95,7 +164,8 @@ class _Instance:
 
 class Batcher:
     def __init__(self, backends: Backend | Sequence[Backend], settings: BatchSettings,
-                 metrics: ModelMetrics | Metrics | None = None):
+                 metrics: ModelMetrics | Metrics | None = None, gate: ComputeGate | None = None):
+        """``gate``: shared with the model's other versions (default: one of its own, a permit per instance)."""
         backends = [backends] if isinstance(backends, Backend) else list(backends)
         if not backends:
             raise ValueError("a batcher needs at least one backend instance")
@@ -107,6 +177,7 @@ class Batcher:
             metrics = (metrics or Metrics()).for_model(name, version)
         self.metrics: ModelMetrics = metrics
         self._instances = [_Instance(b, i) for i, b in enumerate(backends)]
+        self.gate = gate if gate is not None else ComputeGate(len(backends))
         self._idle: list[_Instance] = list(reversed(self._instances))  # pop() takes instance 0 first
         self._queues: tuple[collections.deque[_Pending], collections.deque[_Pending]] = (
             collections.deque(), collections.deque())
@@ -260,8 +331,14 @@ class Batcher:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            batch = await self._form()
+            await self.gate.acquire()  # requests queued meanwhile join the batch formed next
+            try:
+                batch = await self._form()
+            except BaseException:
+                self.gate.release()
+                raise
             if not batch:
+                self.gate.release()
                 continue
             inst = self._idle.pop()
             self._arrived_while_running = 0
@@ -271,6 +348,7 @@ class Batcher:
 
     def _ran(self, task: asyncio.Task) -> None:
         self._running.pop(task, None)
+        self.gate.release()  # here, not in _run: a task cancelled before it started never runs its finally
         self._wake.set()
 
     async def _run(self, inst: _Instance, batch: list[_Pending]) -> None:

@@ -19,8 +19,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,9 +51,18 @@ log = logging.getLogger("edgefleet.agent")
 WARMUP_RUNS = 3
 
 
-def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
+_T = TypeVar("_T")
+Turn = Callable[..., Any]  # runs fn(*args) in its turn on the model's cores: ComputeGate.call, bound to a loop
+
+
+def _now(fn: Callable[..., _T], *args: Any) -> _T:
+    return fn(*args)
+
+
+def self_test(backend: Backend, staged: StagedModel, turn: Turn = _now) -> proto.SelfTestResult:
     """Run the bundle's own sample; outputs must match what the compiler recorded. Returns the figures
-    measured on this device's CPU, for the install report."""
+    measured on this device's CPU, for the install report. Each run goes through ``turn`` (while another
+    version serves: between its batches)."""
     path = staged.directory / staged.manifest.selftest
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -63,7 +73,7 @@ def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
         raise SelfTestFailed(f"self-test sample {path.name} is unreadable: {exc}") from exc
     try:
         for _ in range(WARMUP_RUNS):
-            got = backend.infer(feeds)
+            got = turn(backend.infer, feeds)
     except Exception as exc:  # the runtime's own error types
         raise SelfTestFailed(f"self-test: the engine failed on its own sample: {exc}") from exc
     drift = 0.0
@@ -92,10 +102,11 @@ def self_test(backend: Backend, staged: StagedModel) -> proto.SelfTestResult:
         drift=round(drift, 4))
 
 
-def warm_up(backends: list[Backend], staged: StagedModel, batch_sizes: tuple[int, ...]) -> None:
-    """Run every instance once at each batch size the batcher will form, on the bundle's own sample, before
-    the version takes traffic: the first call at a new shape allocates (onnxruntime arenas, LiteRT tensor
-    resizes, TensorRT shape setup) and would otherwise land on a client's request."""
+def warm_up(backends: list[Backend], staged: StagedModel, batch_sizes: tuple[int, ...], turn: Turn = _now) -> None:
+    """Run every instance once at each batch size the batcher will form that its backend wants warmed
+    (``Backend.warm_up_sizes``), on the bundle's own sample, before the version takes traffic: the first
+    call at a new shape can be costly (LiteRT tensor resizes, TensorRT shape setup) and would otherwise
+    land on a client's request. Each call goes through ``turn``."""
     path = staged.directory / staged.manifest.selftest
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -103,13 +114,13 @@ def warm_up(backends: list[Backend], staged: StagedModel, batch_sizes: tuple[int
     except (KeyError, ValueError, OSError) as exc:
         raise SelfTestFailed(f"warm-up: self-test sample {path.name} is unreadable: {exc}") from exc
     axes = {s.name: s.batch_axis for s in staged.manifest.inputs}
-    sizes = batch_sizes if staged.manifest.batchable else (None,)
-    for n in sizes:
-        feeds = {k: v if (a := axes[k]) is None or n is None else
-                 np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}
-        for b in backends:
+    batchable = staged.manifest.batchable
+    for b in backends:
+        for n in b.warm_up_sizes(batch_sizes) if batchable else (None,):
+            feeds = {k: v if (a := axes[k]) is None or n is None else
+                     np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}
             try:
-                b.infer(feeds)
+                turn(b.infer, feeds)
             except Exception as exc:  # the runtime's own error types
                 raise SelfTestFailed(f"warm-up at batch size {n}: the engine failed: {exc}") from exc
 
@@ -423,9 +434,11 @@ class Agent:
             self._require_cpu(profile, m.cpu_features)
             loaded = self._load_instances(m, staged.directory)
             backend = loaded[0]
-            # the old version serves all along: the new one is loaded, self-tested and warmed up first
-            measured = self_test(backend, staged)
-            warm_up(loaded, staged, self._warm_batch_sizes())
+            # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
+            # turns with the old one's batches
+            turn = self._turn(m.name, len(loaded))
+            measured = self_test(backend, staged, turn)
+            warm_up(loaded, staged, self._warm_batch_sizes(), turn)
             bundle_fault = False
             if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
                 for extra in loaded[1:]:
@@ -483,6 +496,14 @@ class Agent:
             raise
         return out
 
+    def _turn(self, name: str, instances: int) -> Turn:
+        """Run a call on model ``name``'s cores in turn with the version serving it (if the loop runs)."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return _now
+        gate = self.host.gate(name, instances)
+        return lambda fn, *args: gate.call(loop, fn, *args)
+
     def _warm_batch_sizes(self) -> tuple[int, ...]:
         s = self.host.settings
         return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
@@ -514,8 +535,9 @@ class Agent:
         staged = StagedModel(manifest, directory, prev.installed.sha256)
         backends = await loop.run_in_executor(None, self._load_instances, manifest, directory)
         try:
-            await loop.run_in_executor(None, self_test, backends[0], staged)
-            await loop.run_in_executor(None, warm_up, backends, staged, self._warm_batch_sizes())
+            turn = self._turn(manifest.name, len(backends))
+            await loop.run_in_executor(None, self_test, backends[0], staged, turn)
+            await loop.run_in_executor(None, warm_up, backends, staged, self._warm_batch_sizes(), turn)
         except BaseException as exc:
             for b in backends:
                 b.close()
@@ -523,7 +545,7 @@ class Agent:
             log.error("rollback of %s to %s failed; %s keeps serving: %s", name, manifest.version,
                       slots[name][0].installed.version, exc)
             raise
-        self.store.rollback(name)
+        await loop.run_in_executor(None, self.store.rollback, name)  # writes and fsyncs: not on the loop
         await self.host.swap(manifest, backends)
         self._unavailable.pop((manifest.name, manifest.version), None)
         log.warning("rolled %s back to %s", name, manifest.version)

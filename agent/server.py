@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import protocol
 from agent.backends.base import Backend
-from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings
+from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
 from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
 from agent.image import preprocess_image
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
@@ -90,7 +90,9 @@ class ModelHost:
     ``swap`` starts serving a model version (with one or more backend instances, one inference thread
     each) and retires the version of the same name it replaces once its queue is empty; other models
     keep serving. ``index``, if the lifecycle code sets it, lists the versions on disk for the repository
-    index (served versions are always listed as READY).
+    index (served versions are always listed as READY). Every version of a model shares one
+    :class:`ComputeGate` (``gate``): the old version's last batch, the new one's self-test and warm-up calls
+    and its first batch take turns on the cores.
     """
 
     def __init__(self, settings: BatchSettings, metrics: Metrics):
@@ -101,6 +103,14 @@ class ModelHost:
         self.index: Callable[[], Sequence[IndexEntry]] | None = None
         self.shadow: Any = None  # agent.shadow.ShadowMirror of a candidate in shadow, if any
         self._swap_lock = asyncio.Lock()
+        self._gates: dict[str, ComputeGate] = {}
+
+    def gate(self, name: str, permits: int) -> ComputeGate:
+        """Model ``name``'s compute gate (``permits``: its instance count; a new count starts a new gate)."""
+        g = self._gates.get(name)
+        if g is None or g.permits != permits:
+            g = self._gates[name] = ComputeGate(permits)
+        return g
 
     async def swap(self, manifest: Manifest, backends: Backend | Sequence[Backend],
                    settings: BatchSettings | None = None) -> None:
@@ -112,7 +122,7 @@ class ModelHost:
             s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": ()})
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
-            batcher = Batcher(instances, s, mm)
+            batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)))
             batcher.start()
             served = Served(manifest, instances, batcher, s, mm)
             old = self.models.get(manifest.name)

@@ -73,6 +73,11 @@ def test_onnxruntime_cpu_profile_runs_on_cpu_without_spinning(digits_x86, refere
     assert backend.device == CPU and backend.providers == (CPU,)
     opts = backend._sess.get_session_options()
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    # the CPU provider is warmed at the smallest batch only; a session on CUDA (set by hand: no GPU here) at all
+    assert backend.warm_up_sizes((1, 4, 16)) == (1,)
+    on_gpu = OnnxRuntimeBackend(manifest)
+    on_gpu.providers = (CUDA, CPU)
+    assert on_gpu.warm_up_sizes((1, 4, 16)) == (1, 4, 16)
     images, labels = test_images
     (logits,) = backend.infer({"input": images[:32]})
     assert logits.shape == (32, 10) and (logits.argmax(1) == labels[:32]).mean() >= 0.9

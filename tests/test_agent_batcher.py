@@ -1,6 +1,7 @@
 """The batching loop enforces the contract: size limits, deadlines, expiry, errors to every request."""
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from agent.backends.base import Backend
-from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings
+from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
 from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from protocol.manifest import TensorSpec
 
@@ -394,3 +395,133 @@ def test_a_cancelled_request_leaves_the_queue_count_right():
         return be.batches
 
     assert run(main()) == [1, 1, 1]
+
+
+class Timed(FakeBackend):
+    """Records when each call ran (monotonic start, end) in a list it may share with other instances."""
+
+    def __init__(self, log: list[tuple[float, float, str]], tag: str, delay_s: float = 0.01):
+        super().__init__(delay_s=delay_s)
+        self.log, self.tag = log, tag
+
+    def infer(self, feeds):
+        t0 = time.monotonic()
+        out = super().infer(feeds)
+        self.log.append((t0, time.monotonic(), self.tag))
+        return out
+
+
+def _overlaps(log: list[tuple[float, float, str]]) -> list[tuple]:
+    spans = sorted(log)
+    return [(a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
+
+
+def test_an_install_call_takes_its_turn_between_the_serving_batches():
+    """A self-test or warm-up call of the next version (from the installer's thread) never runs at the same
+    time as a batch of the version being served, and does not wait for the load to stop."""
+    log: list[tuple[float, float, str]] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        gate = ComputeGate(1)
+        b = Batcher(Timed(log, "serving"), BatchSettings(max_batch_size=4), gate=gate)
+        b.start()
+        stop = asyncio.Event()
+
+        async def client(k: int) -> int:
+            n = 0
+            while not stop.is_set() and n < 1000:  # bounded
+                await b.submit(x(1, start=k))
+                n += 1
+            return n
+
+        clients = [asyncio.ensure_future(client(k)) for k in range(4)]
+        await _until(lambda: len(log) >= 3, "serving batches")
+        warm = Timed(log, "install")
+        done = await loop.run_in_executor(None, lambda: [gate.call(loop, warm.infer, x(1)) for _ in range(3)])
+        await _until(lambda: sum(t == "serving" for *_, t in log[-3:]) == 3, "serving after the install calls")
+        stop.set()
+        served = await asyncio.gather(*clients)
+        await b.close()
+        return done, served, gate
+
+    done, served, gate = run(main())
+    assert len(done) == 3 and all(o[0].shape == (1, 2) for o in done)
+    assert min(served) > 0
+    tags = [t for *_, t in sorted(log)]
+    assert tags.count("install") == 3 and tags[0] == "serving" and tags[-1] == "serving"
+    assert _overlaps(log) == []
+    first = tags.index("install")
+    assert "serving" in tags[first:tags.index("install", first + 1)]  # one call per turn: batches in between
+    assert gate.busy == 0
+
+
+def test_two_versions_sharing_a_gate_never_run_at_once_and_both_answer_everything():
+    """The old version's last batches and the new version's first ones take turns: a swap does not put two
+    batches on the same cores."""
+    log: list[tuple[float, float, str]] = []
+
+    async def main():
+        gate = ComputeGate(1)
+        old = Batcher(Timed(log, "old"), BatchSettings(max_batch_size=2), gate=gate)
+        new = Batcher(Timed(log, "new"), BatchSettings(max_batch_size=2), gate=gate)
+        old.start()
+        new.start()
+        outs = await asyncio.gather(*(bt.submit(x(1, start=10 * i)) for i in range(12) for bt in (old, new)))
+        closing = asyncio.ensure_future(old.close())
+        more = await asyncio.gather(*(new.submit(x(1, start=10 * i)) for i in range(4)))
+        await closing
+        await new.close()
+        return outs, more, gate
+
+    outs, more, gate = run(main())
+    for k, o in enumerate(outs):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * (k // 2))["x"] * 2)
+    assert len(more) == 4
+    assert {t for *_, t in log} == {"old", "new"} and _overlaps(log) == []
+    assert gate.busy == 0
+
+
+def test_several_permits_let_several_instances_run_and_a_cancelled_waiter_keeps_none():
+    async def main():
+        gate = ComputeGate(2)
+        await gate.acquire()
+        await gate.acquire()  # both permits held: a third waits
+        waiter = asyncio.ensure_future(gate.acquire())
+        await asyncio.sleep(0)
+        assert not waiter.done() and gate.busy == 2
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        gate.release()
+        gate.release()
+        assert gate.busy == 0
+        # handed the permit just as it is cancelled: the permit goes back, not astray
+        await gate.acquire()
+        await gate.acquire()
+        late = asyncio.ensure_future(gate.acquire())
+        await asyncio.sleep(0)
+        gate.release()  # hands the permit to ``late``
+        late.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        gate.release()
+        return gate.busy
+
+    assert run(main()) == 0
+    with pytest.raises(ValueError, match="at least one permit"):
+        ComputeGate(0)
+
+
+def test_an_install_call_runs_even_when_no_turn_comes():
+    """A batch stuck in the runtime (or a stopped loop) delays an install by the wait, never forever."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        gate = ComputeGate(1)
+        await gate.acquire()  # held, never released: a stuck batch
+        out = await loop.run_in_executor(None, lambda: gate.call(loop, lambda: "ran", wait_s=0.2))
+        return out, gate
+
+    out, gate = run(main())
+    assert out == "ran" and gate.busy == 1

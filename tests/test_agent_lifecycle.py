@@ -116,7 +116,15 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
 
             wait_for(lambda: count() >= 50, 60, "load before the swap")
             assert agent._loop is not None
+            # the other version's self-test and warm-up take turns with the serving batches on one gate
+            gate = agent.host.models["digits"].batcher.gate
+            assert gate is agent.host.gate("digits", 2)
+            turns: list[str] = []
+            real_call = gate.call
+            gate.call = lambda loop, fn, *a, **kw: (turns.append(fn.__name__), real_call(loop, fn, *a, **kw))[1]  # type: ignore[method-assign]
             swapped = asyncio.run_coroutine_threadsafe(agent.rollback("digits"), agent._loop).result(120)
+            assert turns == ["infer"] * (3 + 2)  # three self-test runs, a batch-1 warm-up on each instance
+            assert agent.host.models["digits"].batcher.gate is gate
             assert swapped.version == "1.0.0"
             before = count()
             wait_for(lambda: count() >= before + 50, 60, "load after the swap")

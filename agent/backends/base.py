@@ -46,6 +46,11 @@ class Backend(ABC):
     def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Outputs in the order of ``outputs``, each with the same batch size as the inputs."""
 
+    def warm_up_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """Of the batch sizes the batcher will form (ascending), those to run once before the version takes
+        traffic: every one by default (a runtime that sets up per shape pays that on the first call)."""
+        return sizes
+
     @abstractmethod
     def close(self) -> None:
         """Release the engine (idempotent)."""
