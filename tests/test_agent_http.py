@@ -114,6 +114,16 @@ def test_values_that_do_not_fit_are_400_not_500(agent_url, raw, message):
     assert message in r.json()["error"]
 
 
+@pytest.mark.parametrize("req_id", ["caméra-7 帧 42", "\ud800 lone surrogate"])
+def test_the_request_id_comes_back_as_sent(agent_url, test_images, req_id):
+    """Whatever JSON string a client sends as its id is echoed, escaped where UTF-8 cannot carry it."""
+    doc = {"id": req_id, **body(test_images[0][:1])}
+    raw = json.dumps(doc).encode()  # ASCII with \u escapes, as the json module writes a lone surrogate
+    r = httpx.post(f"{agent_url}/v2/models/digits/infer", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert json.loads(r.content)["id"] == req_id
+
+
 def test_malformed_json(agent_url):
     r = httpx.post(f"{agent_url}/v2/models/digits/infer", content=b'{"inputs": [', headers={
         "content-type": "application/json"})
