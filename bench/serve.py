@@ -496,8 +496,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     return {"model": name, "precision": m["precision"], "limit_img_s": limit, "limit_before": limit_before,
             "limit_after": limit_after, "raw_batch1_ms": b1_ms, "json_decode_ms": decode_ms,
             "json_decode_orjson_ms": decode_ms_orjson, "json_target_req_s": json_target,
-            "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss, "rows": rows,
-            "agent_layout": layout}
+            "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss,
+            "rows": rows, "agent_layout": layout}
 
 
 def print_report(doc: dict[str, Any]) -> None:
