@@ -174,6 +174,61 @@ def json_decode_ms(body: bytes, repeats: int = 5, loads: Callable[[bytes], Any] 
     return statistics.median(times) * 1000
 
 
+# -- the transport floor: a body's round trip to a server that only reads it ---------------------------
+
+
+def _sink_server(port_q: Any) -> None:
+    """A loopback server that reads each request (head, then Content-Length bytes) and answers 4 KB: what
+    any HTTP server pays for the bytes alone, without parsing, validation or inference."""
+    _die_with_parent()
+
+    async def main() -> None:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    head = await r.readuntil(b"\r\n\r\n")
+                    n = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                             if line.lower().startswith(b"content-length"))
+                    await r.readexactly(n)
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4096\r\n\r\n" + b"x" * 4096)
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port_q.put(srv.sockets[0].getsockname()[1])
+        await asyncio.sleep(120)  # bounded; the parent terminates it sooner
+
+    try:
+        import uvloop
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+def transport_floor_ms(body_bytes: int, rounds: int = 400) -> float:
+    """Median round trip of a ``body_bytes`` POST and a 4 KB answer over loopback (one blocking client)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_sink_server, args=(q,), daemon=True)
+    proc.start()
+    try:
+        port = q.get(timeout=60)
+        req = b"POST /sink HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % body_bytes + bytes(body_bytes)
+        lats = []
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            f = s.makefile("rb")
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                s.sendall(req)
+                while f.readline() not in (b"\r\n", b""):
+                    pass
+                f.read(4096)
+                lats.append(time.perf_counter() - t0)
+        return statistics.median(lats[rounds // 10:]) * 1000
+    finally:
+        proc.terminate()
+        proc.join(10)
+
+
 # -- the naive baseline server (runs as its own process) ---------------------------------------------
 
 
@@ -386,10 +441,12 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
 
 
 def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
-              warmup: int, timeout_s: float = 600, server_pid: int | None = None) -> dict[str, Any]:
+              warmup: int, timeout_s: float = 600, server_pid: int | None = None,
+              stats_url: str | None = None) -> dict[str, Any]:
     """One closed-loop level from a separate (spawned) load-generator process. With ``server_pid``, also where
     the machine's CPU went during the timed phase, in cores: the server's main (event-loop) thread, its other
-    threads (inference), and the load generator."""
+    threads (inference), and the load generator. With ``stats_url`` (the agent's Triton statistics), the mean
+    time its runtime took per batch-1 call during the timed phase: the raw call of that very run."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results),
@@ -404,6 +461,8 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
                 break
             if server_pid is not None:
                 before = _thread_cpu_s(server_pid)
+            if stats_url is not None:
+                b1_before = _batch1_compute(stats_url)
     except queue.Empty as exc:
         raise RuntimeError(f"the load generator did not finish in {timeout_s:.0f}s") from exc
     finally:
@@ -425,7 +484,20 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
         used = {t: after[t] - before.get(t, 0.0) for t in after}
         res["server_main_cores"] = used.get(main, 0.0) / out["wall"]
         res["server_other_cores"] = sum(v for t, v in used.items() if t != main) / out["wall"]
+    if stats_url is not None:
+        (n1, ns1), (n0, ns0) = _batch1_compute(stats_url), b1_before
+        res["compute_b1_ms"] = (ns1 - ns0) / (n1 - n0) / 1e6 if n1 > n0 else float("nan")
     return res
+
+
+def _batch1_compute(stats_url: str) -> tuple[int, int]:
+    """(batch-1 calls, nanoseconds in the runtime) so far, from the agent's Triton statistics."""
+    with urllib.request.urlopen(stats_url, timeout=30) as r:  # loopback: the agent under test
+        doc = json.loads(r.read())
+    for b in doc["model_stats"][0]["batch_stats"]:
+        if b["batch_size"] == 1:
+            return int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"])
+    return 0, 0
 
 
 def _rss_mb(pid: int) -> float:
@@ -455,6 +527,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     import orjson
 
     decode_ms_orjson = json_decode_ms(json_body, loads=orjson.loads)
+    binary_request = bodies("binary", m["model"], images[:1])[1][0]
+    floor_ms = transport_floor_ms(len(binary_request))
     t0 = time.monotonic()
     agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, 16, per, 120, instances=instances)
     rows: list[dict[str, Any]] = []
@@ -470,7 +544,9 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                 for kind, url in order:
                     path, reqs, _ = bodies(kind, m["model"], images)
                     pid = (naive if kind == "naive" else agent).proc.pid  # type: ignore[union-attr]
-                    r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid)
+                    stats = f"{url}/v2/models/{m['model']}/stats" if kind != "naive" and clients == 1 else None
+                    r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid,
+                                  stats_url=stats)
                     rows.append({"variant": kind, "clients": clients, **r})
                     _say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
                          f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
@@ -490,11 +566,14 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         r["vs_limit_cpu_left"] = r["req_per_s"] / (limit * max(0.05, cpus - r["load_cores"]) / cpus)
         if r["clients"] == 1:
             r["added_ms"] = r["p50_ms"] - b1_ms[f"1x{args.threads}" if r["variant"] == "naive" else layout]
+            if "compute_b1_ms" in r:  # against the agent's own runtime calls of this run: no session-to-session noise
+                r["added_own_ms"] = r["p50_ms"] - r["compute_b1_ms"]
     naive_by_c = {r["clients"]: r["req_per_s"] for r in rows if r["variant"] == "naive"}
     json_target = {c: 1 / (1 / v + decode_ms / 1000) for c, v in naive_by_c.items()}
     json_target_orjson = {c: 1 / (1 / v + decode_ms_orjson / 1000) for c, v in naive_by_c.items()}
     return {"model": name, "precision": m["precision"], "limit_img_s": limit, "limit_before": limit_before,
             "limit_after": limit_after, "raw_batch1_ms": b1_ms, "json_decode_ms": decode_ms,
+            "transport_floor_ms": floor_ms,
             "json_decode_orjson_ms": decode_ms_orjson, "json_target_req_s": json_target,
             "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss,
             "rows": rows, "agent_layout": layout}
@@ -515,8 +594,12 @@ def print_report(doc: dict[str, Any]) -> None:
         print(f"{'variant':>8} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'added ms':>8} {'errors':>6} {'wrong':>5} | cores: {'load':>5} {'main':>5} {'other':>5} "
               f"| {'vs limit on CPU left':>20}")
+        own = []
         for r in res["rows"]:
             added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
+            if "added_own_ms" in r:
+                own.append(f"{r['variant']} {r['added_own_ms']:.3f} ms (p50 {r['p50_ms']:.2f} ms, its batch-1 calls "
+                           f"{r['compute_b1_ms']:.2f} ms)")
             print(f"{r['variant']:>8} {r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>8.1%} "
                   f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {added:>8} {r['errors']:>6} {r['wrong']:>5} | "
                   f"{'':>6} {r['load_cores']:>5.2f} {r.get('server_main_cores', float('nan')):>5.2f} "
@@ -525,6 +608,11 @@ def print_report(doc: dict[str, Any]) -> None:
               "loop) thread and its other threads (inference; the naive server runs inference on its main thread "
               "and in onnxruntime's pool). vs limit on CPU left: against the limit scaled to the cores the load "
               "generator left.")
+        if own:
+            print("added at 1 client over the agent's own runtime calls in the same run (its statistics): "
+                  + "; ".join(own))
+        print(f"transport floor: a binary request's bytes to a loopback server that only reads them and back, "
+              f"{res['transport_floor_ms']:.3f} ms")
         tgt = ", ".join(f"{c} clients {v:.1f}" for c, v in res["json_target_req_s"].items())
         print(f"JSON target (naive raw-bytes req/s with the decode cost added per request): {tgt}")
         tgt = ", ".join(f"{c} clients {v:.1f}" for c, v in res["json_target_orjson_req_s"].items())

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from agent.config import AgentConfig
-from agent.daemon import Agent
+from agent.daemon import Agent, event_loop_factory
 from agent.store import ModelStore
 from protocol.bundle import sha256_file
 
@@ -32,7 +32,8 @@ def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
 
     def run() -> None:
         try:
-            asyncio.run(agent.run())
+            with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the loop the daemon runs on
+                runner.run(agent.run())
         except BaseException as exc:  # surfaced to the test below
             errors.append(exc)
 
