@@ -33,6 +33,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -115,12 +116,31 @@ class ComputeGate:
              wait_s: float = 30.0) -> _T:
         """Run ``fn(*args)`` in this (non-loop) thread in its turn. If no turn comes within ``wait_s`` (a
         loop that has stopped, a batch stuck in the runtime), it runs anyway: a turn is a courtesy to
-        the requests being served, not a condition of installing."""
-        fut = asyncio.run_coroutine_threadsafe(self.acquire(), loop)
+        the requests being served, not a condition of installing. A turn that arrives after this thread
+        gave up is handed straight back."""
+        lock = threading.Lock()
+        state = {"taken": False, "gave_up": False}
+
+        async def turn() -> None:
+            try:
+                await asyncio.wait_for(self.acquire(), wait_s)
+            except TimeoutError:
+                return
+            with lock:
+                if state["gave_up"]:
+                    self.release()
+                    return
+                state["taken"] = True
+
         try:
-            fut.result(wait_s)
+            fut = asyncio.run_coroutine_threadsafe(turn(), loop)
+            fut.result(wait_s + 5.0)  # the loop's own timeout comes first; this one is for a loop that stopped
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
-            fut.cancel()
+            pass
+        with lock:
+            state["gave_up"] = True
+            held = state["taken"]
+        if not held:
             log.warning("no compute turn within %.0fs; running without one", wait_s)
             return fn(*args)
         try:

@@ -519,9 +519,12 @@ def test_an_install_call_runs_even_when_no_turn_comes():
     async def main():
         loop = asyncio.get_running_loop()
         gate = ComputeGate(1)
-        await gate.acquire()  # held, never released: a stuck batch
+        await gate.acquire()  # held: a stuck batch
         out = await loop.run_in_executor(None, lambda: gate.call(loop, lambda: "ran", wait_s=0.2))
-        return out, gate
+        busy_after_call = gate.busy
+        gate.release()  # the stuck batch ends: the turn given up on is not left holding a permit
+        await asyncio.sleep(0)
+        return out, busy_after_call, gate
 
-    out, gate = run(main())
-    assert out == "ran" and gate.busy == 1
+    out, busy_after_call, gate = run(main())
+    assert out == "ran" and busy_after_call == 1 and gate.busy == 0
