@@ -45,7 +45,8 @@ from protocol.errors import ConfigError, ContractError
 from protocol.manifest import Manifest
 from protocol.profile import load_profile
 
-__all__ = ["Agent", "event_loop_factory", "install_unit", "render_unit", "run_agent", "sd_notify", "self_test"]
+__all__ = ["Agent", "event_loop_factory", "install_unit", "render_unit", "run_agent", "run_until_stopped", "sd_notify",
+           "self_test"]
 
 log = logging.getLogger("edgefleet.agent")
 WARMUP_RUNS = 3
@@ -643,9 +644,14 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def run_agent(config: AgentConfig) -> None:
+def run_until_stopped(agent: Agent) -> None:
+    """Run ``agent`` on the loop of :func:`event_loop_factory` until it stops (the daemon and the tests)."""
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(Agent(config).run())
+        runner.run(agent.run())
+
+
+def run_agent(config: AgentConfig) -> None:
+    run_until_stopped(Agent(config))
 
 
 # -- running as a systemd service ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from agent.config import AgentConfig
-from agent.daemon import Agent, event_loop_factory
+from agent.daemon import Agent, run_until_stopped
 from agent.store import ModelStore
 from protocol.bundle import sha256_file
 
@@ -32,8 +32,7 @@ def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
 
     def run() -> None:
         try:
-            with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the loop the daemon runs on
-                runner.run(agent.run())
+            run_until_stopped(agent)  # as the daemon runs, on its event loop
         except BaseException as exc:  # surfaced to the test below
             errors.append(exc)
 
