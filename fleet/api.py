@@ -14,14 +14,17 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleet import console
 from fleet.auth import ROLES, Caller, TokenStore
 from fleet.enroll import Enrollment
-from fleet.errors import BadRequest, FleetError, NotFound, RepositoryError, Unauthorized
+from fleet.errors import BadRequest, FleetError, Forbidden, NotFound, RepositoryError, Unauthorized
 from fleet.rollout import Gates, RolloutSpec, ShadowGate
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
+from protocol import jsonlimits
+from protocol.errors import ContractError
 
 __all__ = ["COOKIE", "create_app"]
 
@@ -119,6 +122,15 @@ class BodyLimit:
             chunks.append(chunk)
             more = msg.get("more_body", False)
         body = b"".join(chunks)
+        ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+        if body and (ctype == b"application/json" or ctype.endswith(b"+json")):
+            try:  # parsed once more here, bounded, so no handler's parser meets a body nested too deep
+                jsonlimits.loads(body, source="request body", max_bytes=limit)
+            except ContractError as exc:
+                client = scope.get("client") or ("?",)
+                self.on_reject(str(client[0]), f"{scope['path']}: {exc}")
+                await JSONResponse({"error": str(exc)}, status_code=400)(scope, None, send)  # type: ignore[arg-type]
+                return
         sent = False
 
         async def replay() -> dict[str, Any]:
@@ -138,7 +150,7 @@ class BodyLimit:
 
 
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],
-               mqtt_connected: Callable[[], bool], max_upload_bytes: int,
+               health: Callable[[], dict[str, Any]], max_upload_bytes: int,
                tokens: TokenStore | None = None, enrollment: Enrollment | None = None,
                replica_stats: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
@@ -153,6 +165,12 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             service.rejections.add("api_" + ("unauthorized" if isinstance(exc, Unauthorized) else "forbidden"),
                                    request.client.host if request.client else "?", f"{request.url.path}: {exc}")
         return JSONResponse({"error": str(exc)}, status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own errors (a body it cannot parse, an unknown route, a wrong method) in the same
+        ``{"error": ...}`` shape as every other."""
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -177,8 +195,10 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return c
 
     @app.get("/api/v1/health")
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "mqtt_connected": mqtt_connected()}
+    def get_health() -> dict[str, Any]:
+        """Liveness (always 200 while the server answers) and whether device messages reach the database:
+        ``status`` is "ok" only then, "degraded" with ``problems`` otherwise."""
+        return health()
 
     @app.get("/api/v1/bootstrap")
     def get_bootstrap() -> dict[str, Any]:
@@ -215,9 +235,12 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
 
         ttl = (body or EnrollTokenIn()).ttl_s
         try:
-            service.get_device(device_id)
+            doc = service.get_device(device_id)
         except NotFound:
             service.register_device(device_id, actor=c.name)
+        else:
+            if doc.get("online"):  # its new credentials would lock the running agent out: a decommission
+                c.require("admin", f"re-enrolling {device_id}, which is online (its agent would be locked out)")
         token = _enrollment().issue_token(device_id, dt.timedelta(seconds=ttl))
         service.device_audit(device_id, c.name, "enrollment_token_issued", ttl_s=ttl)
         return {"device_id": device_id, "token": token, "expires_in_s": ttl}
@@ -408,6 +431,20 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             return HTMLResponse(console.login_page(), status_code=401)
         return console.device_page(service.get_device(device_id), service.device_telemetry(device_id, 200))
 
+    def _same_origin(request: Request) -> None:
+        """Console forms are signed in by cookie, which a browser also sends with a form another site posts
+        here (SameSite=strict aside, older browsers and same-site subdomains do): a POST must come from a
+        page of this console, by its Origin header (or Referer, which browsers send when Origin is absent)."""
+        from urllib.parse import urlsplit
+
+        source = request.headers.get("origin") or request.headers.get("referer")
+        host = request.headers.get("host", "")
+        if not source or source == "null" or urlsplit(source).netloc.lower() != host.lower():
+            service.rejections.add("console_cross_origin", request.client.host if request.client else "?",
+                                   f"{request.url.path}: origin {source!r}, console {host!r}")
+            raise Forbidden(f"cross-origin form refused: this console only takes forms from its own pages "
+                            f"(origin {source!r} is not {host!r}); use the API with a token from elsewhere")
+
     async def _form(request: Request) -> dict[str, str]:
         from urllib.parse import parse_qs
 
@@ -415,6 +452,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return {k: v[0].strip() for k, v in parse_qs(body.decode(errors="replace")).items()}
 
     def _console_operator(request: Request) -> Caller:
+        _same_origin(request)
         c = console_caller(request)
         if c is None:
             raise Unauthorized("sign in to the console first")
@@ -468,6 +506,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     async def login(request: Request) -> Any:
         from urllib.parse import parse_qs
 
+        _same_origin(request)
         body = await request.body()
         token = (parse_qs(body[:4096].decode(errors="replace")).get("token") or [""])[0]
         try:
@@ -475,7 +514,8 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         except Unauthorized as exc:
             return HTMLResponse(console.login_page(str(exc)), status_code=401)
         r = RedirectResponse("/", status_code=303)
-        r.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict")
+        tls = request.url.scheme == "https" or request.headers.get("x-forwarded-proto", "").lower() == "https"
+        r.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", secure=tls)
         return r
 
     app.add_middleware(BodyLimit, on_reject=lambda who, what: service.rejections.add("api_body_too_large", who,

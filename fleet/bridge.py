@@ -1,13 +1,16 @@
 """The fleet's MQTT link: ingests status, reports and telemetry; publishes desired state.
 
-paho-mqtt runs its network loop in a thread and reconnects by itself; on every (re)connect the
-bridge subscribes again and republishes desired state. Telemetry can be consumed through an MQTT
-shared subscription (``$share/<group>/...``) so several fleet replicas split the load.
+paho-mqtt's network loop runs in its thread (supervised, below) and reconnects by itself; on every
+(re)connect the bridge subscribes again and republishes desired state. Nothing a device sends can raise
+out of that thread: every payload is read by the bounded parsers of ``protocol`` (size and nesting depth
+checked before any JSON library recurses), and each message's handling is guarded. If the loop dies
+anyway, the thread restarts it (counted in ``restarts``, shown as degraded in ``/api/v1/health``).
+Telemetry can be consumed through an MQTT shared subscription (``$share/<group>/...``) so several fleet
+replicas split the load.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import ssl
 import threading
@@ -15,11 +18,13 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 
 from fleet.audit import Rejections
 from fleet.ingest import IngestWorker
+from protocol import jsonlimits
 from protocol import mqtt as proto
 from protocol.errors import ContractError
 
@@ -28,6 +33,33 @@ __all__ = ["MqttBridge"]
 log = logging.getLogger("edgefleet.fleet.mqtt")
 
 ACK_MAX_SEQS = 1000  # seqs per ack message (the protocol allows 10,000)
+
+
+class _SupervisedClient(mqtt.Client):
+    """paho's client whose network thread outlives an exception: paho ends ``loop_forever`` (and with it
+    ``loop_start``'s thread) when a callback raises, after which nothing more would be read while the
+    bridge still looked connected. Here the thread reports the failure and, unless told to stop, drops
+    the connection and runs the loop again (it reconnects, resubscribes and republishes by itself)."""
+
+    def __init__(self, on_died: Callable[[BaseException], bool], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._on_died = on_died
+
+    def _thread_main(self) -> None:  # paho's loop_start target (paho-mqtt 2.x)
+        try:
+            while True:
+                try:
+                    self.loop_forever(retry_first_connection=True)
+                    return  # disconnect() or loop_stop(): a clean end
+                except BaseException as exc:
+                    if not self._on_died(exc):
+                        return
+                    try:
+                        self.reconnect()  # a clean session: the broker does not wait on a half-handled message
+                    except Exception:
+                        log.warning("the MQTT broker is not reachable after the restart; paho keeps retrying")
+        finally:
+            self._thread = None
 
 
 class MqttBridge:
@@ -40,6 +72,9 @@ class MqttBridge:
         self.shared_group = shared_group
         self.connected = threading.Event()
         self.rejected = 0  # malformed or spoofed messages dropped
+        self.restarts = 0  # times the network loop died and was started again
+        self.last_failure: tuple[float, str] | None = None  # (time.time(), what killed the loop)
+        self._stopping = threading.Event()
         self.handled: dict[str, int] = {"status": 0, "reported": 0, "telemetry": 0}
         self.on_status: Callable[[proto.StatusMessage], object] | None = None
         self.on_reported: Callable[[proto.ReportedState], object] | None = None
@@ -47,7 +82,7 @@ class MqttBridge:
         self.on_connected: Callable[[], object] | None = None
         self.rejections: Rejections | None = None  # the service's counters, when wired
         self.ingest: IngestWorker | None = None  # when set, messages are stored in batches by it
-        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+        self._client = _SupervisedClient(self._loop_died, mqtt.CallbackAPIVersion.VERSION2,
                                    client_id=client_id or f"edgefleet-fleet-{uuid.uuid4().hex[:8]}",
                                    protocol=mqtt.MQTTv311, clean_session=True)
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
@@ -64,12 +99,29 @@ class MqttBridge:
         self._client.on_message = self._on_message
 
     def start(self) -> None:
+        self._stopping.clear()
         self._client.connect_async(self.host, self.port, keepalive=30)
         self._client.loop_start()
 
     def stop(self) -> None:
+        self._stopping.set()
         self._client.disconnect()
         self._client.loop_stop()
+
+    def alive(self) -> bool:
+        """The network loop is running (whether or not the broker is reachable right now)."""
+        thread = self._client._thread
+        return thread is not None and thread.is_alive()
+
+    def _loop_died(self, exc: BaseException) -> bool:
+        """Called by the network thread when something escaped paho's loop: count it, and say whether to
+        run the loop again (not once the bridge is stopping)."""
+        failure = f"{type(exc).__name__}: {exc}"[:500]
+        log.critical("the MQTT network loop died (%s); restarting it", failure, exc_info=exc)
+        self.connected.clear()
+        self.restarts += 1
+        self.last_failure = (time.time(), failure)
+        return not self._stopping.wait(min(0.1 * 2 ** min(self.restarts, 7), 10.0))
 
     def publish(self, topic: str, payload: bytes, retain: bool) -> None:
         """Queue a QoS 1 publish; paho keeps it and sends it once the broker is reachable."""
@@ -118,17 +170,27 @@ class MqttBridge:
     def _reject_telemetry(client, device_id: str, payload: bytes, reason: str) -> None:
         """Tell the agent a record it will keep resending cannot be stored, if it is identifiable."""
         try:
-            doc = json.loads(payload)
+            doc = jsonlimits.loads(payload, source="telemetry", max_bytes=proto.MAX_MESSAGE_BYTES)
             stream, seq = doc["stream"], doc["seq"]
             if doc.get("device_id") != device_id or not isinstance(seq, int) or isinstance(seq, bool):
                 return
             ack = proto.TelemetryAck(device_id=device_id, ts=time.time(), stream=stream, rejected=(seq,),
                                      reason=reason[:500])
-        except (ValueError, KeyError, TypeError, ContractError):  # ValueError covers pydantic's ValidationError
+        except (ValueError, KeyError, TypeError, AttributeError, ContractError):  # incl. pydantic's ValidationError
             return  # not even identifiable: nothing to tell
         client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=1)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        """paho's callback: never lets an exception out (the loop would end with it)."""
+        try:
+            self._handle(client, message)
+        except Exception as exc:
+            self.rejected += 1
+            log.exception("failed to handle a message on %r", message.topic[:200])
+            if self.rejections is not None:
+                self.rejections.add("ingest_error", message.topic[:200], f"could not handle a message: {exc!r}"[:500])
+
+    def _handle(self, client, message: mqtt.MQTTMessage) -> None:
         parsed = proto.parse_topic(message.topic)
         if parsed is None:
             return
@@ -157,6 +219,4 @@ class MqttBridge:
             else:
                 log.warning("dropped a malformed message: %s", exc)
             if kind == "telemetry":
-                self._reject_telemetry(client, device_id, bytes(message.payload), str(exc))
-        except Exception:
-            log.exception("failed to handle a message on %s", message.topic)
+                self._reject_telemetry(client, device_id, bytes(message.payload), str(exc)[:1000])

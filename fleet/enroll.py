@@ -74,8 +74,9 @@ class Enrollment:
         self.on_change = on_change
 
     def issue_token(self, device_id: str, ttl: dt.timedelta = TOKEN_TTL) -> str:
-        if not proto.device_id_ok(device_id):
-            raise BadRequest(f"device id {device_id!r} must be 1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
+        problem = proto.device_id_problem(device_id)
+        if problem is not None:
+            raise BadRequest(problem)
         token = "eft_" + secrets.token_urlsafe(32)
         with self.sessions.begin() as s:
             s.add(EnrollToken(token_sha256=_sha256(token), device_id=device_id, expires_at=_now() + ttl))
@@ -94,6 +95,9 @@ class Enrollment:
                 raise BadRequest("this enrollment token was already used; issue a new one", 401)
             if row.expires_at < _now():
                 raise BadRequest("this enrollment token has expired; issue a new one", 401)
+            problem = proto.device_id_problem(row.device_id)
+            if problem is not None:  # a token from before names were reserved: never the fleet's own account
+                raise BadRequest(f"this enrollment token cannot be redeemed: {problem}", 403)
             row.used_at = _now()
             cred = s.get(DeviceCredential, row.device_id)
             if cred is None:

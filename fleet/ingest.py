@@ -4,7 +4,10 @@ Whatever queued up while the last batch was written becomes the next batch (up t
 quiet fleet stores each message at once and a busy one pays one transaction per batch, not per
 message. A batch that fails is retried message by message, so one poisoned message costs only
 itself (logged, counted); telemetry is acked only after its batch committed, so the agent resends
-anything a failure lost.
+anything a failure lost. If something escapes even that, the thread starts its loop again (counted in
+``restarts``; the fleet's health then says degraded). The queue is bounded: when the database falls
+that far behind, ``put`` makes paho's thread wait (the broker holds the rest), and past ``put_timeout_s``
+the message is dropped and counted (unacked telemetry is sent again by the agent).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,23 +28,48 @@ log = logging.getLogger("edgefleet.fleet.ingest")
 
 class IngestWorker:
     def __init__(self, handlers: dict[str, Callable[[list[Any]], object]], rejections: Rejections,
-                 on_stored: Callable[[str, list[Any]], None], max_batch: int = 1000):
+                 on_stored: Callable[[str, list[Any]], None], max_batch: int = 1000, max_backlog: int = 100_000,
+                 put_timeout_s: float = 5.0):
         self.handlers = handlers  # kind -> batch handler, run in this order within a batch
         self.rejections = rejections
         self.on_stored = on_stored
         self.max_batch = max_batch
-        self._q: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self.put_timeout_s = put_timeout_s
+        self.restarts = 0  # times the loop died and was started again
+        self.last_failure: tuple[float, str] | None = None  # (time.time(), what killed the loop)
+        self.dropped = 0  # messages refused because the backlog stayed full
+        self._q: queue.Queue[tuple[str, Any] | None] = queue.Queue(max_backlog)
         self._thread: threading.Thread | None = None
 
     def put(self, kind: str, msg: Any) -> None:
-        self._q.put((kind, msg))
+        try:
+            self._q.put((kind, msg), timeout=self.put_timeout_s)
+        except queue.Full:
+            self.dropped += 1
+            self.rejections.add("ingest_backlog_full", getattr(msg, "device_id", "?"),
+                                f"dropped a {kind} message: {self._q.maxsize} messages wait for the database")
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def backlog(self) -> int:
         return self._q.qsize()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="fleet-ingest", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name="fleet-ingest", daemon=True)
         self._thread.start()
+
+    def _supervise(self) -> None:
+        while True:
+            try:
+                self._run()
+                return
+            except BaseException as exc:  # whatever ended the loop, the fleet must keep storing
+                failure = f"{type(exc).__name__}: {exc}"[:500]
+                log.critical("the ingest loop died (%s); restarting it", failure, exc_info=exc)
+                self.restarts += 1
+                self.last_failure = (time.time(), failure)
+                time.sleep(min(0.1 * 2 ** min(self.restarts, 7), 10.0))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Store what is queued, then stop."""

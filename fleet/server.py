@@ -6,6 +6,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,31 @@ class FleetServer:
     def app(self):
         from fleet.api import create_app
 
-        return create_app(self.service, self.repo, self.bootstrap, self.bridge.connected.is_set,
+        return create_app(self.service, self.repo, self.bootstrap, self.health,
                           self.config.max_upload_bytes, self.tokens, self.enrollment, self._replica_stats)
+
+    RECENT_FAILURE_S = 300.0  # a loop restarted this recently keeps health "degraded"
+
+    def health(self) -> dict[str, Any]:
+        """What ``/api/v1/health`` says: "ok" only while MQTT messages can reach the database."""
+        problems = []
+        connected = self.bridge.connected.is_set() and self.bridge.alive()
+        if not self.bridge.alive():
+            problems.append("the MQTT network loop is not running")
+        elif not connected:
+            problems.append(f"not connected to the MQTT broker {self.bridge.host}:{self.bridge.port}")
+        if not self.ingest.alive():
+            problems.append("the ingest loop is not running")
+        now = time.time()
+        for what, failure in (("MQTT network loop", self.bridge.last_failure),
+                              ("ingest loop", self.ingest.last_failure)):
+            if failure is not None and now - failure[0] < self.RECENT_FAILURE_S:
+                problems.append(f"the {what} died {now - failure[0]:.0f}s ago and was restarted: {failure[1]}")
+        if self.ingest.dropped:
+            problems.append(f"{self.ingest.dropped} MQTT messages dropped: the database fell behind")
+        return {"status": "degraded" if problems else "ok", "mqtt_connected": connected,
+                "mqtt_restarts": self.bridge.restarts, "ingest_restarts": self.ingest.restarts,
+                "ingest_backlog": self.ingest.backlog(), "problems": problems}
 
     def _replica_stats(self) -> dict[str, Any]:
         return {"id": self.service.rollouts.owner, "mqtt_handled": dict(self.bridge.handled),
