@@ -12,6 +12,12 @@ sums them up:
 - broker outage: telemetry records sent / delivered (goal equal)
 - fuzz cases run / server errors (goal 0): schemathesis on both OpenAPI documents, malformed MQTT payloads
 - MQTT ACL probes tried / refused (a real Mosquitto)
+- trust-boundary probes tried / refused: an operator acting as the fleet or locking a device out, another
+  origin posting console forms, nested bodies, crafted bundle archives, oversized images, a device taking
+  another's MQTT session or reading its retained messages (tests/test_trust_boundaries.py and the tests
+  named below that record "trust" figures)
+- malformed MQTT messages from an enrolled device: sent, and whether the fleet still stored a healthy
+  device's report afterwards
 
 A test that fails still reports what it saw; the exit code is pytest's.
 """
@@ -29,7 +35,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_tuf_attacks.py", "tests/test_keys.py", "tests/test_crash_random.py", "tests/test_outage.py",
-         "tests/test_fuzz.py", "tests/test_mqtt_acl.py"]
+         "tests/test_fuzz.py", "tests/test_mqtt_acl.py", "tests/test_trust_boundaries.py"]
+# further tests that record "trust" probes, where present
+TESTS += [t for t in ("tests/test_broker_identity.py", "tests/test_bundle_upload_checks.py",
+                      "tests/test_agent_image_memory.py") if (REPO / t).exists()]
 
 
 def main() -> int:
@@ -50,6 +59,8 @@ def main() -> int:
     outage = by["outage"]
     fuzz = by["fuzz"]
     acl = by["acl"]
+    trust = by["trust"]
+    malformed = by["malformed_mqtt"]
     figures = {
         "attacks": {"tried": len(attacks), "refused": sum(bool(x["refused"]) for x in attacks),
                     "names": [x["attack"] for x in attacks]},
@@ -59,6 +70,10 @@ def main() -> int:
         "fuzz": {"cases": sum(x.get("cases", 0) for x in fuzz), "server_errors": sum(x["server_errors"] for x in fuzz),
                  "targets": {x["target"]: x.get("cases", 0) for x in fuzz}},
         "acl": {"tried": sum(x["tried"] for x in acl), "refused": sum(x["refused"] for x in acl)},
+        "trust": {"tried": len(trust), "refused": sum(bool(x["refused"]) for x in trust),
+                  "not_refused": [x["probe"] for x in trust if not x["refused"]]},
+        "malformed_mqtt": {"sent": sum(x["sent"] for x in malformed),
+                           "still_storing": bool(malformed) and all(x["still_storing"] for x in malformed)},
         "pytest_exit": r.returncode,
     }
     if a.json:
@@ -74,6 +89,11 @@ def main() -> int:
     targets = ", ".join(f"{k} {v}" for k, v in f["fuzz"]["targets"].items())
     print(f"| fuzz cases ({targets}) | {f['fuzz']['cases']} | {f['fuzz']['server_errors']} server errors |")
     print(f"| MQTT ACL probes (Mosquitto) | {f['acl']['tried']} | {f['acl']['refused']} refused |")
+    print(f"| trust-boundary probes (operator, other origin, archives, images, MQTT sessions) | "
+          f"{f['trust']['tried']} | {f['trust']['refused']} refused |")
+    storing = "yes" if f["malformed_mqtt"]["still_storing"] else "NO"
+    print(f"| malformed MQTT messages from an enrolled device | {f['malformed_mqtt']['sent']} sent | "
+          f"fleet still storing: {storing} |")
     return r.returncode
 
 

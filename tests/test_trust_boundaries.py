@@ -18,9 +18,16 @@ from fleet.acl import FLEET_USER
 from protocol import mqtt as proto
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
+from tests.test_crash_random import record_figures
 from tests.test_mqtt_acl import Client
 
 NEST = 100_000  # the nesting that raised RecursionError in paho's network thread
+
+
+def probe(what: str, refused: bool) -> None:
+    """One attempt across a boundary, counted by bench/reliability.py, then required to have been refused."""
+    record_figures("trust", {"probe": what, "refused": bool(refused)})
+    assert refused, f"not refused: {what}"
 
 
 def _enroll(url: str, device_id: str) -> dict:
@@ -72,8 +79,12 @@ def test_no_message_from_an_enrolled_device_stops_the_fleet_storing_others(tmp_p
         # every case was read and dropped (none stored), and the network thread is the same live one
         wait_for(lambda: fs.bridge.rejected >= len(cases), timeout_s=30, what="every malformed message rejected")
         good.publish(proto.topic("good", "reported"), _report("good"))
-        wait_for(lambda: api.get(f"{url}/api/v1/devices/good").json().get("last_state") == "installed",
-                 timeout_s=15, what="a healthy device's report stored after the malformed ones")
+        try:
+            wait_for(lambda: api.get(f"{url}/api/v1/devices/good").json().get("last_state") == "installed",
+                     timeout_s=15, what="a healthy device's report stored after the malformed ones")
+            storing = True
+        finally:
+            record_figures("malformed_mqtt", {"sent": len(cases), "still_storing": locals().get("storing", False)})
         health = httpx.get(f"{url}/api/v1/health", timeout=10).json()
         assert health["status"] == "ok" and health["mqtt_connected"] is True, health
         assert health["mqtt_restarts"] == 0 and health["ingest_restarts"] == 0, health
@@ -131,9 +142,9 @@ def test_an_operator_cannot_register_a_device_under_a_name_of_the_fleet(tmp_path
         accounts = fs.enrollment.accounts()
         assert FLEET_USER in {a.username for a in accounts}
         r = api.post(f"{url}/api/v1/devices", token=op, json={"device_id": device_id})
-        assert r.status_code == 400 and "reserved" in r.json()["error"], r.text
+        probe(f"operator registers device {device_id!r}", r.status_code == 400 and "reserved" in r.json()["error"])
         r = api.post(f"{url}/api/v1/devices/{device_id}/enrollment-token", token=op, json={})
-        assert r.status_code == 400 and "reserved" in r.json()["error"], r.text
+        probe(f"operator enrolls device {device_id!r}", r.status_code == 400 and "reserved" in r.json()["error"])
         # the fleet's own broker account is untouched (its password row was overwritten on 2026-11-25's main)
         assert fs.enrollment.accounts() == accounts
         assert api.get(f"{url}/api/v1/devices/{device_id}").status_code == 404
@@ -149,7 +160,7 @@ def test_re_enrolling_an_online_device_needs_admin(tmp_path):
             proto.StatusMessage(device_id="live", ts=time.time(), state="online")))
         wait_for(lambda: api.get(f"{url}/api/v1/devices/live").json().get("online") is True)
         r = api.post(f"{url}/api/v1/devices/live/enrollment-token", token=op, json={})
-        assert r.status_code == 403 and "admin" in r.json()["error"], r.text
+        probe("operator re-enrolls an online device", r.status_code == 403 and "admin" in r.json()["error"])
         # a device that never enrolled, or is offline, an operator may (re-)enroll
         assert api.post(f"{url}/api/v1/devices/fresh/enrollment-token", token=op, json={}).status_code == 201
         # an admin may re-enroll the live one (replacing a box), and that is in the audit log
@@ -164,9 +175,9 @@ NESTED = "[" * 100_000
 def test_deeply_nested_json_gets_the_documented_error_shape(tmp_path, path):
     with running_fleet(tmp_path, None) as (fs, url):
         r = api.post(f"{url}{path}", content=NESTED, headers={"content-type": "application/json"})
-        assert 400 <= r.status_code < 500, r.text
         body = r.json()
-        assert set(body) == {"error"} and "nested" in body["error"], body
+        probe(f"JSON nested 100,000 deep to {path}", 400 <= r.status_code < 500 and set(body) == {"error"}
+              and "nested" in body["error"])
 
 
 def _sign_in(url: str) -> httpx.Client:
@@ -183,11 +194,13 @@ def test_console_forms_refuse_another_origin(tmp_path):
         for headers in ({"origin": "http://evil.example"}, {"origin": "null"},
                         {"referer": "http://evil.example/page"}, {}):  # a browser always sends one of the two
             r = c.post("/console/rollouts", data=form, headers=headers)
-            assert r.status_code == 403 and "cross-origin" in r.json()["error"], r.text
+            probe(f"console rollout form from {headers or 'no origin'}",
+                  r.status_code == 403 and "cross-origin" in r.json()["error"])
             r = c.post("/console/rollouts/1/abort", headers=headers)
-            assert r.status_code == 403, r.text
+            probe(f"console abort from {headers or 'no origin'}", r.status_code == 403)
             r = c.post("/login", data={"token": api.token}, headers=headers)
-            assert r.status_code == 403 and "set-cookie" not in r.headers, r.text
+            probe(f"console sign-in from {headers or 'no origin'}",
+                  r.status_code == 403 and "set-cookie" not in r.headers)
         # from its own page the same form goes through (and fails for its own reason: there is no such model)
         r = c.post("/console/rollouts", data=form, headers={"origin": url})
         assert r.status_code == 400 and "rollout not started" in r.text, r.text
