@@ -293,7 +293,10 @@ def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custo
     fleet publishes it) with ``bundle`` added as ``target_path``, signed with the CI key."""
     from tuf.api.metadata import Metadata, TargetFile, Targets
 
+    from protocol.bundle import check_bundle
+
     signer = load_signer(key, BUNDLES_ROLE)
+    check_bundle(bundle)  # never sign an archive the agent would refuse (BundleError names the problem)
     md = Metadata[Targets].from_bytes(current)
     if target_path in md.signed.targets:
         raise KeyStoreError(f"{target_path} is already signed; publish a new version instead of replacing one")

@@ -21,9 +21,10 @@ from fleet.keys import bundle_target
 from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
 from fleet.tuf_repo import Repository
 from protocol import mqtt as proto
-from protocol.bundle import BundleError, read_manifest
+from protocol.bundle import check_bundle
 from protocol.errors import ContractError
 from protocol.manifest import version_key
+from protocol.profile import list_profiles
 
 __all__ = ["FleetService", "Publisher"]
 
@@ -160,9 +161,14 @@ class FleetService:
 
     # -- models -------------------------------------------------------------------------------
     def upload_bundle(self, path: Path) -> dict[str, Any]:
+        """Check the whole archive with the agent's own reader (protocol.bundle.check_bundle: plain regular
+        files only, exactly the ones the manifest lists with their sizes and sha256, a profile this fleet
+        knows) before anything is signed or stored; a bad one is a 422 naming the problem (never ``path``,
+        the server's temporary file). The delegated layout too: CI's signature says who built it, not that
+        the archive is sound."""
         try:
-            manifest = read_manifest(path)
-        except (BundleError, ContractError) as exc:
+            manifest = check_bundle(path, profiles=list_profiles(), label="upload")
+        except ContractError as exc:  # BundleError, SchemaError, UnsupportedVersionError
             raise BadRequest(f"not a valid bundle: {exc}", 422) from exc
         if not manifest.accuracy.passed:
             raise BadRequest(f"{manifest.name} {manifest.version} failed its accuracy gate at compile time "

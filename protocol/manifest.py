@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from protocol import jsonlimits
 from protocol._strict import StrictModel, parse_document
 from protocol.errors import SchemaError, UnsupportedVersionError
 from protocol.preprocess import Preprocessing
@@ -25,6 +26,7 @@ from protocol.preprocess import Preprocessing
 __all__ = [
     "MANIFEST_FILENAME",
     "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
     "AccuracyReport",
     "BenchmarkPoint",
     "BenchmarkReport",
@@ -43,6 +45,7 @@ __all__ = [
 
 MANIFEST_VERSION = 2
 MANIFEST_FILENAME = "manifest.json"
+MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
 Backend = Literal["onnxruntime", "litert", "tensorrt"]
 Precision = Literal["fp32", "fp16", "int8"]
@@ -263,11 +266,8 @@ def parse_manifest(raw: bytes | str | dict[str, Any], source: str = MANIFEST_FIL
     """Parse and validate a manifest, refusing one written for a newer contract."""
     if isinstance(raw, dict):
         data = raw
-    else:
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SchemaError(source, [f"not valid JSON: {exc}"]) from exc
+    else:  # bounded: a manifest nested 100,000 deep is a SchemaError, never a RecursionError
+        data = jsonlimits.loads(raw, source=source, max_bytes=MAX_MANIFEST_BYTES)
     if not isinstance(data, dict):
         raise SchemaError(source, ["expected a JSON object at the top level"])
     mv = data.get("manifest_version")

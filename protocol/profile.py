@@ -17,6 +17,7 @@ from protocol.manifest import Backend, Int8Scheme, Precision
 __all__ = ["HardwareProfile", "list_profiles", "load_profile", "profile_dir", "resolve_profile_path"]
 
 PROFILE_VERSION = 1
+MAX_PROFILE_BYTES = 256 * 1024  # a profile is a page of YAML
 
 
 class QuantizationSettings(StrictModel):
@@ -145,10 +146,15 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         near = difflib.get_close_matches(name_or_path, known, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise SchemaError(str(path), [f"no such profile; {hint}known profiles: {', '.join(known)}"])
+    raw = path.read_bytes()
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise SchemaError(str(path), [f"{len(raw)} bytes exceeds the {MAX_PROFILE_BYTES}-byte limit of a profile"])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise SchemaError(str(path), [f"not valid YAML: {exc}"]) from exc
+    except RecursionError as exc:  # PyYAML composes nested collections recursively
+        raise SchemaError(str(path), ["nested too deeply"]) from exc
     if isinstance(data, dict):
         pv = data.get("profile_version")
         if isinstance(pv, int) and pv > PROFILE_VERSION:

@@ -102,3 +102,22 @@ def test_not_a_bundle(tmp_path):
     p.write_bytes(b"hello")
     with pytest.raises(BundleError, match="not a bundle"):
         read_manifest(p)
+
+
+def test_deeply_nested_manifest_is_a_schema_error_not_a_crash():
+    deep = b'{"manifest_version": 2, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(SchemaError, match="nested deeper"):
+        parse_manifest(deep, source="m.json")
+    with pytest.raises(SchemaError, match="limit"):
+        parse_manifest(b" " * (2 * 1024**2) + b"{}")
+
+
+def test_deeply_nested_or_huge_profile_is_a_schema_error(tmp_path):
+    from protocol.profile import load_profile
+
+    (tmp_path / "deep.yaml").write_text("[" * 50_000 + "]" * 50_000)
+    with pytest.raises(SchemaError, match="nested too deeply"):
+        load_profile(str(tmp_path / "deep.yaml"))
+    (tmp_path / "big.yaml").write_text("# pad\n" * 100_000)
+    with pytest.raises(SchemaError, match="limit"):
+        load_profile(str(tmp_path / "big.yaml"))

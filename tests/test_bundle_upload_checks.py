@@ -1,0 +1,312 @@
+"""The fleet checks a bundle archive before it signs or stores it, with the reader the agent installs with.
+
+An operator (or a compromised CI job) uploads crafted archives over real HTTP to a fleet on loopback. Each
+one carries a valid manifest but a bad archive (or a manifest built to crash the parser): every one must be
+refused with 422, a JSON reason naming the problem, no server path in the body, and nothing signed or
+stored afterwards. The same checks hold for the delegated layout, where CI signed the target first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol import bundle as bundle_mod
+from protocol.bundle import BundleError, extract_bundle
+from protocol.errors import ContractError
+from protocol.manifest import MANIFEST_FILENAME
+from tests.conftest import Mosquitto, free_port
+from tests.fleet_harness import api, running_fleet
+
+
+# -- crafted archives ------------------------------------------------------------------------------
+@dataclass
+class Member:
+    name: str
+    data: bytes = b""
+    type: bytes = tarfile.REGTYPE
+    linkname: str = ""
+
+
+@dataclass
+class Crafted:
+    """A bundle as a list of tar members; ``manifest`` is written as the first member unless ``raw``."""
+
+    manifest: dict[str, Any]
+    members: list[Member] = field(default_factory=list)
+    raw_manifest: bytes | None = None
+
+    def write(self, out: Path) -> Path:
+        with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+            data = self.raw_manifest if self.raw_manifest is not None else json.dumps(self.manifest).encode()
+            _add(tar, Member(MANIFEST_FILENAME, data))
+            for m in self.members:
+                _add(tar, m)
+        return out
+
+
+def _add(tar: tarfile.TarFile, m: Member) -> None:
+    info = tarfile.TarInfo(m.name)  # addfile keeps the name as given: '/etc/x' stays absolute
+    info.type = m.type
+    info.mode = 0o644
+    info.linkname = m.linkname
+    info.size = len(m.data) if m.type == tarfile.REGTYPE else 0
+    tar.addfile(info, io.BytesIO(m.data) if m.type == tarfile.REGTYPE else None)
+
+
+def _base(digits_bundle: Path, version: str) -> Crafted:
+    """The compiled digits bundle, as members, with its own version (so each case is a new target)."""
+    with tarfile.open(digits_bundle) as tar:
+        files = {}
+        for ti in tar.getmembers():
+            f = tar.extractfile(ti)
+            assert f is not None
+            files[ti.name] = f.read()
+    manifest = json.loads(files.pop(MANIFEST_FILENAME))
+    manifest["version"] = version
+    return Crafted(manifest, [Member(n, d) for n, d in sorted(files.items())])
+
+
+def _member(c: Crafted, name: str) -> Member:
+    return next(m for m in c.members if m.name == name)
+
+
+def _traversal(c: Crafted) -> None:
+    c.members.append(Member("../../x", b"owned\n"))
+
+
+def _absolute(c: Crafted) -> None:
+    c.members.append(Member("/etc/x", b"owned\n"))
+
+
+def _symlink(c: Crafted) -> None:  # the self-test sample is a symlink to /etc/passwd
+    st = c.manifest["selftest"]
+    c.members = [m for m in c.members if m.name != st] + [Member(st, type=tarfile.SYMTYPE, linkname="/etc/passwd")]
+
+
+def _hardlink(c: Crafted) -> None:
+    st = c.manifest["selftest"]
+    c.members = [m for m in c.members if m.name != st] + [Member(st, type=tarfile.LNKTYPE, linkname="/etc/passwd")]
+
+
+def _hash_mismatch(c: Crafted) -> None:
+    eng = _member(c, c.manifest["engine"])
+    eng.data = eng.data[:-1] + bytes([eng.data[-1] ^ 1])  # same size, other bytes
+
+
+def _size_mismatch(c: Crafted) -> None:
+    c.manifest["files"][c.manifest["selftest"]]["size_bytes"] += 1
+
+
+def _duplicate_manifest(c: Crafted) -> None:  # a second, also valid, manifest: tarfile's getmember takes the last
+    c.members.append(Member(MANIFEST_FILENAME, json.dumps({**c.manifest, "version": "66.6.6"}).encode()))
+
+
+def _huge_size(c: Crafted) -> None:
+    c.manifest["files"][c.manifest["selftest"]]["size_bytes"] = 10**15
+
+
+def _unknown_profile(c: Crafted) -> None:
+    c.manifest["profile"] = "no-such-board"
+
+
+def _extra_member(c: Crafted) -> None:
+    c.members.append(Member("extra.bin", b"not listed\n"))
+
+
+def _missing_file(c: Crafted) -> None:
+    st = c.manifest["selftest"]
+    c.members = [m for m in c.members if m.name != st]
+
+
+def _deep_manifest(c: Crafted) -> None:
+    depth = 100_000
+    c.raw_manifest = b'{"manifest_version": 2, "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+# (case id, how to spoil the bundle, words one of which the reason must contain)
+CASES: list[tuple[str, Callable[[Crafted], None], tuple[str, ...]]] = [
+    ("traversal", _traversal, ("../../x",)),
+    ("absolute", _absolute, ("/etc/x",)),
+    ("symlink", _symlink, ("selftest.npz", "link", "regular file")),
+    ("hardlink", _hardlink, ("selftest.npz", "link", "regular file")),
+    ("hash-mismatch", _hash_mismatch, ("sha256",)),
+    ("size-mismatch", _size_mismatch, ("bytes",)),
+    ("duplicate-manifest", _duplicate_manifest, ("duplicate",)),
+    ("size-bytes-1e15", _huge_size, ("size_bytes", "limit")),
+    ("unknown-profile", _unknown_profile, ("no-such-board",)),
+    ("extra-member", _extra_member, ("extra.bin",)),
+    ("missing-file", _missing_file, ("missing",)),
+    ("nested-100000", _deep_manifest, ("nested", "deep")),
+]
+
+
+# -- one fleet for the module (all-keys layout: it signs what it accepts) -------------------------------
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path]]:
+    tmp = tmp_path_factory.mktemp("upload-checks")
+    port = free_port()
+    conf = tmp / "mosquitto.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    broker = Mosquitto(port, conf)
+    broker.start()
+    try:
+        with running_fleet(tmp, broker.url) as (fs, url):
+            yield fs, url, tmp
+    finally:
+        broker.stop()
+
+
+def _published(fs: Any, url: str) -> dict[str, Any]:
+    """What the fleet promises and keeps: its TUF metadata as served, the signed targets, the stored files."""
+    stored = {str(p.relative_to(fs.repo.dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+              for p in sorted(fs.repo.dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {"timestamp": api.get(f"{url}/tuf/metadata/timestamp.json").content,
+            "targets": sorted(fs.repo.targets()), "stored": stored,
+            "models": api.get(f"{url}/api/v1/models").json()}
+
+
+def _assert_refused(r: Any, words: tuple[str, ...], server_root: Path) -> str:
+    assert r.status_code == 422, (r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("application/json"), r.headers["content-type"]
+    error = r.json()["error"]
+    assert any(w in error for w in words), f"{error!r} names none of {words}"
+    for leak in (str(server_root), "/tmp/", "upload-"):
+        assert leak not in r.text, f"the reply shows a server path ({leak!r}): {r.text[:500]}"
+    return str(error)
+
+
+@pytest.mark.parametrize(("case", "spoil", "words"), CASES, ids=[c[0] for c in CASES])
+def test_a_bad_archive_is_refused_before_anything_is_signed(fleet, digits_bundle, tmp_path, case, spoil, words):
+    fs, url, server_root = fleet
+    crafted = _base(digits_bundle, f"9.{CASES.index((case, spoil, words))}.0")
+    spoil(crafted)
+    bad = crafted.write(tmp_path / f"{case}.tar")
+    before = _published(fs, url)
+    r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes(), headers={"Content-Type": "application/x-tar"})
+    _assert_refused(r, words, server_root)
+    assert _published(fs, url) == before, "a refused bundle changed the signed repository or the stored files"
+
+
+def test_the_crafting_helper_makes_an_acceptable_bundle(fleet, digits_bundle, tmp_path):
+    """The control: unspoilt, the same builder's archive is accepted (the refusals are for the spoiling)."""
+    fs, url, _ = fleet
+    ok = _base(digits_bundle, "8.0.0").write(tmp_path / "ok.tar")
+    r = api.post(f"{url}/api/v1/bundles", content=ok.read_bytes(), headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 201, r.text
+    assert "digits/8.0.0/x86-cpu.tar" in fs.repo.targets()
+
+
+def test_absolute_and_traversal_names_survive_in_the_crafted_tar(digits_bundle, tmp_path):
+    """tarfile keeps '/etc/x' and '../../x' as written (else those two cases would test nothing)."""
+    c = _base(digits_bundle, "1.0.0")
+    _traversal(c)
+    _absolute(c)
+    with tarfile.open(c.write(tmp_path / "names.tar")) as tar:
+        assert {"../../x", "/etc/x"} <= set(tar.getnames())
+
+
+# -- the same reader, without a fleet -------------------------------------------------------------------
+@pytest.mark.parametrize(("case", "spoil", "words"), CASES, ids=[c[0] for c in CASES])
+def test_the_agent_refuses_the_same_archives(digits_bundle, tmp_path, case, spoil, words):
+    crafted = _base(digits_bundle, "1.0.0")
+    spoil(crafted)
+    bad = crafted.write(tmp_path / f"{case}.tar")
+    if case != "unknown-profile":  # the agent checks the profile against its CPU, later (agent.daemon)
+        with pytest.raises(ContractError) as exc:  # BundleError, or SchemaError for the manifest
+            extract_bundle(bad, tmp_path / "out")
+        assert any(w in str(exc.value) for w in words), str(exc.value)
+        assert not (tmp_path.parent / "x").exists() and not Path("/etc/x").exists()
+    with pytest.raises(ContractError) as exc:
+        bundle_mod.check_bundle(bad, profiles=["x86-cpu"])
+    assert any(w in str(exc.value) for w in words), str(exc.value)
+
+
+def test_extract_writes_each_member_itself(digits_bundle, tmp_path, monkeypatch):
+    """Python 3.11.2 (Raspberry Pi OS) has no tar.extract(filter=...): extraction must not need it."""
+    def old_extract(self, member, path="", set_attrs=True, *, numeric_owner=False):  # 3.11.2's signature
+        raise AssertionError("extract_bundle called TarFile.extract")
+
+    monkeypatch.setattr(tarfile.TarFile, "extract", old_extract)
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extract)
+    dest = tmp_path / "out"
+    m = extract_bundle(digits_bundle, dest)
+    with tarfile.open(digits_bundle) as tar:
+        names = tar.getnames()
+        expected = {n: tar.extractfile(n).read() for n in names}  # type: ignore[union-attr]
+    assert sorted(os.listdir(dest)) == sorted(names) == sorted([*m.files, MANIFEST_FILENAME])
+    for name, data in expected.items():
+        p = dest / name
+        st = p.lstat()
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644, (name, oct(st.st_mode))
+        assert p.read_bytes() == data
+    for name, entry in m.files.items():
+        assert hashlib.sha256((dest / name).read_bytes()).hexdigest() == entry.sha256
+
+
+def test_extract_refuses_a_destination_with_a_planted_symlink(digits_bundle, tmp_path):
+    """A file already in dest (here a symlink where the engine goes) is never written through."""
+    dest = tmp_path / "out"
+    dest.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (dest / "model.onnx").symlink_to(victim)
+    with pytest.raises(BundleError):
+        extract_bundle(digits_bundle, dest)
+    assert victim.read_bytes() == b"keep me"
+
+
+# -- delegated layout: CI signed the target, the fleet still checks the file ---------------------------
+def _ci_sign_unchecked(key: Path, current: bytes, target: str, bundle: Path, custom: dict[str, Any]) -> bytes:
+    """What a CI job that skips the checks would publish (fleet.keys.sign_bundle checks first)."""
+    from tuf.api.metadata import Metadata, TargetFile, Targets
+    from tuf.api.serialization.json import JSONSerializer
+
+    from fleet.keys import BUNDLES_ROLE, load_signer
+
+    md = Metadata[Targets].from_bytes(current)
+    tf = TargetFile.from_file(target, str(bundle), ["sha256"])
+    tf.unrecognized_fields["custom"] = custom
+    md.signed.targets[target] = tf
+    md.signed.version += 1
+    md.signatures.clear()
+    md.sign(load_signer(key, BUNDLES_ROLE))
+    return bytes(md.to_bytes(JSONSerializer(compact=True)))
+
+
+def test_a_bundle_ci_signed_is_still_checked_before_the_fleet_stores_it(tmp_path, digits_bundle, mosquitto):
+    import shutil
+
+    from fleet.errors import KeyStoreError
+    from fleet.keys import BUNDLES_ROLE, create_keys, sign_bundle
+
+    create_keys(tmp_path / "split")
+    shutil.copytree(tmp_path / "split" / "fleet", tmp_path / "keys")
+    ci_key = tmp_path / "split" / "ci" / f"{BUNDLES_ROLE}.key"
+    crafted = _base(digits_bundle, "9.9.9")
+    _traversal(crafted)
+    bad = crafted.write(tmp_path / "bad.tar")
+    target = "digits/9.9.9/x86-cpu.tar"
+    custom = {"name": "digits", "version": "9.9.9", "profile": "x86-cpu"}
+    with running_fleet(tmp_path, mosquitto.url) as (fs, url):
+        current = api.get(f"{url}/api/v1/bundles/signed-metadata").content
+        with pytest.raises((BundleError, KeyStoreError), match=r"\.\./\.\./x"):
+            sign_bundle(ci_key, current, target, bad, custom)  # the CI side refuses to sign it
+        r = api.post(f"{url}/api/v1/bundles/signed-metadata",
+                     content=_ci_sign_unchecked(ci_key, current, target, bad, custom))
+        assert r.status_code == 201, r.text
+        before = _published(fs, url)
+        r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes(), headers={"Content-Type": "application/x-tar"})
+        _assert_refused(r, ("../../x",), tmp_path)
+        after = _published(fs, url)
+        assert after == before and not any(k.startswith("targets/") for k in after["stored"]), after["stored"]
