@@ -57,8 +57,9 @@ class FleetService:
     def register_device(self, device_id: str, labels: dict[str, str] | None = None, group: str | None = None,
                         tags: list[str] | None = None, profile: str | None = None,
                         actor: str = "api") -> dict[str, Any]:
-        if not proto.device_id_ok(device_id):
-            raise BadRequest(f"device id {device_id!r} must be 1-64 of [A-Za-z0-9_.-], starting with a letter or digit")
+        problem = proto.device_id_problem(device_id)
+        if problem is not None:
+            raise BadRequest(problem)
         with self.sessions.begin() as s:
             dev = s.get(Device, device_id)
             if dev is None:
