@@ -37,7 +37,11 @@ class AgentConfig(StrictModel):
     device_id: str
     fleet_url: str  # e.g. http://127.0.0.1:8700
     data_dir: Path
-    trusted_root: Path | None = None  # root.json from 'edgefleet keys init'; None: trust the fleet's on first use
+    # the anchor of trust: root.json from 'edgefleet keys init' / 'keys create'. Without it the agent starts only
+    # if it already holds a root (data_dir/tuf/metadata/root.json) or trust_on_first_use says to trust the
+    # root the fleet serves the first time it connects
+    trusted_root: Path | None = None
+    trust_on_first_use: bool = False
     mqtt_url: str | None = None  # None: ask the fleet (/api/v1/bootstrap); mqtts://host:port for TLS
     # MQTT identity (agent/enroll.py): a one-time token from 'edgefleet fleet enroll DEVICE', traded once for
     # credentials kept in data_dir; or credentials given here. TLS: the broker's CA; mutual TLS: cert + key.
@@ -56,6 +60,11 @@ class AgentConfig(StrictModel):
     queue_timeout_ms: int = Field(default=5000, ge=1)  # a request waiting longer than this gets 503
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)  # one request
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)  # all requests being read at once
+    # /infer/image: the memory one decode may take, worked out from the image's header before any decoder runs
+    # (bigger images get 413), and how many decode at once (the rest wait up to queue_timeout_ms, then 503).
+    # Images never take more than max_concurrent_image_decodes x max_image_decoded_bytes at once.
+    max_image_decoded_bytes: int = Field(default=96 * 1024 * 1024, ge=64 * 1024)  # 96 MiB: a 16 MP photo
+    max_concurrent_image_decodes: int = Field(default=2, ge=1, le=64)
     intra_op_threads: int = Field(default=2, ge=1, le=256)
     shadow_sample_rate: float = Field(default=0.1, gt=0.0, le=1.0)  # live requests mirrored to a shadow candidate
     instances: int = Field(default=1, ge=1, le=16)  # backend instances per model, one inference thread each

@@ -30,6 +30,7 @@ from agent.batcher import BatchSettings
 from agent.config import AgentConfig
 from agent.enroll import mqtt_security
 from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from agent.image import ImageLimits
 from agent.link import MqttLink
 from agent.metrics import Metrics
 from agent.server import IndexEntry, ModelHost, create_app
@@ -37,7 +38,7 @@ from agent.shadow import ShadowMirror
 from agent.spool import Spool
 from agent.store import ModelStore, StagedModel
 from agent.telemetry import DeviceSampler, DeviceStats
-from agent.trusted import check_cpu, decide
+from agent.trusted import Decision, check_cpu, decide
 from agent.updater import BundleFetcher
 from protocol import mqtt as proto
 from protocol.cpu import cpu_features
@@ -173,8 +174,24 @@ def _device_summary(st: DeviceStats | None) -> proto.DeviceSummary | None:
                                temperature_c=round(max(temps), 1) if temps else None)
 
 
+TOFU_ROOT = Path("tuf/metadata/root.json")  # under data_dir: the root this device trusts once it has one
+
+
+def require_trust_anchor(config: AgentConfig) -> None:
+    """ConfigError unless the agent has something to anchor trust in: a root given, a root it already holds,
+    or trust on first use asked for out loud."""
+    if config.trusted_root is not None or config.trust_on_first_use or (config.data_dir / TOFU_ROOT).exists():
+        return
+    raise ConfigError(
+        "no trusted root: pass --trusted-root PATH (the root.json that 'edgefleet keys init' or 'edgefleet keys "
+        "create' wrote; key trusted_root in --config), or --trust-on-first-use (key trust_on_first_use: true) to "
+        f"trust whatever root {config.fleet_url} serves the first time this device connects (anyone who can "
+        f"answer for that address then, can sign its models); {config.data_dir / TOFU_ROOT} does not exist yet")
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
+        require_trust_anchor(config)
         self.config = config
         self.metrics = Metrics()
         self.host = ModelHost(BatchSettings(max_batch_size=config.max_batch_size,
@@ -243,7 +260,9 @@ class Agent:
         port = sock.getsockname()[1]
         self.inference_url = f"http://{self.config.http_host}:{port}"
         app = create_app(self.host, self.config.max_body_bytes, self.config.device_id,
-                         self.config.max_inflight_body_bytes)
+                         self.config.max_inflight_body_bytes, ImageLimits(
+                             self.config.max_image_decoded_bytes, self.config.max_concurrent_image_decodes,
+                             self.config.queue_timeout_ms / 1000))
         # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
         # batchers close only after it returns), then waits for the connections for at most the grace period
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
@@ -305,10 +324,11 @@ class Agent:
             try:
                 boot = self._get_json(f"{self.config.fleet_url}/api/v1/bootstrap")
                 root_bytes = None
-                if self.config.trusted_root is None and not (self.config.data_dir / "tuf/metadata/root.json").exists():
+                if (self.config.trusted_root is None and self.config.trust_on_first_use
+                        and not (self.config.data_dir / TOFU_ROOT).exists()):
                     with urllib.request.urlopen(f"{boot['tuf_metadata_url']}1.root.json", timeout=5) as r:
                         root_bytes = r.read(512 * 1024)
-                    log.warning("no --trusted-root given: trusting the fleet's root.json on first use")
+                    log.warning("--trust-on-first-use: trusting the root.json %s serves now", self.config.fleet_url)
                 self.fetcher = BundleFetcher(self.config.data_dir / "tuf", boot["tuf_metadata_url"],
                                              boot["tuf_targets_url"], self.config.trusted_root, root_bytes,
                                              self.config.download_grace_s, self.config.download_min_bytes_per_s)
@@ -398,8 +418,10 @@ class Agent:
             self._max_rollout = desired.rollout_id
         cur = self.store.current
         profile = desired.target.rsplit("/", 1)[-1].removesuffix(".tar")
-        decision = decide(cur.installed if cur else None, desired.model, desired.version, desired.sha256, profile,
-                          self.config.profiles, frozenset(self._failed))
+        decision = decide(self.store.trusted, cur.installed if cur else None, desired.model, desired.version,
+                          desired.sha256, profile, self.config.profiles, frozenset(self._failed))
+        if decision.action == "install" and self.store.trusted_error is not None:
+            decision = Decision("refuse", self.store.trusted_error)
         if decision.action == "keep":
             self._report("installed", desired)
             return

@@ -44,7 +44,7 @@ import protocol
 from agent.backends.base import Backend
 from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
 from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
-from agent.image import preprocess_image
+from agent.image import ImageLimits, check_image, decode_feeds
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from agent.openapi import openapi
@@ -254,11 +254,14 @@ def model_config(served: Served) -> dict[str, Any]:
 
 
 def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
-               max_inflight_body_bytes: int = 256 * 1024 * 1024) -> ASGIApp:
+               max_inflight_body_bytes: int = 256 * 1024 * 1024, image_limits: ImageLimits | None = None) -> ASGIApp:
     metrics = host.metrics
     budget = _ByteBudget(max_inflight_body_bytes)
     # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
     large_decodes = asyncio.Semaphore(2)
+    # images: each checked against its decode budget from its header, then at most this many decode at once
+    images = image_limits or ImageLimits()
+    image_decodes = asyncio.Semaphore(images.max_concurrent)
 
     def resolve(request: Request) -> Served:
         return host.get(request.path_params["name"], request.path_params.get("version"))
@@ -391,7 +394,16 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                                        budget, held)
             served = resolve(request)
             m = served.manifest
-            feeds = await run_in_threadpool(preprocess_image, body, m)  # OpenCV releases the GIL
+            header = check_image(body, m, images.max_decoded_bytes)  # before any decoder: 4xx, no slot taken
+            try:
+                await asyncio.wait_for(image_decodes.acquire(), images.wait_s)
+            except TimeoutError:
+                raise Unavailable(f"{images.max_concurrent} images are decoding (max_concurrent_image_decodes) and "
+                                  f"this one waited {images.wait_s:g} s for its turn; retry") from None
+            try:  # the thread is never abandoned (anyio waits for it), so the slot is given back after it
+                feeds = await run_in_threadpool(decode_feeds, body, m, header)  # OpenCV releases the GIL
+            finally:
+                image_decodes.release()
             del body
             outs = await served.batcher.submit(feeds)
             if host.shadow is not None:

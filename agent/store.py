@@ -4,11 +4,20 @@
     <data_dir>/staging/                            extraction in progress; emptied at start-up
     <data_dir>/state.json                          which bundle is current and which was before
                                                    (replaced atomically; the commit point)
+    <data_dir>/trusted.json                        the trusted record: the highest version and its
+                                                   sha256 of every model ever installed here
+                                                   (:class:`agent.trusted.TrustedRecord`; replaced
+                                                   atomically just before state.json)
 
 Several models live side by side, one active version each, with the version before it kept for
 rollback. ``current``/``previous`` are the model installed last (the one the fleet's desired state
 names); ``others`` are the rest, by name. state.json keeps that shape (``current``, ``previous``,
 ``others``), so an agent of the previous release still reads its model from it.
+
+The trusted record only moves forward: :meth:`ModelStore.commit` refuses what it refuses (a downgrade or a
+rebuilt version of any model ever installed, whichever runs now), rollback and removal leave it as it is,
+and a store from before the record existed starts it from the versions state.json names. An unreadable
+record is not an empty one: every commit is refused until it is restored.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent.errors import TrustError
-from agent.trusted import Installed
+from agent.trusted import Installed, TrustedRecord
 from protocol.bundle import extract_bundle, sha256_file
 from protocol.errors import ContractError
 from protocol.fsutil import atomic_write, fsync_dir
@@ -59,10 +68,13 @@ class ModelStore:
         self.models_dir = root / "models"
         self.staging_dir = root / "staging"
         self.state_path = root / "state.json"
+        self.trusted_path = root / "trusted.json"
         self._fault = fault or (lambda point: None)
         self.current: StoreEntry | None = None
         self.previous: StoreEntry | None = None
         self.others: dict[str, tuple[StoreEntry, StoreEntry | None]] = {}  # name -> (active, previous)
+        self.trusted = TrustedRecord()
+        self.trusted_error: str | None = None  # the record could not be read: every commit is refused
 
     # -- start-up -----------------------------------------------------------------------------
     def recover(self) -> StoreEntry | None:
@@ -75,6 +87,7 @@ class ModelStore:
             tmp.unlink(missing_ok=True)
         self.current = self.previous = None
         self.others = {}
+        listed: list[Installed] = []  # every version state.json names, damaged or not (for the record)
         if self.state_path.exists():
             try:
                 state = json.loads(self.state_path.read_text())
@@ -86,10 +99,12 @@ class ModelStore:
                     active = self._entry(slot["current"])
                     if active is not None:
                         self.others[str(name)] = (active, self._entry(slot.get("previous")))
+                listed = [e.installed for pair in self.active().values() for e in pair if e is not None]
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.error("%s is unreadable (%s); starting with no model", self.state_path, exc)
                 self.current = self.previous = None
                 self.others = {}
+        self._load_trusted(listed)
         for name, (active, prev) in list(self.others.items()):
             good = [e for e in (active, prev) if e is not None and self._intact(e, name)]
             if good:
@@ -110,6 +125,31 @@ class ModelStore:
             self.current, self.previous = self.others.pop(next(reversed(self.others)))
         self._gc()
         return self.current
+
+    def _load_trusted(self, listed: list[Installed]) -> None:
+        """Read trusted.json; without one (a store from before the record), start it from what state.json
+        names and write it at once."""
+        self.trusted, self.trusted_error = TrustedRecord(), None
+        try:
+            self.trusted = TrustedRecord.from_json(json.loads(self.trusted_path.read_bytes()))
+            return
+        except FileNotFoundError:
+            self.trusted = TrustedRecord.from_installed(listed)
+            if listed:
+                log.warning("no %s: starting the trusted record from the models on disk (%s)", self.trusted_path,
+                            ", ".join(f"{n} {s.version}" for n, s in self.trusted.models.items()))
+            self._write_trusted(self.trusted)
+            return
+        except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            err = exc
+        self.trusted = TrustedRecord.from_installed(listed)  # for reading only: commits are refused
+        self.trusted_error = (f"the trusted record {self.trusted_path} is unreadable ({err}); every update is "
+                              "refused until it is restored (removing it starts a new record from the models "
+                              "on disk, forgetting any other model this device ran)")
+        log.error("%s", self.trusted_error)
+
+    def _write_trusted(self, record: TrustedRecord) -> None:
+        atomic_write(self.trusted_path, (json.dumps(record.to_json(), indent=2) + "\n").encode())
 
     def _intact(self, entry: StoreEntry, which: str) -> bool:
         try:
@@ -181,11 +221,19 @@ class ModelStore:
             raise
 
     def commit(self, staged: StagedModel, rollout_id: int | None) -> StoreEntry:
-        """Make ``staged`` the current model (the single atomic commit point)."""
+        """Make ``staged`` the current model (the single atomic commit point). The trusted record moves
+        first (RefusedUpdate if it refuses: a downgrade or a rebuilt version of a model ever installed;
+        TrustError if it is unreadable); a crash between the two leaves the record ahead, never behind."""
         m = staged.manifest
         entry = StoreEntry(Installed(m.name, m.version, staged.bundle_sha256, m.profile), staged.directory.name,
                            rollout_id)
+        if self.trusted_error is not None:
+            raise TrustError(self.trusted_error)
+        record = self.trusted.advance(m.name, m.version, staged.bundle_sha256)
         self._fault("before_commit")
+        if record != self.trusted:
+            self._write_trusted(record)
+            self.trusted = record
         cur, prev, others = self.current, self.previous, dict(self.others)
         if cur is not None and cur.installed.name != m.name:  # another model: it keeps serving beside this one
             others[cur.installed.name] = (cur, prev)

@@ -436,7 +436,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     try:
         _require("agent")
         from agent.config import load_config
-        from agent.daemon import run_agent
+        from agent.daemon import require_trust_anchor, run_agent
     except ImportError as exc:
         return _need("agent", exc)
     from protocol.errors import EdgefleetError
@@ -445,6 +445,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
                         format=f"%(asctime)s agent[{a.device_id or '?'}] %(levelname)s %(name)s: %(message)s")
     overrides: dict[str, object] = {
         "device_id": a.device_id, "fleet_url": a.fleet, "data_dir": a.data_dir, "trusted_root": a.trusted_root,
+        "trust_on_first_use": a.trust_on_first_use,
         "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
         "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
         "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads, "instances": a.instances,
@@ -452,6 +453,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     }
     try:
         cfg = load_config(a.config, overrides)
+        require_trust_anchor(cfg)
     except EdgefleetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
@@ -837,7 +839,13 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--device-id", help="this device's id")
     ag.add_argument("--fleet", help="fleet server URL, e.g. http://127.0.0.1:8700")
     ag.add_argument("--data-dir", type=Path, help="model store, TUF state, telemetry spool")
-    ag.add_argument("--trusted-root", type=Path, help="root.json from 'edgefleet keys init' (the anchor of trust)")
+    ag.add_argument("--trusted-root", type=Path,
+                    help="root.json from 'edgefleet keys init' or 'edgefleet keys create' (the anchor of trust); "
+                         "required unless the data dir already holds a root or --trust-on-first-use is given")
+    ag.add_argument("--trust-on-first-use", action="store_true", default=None,
+                    help="without --trusted-root, trust the root.json the fleet serves the first time this device "
+                         "connects (whoever answers for the fleet's address then can sign its models); kept in the "
+                         "data dir and used from then on")
     ag.add_argument("--mqtt-url", help="override the broker the fleet advertises")
     ag.add_argument("--enroll-token", help="one-time token from 'edgefleet fleet enroll DEVICE', traded once for this "
                                            "device's MQTT credentials (kept in the data dir); or set "

@@ -25,7 +25,8 @@ from tests.conftest import REPO, free_port, wait_for
 
 
 def write_config(path: Path, data_dir: Path, extra: str = "") -> Path:
-    path.write_text(f"device_id: cam-7\nfleet_url: http://127.0.0.1:9\ndata_dir: {data_dir}\n{extra}")
+    path.write_text(f"device_id: cam-7\nfleet_url: http://127.0.0.1:9\ndata_dir: {data_dir}\n"
+                    f"trust_on_first_use: true\n{extra}")
     return path
 
 
@@ -53,6 +54,48 @@ def test_config_daemon_settings(tmp_path):
                                    "onnxruntime_providers: [CUDAExecutionProvider, CPUExecutionProvider]\n"), {})
     assert cfg.shutdown_grace_s == 7.5 and cfg.sysfs_root == Path("/x")
     assert cfg.onnxruntime_providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+# -- the anchor of trust: a root given, one already held, or trust on first use said out loud ---------------
+def _agent_args(data_dir: Path, *extra: str) -> list[str]:
+    return ["agent", "--device-id", "cam-7", "--fleet", "http://127.0.0.1:9", "--data-dir", str(data_dir), *extra]
+
+
+def test_an_agent_without_a_trusted_root_refuses_to_start(tmp_path, capsys):
+    from agent.config import AgentConfig
+    from agent.daemon import Agent
+
+    with pytest.raises(ConfigError) as err:
+        Agent(AgentConfig(device_id="cam-7", fleet_url="http://127.0.0.1:9", data_dir=tmp_path / "a"))
+    msg = str(err.value)
+    assert "--trusted-root" in msg and "edgefleet keys init" in msg and "--trust-on-first-use" in msg, msg
+    assert cli_main(_agent_args(tmp_path / "b")) == 4  # EXIT_INPUT, before anything listens or connects
+    out = capsys.readouterr().err
+    assert "--trusted-root PATH" in out and "--trust-on-first-use" in out and "trust_on_first_use" in out, out
+
+
+def test_trust_on_first_use_or_a_held_root_lets_the_agent_start(tmp_path):
+    from agent.config import AgentConfig
+    from agent.daemon import Agent
+
+    base = {"device_id": "cam-7", "fleet_url": "http://127.0.0.1:9"}
+    Agent(AgentConfig(**base, data_dir=tmp_path / "a", trust_on_first_use=True))
+    held = tmp_path / "b" / "tuf" / "metadata" / "root.json"  # a device that already trusts a root
+    held.parent.mkdir(parents=True)
+    held.write_text("{}")
+    Agent(AgentConfig(**base, data_dir=tmp_path / "b"))
+    root = tmp_path / "root.json"
+    root.write_text("{}")
+    Agent(AgentConfig(**base, data_dir=tmp_path / "c", trusted_root=root))
+    cfg = load_config(write_config(tmp_path / "agent.yaml", tmp_path / "d"), {})
+    assert cfg.trust_on_first_use is True
+
+
+def test_the_agent_help_names_both_ways_to_trust(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["agent", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--trusted-root" in out and "--trust-on-first-use" in out and "keys init" in out
 
 
 # -- the systemd unit -------------------------------------------------------------------------------------

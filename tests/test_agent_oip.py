@@ -324,12 +324,12 @@ def _huge_png() -> bytes:
 
 
 BAD_IMAGES = [
-    ("not an image", b"hello, this is text", 400, "not a JPEG or PNG image"),
-    ("empty body", b"", 400, "not a JPEG or PNG image"),
+    ("not an image", b"hello, this is text", 415, "not a JPEG or PNG image"),
+    ("empty body", b"", 415, "not a JPEG or PNG image"),
     ("truncated png", lambda: png(np.ones((1, 8, 8), np.float32) / 2)[:40], 400, "not a readable image"),
     ("corrupt jpeg", b"\xff\xd8\xff\xe0\x00\x10JFIF\x00garbage", 400, "corrupt JPEG"),
-    ("decompression bomb", _huge_png, 400, "100000x100000 pixels; the limit is"),
-    ("gif", b"GIF89a\x01\x00\x01\x00", 400, "not a JPEG or PNG image"),
+    ("decompression bomb", _huge_png, 413, "100000x100000"),
+    ("gif", b"GIF89a\x01\x00\x01\x00", 415, "not a JPEG or PNG image"),
 ]
 
 

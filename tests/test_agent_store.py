@@ -96,3 +96,74 @@ def test_tampered_bundle_is_not_staged(tmp_path, digits_bundle):
         s.stage(bad, sha256_file(bad))
     assert not list((tmp_path / "store" / "models").iterdir())
     assert not list((tmp_path / "store" / "staging").iterdir())
+
+
+# -- the trusted record: highest version + sha256 of every model ever installed, on disk --------------------
+def _record(root):
+    s = ModelStore(root)
+    s.recover()
+    return {n: (seen.version, seen.sha256) for n, seen in s.trusted.models.items()}
+
+
+def test_the_record_keeps_every_model_ever_installed(tmp_path, digits_bundle, digits_bundle_v2):
+    from tests.test_agent_lifecycle import rebuild
+
+    install(tmp_path, digits_bundle)
+    install(tmp_path, digits_bundle_v2)
+    other = rebuild(digits_bundle, tmp_path / "b.tar", "0.1.0", name="faces")
+    install(tmp_path, other)
+    s = ModelStore(tmp_path)
+    s.recover()
+    s.remove("digits")  # forgotten from disk, not from the record
+    assert _record(tmp_path) == {"digits": ("1.1.0", sha256_file(digits_bundle_v2)),
+                                 "faces": ("0.1.0", sha256_file(other))}
+    doc = json.loads((tmp_path / "trusted.json").read_text())
+    assert doc["models"]["digits"]["version"] == "1.1.0"
+
+
+def test_the_store_refuses_to_commit_what_the_record_refuses(tmp_path, digits_bundle, digits_bundle_v2):
+    from agent.errors import RefusedUpdate
+    from tests.test_agent_lifecycle import rebuild
+
+    install(tmp_path, digits_bundle_v2)
+    install(tmp_path, rebuild(digits_bundle, tmp_path / "b.tar", "0.1.0", name="faces"))
+    with pytest.raises(RefusedUpdate, match="downgrade"):
+        install(tmp_path, digits_bundle)  # digits 1.0.0 after 1.1.0, while faces runs
+    with pytest.raises(RefusedUpdate, match="other content"):
+        install(tmp_path, rebuild(digits_bundle, tmp_path / "c.tar", "1.1.0"))
+    assert installed(tmp_path) == ("faces", "0.1.0")
+
+
+def test_a_store_from_before_the_record_migrates_from_its_state(tmp_path, digits_bundle, digits_bundle_v2):
+    """A device upgraded in place has state.json but no trusted.json: it keeps refusing downgrades of the
+    models it holds (the highest version of each, current or kept for rollback)."""
+    from agent.errors import RefusedUpdate
+
+    install(tmp_path, digits_bundle)
+    install(tmp_path, digits_bundle_v2)
+    s = ModelStore(tmp_path)
+    s.recover()
+    s.rollback("digits")  # even if 1.0.0 runs again after a local rollback, 1.1.0 was installed
+    (tmp_path / "trusted.json").unlink(missing_ok=True)  # as before the record existed
+    assert _record(tmp_path) == {"digits": ("1.1.0", sha256_file(digits_bundle_v2))}
+    assert (tmp_path / "trusted.json").is_file()  # written at once: the record no longer depends on state.json
+    (tmp_path / "state.json").write_text("{garbage")  # a lost state does not lose the record
+    assert _record(tmp_path) == {"digits": ("1.1.0", sha256_file(digits_bundle_v2))}
+    s = ModelStore(tmp_path)
+    s.recover()
+    assert s.trusted.check("digits", "1.0.0", sha256_file(digits_bundle)).action == "refuse"
+    with pytest.raises(RefusedUpdate):
+        s.commit(s.stage(digits_bundle, sha256_file(digits_bundle)), rollout_id=2)
+
+
+def test_an_unreadable_record_refuses_every_update(tmp_path, digits_bundle, digits_bundle_v2):
+    """Fail closed: an unreadable record must not read as 'nothing installed yet'."""
+    from agent.errors import TrustError
+
+    install(tmp_path, digits_bundle)
+    (tmp_path / "trusted.json").write_text("{garbage")
+    s = ModelStore(tmp_path)
+    assert s.recover() is not None  # the installed model still serves
+    assert s.trusted_error is not None and "trusted.json" in s.trusted_error
+    with pytest.raises(TrustError, match=r"trusted\.json"):
+        s.commit(s.stage(digits_bundle_v2, sha256_file(digits_bundle_v2)), rollout_id=2)
