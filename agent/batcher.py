@@ -42,9 +42,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from agent.backends.base import Backend
 from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from agent.metrics import Metrics, ModelMetrics
+from engines import Engine
 
 __all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher", "ComputeGate"]
 
@@ -177,24 +177,22 @@ class _Pending:
 class _Instance:
     """One backend object and the one thread that runs it."""
 
-    def __init__(self, backend: Backend, index: int):
+    def __init__(self, backend: Engine, index: int):
         self.backend = backend
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{index}")
 
 
 class Batcher:
-    def __init__(self, backends: Backend | Sequence[Backend], settings: BatchSettings,
+    def __init__(self, backends: Engine | Sequence[Engine], settings: BatchSettings,
                  metrics: ModelMetrics | Metrics | None = None, gate: ComputeGate | None = None):
         """``gate``: shared with the model's other versions (default: one of its own, a permit per instance)."""
-        backends = [backends] if isinstance(backends, Backend) else list(backends)
+        backends = [backends] if isinstance(backends, Engine) else list(backends)
         if not backends:
             raise ValueError("a batcher needs at least one backend instance")
         self.backend = backends[0]  # the model's description (inputs, outputs); every instance has the same
         self.settings = settings
         if metrics is None or isinstance(metrics, Metrics):
-            name = self.backend.manifest.name if hasattr(self.backend, "manifest") else "?"
-            version = self.backend.manifest.version if hasattr(self.backend, "manifest") else "?"
-            metrics = (metrics or Metrics()).for_model(name, version)
+            metrics = (metrics or Metrics()).for_model(self.backend.spec.model, self.backend.spec.version)
         self.metrics: ModelMetrics = metrics
         self._instances = [_Instance(b, i) for i, b in enumerate(backends)]
         self.gate = gate if gate is not None else ComputeGate(len(backends))
@@ -391,16 +389,9 @@ class Batcher:
             else:
                 feeds = {k: np.concatenate([p.feeds[k] for p in batch], axis=self._in_axes[k] or 0)
                          for k in self._in_names}
+            # the engine checked the feeds and that its outputs keep the batch (engines.Engine.infer)
             outs, compute_s = await asyncio.get_running_loop().run_in_executor(inst.executor, self._infer, inst,
                                                                                feeds)
-            if len(outs) != len(self._out_axes):
-                raise InferenceFailed(f"backend returned {len(outs)} outputs, the model declares "
-                                      f"{len(self._out_axes)}")
-            for o, spec in zip(outs, self.backend.outputs, strict=True):
-                a = spec.batch_axis
-                if a is not None and (o.ndim <= a or o.shape[a] != n):
-                    raise InferenceFailed(f"output {spec.name!r} has shape {list(o.shape)}: not {n} samples on its "
-                                          f"batch axis {a}")
         except Exception as exc:
             err = exc if isinstance(exc, InferenceFailed) else InferenceFailed(f"inference failed: {exc}")
             log.error("batch of %d failed: %s", n, err)

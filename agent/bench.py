@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.backends import load_backend
+from engines import load_bundle_engine
 from protocol.bundle import extract_bundle
 from protocol.cpu import cpu_features
 from protocol.manifest import Manifest
@@ -61,7 +61,7 @@ def bench_bundle(bundle: Path, batch_sizes: tuple[int, ...] | None = None, itera
         recorded = _recorded_p50(manifest)
         batchable = manifest.batchable
         sizes = (batch_sizes or tuple(recorded) or (1,)) if batchable else (1,)
-        backend = load_backend(manifest, Path(tmp) / manifest.engine, threads)
+        backend = load_bundle_engine(manifest, Path(tmp) / manifest.engine, threads)
         try:
             with np.load(Path(tmp) / manifest.selftest, allow_pickle=False) as npz:
                 sample = {s.name: npz[f"input:{s.name}"] for s in manifest.inputs}

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from agent.backends import Backend, load_backend
 from agent.batcher import BatchSettings
 from agent.config import AgentConfig
 from agent.enroll import mqtt_security
@@ -40,6 +39,7 @@ from agent.store import ModelStore, StagedModel
 from agent.telemetry import DeviceSampler, DeviceStats
 from agent.trusted import Decision, check_cpu, decide
 from agent.updater import BundleFetcher
+from engines import Engine, EngineError, load_bundle_engine
 from protocol import mqtt as proto
 from protocol.cpu import cpu_features
 from protocol.errors import ConfigError, ContractError
@@ -61,7 +61,7 @@ def _now(fn: Callable[..., _T], *args: Any) -> _T:
     return fn(*args)
 
 
-def self_test(backend: Backend, staged: StagedModel, turn: Turn = _now) -> proto.SelfTestResult:
+def self_test(backend: Engine, staged: StagedModel, turn: Turn = _now) -> proto.SelfTestResult:
     """Run the bundle's own sample; outputs must match what the compiler recorded. Returns the figures
     measured on this device's CPU, for the install report. Each run goes through ``turn`` (while another
     version serves: between its batches)."""
@@ -104,9 +104,9 @@ def self_test(backend: Backend, staged: StagedModel, turn: Turn = _now) -> proto
         drift=round(drift, 4))
 
 
-def warm_up(backends: list[Backend], staged: StagedModel, batch_sizes: tuple[int, ...], turn: Turn = _now) -> None:
+def warm_up(backends: list[Engine], staged: StagedModel, batch_sizes: tuple[int, ...], turn: Turn = _now) -> None:
     """Run every instance once at each batch size the batcher will form that its backend wants warmed
-    (``Backend.warm_up_sizes``), on the bundle's own sample, before the version takes traffic: the first
+    (``Engine.warm_up_sizes``), on the bundle's own sample, before the version takes traffic: the first
     call at a new shape can be costly (LiteRT tensor resizes, TensorRT shape setup) and would otherwise
     land on a client's request. Each call goes through ``turn``."""
     path = staged.directory / staged.manifest.selftest
@@ -435,8 +435,8 @@ class Agent:
                  desired.version, desired.rollout_id)
         self._report("downloading", desired)
         staged: StagedModel | None = None
-        backend: Backend | None = None
-        loaded: list[Backend] = []  # instances of the new version, closed on failure until the host owns them
+        backend: Engine | None = None
+        loaded: list[Engine] = []  # instances of the new version, closed on failure until the host owns them
         bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
         try:
             fetched = self._fetch_with_retries(desired, profile)
@@ -506,16 +506,18 @@ class Agent:
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
 
     # -- model lifecycle ------------------------------------------------------------------------
-    def _load_instances(self, manifest: Manifest, directory: Path) -> list[Backend]:
-        """``instances`` loaded backends of one model version (each its own runtime session/interpreter)."""
-        out: list[Backend] = []
+    def _load_instances(self, manifest: Manifest, directory: Path) -> list[Engine]:
+        """``instances`` loaded engines of one model version (each its own runtime session/interpreter)."""
+        out: list[Engine] = []
         try:
             for _ in range(self.config.instances):
-                out.append(load_backend(manifest, directory / manifest.engine, self.config.intra_op_threads,
-                                        onnxruntime_providers=self.config.onnxruntime_providers))
-        except BaseException:
+                out.append(load_bundle_engine(manifest, directory / manifest.engine, self.config.intra_op_threads,
+                                              self.config.onnxruntime_providers))
+        except BaseException as exc:
             for b in out:
                 b.close()
+            if isinstance(exc, EngineError):  # the engine cannot run here: the update fails, the old model serves
+                raise BackendError(str(exc)) from exc
             raise
         return out
 

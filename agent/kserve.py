@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from agent.backends.base import NP_DTYPES
 from agent.errors import InferenceFailed, RequestError
+from engines import NP_DTYPES
 from protocol.manifest import TensorSpec
 
 __all__ = ["HEADER_LENGTH", "InferRequest", "decode_request", "encode_response", "parse_body"]

@@ -41,13 +41,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import protocol
-from agent.backends.base import Backend
 from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
 from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
 from agent.image import ImageLimits, check_image, decode_feeds
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from agent.openapi import openapi
+from engines import Engine
 from protocol.manifest import Manifest
 
 __all__ = ["IndexEntry", "ModelHost", "Served", "create_app", "model_config"]
@@ -62,14 +62,14 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_
 @dataclass
 class Served:
     manifest: Manifest
-    backends: tuple[Backend, ...]
+    backends: tuple[Engine, ...]
     batcher: Batcher
     settings: BatchSettings
     metrics: ModelMetrics
     loaded_at: float = field(default_factory=time.time)
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> Engine:
         """The first instance (every instance describes the same model)."""
         return self.backends[0]
 
@@ -112,11 +112,11 @@ class ModelHost:
             g = self._gates[name] = ComputeGate(permits)
         return g
 
-    async def swap(self, manifest: Manifest, backends: Backend | Sequence[Backend],
+    async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
                    settings: BatchSettings | None = None) -> None:
         """Start serving ``backends`` (loaded instances of one model version); the version it replaces
         finishes its queue, then closes. Runs on the server loop."""
-        instances = (backends,) if isinstance(backends, Backend) else tuple(backends)
+        instances = (backends,) if isinstance(backends, Engine) else tuple(backends)
         s = settings or self.settings
         if not manifest.batchable and s.max_batch_size != 1:  # an unbatched input: one request at a time
             s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": ()})

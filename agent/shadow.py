@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.backends import Backend
+from engines import Engine
 from protocol import mqtt as proto
 from protocol.manifest import Manifest
 
@@ -33,7 +33,7 @@ log = logging.getLogger("edgefleet.agent.shadow")
 
 
 class ShadowMirror:
-    def __init__(self, manifest: Manifest, backend: Backend, sample_rate: float, staged: Any = None,
+    def __init__(self, manifest: Manifest, backend: Engine, sample_rate: float, staged: Any = None,
                  max_pending: int = 2, seed: int | None = None):
         self.manifest = manifest
         self.backend = backend

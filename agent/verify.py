@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.backends import Backend, load_backend
-from agent.backends.base import NP_DTYPES
 from agent.daemon import self_test
 from agent.errors import SelfTestFailed
 from agent.store import StagedModel
 from agent.trusted import check_cpu
+from engines import NP_DTYPES, Engine, load_bundle_engine
 from protocol import mqtt as proto
 from protocol.bundle import extract_bundle, sha256_file
 from protocol.cpu import cpu_arch, cpu_features
@@ -100,7 +99,7 @@ def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], n
         return feeds, npz["labels"]
 
 
-def _top1(backend: Backend, manifest: Manifest, feeds: dict[str, np.ndarray], labels: np.ndarray,
+def _top1(backend: Engine, manifest: Manifest, feeds: dict[str, np.ndarray], labels: np.ndarray,
           batch: int) -> tuple[float, int]:
     """Top-1 of the first output against ``labels``, scored as the compiler's gate scores it."""
     n = len(labels)
@@ -142,7 +141,7 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
 
         if cpu.action == "refuse" and not skip_cpu_check:
             return result()
-        backend = load_backend(manifest, Path(tmp) / manifest.engine, threads)
+        backend = load_bundle_engine(manifest, Path(tmp) / manifest.engine, threads)
         try:
             try:
                 st, st_err = self_test(backend, StagedModel(manifest, Path(tmp), sha256_file(bundle))), None

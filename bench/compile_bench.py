@@ -9,11 +9,10 @@ For each zoo model (models/zoo/make_zoo.py: MobileNetV2-like and ResNet-18-like,
    is cold and the second may be a cache hit; ``--no-cache`` builds both times);
 2. time the FP32 source model against the bundle's INT8 engine in onnxruntime at batch 1 and 16: warm-up,
    then a fixed number of iterations alternating which runs first (``compiler.evaluate.benchmark_pair``);
-   the medians and their ratio are reported. ``--sessions`` says how the two sessions are made:
-   ``compiler`` (the default) loads both through the compiler's own onnxruntime runner (the profile's
-   intra-op threads, 2; one inter-op thread; thread spinning off), and ``agent`` through the agent's
-   onnxruntime backend, as a device serves. For ``arm64-cpu`` (LiteRT), the FP32 and full-integer INT8
-   ``.tflite`` engines the compiler builds are timed against each other through LiteRT (XNNPACK);
+   the medians and their ratio are reported. Both run through ``engines.load``, the code the compiler's gate
+   and the agent share (the profile's intra-op threads, 2; one inter-op thread; thread spinning off). For
+   ``arm64-cpu`` (LiteRT), the FP32 and full-integer INT8 ``.tflite`` engines the compiler builds are timed
+   against each other through LiteRT (XNNPACK);
 3. top-1 agreement of INT8 with FP32 over eval.npz (whose labels are the FP32 model's own argmax).
 
 The machine's speed drifts, so only ratios measured within one run mean anything.
@@ -42,13 +41,13 @@ ZOO_SCRIPT = REPO / "models" / "zoo" / "make_zoo.py"
 MODELS = ("mobilenetv2", "resnet18")
 PROFILES = ("x86-cpu", "x86-cpu-vnni", "arm64-cpu")
 LITERT_PROFILES = ("arm64-cpu",)  # LiteRT (XNNPACK) engines, which run on this x86 host too
-SESSIONS = ("compiler", "agent")
+SESSIONS = ("engines",)  # one implementation per runtime since the engines layer: the gate's is the agent's
 VNNI_PROFILES = ("x86-cpu-vnni",)
 BATCHES = (1, 16)
 # (warm-up, timed iterations) per batch size; every loop is bounded
 ITERATIONS = {1: (5, 60), 16: (2, 15)}
 QUICK_ITERATIONS = {1: (2, 15), 16: (1, 4)}
-Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # as compiler.targets.base.Runner
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # as compiler.evaluate.Runner
 
 
 def _say(msg: str) -> None:
@@ -91,24 +90,16 @@ def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cach
 
 
 def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manifest: Any) -> tuple[Runner, Runner]:
-    """(fp32, int8) runners made as the compiler makes them, or as the agent serves an engine."""
-    if sessions == "litert":  # both .tflite engines through the compiler's LiteRT runner
-        from compiler.targets.litert import LiteRTTarget
+    """(fp32, int8) runners: the engines the compiler gates and the agent serves (engines.load), onnxruntime's
+    or, for a LiteRT profile, both .tflite engines."""
+    import engines
 
-        lt = LiteRTTarget()
-        return lt.runner(fp32_model, profile), lt.runner(engine, profile)
-    if sessions == "compiler":
-        from compiler.targets.onnxruntime import OnnxRuntimeTarget
-
-        target = OnnxRuntimeTarget()
-        return target.runner(fp32_model, profile), target.runner(engine, profile)
-    from agent.backends.onnxruntime import OnnxRuntimeBackend
-
+    kind = "litert" if sessions == "litert" else "onnxruntime"
     pair = []
-    for path in (fp32_model, engine):  # the fp32 source has the same input and output names as the bundle
-        backend = OnnxRuntimeBackend(manifest)
-        backend.load(path, profile.runtime.intra_op_threads)
-        pair.append(backend.infer)
+    for path, precision in ((fp32_model, "fp32"), (engine, "int8")):  # the fp32 source has the bundle's names
+        spec = engines.EngineSpec(manifest.inputs, manifest.outputs, precision, profile.name,
+                                  f"{precision} {path.name}")
+        pair.append(engines.load(kind, path, spec, profile.runtime.intra_op_threads).infer)
     return pair[0], pair[1]
 
 
@@ -226,7 +217,7 @@ def print_report(doc: dict[str, Any], out: TextIO) -> None:
           f"over {r0['eval_samples']} eval images, whose FP32 labels fall in "
           + ", ".join(f"{r['eval_classes']} classes ({r['model']})" for r in doc["results"]
                       if r["profile"] == r0["profile"] and r["sessions"] == r0["sessions"]) + ")")
-        p("sessions: compiler = the compiler's onnxruntime runner; agent = the agent's onnxruntime backend; "
+        p("sessions: engines = onnxruntime through engines.load (what the gate measures and the agent serves); "
           "litert = LiteRT (XNNPACK) FP32 .tflite vs full-integer INT8 .tflite")
     for s in doc["skipped"]:
         p(f"skipped {s['profile']}: {s['reason']}")
@@ -245,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="fewer timed iterations (about a quarter)")
     ap.add_argument("--json", action="store_true", help="print JSON on stdout (the table goes to stderr)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
-    ap.add_argument("--sessions", default="compiler", help="comma-separated, timed in this order: compiler (the "
-                    "compiler's runner, the default), agent (the agent's backend)")
+    ap.add_argument("--sessions", default="engines", help="engines (the only one: onnxruntime through "
+                    "engines.load, as the gate measures and the agent serves)")
     ap.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated (default: all of "
                     f"{','.join(PROFILES)}; arm64-cpu builds LiteRT engines, which need the tflite toolchain)")
     ap.add_argument("--no-cache", action="store_true", help="compile without a build cache (the second compile "

@@ -100,13 +100,10 @@ def prepare(name: str, work: Path) -> dict[str, Any]:
 def _session(engine: Path, threads: int) -> Any:
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the agent's backend
-    return ort.InferenceSession(str(engine), so, providers=["CPUExecutionProvider"])
+    from engines.onnxruntime import session_options
+
+    # the agent's own session options (engines.onnxruntime), called raw: the runtime's limit
+    return ort.InferenceSession(str(engine), session_options(ort, threads), providers=["CPUExecutionProvider"])
 
 
 def _rate(sess: Any, x: np.ndarray, seconds: float, start: Any = None) -> tuple[float, list[float]]:

@@ -78,13 +78,11 @@ def ort_baseline(engine: Path, images: np.ndarray, threads: int, iters_b1: int, 
     """Images per second of ``InferenceSession.run`` on the engine, batch 1 and batch 16, fixed iterations."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # the agent's backend turns spinning off; the baseline does the same unless asked otherwise
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    from engines.onnxruntime import session_options
+
+    so = session_options(ort, threads)  # the agent's own, spinning off; on only when asked
+    if spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
     sess = ort.InferenceSession(str(engine), so, providers=["CPUExecutionProvider"])
     in_name = sess.get_inputs()[0].name
     out_names = [o.name for o in sess.get_outputs()]
@@ -137,7 +135,8 @@ class AgentProcess:
         args = [sys.executable, "-m", "edgefleet.cli", "agent", "--device-id", "bench", "--fleet", UNREACHABLE_FLEET,
                 "--data-dir", str(self.data_dir), "--http-port", str(self.port),
                 "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", str(self.delay_us),
-                "--threads", str(self.threads), "--instances", str(self.instances)]
+                "--threads", str(self.threads), "--instances", str(self.instances),
+                "--trust-on-first-use"]  # no fleet here: it serves the bundle preinstalled in its data dir
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from compiler.data import Dataset
-from compiler.targets.base import Runner
 
-__all__ = ["benchmark_pair", "predict_all", "top1"]
+__all__ = ["Runner", "benchmark_pair", "predict_all", "top1"]
+
+# feeds a batch {input name: array} and returns the outputs in the model's output order: an engine's infer()
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 
 
 def predict_all(run: Runner, data: Dataset, batch: int = 64,

@@ -9,6 +9,7 @@ quantize/dequantize costs more than the integer arithmetic saves) is not shipped
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
@@ -26,11 +27,14 @@ import protocol
 from compiler.cache import BuildCache
 from compiler.data import Dataset, load_dataset
 from compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
-from compiler.evaluate import benchmark_pair, predict_all
+from compiler.evaluate import Runner, benchmark_pair, predict_all
 from compiler.gate import GateSettings, evaluate_gate
 from compiler.graph import GraphInfo, check_model, ensure_opset
 from compiler.targets import get_target
-from compiler.targets.base import BuildTarget, Runner
+from compiler.targets.base import BuildTarget
+from engines import Engine, EngineError, EngineInputError, EngineSpec
+from engines import load as load_engine
+from engines.onnxruntime import CPU
 from protocol.bundle import sha256_file, write_bundle
 from protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
 from protocol.manifest import (
@@ -95,6 +99,28 @@ class _Built:
     points: tuple[BenchmarkPoint, ...] = ()
 
 
+class _Engines:
+    """The engines a compile runs (the fp32 reference, each candidate), loaded through :func:`engines.load` as
+    the agent loads them, with the profile's threads; all closed when the compile ends."""
+
+    def __init__(self, info: GraphInfo, profile: HardwareProfile):
+        self.info = info
+        self.profile = profile
+        self.opened: list[Engine] = []
+
+    def open(self, kind: str, path: Path, precision: str, label: str,
+             providers: tuple[str, ...] | None = None) -> Runner:
+        spec = EngineSpec(self.info.inputs, self.info.outputs, precision, self.profile.name, label)
+        engine = load_engine(kind, path, spec, self.profile.runtime.intra_op_threads, providers)
+        self.opened.append(engine)
+        return engine.infer
+
+    def close(self) -> None:
+        for engine in self.opened:
+            engine.close()
+        self.opened.clear()
+
+
 @dataclass(frozen=True)
 class Measured:
     """What the precision choice looks at, per candidate."""
@@ -153,6 +179,17 @@ def choose_precision(measured: list[Measured], benchmarked: bool) -> tuple[str, 
 
 
 def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
+    """Build, gate, benchmark and bundle; errors of the engines it runs are translated here: a feed the engine
+    refuses is the data's fault (InputError), any other engine failure the toolchain's."""
+    try:
+        return _compile(opts, progress)
+    except EngineInputError as exc:
+        raise InputError(str(exc)) from exc
+    except EngineError as exc:
+        raise ToolchainError(str(exc)) from exc
+
+
+def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     total = 7
     progress(1, total, f"loading profile {opts.profile}")
     profile = load_profile(opts.profile)
@@ -217,12 +254,12 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
                                  f"{MIN_CALIBRATION_SAMPLES} representative inputs (a few hundred is better)")
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="edgefleet-build-", dir=opts.out_dir) as tmp:
+    engines = _Engines(info, profile)
+    with tempfile.TemporaryDirectory(prefix="edgefleet-build-", dir=opts.out_dir) as tmp, \
+            contextlib.closing(engines):
         work = Path(tmp)
         progress(3, total, "running the fp32 reference")
-        from compiler.targets.onnxruntime import OnnxRuntimeTarget
-
-        reference = OnnxRuntimeTarget().runner(opts.model, profile)
+        reference = engines.open("onnxruntime", opts.model, "fp32", "the fp32 reference (source model)", (CPU,))
         out_axes = [o.batch_axis for o in info.outputs]
         ref_out = predict_all(reference, eval_set, output_axes=out_axes)
         source = opts.model
@@ -237,8 +274,8 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         built: dict[str, _Built] = {}
         for precision in list(wanted):
             try:
-                built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, info,
-                                                   precision, profile, calib, work, eval_set, ref_out, gate)
+                built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
+                                                   precision, calib, work, eval_set, ref_out, gate)
             except CompilerError as exc:
                 if precision == "fp32" or not auto or len(wanted) == 1:
                     raise
@@ -248,7 +285,7 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
                 and profile.backend == "onnxruntime":
             progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
-            built["int8"] = _float_fallback(int8, source, info, profile, calib, work, eval_set, ref_out, gate,
+            built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate,
                                             opts.benchmark and profile.accelerator == "cpu")
         benchmarked = opts.benchmark and profile.accelerator == "cpu"
         fp32_runner = built["fp32"].runner if "fp32" in built else reference
@@ -409,21 +446,22 @@ def _per_output_report(built: dict[str, _Built]) -> str:
     return "".join(lines)
 
 
-def _build_and_gate(target: BuildTarget, model: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
+def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precision: str,
                     calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[np.ndarray],
                     gate: GateSettings) -> _Built:
+    info, profile = engines.info, engines.profile
     engine = work / f"model-{precision}{target.engine_suffix}"
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
     # fixes the dynamic dimensions other than the batch (a detector's H and W) at their size
     data = calib if precision == "int8" else eval_set.head(1) if profile.backend == "tensorrt" else None
     quant = target.build(model, info, precision, profile, data, engine)
-    runner = target.runner(engine, profile, output_names=[o.name for o in info.outputs])
+    runner = engines.open(target.backend, engine, precision, f"the {precision} {target.backend} candidate")
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate)
     return _Built(precision, engine, runner, quant, report)
 
 
-def _float_fallback(full: _Built, source: Path, info: GraphInfo, profile: HardwareProfile, calib: Dataset,
+def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Dataset,
                     work: Path, eval_set: Dataset, ref_out: list[np.ndarray], gate: GateSettings,
                     benchmark: bool) -> _Built:
     """Keep the 1, 2, 4, ... layers that lose the most to quantization in float (up to a quarter of the
@@ -431,8 +469,9 @@ def _float_fallback(full: _Built, source: Path, info: GraphInfo, profile: Hardwa
     import onnx
 
     from compiler.sensitivity import rank_sensitive_nodes
-    from compiler.targets.onnxruntime import OnnxRuntimeTarget, prepare, quantize
+    from compiler.targets.onnxruntime import prepare, quantize
 
+    info, profile = engines.info, engines.profile
     prepared = prepare(source, work / "prepared.onnx")
     steps = [f"all layers int8: {_gate_note(full.accuracy)}"]
     try:
@@ -453,7 +492,7 @@ def _float_fallback(full: _Built, source: Path, info: GraphInfo, profile: Hardwa
         tried.add(keep)
         engine = work / f"model-int8-float{k}.onnx"
         quant = quantize(prepared, profile, calib, engine, keep_float=keep)
-        runner = OnnxRuntimeTarget().runner(engine, profile)
+        runner = engines.open("onnxruntime", engine, "int8", f"the int8 candidate with {len(keep)} float layers")
         report = evaluate_gate([o.name for o in info.outputs], ref_out,
                                predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
                                eval_set.labels, "int8", gate)

@@ -8,18 +8,20 @@ import time
 import numpy as np
 import pytest
 
-from agent.backends.base import Backend
 from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
 from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
+from engines import Engine, EngineSpec
 from protocol.manifest import TensorSpec
 
 
-class FakeBackend(Backend):
-    """A real Backend implementation in NumPy: doubles its input; can be told to misbehave."""
+class FakeBackend(Engine):
+    """A real Engine implementation in NumPy: doubles its input; can be told to misbehave."""
 
-    name = "fake"
+    kind = "fake"
 
     def __init__(self, delay_s: float = 0.0, mode: str = "ok"):
+        super().__init__(EngineSpec((TensorSpec(name="x", datatype="FP32", shape=(-1, 2)),),
+                                    (TensorSpec(name="y", datatype="FP32", shape=(-1, 2)),), label="fake"))
         self.delay_s = delay_s
         self.mode = mode
         self.batches: list[int] = []
@@ -39,7 +41,7 @@ class FakeBackend(Backend):
     def load(self, engine, threads):
         pass
 
-    def infer(self, feeds):
+    def _infer_impl(self, feeds):
         self.started.set()
         self.gate.wait(5)
         time.sleep(self.delay_s)
@@ -52,7 +54,7 @@ class FakeBackend(Backend):
             return [x[:-1] * 2]
         return [x * 2]
 
-    def close(self):
+    def _close_impl(self):
         pass
 
 
@@ -404,9 +406,9 @@ class Timed(FakeBackend):
         super().__init__(delay_s=delay_s)
         self.log, self.tag = log, tag
 
-    def infer(self, feeds):
+    def _infer_impl(self, feeds):
         t0 = time.monotonic()
-        out = super().infer(feeds)
+        out = super()._infer_impl(feeds)
         self.log.append((t0, time.monotonic(), self.tag))
         return out
 

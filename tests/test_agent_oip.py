@@ -16,11 +16,12 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from agent.backends.onnxruntime import OnnxRuntimeBackend
 from agent.batcher import BatchSettings
 from agent.metrics import Metrics
 from agent.server import ModelHost, create_app
 from agent.store import ModelStore
+from engines import EngineSpec
+from engines.onnxruntime import OnnxRuntimeEngine
 from protocol.bundle import sha256_file
 from protocol.preprocess import decode_image
 from tests.agent_harness import preinstall, running_agent, serving_app
@@ -373,18 +374,18 @@ def test_prometheus_metrics(agent_url, test_images):
 # -- queueing over HTTP: a backend held at a gate ----------------------------------------------------
 
 
-class GatedBackend(OnnxRuntimeBackend):
-    """The real onnxruntime backend, held at a gate so a test decides when a batch may finish."""
+class GatedBackend(OnnxRuntimeEngine):
+    """The real onnxruntime engine, held at a gate so a test decides when a batch may finish."""
 
     def __init__(self, manifest):
-        super().__init__(manifest)
+        super().__init__(EngineSpec.from_manifest(manifest))
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def infer(self, feeds):
+    def _infer_impl(self, feeds):
         self.started.set()
         self.gate.wait(30)
-        return super().infer(feeds)
+        return super()._infer_impl(feeds)
 
 
 @pytest.fixture

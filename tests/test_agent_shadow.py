@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from agent.backends import load_backend
 from agent.shadow import ShadowMirror
+from engines import load_bundle_engine
 from protocol.bundle import read_manifest, sha256_file
 
 
@@ -20,7 +20,7 @@ def _backend(tmp_path, bundle, name):
     store.recover()
     staged = store.stage(bundle, sha256_file(bundle))
     m = staged.manifest
-    return m, load_backend(m, staged.directory / m.engine, 1)
+    return m, load_bundle_engine(m, staged.directory / m.engine, 1)
 
 
 def _drain(sh: ShadowMirror, n: int) -> None:

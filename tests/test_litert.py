@@ -22,8 +22,11 @@ from compiler import toolchain
 from compiler.data import Dataset, load_dataset
 from compiler.errors import ToolchainError
 from compiler.graph import GraphInfo, check_model
-from compiler.targets.litert import LiteRTTarget, read_io_map
+from compiler.targets.litert import LiteRTTarget
 from edgefleet.cli import main as cli_main
+from engines import EngineSpec
+from engines import load as load_engine
+from engines.litert import IOMap, interpreter_class, read_io_map
 from protocol.manifest import QuantizationInfo
 from protocol.profile import HardwareProfile, load_profile
 from tests.conftest import DIGITS
@@ -75,8 +78,20 @@ def engines(tflite_toolchain, digits, tmp_path_factory) -> dict[str, tuple[Path,
     return out
 
 
+def runner(engine: Path, profile: HardwareProfile):
+    """The engine as the gate and the agent run it (engines.load)."""
+    info = check_model(MODEL)
+    spec = EngineSpec(info.inputs, info.outputs, "fp32", profile.name, engine.name)
+    return load_engine("litert", engine, spec, profile.runtime.intra_op_threads).infer
+
+
+def io_map(engine: Path) -> IOMap:
+    interp = interpreter_class()[0](model_path=str(engine))
+    return read_io_map(engine.read_bytes(), interp.get_signature_list())
+
+
 def predict(engine: Path, profile: HardwareProfile, x: np.ndarray, batch: int) -> np.ndarray:
-    run = LiteRTTarget().runner(engine, profile)
+    run = runner(engine, profile)
     outs = [run({"input": x[i:i + batch]}) for i in range(0, len(x), batch)]
     assert all(len(o) == 1 for o in outs)
     return np.concatenate([o[0] for o in outs])
@@ -106,13 +121,13 @@ def test_fp32_engine_computes_what_onnxruntime_computes(engines, digits, referen
 def test_batch_sizes_1_and_7(engines, digits, precision):
     _, profile, _, evals = digits
     x = evals.inputs["input"][:21]
-    whole = LiteRTTarget().runner(engines[precision][0], profile)({"input": x})[0]
+    whole = runner(engines[precision][0], profile)({"input": x})[0]
     for batch in (1, 7):
         got = predict(engines[precision][0], profile, x, batch)
         assert got.shape == (21, 10)
         np.testing.assert_allclose(got, whole, atol=1e-5)
     # the same runner switches batch sizes back and forth
-    run = LiteRTTarget().runner(engines[precision][0], profile)
+    run = runner(engines[precision][0], profile)
     assert [run({"input": x[:n]})[0].shape for n in (7, 1, 7)] == [(7, 10), (1, 10), (7, 10)]
 
 
@@ -144,9 +159,9 @@ def test_int8_engine_is_full_integer_with_float_io_in_nchw(engines):
     assert out["dtype"] == np.float32
     int8_tensors = [t for t in interp.get_tensor_details() if t["dtype"] == np.int8]
     assert len(int8_tensors) >= 6  # conv/gemm weights and activations are int8 inside
-    io = read_io_map(engine)  # onnx2tf named the quantized output output_0; the engine maps it back
+    io = io_map(engine)  # onnx2tf named the quantized output output_0; the engine maps it back
     assert [(p.name, p.key) for p in io.outputs] == [("logits", "output_0")]
-    assert [(p.name, p.key) for p in read_io_map(engines["fp32"][0]).outputs] == [("logits", "logits")]
+    assert [(p.name, p.key) for p in io_map(engines["fp32"][0]).outputs] == [("logits", "logits")]
 
 
 def test_missing_toolchain_is_a_one_line_error(tmp_path, monkeypatch, digits, capsys):

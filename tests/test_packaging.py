@@ -7,7 +7,7 @@ HEAVY = ("fastapi", "sqlalchemy", "onnx", "amqtt", "sklearn", "compiler", "fleet
 
 
 def test_agent_imports_nothing_of_the_compiler_or_the_fleet():
-    code = ("import sys, agent.daemon, agent.backends.onnxruntime, edgefleet.cli; "
+    code = ("import sys, agent.daemon, engines.onnxruntime, edgefleet.cli; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

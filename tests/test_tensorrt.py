@@ -1,6 +1,6 @@
 """The TensorRT build target, against the fake ``tensorrt`` and CUDA of tests/fakes (TensorRT needs an NVIDIA GPU).
 
-The fake engine records what the builder was asked and runs the embedded ONNX with onnxruntime, so the runner is
+The fake engine records what the builder was asked and runs the embedded ONNX with onnxruntime, so the engine is
 checked end to end against onnxruntime. The last test builds with the real TensorRT and skips without it.
 """
 
@@ -24,6 +24,8 @@ from compiler.graph import GraphInfo, check_model
 from compiler.pipeline import CompileOptions, compile_model
 from compiler.targets import get_target
 from compiler.targets.tensorrt import TensorRTTarget, l4t_release
+from engines import EngineInputError, EngineLoadError, EngineSpec
+from engines import load as load_engine
 from protocol.bundle import extract_bundle
 from protocol.manifest import QuantizationInfo
 from protocol.profile import HardwareProfile, TensorRTSettings, load_profile
@@ -90,6 +92,14 @@ def build(tmp_path: Path, info: GraphInfo, precision: str = "fp16", profile: Har
     return out, header, quantization
 
 
+def load_trt(engine: Path, info: GraphInfo, outputs: tuple[str, ...] | None = None):
+    """The built engine as the gate and the agent run it (engines.load); ``outputs`` reorders the outputs."""
+    by_name = {o.name: o for o in info.outputs}
+    specs = info.outputs if outputs is None else tuple(
+        by_name.get(n, info.outputs[0].model_copy(update={"name": n})) for n in outputs)
+    return load_engine("tensorrt", engine, EngineSpec(info.inputs, specs, "fp16", "jetson-orin-nano"), 2)
+
+
 def test_module_imports_without_tensorrt():
     code = "import sys, compiler.targets.tensorrt; assert 'tensorrt' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -100,8 +110,8 @@ def test_without_tensorrt_every_call_says_so_in_one_line(monkeypatch, tmp_path, 
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     target = get_target("tensorrt")
     engine = tmp_path / "model.engine"
-    calls = [lambda: target.build(MODEL, info, "fp16", jetson(), None, engine), lambda: target.runner(engine, jetson()),
-             target.toolchain_versions, target.engine_compatibility]
+    calls = [lambda: target.build(MODEL, info, "fp16", jetson(), None, engine), target.toolchain_versions,
+             target.engine_compatibility]
     for call in calls:
         with pytest.raises(ToolchainError) as err:
             call()
@@ -204,19 +214,19 @@ def test_engine_compatibility_names_tensorrt_gpu_and_l4t(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("api", "cuda"), [("10", "bindings"), ("10", "cudart"), ("8", "cudart"), ("10", "pycuda")])
-def test_runner_matches_onnxruntime(monkeypatch, tmp_path, info, digits, reference, api, cuda):
+def test_engine_matches_onnxruntime(monkeypatch, tmp_path, info, digits, reference, api, cuda):
     gpu = install_fake_gpu(monkeypatch, api=api, cuda=cuda)
     engine, _, _ = build(tmp_path, info)
-    run = TensorRTTarget().runner(engine, jetson())
-    for n in (1, 5, 40):  # 40 is above the engine's batch 16: the runner splits it
-        (logits,) = run({"input": digits[:n]})
+    run = load_trt(engine, info)
+    for n in (1, 5, 40):  # 40 is above the engine's batch 16: the engine splits it
+        (logits,) = run.infer({"input": digits[:n]})
         assert logits.shape == (n, 10) and logits.dtype == np.float32
         np.testing.assert_allclose(logits, reference(digits[:n]), rtol=1e-5, atol=1e-5)
-    run.close()  # type: ignore[attr-defined]
+    run.close()
     assert gpu.memory.live == 0
 
 
-def test_runner_orders_outputs_by_name(monkeypatch, tmp_path):
+def test_engine_orders_outputs_by_name(monkeypatch, tmp_path):
     install_fake_gpu(monkeypatch)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])
     nodes = [helper.make_node("Neg", ["x"], ["neg"], name="negate"), helper.make_node("Relu", ["x"], ["relu"])]
@@ -224,22 +234,23 @@ def test_runner_orders_outputs_by_name(monkeypatch, tmp_path):
     graph = helper.make_graph(nodes, "two_outputs", [x], outputs)
     model = tmp_path / "two.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), model)
-    engine, _, _ = build(tmp_path, check_model(model), model=model)
+    two = check_model(model)
+    engine, _, _ = build(tmp_path, two, model=model)
     feed = {"x": np.array([[-1.0, 0.0, 2.0]], np.float32)}
-    neg, relu = TensorRTTarget().runner(engine, jetson())(feed)
+    neg, relu = load_trt(engine, two).infer(feed)
     np.testing.assert_array_equal(neg, -feed["x"])
-    named = TensorRTTarget().runner(engine, jetson(), output_names=["relu", "neg"])(feed)
+    named = load_trt(engine, two, ("relu", "neg")).infer(feed)
     np.testing.assert_array_equal(named[0], relu)
     np.testing.assert_array_equal(named[1], neg)
-    with pytest.raises(ToolchainError, match="no output 'logits'"):
-        TensorRTTarget().runner(engine, jetson(), output_names=["logits"])
+    with pytest.raises(EngineLoadError, match="no output 'logits'"):
+        load_trt(engine, two, ("logits",))
 
 
-def test_runner_refuses_an_input_the_engine_was_not_built_for(monkeypatch, tmp_path, info):
+def test_engine_refuses_an_input_the_engine_was_not_built_for(monkeypatch, tmp_path, info):
     install_fake_gpu(monkeypatch)
     engine, _, _ = build(tmp_path, info)
-    with pytest.raises(InputError, match="does not fit the engine"):
-        TensorRTTarget().runner(engine, jetson())({"input": np.zeros((2, 1, 9, 9), np.float32)})
+    with pytest.raises(EngineInputError, match=r"has shape \[2, 1, 9, 9\], the engine takes \[-1, 1, 8, 8\]"):
+        load_trt(engine, info).infer({"input": np.zeros((2, 1, 9, 9), np.float32)})
 
 
 @pytest.mark.parametrize("api", ["8", "10"])
@@ -268,8 +279,9 @@ def test_engine_from_another_tensorrt_is_refused(monkeypatch, tmp_path, info):
     install_fake_gpu(monkeypatch, api="8")
     engine, _, _ = build(tmp_path, info)
     install_fake_gpu(monkeypatch, api="10")
-    with pytest.raises(ToolchainError, match=r"cannot load this engine .*expecting library version 10\.3\.0 got 8\.2"):
-        TensorRTTarget().runner(engine, jetson())
+    with pytest.raises(EngineLoadError,
+                       match=r"cannot load model\.engine .*expecting library version 10\.3\.0 got 8\.2"):
+        load_trt(engine, info)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
@@ -294,9 +306,9 @@ def test_real_tensorrt_build_matches_onnxruntime(tmp_path, info, digits, referen
     target = TensorRTTarget()
     engine = tmp_path / "digits.engine"
     target.build(MODEL, info, "fp16", jetson(), None, engine)
-    run = target.runner(engine, jetson())
+    run = load_trt(engine, info)
     for n in (1, 5, 40):
-        (logits,) = run({"input": digits[:n]})
+        (logits,) = run.infer({"input": digits[:n]})
         np.testing.assert_allclose(logits, reference(digits[:n]), rtol=2e-2, atol=2e-2)
     assert set(target.engine_compatibility()) == {"tensorrt", "gpu_compute_capability", "l4t"}
 

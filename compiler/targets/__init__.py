@@ -1,4 +1,5 @@
-"""Build targets: one module per runtime, each implementing :class:`compiler.targets.base.BuildTarget`."""
+"""Build targets: one module per runtime, each implementing :class:`compiler.targets.base.BuildTarget` (building
+only; the engines it builds run through :mod:`engines`)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ so the bundle's FP32 input spec holds. Inputs keep the ONNX layout (NCHW): onnx2
 
 The engine file describes its own inputs and outputs: onnx2tf renames outputs (the float32 model keeps the
 ONNX names, the quantized ones come out as ``output_0``, ``output_1``, ... in the ONNX output order) and
-leaves 3-5D outputs channels-last, so the build writes a TFLite metadata entry ``edgefleet_io`` (JSON: the
-signature, and per ONNX input and output in ONNX order its signature key and the transpose between the two
-layouts). The runner feeds and returns tensors in the ONNX names, order and layout through it.
+leaves 3-5D outputs channels-last, so the build writes a TFLite metadata entry ``edgefleet_io``: the
+contract :class:`engines.litert.IOMap`, which the engine that serves (and gates) the model reads to feed and
+return tensors in the ONNX names, order and layout.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +31,14 @@ from compiler import toolchain
 from compiler.data import Dataset
 from compiler.errors import InputError, ToolchainError
 from compiler.graph import GraphInfo
-from compiler.targets.base import Runner
+from engines.errors import EngineError
+from engines.litert import IO_METADATA, IOMap, Port, interpreter_class
 from protocol.manifest import QuantizationInfo, TensorSpec
 from protocol.profile import HardwareProfile
 
-__all__ = ["IO_METADATA", "LiteRTTarget", "read_io_map"]
+__all__ = ["LiteRTTarget"]
 
 TOOLCHAIN = "tflite"
-IO_METADATA = "edgefleet_io"  # the TFLite metadata entry with the ONNX <-> signature mapping
-IO_FORMAT = 1
 CONVERT_TIMEOUT_S = 1800.0  # onnx2tf: conversion plus one calibration pass per sample
 TOOLCHAIN_MAX_IR = 11  # the toolchain's onnxruntime 1.23 loads ONNX IR versions up to 11
 _NP_FEED = {"FP32": np.float32, "FP16": np.float32, "INT8": np.int8, "UINT8": np.uint8, "INT32": np.int32,
@@ -58,35 +54,6 @@ _NP_FEED = {"FP32": np.float32, "FP16": np.float32, "INT8": np.int8, "UINT8": np
 #   <stem>_full_integer_quant_with_int16_act.tflite  the same with integer input and output
 #   saved_model.pb, variables/                     the TensorFlow SavedModel the others are made from
 _ENGINE_FILE = {"fp32": "{stem}_float32.tflite", "int8": "{stem}_integer_quant.tflite"}
-
-
-@dataclass(frozen=True)
-class _Port:
-    name: str  # the ONNX tensor name
-    key: str  # the signature key in the engine
-    perm: tuple[int, ...] | None  # input: ONNX layout -> engine layout; output: engine layout -> ONNX layout
-
-
-@dataclass(frozen=True)
-class IOMap:
-    signature: str
-    inputs: tuple[_Port, ...]
-    outputs: tuple[_Port, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        def ports(ps: tuple[_Port, ...]) -> list[dict[str, Any]]:
-            return [{"name": p.name, "key": p.key, "perm": list(p.perm) if p.perm else None} for p in ps]
-
-        return {"format": IO_FORMAT, "signature": self.signature, "inputs": ports(self.inputs),
-                "outputs": ports(self.outputs)}
-
-    @staticmethod
-    def from_json(doc: dict[str, Any]) -> IOMap:
-        def ports(items: list[dict[str, Any]]) -> tuple[_Port, ...]:
-            return tuple(_Port(str(i["name"]), str(i["key"]), tuple(i["perm"]) if i.get("perm") else None)
-                         for i in items)
-
-        return IOMap(str(doc["signature"]), ports(doc["inputs"]), ports(doc["outputs"]))
 
 
 class LiteRTTarget:
@@ -135,46 +102,6 @@ class LiteRTTarget:
             reason="LiteRT full-integer quantization (onnx2tf, TFLite converter): int8 weights "
                    f"{'per channel' if q.per_channel else 'per tensor'} and int8 activations with min-max ranges "
                    f"from {len(calib)} calibration samples; float32 input and output" + asked)
-
-    def runner(self, engine: Path, profile: HardwareProfile, output_names: Sequence[str] | None = None) -> Runner:
-        interp = _interpreter(engine, profile.runtime.intra_op_threads)
-        io = read_io_map(engine, interp)
-        if output_names is not None and [p.name for p in io.outputs] != list(output_names):
-            raise ToolchainError(f"{engine.name}: its outputs {[p.name for p in io.outputs]} are not the model's "
-                                 f"{list(output_names)}; rebuild it")
-        sig = interp.get_signature_runner(io.signature)
-        in_details = sig.get_input_details()
-        out_details = sig.get_output_details()
-        inputs = [(p, int(in_details[p.key]["index"]), in_details[p.key]["dtype"]) for p in io.inputs]
-        outputs = [(p, int(out_details[p.key]["index"])) for p in io.outputs]
-        shapes: dict[int, tuple[int, ...]] = {}
-        lock = threading.Lock()  # one interpreter: one batch at a time
-
-        def run(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-            missing = [p.name for p, _, _ in inputs if p.name not in feed]
-            if missing:
-                raise InputError(f"missing input(s) {missing}; the engine takes {[p.name for p, _, _ in inputs]}")
-            arrays = []
-            for p, index, dtype in inputs:
-                arr = np.asarray(feed[p.name], dtype=dtype)
-                arrays.append((index, np.ascontiguousarray(arr.transpose(p.perm) if p.perm else arr)))
-            with lock:
-                resized = False
-                for index, arr in arrays:
-                    if shapes.get(index) != arr.shape:
-                        interp.resize_tensor_input(index, list(arr.shape))
-                        shapes[index] = arr.shape
-                        resized = True
-                if resized:
-                    interp.allocate_tensors()
-                for index, arr in arrays:
-                    interp.set_tensor(index, arr)
-                interp.invoke()
-                outs = [interp.get_tensor(index) for _, index in outputs]  # copies
-            return [np.ascontiguousarray(o.transpose(p.perm)) if p.perm else o
-                    for (p, _), o in zip(outputs, outs, strict=True)]
-
-        return run
 
     def toolchain_versions(self) -> dict[str, str]:
         import importlib.metadata as md
@@ -321,9 +248,9 @@ def _io_map(engine: Path, info: GraphInfo, source: Path, calib: Dataset | None) 
             perm = _channels_last(len(want))
         else:
             raise ToolchainError(f"input {spec.name!r} has shape {list(have)} in the engine, {list(want)} in ONNX")
-        inputs.append(_Port(spec.name, key, perm))
+        inputs.append(Port(spec.name, key, perm))
 
-    outputs: list[_Port] = []
+    outputs: list[Port] = []
     ambiguous: list[int] = []
     for i, spec in enumerate(info.outputs):
         key = pick(spec, i, out_d, "output")
@@ -334,7 +261,7 @@ def _io_map(engine: Path, info: GraphInfo, source: Path, calib: Dataset | None) 
             raise ToolchainError(f"output {spec.name!r} has shape {list(have)} in the engine, {list(want)} in ONNX")
         if len(fits) > 1:
             ambiguous.append(i)
-        outputs.append(_Port(spec.name, key, fits[-1]))
+        outputs.append(Port(spec.name, key, fits[-1]))
     io = IOMap(signature, tuple(inputs), tuple(outputs))
     return _settle_layouts(engine, io, ambiguous, info, source, calib) if ambiguous else io
 
@@ -354,14 +281,14 @@ def _settle_layouts(engine: Path, io: IOMap, ambiguous: list[int], info: GraphIn
     so.log_severity_level = 3
     ref = ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"]).run(
         [o.name for o in info.outputs], feed)
-    raw = IOMap(io.signature, io.inputs, tuple(_Port(p.name, p.key, None) for p in io.outputs))
+    raw = IOMap(io.signature, io.inputs, tuple(Port(p.name, p.key, None) for p in io.outputs))
     got = _run_with_map(engine, raw, feed)
     outs = list(io.outputs)
     for i in ambiguous:
         perm = _channels_first(got[i].ndim)
         err_keep = float(np.mean(np.abs(got[i] - ref[i]))) if got[i].shape == ref[i].shape else np.inf
         err_perm = float(np.mean(np.abs(got[i].transpose(perm) - ref[i])))
-        outs[i] = _Port(outs[i].name, outs[i].key, perm if err_perm < err_keep else None)
+        outs[i] = Port(outs[i].name, outs[i].key, perm if err_perm < err_keep else None)
     return IOMap(io.signature, io.inputs, tuple(outs))
 
 
@@ -376,15 +303,11 @@ def _run_with_map(engine: Path, io: IOMap, feed: dict[str, np.ndarray]) -> list[
 # -- the engine file ---------------------------------------------------------------------------------
 def _interpreter(engine: Path, threads: int) -> Any:
     try:
-        from ai_edge_litert.interpreter import Interpreter
-    except ImportError:
-        try:
-            from tflite_runtime.interpreter import Interpreter  # the predecessor, for old numpy 1 installs
-        except ImportError as exc:
-            raise ToolchainError("running a LiteRT engine needs ai-edge-litert: pip install ai-edge-litert") \
-                from exc
+        interpreter, _ = interpreter_class()
+    except EngineError as exc:
+        raise ToolchainError(str(exc)) from exc
     try:
-        interp = Interpreter(model_path=str(engine), num_threads=threads)
+        interp = interpreter(model_path=str(engine), num_threads=threads)
         interp.allocate_tensors()
     except (ValueError, RuntimeError) as exc:
         raise ToolchainError(f"LiteRT cannot load {engine.name}: {exc}") from exc
@@ -407,38 +330,3 @@ def _embed_metadata(engine: Path, name: str, data: bytes) -> None:
     builder = flatbuffers.Builder(engine.stat().st_size + len(data) + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     engine.write_bytes(bytes(builder.Output()))
-
-
-def _read_metadata(engine: Path, name: str) -> bytes | None:
-    try:
-        from ai_edge_litert import schema_py_generated as fb
-    except ImportError:
-        return None
-    raw = engine.read_bytes()
-    model = fb.Model.GetRootAs(raw, 0)
-    for i in range(model.MetadataLength()):
-        entry = model.Metadata(i)
-        if entry is not None and entry.Name() == name.encode():
-            buf = model.Buffers(entry.Buffer())
-            return None if buf is None else buf.DataAsNumpy().tobytes()
-    return None
-
-
-def read_io_map(engine: Path, interp: Any = None) -> IOMap:
-    """The engine's ONNX <-> signature mapping (metadata ``edgefleet_io``). An engine without it (not built
-    by edgefleet) is read by onnx2tf's naming alone: inputs by key, outputs ``output_<i>`` by i, else in key
-    order, and no layout changes."""
-    data = _read_metadata(engine, IO_METADATA)
-    if data is not None:
-        doc = json.loads(data)
-        if doc.get("format") == IO_FORMAT:
-            return IOMap.from_json(doc)
-    interp = interp or _interpreter(engine, 1)
-    sigs = interp.get_signature_list()
-    if not sigs:
-        raise ToolchainError(f"{engine.name} has no signature; edgefleet runs TFLite models through signatures")
-    signature = next(iter(sigs))
-    ins, outs = sigs[signature]["inputs"], sigs[signature]["outputs"]
-    numbered = {int(k.split("_")[1]): k for k in outs if re.fullmatch(r"output_\d+", k)}
-    order = [numbered[i] for i in sorted(numbered)] if len(numbered) == len(outs) else list(outs)
-    return IOMap(signature, tuple(_Port(k, k, None) for k in ins), tuple(_Port(k, k, None) for k in order))

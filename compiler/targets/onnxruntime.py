@@ -15,7 +15,6 @@ import contextlib
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 from compiler.data import Dataset
 from compiler.errors import InputError, ToolchainError
 from compiler.graph import GraphInfo
-from compiler.targets.base import Runner
+from engines.onnxruntime import session_options
 from protocol.manifest import QuantizationInfo
 from protocol.profile import HardwareProfile
 
@@ -65,24 +64,6 @@ class OnnxRuntimeTarget:
         with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
             prepared = prepare(source, Path(tmp) / "prepared.onnx")
             return quantize(prepared, profile, calibration, out_path)
-
-    def runner(self, engine: Path, profile: HardwareProfile, output_names: Sequence[str] | None = None) -> Runner:
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = profile.runtime.intra_op_threads
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        # idle worker threads must not spin: the benchmark alternates two sessions in one process, and a
-        # spinning one steals the core the other is measured on (the agent turns it off for the same reason)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        sess = ort.InferenceSession(str(engine), so, providers=["CPUExecutionProvider"])
-        names = list(output_names) if output_names is not None else [o.name for o in sess.get_outputs()]
-
-        def run(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-            return list(sess.run(names, feed))
-
-        return run
 
     def toolchain_versions(self) -> dict[str, str]:
         import onnx
@@ -153,10 +134,9 @@ def optimize_offline(source: Path, out_path: Path) -> Path:
     build host's CPU and onnxruntime's docs warn such a saved model may not run elsewhere."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
+    so = session_options(ort, 1)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.optimized_model_filepath = str(out_path)
-    so.log_severity_level = 3
     try:
         ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"])
     except Exception as exc:

@@ -1,4 +1,6 @@
-"""The agent's backends (agent/backends): onnxruntime, LiteRT and TensorRT behind one interface.
+"""The engines (engines/): onnxruntime, LiteRT and TensorRT behind one interface, as the agent loads them
+from a bundle (the conformance suite, tests/test_engines_conformance.py, holds every engine to the same
+per-model expectations).
 
 LiteRT runs for real (ai-edge-litert): small .tflite models written here with the TFLite schema, and the
 digits model compiled by the real onnx2tf toolchain and served through the real agent over HTTP. TensorRT
@@ -19,10 +21,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from agent.backends import BACKENDS, load_backend
-from agent.backends.litert import LiteRTBackend, read_tflite_metadata
-from agent.backends.onnxruntime import CPU, CUDA, TENSORRT, OnnxRuntimeBackend, providers_for
-from agent.errors import BackendError
+from engines import KINDS, EngineClosed, EngineLoadError, EngineSpec, load_bundle_engine
+from engines.litert import LiteRTEngine, read_tflite_metadata
+from engines.onnxruntime import CPU, CUDA, TENSORRT, OnnxRuntimeEngine, providers_for
 from protocol.bundle import extract_bundle
 from protocol.manifest import Manifest, TensorSpec
 from tests.agent_harness import preinstall, running_agent
@@ -55,43 +56,43 @@ def reference():
 
 
 def test_importing_the_agent_loads_no_runtime_it_does_not_need():
-    code = ("import sys, agent.backends, agent.daemon, agent.backends.litert, agent.backends.tensorrt; "
+    code = ("import sys, engines, agent.daemon, engines.litert, engines.tensorrt, engines.cuda; "
             "print(sorted(m for m in ('tensorrt', 'ai_edge_litert', 'tflite_runtime', 'cuda', 'pycuda', 'compiler',"
             " 'onnx', 'fleet') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-    assert set(BACKENDS) == {"onnxruntime", "litert", "tensorrt"}
+    assert set(KINDS) == {"onnxruntime", "litert", "tensorrt"}
 
 
 # -- onnxruntime ------------------------------------------------------------------------------------------
 def test_onnxruntime_cpu_profile_runs_on_cpu_without_spinning(digits_x86, reference, test_images):
     manifest, d = digits_x86
-    assert providers_for(manifest) == (CPU,)  # x86-cpu: accelerator cpu
-    backend = load_backend(manifest, d / manifest.engine, 2)
-    assert isinstance(backend, OnnxRuntimeBackend)
+    assert providers_for(manifest.profile) == (CPU,)  # x86-cpu: accelerator cpu
+    backend = load_bundle_engine(manifest, d / manifest.engine, 2)
+    assert isinstance(backend, OnnxRuntimeEngine)
     assert backend.device == CPU and backend.providers == (CPU,)
     opts = backend._sess.get_session_options()
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     # the CPU provider is warmed at the smallest batch only; a session on CUDA (set by hand: no GPU here) at all
     assert backend.warm_up_sizes((1, 4, 16)) == (1,)
-    on_gpu = OnnxRuntimeBackend(manifest)
+    on_gpu = OnnxRuntimeEngine(EngineSpec.from_manifest(manifest))
     on_gpu.providers = (CUDA, CPU)
     assert on_gpu.warm_up_sizes((1, 4, 16)) == (1, 4, 16)
     images, labels = test_images
     (logits,) = backend.infer({"input": images[:32]})
     assert logits.shape == (32, 10) and (logits.argmax(1) == labels[:32]).mean() >= 0.9
     backend.close()
-    with pytest.raises(BackendError, match="closed"):
+    with pytest.raises(EngineClosed, match="closed"):
         backend.infer({"input": images[:1]})
 
 
 def test_onnxruntime_gpu_profile_asks_for_tensorrt_and_cuda_and_reports_what_runs(digits_x86, test_images, caplog):
     manifest, d = digits_x86
     gpu_manifest = manifest.model_copy(update={"profile": "jetson-orin-nano"})  # accelerator: gpu
-    assert providers_for(gpu_manifest) == (TENSORRT, CUDA, CPU)
-    backend = load_backend(gpu_manifest, d / manifest.engine, 1)
-    assert isinstance(backend, OnnxRuntimeBackend)
+    assert providers_for(gpu_manifest.profile) == (TENSORRT, CUDA, CPU)
+    backend = load_bundle_engine(gpu_manifest, d / manifest.engine, 1)
+    assert isinstance(backend, OnnxRuntimeEngine)
     assert backend.requested == (TENSORRT, CUDA, CPU)
     # decided from the session: on this machine (onnxruntime's CPU build, no GPU) only the CPU runs it
     assert backend.providers == tuple(backend._sess.get_providers()) == (CPU,)
@@ -102,18 +103,18 @@ def test_onnxruntime_gpu_profile_asks_for_tensorrt_and_cuda_and_reports_what_run
 
 def test_onnxruntime_providers_from_config_and_unknown_ones(digits_x86):
     manifest, d = digits_x86
-    backend = load_backend(manifest, d / manifest.engine, 1, onnxruntime_providers=(CUDA, CPU))
-    assert isinstance(backend, OnnxRuntimeBackend) and backend.requested == (CUDA, CPU) and backend.device == CPU
-    with pytest.raises(BackendError, match="unknown onnxruntime execution provider 'CudaProvider'"):
-        load_backend(manifest, d / manifest.engine, 1, onnxruntime_providers=("CudaProvider",))
+    backend = load_bundle_engine(manifest, d / manifest.engine, 1, providers=(CUDA, CPU))
+    assert isinstance(backend, OnnxRuntimeEngine) and backend.requested == (CUDA, CPU) and backend.device == CPU
+    with pytest.raises(EngineLoadError, match="unknown onnxruntime execution provider 'CudaProvider'"):
+        load_bundle_engine(manifest, d / manifest.engine, 1, providers=("CudaProvider",))
 
 
 def test_onnxruntime_engine_that_is_not_onnx_is_a_one_line_error(digits_x86, tmp_path):
     manifest, _ = digits_x86
     bad = tmp_path / "model.onnx"
     bad.write_bytes(b"not a model\n" * 10)
-    with pytest.raises(BackendError) as err:
-        load_backend(manifest, bad, 1)
+    with pytest.raises(EngineLoadError) as err:
+        load_bundle_engine(manifest, bad, 1)
     assert str(err.value).startswith("onnxruntime could not load model.onnx") and "\n" not in str(err.value)
 
 
@@ -220,8 +221,8 @@ def test_litert_metadata_is_read_from_the_flatbuffer(tmp_path):
 def test_litert_outputs_come_in_manifest_order_at_any_batch_size(digits_x86, tmp_path, quantized_io):
     manifest = tiny_manifest(digits_x86[0])
     engine = make_tflite(tmp_path / "m.tflite", quantized_io=quantized_io, metadata=IO_MAP)
-    backend = load_backend(manifest, engine, 1)
-    assert isinstance(backend, LiteRTBackend) and "ai-edge-litert" in backend.device
+    backend = load_bundle_engine(manifest, engine, 1)
+    assert isinstance(backend, LiteRTEngine) and "ai-edge-litert" in backend.device
     rng = np.random.default_rng(0)
     tol = 0.1 if quantized_io else 1e-6  # int8 steps: 0.05 on the input, 0.1 on the outputs
     for n in (1, 7, 2, 7):  # the input is resized when the batch size changes, back and forth
@@ -242,18 +243,18 @@ def test_litert_without_metadata_uses_onnx2tf_naming(digits_x86, tmp_path):
     named = manifest.model_copy(update={"backend": "litert", "inputs": (spec,),
                                         "outputs": (spec.model_copy(update={"name": "output_0"}),
                                                     spec.model_copy(update={"name": "output_1"}))})
-    backend = load_backend(named, make_tflite(tmp_path / "m.tflite"), 1)
+    backend = load_bundle_engine(named, make_tflite(tmp_path / "m.tflite"), 1)
     plus1, doubled = backend.infer({"x": np.ones((2, 3), np.float32)})
     np.testing.assert_array_equal(plus1, np.full((2, 3), 2.0))
     np.testing.assert_array_equal(doubled, np.full((2, 3), 2.0))
-    with pytest.raises(BackendError, match="no tensor 'doubled' of the manifest"):
-        load_backend(tiny_manifest(manifest), make_tflite(tmp_path / "m2.tflite"), 1)
+    with pytest.raises(EngineLoadError, match="no tensor 'doubled' of the spec"):
+        load_bundle_engine(tiny_manifest(manifest), make_tflite(tmp_path / "m2.tflite"), 1)
 
 
 def test_litert_several_instances_run_at_once(digits_x86, tmp_path):
     manifest = tiny_manifest(digits_x86[0])
     engine = make_tflite(tmp_path / "m.tflite", metadata=IO_MAP)
-    backends = [load_backend(manifest, engine, 1) for _ in range(3)]
+    backends = [load_bundle_engine(manifest, engine, 1) for _ in range(3)]
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
@@ -277,8 +278,8 @@ def test_litert_several_instances_run_at_once(digits_x86, tmp_path):
 def test_litert_not_a_tflite_file_is_a_one_line_error(digits_x86, tmp_path):
     bad = tmp_path / "model.tflite"
     bad.write_bytes(b"\0" * 64)
-    with pytest.raises(BackendError, match=r"^model\.tflite is not a TFLite flatbuffer"):
-        load_backend(tiny_manifest(digits_x86[0]), bad, 1)
+    with pytest.raises(EngineLoadError, match=r"^model\.tflite is not a TFLite flatbuffer"):
+        load_bundle_engine(tiny_manifest(digits_x86[0]), bad, 1)
 
 
 # -- LiteRT: the digits model through onnx2tf, served over HTTP --------------------------------------------
@@ -301,7 +302,7 @@ def test_litert_digits_bundle_served_over_http_keeps_its_accuracy(tflite_toolcha
         images, labels = npz["input"], npz["labels"]
     preinstall(tmp_path / "agent", result.bundle)
     with running_agent(tmp_path / "agent", max_batch_size=8) as (agent, url):
-        assert agent.host.current is not None and agent.host.current.backend.name == "litert"
+        assert agent.host.current is not None and agent.host.current.backend.kind == "litert"
         meta = httpx.get(f"{url}/v2/models/digits").json()
         assert meta["platform"] == "litert"
         preds = []
@@ -338,8 +339,8 @@ def test_tensorrt_runs_the_engine_and_frees_the_device(monkeypatch, jetson_bundl
                                                        cuda):
     manifest, d = jetson_bundle
     gpu = install_fake_gpu(monkeypatch, api=api, cuda=cuda)
-    backend = load_backend(manifest, d / manifest.engine, 2)
-    assert backend.name == "tensorrt" and backend.device == "TensorRT 10.3.0 on GPU sm87"
+    backend = load_bundle_engine(manifest, d / manifest.engine, 2)
+    assert backend.kind == "tensorrt" and backend.device == "TensorRT 10.3.0 on GPU sm87"
     images = test_images[0]
     for n in (1, 5, 40):  # 40 is above the engine's profile (16): split and joined
         (logits,) = backend.infer({"input": images[:n]})
@@ -355,7 +356,7 @@ def test_tensorrt_runs_the_engine_and_frees_the_device(monkeypatch, jetson_bundl
 def test_tensorrt_8_binding_api(monkeypatch, jetson_bundle, reference, test_images):
     manifest, d = jetson_bundle
     install_fake_gpu(monkeypatch, api="8", version="10.3.0", cuda="cudart")  # a v2-only context
-    backend = load_backend(manifest, d / manifest.engine, 2)
+    backend = load_bundle_engine(manifest, d / manifest.engine, 2)
     (logits,) = backend.infer({"input": test_images[0][:3]})
     np.testing.assert_allclose(logits, reference(test_images[0][:3]), rtol=1e-5, atol=1e-5)
     backend.close()
@@ -364,34 +365,34 @@ def test_tensorrt_8_binding_api(monkeypatch, jetson_bundle, reference, test_imag
 def test_tensorrt_bundle_without_tensorrt_fails_in_one_line(monkeypatch, jetson_bundle):
     manifest, d = jetson_bundle
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt raises ImportError
-    with pytest.raises(BackendError) as err:
-        load_backend(manifest, d / manifest.engine, 2)
+    with pytest.raises(EngineLoadError) as err:
+        load_bundle_engine(manifest, d / manifest.engine, 2)
     msg = str(err.value)
-    assert msg.startswith("this bundle's engine is TensorRT and this machine has no tensorrt module")
+    assert msg.startswith("TensorRT is not installed on this machine") and "install a bundle built for" in msg
     assert "\n" not in msg
 
 
 def test_tensorrt_engine_for_another_tensorrt_or_gpu_is_refused(monkeypatch, jetson_bundle):
     manifest, d = jetson_bundle
     install_fake_gpu(monkeypatch, version="10.0.1")
-    with pytest.raises(BackendError, match=r"built for TensorRT 10\.3\.0; this box has 10\.0\.1"):
-        load_backend(manifest, d / manifest.engine, 2)
+    with pytest.raises(EngineLoadError, match=r"built for TensorRT 10\.3\.0; this box has 10\.0\.1"):
+        load_bundle_engine(manifest, d / manifest.engine, 2)
     gpu = install_fake_gpu(monkeypatch, compute_capability=(7, 2))
-    with pytest.raises(BackendError, match=r"compute capability 8\.7; this one is 7\.2"):
-        load_backend(manifest, d / manifest.engine, 2)
+    with pytest.raises(EngineLoadError, match=r"compute capability 8\.7; this one is 7\.2"):
+        load_bundle_engine(manifest, d / manifest.engine, 2)
     assert gpu.memory.live == 0 and not gpu.memory.streams
     # what TensorRT itself says when the manifest does not record the version
     bare = manifest.model_copy(update={"engine_compatibility": {}})
     install_fake_gpu(monkeypatch, version="10.0.1")
-    with pytest.raises(BackendError, match=r"TensorRT 10\.0\.1 cannot load model\.engine .*expecting library"):
-        load_backend(bare, d / manifest.engine, 2)
+    with pytest.raises(EngineLoadError, match=r"TensorRT 10\.0\.1 cannot load model\.engine .*expecting library"):
+        load_bundle_engine(bare, d / manifest.engine, 2)
 
 
 def test_tensorrt_without_cuda_bindings_says_what_to_install(monkeypatch, jetson_bundle):
     manifest, d = jetson_bundle
     install_fake_gpu(monkeypatch, cuda=None)
-    with pytest.raises(BackendError, match="pip install cuda-python"):
-        load_backend(manifest, d / manifest.engine, 2)
+    with pytest.raises(EngineLoadError, match="pip install cuda-python"):
+        load_bundle_engine(manifest, d / manifest.engine, 2)
 
 
 @pytest.mark.skipif(REAL_TENSORRT_MISSING is not None, reason=REAL_TENSORRT_MISSING or "")
@@ -403,7 +404,7 @@ def test_real_tensorrt_backend_matches_onnxruntime(tmp_path, reference, test_ima
         eval=DIGITS / "test.npz", out_dir=tmp_path / "out", name="digits", version="1.0.0", precision="fp16",
         benchmark=False))
     manifest = extract_bundle(result.bundle, tmp_path / "b")
-    backend = load_backend(manifest, tmp_path / "b" / manifest.engine, 2)
+    backend = load_bundle_engine(manifest, tmp_path / "b" / manifest.engine, 2)
     (logits,) = backend.infer({"input": test_images[0][:5]})
     np.testing.assert_allclose(logits, reference(test_images[0][:5]), rtol=2e-2, atol=2e-2)
     backend.close()

@@ -1,21 +1,21 @@
-"""LiteRT (TFLite) backend: ``ai-edge-litert``'s Interpreter, or ``tflite_runtime``'s identical one where only
+"""LiteRT (TFLite) engine: ``ai-edge-litert``'s Interpreter, or ``tflite_runtime``'s identical one where only
 that is installed (old numpy 1 images).
 
 The compiler (``compiler/targets/litert.py``) embeds a metadata entry ``edgefleet_io`` in every engine it
 builds: the signature to run and, per ONNX input and output in ONNX order, the signature key and the transpose
 between the ONNX and the engine layout (onnx2tf renames quantized outputs ``output_0``... and leaves 3-5D
-outputs channels-last). This backend reads it straight from the flatbuffer (no TensorFlow, no schema module)
+outputs channels-last). That contract is :class:`IOMap` here, written by the compiler with ``IOMap.to_json``
+and read by :func:`read_io_map`. This engine reads it straight from the flatbuffer (no TensorFlow, no schema module)
 and feeds and returns tensors in the manifest's names, order and layout. An engine without it is read by
 onnx2tf's naming rules. Integer-quantized inputs and outputs (``-iqd``/``-oqd`` engines) are quantized and
 dequantized with the tensor's own scale and zero point, so the manifest's float spec holds either way.
 
-One Interpreter per instance: LiteRT interpreters are not thread-safe, and several instances of this backend
+One Interpreter per instance: LiteRT interpreters are not thread-safe, and several instances of this engine
 (several batcher instances) each own one.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import struct
@@ -26,13 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from agent.backends.base import Backend
-from agent.errors import BackendError
-from protocol.manifest import Manifest
+from engines.base import Engine, EngineSpec
+from engines.errors import EngineLoadError, EngineRunError
+from protocol import jsonlimits
+from protocol.errors import ContractError
 
-__all__ = ["IO_METADATA", "IOMap", "LiteRTBackend", "Port", "read_io_map", "read_tflite_metadata"]
+__all__ = ["IO_FORMAT", "IO_METADATA", "IOMap", "LiteRTEngine", "Port", "interpreter_class", "read_io_map",
+           "read_tflite_metadata"]
 
-log = logging.getLogger("edgefleet.agent.backends.litert")
+log = logging.getLogger("edgefleet.engines.litert")
 
 IO_METADATA = "edgefleet_io"
 IO_FORMAT = 1
@@ -51,8 +53,23 @@ class IOMap:
     inputs: tuple[Port, ...]
     outputs: tuple[Port, ...]
 
+    def to_json(self) -> dict[str, Any]:
+        def ports(ps: tuple[Port, ...]) -> list[dict[str, Any]]:
+            return [{"name": p.name, "key": p.key, "perm": list(p.perm) if p.perm else None} for p in ps]
 
-def _interpreter_class() -> tuple[Any, str]:
+        return {"format": IO_FORMAT, "signature": self.signature, "inputs": ports(self.inputs),
+                "outputs": ports(self.outputs)}
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> IOMap:
+        def ports(items: list[dict[str, Any]]) -> tuple[Port, ...]:
+            return tuple(Port(str(i["name"]), str(i["key"]), tuple(int(d) for d in i["perm"])
+                              if i.get("perm") else None) for i in items)
+
+        return IOMap(str(doc["signature"]), ports(doc["inputs"]), ports(doc["outputs"]))
+
+
+def interpreter_class() -> tuple[Any, str]:
     try:
         from ai_edge_litert.interpreter import Interpreter
         return Interpreter, "ai-edge-litert"
@@ -61,7 +78,7 @@ def _interpreter_class() -> tuple[Any, str]:
             from tflite_runtime.interpreter import Interpreter  # the predecessor, for numpy 1 images
             return Interpreter, "tflite-runtime"
         except ImportError:
-            raise BackendError(f"this bundle's engine is LiteRT (.tflite) and neither ai_edge_litert nor "
+            raise EngineLoadError(f"this bundle's engine is LiteRT (.tflite) and neither ai_edge_litert nor "
                                f"tflite_runtime imports ({first}): pip install ai-edge-litert") from first
 
 
@@ -129,7 +146,7 @@ def read_tflite_metadata(raw: bytes, name: str) -> bytes | None:
                 return raw[off:off + size]
             return None
     except (struct.error, IndexError) as exc:
-        raise BackendError(f"not a readable TFLite flatbuffer ({exc})") from exc
+        raise EngineLoadError(f"not a readable TFLite flatbuffer ({exc})") from exc
     return None
 
 
@@ -139,19 +156,15 @@ def read_io_map(raw: bytes, signatures: dict[str, dict[str, list[str]]]) -> IOMa
     data = read_tflite_metadata(raw, IO_METADATA)
     if data is not None:
         try:
-            doc = json.loads(data)
+            doc = jsonlimits.loads(data, source=IO_METADATA, max_bytes=1024**2)
             if doc.get("format") == IO_FORMAT:
-                def ports(items: list[dict[str, Any]]) -> tuple[Port, ...]:
-                    return tuple(Port(str(i["name"]), str(i["key"]), tuple(int(d) for d in i["perm"])
-                                      if i.get("perm") else None) for i in items)
-
-                return IOMap(str(doc["signature"]), ports(doc["inputs"]), ports(doc["outputs"]))
+                return IOMap.from_json(doc)
             log.warning("%s metadata has format %r (this agent reads %d); using onnx2tf's naming", IO_METADATA,
                         doc.get("format"), IO_FORMAT)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BackendError(f"the engine's {IO_METADATA} metadata is malformed: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError, ContractError) as exc:
+            raise EngineLoadError(f"the engine's {IO_METADATA} metadata is malformed: {exc}") from exc
     if not signatures:
-        raise BackendError("the .tflite engine has no signature; edgefleet runs TFLite models through signatures")
+        raise EngineLoadError("the .tflite engine has no signature; edgefleet runs TFLite models through signatures")
     signature = next(iter(signatures))
     ins, outs = signatures[signature]["inputs"], signatures[signature]["outputs"]
     numbered = {int(k.split("_")[1]): k for k in outs if re.fullmatch(r"output_\d+", k)}
@@ -159,7 +172,7 @@ def read_io_map(raw: bytes, signatures: dict[str, dict[str, list[str]]]) -> IOMa
     return IOMap(signature, tuple(Port(k, k, None) for k in ins), tuple(Port(k, k, None) for k in order))
 
 
-# -- the backend ------------------------------------------------------------------------------------------
+# -- the engine -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Tensor:
     port: Port
@@ -175,38 +188,38 @@ def _quantize(x: np.ndarray, t: _Tensor) -> np.ndarray:
     return np.clip(q, info.min, info.max).astype(t.dtype)
 
 
-class LiteRTBackend(Backend):
-    name = "litert"
+class LiteRTEngine(Engine):
+    kind = "litert"
 
-    def __init__(self, manifest: Manifest):
-        super().__init__(manifest)
+    def __init__(self, spec: EngineSpec, providers: tuple[str, ...] | None = None):
+        super().__init__(spec)
         self._interp: Any = None
         self._lock = threading.Lock()  # one Interpreter runs one batch at a time
         self._shapes: dict[int, tuple[int, ...]] = {}
 
     def load(self, engine: Path, threads: int) -> None:
-        interpreter, dist = _interpreter_class()
+        interpreter, dist = interpreter_class()
         try:
             raw = engine.read_bytes()
         except OSError as exc:
-            raise BackendError(f"{engine}: cannot read the engine ({exc.strerror})") from exc
+            raise EngineLoadError(f"{engine}: cannot read the engine ({exc.strerror})") from exc
         if raw[4:8] != b"TFL3":
-            raise BackendError(f"{engine.name} is not a TFLite flatbuffer (no TFL3 identifier)")
+            raise EngineLoadError(f"{engine.name} is not a TFLite flatbuffer (no TFL3 identifier)")
         try:
             interp = interpreter(model_content=raw, num_threads=threads)
             interp.allocate_tensors()
             signatures = interp.get_signature_list()
         except (ValueError, RuntimeError) as exc:
-            raise BackendError(f"LiteRT ({dist}) cannot load {engine.name}: {' '.join(str(exc).split())}") from exc
+            raise EngineLoadError(f"LiteRT ({dist}) cannot load {engine.name}: {' '.join(str(exc).split())}") from exc
         io = read_io_map(raw, signatures)
         if io.signature not in signatures:
-            raise BackendError(f"the engine has no signature {io.signature!r} (it has {sorted(signatures)})")
+            raise EngineLoadError(f"the engine has no signature {io.signature!r} (it has {sorted(signatures)})")
         runner = interp.get_signature_runner(io.signature)
         in_details, out_details = runner.get_input_details(), runner.get_output_details()
 
         def tensor(port: Port, details: dict[str, Any], what: str) -> _Tensor:
             if port.key not in details:
-                raise BackendError(f"the engine's signature {io.signature!r} has no {what} {port.key!r} "
+                raise EngineLoadError(f"the engine's signature {io.signature!r} has no {what} {port.key!r} "
                                    f"(it has {sorted(details)})")
             d = details[port.key]
             scale, zero = d.get("quantization", (0.0, 0))
@@ -219,7 +232,7 @@ class LiteRTBackend(Backend):
         missing = [s.name for s in self.inputs if s.name not in by_name_in] + \
                   [s.name for s in self.outputs if s.name not in by_name_out]
         if missing:
-            raise BackendError(f"the engine has no tensor {missing[0]!r} of the manifest (it maps "
+            raise EngineLoadError(f"the engine has no tensor {missing[0]!r} of the spec (it maps "
                                f"{sorted([*by_name_in, *by_name_out])})")
         self._in = [tensor(by_name_in[s.name], in_details, "input") for s in self.inputs]
         self._out = [tensor(by_name_out[s.name], out_details, "output") for s in self.outputs]
@@ -227,7 +240,7 @@ class LiteRTBackend(Backend):
         self._interp = interp
         self.device = f"{dist} CPU ({threads} threads)"
 
-    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _infer_impl(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         arrays = []
         for t in self._in:
             x = feeds[t.port.name]
@@ -238,7 +251,7 @@ class LiteRTBackend(Backend):
         with self._lock:
             interp = self._interp
             if interp is None:
-                raise BackendError("the LiteRT backend is closed")
+                raise EngineRunError(f"{self.spec.label}: the LiteRT interpreter is gone")
             resized = False
             for index, arr in arrays:
                 if self._shapes.get(index) != arr.shape:  # the batch size changed: resize, reallocate
@@ -260,6 +273,6 @@ class LiteRTBackend(Backend):
             outs.append(o)
         return outs
 
-    def close(self) -> None:
+    def _close_impl(self) -> None:
         with self._lock:
             self._interp = None
