@@ -5,6 +5,15 @@
                                           read its own desired and ack
     anyone else                           nothing (anonymous clients are refused at connect)
 
+One identity per device: a device's connection is bound to its account, so no one can take over
+another device's session by sending its client id (:func:`client_id_allowed`). The embedded broker
+refuses a device whose client id is not its own (``protocol.mqtt.client_id``) before it touches any
+session. Mosquitto cannot refuse on a password file, so its device listeners set
+``use_username_as_clientid true``: whatever a device sends, its client id becomes its username, and
+the only session a device can replace is its own. The fleet's replicas share one account with
+random client ids, so they connect on a listener of their own whose password file holds only the
+fleet's account (:func:`mosquitto_conf` writes both listeners, as tested).
+
 Mosquitto gets a password file (PBKDF2-SHA512, its ``$7$`` format) and an ACL file written
 atomically from the device credentials; :func:`reload_mosquitto` sends SIGHUP so it rereads both
 without dropping anyone. The embedded amqtt broker asks :func:`allowed` through the plugins in
@@ -27,12 +36,13 @@ from typing import Literal
 from protocol import mqtt as proto
 from protocol.fsutil import atomic_write
 
-__all__ = ["FLEET_USER", "Account", "allowed", "hash_password", "reload_mosquitto", "verify_password",
-           "write_mosquitto_files"]
+__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "Account", "allowed", "client_id_allowed", "hash_password",
+           "mosquitto_conf", "reload_mosquitto", "verify_password", "write_mosquitto_files"]
 
 FLEET_USER = "edgefleet-fleet"
 DEVICE_WRITES = ("reported", "telemetry", "status")
 DEVICE_READS = ("desired", "ack")
+LEGACY_AGENT_PREFIX = "edgefleet-agent-"  # agents before 2026-11 connected as edgefleet-agent-<device id>
 PBKDF2_ITERATIONS = 101  # Mosquitto 2.0's own default for $7$ hashes; the passwords are 32 random bytes
 
 
@@ -91,6 +101,19 @@ def allowed(username: str | None, topic: str, action: Literal["publish", "subscr
     return any(topic == proto.topic(username, k) for k in kinds)  # type: ignore[arg-type]
 
 
+def client_id_allowed(username: str | None, client_id: str | None) -> bool:
+    """Whether ``username`` may connect as ``client_id``. A device only as its own: its device id
+    (what agents send, and what Mosquitto's ``use_username_as_clientid`` makes it) or
+    ``edgefleet-agent-<id>`` (what agents sent before), so it can never replace another device's
+    session (``edgefleet-`` names are reserved for the fleet). The fleet's replicas share one account
+    and each connects with a random id, so the fleet may use any."""
+    if not username or not client_id:
+        return False
+    if username == FLEET_USER:
+        return True
+    return proto.device_id_ok(username) and client_id in (username, LEGACY_AGENT_PREFIX + username)
+
+
 def acl_text() -> str:
     """The Mosquitto ACL file: the same rule as :func:`allowed` (``%u`` is the username)."""
     lines = [f"user {FLEET_USER}", f"topic readwrite {proto.PREFIX}/#", ""]
@@ -99,21 +122,47 @@ def acl_text() -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_mosquitto_files(accounts: Iterable[Account], password_file: Path, acl_file: Path) -> int:
+def write_mosquitto_files(accounts: Iterable[Account], password_file: Path, acl_file: Path,
+                          fleet_password_file: Path | None = None) -> int:
     """Write both files atomically (mode 0640: Mosquitto, which runs as its own user, reads them through
     their group; give the directory the mosquitto group with the setgid bit); returns how many accounts
-    were written."""
-    rows = []
+    were written. ``fleet_password_file``, if given, gets the fleet's account alone: the password file
+    of the fleet's own listener (see :func:`mosquitto_conf`)."""
+    rows, fleet_rows = [], []
     for a in accounts:
         if a.username != FLEET_USER and not proto.device_id_ok(a.username):
             raise ValueError(f"username {a.username!r} is not a device id")
         if ":" in a.username or "\n" in a.password_hash:
             raise ValueError(f"account {a.username!r} cannot be written to a password file")
         rows.append(f"{a.username}:{a.password_hash}")
-    for path, text in ((password_file, "\n".join(rows) + "\n"), (acl_file, acl_text())):
+        if a.username == FLEET_USER:
+            fleet_rows.append(rows[-1])
+    files = [(password_file, "\n".join(rows) + "\n"), (acl_file, acl_text())]
+    if fleet_password_file is not None:
+        files.append((fleet_password_file, "\n".join(fleet_rows) + "\n"))
+    for path, text in files:
         atomic_write(path, text.encode())
         os.chmod(path, 0o640)
     return len(rows)
+
+
+def mosquitto_conf(password_file: Path, acl_file: Path, fleet_password_file: Path,
+                   device_listeners: Iterable[str] = ("1883",), fleet_listener: str = "1884 127.0.0.1") -> str:
+    """The authentication part of ``mosquitto.conf``: one identity per device.
+
+    Each of ``device_listeners`` (``"<port> [<address>]"``, optionally followed by more lines for
+    that listener, e.g. TLS settings) takes every account and sets ``use_username_as_clientid``, so a
+    device's client id is its username whatever it sends: a device (or anyone) can never replace
+    another device's session. ``fleet_listener`` is the fleet's: any client id (its replicas share one
+    account), and a password file with the fleet's account alone, so no device can use it. Write
+    the password files with :func:`write_mosquitto_files` (``fleet_password_file`` too)."""
+    def block(listener: str, passwords: Path, more: str) -> str:
+        return (f"listener {listener}\nallow_anonymous false\npassword_file {passwords}\nacl_file {acl_file}\n"
+                + more)
+
+    blocks = [block(d, password_file, "use_username_as_clientid true\n") for d in device_listeners]
+    blocks.append(block(fleet_listener, fleet_password_file, ""))
+    return "per_listener_settings true\n" + "".join(blocks)
 
 
 def reload_mosquitto(pid: int) -> None:

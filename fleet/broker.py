@@ -7,7 +7,23 @@ It enforces the same rule as Mosquitto's password and ACL files (:mod:`fleet.acl
 only with an active account (the fleet's, or a device's from enrollment), a device publishes only its
 own reports, telemetry and status and reads only its own desired state and acks, and a will message
 may only name a topic its client could publish to (amqtt does not check wills itself). Anonymous
-clients are refused at connect.
+clients are refused at connect, and so is a device whose client id is not its own
+(:func:`fleet.acl.client_id_allowed`): one identity per device.
+
+amqtt (0.12) alone is not a security boundary, so :class:`FleetBroker` overrides three of its methods:
+
+- amqtt handles a CONNECT's session before it authenticates: a clean session wipes the stored
+  session and subscriptions of that client id, a persistent one takes its credentials over. Anyone
+  could silence a device by connecting, even anonymously, with its client id. Here the
+  authentication (client id included) comes first, and a refused CONNECT touches no session.
+- after every connect amqtt sends the retained messages matching every subscription of every
+  client, unchecked: a device that subscribed to nothing got every device's retained desired,
+  reported and status. Here retained messages go only for the session's own subscriptions.
+- retained messages sent for a subscription skip the topic check (only live messages are checked):
+  here each one must pass the same ``RECEIVE`` check.
+
+Mosquitto needs none of this (see :func:`fleet.acl.mosquitto_conf`). tests/test_broker_identity.py
+tries each hole on both brokers.
 """
 
 from __future__ import annotations
@@ -19,13 +35,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from amqtt.broker import Broker
 from amqtt.contexts import Action
+from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
+from amqtt.utils import gen_client_id
 
-from fleet.acl import allowed
+from fleet.acl import allowed, client_id_allowed
 from protocol.errors import ConfigError
 
-__all__ = ["Authorizer", "EmbeddedBroker"]
+__all__ = ["Authorizer", "EmbeddedBroker", "FleetBroker"]
 
 
 class Authorizer(Protocol):
@@ -55,6 +75,9 @@ class AclAuthPlugin(BaseAuthPlugin):
             log.info("MQTT connect refused: %s (client id %r)", "anonymous" if not user else f"user {user!r}",
                      session.client_id)
             return False
+        if not client_id_allowed(user, session.client_id):
+            log.info("MQTT connect refused: user %r with client id %r, not its own", user, session.client_id)
+            return False
         if session.will_flag and not allowed(user, session.will_topic or "", "publish"):
             log.info("MQTT connect refused: user %r asked for a will on %r", user, session.will_topic)
             return False
@@ -76,6 +99,74 @@ class AclTopicPlugin(BaseTopicPlugin):
         # a device decommissioned while connected can no longer publish, subscribe or receive
         return auth is not None and auth.is_active(session.username) and allowed(session.username, topic,
                                                                                  _ACTIONS[action])
+
+
+class FleetBroker(Broker):
+    """amqtt's broker, authenticating before it touches a session and checking every retained message
+    it sends (see the module's docstring)."""
+
+    async def _initialize_client_session(self, reader: Any, writer: Any, remote_address: str,
+                                         remote_port: int) -> tuple[Any, Any]:
+        try:
+            handler, session = await BrokerProtocolHandler.init_from_connect(reader, writer, self.plugins_manager)
+        except MQTTError:
+            await writer.close()
+            raise
+        except (AMQTTError, NoDataError) as exc:
+            raise AMQTTError(exc) from exc
+        if not await self._authenticate(session, None):  # before any stored session is looked at
+            session.parent = 0
+            handler.attach(session, reader, writer)
+            await handler.mqtt_connack_authorize(False)
+            await writer.close()
+            raise AMQTTError(f"refused {remote_address}:{remote_port} (client id {session.client_id!r})")
+        # from here on, amqtt 0.12.1's own handling of the session
+        if session.clean_session:
+            if session.client_id:
+                await self._delete_session(session.client_id)
+            else:
+                session.client_id = gen_client_id()
+            session.parent = 0
+        elif session.client_id in self._sessions:
+            existing, _ = self._sessions[session.client_id]
+            for attr in ("will_flag", "will_retain", "will_message", "will_topic", "will_qos", "keep_alive",
+                         "username", "password"):
+                setattr(existing, attr, getattr(session, attr))
+            session = existing
+            session.parent = 1
+        else:
+            session.parent = 0
+        delay = self.config.get("timeout-disconnect-delay", 0)
+        if session.keep_alive > 0 and isinstance(delay, int):
+            session.keep_alive += delay
+        return handler, session
+
+    async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int],
+                                                          session: Any) -> None:
+        topic_filter, qos = subscription
+        if not any(s.client_id == session.client_id for s, _ in self._subscriptions.get(topic_filter, ())):
+            return  # after a connect amqtt offers every client's subscriptions: only the session's own count
+        handler = self._get_handler(session)
+        if handler is None:
+            return
+        tasks = []
+        for topic, retained in list(self._retained_messages.items()):
+            if self._matches(topic, topic_filter) and await self._topic_filtering(session, topic, Action.RECEIVE):
+                tasks.append(asyncio.ensure_future(
+                    handler.mqtt_publish(retained.topic, retained.data, min(qos, retained.qos or qos), retain=True)))
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def _check_amqtt() -> None:
+    """FleetBroker replaces private methods of amqtt 0.12 (and copies a part of one): another amqtt
+    could route around them, so the embedded broker refuses to start on it."""
+    from importlib.metadata import version
+
+    v = version("amqtt")
+    if not v.startswith("0.12."):
+        raise ConfigError(f"the embedded MQTT broker's identity and ACL checks are made for amqtt 0.12, not {v}: "
+                          "install amqtt 0.12 or use Mosquitto (--mqtt-url)")
 
 
 class EmbeddedBroker:
@@ -101,6 +192,7 @@ class EmbeddedBroker:
         return f"mqtt://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 15.0) -> None:
+        _check_amqtt()
         ready = threading.Event()
         logging.getLogger("transitions").setLevel(logging.WARNING)
         logging.getLogger("amqtt").setLevel(logging.CRITICAL)  # start-up failures are reported below, once
@@ -111,8 +203,6 @@ class EmbeddedBroker:
             asyncio.set_event_loop(loop)
 
             async def main() -> None:
-                from amqtt.broker import Broker
-
                 plugins: dict[str, Any] = (
                     {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
                     if self.anonymous else
@@ -120,7 +210,7 @@ class EmbeddedBroker:
                      "fleet.broker.AclTopicPlugin": {"key": self._key}})
                 cfg = {"listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
                        "plugins": plugins}
-                broker = Broker(cfg)
+                broker = FleetBroker(cfg)
                 self._stop = asyncio.Event()
                 try:
                     await broker.start()

@@ -221,7 +221,7 @@ class SimDevice:
 
     async def start(self) -> None:
         host, port = proto.parse_mqtt_url(self.cfg.mqtt_url)
-        self.client = MiniMqtt(host, port, f"sim-{self.id}", self.cfg.keepalive_s, self._on_message)
+        self.client = MiniMqtt(host, port, self.id, self.cfg.keepalive_s, self._on_message)
         will = proto.encode(proto.StatusMessage(device_id=self.id, ts=0, state="offline"))
         password = self.cfg.passwords.get(self.id)
         await self.client.connect(proto.topic(self.id, "status"), will, username=self.id if password else None,

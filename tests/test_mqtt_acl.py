@@ -26,7 +26,7 @@ from sqlalchemy import create_engine
 
 from agent.link import MqttLink, MqttSecurity
 from agent.spool import Spool
-from fleet.acl import FLEET_USER, allowed, reload_mosquitto, write_mosquitto_files
+from fleet.acl import FLEET_USER, allowed, mosquitto_conf, reload_mosquitto, write_mosquitto_files
 from fleet.enroll import Enrollment
 from fleet.errors import BadRequest
 from protocol import mqtt as proto
@@ -44,6 +44,7 @@ class Broker:
     port: int
     tls_port: int
     mtls_port: int
+    fleet_port: int  # the fleet's own listener: its account only, any client id
     proc: subprocess.Popen
     enroll: Enrollment
     pki: dict[str, Path]
@@ -113,32 +114,29 @@ def _pki(d: Path) -> dict[str, Path]:
 @pytest.fixture
 def broker(tmp_path) -> Broker:
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    passwd, acl = tmp_path / "passwd", tmp_path / "acl"
+    passwd, acl, fleet_passwd = tmp_path / "passwd", tmp_path / "acl", tmp_path / "fleet.passwd"
     holder: list[subprocess.Popen] = []
 
     def on_change(accounts) -> None:  # what the fleet does when credentials change
-        write_mosquitto_files(accounts, passwd, acl)
+        write_mosquitto_files(accounts, passwd, acl, fleet_passwd)
         if holder:
             reload_mosquitto(holder[0].pid)
 
     enroll = Enrollment(create_engine(f"sqlite:///{tmp_path / 'fleet.db'}"), on_change)
     enroll.set_fleet_password(FLEET_PASSWORD)
     pki = _pki(tmp_path / "pki")
-    port, tls_port, mtls_port = free_port(), free_port(), free_port()
+    port, tls_port, mtls_port, fleet_port = free_port(), free_port(), free_port(), free_port()
     conf = tmp_path / "mosquitto.conf"
-    conf.write_text(
-        f"{MOSQUITTO_USER}per_listener_settings false\nallow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n"
-        f"persistence false\n"
-        f"listener {port} 127.0.0.1\n"
-        f"listener {tls_port} 127.0.0.1\ncafile {pki['ca']}\ncertfile {pki['server']}\n"
-        f"keyfile {pki['server'].with_suffix('.key')}\n"
-        f"listener {mtls_port} 127.0.0.1\ncafile {pki['ca']}\ncertfile {pki['server']}\n"
-        f"keyfile {pki['server'].with_suffix('.key')}\nrequire_certificate true\nuse_identity_as_username true\n")
+    tls = f"cafile {pki['ca']}\ncertfile {pki['server']}\nkeyfile {pki['server'].with_suffix('.key')}\n"
+    conf.write_text(f"{MOSQUITTO_USER}persistence false\n" + mosquitto_conf(  # as the README tells operators
+        passwd, acl, fleet_passwd, fleet_listener=f"{fleet_port} 127.0.0.1", device_listeners=[
+            f"{port} 127.0.0.1", f"{tls_port} 127.0.0.1\n{tls}",
+            f"{mtls_port} 127.0.0.1\n{tls}require_certificate true\nuse_identity_as_username true"]))
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     holder.append(proc)
-    for p in (port, tls_port, mtls_port):
+    for p in (port, tls_port, mtls_port, fleet_port):
         wait_port(p)
-    b = Broker(tmp_path, port, tls_port, mtls_port, proc, enroll, pki)
+    b = Broker(tmp_path, port, tls_port, mtls_port, fleet_port, proc, enroll, pki)
     yield b
     proc.terminate()
     proc.wait(10)
@@ -159,6 +157,9 @@ class Client:
             self.c.tls_set(**tls, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         self.c.on_message = lambda c, u, m: self.got.put((m.topic, bytes(m.payload)))
         self.c.on_connect = lambda c, u, f, rc, p: self.connack.put(rc)
+        # closed before any CONNACK (a client certificate refused after a TLS 1.3 handshake): refused
+        self.c.on_disconnect = lambda c, u, f, rc, p: self.connack.put(
+            rc if rc.is_failure else mqtt.ReasonCode(mqtt.PacketTypes.CONNACK, "Unspecified error"))
         self.port = port
 
     def connect(self) -> bool:
@@ -192,7 +193,7 @@ class Client:
 
 
 def _fleet(b: Broker) -> Client:
-    f = Client(b.port, FLEET_USER, FLEET_PASSWORD, "fleet")
+    f = Client(b.fleet_port, FLEET_USER, FLEET_PASSWORD, "edgefleet-fleet-test")
     assert f.connect()
     f.subscribe(*(proto.subscription(k) for k in ("status", "reported", "telemetry")))  # as fleet/bridge.py does
     return f
@@ -200,6 +201,7 @@ def _fleet(b: Broker) -> Client:
 
 def _device(b: Broker, device_id: str) -> tuple[Client, str]:
     creds = b.enroll.redeem(b.enroll.issue_token(device_id))
+    _wait_reload(b, creds.username, creds.password, True)  # before it connects: a probe would replace it
     c = Client(b.port, creds.username, creds.password, device_id)
     assert c.connect(), f"{device_id} could not connect with its own credentials"
     return c, creds.password
@@ -220,8 +222,7 @@ def _wait_reload(b: Broker, username: str, password: str, accepted: bool) -> Non
 def test_a_device_can_neither_publish_as_nor_read_another(broker: Broker):
     fleet = _fleet(broker)
     a, _ = _device(broker, "edge-a")
-    b, pw_b = _device(broker, "edge-b")
-    _wait_reload(broker, "edge-b", pw_b, True)
+    b, _ = _device(broker, "edge-b")
 
     # anonymous and wrong-password connections are refused
     broker.probe("anonymous connect", not Client(broker.port, None, None, "anon").connect())
