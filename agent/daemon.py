@@ -21,137 +21,37 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import Any
 
 from agent.batcher import BatchSettings
 from agent.config import AgentConfig
 from agent.enroll import mqtt_security
-from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from agent.errors import TrustError
 from agent.image import ImageLimits
+from agent.install import Installer
 from agent.link import MqttLink
 from agent.metrics import Metrics
-from agent.server import IndexEntry, ModelHost, create_app
-from agent.shadow import ShadowMirror
+from agent.server import ModelHost, create_app
 from agent.spool import Spool
-from agent.store import ModelStore, StagedModel
+from agent.store import ModelStore
+from agent.systemd import sd_notify
 from agent.telemetry import DeviceSampler, DeviceStats
-from agent.trusted import Decision, check_cpu, decide
 from agent.updater import BundleFetcher
-from engines import Engine, EngineError, load_bundle_engine
 from protocol import mqtt as proto
-from protocol.cpu import cpu_features
-from protocol.errors import ConfigError, ContractError
+from protocol.errors import ConfigError
 from protocol.manifest import Manifest
-from protocol.profile import load_profile
 
-__all__ = ["Agent", "event_loop_factory", "install_unit", "render_unit", "run_agent", "run_until_stopped", "sd_notify",
-           "self_test"]
+__all__ = ["Agent", "event_loop_factory", "require_trust_anchor", "run_agent", "run_until_stopped"]
 
 log = logging.getLogger("edgefleet.agent")
-WARMUP_RUNS = 3
-
-
-_T = TypeVar("_T")
-Turn = Callable[..., Any]  # runs fn(*args) in its turn on the model's cores: ComputeGate.call, bound to a loop
-
-
-def _now(fn: Callable[..., _T], *args: Any) -> _T:
-    return fn(*args)
-
-
-def self_test(backend: Engine, staged: StagedModel, turn: Turn = _now) -> proto.SelfTestResult:
-    """Run the bundle's own sample; outputs must match what the compiler recorded. Returns the figures
-    measured on this device's CPU, for the install report. Each run goes through ``turn`` (while another
-    version serves: between its batches)."""
-    path = staged.directory / staged.manifest.selftest
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            feeds = {s.name: npz[f"input:{s.name}"] for s in backend.inputs}
-            expected = [npz[f"expected:{s.name}"] for s in backend.outputs]
-            labels = npz["labels"] if "labels" in npz.files else None
-    except (KeyError, ValueError, OSError) as exc:
-        raise SelfTestFailed(f"self-test sample {path.name} is unreadable: {exc}") from exc
-    try:
-        for _ in range(WARMUP_RUNS):
-            got = turn(backend.infer, feeds)
-    except Exception as exc:  # the runtime's own error types
-        raise SelfTestFailed(f"self-test: the engine failed on its own sample: {exc}") from exc
-    drift = 0.0
-    for spec, g, e in zip(backend.outputs, got, expected, strict=True):
-        if g.shape != e.shape:
-            raise SelfTestFailed(f"self-test: output {spec.name!r} has shape {g.shape}, expected {e.shape}")
-        if not np.isfinite(g).all():
-            raise SelfTestFailed(f"self-test: output {spec.name!r} has NaN or infinite values on this device's CPU")
-        tol = 1e-3 + 0.02 * float(np.abs(e).max(initial=0.0))
-        diff = float(np.abs(g.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
-        drift = max(drift, diff / tol)
-        if not diff <= tol:
-            raise SelfTestFailed(f"self-test: output {spec.name!r} differs by {diff:.4g} (tolerance {tol:.4g}) "
-                                 "on this device's CPU")
-        if e.ndim == 2 and not np.array_equal(g.argmax(1), e.argmax(1)):
-            raise SelfTestFailed(f"self-test: output {spec.name!r} ranks classes differently from the build")
-    first, want = got[0], expected[0]
-    classes = first.ndim == 2 and len(first) > 0 and backend.outputs[0].batch_axis == 0
-    axis = backend.inputs[0].batch_axis if backend.inputs else None
-    sample = feeds[backend.inputs[0].name] if backend.inputs else first
-    return proto.SelfTestResult(
-        samples=int(sample.shape[axis]) if axis is not None and sample.ndim > axis else 1,
-        top1=float((first.argmax(1) == labels).mean()) if classes and labels is not None
-        and labels.shape == (len(first),) else None,
-        top1_agreement=float((first.argmax(1) == want.argmax(1)).mean()) if classes else None,
-        drift=round(drift, 4))
-
-
-def warm_up(backends: list[Engine], staged: StagedModel, batch_sizes: tuple[int, ...], turn: Turn = _now) -> None:
-    """Run every instance once at each batch size the batcher will form that its backend wants warmed
-    (``Engine.warm_up_sizes``), on the bundle's own sample, before the version takes traffic: the first
-    call at a new shape can be costly (LiteRT tensor resizes, TensorRT shape setup) and would otherwise
-    land on a client's request. Each call goes through ``turn``."""
-    path = staged.directory / staged.manifest.selftest
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            sample = {s.name: npz[f"input:{s.name}"] for s in staged.manifest.inputs}
-    except (KeyError, ValueError, OSError) as exc:
-        raise SelfTestFailed(f"warm-up: self-test sample {path.name} is unreadable: {exc}") from exc
-    axes = {s.name: s.batch_axis for s in staged.manifest.inputs}
-    batchable = staged.manifest.batchable
-    for b in backends:
-        for n in b.warm_up_sizes(batch_sizes) if batchable else (None,):
-            feeds = {k: v if (a := axes[k]) is None or n is None else
-                     np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}
-            try:
-                turn(b.infer, feeds)
-            except Exception as exc:  # the runtime's own error types
-                raise SelfTestFailed(f"warm-up at batch size {n}: the engine failed: {exc}") from exc
 
 
 CRASH_ENV = "EDGEFLEET_TEST_CRASH_AT"
 
 
-def sd_notify(message: str) -> bool:
-    """Tell systemd (``Type=notify`` units) about the service: "READY=1", "STOPPING=1", "STATUS=...". A no-op
-    outside systemd (no ``$NOTIFY_SOCKET``). Returns whether the message was sent."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address or address[0] not in "/@":
-        return False
-    if address[0] == "@":  # an abstract socket
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(address)
-            s.sendall(message.encode())
-    except OSError as exc:
-        log.warning("cannot notify systemd at %s: %s", os.environ.get("NOTIFY_SOCKET"), exc)
-        return False
-    return True
-
-
 def _crash_hook():
     """Test hook: with EDGEFLEET_TEST_CRASH_AT=<point> the process dies (os._exit, no clean-up, like a
     power cut) when the model store reaches that point: extracted, moved, before_commit, after_commit."""
-    import os
 
     point = os.environ.get(CRASH_ENV)
     if not point:
@@ -208,13 +108,13 @@ class Agent:
         self._desired: proto.DesiredState | None = None
         self._desired_lock = threading.Lock()
         self._desired_event = threading.Event()
-        self._failed: dict[str, str] = {}  # bundle sha256 -> why it failed (bundle faults only)
-        self._max_rollout: int | None = None  # desired states from older rollouts are stale replays
         self._threads: list[threading.Thread] = []
         self._server: Any = None
         self.ready = threading.Event()  # HTTP is listening (for tests and the demo)
         self.device_stats: DeviceStats | None = None  # the latest sample of the box itself
-        self._unavailable: dict[tuple[str, str], str] = {}  # (model, version) -> why it is not serving
+        self.installer = Installer(config, self.store, self.host,
+                                   lambda *a, **kw: self._report(*a, **kw),  # late-bound: tests may replace it
+                                   lambda: self.fetcher, self._stop, self._desired_event.is_set)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -222,35 +122,9 @@ class Agent:
 
         self._loop = asyncio.get_running_loop()
         self.store.recover()
-        self.host.index = self._index
-        # every model on disk, the one installed last last (it is "current" for the fleet): its active version,
-        # else the previous one; the store changes (and forgets the failed one) only once a fallback actually
-        # loaded: a broken runtime must not cost both versions
-        slots = self.store.active()
-        primary = self.store.current.installed.name if self.store.current else None
-        for name in sorted(slots, key=lambda n: n == primary):
-            for which, entry in zip(("current", "previous"), slots[name], strict=True):
-                if entry is None:
-                    continue
-                try:
-                    manifest = self.store.load_manifest(entry, verify=False)
-                    self._require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
-                    backends = await self._loop.run_in_executor(
-                        None, self._load_instances, manifest, self.store.models_dir / entry.directory)
-                except (UpdateError, ContractError) as exc:
-                    log.error("could not load the %s model %s: %s", which, entry.directory, exc)
-                    self._unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
-                    continue
-                await self.host.swap(manifest, backends)
-                if which == "previous":
-                    log.error("serving the previous model %s; the committed one would not load", entry.directory)
-                    if name == primary:
-                        self.store.revert()
-                    else:
-                        self.store.rollback(name)
-                break
-        if self.store.current is not None:
-            self._max_rollout = self.store.current.rollout_id
+        self.host.index = self.installer.index
+        self.installer.loop = self._loop
+        await self.installer.load_installed()
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the
         # listening socket says so; without it keep-alive responses stall ~40 ms (Nagle + delayed ACK)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -392,222 +266,13 @@ class Agent:
                     log.exception("install failed unexpectedly")
                     self._report("failed", desired, error=f"internal error: {exc}")
 
-    def _drop_shadow(self) -> None:
-        sh, self.host.shadow = self.host.shadow, None
-        if sh is not None:
-            sh.close()
-            if sh.staged is not None:
-                self.store.discard(sh.staged)
-            log.info("dropped the shadow of %s %s", sh.manifest.name, sh.manifest.version)
-
     def install(self, desired: proto.DesiredState) -> None:
-        t0 = time.monotonic()
-        shadow = desired.mode == "shadow"
-        if not shadow or (self.host.shadow is not None and (self.host.shadow.manifest.name,
-                                                            self.host.shadow.manifest.version)
-                          != (desired.model, desired.version)):
-            self._drop_shadow()  # any other desired state ends a shadow
-        elif self.host.shadow is not None:
-            self._report("shadowing", desired)  # already shadowing it (a re-sent desired state)
-            return
-        if desired.rollout_id is not None:
-            if self._max_rollout is not None and desired.rollout_id < self._max_rollout:
-                log.warning("ignored desired state of rollout %s: rollout %s is newer", desired.rollout_id,
-                            self._max_rollout)
-                return
-            self._max_rollout = desired.rollout_id
-        cur = self.store.current
-        profile = desired.target.rsplit("/", 1)[-1].removesuffix(".tar")
-        decision = decide(self.store.trusted, cur.installed if cur else None, desired.model, desired.version,
-                          desired.sha256, profile, self.config.profiles, frozenset(self._failed))
-        if decision.action == "install" and self.store.trusted_error is not None:
-            decision = Decision("refuse", self.store.trusted_error)
-        if decision.action == "keep":
-            self._report("installed", desired)
-            return
-        if decision.action == "refuse":
-            reason = self._failed.get(desired.sha256, decision.reason) if "already failed" in decision.reason \
-                else decision.reason
-            log.error("refused %s %s: %s", desired.model, desired.version, reason)
-            self._report("failed", desired, error=reason)
-            return
-        log.info("%s %s %s (rollout %s)", "loading in shadow" if shadow else "installing", desired.model,
-                 desired.version, desired.rollout_id)
-        self._report("downloading", desired)
-        staged: StagedModel | None = None
-        backend: Engine | None = None
-        loaded: list[Engine] = []  # instances of the new version, closed on failure until the host owns them
-        bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
-        try:
-            fetched = self._fetch_with_retries(desired, profile)
-            if fetched is None:
-                return  # superseded by a newer desired state, or stopping
-            bundle_fault = True
-            signed = fetched.custom
-            said = (desired.model, desired.version, profile)
-            if (signed.get("name"), signed.get("version"), signed.get("profile")) != said:
-                raise TrustError(f"signed target says {signed.get('name')} {signed.get('version')} "
-                                 f"{signed.get('profile')}, desired state says {' '.join(said)}")
-            self._report("installing", desired)
-            staged = self.store.stage(fetched.path, fetched.sha256)
-            m = staged.manifest
-            if (m.name, m.version, m.profile) != (desired.model, desired.version, profile):
-                raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
-                                 f"expected {desired.model} {desired.version} {profile}")
-            self._require_cpu(profile, m.cpu_features)
-            loaded = self._load_instances(m, staged.directory)
-            backend = loaded[0]
-            # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
-            # turns with the old one's batches
-            turn = self._turn(m.name, len(loaded))
-            measured = self_test(backend, staged, turn)
-            warm_up(loaded, staged, self._warm_batch_sizes(), turn)
-            bundle_fault = False
-            if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
-                for extra in loaded[1:]:
-                    extra.close()
-                self.host.shadow = ShadowMirror(m, backend, self.config.shadow_sample_rate, staged)
-                loaded, backend, staged = [], None, None
-                self._report("shadowing", desired, selftest=measured)
-                log.info("shadowing %s %s on %.0f%% of live requests", m.name, m.version,
-                         100 * self.config.shadow_sample_rate)
-                return
-            self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
-            staged = None
-            assert self._loop is not None
-            new = backend
-            backend = None  # from here the host may own it; never close a backend that might be serving
-            loaded_now, loaded = loaded, []
-            try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now), self._loop).result(timeout=120)
-            except Exception as exc:
-                serving = self.host.current
-                if serving is None or serving.backend is not new:  # not serving it: the old model stays current
-                    self.store.revert()
-                    raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
-                log.warning("the new model is serving; retiring the old one failed: %r", exc)
-            self._unavailable.pop((m.name, m.version), None)
-        except (UpdateError, ContractError, OSError) as exc:
-            if isinstance(exc, RefusedUpdate) or (
-                    bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError))):
-                self._failed[desired.sha256] = str(exc)
-            log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
-            self._unavailable[(desired.model, desired.version)] = str(exc)
-            for b in loaded:
-                b.close()
-            if staged is not None:
-                self.store.discard(staged)
-            self._report("failed", desired, error=str(exc))
-            return
-        finally:
-            if self.fetcher is not None:
-                self.fetcher.clean()
-        self._report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured)
-        log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
-
-    # -- model lifecycle ------------------------------------------------------------------------
-    def _load_instances(self, manifest: Manifest, directory: Path) -> list[Engine]:
-        """``instances`` loaded engines of one model version (each its own runtime session/interpreter)."""
-        out: list[Engine] = []
-        try:
-            for _ in range(self.config.instances):
-                out.append(load_bundle_engine(manifest, directory / manifest.engine, self.config.intra_op_threads,
-                                              self.config.onnxruntime_providers))
-        except BaseException as exc:
-            for b in out:
-                b.close()
-            if isinstance(exc, EngineError):  # the engine cannot run here: the update fails, the old model serves
-                raise BackendError(str(exc)) from exc
-            raise
-        return out
-
-    def _turn(self, name: str, instances: int) -> Turn:
-        """Run a call on model ``name``'s cores in turn with the version serving it (if the loop runs)."""
-        loop = self._loop
-        if loop is None or not loop.is_running():
-            return _now
-        gate = self.host.gate(name, instances)
-        return lambda fn, *args: gate.call(loop, fn, *args)
-
-    def _warm_batch_sizes(self) -> tuple[int, ...]:
-        s = self.host.settings
-        return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
-
-    def _index(self) -> list[IndexEntry]:
-        """Versions on disk and versions that failed, for the repository index (serving ones are added by
-        the host as READY)."""
-        out = []
-        for name, (active, prev) in self.store.active().items():
-            out.append(IndexEntry(name, active.installed.version, "UNAVAILABLE", "installed; not loaded"))
-            if prev is not None:
-                out.append(IndexEntry(name, prev.installed.version, "UNAVAILABLE",
-                                      "previous version, kept for rollback"))
-        # why a version failed says more than where it lies (later entries win)
-        return out + [IndexEntry(n, v, "UNAVAILABLE", why) for (n, v), why in self._unavailable.items()]
+        """Install (or shadow) ``desired``; the running version serves until the new one is ready."""
+        self.installer.install(desired)
 
     async def rollback(self, name: str) -> Manifest:
-        """Serve model ``name``'s previous version again (loaded, self-tested and warmed up while the active
-        one serves). On any failure the active version keeps serving and the store is unchanged."""
-        loop = asyncio.get_running_loop()
-        slots = self.store.active()
-        if name not in slots or slots[name][1] is None:
-            raise RefusedUpdate(f"{name} has no previous version to roll back to" if name in slots
-                                else f"no model {name!r} is installed")
-        prev = slots[name][1]
-        assert prev is not None
-        directory = self.store.models_dir / prev.directory
-        manifest = self.store.load_manifest(prev)
-        staged = StagedModel(manifest, directory, prev.installed.sha256)
-        backends = await loop.run_in_executor(None, self._load_instances, manifest, directory)
-        try:
-            turn = self._turn(manifest.name, len(backends))
-            await loop.run_in_executor(None, self_test, backends[0], staged, turn)
-            await loop.run_in_executor(None, warm_up, backends, staged, self._warm_batch_sizes(), turn)
-        except BaseException as exc:
-            for b in backends:
-                b.close()
-            self._unavailable[(manifest.name, manifest.version)] = str(exc)
-            log.error("rollback of %s to %s failed; %s keeps serving: %s", name, manifest.version,
-                      slots[name][0].installed.version, exc)
-            raise
-        await loop.run_in_executor(None, self.store.rollback, name)  # writes and fsyncs: not on the loop
-        await self.host.swap(manifest, backends)
-        self._unavailable.pop((manifest.name, manifest.version), None)
-        log.warning("rolled %s back to %s", name, manifest.version)
-        return manifest
-
-    @staticmethod
-    def _require_cpu(profile: str, required: object) -> None:
-        """Refuse a bundle whose (signed) CPU requirements this CPU does not meet."""
-        if not isinstance(required, (list, tuple)) or not all(isinstance(f, str) for f in required):
-            # a repository or manifest from before edgefleet recorded CPU features: what the profile
-            # promises today, if this agent knows the profile, is the best evidence there is
-            try:
-                required = load_profile(profile).cpu_features
-            except ContractError:  # a profile this agent does not know: nothing to check against
-                return
-        decision = check_cpu(profile, tuple(required), cpu_features())
-        if decision.action == "refuse":
-            raise RefusedUpdate(decision.reason)
-
-    def _fetch_with_retries(self, desired: proto.DesiredState, profile: str):
-        delay = 1.0
-        attempt = 0
-        while True:
-            if self.fetcher is None:
-                raise FetchError("not connected to the fleet yet")
-            try:
-                return self.fetcher.fetch(
-                    desired.target, desired.sha256,
-                    precheck=lambda custom: self._require_cpu(profile, custom.get("cpu_features")))
-            except FetchError as exc:
-                attempt += 1
-                if attempt > self.config.install_retries:
-                    raise
-                log.warning("fetch attempt %d failed (%s); retrying in %.0fs", attempt, exc, delay)
-                if self._stop.wait(delay) or self._desired_event.is_set():
-                    return None
-                delay = min(delay * 2, 30.0)
+        """Serve model ``name``'s previous version again (see Installer.rollback)."""
+        return await self.installer.rollback(name)
 
     # -- telemetry ------------------------------------------------------------------------------
     def _telemetry_loop(self) -> None:
@@ -677,56 +342,4 @@ def run_until_stopped(agent: Agent) -> None:
 def run_agent(config: AgentConfig) -> None:
     run_until_stopped(Agent(config))
 
-
-# -- running as a systemd service ---------------------------------------------------------------------------
-SERVICE_NAME = "edgefleet-agent"
-UNIT_TEMPLATE = "edgefleet-agent.service"  # package data beside this module
-
-
-def _agent_command() -> str:
-    """How systemd starts this installation's CLI: the ``edgefleet`` script of this environment, else
-    ``python -m edgefleet`` (absolute paths: a unit has no PATH to search)."""
-    exe = Path(sys.executable)
-    script = exe.parent / "edgefleet"
-    return str(script) if script.is_file() else f"{exe} -m edgefleet"
-
-
-def render_unit(config_path: Path, config: AgentConfig, user: str = "edgefleet",
-                supplementary_groups: tuple[str, ...] = ("video", "render")) -> str:
-    """The systemd unit for an agent run with ``config_path`` (already validated into ``config``).
-    ``supplementary_groups``: on a Jetson the GPU device nodes belong to ``video`` and ``render``."""
-    from importlib import resources
-
-    template = resources.files("agent").joinpath(UNIT_TEMPLATE).read_text(encoding="utf-8")
-    data = config.data_dir.resolve()
-    if data.is_relative_to("/var/lib") and data != Path("/var/lib"):
-        # systemd creates it owned by User= and makes it writable despite ProtectSystem=strict
-        access = f"StateDirectory={data.relative_to('/var/lib')}\nStateDirectoryMode=0750"
-    else:
-        access = f"ReadWritePaths={data}"
-    for value, what in ((str(config_path), "config path"), (str(data), "data_dir"), (user, "user")):
-        if any(c in value for c in "\n\r%$\\\"'") or " " in value:
-            raise ConfigError(f"{what} {value!r} has characters a systemd unit would misread; use a plain path/name")
-    fields = {"@NAME@": SERVICE_NAME, "@EXEC@": _agent_command(), "@CONFIG@": str(config_path), "@USER@": user,
-              "@SUPPLEMENTARY_GROUPS@": f"SupplementaryGroups={' '.join(supplementary_groups)}"
-              if supplementary_groups else "", "@STOP_TIMEOUT@": str(math.ceil(config.shutdown_grace_s) + 15),
-              "@DATA_ACCESS@": access}
-    for key, value in fields.items():
-        template = template.replace(key, value)
-    return template
-
-
-def install_unit(unit_text: str, unit_dir: Path) -> Path:
-    """Write the unit atomically into ``unit_dir`` (never runs systemctl)."""
-    from protocol.fsutil import atomic_write
-
-    if not unit_dir.is_dir():
-        raise ConfigError(f"{unit_dir}: no such directory for the unit file")
-    path = unit_dir / f"{SERVICE_NAME}.service"
-    try:
-        atomic_write(path, unit_text.encode())
-        path.chmod(0o644)
-    except PermissionError as exc:
-        raise ConfigError(f"{path}: permission denied (run as root, or give --unit-dir)") from exc
-    return path
 

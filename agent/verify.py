@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.daemon import self_test
 from agent.errors import SelfTestFailed
+from agent.selftest import self_test
 from agent.store import StagedModel
 from agent.trusted import check_cpu
 from engines import NP_DTYPES, Engine, load_bundle_engine

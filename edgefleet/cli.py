@@ -471,7 +471,7 @@ def cmd_agent_install_service(a: argparse.Namespace) -> int:
     try:
         _require("agent")
         from agent.config import load_config
-        from agent.daemon import SERVICE_NAME, install_unit, render_unit
+        from agent.systemd import SERVICE_NAME, install_unit, render_unit
     except ImportError as exc:
         return _need("agent", exc)
     from protocol.errors import EdgefleetError

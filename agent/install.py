@@ -1,0 +1,304 @@
+"""Installing a model version: decide, fetch, verify, stage, load, self-test, warm up, commit, swap; and the
+local rollback to the previous version. The running version serves throughout; any failure leaves it serving
+and is reported with the reason. The daemon (:mod:`agent.daemon`) composes this with the fleet link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.config import AgentConfig
+from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from agent.selftest import Turn, now, self_test, warm_up
+from agent.server import IndexEntry, ModelHost
+from agent.shadow import ShadowMirror
+from agent.store import ModelStore, StagedModel
+from agent.trusted import Decision, check_cpu, decide
+from agent.updater import BundleFetcher
+from engines import Engine, EngineError, load_bundle_engine
+from protocol import mqtt as proto
+from protocol.cpu import cpu_features
+from protocol.errors import ContractError
+from protocol.manifest import Manifest
+from protocol.profile import load_profile
+
+__all__ = ["Installer", "Report"]
+
+log = logging.getLogger("edgefleet.agent")
+
+Report = Callable[..., None]  # report(state, desired, error=None, install_s=None, selftest=None)
+
+
+class Installer:
+    """The install sequence and what it remembers: bundles that failed here (never tried again), the newest
+    rollout seen (older desired states are stale replays), and why a version is not serving."""
+
+    def __init__(self, config: AgentConfig, store: ModelStore, host: ModelHost, report: Report,
+                 fetcher: Callable[[], BundleFetcher | None], stop: threading.Event,
+                 desired_pending: Callable[[], bool]):
+        self.config = config
+        self.store = store
+        self.host = host
+        self.report = report
+        self.fetcher = fetcher  # the TUF client, once the fleet's bootstrap was read
+        self.stop = stop
+        self.desired_pending = desired_pending  # a newer desired state arrived: stop retrying this one
+        self.loop: asyncio.AbstractEventLoop | None = None  # the agent's, once it runs
+        self.failed: dict[str, str] = {}  # bundle sha256 -> why it failed (bundle faults only)
+        self.max_rollout: int | None = None  # desired states from older rollouts are stale replays
+        self.unavailable: dict[tuple[str, str], str] = {}  # (model, version) -> why it is not serving
+
+    async def load_installed(self) -> None:
+        """Serve every model on disk, the one installed last last (it is "current" for the fleet): its active
+        version, else the previous one."""
+        # the store changes (and forgets the failed one) only once a fallback actually
+        # loaded: a broken runtime must not cost both versions
+        slots = self.store.active()
+        primary = self.store.current.installed.name if self.store.current else None
+        for name in sorted(slots, key=lambda n: n == primary):
+            for which, entry in zip(("current", "previous"), slots[name], strict=True):
+                if entry is None:
+                    continue
+                try:
+                    manifest = self.store.load_manifest(entry, verify=False)
+                    self.require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
+                    backends = await asyncio.get_running_loop().run_in_executor(
+                        None, self.load_instances, manifest, self.store.models_dir / entry.directory)
+                except (UpdateError, ContractError) as exc:
+                    log.error("could not load the %s model %s: %s", which, entry.directory, exc)
+                    self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
+                    continue
+                await self.host.swap(manifest, backends)
+                if which == "previous":
+                    log.error("serving the previous model %s; the committed one would not load", entry.directory)
+                    if name == primary:
+                        self.store.revert()
+                    else:
+                        self.store.rollback(name)
+                break
+        if self.store.current is not None:
+            self.max_rollout = self.store.current.rollout_id
+
+    def drop_shadow(self) -> None:
+        sh, self.host.shadow = self.host.shadow, None
+        if sh is not None:
+            sh.close()
+            if sh.staged is not None:
+                self.store.discard(sh.staged)
+            log.info("dropped the shadow of %s %s", sh.manifest.name, sh.manifest.version)
+
+    def install(self, desired: proto.DesiredState) -> None:
+        t0 = time.monotonic()
+        shadow = desired.mode == "shadow"
+        if not shadow or (self.host.shadow is not None and (self.host.shadow.manifest.name,
+                                                            self.host.shadow.manifest.version)
+                          != (desired.model, desired.version)):
+            self.drop_shadow()  # any other desired state ends a shadow
+        elif self.host.shadow is not None:
+            self.report("shadowing", desired)  # already shadowing it (a re-sent desired state)
+            return
+        if desired.rollout_id is not None:
+            if self.max_rollout is not None and desired.rollout_id < self.max_rollout:
+                log.warning("ignored desired state of rollout %s: rollout %s is newer", desired.rollout_id,
+                            self.max_rollout)
+                return
+            self.max_rollout = desired.rollout_id
+        cur = self.store.current
+        profile = desired.target.rsplit("/", 1)[-1].removesuffix(".tar")
+        decision = decide(self.store.trusted, cur.installed if cur else None, desired.model, desired.version,
+                          desired.sha256, profile, self.config.profiles, frozenset(self.failed))
+        if decision.action == "install" and self.store.trusted_error is not None:
+            decision = Decision("refuse", self.store.trusted_error)
+        if decision.action == "keep":
+            self.report("installed", desired)
+            return
+        if decision.action == "refuse":
+            reason = self.failed.get(desired.sha256, decision.reason) if "already failed" in decision.reason \
+                else decision.reason
+            log.error("refused %s %s: %s", desired.model, desired.version, reason)
+            self.report("failed", desired, error=reason)
+            return
+        log.info("%s %s %s (rollout %s)", "loading in shadow" if shadow else "installing", desired.model,
+                 desired.version, desired.rollout_id)
+        self.report("downloading", desired)
+        staged: StagedModel | None = None
+        backend: Engine | None = None
+        loaded: list[Engine] = []  # instances of the new version, closed on failure until the host owns them
+        bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
+        try:
+            fetched = self.fetch_with_retries(desired, profile)
+            if fetched is None:
+                return  # superseded by a newer desired state, or stopping
+            bundle_fault = True
+            signed = fetched.custom
+            said = (desired.model, desired.version, profile)
+            if (signed.get("name"), signed.get("version"), signed.get("profile")) != said:
+                raise TrustError(f"signed target says {signed.get('name')} {signed.get('version')} "
+                                 f"{signed.get('profile')}, desired state says {' '.join(said)}")
+            self.report("installing", desired)
+            staged = self.store.stage(fetched.path, fetched.sha256)
+            m = staged.manifest
+            if (m.name, m.version, m.profile) != (desired.model, desired.version, profile):
+                raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
+                                 f"expected {desired.model} {desired.version} {profile}")
+            self.require_cpu(profile, m.cpu_features)
+            loaded = self.load_instances(m, staged.directory)
+            backend = loaded[0]
+            # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
+            # turns with the old one's batches
+            turn = self.turn(m.name, len(loaded))
+            measured = self_test(backend, staged, turn)
+            warm_up(loaded, staged, self.warm_batch_sizes(), turn)
+            bundle_fault = False
+            if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
+                for extra in loaded[1:]:
+                    extra.close()
+                self.host.shadow = ShadowMirror(m, backend, self.config.shadow_sample_rate, staged)
+                loaded, backend, staged = [], None, None
+                self.report("shadowing", desired, selftest=measured)
+                log.info("shadowing %s %s on %.0f%% of live requests", m.name, m.version,
+                         100 * self.config.shadow_sample_rate)
+                return
+            self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
+            staged = None
+            assert self.loop is not None
+            new = backend
+            backend = None  # from here the host may own it; never close a backend that might be serving
+            loaded_now, loaded = loaded, []
+            try:
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now), self.loop).result(timeout=120)
+            except Exception as exc:
+                serving = self.host.current
+                if serving is None or serving.backend is not new:  # not serving it: the old model stays current
+                    self.store.revert()
+                    raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
+                log.warning("the new model is serving; retiring the old one failed: %r", exc)
+            self.unavailable.pop((m.name, m.version), None)
+        except (UpdateError, ContractError, OSError) as exc:
+            if isinstance(exc, RefusedUpdate) or (
+                    bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError))):
+                self.failed[desired.sha256] = str(exc)
+            log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
+            self.unavailable[(desired.model, desired.version)] = str(exc)
+            for b in loaded:
+                b.close()
+            if staged is not None:
+                self.store.discard(staged)
+            self.report("failed", desired, error=str(exc))
+            return
+        finally:
+            fetcher = self.fetcher()
+            if fetcher is not None:
+                fetcher.clean()
+        self.report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured)
+        log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
+
+    # -- model lifecycle ------------------------------------------------------------------------
+    def load_instances(self, manifest: Manifest, directory: Path) -> list[Engine]:
+        """``instances`` loaded engines of one model version (each its own runtime session/interpreter)."""
+        out: list[Engine] = []
+        try:
+            for _ in range(self.config.instances):
+                out.append(load_bundle_engine(manifest, directory / manifest.engine, self.config.intra_op_threads,
+                                              self.config.onnxruntime_providers))
+        except BaseException as exc:
+            for b in out:
+                b.close()
+            if isinstance(exc, EngineError):  # the engine cannot run here: the update fails, the old model serves
+                raise BackendError(str(exc)) from exc
+            raise
+        return out
+
+    def turn(self, name: str, instances: int) -> Turn:
+        """Run a call on model ``name``'s cores in turn with the version serving it (if the loop runs)."""
+        loop = self.loop
+        if loop is None or not loop.is_running():
+            return now
+        gate = self.host.gate(name, instances)
+        return lambda fn, *args: gate.call(loop, fn, *args)
+
+    def warm_batch_sizes(self) -> tuple[int, ...]:
+        s = self.host.settings
+        return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
+
+    def index(self) -> list[IndexEntry]:
+        """Versions on disk and versions that failed, for the repository index (serving ones are added by
+        the host as READY)."""
+        out = []
+        for name, (active, prev) in self.store.active().items():
+            out.append(IndexEntry(name, active.installed.version, "UNAVAILABLE", "installed; not loaded"))
+            if prev is not None:
+                out.append(IndexEntry(name, prev.installed.version, "UNAVAILABLE",
+                                      "previous version, kept for rollback"))
+        # why a version failed says more than where it lies (later entries win)
+        return out + [IndexEntry(n, v, "UNAVAILABLE", why) for (n, v), why in self.unavailable.items()]
+
+    async def rollback(self, name: str) -> Manifest:
+        """Serve model ``name``'s previous version again (loaded, self-tested and warmed up while the active
+        one serves). On any failure the active version keeps serving and the store is unchanged."""
+        loop = asyncio.get_running_loop()
+        slots = self.store.active()
+        if name not in slots or slots[name][1] is None:
+            raise RefusedUpdate(f"{name} has no previous version to roll back to" if name in slots
+                                else f"no model {name!r} is installed")
+        prev = slots[name][1]
+        assert prev is not None
+        directory = self.store.models_dir / prev.directory
+        manifest = self.store.load_manifest(prev)
+        staged = StagedModel(manifest, directory, prev.installed.sha256)
+        backends = await loop.run_in_executor(None, self.load_instances, manifest, directory)
+        try:
+            turn = self.turn(manifest.name, len(backends))
+            await loop.run_in_executor(None, self_test, backends[0], staged, turn)
+            await loop.run_in_executor(None, warm_up, backends, staged, self.warm_batch_sizes(), turn)
+        except BaseException as exc:
+            for b in backends:
+                b.close()
+            self.unavailable[(manifest.name, manifest.version)] = str(exc)
+            log.error("rollback of %s to %s failed; %s keeps serving: %s", name, manifest.version,
+                      slots[name][0].installed.version, exc)
+            raise
+        await loop.run_in_executor(None, self.store.rollback, name)  # writes and fsyncs: not on the loop
+        await self.host.swap(manifest, backends)
+        self.unavailable.pop((manifest.name, manifest.version), None)
+        log.warning("rolled %s back to %s", name, manifest.version)
+        return manifest
+
+    @staticmethod
+    def require_cpu(profile: str, required: object) -> None:
+        """Refuse a bundle whose (signed) CPU requirements this CPU does not meet."""
+        if not isinstance(required, (list, tuple)) or not all(isinstance(f, str) for f in required):
+            # a repository or manifest from before edgefleet recorded CPU features: what the profile
+            # promises today, if this agent knows the profile, is the best evidence there is
+            try:
+                required = load_profile(profile).cpu_features
+            except ContractError:  # a profile this agent does not know: nothing to check against
+                return
+        decision = check_cpu(profile, tuple(required), cpu_features())
+        if decision.action == "refuse":
+            raise RefusedUpdate(decision.reason)
+
+    def fetch_with_retries(self, desired: proto.DesiredState, profile: str):
+        delay = 1.0
+        attempt = 0
+        while True:
+            fetcher = self.fetcher()
+            if fetcher is None:
+                raise FetchError("not connected to the fleet yet")
+            try:
+                return fetcher.fetch(
+                    desired.target, desired.sha256,
+                    precheck=lambda custom: self.require_cpu(profile, custom.get("cpu_features")))
+            except FetchError as exc:
+                attempt += 1
+                if attempt > self.config.install_retries:
+                    raise
+                log.warning("fetch attempt %d failed (%s); retrying in %.0fs", attempt, exc, delay)
+                if self.stop.wait(delay) or self.desired_pending():
+                    return None
+                delay = min(delay * 2, 30.0)

@@ -1,0 +1,93 @@
+"""An installed version's first calls: the self-test on the bundle's own sample and the warm-up at each batch
+size the batcher will form. Both run before the version takes traffic, each call in its turn on the model's
+cores (``turn``: between the batches of the version serving). ``edgefleet verify`` runs the same self-test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from agent.errors import SelfTestFailed
+from agent.store import StagedModel
+from engines import Engine
+from protocol import mqtt as proto
+
+__all__ = ["WARMUP_RUNS", "Turn", "now", "self_test", "warm_up"]
+
+WARMUP_RUNS = 3
+
+_T = TypeVar("_T")
+Turn = Callable[..., Any]  # runs fn(*args) in its turn on the model's cores: ComputeGate.call, bound to a loop
+
+
+def now(fn: Callable[..., _T], *args: Any) -> _T:
+    return fn(*args)
+
+
+def self_test(backend: Engine, staged: StagedModel, turn: Turn = now) -> proto.SelfTestResult:
+    """Run the bundle's own sample; outputs must match what the compiler recorded. Returns the figures
+    measured on this device's CPU, for the install report. Each run goes through ``turn`` (while another
+    version serves: between its batches)."""
+    path = staged.directory / staged.manifest.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            feeds = {s.name: npz[f"input:{s.name}"] for s in backend.inputs}
+            expected = [npz[f"expected:{s.name}"] for s in backend.outputs]
+            labels = npz["labels"] if "labels" in npz.files else None
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"self-test sample {path.name} is unreadable: {exc}") from exc
+    try:
+        for _ in range(WARMUP_RUNS):
+            got = turn(backend.infer, feeds)
+    except Exception as exc:  # the runtime's own error types
+        raise SelfTestFailed(f"self-test: the engine failed on its own sample: {exc}") from exc
+    drift = 0.0
+    for spec, g, e in zip(backend.outputs, got, expected, strict=True):
+        if g.shape != e.shape:
+            raise SelfTestFailed(f"self-test: output {spec.name!r} has shape {g.shape}, expected {e.shape}")
+        if not np.isfinite(g).all():
+            raise SelfTestFailed(f"self-test: output {spec.name!r} has NaN or infinite values on this device's CPU")
+        tol = 1e-3 + 0.02 * float(np.abs(e).max(initial=0.0))
+        diff = float(np.abs(g.astype(np.float64) - e.astype(np.float64)).max(initial=0.0))
+        drift = max(drift, diff / tol)
+        if not diff <= tol:
+            raise SelfTestFailed(f"self-test: output {spec.name!r} differs by {diff:.4g} (tolerance {tol:.4g}) "
+                                 "on this device's CPU")
+        if e.ndim == 2 and not np.array_equal(g.argmax(1), e.argmax(1)):
+            raise SelfTestFailed(f"self-test: output {spec.name!r} ranks classes differently from the build")
+    first, want = got[0], expected[0]
+    classes = first.ndim == 2 and len(first) > 0 and backend.outputs[0].batch_axis == 0
+    axis = backend.inputs[0].batch_axis if backend.inputs else None
+    sample = feeds[backend.inputs[0].name] if backend.inputs else first
+    return proto.SelfTestResult(
+        samples=int(sample.shape[axis]) if axis is not None and sample.ndim > axis else 1,
+        top1=float((first.argmax(1) == labels).mean()) if classes and labels is not None
+        and labels.shape == (len(first),) else None,
+        top1_agreement=float((first.argmax(1) == want.argmax(1)).mean()) if classes else None,
+        drift=round(drift, 4))
+
+
+def warm_up(backends: list[Engine], staged: StagedModel, batch_sizes: tuple[int, ...], turn: Turn = now) -> None:
+    """Run every instance once at each batch size the batcher will form that its backend wants warmed
+    (``Engine.warm_up_sizes``), on the bundle's own sample, before the version takes traffic: the first
+    call at a new shape can be costly (LiteRT tensor resizes, TensorRT shape setup) and would otherwise
+    land on a client's request. Each call goes through ``turn``."""
+    path = staged.directory / staged.manifest.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            sample = {s.name: npz[f"input:{s.name}"] for s in staged.manifest.inputs}
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"warm-up: self-test sample {path.name} is unreadable: {exc}") from exc
+    axes = {s.name: s.batch_axis for s in staged.manifest.inputs}
+    batchable = staged.manifest.batchable
+    for b in backends:
+        for n in b.warm_up_sizes(batch_sizes) if batchable else (None,):
+            feeds = {k: v if (a := axes[k]) is None or n is None else
+                     np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}
+            try:
+                turn(b.infer, feeds)
+            except Exception as exc:  # the runtime's own error types
+                raise SelfTestFailed(f"warm-up at batch size {n}: the engine failed: {exc}") from exc
