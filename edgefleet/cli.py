@@ -290,7 +290,8 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
                       public_url=a.public_url, shared_subscription_group=a.shared_subscription_group,
                       mqtt_username=a.mqtt_username, mosquitto_password_file=a.mosquitto_password_file,
                       mosquitto_acl_file=a.mosquitto_acl_file, mosquitto_pid_file=a.mosquitto_pid_file,
-                      mqtt_ca_file=a.mqtt_ca_file, mqtt_cert_file=a.mqtt_cert_file, mqtt_key_file=a.mqtt_key_file)
+                      mqtt_ca_file=a.mqtt_ca_file, mqtt_cert_file=a.mqtt_cert_file, mqtt_key_file=a.mqtt_key_file,
+                      tuf_store=a.tuf_store)
     try:
         server = FleetServer(cfg)
         print(f"edgefleet fleet on http://{a.host}:{a.port}  (console: http://{a.host}:{a.port}/ , "
@@ -782,6 +783,10 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--port", type=int, default=8700, help="HTTP port")
     fs.add_argument("--db-url", help="SQLAlchemy URL, e.g. postgresql+psycopg://user@127.0.0.1/fleet "
                                      "(default: SQLite in --data-dir)")
+    fs.add_argument("--tuf-store", choices=("auto", "db", "dir"), default="auto",
+                    help="where the TUF repository (signed metadata and bundles) lives: db = the fleet's database, "
+                         "so replicas share nothing but it and the broker; dir = --data-dir/tuf; auto (default): "
+                         "db on PostgreSQL, dir on SQLite")
     fs.add_argument("--mqtt-url", help="external broker, e.g. mqtt://127.0.0.1:1883 (default: embedded broker)")
     fs.add_argument("--embedded-mqtt-host", default="127.0.0.1", help="bind address of the embedded broker")
     fs.add_argument("--embedded-mqtt-port", type=int, default=1884, help="port of the embedded broker")

@@ -12,7 +12,14 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -296,7 +303,8 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_upload_bytes:
             raise BadRequest(f"bundle of {declared} bytes exceeds the {max_upload_bytes}-byte limit", 413)
-        fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=".tar", dir=repo.dir)
+        repo.upload_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=".tar", dir=repo.upload_dir)
         try:
             size = 0
             with os.fdopen(fd, "wb") as f:
@@ -387,14 +395,20 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     safe = re.compile(r"^[A-Za-z0-9._/-]+$")
 
     @app.get("/tuf/{kind}/{rel:path}")
-    def tuf_file(kind: str, rel: str) -> FileResponse:
+    def tuf_file(kind: str, rel: str) -> Response:
         if kind not in ("metadata", "targets") or not safe.match(rel):
             raise BadRequest("not found", 404)
-        path = repo.resolve_file(kind, rel)
-        if path is None:
+        found = repo.serve(kind, rel)
+        if found is None:
             raise BadRequest(f"{kind}/{rel} not found", 404)
         media = "application/json" if kind == "metadata" else "application/octet-stream"
-        return FileResponse(path, media_type=media, headers={"Cache-Control": "no-store"})
+        headers = {"Cache-Control": "no-store"}
+        if isinstance(found, Path):
+            return FileResponse(found, media_type=media, headers=headers)
+        if isinstance(found, bytes):
+            return Response(found, media_type=media, headers=headers)
+        size, chunks = found  # a target kept in the database, streamed a chunk at a time
+        return StreamingResponse(chunks, media_type=media, headers={**headers, "Content-Length": str(size)})
 
     def console_caller(request: Request) -> Caller | None:
         header = request.headers.get("authorization")

@@ -21,6 +21,7 @@ from fleet.ingest import IngestWorker
 from fleet.keys import KeyStore
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
+from fleet.tuf_store import DirStore, SqlStore
 
 __all__ = ["FleetConfig", "FleetServer"]
 
@@ -56,6 +57,9 @@ class FleetConfig:
     mqtt_ca_file: Path | None = None  # mqtts:// brokers: the CA that signed the broker's certificate
     mqtt_cert_file: Path | None = None  # mutual TLS: the fleet's client certificate and key
     mqtt_key_file: Path | None = None
+    # where the TUF repository lives: "db" (the fleet's database: replicas share nothing else), "dir" (data_dir/tuf),
+    # "auto": db on PostgreSQL, dir on SQLite
+    tuf_store: str = "auto"
 
 
 class _Accounts:
@@ -81,10 +85,13 @@ class FleetServer:
         self.broker: EmbeddedBroker | None = None
         self._stop = threading.Event()
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.repo = Repository(config.data_dir / "tuf", KeyStore(config.keys_dir))
-        self.repo.init()
         db_url = config.db_url or f"sqlite:///{(config.data_dir / 'fleet.db').resolve()}"
         self.engine, self.sessions = make_engine(db_url)
+        tuf_store = config.tuf_store if config.tuf_store != "auto" else (
+            "db" if self.engine.dialect.name == "postgresql" else "dir")
+        store = SqlStore(self.engine) if tuf_store == "db" else DirStore(config.data_dir / "tuf")
+        self.repo = Repository(store, KeyStore(config.keys_dir), upload_dir=config.data_dir / "tuf")
+        self.repo.init()
         self.accounts = _Accounts()
         self.enrollment = Enrollment(self.engine, self._credentials_changed)
         mqtt_user, mqtt_password = config.mqtt_username, config.mqtt_password or os.environ.get(

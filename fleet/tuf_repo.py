@@ -1,13 +1,13 @@
 """The fleet's TUF repository: bundles are TUF targets, signed with python-tuf.
 
-On disk (served read-only under ``/tuf/``)::
+Its files (served read-only under ``/tuf/``), in a folder or in the fleet's database (:mod:`fleet.tuf_store`)::
 
     metadata/1.root.json  N.root.json  timestamp.json  N.snapshot.json  N.targets.json
     targets/<dir>/<sha256>.<file>       (consistent snapshots: content-addressed)
 
-Every change bumps targets, snapshot and timestamp together under a file lock, so several fleet
-processes sharing the folder cannot interleave. Roles close to expiry are re-signed by
-:meth:`Repository.refresh_expiring`, which the server calls periodically.
+Every change bumps targets, snapshot and timestamp together under the store's lock (a file lock, or
+PostgreSQL's advisory lock), so several fleet processes sharing the store cannot interleave. Roles
+close to expiry are re-signed by :meth:`Repository.refresh_expiring`, which the server calls periodically.
 
 Delegated layout (``edgefleet keys create``): the top-level targets metadata is signed offline and
 delegates every path to the ``bundles`` role, whose metadata the compiler's CI signs
@@ -19,19 +19,15 @@ CI signed (:meth:`Repository.publish_bundles`), offline-signed roots and targets
 from __future__ import annotations
 
 import datetime as dt
-import fcntl
 import hashlib
-import os
 import re
-import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fleet.errors import RepositoryError
 from fleet.keys import BUNDLES_ROLE, KeyStore
-from protocol.fsutil import atomic_write
+from fleet.tuf_store import DirStore, SqlStore
 
 __all__ = ["EXPIRY", "Repository"]
 
@@ -44,27 +40,52 @@ def _now() -> dt.datetime:
 
 
 class Repository:
-    def __init__(self, directory: Path, keys: KeyStore):
-        self.dir = directory
+    def __init__(self, store: Path | DirStore | SqlStore, keys: KeyStore, upload_dir: Path | None = None):
+        """``store``: a folder (or a DirStore), or a SqlStore on the fleet's database. ``upload_dir``: where uploads
+        wait while they are checked (default: the store's folder; required with a SqlStore)."""
+        self.store: DirStore | SqlStore = DirStore(store) if isinstance(store, Path) else store
         self.keys = keys
-        self.metadata_dir = directory / "metadata"
-        self.targets_dir = directory / "targets"
+        if upload_dir is None:
+            upload_dir = self._dir_store().dir
+        self.upload_dir = upload_dir
+
+    @property
+    def dir(self) -> Path:
+        return self._dir_store().dir
+
+    @property
+    def metadata_dir(self) -> Path:
+        return self._dir_store().metadata_dir
+
+    @property
+    def targets_dir(self) -> Path:
+        return self._dir_store().targets_dir
+
+    def _dir_store(self) -> DirStore:
+        if not isinstance(self.store, DirStore):
+            raise RepositoryError("this repository is kept in the database, not in a folder")
+        return self.store
+
+    def _read(self, name: str) -> bytes:
+        data = self.store.read(name)
+        if data is None:
+            raise RepositoryError(f"repository metadata {name} is missing")
+        return data
 
     # -- set-up -----------------------------------------------------------------------------
     def init(self) -> None:
         """Create the repository from the key store's root.json, if it does not exist yet."""
         from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
 
-        self.metadata_dir.mkdir(parents=True, exist_ok=True)
-        self.targets_dir.mkdir(parents=True, exist_ok=True)
+        self.store.init()
         with self._lock():
-            if (self.metadata_dir / "timestamp.json").exists():
+            if self.store.read("timestamp.json") is not None:
                 self._check_root_matches()
                 return
             roots = self.keys.roots()
             for root_bytes in roots:
                 root = Metadata.from_bytes(root_bytes)
-                atomic_write(self.metadata_dir / f"{root.signed.version}.root.json", root_bytes)
+                self.store.write(f"{root.signed.version}.root.json", root_bytes)
             snapshot = Metadata(Snapshot(expires=_now() + EXPIRY["snapshot"]))
             timestamp = Metadata(Timestamp(expires=_now() + EXPIRY["timestamp"]))
             offline = self.keys.offline_targets
@@ -74,14 +95,14 @@ class Repository:
                 return
             targets = Metadata[Targets].from_bytes(offline.read_bytes())
             self._verify_targets(targets)
-            atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", offline.read_bytes())
+            self.store.write(f"{targets.signed.version}.targets.json", offline.read_bytes())
             initial = self.keys.initial_bundles
             if initial is None:
                 raise RepositoryError(f"{self.keys.directory}: targets.json delegates to {BUNDLES_ROLE!r} but there is "
                                       f"no {BUNDLES_ROLE}.json (from 'edgefleet keys create')")
             bundles = Metadata[Targets].from_bytes(initial.read_bytes())
             targets.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
-            atomic_write(self.metadata_dir / f"{bundles.signed.version}.{BUNDLES_ROLE}.json", initial.read_bytes())
+            self.store.write(f"{bundles.signed.version}.{BUNDLES_ROLE}.json", initial.read_bytes())
             self._publish(targets, snapshot, timestamp, bundles=bundles)
 
     def _check_root_matches(self) -> None:
@@ -91,10 +112,10 @@ class Repository:
 
         for raw in self.keys.roots():
             ours = Metadata.from_bytes(raw)
-            path = self.metadata_dir / f"{ours.signed.version}.root.json"
-            if path.exists():
-                if Metadata.from_bytes(path.read_bytes()).signed != ours.signed:
-                    raise RepositoryError(f"{self.dir}: the repository was created with other keys than "
+            held = self.store.read(f"{ours.signed.version}.root.json")
+            if held is not None:
+                if Metadata.from_bytes(held).signed != ours.signed:
+                    raise RepositoryError("the repository was created with other keys than "
                                           f"{self.keys.directory}; use the matching key store or a fresh --data-dir")
             else:
                 self._publish_root_locked(raw)
@@ -146,7 +167,7 @@ class Repository:
         except UnsignedMetadataError as exc:
             raise RepositoryError(f"root version {new.signed.version} is not signed by the old and the new root "
                                   f"keys: {exc}") from exc
-        atomic_write(self.metadata_dir / f"{new.signed.version}.root.json", data)
+        self.store.write(f"{new.signed.version}.root.json", data)
         tgt, snap, ts, bundles = self._load_all()
         online_changed = any(set(new.signed.roles[r].keyids) != set(cur.signed.roles[r].keyids)
                              for r in ("snapshot", "timestamp", "targets"))
@@ -177,7 +198,7 @@ class Repository:
                 new.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
             except UnsignedMetadataError:
                 bundles = None  # withdrawn: signed by a revoked key; devices see no bundle until CI re-signs
-        atomic_write(self.metadata_dir / f"{new.signed.version}.targets.json", data)
+        self.store.write(f"{new.signed.version}.targets.json", data)
         snap.signed.version += 1
         ts.signed.version += 1
         self._publish(new, snap, ts, bundles=bundles, resign_targets=False)
@@ -204,7 +225,7 @@ class Repository:
             for path in new.signed.targets:
                 if not TARGET_PATH_RE.match(path) or ".." in path:
                     raise RepositoryError(f"target path {path!r} is not a plain relative path")
-            atomic_write(self.metadata_dir / f"{new.signed.version}.{BUNDLES_ROLE}.json", data)
+            self.store.write(f"{new.signed.version}.{BUNDLES_ROLE}.json", data)
             snap.signed.version += 1
             ts.signed.version += 1
             self._publish(tgt, snap, ts, bundles=new, resign_targets=False)
@@ -220,21 +241,14 @@ class Repository:
         _, snap, _, _ = self._load_all()
         meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
         if meta is None:  # withdrawn (signed by a revoked key): CI re-signs on top of the last one
-            found = sorted(self.metadata_dir.glob(f"*.{BUNDLES_ROLE}.json"), key=lambda p: int(p.name.split(".")[0]))
+            found = sorted(self.store.names(f".{BUNDLES_ROLE}.json"), key=lambda n: int(n.split(".")[0]))
             if not found:
                 raise RepositoryError(f"this repository has no {BUNDLES_ROLE} metadata (not the delegated layout)")
-            return found[-1].read_bytes()
-        return (self.metadata_dir / f"{meta.version}.{BUNDLES_ROLE}.json").read_bytes()
+            return self._read(found[-1])
+        return self._read(f"{meta.version}.{BUNDLES_ROLE}.json")
 
-    @contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    def _lock(self) -> Any:
+        return self.store.lock()
 
     # -- reading ------------------------------------------------------------------------------
     def _load(self) -> tuple[Any, Any, Any]:  # (targets, snapshot, timestamp) Metadata
@@ -245,17 +259,17 @@ class Repository:
         from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
 
         try:
-            ts = Metadata[Timestamp].from_file(str(self.metadata_dir / "timestamp.json"))
+            ts = Metadata[Timestamp].from_bytes(self._read("timestamp.json"))
             snap_v = ts.signed.snapshot_meta.version
-            snap = Metadata[Snapshot].from_file(str(self.metadata_dir / f"{snap_v}.snapshot.json"))
+            snap = Metadata[Snapshot].from_bytes(self._read(f"{snap_v}.snapshot.json"))
             tgt_v = snap.signed.meta["targets.json"].version
-            tgt = Metadata[Targets].from_file(str(self.metadata_dir / f"{tgt_v}.targets.json"))
+            tgt = Metadata[Targets].from_bytes(self._read(f"{tgt_v}.targets.json"))
             bundles = None
             meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
             if meta is not None:
-                bundles = Metadata[Targets].from_file(str(self.metadata_dir / f"{meta.version}.{BUNDLES_ROLE}.json"))
+                bundles = Metadata[Targets].from_bytes(self._read(f"{meta.version}.{BUNDLES_ROLE}.json"))
         except (OSError, KeyError, ValueError) as exc:
-            raise RepositoryError(f"{self.metadata_dir}: repository metadata unreadable ({exc})") from exc
+            raise RepositoryError(f"repository metadata unreadable ({exc})") from exc
         return tgt, snap, ts, bundles
 
     def targets(self) -> dict[str, Any]:
@@ -263,8 +277,8 @@ class Repository:
         return {**dict(tgt.signed.targets), **(dict(bundles.signed.targets) if bundles is not None else {})}
 
     def root_bytes(self) -> bytes:
-        versions = sorted(int(p.name.split(".")[0]) for p in self.metadata_dir.glob("*.root.json"))
-        return (self.metadata_dir / f"{versions[-1]}.root.json").read_bytes()
+        versions = sorted(int(n.split(".")[0]) for n in self.store.names(".root.json"))
+        return self._read(f"{versions[-1]}.root.json")
 
     # -- writing ------------------------------------------------------------------------------
     def _publish(self, targets: Any, snapshot: Any, timestamp: Any, bundles: Any = None,
@@ -282,7 +296,7 @@ class Repository:
             targets.signatures.clear()
             targets.sign(self.keys.signer("targets"))
             tbytes = targets.to_bytes(ser)
-            atomic_write(self.metadata_dir / f"{targets.signed.version}.targets.json", tbytes)
+            self.store.write(f"{targets.signed.version}.targets.json", tbytes)
 
         snapshot.signed.meta["targets.json"] = MetaFile(version=targets.signed.version)
         snapshot.signed.meta.pop(f"{BUNDLES_ROLE}.json", None)
@@ -291,13 +305,13 @@ class Repository:
         snapshot.signed.expires = _now() + EXPIRY["snapshot"]
         snapshot.signatures.clear()
         snapshot.sign(self.keys.signer("snapshot"))
-        atomic_write(self.metadata_dir / f"{snapshot.signed.version}.snapshot.json", snapshot.to_bytes(ser))
+        self.store.write(f"{snapshot.signed.version}.snapshot.json", snapshot.to_bytes(ser))
 
         timestamp.signed.snapshot_meta = MetaFile(version=snapshot.signed.version)
         timestamp.signed.expires = _now() + EXPIRY["timestamp"]
         timestamp.signatures.clear()
         timestamp.sign(self.keys.signer("timestamp"))
-        atomic_write(self.metadata_dir / "timestamp.json", timestamp.to_bytes(ser))
+        self.store.write("timestamp.json", timestamp.to_bytes(ser))
 
     def add_target(self, target_path: str, local_file: Path, custom: dict[str, Any]) -> dict[str, Any]:
         """Publish ``local_file`` as the TUF target ``target_path``; returns {sha256, length, url_path}."""
@@ -312,9 +326,7 @@ class Repository:
         digest = h.hexdigest()
         length = local_file.stat().st_size
         dirname, _, basename = target_path.rpartition("/")
-        dest_dir = self.targets_dir / dirname if dirname else self.targets_dir
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        dest = dest_dir / f"{digest}.{basename}"
+        dest = f"{dirname}/{digest}.{basename}" if dirname else f"{digest}.{basename}"
         with self._lock():
             tgt, snap, ts, bundles = self._load_all()
             if bundles is not None or self.delegated():
@@ -325,10 +337,7 @@ class Repository:
                     return {"sha256": digest, "length": length, "created": False}
                 raise RepositoryError(f"target {target_path!r} already exists with different content; "
                                       "publish a new version instead of replacing one")
-            if not dest.exists():
-                tmp = dest.with_name(dest.name + ".tmp")
-                shutil.copyfile(local_file, tmp)
-                os.replace(tmp, dest)
+            self.store.put_target(dest, local_file)
             tf = TargetFile(length=length, hashes={"sha256": digest}, path=target_path, unrecognized_fields={
                 "custom": custom})
             tgt.signed.targets[target_path] = tf
@@ -338,7 +347,7 @@ class Repository:
             self._publish(tgt, snap, ts)
         return {"sha256": digest, "length": length, "created": True}
 
-    def _register_signed(self, target_path: str, local_file: Path, dest: Path, digest: str, length: int,
+    def _register_signed(self, target_path: str, local_file: Path, dest: str, digest: str, length: int,
                          bundles: Any) -> dict[str, Any]:
         """Delegated layout: the fleet cannot sign; it stores the file of a target CI already signed."""
         signed = None if bundles is None else bundles.signed.targets.get(target_path)
@@ -347,11 +356,9 @@ class Repository:
                                   "upload BUNDLE --sign-key ci/bundles.key'")
         if signed.hashes.get("sha256") != digest or signed.length != length:
             raise RepositoryError(f"{target_path}: this file is not the one the CI key signed")
-        created = not dest.exists()
+        created = not self.store.has_target(dest)
         if created:
-            tmp = dest.with_name(dest.name + ".tmp")
-            shutil.copyfile(local_file, tmp)
-            os.replace(tmp, dest)
+            self.store.put_target(dest, local_file)
         return {"sha256": digest, "length": length, "created": created}
 
     def refresh_expiring(self, margin: float = 0.5) -> bool:
@@ -374,12 +381,13 @@ class Repository:
             self._publish(tgt, snap, ts, bundles=bundles, resign_targets=resign_targets)
             return True
 
-    def resolve_file(self, kind: str, rel: str) -> Path | None:
-        """The on-disk file for a public URL path under /tuf/, or None (no traversal possible)."""
-        base = self.metadata_dir if kind == "metadata" else self.targets_dir
+    def serve(self, kind: str, rel: str) -> Path | bytes | tuple[int, Iterator[bytes]] | None:
+        """What a public URL path under /tuf/ names: a file on disk, metadata bytes, or a target as (size,
+        chunks); None if there is no such thing (no traversal possible)."""
         if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in rel.split("/")):
             return None
-        p = (base / rel).resolve()
-        if not p.is_relative_to(base.resolve()) or not p.is_file() or p.name.startswith("."):
-            return None
-        return p
+        if isinstance(self.store, DirStore):
+            return self.store.metadata_path(rel) if kind == "metadata" else self.store.target(rel)
+        if kind == "metadata":
+            return self.store.read(rel) if "/" not in rel else None
+        return self.store.target(rel)
