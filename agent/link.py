@@ -70,7 +70,7 @@ class MqttLink:
         self._stop = threading.Event()
         # the client id is the device id (its username): the embedded broker refuses another device's, and
         # Mosquitto's device listeners (use_username_as_clientid) make it the username whatever is sent
-        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=device_id,
+        self._client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=proto.client_id(device_id),
                                    protocol=mqtt.MQTTv311, clean_session=True)
         will = proto.StatusMessage(device_id=device_id, ts=0.0, state="offline")
         self._client.will_set(proto.topic(device_id, "status"), proto.encode(will), qos=1, retain=True)

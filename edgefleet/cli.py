@@ -289,6 +289,7 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
                       embedded_mqtt_port=a.embedded_mqtt_port, agent_mqtt_url=a.agent_mqtt_url,
                       public_url=a.public_url, shared_subscription_group=a.shared_subscription_group,
                       mqtt_username=a.mqtt_username, mosquitto_password_file=a.mosquitto_password_file,
+                      mosquitto_fleet_password_file=a.mosquitto_fleet_password_file,
                       mosquitto_acl_file=a.mosquitto_acl_file, mosquitto_pid_file=a.mosquitto_pid_file,
                       mqtt_ca_file=a.mqtt_ca_file, mqtt_cert_file=a.mqtt_cert_file, mqtt_key_file=a.mqtt_key_file,
                       tuf_store=a.tuf_store)
@@ -801,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--mqtt-key-file", type=Path, help="mutual TLS: the fleet's client key")
     fs.add_argument("--mosquitto-password-file", type=Path,
                     help="write device accounts here (Mosquitto password_file) whenever they change")
+    fs.add_argument("--mosquitto-fleet-password-file", type=Path,
+                    help="write the fleet's own account alone here: the password_file of the fleet's listener, "
+                         "apart from the devices' listener (see the README's Mosquitto configuration)")
     fs.add_argument("--mosquitto-acl-file", type=Path, help="write the topic ACL here (Mosquitto acl_file)")
     fs.add_argument("--mosquitto-pid-file", type=Path, help="Mosquitto's pid file: SIGHUP it after writing")
     fs.add_argument("-v", "--verbose", action="store_true", help="log at INFO")

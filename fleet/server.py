@@ -51,6 +51,8 @@ class FleetConfig:
     mqtt_username: str | None = None  # the fleet's account there (e.g. edgefleet-fleet); None: anonymous
     mqtt_password: str | None = None  # default: $EDGEFLEET_MQTT_PASSWORD
     mosquitto_password_file: Path | None = None  # written (with the ACL file) whenever credentials change
+    # the fleet's own listener's password file (the fleet's account alone: fleet.acl.mosquitto_conf), likewise
+    mosquitto_fleet_password_file: Path | None = None
     mosquitto_acl_file: Path | None = None
     mosquitto_pid_file: Path | None = None  # Mosquitto's pid file: SIGHUP makes it reread both files
     mqtt_auth: bool | None = None  # do agents need credentials? default: yes unless an anonymous external broker
@@ -139,7 +141,8 @@ class FleetServer:
         cfg = self.config
         if cfg.mosquitto_password_file is None or cfg.mosquitto_acl_file is None:
             return
-        n = write_mosquitto_files(accounts, cfg.mosquitto_password_file, cfg.mosquitto_acl_file)
+        n = write_mosquitto_files(accounts, cfg.mosquitto_password_file, cfg.mosquitto_acl_file,
+                                  cfg.mosquitto_fleet_password_file)
         if cfg.mosquitto_pid_file is not None:
             try:
                 reload_mosquitto(int(cfg.mosquitto_pid_file.read_text().strip()))

@@ -70,8 +70,10 @@ def device_id_ok(device_id: str) -> bool:
 
 
 def client_id(device_id: str) -> str:
-    """The MQTT client id a device connects with."""
-    return f"edgefleet-agent-{device_id}"
+    """The MQTT client id a device connects with: its device id, bound to its account by the broker (Mosquitto's
+    ``use_username_as_clientid``, the embedded broker's check); ``edgefleet-agent-<id>`` from older agents is
+    still accepted for the same account (``fleet.acl.client_id_allowed``)."""
+    return device_id
 
 
 def topic(device_id: str, kind: Kind) -> str:

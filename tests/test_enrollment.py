@@ -103,7 +103,7 @@ def test_the_embedded_broker_takes_only_enrolled_devices_each_on_its_own_topics(
         ca.close()
 
         # a will is a publish at a later time: it may only name the device's own topics
-        will = Client(port, a["mqtt_username"], a["mqtt_password"], "edge-a-will")
+        will = Client(port, a["mqtt_username"], a["mqtt_password"], "edge-a")  # its own id: only the will is wrong
         will.c.will_set(proto.topic("edge-b", "status"), b"{}", qos=1, retain=True)
         assert not will.connect(), "a will on another device's topic was accepted"
 
