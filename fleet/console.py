@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-__all__ = ["render"]
+__all__ = ["STATE_STYLES", "render"]
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1f24;background:#fafbfc}
@@ -17,18 +17,30 @@ th{background:#f6f8fa;font-weight:600}
 .pill{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600}
 .ok{background:#dafbe1;color:#116329}.bad{background:#ffebe9;color:#a40e26}
 .wait{background:#fff8c5;color:#7d4e00}.off{background:#eaeef2;color:#57606a}
+.info{background:#ddf4ff;color:#0550ae}
 .summary span{margin-right:18px} code{font-size:12px}
 """
 
-_PILL = {"online": "ok", "offline": "off", "installed": "ok", "succeeded": "ok", "failed": "bad",
-         "rolled_back": "bad", "in_progress": "wait", "pending": "wait", "downloading": "wait", "installing": "wait",
-         "passed": "ok", "soaking": "wait", "paused": "wait", "aborted": "bad", "decommissioned": "off"}
+# the pill of every state shown: a rollout's, a wave's and a target's (fleet.states), a device's last report
+# (protocol.mqtt.ReportedState) and its connection; tests/test_rollout_states.py checks none is missing.
+# ok: done well; bad: failed or undone; wait: under way; info: shadowing (serving the old model, judging the
+# new one); off: nothing to do
+STATE_STYLES = {
+    "online": "ok", "offline": "off", "decommissioned": "off",
+    "in_progress": "wait", "paused": "wait", "succeeded": "ok", "failed": "bad", "aborted": "bad",
+    "rolled_back": "bad",
+    "pending": "wait", "shadowing": "info", "installing": "wait", "soaking": "wait", "passed": "ok",
+    "downloading": "wait", "installed": "ok", "rolling_back": "wait", "rollback_failed": "bad",
+}
 
 
 def _pill(text: str | None) -> str:
     if not text:
         return "–"
-    return f'<span class="pill {_PILL.get(text, "off")}">{escape(text)}</span>'
+    return f'<span class="pill {STATE_STYLES.get(text, "off")}">{escape(text)}</span>'
+
+
+_UNDONE = ("failed", "rolled_back", "rollback_failed")  # targets counted as failed in a rollout's progress bar
 
 
 def _ts(iso: str | None) -> str:
@@ -122,7 +134,7 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
     for r in rollouts:
         counts = ", ".join(f"{v} {escape(k)}" for k, v in sorted(r["counts"].items()))
         done = r["counts"].get("installed", 0)
-        bad = r["counts"].get("failed", 0) + r["counts"].get("rolled_back", 0)
+        bad = sum(r["counts"].get(k, 0) for k in _UNDONE)
         total = sum(w["size"] for w in r["waves"])
         rrows.append(f'<tr><td><a href="/rollouts/{r["id"]}">#{r["id"]}</a> {_bar(done, bad, total)}</td>'
                      f'<td>{escape(r["model"])} {escape(r["version"])}</td>'
@@ -204,7 +216,7 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
     """One rollout: progress, each wave with its gates against their thresholds, the buttons, each device."""
     total = sum(w["size"] for w in r["waves"])
     installed = r["counts"].get("installed", 0)
-    failed = r["counts"].get("failed", 0) + r["counts"].get("rolled_back", 0)
+    failed = sum(r["counts"].get(k, 0) for k in _UNDONE)
     wrows = []
     for w in r["waves"]:
         gates, live = (w.get("gates"), False) if w.get("gates") else (w.get("gates_live"), True)

@@ -90,7 +90,7 @@ class Rollout(Base):
     __tablename__ = "rollouts"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id"))  # one of its bundles (the first profile)
-    status: Mapped[str] = mapped_column(String(16), default="in_progress")  # fleet.rollout.TRANSITIONS
+    status: Mapped[str] = mapped_column(String(16), default="in_progress")  # fleet.states.RolloutStatus
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
     # schema 3
@@ -112,7 +112,7 @@ class RolloutWave(Base):
     idx: Mapped[int] = mapped_column(Integer, primary_key=True)
     size: Mapped[int] = mapped_column(Integer)
     soak_s: Mapped[float] = mapped_column(Float, default=0.0)
-    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending|installing|soaking|passed|failed
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # fleet.states.WaveState
     n_installed: Mapped[int] = mapped_column(Integer, default=0)
     n_failed: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
@@ -127,7 +127,7 @@ class RolloutTarget(Base):
                       Index("ix_rollout_targets_device", "device_id"))
     rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), primary_key=True)
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # fleet.states.TargetState
     error: Mapped[str | None] = mapped_column(Text, default=None)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     # schema 3

@@ -8,16 +8,14 @@ its device has been offline for ``offline_grace_s``); it then soaks; at the end 
 gates are evaluated against thresholds. A failed gate pauses or fails the rollout and, if asked,
 sends the wave's devices back to the model they ran before.
 
-Rollout states and the only transitions allowed (every one through ``transition``, which writes
-the audit row in the same transaction)::
-
-    in_progress ──► paused ──► in_progress          (pause / resume, by hand or by a gate)
-    in_progress | paused ──► aborted                (abort, by hand)
-    in_progress | paused ──► failed                 (a gate failed with on_failure=abort)
-    in_progress ──► succeeded                       (the last wave passed its gates)
-    any but rolled_back ──► rolled_back             (rollback, by hand; or a gate with rollback)
-
-Wave states: pending → installing → soaking → passed | failed.
+A rollout, each of its waves and each of its targets (one device) is a state machine whose states and
+allowed transitions are tables in fleet.states. Each changes only through one function here, which
+refuses a transition its table does not list (``Conflict``) and writes the audit row in the same
+transaction: ``RolloutEngine.transition`` (a rollout), ``move_wave`` (a wave) and ``move_targets`` (any
+number of targets at once, as one UPDATE). A bulk move is audited in rows per wave and new state, each
+naming its devices (at most ``AUDIT_DEVICES_PER_ROW``), how many there were, the states they left and
+their errors: an operator reading a rollout's audit log sees which devices did what and why, while
+100,000 targets moving together cost about 100 audit rows, not 100,000.
 
 Cost per device report is constant: a report updates its target row and adds ±1 to its wave's
 counters; nothing is recounted. The engine's tick (``advance``) reads only the wave's counters, and
@@ -34,32 +32,36 @@ import re
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Float, Table, and_, bindparam, case, func, insert, or_, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.attributes import set_committed_value
 
 from fleet.audit import ENGINE_ACTOR, audit
 from fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
 from fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
+from fleet.states import (
+    TARGET_DONE,
+    TARGET_FINAL,
+    TARGET_TRANSITIONS,
+    TRANSITIONS,
+    WAVE_TRANSITIONS,
+    RolloutStatus,
+    TargetState,
+    WaveState,
+)
 from protocol import mqtt as proto
 
-__all__ = ["TRANSITIONS", "GateResult", "Gates", "RolloutEngine", "RolloutSpec", "WaveFigures", "evaluate_gates",
-           "plan_waves"]
+__all__ = ["AUDIT_DEVICES_PER_ROW", "TRANSITIONS", "WAVE_ACTIONS", "GateResult", "Gates", "RolloutEngine",
+           "RolloutSpec", "TargetMove", "WaveFigures", "evaluate_gates", "move_targets", "move_wave", "plan_waves"]
 
 log = logging.getLogger("edgefleet.fleet.rollout")
 
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "in_progress": frozenset({"paused", "aborted", "failed", "succeeded", "rolled_back"}),
-    "paused": frozenset({"in_progress", "aborted", "failed", "rolled_back"}),
-    "failed": frozenset({"rolled_back"}),
-    "aborted": frozenset({"rolled_back"}),
-    "succeeded": frozenset({"rolled_back"}),
-    "rolled_back": frozenset(),
-}
-TARGET_TERMINAL = frozenset({"installed", "failed"})
 _WAVE_RE = re.compile(r"^(\d+(?:\.\d+)?)%$|^(\d+)$")
 
 
@@ -251,6 +253,101 @@ class Selector:
     profile: str | None = None
 
 
+# -- the only ways a wave's or a target's state changes ---------------------------------------------
+WAVE_ACTIONS: dict[WaveState, str] = {  # the audit action of entering each state
+    WaveState.SHADOWING: "wave_shadow_started", WaveState.INSTALLING: "wave_started",
+    WaveState.SOAKING: "wave_soaking", WaveState.PASSED: "wave_passed", WaveState.FAILED: "wave_failed"}
+AUDIT_DEVICES_PER_ROW = 1000  # a bulk move names every device, in audit rows of at most this many (~15 KB)
+AUDIT_ERROR_CHARS = 200  # of each device's error, in an audit row (the target row keeps all of it)
+REPORT_ACTOR = "devices"  # the actor of moves the devices' own reports make
+# a rollback sends back the targets that were sent something (pending ones only if their desired state went out)
+ROLLBACK_FROM = frozenset({TargetState.PENDING, TargetState.DOWNLOADING, TargetState.INSTALLING, TargetState.INSTALLED,
+                           TargetState.FAILED})
+
+
+def move_wave(s: Session, w: RolloutWave, new: WaveState, actor: str = ENGINE_ACTOR, now: dt.datetime | None = None,
+              **detail: Any) -> None:
+    """Move one wave to ``new`` if ``WAVE_TRANSITIONS`` allows it (else ``Conflict``), set the clock that
+    state starts (started_at, soak_until or finished_at, from ``now``) and write its audit row."""
+    old = WaveState(w.state)
+    if new not in WAVE_TRANSITIONS[old]:
+        raise Conflict(f"wave {w.idx + 1} of rollout {w.rollout_id} is {old}; it cannot become {new}")
+    now = now or utcnow()
+    w.state = new.value
+    if new in (WaveState.SHADOWING, WaveState.INSTALLING):
+        w.started_at = now
+    elif new is WaveState.SOAKING:
+        w.soak_until = now + dt.timedelta(seconds=w.soak_s)
+    else:
+        w.finished_at = now
+    audit(s, actor, WAVE_ACTIONS[new], w.rollout_id, wave=w.idx, from_state=old.value, **detail)
+
+
+@dataclass(frozen=True)
+class TargetMove:
+    """One target from ``old`` (what the caller read, under its lock) to ``new``; ``error`` is stored with it."""
+
+    rollout_id: int
+    device_id: str
+    wave: int
+    old: TargetState
+    new: TargetState
+    error: str | None = None
+
+
+def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str, **detail: Any) -> None:
+    """Move any number of targets, in order (one target may move several times), if ``TARGET_TRANSITIONS``
+    allows every move (else ``Conflict`` and nothing is written). Costs one executemany UPDATE, one
+    counter UPDATE per wave touched (±1 per move, never a recount) and one audit row per rollout, wave
+    and new state for each ``AUDIT_DEVICES_PER_ROW`` devices. An UPDATE matches a target only in its
+    ``old`` state: a target another writer moved meanwhile fails the whole call (``Conflict``), so the
+    caller's transaction rolls back."""
+    if not moves:
+        return
+    for m in moves:
+        if m.new not in TARGET_TRANSITIONS[m.old]:
+            raise Conflict(f"target {m.device_id} in rollout {m.rollout_id} is {m.old}; it cannot become {m.new}")
+    s.flush()  # pending ORM changes first, so the writes land in the order they were made
+    t: Table = RolloutTarget.__table__  # type: ignore[assignment]
+    now = utcnow()
+    done = s.connection().execute(
+        update(t).where(t.c.rollout_id == bindparam("b_r"), t.c.device_id == bindparam("b_d"),
+                        t.c.state == bindparam("b_old")),
+        [{"b_r": m.rollout_id, "b_d": m.device_id, "b_old": m.old.value, "state": m.new.value, "error": m.error,
+          "updated_at": now} for m in moves]).rowcount  # type: ignore[attr-defined]
+    if done != len(moves):
+        rids = sorted({m.rollout_id for m in moves})
+        raise Conflict(f"rollout{'s' if len(rids) > 1 else ''} {', '.join(map(str, rids))}: {len(moves) - done} of "
+                       f"{len(moves)} targets were not in the state the move started from; nothing was moved")
+    deltas: dict[tuple[int, int], list[int]] = {}
+    groups: dict[tuple[int, int, TargetState], list[TargetMove]] = {}
+    for m in moves:
+        d = deltas.setdefault((m.rollout_id, m.wave), [0, 0])
+        d[0] += (m.new is TargetState.INSTALLED) - (m.old is TargetState.INSTALLED)
+        d[1] += (m.new is TargetState.FAILED) - (m.old is TargetState.FAILED)
+        groups.setdefault((m.rollout_id, m.wave, m.new), []).append(m)
+        obj = s.identity_map.get(s.identity_key(RolloutTarget, (m.rollout_id, m.device_id)))
+        if obj is not None:  # a row this session holds as an object: keep it in step with the table
+            for attr, value in (("state", m.new.value), ("error", m.error), ("updated_at", now)):
+                set_committed_value(obj, attr, value)
+    for (rid, wave), (d_ok, d_bad) in deltas.items():
+        if d_ok or d_bad:
+            s.execute(update(RolloutWave).where(RolloutWave.rollout_id == rid, RolloutWave.idx == wave)
+                      .values(n_installed=RolloutWave.n_installed + d_ok, n_failed=RolloutWave.n_failed + d_bad))
+    for (rid, wave, new), group in groups.items():
+        for i in range(0, len(group), AUDIT_DEVICES_PER_ROW):
+            chunk = group[i:i + AUDIT_DEVICES_PER_ROW]
+            errors = {m.device_id: m.error[:AUDIT_ERROR_CHARS] for m in chunk if m.error}
+            said: dict[str, Any] = {}
+            if errors and len(errors) == len(chunk) and len(set(errors.values())) == 1:
+                said["error"] = next(iter(errors.values()))  # the same for all (e.g. superseded): once
+            elif errors:
+                said["errors"] = errors
+            audit(s, actor, f"targets_{new}", rid, chunk[0].device_id if len(chunk) == 1 else None, wave=wave,
+                  cause=cause, count=len(chunk), devices=[m.device_id for m in chunk],
+                  **{"from": dict(Counter(m.old.value for m in chunk))}, **said, **detail)
+
+
 class RolloutEngine:
     LEASE_S = 15.0  # a replica that stops renewing loses its rollouts to another after this
 
@@ -277,15 +374,17 @@ class RolloutEngine:
 
     # -- transitions -----------------------------------------------------------------------------
     @staticmethod
-    def transition(s: Session, r: Rollout, new: str, actor: str, reason: str | None = None, **detail: Any) -> None:
-        if new not in TRANSITIONS[r.status]:
-            raise Conflict(f"rollout {r.id} is {r.status}; it cannot become {new}")
-        old = r.status
-        r.status = new
+    def transition(s: Session, r: Rollout, new: RolloutStatus, actor: str, reason: str | None = None,
+                   **detail: Any) -> None:
+        """The only way a rollout's status changes: as ``TRANSITIONS`` allows (else ``Conflict``), audited."""
+        old = RolloutStatus(r.status)
+        if new not in TRANSITIONS[old]:
+            raise Conflict(f"rollout {r.id} is {old}; it cannot become {new}")
+        r.status = new.value
         r.reason = reason
-        if new in ("succeeded", "failed", "aborted", "rolled_back"):
+        if new not in (RolloutStatus.IN_PROGRESS, RolloutStatus.PAUSED):
             r.finished_at = utcnow()
-        audit(s, actor, f"rollout_{new}", r.id, from_state=old, reason=reason, **detail)
+        audit(s, actor, f"rollout_{new}", r.id, from_state=old.value, reason=reason, **detail)
 
     # -- create ----------------------------------------------------------------------------------
     def create(self, name: str, version: str, sel: Selector, spec: RolloutSpec, actor: str) -> int:
@@ -327,16 +426,17 @@ class RolloutEngine:
             sizes = plan_waves(len(chosen), spec.waves)
             first = chosen[0][1]
             r = Rollout(model_id=first.id, model_name=name, model_version=version, spec=spec.model_dump(mode="json"),
-                        current_wave=0, created_by=actor, status="in_progress")
+                        current_wave=0, created_by=actor, status=RolloutStatus.IN_PROGRESS.value)
             s.add(r)
             s.flush()
             rid = r.id
             self._supersede(s, {d.id for d, _ in chosen}, rid, actor)
             rows, i = [], 0
             for w, size in enumerate(sizes):
-                s.add(RolloutWave(rollout_id=rid, idx=w, size=size, soak_s=spec.soak_for(w), state="pending"))
+                s.add(RolloutWave(rollout_id=rid, idx=w, size=size, soak_s=spec.soak_for(w),
+                                  state=WaveState.PENDING.value))
                 for d, m in chosen[i:i + size]:
-                    rows.append({"rollout_id": rid, "device_id": d.id, "state": "pending", "wave": w,
+                    rows.append({"rollout_id": rid, "device_id": d.id, "state": TargetState.PENDING.value, "wave": w,
                                  "model_id": m.id, "updated_at": utcnow()})
                 i += size
             s.flush()
@@ -381,30 +481,17 @@ class RolloutEngine:
 
     def _supersede(self, s: Session, devices: set[str], new_rollout: int, actor: str) -> None:
         """A device has one desired state: its unfinished targets in older rollouts fail as superseded."""
-        stale = [t for t in s.scalars(select(RolloutTarget).where(
-            RolloutTarget.rollout_id != new_rollout, RolloutTarget.state.not_in(TARGET_TERMINAL),
-            RolloutTarget.state.not_in(("rolled_back", "rollback_failed")))) if t.device_id in devices]
-        for t in stale:
-            self._set_target(s, t, "failed", f"superseded by rollout {new_rollout}")
-        for rid in sorted({t.rollout_id for t in stale}):
-            audit(s, actor, "targets_superseded", rid, by_rollout=new_rollout,
-                  devices=sum(1 for t in stale if t.rollout_id == rid))
+        t = RolloutTarget
+        why = f"superseded by rollout {new_rollout}"
+        stale = [TargetMove(rid, dev, wave, TargetState(state), TargetState.FAILED, why)
+                 for rid, dev, wave, state in s.execute(
+                     select(t.rollout_id, t.device_id, t.wave, t.state).where(
+                         t.rollout_id != new_rollout, t.state.not_in([x.value for x in TARGET_DONE | TARGET_FINAL])))
+                 if dev in devices]
+        move_targets(s, stale, actor, "superseded", by_rollout=new_rollout)
         s.flush()
-        for rid in sorted({t.rollout_id for t in stale}):
+        for rid in sorted({m.rollout_id for m in stale}):
             self._advance_in(s, rid, [])
-
-    @staticmethod
-    def _set_target(s: Session, t: RolloutTarget, new: str, error: str | None) -> None:
-        """Move one target and its wave's counters by ±1 (never a recount)."""
-        old = t.state
-        t.state = new
-        t.error = error
-        t.updated_at = utcnow()
-        d_ok = (new == "installed") - (old == "installed")
-        d_bad = (new == "failed") - (old == "failed")
-        if d_ok or d_bad:
-            s.execute(update(RolloutWave).where(RolloutWave.rollout_id == t.rollout_id, RolloutWave.idx == t.wave)
-                      .values(n_installed=RolloutWave.n_installed + d_ok, n_failed=RolloutWave.n_failed + d_bad))
 
     # -- ingest ----------------------------------------------------------------------------------
     def on_report(self, s: Session, msg: proto.ReportedState) -> None:
@@ -413,21 +500,21 @@ class RolloutEngine:
 
     def on_reports(self, s: Session, msgs: list[proto.ReportedState]) -> list[tuple[DeviceInputRejected,
                                                                                    proto.ReportedState]]:
-        """Reports on rollouts, in arrival order: one SELECT of their targets, one executemany UPDATE, and
-        one counter UPDATE per wave touched, whatever the size of the rollout or of the fleet."""
+        """Reports on rollouts, in arrival order: one SELECT of their targets, then ``move_targets`` (one
+        executemany UPDATE, one counter UPDATE per wave touched, audit rows per wave and state), whatever
+        the size of the rollout or of the fleet."""
         if not msgs:
             return []
         t: Table = RolloutTarget.__table__  # type: ignore[assignment]
         keys = list({(m.rollout_id, m.device_id) for m in msgs})
-        cur = {(r.rollout_id, r.device_id): [r.state, r.error, r.model_id, r.previous_model_id, r.wave]
+        cur = {(r.rollout_id, r.device_id): [TargetState(r.state), r.error, r.model_id, r.previous_model_id, r.wave]
                for r in s.execute(select(t.c.rollout_id, t.c.device_id, t.c.state, t.c.error, t.c.model_id,
                                          t.c.previous_model_id, t.c.wave)
                                   .where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys))
                                   .with_for_update())}  # replicas that both got a report serialize here
         rejected: list[tuple[DeviceInputRejected, proto.ReportedState]] = []
-        changed: dict[tuple[int, str], dict[str, Any]] = {}
-        deltas: dict[tuple[int, int], list[int]] = {}
-        now = utcnow()
+        moves: list[TargetMove] = []
+        new_errors: dict[tuple[int, str], dict[str, Any]] = {}
         for m in msgs:
             key = (m.rollout_id or 0, m.device_id)
             row = cur.get(key)
@@ -437,39 +524,40 @@ class RolloutEngine:
                 continue
             old, err, model_id, prev_id, wave = row
             new = self._next_state(old, m, self.model(s, model_id), self.model(s, prev_id))
-            if new is None or (new == old and m.error == err):
+            if new is None or (new is old and m.error == err):
                 continue
             row[0], row[1] = new, m.error
-            changed[key] = {"b_r": key[0], "b_d": key[1], "state": new, "error": m.error, "updated_at": now}
-            d = deltas.setdefault((key[0], wave), [0, 0])
-            d[0] += (new == "installed") - (old == "installed")
-            d[1] += (new == "failed") - (old == "failed")
-        if changed:
+            if new is old:  # the same state with another error: not a transition
+                new_errors[key] = {"b_r": key[0], "b_d": key[1], "error": m.error, "updated_at": utcnow()}
+            else:
+                moves.append(TargetMove(key[0], key[1], wave, old, new, m.error))
+                new_errors.pop(key, None)
+        move_targets(s, moves, REPORT_ACTOR, "report")
+        if new_errors:
             s.connection().execute(update(t).where(t.c.rollout_id == bindparam("b_r"),
-                                                   t.c.device_id == bindparam("b_d")), list(changed.values()))
-        for (rid, wave), (d_ok, d_bad) in deltas.items():
-            if d_ok or d_bad:
-                s.execute(update(RolloutWave).where(RolloutWave.rollout_id == rid, RolloutWave.idx == wave)
-                          .values(n_installed=RolloutWave.n_installed + d_ok, n_failed=RolloutWave.n_failed + d_bad))
+                                                   t.c.device_id == bindparam("b_d")), list(new_errors.values()))
         return rejected
 
     @staticmethod
-    def _next_state(old: str, msg: proto.ReportedState, model: ModelInfo | None,
-                    prev: ModelInfo | None) -> str | None:
-        if old == "rolling_back":
+    def _next_state(old: TargetState, msg: proto.ReportedState, model: ModelInfo | None,
+                    prev: ModelInfo | None) -> TargetState | None:
+        """What a device's report makes of its target: a state ``TARGET_TRANSITIONS`` allows from ``old``,
+        ``old`` itself (only its error may change), or None (ignored: late, replayed or about another model)."""
+        if old is TargetState.ROLLING_BACK:
             if msg.state == "installed" and prev is not None and msg.running_version == prev.version:
-                return "rolled_back"
-            return "rollback_failed" if msg.state == "failed" else None
-        if old in ("rolled_back", "rollback_failed"):
-            return None
-        state = "failed" if msg.state == "rolled_back" else msg.state
-        if old in TARGET_TERMINAL and state not in TARGET_TERMINAL:
-            return None  # a late progress message must not reopen a finished target
-        if old == "installed" and state != "installed" and (model is None or msg.running_version == model.version):
-            return None  # still running what was installed: a replayed old failure must not flip it
-        if state == "installed" and model is not None and msg.version is not None and msg.version != model.version:
+                return TargetState.ROLLED_BACK
+            return TargetState.ROLLBACK_FAILED if msg.state == "failed" else None
+        new = TargetState.FAILED if msg.state == "rolled_back" else TargetState(msg.state)
+        if (new is TargetState.INSTALLED and model is not None and msg.version is not None
+                and msg.version != model.version):
             return None  # an install of something else (an older retained report)
-        return state
+        if new is old:
+            return old
+        if new not in TARGET_TRANSITIONS[old]:
+            return None  # a late progress message must not reopen a finished target
+        if old is TargetState.INSTALLED and (model is None or msg.running_version == model.version):
+            return None  # still running what was installed: a replayed old failure must not flip it
+        return new
 
     def on_shadow_batch(self, s: Session, msgs: list[proto.Telemetry]) -> None:
         """Shadow figures of devices whose target is shadowing a candidate: the newest per device is kept."""
@@ -478,7 +566,7 @@ class RolloutEngine:
             return
         t = RolloutTarget
         rows = s.execute(select(t.rollout_id, t.device_id, t.model_id).where(
-            t.device_id.in_(list(newest)), t.state == "shadowing")).all()
+            t.device_id.in_(list(newest)), t.state == TargetState.SHADOWING.value)).all()
         now = utcnow()
         for rid, dev, model_id in rows:
             fig = newest[dev]
@@ -523,12 +611,12 @@ class RolloutEngine:
         """Advance every in-progress rollout this replica holds the lease of; returns how many."""
         now = utcnow()
         with self.sessions() as s:
-            ids = list(s.scalars(select(Rollout.id).where(Rollout.status == "in_progress")))
+            ids = list(s.scalars(select(Rollout.id).where(Rollout.status == RolloutStatus.IN_PROGRESS.value)))
         n = 0
         for rid in ids:
             with self.sessions.begin() as s:
                 got = s.execute(update(Rollout).where(
-                    Rollout.id == rid, Rollout.status == "in_progress",
+                    Rollout.id == rid, Rollout.status == RolloutStatus.IN_PROGRESS.value,
                     or_(Rollout.lease_owner.is_(None), Rollout.lease_owner == self.owner, Rollout.lease_until < now))
                     .values(lease_owner=self.owner, lease_until=now + dt.timedelta(seconds=self.LEASE_S)))
             if got.rowcount == 1:  # type: ignore[attr-defined]
@@ -553,19 +641,19 @@ class RolloutEngine:
 
     def _advance_in(self, s: Session, rollout_id: int, msgs: list[tuple[str, bytes]]) -> None:
         r = s.get(Rollout, rollout_id, with_for_update=True)
-        if r is None or r.status != "in_progress":
+        if r is None or r.status != RolloutStatus.IN_PROGRESS:
             return
         spec = RolloutSpec.model_validate(r.spec or {})
         for _ in range(64):  # bounded: each pass moves one wave one step or returns
             w = s.get(RolloutWave, (r.id, r.current_wave))
             if w is None:
-                self.transition(s, r, "succeeded", ENGINE_ACTOR, None)
+                self.transition(s, r, RolloutStatus.SUCCEEDED, ENGINE_ACTOR, None)
                 return
             now = utcnow()
-            if w.state == "pending":
+            if w.state == WaveState.PENDING:
                 self._start_wave(s, r, w, msgs, shadow=spec.shadow is not None)
                 continue
-            if w.state == "shadowing":
+            if w.state == WaveState.SHADOWING:
                 assert spec.shadow is not None
                 result = evaluate_shadow(self._shadow_figures(s, w), spec.shadow)
                 if result is None:
@@ -577,12 +665,12 @@ class RolloutEngine:
                 audit(s, ENGINE_ACTOR, "wave_shadow_passed", r.id, wave=w.idx, gates=w.gates)
                 self._start_wave(s, r, w, msgs, shadow=False)  # promote: the real install
                 continue
-            if w.state in ("installing", "soaking"):
+            if w.state in (WaveState.INSTALLING, WaveState.SOAKING):
                 f = WaveFigures(w.size, w.n_installed, w.n_failed, 0, 0, None, None, 0)
                 if install_gate_lost(f, spec.gates):
                     self._fail_wave(s, r, w, spec, self._figures(s, w), msgs)
                     return
-            if w.state == "installing":
+            if w.state == WaveState.INSTALLING:
                 outstanding = w.size - w.n_installed - w.n_failed
                 if outstanding > 0:
                     started = w.started_at or now
@@ -591,11 +679,9 @@ class RolloutEngine:
                     if self._outstanding_online(s, w) > 0:
                         return
                     audit(s, ENGINE_ACTOR, "wave_offline_deferred", r.id, wave=w.idx, devices=outstanding)
-                w.state = "soaking"
-                w.soak_until = now + dt.timedelta(seconds=w.soak_s)
-                audit(s, ENGINE_ACTOR, "wave_soaking", r.id, wave=w.idx, installed=w.n_installed, failed=w.n_failed,
-                      soak_s=w.soak_s)
-            if w.state == "soaking":
+                move_wave(s, w, WaveState.SOAKING, now=now, installed=w.n_installed, failed=w.n_failed,
+                          soak_s=w.soak_s)
+            if w.state == WaveState.SOAKING:
                 if w.soak_until is not None and now < w.soak_until:
                     return
                 results = evaluate_gates(self._figures(s, w), spec.gates)
@@ -606,12 +692,10 @@ class RolloutEngine:
                 if not all(g.passed for g in results):
                     self._fail_wave(s, r, w, spec, self._figures(s, w), msgs, results)
                     return
-                w.state = "passed"
-                w.finished_at = now
-                audit(s, ENGINE_ACTOR, "wave_passed", r.id, wave=w.idx, gates=w.gates)
+                move_wave(s, w, WaveState.PASSED, now=now, gates=w.gates)
                 r.current_wave += 1
                 continue
-            if w.state in ("passed", "failed"):
+            if w.state in (WaveState.PASSED, WaveState.FAILED):
                 r.current_wave += 1
                 continue
             return
@@ -625,22 +709,20 @@ class RolloutEngine:
             now_ts = time.time()
             n = 0
             for t, d in pairs:
-                if t.state != "pending":
+                if t.state != TargetState.PENDING:
                     continue
                 m = self.model(s, t.model_id)
                 assert m is not None
                 msgs.append(desired_message(d.id, m, r.id, now_ts, mode="shadow"))
                 n += 1
-            w.state = "shadowing"
-            w.started_at = utcnow()
-            audit(s, ENGINE_ACTOR, "wave_shadow_started", r.id, wave=w.idx, devices=n)
+            move_wave(s, w, WaveState.SHADOWING, devices=n)
             return
         running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
             select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
         now = time.time()
         sent = 0
         for t, d in pairs:
-            if t.state not in ("pending", "shadowing"):
+            if t.state not in (TargetState.PENDING, TargetState.SHADOWING):
                 continue  # superseded meanwhile
             m = self.model(s, t.model_id)
             assert m is not None
@@ -652,16 +734,14 @@ class RolloutEngine:
             d.desired_rollout_id = r.id
             msgs.append(desired_message(d.id, m, r.id, now))
             sent += 1
-        w.state = "installing"
-        w.started_at = utcnow()
-        audit(s, ENGINE_ACTOR, "wave_started", r.id, wave=w.idx, devices=sent)
+        move_wave(s, w, WaveState.INSTALLING, devices=sent)
 
     @staticmethod
     def _outstanding_online(s: Session, w: RolloutWave) -> int:
         return int(s.scalar(select(func.count()).select_from(RolloutTarget).join(
             Device, Device.id == RolloutTarget.device_id).where(
             RolloutTarget.rollout_id == w.rollout_id, RolloutTarget.wave == w.idx,
-            RolloutTarget.state.not_in(TARGET_TERMINAL), Device.online.is_(True))) or 0)
+            RolloutTarget.state.not_in([x.value for x in TARGET_DONE]), Device.online.is_(True))) or 0)
 
     @staticmethod
     def _shadow_figures(s: Session, w: RolloutWave) -> ShadowWaveFigures:
@@ -681,21 +761,23 @@ class RolloutEngine:
                      msgs: list[tuple[str, bytes]]) -> None:
         """The candidate disagreed in shadow: nothing was installed; the devices drop the shadow (their
         desired state goes back to what they run)."""
-        w.state = "failed"
-        w.finished_at = utcnow()
-        audit(s, ENGINE_ACTOR, "wave_failed", r.id, wave=w.idx, gates=w.gates)
+        move_wave(s, w, WaveState.FAILED, gates=w.gates)
         now = time.time()
-        for t, d in s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
-                              .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)):
-            if t.state == "shadowing":
-                t.state = "pending"
+        dropped = []
+        for dev, state, d in s.execute(select(RolloutTarget.device_id, RolloutTarget.state, Device)
+                                       .join(Device, Device.id == RolloutTarget.device_id)
+                                       .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)):
+            if state == TargetState.SHADOWING:
+                dropped.append(TargetMove(r.id, dev, w.idx, TargetState.SHADOWING, TargetState.PENDING))
             cur = self.model(s, d.desired_model_id) if d.desired_model_id else None
             if cur is not None:
                 msgs.append(desired_message(d.id, cur, d.desired_rollout_id, now))
+        move_targets(s, dropped, ENGINE_ACTOR, "shadow_failed")
         value = "n/a" if result.value is None else f"{result.value:.4g}"
         reason = (f"wave {w.idx + 1} failed in shadow, before any install: shadow_agreement {value} vs threshold "
                   f"{result.threshold:g} ({result.detail})")
-        self.transition(s, r, "paused" if spec.on_failure == "pause" else "failed", ENGINE_ACTOR, reason)
+        self.transition(s, r, RolloutStatus.PAUSED if spec.on_failure == "pause" else RolloutStatus.FAILED,
+                        ENGINE_ACTOR, reason)
 
     @staticmethod
     def _figures(s: Session, w: RolloutWave) -> WaveFigures:
@@ -715,40 +797,40 @@ class RolloutEngine:
                    msgs: list[tuple[str, bytes]], results: list[GateResult] | None = None) -> None:
         results = results or evaluate_gates(f, spec.gates)
         w.gates = [g.as_json() for g in results]
-        w.state = "failed"
-        w.finished_at = utcnow()
         bad = [g for g in results if not g.passed]
         reason = f"wave {w.idx + 1} failed its gates: " + "; ".join(
             f"{g.name} {'n/a' if g.value is None else f'{g.value:.4g}'} vs threshold {g.threshold:g} ({g.detail})"
             for g in bad)
-        audit(s, ENGINE_ACTOR, "wave_failed", r.id, wave=w.idx, gates=w.gates)
+        move_wave(s, w, WaveState.FAILED, gates=w.gates)
         if spec.rollback_on_failure:
             self._rollback_targets(s, r, ENGINE_ACTOR, msgs, wave=w.idx)
-        self.transition(s, r, "paused" if spec.on_failure == "pause" else "failed", ENGINE_ACTOR, reason)
+        self.transition(s, r, RolloutStatus.PAUSED if spec.on_failure == "pause" else RolloutStatus.FAILED,
+                        ENGINE_ACTOR, reason)
 
     def _rollback_targets(self, s: Session, r: Rollout, actor: str, msgs: list[tuple[str, bytes]],
                           wave: int | None = None) -> tuple[int, int]:
         """Send the started targets back to their previous model; returns (sent back, without a previous)."""
-        q = select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id).where(
-            RolloutTarget.rollout_id == r.id, RolloutTarget.state.in_(
-                ("installed", "downloading", "installing", "failed", "pending")))
-        q = q.where(RolloutTarget.wave == wave) if wave is not None else q.where(RolloutTarget.wave <= r.current_wave)
+        t = RolloutTarget
+        q = select(t.device_id, t.state, t.wave, t.previous_model_id, Device).join(
+            Device, Device.id == t.device_id).where(t.rollout_id == r.id, t.state.in_([x.value for x in ROLLBACK_FROM]))
+        q = q.where(t.wave == wave) if wave is not None else q.where(t.wave <= r.current_wave)
         now = time.time()
-        back = stuck = 0
-        for t, d in s.execute(q):
-            if t.state == "pending" and d.desired_rollout_id != r.id:
+        moves: list[TargetMove] = []
+        stuck = 0
+        for dev, state, w, prev_id, d in s.execute(q):
+            if state == TargetState.PENDING and d.desired_rollout_id != r.id:
                 continue  # never sent
-            prev = self.model(s, t.previous_model_id)
+            prev = self.model(s, prev_id)
             if prev is None:
                 stuck += 1
                 continue
-            self._set_target(s, t, "rolling_back", None)
+            moves.append(TargetMove(r.id, dev, w, TargetState(state), TargetState.ROLLING_BACK))
             if d.desired_rollout_id == r.id:
                 d.desired_model_id = prev.id
                 msgs.append(desired_message(d.id, prev, r.id, now))
-            back += 1
-        audit(s, actor, "rollback_sent", r.id, wave=wave, devices=back, without_previous_model=stuck)
-        return back, stuck
+        move_targets(s, moves, actor, "rollback")
+        audit(s, actor, "rollback_sent", r.id, wave=wave, devices=len(moves), without_previous_model=stuck)
+        return len(moves), stuck
 
     # -- operator actions ----------------------------------------------------------------------------
     def act(self, rollout_id: int, action: str, actor: str) -> None:
@@ -758,20 +840,20 @@ class RolloutEngine:
             if r is None:
                 raise NotFound(f"no rollout {rollout_id}")
             if action == "pause":
-                self.transition(s, r, "paused", actor, f"paused by {actor}")
+                self.transition(s, r, RolloutStatus.PAUSED, actor, f"paused by {actor}")
             elif action == "resume":
                 w = s.get(RolloutWave, (r.id, r.current_wave))
-                skipped = w is not None and w.state == "failed"
-                self.transition(s, r, "in_progress", actor, None,
+                skipped = w is not None and w.state == WaveState.FAILED
+                self.transition(s, r, RolloutStatus.IN_PROGRESS, actor, None,
                                 overriding_failed_wave=(w.idx if w is not None and skipped else None))
             elif action == "abort":
-                self.transition(s, r, "aborted", actor, f"aborted by {actor}")
+                self.transition(s, r, RolloutStatus.ABORTED, actor, f"aborted by {actor}")
             elif action == "rollback":
-                if r.status == "rolled_back":
+                if r.status == RolloutStatus.ROLLED_BACK:
                     raise Conflict(f"rollout {rollout_id} is already rolled back")
                 back, stuck = self._rollback_targets(s, r, actor, msgs)
-                self.transition(s, r, "rolled_back", actor, f"rolled back by {actor}: {back} devices sent to their "
-                                f"previous model" + (f", {stuck} had none" if stuck else ""))
+                self.transition(s, r, RolloutStatus.ROLLED_BACK, actor, f"rolled back by {actor}: {back} devices "
+                                "sent to their previous model" + (f", {stuck} had none" if stuck else ""))
             else:
                 raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback")
         self._publish(msgs)
@@ -805,13 +887,13 @@ class RolloutEngine:
             }
             spec = RolloutSpec.model_validate(r.spec or {})
             for wj, w in zip(out["waves"], waves, strict=True):  # gates not judged yet: their values so far
-                if w.state == "shadowing" and spec.shadow is not None:
+                if w.state == WaveState.SHADOWING and spec.shadow is not None:
                     f = self._shadow_figures(s, w)
                     g = evaluate_shadow(f, spec.shadow) or GateResult(
                         "shadow_agreement", f.agreement, spec.shadow.agreement_min, False,
                         f"{f.samples} of {spec.shadow.min_samples} mirrored requests so far")
                     wj["gates_live"] = [g.as_json()]
-                elif w.state in ("installing", "soaking") and not any(
+                elif w.state in (WaveState.INSTALLING, WaveState.SOAKING) and not any(
                         g["name"] != "shadow_agreement" for g in (w.gates or [])):
                     wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
             if with_targets:

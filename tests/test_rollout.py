@@ -94,8 +94,21 @@ def until(url, rid, *states, timeout_s=60):
     return wait_for(lambda: (r := status(url, rid))["status"] in states and r, timeout_s, f"rollout in {states}")
 
 
+def audit_log(url, rid):
+    """Oldest first."""
+    return list(reversed(api.get(f"{url}/api/v1/rollouts/{rid}/audit").json()))
+
+
 def actions(url, rid):
-    return [a["action"] for a in reversed(api.get(f"{url}/api/v1/rollouts/{rid}/audit").json())]
+    """The rollout's and its waves' audit actions, oldest first; the targets' own rows ("targets_<state>",
+    written as devices report, so interleaved with the rest by timing) are left out."""
+    return [a["action"] for a in audit_log(url, rid) if not a["action"].startswith("targets_")]
+
+
+def target_moves(url, rid, action):
+    """(device, wave) of every target move the audit log records with ``action``, e.g. targets_failed."""
+    return sorted((d, a["detail"]["wave"]) for a in audit_log(url, rid) if a["action"] == action
+                  for d in a["detail"]["devices"])
 
 
 def test_waves_advance_through_their_gates_to_every_device(fleet, sims, digits_bundle):
@@ -112,6 +125,8 @@ def test_waves_advance_through_their_gates_to_every_device(fleet, sims, digits_b
     log = actions(url, rid)
     assert log[0] == "rollout_created" and log[-1] == "rollout_succeeded"
     assert log.count("wave_started") == 3 and log.count("wave_passed") == 3
+    assert target_moves(url, rid, "targets_installed") == sorted((f"sim-{i:05d}", w) for i, w in zip(
+        range(20), [0] + [1] * 4 + [2] * 15, strict=True))  # every device's install, in its wave
     assert all(d["running_version"] == "1.0.0" for d in api.get(f"{url}/api/v1/devices").json())
 
 
@@ -140,6 +155,12 @@ def test_install_failures_halt_the_rollout_before_its_next_wave_and_roll_the_wav
     assert sim.stats.failed == 3  # devices 3, 6 and 9 of wave 1
     log = actions(url, rid)
     assert "wave_failed" in log and "rollback_sent" in log and log[-1] == "rollout_paused"
+    failed = [a for a in audit_log(url, rid) if a["action"] == "targets_failed"]
+    assert sorted(d for a in failed for d in a["detail"]["devices"]) == ["sim-00003", "sim-00006", "sim-00009"]
+    assert all(a["actor"] == "devices" and a["detail"]["cause"] == "report" and "simulated install failure"
+               in str(a["detail"].get("error")) + str(a["detail"].get("errors")) for a in failed)
+    assert [d for d, _ in target_moves(url, rid, "targets_rolling_back")] == [f"sim-{i:05d}" for i in range(10)]
+    assert [d for d, _ in target_moves(url, rid, "targets_rolled_back")] == [f"sim-{i:05d}" for i in range(10)]
     # an operator aborts it; a later resume is refused by the state machine
     r = api.post(f"{url}/api/v1/rollouts/{rid}/abort")
     assert r.status_code == 200 and r.json()["status"] == "aborted"
