@@ -97,6 +97,9 @@ class MqttBridge:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_subscribe = self._on_subscribe
+        self._rereads: dict[int, list[str]] = {}  # subscribe mid -> topics to unsubscribe once acked
+        self._rereads_lock = threading.Lock()
 
     def start(self) -> None:
         self._stopping.clear()
@@ -144,6 +147,26 @@ class MqttBridge:
                 self.on_connected()
             except Exception:
                 log.exception("on_connected hook failed")
+
+    def reread_reported(self, device_ids: list[str]) -> None:
+        """Ask the broker for these devices' retained reports again: subscribe to each device's ``reported``
+        topic (the broker answers a new subscription with the retained message), and unsubscribe once the
+        subscription is acknowledged (the retained messages are sent before anything that follows it)."""
+        topics = [proto.topic(d, "reported") for d in device_ids if proto.device_id_ok(d)]
+        if not topics:
+            return
+        with self._rereads_lock:
+            rc, mid = self._client.subscribe([(t, 1) for t in topics])
+            if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
+                self._rereads[mid] = topics
+            else:
+                log.warning("could not ask again for %d retained reports: %s", len(topics), mqtt.error_string(rc))
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        with self._rereads_lock:
+            topics = self._rereads.pop(mid, None)
+        if topics:
+            client.unsubscribe(topics)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()

@@ -19,6 +19,7 @@ from fleet.db import make_engine
 from fleet.enroll import Enrollment
 from fleet.ingest import IngestWorker
 from fleet.keys import KeyStore
+from fleet.reconcile import Reconciler
 from fleet.service import FleetService
 from fleet.tuf_repo import Repository
 from fleet.tuf_store import DirStore, SqlStore
@@ -59,6 +60,9 @@ class FleetConfig:
     mqtt_ca_file: Path | None = None  # mqtts:// brokers: the CA that signed the broker's certificate
     mqtt_cert_file: Path | None = None  # mutual TLS: the fleet's client certificate and key
     mqtt_key_file: Path | None = None
+    # a target still waiting for a report this long has its device's retained report read again (the broker
+    # may have dropped the fleet's copy: fleet.reconcile); 0 turns it off
+    report_reconcile_after_s: float = 30.0
     # where the TUF repository lives: "db" (the fleet's database: replicas share nothing else), "dir" (data_dir/tuf),
     # "auto": db on PostgreSQL, dir on SQLite
     tuf_store: str = "auto"
@@ -126,6 +130,8 @@ class FleetServer:
                                    self.bridge.stored)
         self.bridge.ingest = self.ingest
         self.bridge.on_connected = self.service.republish_desired
+        self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
+                                     config.report_reconcile_after_s or 30.0)
         public = config.public_url or f"http://{config.host}:{config.port}"
         self.bootstrap = {
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,
@@ -208,6 +214,9 @@ class FleetServer:
         threading.Thread(target=self._resign_loop, name="tuf-resign", daemon=True).start()
         self._ticker = threading.Thread(target=self._rollout_loop, name="rollout-engine", daemon=True)
         self._ticker.start()
+        if self.config.report_reconcile_after_s > 0:
+            threading.Thread(target=self.reconciler.run, args=(self._stop,), name="report-reconcile",
+                             daemon=True).start()
 
     def stop_background(self) -> None:
         self._stop.set()

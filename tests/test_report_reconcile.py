@@ -1,0 +1,80 @@
+"""A rollout never waits forever on a report the broker dropped (issue 20).
+
+Mosquitto queues at most ``max_queued_messages`` QoS 1 messages for a subscriber that is behind (1,000 by
+default) and drops the rest without telling anyone. A wave's burst of reports can exceed that; the devices'
+reports still reach the broker, which keeps each device's latest one retained. The fleet reconciles: it
+reads the retained reports of the wave's devices that are still pending after a while, a few hundred at a
+time. Tested with a broker that drops for certain: a stock Mosquitto with a tiny queue and inflight window.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Mosquitto, free_port, wait_for
+from tests.fleet_harness import api, running_fleet
+from tests.test_rollout import rollout, status, until, upload
+
+DEVICES = 150
+
+
+def _barrier(port: int, url: str) -> None:
+    """Publish a marker status after the burst until the fleet stored one: the broker forwards messages to the
+    fleet in the order it received them, so once a marker arrived, every earlier report was forwarded or
+    dropped."""
+    import time
+
+    import paho.mqtt.client as mqtt
+
+    from protocol import mqtt as proto
+
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="marker")
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    try:
+        for i in range(60):
+            msg = proto.StatusMessage(device_id="marker", ts=float(i + 1), state="online")
+            c.publish(proto.topic("marker", "status"), proto.encode(msg), qos=1).wait_for_publish(5)
+            if api.get(f"{url}/api/v1/devices/marker").status_code == 200:
+                return
+            time.sleep(0.5)
+        raise AssertionError("no marker reached the fleet in 60 tries")
+    finally:
+        c.loop_stop()
+        c.disconnect()
+
+
+@pytest.fixture
+def dropping_broker(tmp_path):
+    port = free_port()
+    conf = tmp_path / "mosquitto.conf"
+    # a stock broker but for the queue: 5 queued and 2 in flight per subscriber instead of 1,000 and 20
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+                    "max_queued_messages 5\nmax_inflight_messages 2\n")
+    m = Mosquitto(port, conf)
+    m.start()
+    yield m
+    m.stop()
+
+
+@pytest.mark.parametrize("reconcile", [True, False], ids=["reconciled", "without-reconciliation"])
+def test_a_wave_completes_although_the_broker_dropped_reports(tmp_path, dropping_broker, sims, digits_bundle,
+                                                              reconcile):
+    ids = [f"sim-{i:05d}" for i in range(DEVICES)]
+    with running_fleet(tmp_path, dropping_broker.url, report_reconcile_after_s=2.0 if reconcile else 0.0,
+                       rollout_tick_s=0.1) as (fs, url):
+        upload(url, digits_bundle)
+        for d in ids:  # registered up front: their status messages may be dropped too
+            assert api.post(f"{url}/api/v1/devices", json={"device_id": d, "profile": "x86-cpu"}).status_code == 201
+        sim = sims(mqtt_url=dropping_broker.url, devices=DEVICES, install_s=0.0, progress_reports=True)
+        wait_for(lambda: sim.stats.connected == DEVICES, 60, "every simulated device connected")
+        rid = rollout(url, version="1.0.0", devices=ids)
+        wait_for(lambda: sim.stats.installed == DEVICES, 120, "every device installed and reported")
+        if not reconcile:  # the control: the broker dropped reports and nothing brings them back
+            _barrier(dropping_broker.port, url)  # whatever the broker forwards of the burst has arrived
+            r = status(url, rid)
+            assert r["status"] == "in_progress" and r["counts"].get("installed", 0) < DEVICES, r["counts"]
+            return
+        r = until(url, rid, "succeeded", timeout_s=120)
+        assert r["counts"] == {"installed": DEVICES}
+        assert fs.reconciler.requested > 0  # it had to read retained reports back
