@@ -139,6 +139,28 @@ def test_states_are_stored_and_printed_as_their_value():
 
 
 # -- every pair, through the one function that moves each ---------------------------------------------------
+@pytest.mark.parametrize(("old", "new"), list(itertools.product(RolloutStatus, RolloutStatus)),
+                         ids=lambda s: s.value)
+def test_a_rollout_moves_only_as_its_table_says_and_each_move_is_audited(db, old, new):
+    _, sessions = db
+    rid = make_rollout(sessions, [(WaveState.PENDING, [TargetState.PENDING])])
+    with sessions.begin() as s:
+        s.get(Rollout, rid).status = old.value
+    legal = new in TRANSITIONS[old]
+    try:
+        with sessions.begin() as s:
+            RolloutEngine.transition(s, s.get(Rollout, rid), new, "tester", "why")
+    except Conflict as exc:
+        assert not legal, exc
+        assert f"rollout {rid} is {old.value}; it cannot become {new.value}" in str(exc)
+    else:
+        assert legal, f"{old} -> {new} is not in the table but was allowed"
+    with sessions() as s:
+        assert s.get(Rollout, rid).status == (new if legal else old).value
+    assert [(a.action, a.detail) for a in audit_rows(sessions, rid)] == (
+        [(f"rollout_{new.value}", {"from_state": old.value, "reason": "why"})] if legal else [])
+
+
 @pytest.mark.parametrize(("old", "new"), list(itertools.product(WaveState, WaveState)), ids=lambda s: s.value)
 def test_a_wave_moves_only_as_its_table_says_and_each_move_is_audited(db, old, new):
     _, sessions = db
