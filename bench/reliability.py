@@ -14,8 +14,8 @@ sums them up:
 - MQTT ACL probes tried / refused (a real Mosquitto)
 - trust-boundary probes tried / refused: an operator acting as the fleet or locking a device out, another
   origin posting console forms, nested bodies, crafted bundle archives, oversized images, a device taking
-  another's MQTT session or reading its retained messages (tests/test_trust_boundaries.py and the tests
-  named below that record "trust" figures)
+  another's MQTT session or reading its retained messages (tests/test_trust_boundaries.py, and every test
+  marked ``@pytest.mark.trust``: tests/conftest.py records whether it passed, i.e. the attack was refused)
 - malformed MQTT messages from an enrolled device: sent, and whether the fleet still stored a healthy
   device's report afterwards
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -167,3 +168,23 @@ def fleet_db(request) -> str | None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): the SQLite run "
                     "covers the same code")
     return url
+
+
+# -- trust-boundary probes, counted by bench/reliability.py ------------------------------------------------
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "trust(what): an attack across a trust boundary; the test passing means it "
+                                       "was refused (counted by bench/reliability.py)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    marker = item.get_closest_marker("trust")
+    if marker is None or report.when != "call" or not os.environ.get("EDGEFLEET_RELIABILITY_OUT"):
+        return
+    from tests.test_crash_random import record_figures
+
+    what = marker.args[0] if marker.args else item.name
+    params = getattr(item, "callspec", None)
+    record_figures("trust", {"probe": f"{what} [{params.id}]" if params else what, "refused": report.passed})

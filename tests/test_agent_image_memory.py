@@ -175,6 +175,7 @@ def test_the_budget_is_in_the_agent_config(tmp_path):
 
 
 # -- a real agent: the 6300x6300 16-bit PNG of the finding, several at once -------------------------------
+@pytest.mark.trust("four 6300x6300 16-bit PNG bombs at once at the image endpoint")
 def test_decompression_bombs_at_once_stay_under_the_stated_ceiling(tmp_path, image_bundle, test_images):
     budget, at_once = 16 * MiB, 2
     ceiling = at_once * budget  # the stated ceiling: decodes at once x decoded bytes each

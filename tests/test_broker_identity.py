@@ -230,6 +230,7 @@ def _victim_ids(device_id: str) -> list[str]:
 
 
 # -- (a) retained messages ---------------------------------------------------------------------
+@pytest.mark.trust("a device reads another device's retained messages")
 @pytest.mark.parametrize("attack", ["subscribes to nothing", "wildcard subscription refused"])
 def test_no_retained_message_of_another_device(env: Env, attack: str):
     pw_a, pw_b = env.enrolled("edge-a"), env.enrolled("edge-b")
@@ -260,6 +261,7 @@ def test_no_retained_message_of_another_device(env: Env, attack: str):
 
 
 # -- (b) an anonymous connection with a victim's client id -------------------------------------
+@pytest.mark.trust("an anonymous or wrong-password client takes a device's client id")
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "persistent"])
 def test_anonymous_connection_with_a_victims_client_id_leaves_it_alone(env: Env, clean: bool):
     pw_b = env.enrolled("edge-b")
@@ -277,6 +279,7 @@ def test_anonymous_connection_with_a_victims_client_id_leaves_it_alone(env: Env,
 
 
 # -- (c) one device's credentials with another's client id --------------------------------------
+@pytest.mark.trust("a device takes another device's client id")
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "persistent"])
 def test_a_device_cannot_take_another_devices_client_id(env: Env, clean: bool):
     pw_a, pw_b = env.enrolled("edge-a"), env.enrolled("edge-b")

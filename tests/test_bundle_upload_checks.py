@@ -186,6 +186,7 @@ def _assert_refused(r: Any, words: tuple[str, ...], server_root: Path) -> str:
     return str(error)
 
 
+@pytest.mark.trust("an operator uploads a crafted archive for signing")
 @pytest.mark.parametrize(("case", "spoil", "words"), CASES, ids=[c[0] for c in CASES])
 def test_a_bad_archive_is_refused_before_anything_is_signed(fleet, digits_bundle, tmp_path, case, spoil, words):
     fs, url, server_root = fleet
