@@ -137,9 +137,9 @@ class Installer:
             bundle_fault = True
             signed = fetched.custom
             said = (desired.model, desired.version, profile)
-            if (signed.get("name"), signed.get("version"), signed.get("profile")) != said:
-                raise TrustError(f"signed target says {signed.get('name')} {signed.get('version')} "
-                                 f"{signed.get('profile')}, desired state says {' '.join(said)}")
+            if (signed.name, signed.version, signed.profile) != said:
+                raise TrustError(f"signed target says {signed.name} {signed.version} {signed.profile}, "
+                                 f"desired state says {' '.join(said)}")
             self.report("installing", desired)
             staged = self.store.stage(fetched.path, fetched.sha256)
             m = staged.manifest
@@ -270,16 +270,16 @@ class Installer:
         return manifest
 
     @staticmethod
-    def require_cpu(profile: str, required: object) -> None:
+    def require_cpu(profile: str, required: tuple[str, ...] | None) -> None:
         """Refuse a bundle whose (signed) CPU requirements this CPU does not meet."""
-        if not isinstance(required, (list, tuple)) or not all(isinstance(f, str) for f in required):
+        if required is None:
             # a repository or manifest from before edgefleet recorded CPU features: what the profile
             # promises today, if this agent knows the profile, is the best evidence there is
             try:
                 required = load_profile(profile).cpu_features
             except ContractError:  # a profile this agent does not know: nothing to check against
                 return
-        decision = check_cpu(profile, tuple(required), cpu_features())
+        decision = check_cpu(profile, required, cpu_features())
         if decision.action == "refuse":
             raise RefusedUpdate(decision.reason)
 
@@ -293,7 +293,7 @@ class Installer:
             try:
                 return fetcher.fetch(
                     desired.target, desired.sha256,
-                    precheck=lambda custom: self.require_cpu(profile, custom.get("cpu_features")))
+                    precheck=lambda custom: self.require_cpu(profile, custom.cpu_features))
             except FetchError as exc:
                 attempt += 1
                 if attempt > self.config.install_retries:

@@ -18,14 +18,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from tuf.api import exceptions as tuf_exc
 from tuf.ngclient.fetcher import FetcherInterface
 
 from agent.errors import FetchError, TrustError
+from protocol.errors import SchemaError
 from protocol.fsutil import atomic_write
+from protocol.target import TargetCustom
 
 __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 
@@ -88,7 +89,7 @@ class FetchedBundle:
     path: Path
     sha256: str
     length: int
-    custom: dict[str, Any]
+    custom: TargetCustom  # what the fleet (or CI) signed about the bundle
 
 
 class BundleFetcher:
@@ -128,9 +129,10 @@ class BundleFetcher:
             leftover.unlink(missing_ok=True)
 
     def fetch(self, target: str, expected_sha256: str,
-              precheck: Callable[[dict[str, Any]], None] | None = None) -> FetchedBundle:
+              precheck: Callable[[TargetCustom], None] | None = None) -> FetchedBundle:
         """Verify the metadata, call ``precheck`` with the target's signed custom fields (it raises to
-        refuse the bundle before a byte of it is downloaded), then download and verify the bundle."""
+        refuse the bundle before a byte of it is downloaded), then download and verify the bundle. Custom
+        fields this agent cannot read (a field of a newer fleet, a wrong type) are a TrustError naming them."""
         from tuf.api import exceptions as tuf_exc
         from tuf.ngclient import Updater, UpdaterConfig
 
@@ -147,8 +149,12 @@ class BundleFetcher:
             if signed_sha != expected_sha256:
                 raise TrustError(f"desired state names sha256 {expected_sha256[:12]}… for {target!r}, "
                                  f"the signed metadata says {str(signed_sha)[:12]}…")
+            try:
+                custom = TargetCustom.parse(info.custom, f"signed target {target!r}")
+            except SchemaError as exc:
+                raise TrustError(f"{exc}; an agent older than the fleet? upgrade it") from exc
             if precheck is not None:
-                precheck(dict(info.custom))
+                precheck(custom)
             dest = self.download_dir / "bundle.tar"
             updater.download_target(info, str(dest))
         except (tuf_exc.RepositoryError, tuf_exc.DownloadLengthMismatchError) as exc:
@@ -158,4 +164,4 @@ class BundleFetcher:
             raise FetchError(f"download from the fleet failed: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise FetchError(f"download from the fleet failed: {exc}") from exc
-        return FetchedBundle(dest, signed_sha, info.length, dict(info.custom))
+        return FetchedBundle(dest, signed_sha, info.length, custom)

@@ -305,19 +305,26 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
 
 
 def _client(a: argparse.Namespace):
-    from edgefleet.client import FleetClient
+    from fleet.client import FleetClient
 
     return FleetClient(a.fleet)
 
 
 def _fleet_call(fn) -> int:
-    from edgefleet.client import FleetHTTPError, FleetUnreachable
+    from fleet.client import FleetClientError
 
     try:
         return fn()
-    except (FleetHTTPError, FleetUnreachable) as exc:
+    except FleetClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FLEET
+
+
+def _print_answer(answer: Any, as_json: bool, human: str) -> None:
+    """A typed answer of the fleet: ``--json`` prints it as the fleet sent it."""
+    from pydantic import TypeAdapter
+
+    _print(TypeAdapter(Any).dump_python(answer, mode="json", exclude_unset=True), as_json, human)
 
 
 def cmd_fleet_upload(a: argparse.Namespace) -> int:
@@ -334,7 +341,7 @@ def cmd_fleet_upload(a: argparse.Namespace) -> int:
         except (KeyStoreError, ContractError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_INPUT
-        _print(m, a.json, f"uploaded {m['name']} {m['version']} ({m['profile']}) as TUF target {m['target']}")
+        _print_answer(m, a.json, f"uploaded {m.name} {m.version} ({m.profile}) as TUF target {m.target}")
         return EXIT_OK
 
     return _fleet_call(run)
@@ -343,7 +350,7 @@ def cmd_fleet_upload(a: argparse.Namespace) -> int:
 def cmd_fleet_register(a: argparse.Namespace) -> int:
     def run() -> int:
         out = [_client(a).register(d) for d in a.device_ids]
-        _print(out, a.json, "\n".join(f"registered {d['device_id']}" for d in out))
+        _print_answer(out, a.json, "\n".join(f"registered {d.device_id}" for d in out))
         return EXIT_OK
 
     return _fleet_call(run)
@@ -352,9 +359,10 @@ def cmd_fleet_register(a: argparse.Namespace) -> int:
 def cmd_fleet_enroll(a: argparse.Namespace) -> int:
     def run() -> int:
         c = _client(a)
-        out = [c.post(f"/api/v1/devices/{d}/enrollment-token", {"ttl_s": a.ttl}) for d in a.device_ids]
-        _print(out, a.json, "\n".join(f"{t['device_id']}  {t['token']}" for t in out)
-               + f"\n(one-time tokens, valid {a.ttl:.0f}s: edgefleet agent --device-id DEVICE --enroll-token TOKEN)")
+        out = [c.enrollment_token(d, a.ttl) for d in a.device_ids]
+        _print_answer(out, a.json, "\n".join(f"{t.device_id}  {t.token}" for t in out)
+                      + f"\n(one-time tokens, valid {a.ttl:.0f}s: edgefleet agent --device-id DEVICE --enroll-token "
+                        "TOKEN)")
         return EXIT_OK
 
     return _fleet_call(run)
@@ -362,8 +370,8 @@ def cmd_fleet_enroll(a: argparse.Namespace) -> int:
 
 def cmd_fleet_decommission(a: argparse.Namespace) -> int:
     def run() -> int:
-        d = _client(a).post(f"/api/v1/devices/{a.device_id}/decommission", {})
-        _print(d, a.json, f"decommissioned {d['device_id']}: its MQTT credentials are revoked")
+        d = _client(a).decommission(a.device_id)
+        _print_answer(d, a.json, f"decommissioned {d.device_id}: its MQTT credentials are revoked")
         return EXIT_OK
 
     return _fleet_call(run)
@@ -375,14 +383,14 @@ def cmd_fleet_devices(a: argparse.Namespace) -> int:
         lines = [f"{'DEVICE':<20} {'STATUS':<8} {'RUNNING':<18} {'LAST REPORT':<12} {'REQ/S':>7} {'P95 MS':>7} "
                  f"{'CPU%':>5} {'RSS MB':>7}"]
         for d in devs:
-            running = f"{d['running_model']} {d['running_version']}" if d["running_model"] else "-"
-            t = d.get("telemetry") or {}
-            rate = f"{t['requests'] / t['interval_s']:.1f}" if t.get("interval_s") else "-"
-            p95 = t.get("latency", {}).get("p95_ms")
-            lines.append(f"{d['device_id']:<20} {'online' if d['online'] else 'offline':<8} {running:<18} "
-                         f"{d['last_state'] or '-':<12} {rate:>7} {'-' if p95 is None else f'{p95:.1f}':>7} "
-                         f"{t.get('cpu_percent', '-'):>5} {t.get('rss_mb', '-'):>7}")
-        _print(devs, a.json, "\n".join(lines))
+            running = f"{d.running_model} {d.running_version}" if d.running_model else "-"
+            t = d.telemetry
+            rate = f"{t.requests / t.interval_s:.1f}" if t and t.interval_s else "-"
+            p95 = t.latency.p95_ms if t else None
+            lines.append(f"{d.device_id:<20} {'online' if d.online else 'offline':<8} {running:<18} "
+                         f"{d.last_state or '-':<12} {rate:>7} {'-' if p95 is None else f'{p95:.1f}':>7} "
+                         f"{t.cpu_percent if t else '-':>5} {t.rss_mb if t else '-':>7}")
+        _print_answer(devs, a.json, "\n".join(lines))
         return EXIT_OK
 
     return _fleet_call(run)
@@ -391,43 +399,9 @@ def cmd_fleet_devices(a: argparse.Namespace) -> int:
 def cmd_fleet_models(a: argparse.Namespace) -> int:
     def run() -> int:
         ms = _client(a).models()
-        lines = [f"{m['name']} {m['version']} {m['profile']} {m['backend']} {m['precision']} "
-                 f"top-1 {m['accuracy']['candidate']:.4f}" for m in ms]
-        _print(ms, a.json, "\n".join(lines) or "no models uploaded")
-        return EXIT_OK
-
-    return _fleet_call(run)
-
-
-def wait_rollout(client, rollout_id: int, timeout_s: float, show: bool) -> dict[str, Any]:
-    """Poll until the rollout finishes (bounded); with ``show``, a one-line progress display on stderr."""
-    deadline = time.monotonic() + timeout_s
-    r = client.get_rollout(rollout_id)
-    while r["status"] == "in_progress" and time.monotonic() < deadline:
-        if show:
-            counts = ", ".join(f"{v} {k}" for k, v in sorted(r["counts"].items()))
-            sys.stderr.write(f"\rrollout #{rollout_id}: {counts:<70}")
-            sys.stderr.flush()
-        time.sleep(0.5)
-        r = client.get_rollout(rollout_id)
-    if show:
-        sys.stderr.write("\n")
-    return r
-
-
-def cmd_fleet_rollout(a: argparse.Namespace) -> int:
-    def run() -> int:
-        c = _client(a)
-        devices = [d for d in a.devices.split(",") if d]
-        r = c.rollout(a.model, a.version, devices, a.profile)
-        if a.wait:
-            r = wait_rollout(c, r["id"], a.timeout, show=not a.json)
-        lines = [f"rollout #{r['id']} {r['model']} {r['version']}: {r['status']}"]
-        lines += [f"  {t['device_id']:<20} {t['state']}" + (f"  ({t['error']})" if t["error"] else "")
-                  for t in r["targets"]]
-        _print(r, a.json, "\n".join(lines))
-        if a.wait and r["status"] != "succeeded":
-            return EXIT_ROLLOUT
+        lines = [f"{m.name} {m.version} {m.profile} {m.backend} {m.precision} top-1 {m.accuracy.candidate:.4f}"
+                 for m in ms]
+        _print_answer(ms, a.json, "\n".join(lines) or "no models uploaded")
         return EXIT_OK
 
     return _fleet_call(run)
@@ -831,14 +805,10 @@ def build_parser() -> argparse.ArgumentParser:
     client_parser("decommission", "revoke a device's MQTT credentials (it can no longer connect); admin role",
                   cmd_fleet_decommission).add_argument("device_id")
     client_parser("models", "list uploaded models", cmd_fleet_models)
-    ro = client_parser("rollout", "roll a model version out to devices", cmd_fleet_rollout)
-    ro.add_argument("model")
-    ro.add_argument("version")
-    ro.add_argument("--devices", required=True, help="comma-separated device ids")
-    ro.add_argument("--profile", help="which build, when the version exists for several profiles")
-    ro.add_argument("--wait", action="store_true",
-                    help="wait until every device installed or failed (exit 7 if any failed)")
-    ro.add_argument("--timeout", type=float, default=300.0, help="seconds to --wait")
+    from fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
+
+    cli_rollout.add_create_parser(f, "rollout", _Formatter, "roll a model version out (the same as 'edgefleet "
+                                                            "rollout create')")
 
     ag = sub.add_parser("agent", formatter_class=_Formatter, help="run the device agent",
                         description="Follow the fleet's desired state (MQTT), install verified bundles (TUF) and "
@@ -897,8 +867,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--exit", action="store_true", help="stop after the summary instead of running until Ctrl-C")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.set_defaults(fn=cmd_demo)
-
-    from fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
 
     simulator.add_parser(sub, _Formatter)
     cli_rollout.add_parsers(sub, _Formatter)

@@ -19,11 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from edgefleet.client import FleetClient, FleetHTTPError, FleetUnreachable
+from fleet.client import FleetClient, FleetClientError, FleetUnreachable
+from fleet.schemas import Rollout
 
 __all__ = ["DemoOptions", "LocalFleet", "free_port", "infer_images", "run_demo"]
 
@@ -107,9 +107,9 @@ class LocalFleet:
                 raise RuntimeError(f"the fleet server exited with {self.fleet_proc.returncode}; see "
                                    f"{self.work_dir / 'logs' / 'fleet.log'}")
             try:
-                if self.client.health().get("mqtt_connected"):
+                if self.client.health().mqtt_connected:
                     return
-            except (FleetUnreachable, FleetHTTPError):
+            except FleetClientError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the fleet did not become healthy in {timeout_s}s")
@@ -118,7 +118,7 @@ class LocalFleet:
     def _needs_accounts(self) -> bool:
         """Does the fleet's broker need device credentials? (False when the fleet is down: nothing to ask.)"""
         try:
-            return bool(self.client.get("/api/v1/bootstrap").get("mqtt_auth"))
+            return self.client.bootstrap().mqtt_auth
         except FleetUnreachable:
             return False
 
@@ -130,7 +130,7 @@ class LocalFleet:
         if not (data_dir / "mqtt-credentials.json").exists() and self._needs_accounts():
             # a broker with device accounts: the agent enrolls with a one-time token (in its environment,
             # not on its command line)
-            token = self.client.post(f"/api/v1/devices/{device_id}/enrollment-token", {"ttl_s": 600})["token"]
+            token = self.client.enrollment_token(device_id, ttl_s=600).token
             env = {**(env or {}), "EDGEFLEET_ENROLL_TOKEN": token}
         args = ["agent", "--device-id", device_id, "--fleet", self.url, "--data-dir",
                 str(data_dir), "--trusted-root", str(self.keys / "root.json"),
@@ -143,7 +143,7 @@ class LocalFleet:
     def wait_online(self, device_ids: list[str], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            online = {d["device_id"] for d in self.client.devices() if d["online"]}
+            online = {d.device_id for d in self.client.devices() if d.online}
             if set(device_ids) <= online:
                 return
             for d in device_ids:
@@ -153,13 +153,8 @@ class LocalFleet:
             time.sleep(0.2)
         raise RuntimeError(f"devices not online after {timeout_s}s: {device_ids}")
 
-    def wait_rollout(self, rollout_id: int, timeout_s: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            r = self.client.get_rollout(rollout_id)
-            if r["status"] != "in_progress" or time.monotonic() > deadline:
-                return r
-            time.sleep(0.2)
+    def wait_rollout(self, rollout_id: int, timeout_s: float = 120.0) -> Rollout:
+        return self.client.wait_rollout(rollout_id, timeout_s, interval_s=0.2)
 
     def stop_agent(self, device_id: str, sig: int = signal.SIGTERM) -> None:
         a = self.agents.pop(device_id)
@@ -271,26 +266,26 @@ def run_demo(opts: DemoOptions) -> int:
         step = "5/6 rolling digits 1.0.0 out"
         _say(step + " (TUF download, verify, install, self-test on the device's CPU, swap)")
         t0 = time.monotonic()
-        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", devices)["id"])
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", devices).id)
         rollout_s = time.monotonic() - t0
-        if r["status"] != "succeeded":
-            why = "; ".join(f"{t['device_id']}: {t['state']} {t['error'] or ''}".strip() for t in r["targets"])
-            _say(f"error: rollout #{r['id']} {r['status']}: {why} (logs in {work / 'logs'})")
+        if r.status != "succeeded":
+            why = "; ".join(f"{t.device_id}: {t.state} {t.error or ''}".strip() for t in r.targets or [])
+            _say(f"error: rollout #{r.id} {r.status}: {why} (logs in {work / 'logs'})")
             return EXIT_ROLLOUT
         step = "6/6 sending the 359 test images through every agent"
         _say(step + ", one request per image")
         with np.load(DIGITS / "test.npz") as npz:
             images, labels = npz["input"], npz["labels"]
         rows = []
-        fleet_devices = {d["device_id"]: d for d in lf.client.devices()}
+        fleet_devices = {d.device_id: d for d in lf.client.devices()}
         for d in devices:
             pred, lat = infer_images(lf.agents[d].url, "digits", images)
             lat_ms = np.array(lat) * 1000
-            st = fleet_devices[d].get("selftest") or {}
-            rows.append({"device": d, "version": fleet_devices[d]["running_version"],
+            st = fleet_devices[d].selftest
+            rows.append({"device": d, "version": fleet_devices[d].running_version,
                          "inference_url": lf.agents[d].url, "images": len(images),
                          "accuracy_served": round(float((pred == labels).mean()), 4),
-                         "selftest_top1": st.get("top1"), "selftest_drift": st.get("drift"),
+                         "selftest_top1": st.top1 if st else None, "selftest_drift": st.drift if st else None,
                          "latency_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
                          "latency_p95_ms": round(float(np.percentile(lat_ms, 95)), 2)})
         summary = {"model": "digits", "version": "1.0.0", "profile": "x86-cpu", "precision": m.precision,
@@ -298,7 +293,7 @@ def run_demo(opts: DemoOptions) -> int:
                    "int8_scheme": None if m.quantization is None else m.quantization.scheme,
                    "accuracy_at_compile": {"fp32": acc.reference, **tops, "shipped": acc.candidate},
                    "selftest_top1_at_compile": m.selftest_summary.top1 if m.selftest_summary else None,
-                   "rollout": {"id": r["id"], "status": r["status"], "seconds": round(rollout_s, 2)},
+                   "rollout": {"id": r.id, "status": r.status, "seconds": round(rollout_s, 2)},
                    "devices": rows, "console": f"{lf.url}/",
                    "admin_token_file": str(lf.work_dir / "fleet" / "admin-token")}
         if opts.as_json:
@@ -308,7 +303,7 @@ def run_demo(opts: DemoOptions) -> int:
                   f"(compile-time top-1: {', '.join(f'{p} {t:.4f}' for p, t in tops.items())})")
             if choice is not None:
                 print(f"precision: {choice.reason}")
-            print(f"rollout #{r['id']} {r['status']} on {len(devices)} devices in {rollout_s:.1f}s\n")
+            print(f"rollout #{r.id} {r.status} on {len(devices)} devices in {rollout_s:.1f}s\n")
             build_st = summary["selftest_top1_at_compile"]
             print(f"{'device':<10} {'version':<8} {'images':>6} {'accuracy':>9} {'self-test':>9} {'p50 ms':>7} "
                   f"{'p95 ms':>7}  url")
@@ -336,7 +331,7 @@ def run_demo(opts: DemoOptions) -> int:
     except EdgefleetError as exc:  # compile gate, bad profile, toolchain: the error says what to do
         _say(f"\nerror in step {step}: {exc}")
         return int(getattr(exc, "exit_code", 4))
-    except (RuntimeError, FleetHTTPError, FleetUnreachable, OSError) as exc:
+    except (RuntimeError, FleetClientError, OSError) as exc:
         _say(f"\nerror in step {step}: {exc} (logs in {work / 'logs'})")
         return EXIT_INTERNAL
     except Exception as exc:  # never a traceback: one line, the step, and where to look

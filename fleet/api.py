@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleet import console
+from fleet import schemas as out
 from fleet.auth import ROLES, Caller, TokenStore
 from fleet.enroll import Enrollment
 from fleet.errors import BadRequest, FleetError, Forbidden, NotFound, RepositoryError, Unauthorized
@@ -161,6 +162,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
                tokens: TokenStore | None = None, enrollment: Enrollment | None = None,
                replica_stats: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
     app = FastAPI(title="edgefleet fleet server", version="0.1.0",
+                  responses={"4XX": {"model": out.Error, "description": "the request was refused; why"}},
                   description="Registry, signed model repository and rollouts for edgefleet agents. Every "
                               "/api/v1 endpoint but health and bootstrap needs 'Authorization: Bearer <token>' "
                               f"of a role ({' < '.join(ROLES)}).")
@@ -201,30 +203,30 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         c.require("admin", "managing tokens")
         return c
 
-    @app.get("/api/v1/health")
+    @app.get("/api/v1/health", response_model=out.Health)
     def get_health() -> dict[str, Any]:
         """Liveness (always 200 while the server answers) and whether device messages reach the database:
         ``status`` is "ok" only then, "degraded" with ``problems`` otherwise."""
         return health()
 
-    @app.get("/api/v1/bootstrap")
+    @app.get("/api/v1/bootstrap", response_model=out.Bootstrap)
     def get_bootstrap() -> dict[str, Any]:
         """What an agent needs to find the broker and the TUF repository."""
         return bootstrap
 
-    @app.get("/api/v1/devices")
+    @app.get("/api/v1/devices", response_model=list[out.Device])
     def list_devices(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.list_devices()
 
-    @app.post("/api/v1/devices", status_code=201)
+    @app.post("/api/v1/devices", status_code=201, response_model=out.Device)
     def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
         return service.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
 
-    @app.patch("/api/v1/devices/{device_id}")
+    @app.patch("/api/v1/devices/{device_id}", response_model=out.Device)
     def update_device(device_id: str, body: DevicePatch, c: Caller = Depends(operator)) -> dict[str, Any]:
         return service.update_device(device_id, body.group, body.tags, body.profile, c.name)
 
-    @app.get("/api/v1/devices/{device_id}")
+    @app.get("/api/v1/devices/{device_id}", response_model=out.Device)
     def get_device(device_id: str, _: Caller = Depends(viewer)) -> dict[str, Any]:
         return service.get_device(device_id)
 
@@ -233,7 +235,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             raise NotFound("this fleet does not enroll devices (no MQTT accounts are managed here)")
         return enrollment
 
-    @app.post("/api/v1/devices/{device_id}/enrollment-token", status_code=201)
+    @app.post("/api/v1/devices/{device_id}/enrollment-token", status_code=201, response_model=out.EnrollmentToken)
     def issue_enrollment_token(device_id: str, body: EnrollTokenIn | None = None,
                                c: Caller = Depends(operator)) -> dict[str, Any]:
         """A one-time token (shown only here; the fleet keeps its hash) that the device trades for its own
@@ -252,7 +254,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         service.device_audit(device_id, c.name, "enrollment_token_issued", ttl_s=ttl)
         return {"device_id": device_id, "token": token, "expires_in_s": ttl}
 
-    @app.post("/api/v1/enroll")
+    @app.post("/api/v1/enroll", response_model=out.Enrolled)
     def enroll(body: EnrollIn, request: Request) -> dict[str, Any]:
         """For devices: trade a one-time enrollment token (it is the authorization) for this device's MQTT
         username and password, returned once, with what /api/v1/bootstrap says."""
@@ -266,7 +268,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return {"device_id": creds.device_id, "mqtt_username": creds.username, "mqtt_password": creds.password,
                 **bootstrap}
 
-    @app.post("/api/v1/devices/{device_id}/decommission")
+    @app.post("/api/v1/devices/{device_id}/decommission", response_model=out.Device)
     def decommission(device_id: str, c: Caller = Depends(caller)) -> dict[str, Any]:
         """Revoke the device's MQTT credentials (it can no longer connect) and mark it decommissioned; its
         history stays. Enrolling it again takes a new token. Admin role."""
@@ -278,26 +280,26 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             pass  # never enrolled: nothing to revoke
         return doc
 
-    @app.get("/api/v1/devices/{device_id}/telemetry")
+    @app.get("/api/v1/devices/{device_id}/telemetry", response_model=list[out.TelemetryRecord])
     def get_telemetry(device_id: str, limit: int = 50, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.device_telemetry(device_id, limit)
 
-    @app.get("/api/v1/groups")
+    @app.get("/api/v1/groups", response_model=list[out.Group])
     def list_groups(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.list_groups()
 
-    @app.get("/api/v1/models")
+    @app.get("/api/v1/models", response_model=list[out.ModelBuild])
     def list_models(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.list_models()
 
-    @app.get("/api/v1/stats")
+    @app.get("/api/v1/stats", response_model=out.Stats, response_model_exclude_unset=True)
     def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
         """Device and telemetry counts (the database's), counters of rejected input by kind, and what this
         replica handled from MQTT (with several replicas, each answers for itself)."""
         return {"rejected": service.rejections.snapshot(), **service.counts(),
                 **({"replica": replica_stats()} if replica_stats is not None else {})}
 
-    @app.post("/api/v1/bundles", status_code=201)
+    @app.post("/api/v1/bundles", status_code=201, response_model=out.ModelBuild)
     async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
         """Upload a bundle archive as the raw request body (Content-Type: application/x-tar)."""
         declared = request.headers.get("content-length")
@@ -321,7 +323,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         finally:
             Path(tmp).unlink(missing_ok=True)
 
-    @app.get("/api/v1/bundles/signed-metadata")
+    @app.get("/api/v1/bundles/signed-metadata", response_model=out.SignedMetadata)
     def get_bundles_metadata(_: Caller = Depends(operator)) -> Response:
         """Delegated signing: the published ``bundles`` TUF metadata, which the compiler's CI extends with a new
         bundle and signs with its key (``edgefleet fleet upload BUNDLE --sign-key``)."""
@@ -330,7 +332,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         except RepositoryError as exc:
             raise BadRequest(f"{exc}; this fleet signs bundles itself: upload them without --sign-key", 409) from exc
 
-    @app.post("/api/v1/bundles/signed-metadata", status_code=201)
+    @app.post("/api/v1/bundles/signed-metadata", status_code=201, response_model=out.Published)
     async def publish_bundles_metadata(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
         """Publish ``bundles`` metadata signed by a CI key the offline targets metadata delegates to; then the
         bundles it lists can be uploaded."""
@@ -343,12 +345,12 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             raise BadRequest(str(exc), 422) from exc
         return {"published": True}
 
-    @app.get("/api/v1/rollouts")
+    @app.get("/api/v1/rollouts", response_model=list[out.Rollout], response_model_exclude_unset=True)
     def list_rollouts(limit: int = 100, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         """Newest first, at most ``limit`` (up to 1000), without their target lists."""
         return service.list_rollouts(limit)
 
-    @app.post("/api/v1/rollouts", status_code=201)
+    @app.post("/api/v1/rollouts", status_code=201, response_model=out.Rollout, response_model_exclude_unset=True)
     def create_rollout(body: RolloutIn, c: Caller = Depends(operator)) -> dict[str, Any]:
         try:
             spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates, shadow=body.shadow,
@@ -359,31 +361,32 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return service.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,
                                       spec, c.name)
 
-    @app.get("/api/v1/rollouts/{rollout_id}")
+    @app.get("/api/v1/rollouts/{rollout_id}", response_model=out.Rollout, response_model_exclude_unset=True)
     def get_rollout(rollout_id: RolloutId, targets: bool = True, _: Caller = Depends(viewer)) -> dict[str, Any]:
         return service.get_rollout(rollout_id, with_targets=targets)
 
-    @app.post("/api/v1/rollouts/{rollout_id}/{action}")
+    @app.post("/api/v1/rollouts/{rollout_id}/{action}", response_model=out.Rollout,
+              response_model_exclude_unset=True)
     def rollout_action(rollout_id: RolloutId, action: str, c: Caller = Depends(operator)) -> dict[str, Any]:
         """``action``: pause, resume, abort or rollback."""
         if action not in ("pause", "resume", "abort", "rollback"):
             raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback", 404)
         return service.rollout_action(rollout_id, action, c.name)
 
-    @app.get("/api/v1/rollouts/{rollout_id}/audit")
+    @app.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
     def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         service.get_rollout(rollout_id, with_targets=False)
         return service.audit_log(rollout_id)
 
-    @app.get("/api/v1/audit")
+    @app.get("/api/v1/audit", response_model=list[out.AuditEntry])
     def audit_log(limit: int = 200, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.audit_log(None, limit)
 
-    @app.get("/api/v1/tokens")
+    @app.get("/api/v1/tokens", response_model=list[out.Token])
     def list_tokens(_: Caller = Depends(admin)) -> list[dict[str, Any]]:
         return store.list()
 
-    @app.post("/api/v1/tokens", status_code=201)
+    @app.post("/api/v1/tokens", status_code=201, response_model=out.TokenCreated)
     def create_token(body: TokenIn, c: Caller = Depends(admin)) -> dict[str, str]:
         """The token is in this answer only; the fleet keeps its SHA-256."""
         return store.create(body.name, body.role, c.name)

@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from fleet.errors import KeyStoreError
+from protocol.manifest import Manifest
+from protocol.target import TargetCustom
+from protocol.target import target_path as _target_path
 
 __all__ = [
     "BUNDLES_ROLE",
@@ -279,13 +282,10 @@ def _resign_targets(fleet: Path, md: Any, signer: Any) -> Path:
     return out
 
 
-def bundle_target(manifest: Any) -> tuple[str, dict[str, Any]]:
+def bundle_target(manifest: Manifest) -> tuple[str, TargetCustom]:
     """The TUF target path of a bundle and the custom fields signed with it (the fleet's signature or the
     CI key's): agents refuse a bundle their CPU cannot run before downloading it."""
-    custom = {"name": manifest.name, "version": manifest.version, "profile": manifest.profile,
-              "backend": manifest.backend, "precision": manifest.precision,
-              "cpu_features": list(manifest.cpu_features)}
-    return f"{manifest.name}/{manifest.version}/{manifest.profile}.tar", custom
+    return _target_path(manifest), TargetCustom.of(manifest)
 
 
 def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custom: dict[str, Any]) -> bytes:

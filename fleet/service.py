@@ -186,7 +186,7 @@ class FleetService:
                 raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} is already uploaded; "
                                "bump the version to publish a new build")
         try:
-            info = self.repo.add_target(target_path, path, custom)
+            info = self.repo.add_target(target_path, path, custom.signed_fields())
             with self.sessions.begin() as s:
                 m = Model(name=manifest.name, version=manifest.version, profile=manifest.profile,
                           backend=manifest.backend, precision=manifest.precision, target_path=target_path,

@@ -468,14 +468,12 @@ def enroll_all(fleet_url: str, device_ids: list[str], token: str | None, concurr
     """Enroll simulated devices through the fleet's API: device id -> MQTT password."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from edgefleet.client import FleetClient
+    from fleet.client import FleetClient
 
     client = FleetClient(fleet_url, token=token)
 
     def one(device_id: str) -> tuple[str, str]:
-        t = client.post(f"/api/v1/devices/{device_id}/enrollment-token", {"ttl_s": 600})["token"]
-        creds = FleetClient(fleet_url).post("/api/v1/enroll", {"token": t})
-        return device_id, creds["mqtt_password"]
+        return device_id, client.enroll(client.enrollment_token(device_id, ttl_s=600).token).mqtt_password
 
     with ThreadPoolExecutor(concurrency) as pool:
         return dict(pool.map(one, device_ids))

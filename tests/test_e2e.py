@@ -14,20 +14,20 @@ from tests.conftest import Mosquitto, wait_for
 
 def _loop(lf: LocalFleet, bundle, images, labels, devices=("edge-a", "edge-b")) -> None:
     lf.start()
-    assert lf.client.upload(bundle)["version"] == "1.0.0"
+    assert lf.client.upload(bundle).version == "1.0.0"
     for d in devices:
         lf.client.register(d)
         lf.start_agent(d)
     lf.wait_online(list(devices))
-    r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", list(devices))["id"])
-    assert r["status"] == "succeeded", r
+    r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", list(devices)).id)
+    assert r.status == "succeeded", r
     for d in devices:
         pred, _ = infer_images(lf.agents[d].url, "digits", images[:120])
         assert (pred == labels[:120]).mean() >= 0.95
         meta = httpx.get(f"{lf.agents[d].url}/v2/models/digits").json()
         assert meta["versions"] == ["1.0.0"] and meta["precision"] == "int8"
-    devs = {x["device_id"]: x for x in lf.client.devices()}
-    assert all(devs[d]["running_version"] == "1.0.0" and devs[d]["online"] for d in devices)
+    devs = {x.device_id: x for x in lf.client.devices()}
+    assert all(devs[d].running_version == "1.0.0" and devs[d].online for d in devices)
 
 
 @pytest.mark.timeout(300)
@@ -64,22 +64,22 @@ def test_upgrade_downgrade_broker_outage_and_restart(tmp_path, mosquitto: Mosqui
         lf.client.register("edge-x")
         agent = lf.start_agent("edge-x")
         lf.wait_online(["edge-x"])
-        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"])["id"])["status"] == "succeeded"
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"]).id).status == "succeeded"
 
         # hot swap to 1.1.0 while a client keeps sending: no request fails
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
             traffic = pool.submit(infer_images, agent.url, "digits", images[:300], 4)
-            r = lf.wait_rollout(lf.client.rollout("digits", "1.1.0", ["edge-x"])["id"])
+            r = lf.wait_rollout(lf.client.rollout("digits", "1.1.0", ["edge-x"]).id)
             pred, _ = traffic.result()
-        assert r["status"] == "succeeded"
+        assert r.status == "succeeded"
         assert (pred == labels[:300]).mean() >= 0.95
         assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.1.0"]
 
         # a downgrade is refused, reported, and the device keeps serving 1.1.0
-        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"])["id"])
-        assert r["status"] == "failed" and "downgrade refused" in r["targets"][0]["error"]
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"]).id)
+        assert r.status == "failed" and r.targets and "downgrade refused" in str(r.targets[0].error)
         assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.1.0"]
 
         # the broker goes away: the agent keeps serving and spools telemetry; nothing is lost
@@ -90,12 +90,12 @@ def test_upgrade_downgrade_broker_outage_and_restart(tmp_path, mosquitto: Mosqui
         _wait(lambda: len(list(spool.glob("[0-9]*.json"))) >= 3, 30, "telemetry spooled while offline")
         mosquitto.start()  # same port
         _wait(lambda: not list(spool.glob("[0-9]*.json")), 60, "spool drained after reconnect")
-        rows = lf.client.get("/api/v1/devices/edge-x/telemetry?limit=1000")
-        seqs = sorted(r["seq"] for r in rows)
+        rows = lf.client.telemetry("edge-x", limit=1000)
+        seqs = sorted(r.seq for r in rows)
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "telemetry has gaps"
         assert seqs[0] == 0
         served = httpx.get(f"{agent.url}/metrics/summary").json()["requests"]
-        assert sum(r["requests"] for r in rows) == served, (served, [(r["seq"], r["requests"]) for r in rows])
+        assert sum(r.requests for r in rows) == served, (served, [(r.seq, r.requests) for r in rows])
 
         # the agent restarts with no fleet reachable: it serves its committed model at once
         lf.stop_agent("edge-x")
@@ -126,8 +126,8 @@ def test_rollout_to_a_device_of_another_architecture_fails_cleanly(tmp_path, mos
         lf.client.register("jetson-1")
         lf.start_agent("jetson-1", ["--config", str(_jetson_config(tmp_path))])
         lf.wait_online(["jetson-1"])
-        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["jetson-1"])["id"])
-        assert r["status"] == "failed" and "built for profile 'x86-cpu'" in r["targets"][0]["error"]
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["jetson-1"]).id)
+        assert r.status == "failed" and r.targets and "built for profile 'x86-cpu'" in str(r.targets[0].error)
         assert not _ready(lf.agents["jetson-1"].url)
     finally:
         lf.stop()
@@ -151,15 +151,15 @@ def test_tampered_bundle_on_the_fleet_is_refused_and_the_old_model_keeps_serving
         lf.client.register("edge-t")
         agent = lf.start_agent("edge-t")
         lf.wait_online(["edge-t"])
-        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-t"])["id"])["status"] == "succeeded"
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-t"]).id).status == "succeeded"
         lf.client.upload(digits_bundle_v2)
         stored = next((tmp_path / "fleet" / "tuf" / "targets" / "digits" / "1.1.0").glob("*.tar"))
         data = bytearray(stored.read_bytes())
         data[len(data) // 2] ^= 0x01  # someone with write access to the fleet's disk flips one bit
         stored.write_bytes(bytes(data))
-        r = lf.wait_rollout(lf.client.rollout("digits", "1.1.0", ["edge-t"])["id"])
-        assert r["status"] == "failed"
-        assert "TUF verification failed" in r["targets"][0]["error"]
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.1.0", ["edge-t"]).id)
+        assert r.status == "failed"
+        assert r.targets and "TUF verification failed" in str(r.targets[0].error)
         assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.0.0"]
         pred, _ = infer_images(agent.url, "digits", images[:40])
         assert (pred == labels[:40]).mean() >= 0.95
@@ -184,11 +184,11 @@ def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mo
         lf.client.register("edge-c")
         lf.start_agent("edge-c")
         lf.wait_online(["edge-c"])
-        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-c"])["id"])["status"] == "succeeded"
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-c"]).id).status == "succeeded"
         lf.stop_agent("edge-c")
         doomed = lf.start_agent("edge-c", env={"EDGEFLEET_TEST_CRASH_AT": point})
         lf.wait_online(["edge-c"])
-        rid = lf.client.rollout("digits", "1.1.0", ["edge-c"])["id"]
+        rid = lf.client.rollout("digits", "1.1.0", ["edge-c"]).id
         assert doomed.proc.wait(60) == 137
         lf.agents.pop("edge-c")
         # what the disk holds after the crash: one whole model, the old or the new one by where it died
@@ -203,7 +203,7 @@ def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mo
         pred, _ = infer_images(again.url, "digits", images[:40])
         assert (pred == labels[:40]).mean() >= 0.95
         # and the retained desired state brings it to 1.1.0
-        assert lf.wait_rollout(rid)["status"] == "succeeded"
+        assert lf.wait_rollout(rid).status == "succeeded"
         assert _version(again.url) == "1.1.0"
     finally:
         lf.stop()
@@ -233,20 +233,20 @@ def test_a_shadow_wave_on_a_real_agent_mirrors_live_requests_then_installs(tmp_p
         lf.client.register("edge-s")
         agent = lf.start_agent("edge-s", ["--config", str(cfg)])
         lf.wait_online(["edge-s"])
-        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-s"])["id"])["status"] == "succeeded"
-        r = lf.client.post("/api/v1/rollouts", {"model": "digits", "version": "1.1.0", "devices": ["edge-s"],
-                                                "shadow": {"agreement_min": 0.95, "min_samples": 100}})
-        _wait(lambda: lf.client.get("/api/v1/devices/edge-s")["last_state"] == "shadowing", 60,
+        assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-s"]).id).status == "succeeded"
+        r = lf.client.create_rollout("digits", "1.1.0", devices=["edge-s"],
+                                     shadow={"agreement_min": 0.95, "min_samples": 100})
+        _wait(lambda: lf.client.device("edge-s").last_state == "shadowing", 60,
               "the agent shadowing 1.1.0")
         pred, _ = infer_images(agent.url, "digits", images[:150])  # answered by 1.0.0, mirrored to 1.1.0
         assert (pred == labels[:150]).mean() >= 0.95
         assert httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.0.0"]
-        done = lf.wait_rollout(r["id"])
-        assert done["status"] == "succeeded", done
-        gate = done["waves"][0]["gates"][0]
-        assert gate["name"] == "shadow_agreement" and gate["passed"] and gate["value"] >= 0.95, gate
+        done = lf.wait_rollout(r.id)
+        assert done.status == "succeeded", done
+        gate = (done.waves[0].gates or [])[0]
+        assert gate.name == "shadow_agreement" and gate.passed and (gate.value or 0) >= 0.95, gate
         _wait(lambda: httpx.get(f"{agent.url}/v2/models/digits").json()["versions"] == ["1.1.0"], 30,
               "1.1.0 serving after the shadow passed")
-        print(f"\nshadow: {gate['detail']}")
+        print(f"\nshadow: {gate.detail}")
     finally:
         lf.stop()

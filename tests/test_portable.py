@@ -242,18 +242,17 @@ def test_agent_on_emulated_haswell_refuses_vnni_before_download_and_reports_its_
         lf.client.register("old-box")
         lf.start_agent("old-box", launcher=[str(QEMU), "-cpu", "Haswell"])
         lf.wait_online(["old-box"], timeout_s=300)
-        dev = next(d for d in lf.client.devices() if d["device_id"] == "old-box")
-        assert "avx2" in dev["hardware"]["cpu_features"] and "avx512_vnni" not in dev["hardware"]["cpu_features"]
+        dev = lf.client.device("old-box")
+        assert dev.hardware and "avx2" in dev.hardware.cpu_features and "avx512_vnni" not in dev.hardware.cpu_features
 
-        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["old-box"], profile="x86-cpu-vnni")["id"], 300)
-        assert r["status"] == "failed", r
-        err = r["targets"][0]["error"]
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["old-box"], profile="x86-cpu-vnni").id, 300)
+        assert r.status == "failed" and r.targets, r
+        err = str(r.targets[0].error)
         assert "needs CPU features avx512f, avx512bw, avx512_vnni, which this CPU lacks" in err, err
 
-        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["old-box"], profile="x86-cpu")["id"], 300)
-        assert r["status"] == "succeeded", r
-        dev = next(d for d in lf.client.devices() if d["device_id"] == "old-box")
-        st = dev["selftest"]
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["old-box"], profile="x86-cpu").id, 300)
+        assert r.status == "succeeded", r
+        st = lf.client.device("old-box").model_dump(mode="json")["selftest"]
         m = extract_bundle(digits_bundle, tmp_path / "m")
         assert st["version"] == "1.0.0" and st["drift"] <= 1.0
         assert m.selftest_summary is not None and st["top1"] == pytest.approx(m.selftest_summary.top1, abs=1e-9)

@@ -58,7 +58,7 @@ def test_download_verifies_and_returns_signed_custom(world, digits_bundle):
     tmp, repo, srv = world
     got = client(tmp, srv).fetch(TARGET, sha256_file(digits_bundle))
     assert sha256_file(got.path) == sha256_file(digits_bundle)
-    assert got.custom["version"] == "1.0.0"
+    assert got.custom.version == "1.0.0"
 
 
 def test_attack_tampered_bundle_on_the_server(world, digits_bundle):
