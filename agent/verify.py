@@ -2,7 +2,9 @@
 
 A bundle is compiled once and runs on many CPUs. This loads it through the agent's own backend,
 runs the agent's self-test on the bundle's sample (the figure an install report carries) and, given
-a labelled evaluation set, measures top-1 on this CPU against the figure the compiler recorded.
+a labelled evaluation set, measures top-1 on this CPU against the figure the compiler recorded. Without
+labels, it reruns the gate's own metric (the task's, e.g. decoded-string agreement for CTC, or output
+agreement) on this CPU against the fp32 reference outputs the bundle carries in its self-test sample.
 Run it on a target box, or under emulation (``as-cpu Haswell edgefleet verify ...``) to see what an
 AVX2-only CPU computes. Nothing is installed and nothing leaves the machine.
 """
@@ -25,7 +27,7 @@ from protocol.bundle import extract_bundle, sha256_file
 from protocol.cpu import cpu_arch, cpu_features
 from protocol.errors import ConfigError
 from protocol.evaluation import label_axis, top1_hits
-from protocol.manifest import Manifest
+from protocol.manifest import AccuracyReport, Manifest
 
 __all__ = ["VerifyResult", "verify_bundle"]
 
@@ -41,6 +43,7 @@ class VerifyResult:
     selftest_error: str | None
     top1: float | None  # on --eval, this CPU
     eval_samples: int | None
+    gate: AccuracyReport | None = None  # --eval without labels: the gate's metric here vs the bundle's fp32 outputs
 
     @property
     def recorded_top1(self) -> float:
@@ -60,6 +63,8 @@ class VerifyResult:
         """This CPU computes what the bundle was gated on: self-test passes, top-1 stays in the gate."""
         if self.selftest is None:
             return False
+        if self.gate is not None and not self.gate.passed:
+            return False
         drop = self.drop_vs_fp32
         return drop is None or drop <= self.manifest.accuracy.max_drop + 1e-9
 
@@ -78,10 +83,11 @@ class VerifyResult:
             "selftest_error": self.selftest_error, "top1": self.top1, "eval_samples": self.eval_samples,
             "recorded_top1": self.recorded_top1, "fp32_top1": self.manifest.accuracy.reference,
             "drop_vs_fp32": self.drop_vs_fp32, "max_drop": self.manifest.accuracy.max_drop,
+            "gate": None if self.gate is None else self.gate.model_dump(mode="json"),
         }
 
 
-def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     try:
         npz = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -89,7 +95,7 @@ def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], n
     with npz:
         keys = set(npz.files)
         if "labels" not in keys:
-            raise ConfigError(f"{path}: needs a 'labels' array to measure top-1")
+            return {}, None
         feeds = {}
         for spec in manifest.inputs:
             key = spec.name if spec.name in keys else "input" if len(manifest.inputs) == 1 else None
@@ -142,6 +148,7 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
         if cpu.action == "refuse" and not skip_cpu_check:
             return result()
         backend = load_bundle_engine(manifest, Path(tmp) / manifest.engine, threads)
+        gate: AccuracyReport | None = None
         try:
             try:
                 st, st_err = self_test(backend, StagedModel(manifest, Path(tmp), sha256_file(bundle))), None
@@ -151,7 +158,51 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
             n: int | None = None
             if eval_path is not None:
                 feeds, labels = _load_eval(eval_path, manifest)
-                top1, n = _top1(backend, manifest, feeds, labels, batch)
+                if labels is None:
+                    gate = _gate_on_reference(backend, manifest, Path(tmp) / manifest.selftest)
+                else:
+                    top1, n = _top1(backend, manifest, feeds, labels, batch)
         finally:
             backend.close()
-    return result(st, st_err, top1, n)
+    return VerifyResult(manifest, cpu_arch(), tuple(sorted(feats)), cpu.action != "refuse", cpu.reason, st, st_err,
+                        top1, n, gate)
+
+
+def _gate_on_reference(backend: Engine, manifest: Manifest, selftest: Path) -> AccuracyReport:
+    """The gate's own metric on this CPU: the engine's outputs on the bundle's self-test inputs against the fp32
+    source model's outputs recorded beside them (``reference:NAME``), judged by the recorded task, or by
+    output agreement with the recorded budget. Numpy only: compiler.gate and compiler.tasks import no toolchain."""
+    from compiler.errors import CompilerError
+    from compiler.gate import GateSettings, evaluate_gate
+    from compiler.tasks import TaskSpec
+
+    try:
+        with np.load(selftest, allow_pickle=False) as npz:
+            if not all(f"reference:{s.name}" in npz.files for s in manifest.outputs):
+                raise ConfigError(f"{manifest.name} {manifest.version}: the bundle carries no fp32 reference outputs "
+                                  "(built by an older compiler); give --eval an .npz with a 'labels' array, or "
+                                  "rebuild the bundle")
+            feeds = {s.name: npz[f"input:{s.name}"] for s in manifest.inputs}
+            ref = [npz[f"reference:{s.name}"] for s in manifest.outputs]
+    except (KeyError, ValueError, OSError) as exc:
+        raise ConfigError(f"self-test sample {selftest.name} is unreadable: {exc}") from exc
+    try:
+        got = backend.infer(feeds)
+    except Exception as exc:  # the runtime's own error types
+        raise ConfigError(f"the engine failed on its own sample: {exc}") from exc
+    acc = manifest.accuracy
+    task = TaskSpec.from_report(acc.task) if acc.task is not None else None
+
+    def rows(x: np.ndarray, spec) -> np.ndarray | list[np.ndarray]:  # the samples on axis 0, as the gate had them
+        if spec.batch_axis is not None:
+            return np.moveaxis(x, spec.batch_axis, 0)
+        return x if manifest.batchable is False and x.ndim and x.shape[0] == 1 else [x]
+
+    ref_rows = [rows(r, s) for r, s in zip(ref, manifest.outputs, strict=True)]
+    got_rows = [rows(g, s) for g, s in zip(got, manifest.outputs, strict=True)]
+    settings = GateSettings(kind="agreement", min_agreement=1.0 - acc.max_drop if acc.metric == "agreement" else 0.99)
+    try:
+        return evaluate_gate([s.name for s in manifest.outputs], ref_rows, got_rows, None, manifest.precision, settings,
+                             task)
+    except CompilerError as exc:
+        raise ConfigError(f"cannot judge the engine's outputs here: {exc}") from exc

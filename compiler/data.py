@@ -33,6 +33,7 @@ class Dataset:
     inputs: dict[str, np.ndarray]
     labels: np.ndarray | None
     axes: dict[str, int | None] = field(default_factory=dict)  # input -> batch axis; missing means 0
+    per_sample: bool = False  # the model takes one sample per call: run it on samples one at a time
 
     def _axis(self, name: str) -> int | None:
         return self.axes.get(name, 0)
@@ -58,15 +59,26 @@ class Dataset:
                 for k, v in self.inputs.items()}
 
     def head(self, n: int) -> Dataset:
-        return Dataset(self.take(0, n), None if self.labels is None else self.labels[:n], self.axes)
+        return Dataset(self.take(0, n), None if self.labels is None else self.labels[:n], self.axes, self.per_sample)
 
 
 def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: str,
-                 preprocessing: Preprocessing | None = None, class_names: tuple[str, ...] | None = None) -> Dataset:
+                 preprocessing: Preprocessing | None = None, class_names: tuple[str, ...] | None = None,
+                 axes: dict[str, int | None] | None = None, per_sample: bool = False) -> Dataset:
+    """``axes``: where the data stacks the samples per input (default: each spec's batch axis); with
+    ``per_sample`` the model takes one sample per call and the samples are stacked on those axes."""
+    axes = axes if axes is not None else {s.name: s.batch_axis for s in specs}
+    data = _load(path, specs, need_labels, what, preprocessing, class_names, axes)
+    return Dataset(data.inputs, data.labels, data.axes, per_sample)
+
+
+def _load(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: str,
+          preprocessing: Preprocessing | None, class_names: tuple[str, ...] | None,
+          axes: dict[str, int | None]) -> Dataset:
     if not path.exists():
         raise InputError(f"{path}: {what} file not found")
     if path.is_dir():
-        data = _load_images(path, specs, what, preprocessing, class_names)
+        data = _load_images(path, specs, what, preprocessing, class_names, axes)
         if need_labels and data.labels is None:
             raise InputError(f"{path}: {what} needs labels: put the images in one subfolder per class")
         return data
@@ -81,7 +93,7 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
         except (OSError, ValueError) as exc:
             raise InputError(f"{path}: not a readable .npy file ({exc})") from exc
         spec = specs[0]
-        return Dataset({spec.name: _check(path, "array", arr, spec)}, None, {spec.name: spec.batch_axis})
+        return Dataset({spec.name: _check(path, "array", arr, spec, axes[spec.name])}, None, dict(axes))
     try:
         npz = np.load(path, allow_pickle=False)
     except Exception as exc:
@@ -93,13 +105,13 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
             key = spec.name if spec.name in keys else ("input" if len(specs) == 1 and "input" in keys else None)
             if key is None:
                 raise InputError(f"{path}: {what} has no array for model input {spec.name!r} (keys: {sorted(keys)})")
-            inputs[spec.name] = _check(path, f"array {key!r}", npz[key], spec)
+            inputs[spec.name] = _check(path, f"array {key!r}", npz[key], spec, axes[spec.name])
         labels = None
         if "labels" in keys:
             labels = npz["labels"]
         elif need_labels:
             raise InputError(f"{path}: {what} needs a 'labels' array for the accuracy gate")
-    axes = {spec.name: spec.batch_axis for spec in specs}
+    axes = _fit_axes(inputs, specs, dict(axes))
     n = {int(v.shape[a]) for k, v in inputs.items() if (a := axes[k]) is not None} | (
         {len(labels)} if labels is not None else set())
     if len(n) != 1 or 0 in n:
@@ -108,22 +120,40 @@ def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, w
     return Dataset(inputs, labels, axes)
 
 
-def _check(path: Path, what: str, arr: np.ndarray, spec: TensorSpec) -> np.ndarray:
+def _fit_axes(inputs: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
+              axes: dict[str, int | None]) -> dict[str, int | None]:
+    """A tensor declared with several dynamic dimensions (state exported as [?, N, 128]) holds its samples
+    on the one dynamic axis whose size is the sample count of the others."""
+    sizes = [int(v.shape[a]) for k, v in inputs.items() if (a := axes[k]) == 0]
+    if not sizes:
+        return axes
+    n = max(set(sizes), key=sizes.count)
+    for spec in specs:
+        a, arr = axes[spec.name], inputs[spec.name]
+        if a is None or arr.shape[a] == n:
+            continue
+        fits = [i for i, d in enumerate(spec.shape) if d == -1 and i != a and arr.shape[i] == n]
+        if len(fits) == 1:
+            axes[spec.name] = fits[0]
+    return axes
+
+
+def _check(path: Path, what: str, arr: np.ndarray, spec: TensorSpec, axis: int | None) -> np.ndarray:
     if arr.ndim != len(spec.shape):
         raise InputError(f"{path}: {what} has {arr.ndim} dimensions, model input {spec.name!r} "
                          f"has {len(spec.shape)} {list(spec.shape)}")
     for i, (have, want) in enumerate(zip(arr.shape, spec.shape, strict=True)):
-        if i != spec.batch_axis and want != -1 and have != want:
+        if i != axis and want != -1 and have != want:
             raise InputError(f"{path}: {what} dimension {i} is {have}, the model wants {want}")
     return arr.astype(_NP[spec.datatype], copy=False)
 
 
 def _load_images(folder: Path, specs: tuple[TensorSpec, ...], what: str, prep: Preprocessing | None,
-                 class_names: tuple[str, ...] | None) -> Dataset:
+                 class_names: tuple[str, ...] | None, axes: dict[str, int | None]) -> Dataset:
     if prep is None:
         raise InputError(f"{folder}: a folder of images needs preprocessing: the model input's shape does not say "
                          "how to turn an image into it; pass --preprocess preprocess.yaml")
-    if len(specs) != 1 or specs[0].name != prep.input or specs[0].batch_axis != 0:
+    if len(specs) != 1 or specs[0].name != prep.input or axes[specs[0].name] != 0:
         raise InputError(f"{folder}: images can feed a model with one input ({prep.input!r}); this one has "
                          f"{[s.name for s in specs]}: use an .npz keyed by input name")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
@@ -143,5 +173,5 @@ def _load_images(folder: Path, specs: tuple[TensorSpec, ...], what: str, prep: P
             if cls not in names:
                 raise InputError(f"{f}: class folder {cls!r} is not one of the model's labels {names[:10]}...")
             labels.append(names.index(cls))
-    arr = _check(folder, f"images preprocessed to {list(prep.sample_shape())}", np.stack(samples), specs[0])
-    return Dataset({specs[0].name: arr}, np.asarray(labels, np.int64) if labelled else None)
+    arr = _check(folder, f"images preprocessed to {list(prep.sample_shape())}", np.stack(samples), specs[0], 0)
+    return Dataset({specs[0].name: arr}, np.asarray(labels, np.int64) if labelled else None, dict(axes))

@@ -13,6 +13,14 @@ Two kinds, chosen by the data (``kind="auto"``):
   (``metric="cosine"`` forces cosine, e.g. for embeddings). Every output must reach
   ``min_agreement``; the report lists each output's top-1 agreement, max and mean absolute error and
   cosine similarity either way.
+- **task**, when a task is given (:mod:`compiler.tasks`: declared, from ``MODEL.task.yaml`` or inferred
+  from the output shapes) and there are no labels for a classifier: the task's criteria decide (string
+  agreement for CTC, box recall/precision for detection, ...); every output's tensor figures are
+  still reported. The report's candidate is the score of the criterion with the least room, so
+  ``drop <= max_drop`` holds exactly when every criterion does.
+
+Outputs may be arrays with the samples on axis 0 or, when samples' shapes differ (dynamic spatial
+dimensions evaluated one sample at a time), lists of per-sample arrays.
 
 Pure functions of arrays: no I/O, no runtimes.
 """
@@ -26,6 +34,7 @@ from typing import Literal
 import numpy as np
 
 from compiler.errors import InputError
+from compiler.tasks import Outputs, TaskSpec, judge, samples
 from protocol.evaluation import label_axis, top1_hits
 from protocol.manifest import AccuracyReport, OutputAgreement
 
@@ -52,7 +61,29 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(cos.min(initial=1.0)) if len(cos) else 1.0
 
 
-def _agreement(name: str, ref: np.ndarray, cand: np.ndarray, metric: AgreementMetric) -> OutputAgreement:
+def _ragged_agreement(name: str, ref: list[np.ndarray], cand: list[np.ndarray]) -> OutputAgreement:
+    """Per-sample figures of an output whose samples differ in shape (a sample whose shape changed counts
+    as cosine 0 and is left out of the errors)."""
+    if len(ref) != len(cand):
+        raise InputError(f"output {name!r}: fp32 gave {len(ref)} samples, the candidate engine {len(cand)}")
+    cos, errs, total = [], [], 0
+    for r, c in zip(ref, cand, strict=True):
+        if r.shape != c.shape:
+            cos.append(0.0)
+            continue
+        cos.append(_cosine(r[None], c[None]))
+        d = np.abs(r.astype(np.float64) - c.astype(np.float64))
+        errs.append((float(d.max(initial=0.0)), float(d.sum())))
+        total += d.size
+    worst = min(cos) if cos else 1.0
+    return OutputAgreement(name=name, metric="cosine", value=round(worst, 6), cosine=round(worst, 6),
+                           max_abs_error=max((e[0] for e in errs), default=0.0),
+                           mean_abs_error=sum(e[1] for e in errs) / total if total else 0.0)
+
+
+def _agreement(name: str, ref: Outputs, cand: Outputs, metric: AgreementMetric) -> OutputAgreement:
+    if isinstance(ref, list) or isinstance(cand, list):
+        return _ragged_agreement(name, samples(ref), samples(cand))
     if ref.shape != cand.shape:
         raise InputError(f"output {name!r}: the candidate engine returns shape {list(cand.shape)}, fp32 "
                          f"returns {list(ref.shape)}")
@@ -83,26 +114,35 @@ def _drop_ci95(ref_hit: np.ndarray, cand_hit: np.ndarray) -> tuple[float, float]
     return (round(d - 1.96 * se, 6), round(d + 1.96 * se, 6))
 
 
-def evaluate_gate(output_names: list[str], reference: list[np.ndarray], candidate: list[np.ndarray],
-                  labels: np.ndarray | None, candidate_precision: str, settings: GateSettings) -> AccuracyReport:
+def uses_labels(settings: GateSettings, labels: np.ndarray | None, task: TaskSpec | None) -> bool:
+    """Whether the gate scores against labels (top-1 accuracy) rather than fp32's outputs."""
+    if settings.kind != "auto":
+        return settings.kind == "accuracy"
+    return labels is not None and (task is None or task.name == "classification")
+
+
+def evaluate_gate(output_names: list[str], reference: list[Outputs], candidate: list[Outputs],
+                  labels: np.ndarray | None, candidate_precision: str, settings: GateSettings,
+                  task: TaskSpec | None = None) -> AccuracyReport:
     """Gate ``candidate`` (the built engine's outputs on the evaluation set) against ``reference`` (fp32)."""
     outputs = tuple(_agreement(n, r, c, settings.metric) for n, r, c in zip(output_names, reference, candidate,
                                                                               strict=True))
     n = len(reference[0])
-    kind = settings.kind
-    if kind == "auto":
-        kind = "accuracy" if labels is not None else "agreement"
-    if kind == "accuracy":
+    if uses_labels(settings, labels, task):
         if labels is None:
             raise InputError("the accuracy gate needs a 'labels' array in the evaluation set; without labels the "
                              "build is gated by agreement with fp32 (--gate agreement)")
-        axis = label_axis(reference[0].shape, labels.shape)
+        ref0, cand0 = reference[0], candidate[0]
+        if isinstance(ref0, list) or isinstance(cand0, list):
+            raise InputError(f"output {output_names[0]!r} differs in shape from sample to sample: labels cannot be "
+                             "scored against it; drop the labels to gate by agreement with fp32")
+        axis = label_axis(ref0.shape, labels.shape)
         if axis is None:
             raise InputError(f"labels of shape {list(labels.shape)} do not fit output {output_names[0]!r} of shape "
-                             f"{list(reference[0].shape)} (expected [N] for [N, C], [N, T] for [N, T, C] or "
+                             f"{list(ref0.shape)} (expected [N] for [N, C], [N, T] for [N, T, C] or "
                              "[N, H, W] for [N, C, H, W]); drop the labels to gate by agreement with fp32")
-        ref_hit = top1_hits(reference[0], labels, axis)
-        cand_hit = top1_hits(candidate[0], labels, axis)
+        ref_hit = top1_hits(ref0, labels, axis)
+        cand_hit = top1_hits(cand0, labels, axis)
         ref_acc, cand_acc = float(ref_hit.mean()), float(cand_hit.mean())
         drop = round(ref_acc - cand_acc, 6)  # the gate decides on exactly what the manifest records
         per_sample = ref_hit.shape[1] == 1
@@ -111,6 +151,8 @@ def evaluate_gate(output_names: list[str], reference: list[np.ndarray], candidat
             candidate_precision=candidate_precision, candidate=cand_acc, drop=drop,  # type: ignore[arg-type]
             max_drop=settings.max_accuracy_drop, passed=drop <= settings.max_accuracy_drop + 1e-9,
             outputs=outputs, drop_ci95=_drop_ci95(ref_hit[:, 0], cand_hit[:, 0]) if per_sample else None)
+    if task is not None:
+        return _task_gate(task, output_names, reference, candidate, candidate_precision, settings, outputs, n)
     worst = min(o.value for o in outputs)
     max_drop = round(1.0 - settings.min_agreement, 6)
     drop = round(1.0 - worst, 6)
@@ -118,3 +160,21 @@ def evaluate_gate(output_names: list[str], reference: list[np.ndarray], candidat
         metric="agreement", eval_samples=n, reference_precision="fp32", reference=1.0,
         candidate_precision=candidate_precision, candidate=1.0 - drop, drop=drop,  # type: ignore[arg-type]
         max_drop=max_drop, passed=drop <= max_drop + 1e-9, outputs=outputs)
+
+
+def _task_gate(task: TaskSpec, output_names: list[str], reference: list[Outputs], candidate: list[Outputs],
+               candidate_precision: str, settings: GateSettings, outputs: tuple[OutputAgreement, ...],
+               n: int) -> AccuracyReport:
+    i = output_names.index(task.output)
+    report = judge(task, reference[i], candidate[i], settings.min_agreement)
+
+    def score(value: float, kind: str) -> float:  # every criterion as "higher is better" in [0, 1]
+        return value if kind == "min" else round(1.0 - value, 6)
+
+    deciding = min(report.criteria, key=lambda c: score(c.value, c.kind) - score(c.bound, c.kind))
+    cand = score(deciding.value, deciding.kind)
+    drop, max_drop = round(1.0 - cand, 6), round(1.0 - score(deciding.bound, deciding.kind), 6)
+    return AccuracyReport(
+        metric="agreement", eval_samples=n, reference_precision="fp32", reference=1.0,
+        candidate_precision=candidate_precision, candidate=1.0 - drop, drop=drop,  # type: ignore[arg-type]
+        max_drop=max_drop, passed=drop <= max_drop + 1e-9, outputs=outputs, task=report)

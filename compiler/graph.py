@@ -1,15 +1,23 @@
-"""Graph checks: the source model must be a valid ONNX graph with a dynamic batch dimension."""
+"""Graph checks: the source model must be a valid ONNX graph, and each tensor's batch axis is known.
+
+Batch axes are read from the declared shapes, then tested against what the model does
+(:func:`probe_batching`): a model whose outputs do not grow with the batch (a detector that folds the
+batch into its anchor axis) is refused batching and served one sample at a time. A model with a fixed
+batch of 1 (``[1, 1, 64, W]``: dynamic width) is evaluated sample by sample.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from compiler.data import Dataset
 from compiler.errors import InputError
 from protocol.manifest import TensorSpec
 
-__all__ = ["GraphInfo", "check_model", "ensure_opset"]
+__all__ = ["GraphInfo", "check_model", "ensure_opset", "probe_batching"]
 
 _ONNX_TO_KSERVE = {1: "FP32", 10: "FP16", 3: "INT8", 2: "UINT8", 6: "INT32", 7: "INT64", 9: "BOOL"}
 
@@ -21,6 +29,15 @@ class GraphInfo:
     op_types: frozenset[str]
     opset: int
     metadata: dict[str, str]
+    # the model takes one sample per call (a fixed batch of 1, or batching refused): the data stacks samples
+    # on axis 0 of every input and the eval runs them one at a time
+    per_sample: bool = False
+    batching_note: str = ""  # why the batch axes are what they are, when not simply axis 0
+    data_axes: dict[str, int | None] = field(default_factory=dict)  # where the data stacks samples, if not as above
+
+    def sample_axes(self) -> dict[str, int | None]:
+        """Where the data holds the samples, per input."""
+        return {s.name: self.data_axes.get(s.name, 0 if self.per_sample else s.batch_axis) for s in self.inputs}
 
     @property
     def has_conv(self) -> bool:
@@ -40,6 +57,8 @@ def _specs(values, what: str, path: Path) -> list[tuple[str, str, list[int], int
         axis: int | str | None
         if dims and dims[0] == -1:
             axis = 0
+        elif dims and dims[0] == 1:
+            axis = "one"  # a fixed batch of 1, e.g. [1, 1, 64, W]: one sample per call (or [1, N, H] state)
         elif len(dynamic) == 1:
             axis = dynamic[0]  # e.g. recurrent state [layers, N, hidden]
         elif not dynamic:
@@ -52,9 +71,22 @@ def _specs(values, what: str, path: Path) -> list[tuple[str, str, list[int], int
     return out
 
 
-def _resolve(inputs: list, outputs: list, path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def _resolve(inputs: list, outputs: list, path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], bool]:
     """Fixed-shape tensors have no batch if anything else is batched; a model with no batch anywhere
-    was most likely exported with a fixed batch by mistake."""
+    was most likely exported with a fixed batch by mistake, unless that batch is 1 (one sample per call)."""
+    batched = any(isinstance(a, int) for *_, a in inputs)
+    if not batched and any(a == "one" for *_, a in inputs):  # fixed batch 1: no tensor has a batch axis
+        return (tuple(_spec((n, d, s, None)) for n, d, s, _ in inputs),
+                tuple(_spec((n, d, s, None)) for n, d, s, _ in outputs), True)
+
+    def settle(t: tuple[str, str, list[int], int | str | None]) -> tuple[str, str, list[int], int | str | None]:
+        name, dtype, dims, axis = t
+        if axis != "one":
+            return t
+        dynamic = [i for i, d in enumerate(dims) if d == -1]  # beside batched tensors: state [1, N, hidden]
+        return (name, dtype, dims, dynamic[0] if len(dynamic) == 1 else "fixed")
+
+    inputs, outputs = [settle(t) for t in inputs], [settle(t) for t in outputs]
     if all(a == "fixed" for *_, a in inputs):
         name, _, dims, _ = inputs[0]
         if not dims:
@@ -64,12 +96,13 @@ def _resolve(inputs: list, outputs: list, path: Path) -> tuple[tuple[TensorSpec,
                          "one; export the model with a dynamic first dimension (e.g. dynamic_axes={'input': {0: "
                          "'N'}}) if it takes a batch")
 
-    def spec(t: tuple[str, str, list[int], int | str | None]) -> TensorSpec:
-        name, dtype, dims, axis = t
-        return TensorSpec.model_validate({"name": name, "datatype": dtype, "shape": tuple(dims),
-                                          "batch_axis": None if axis == "fixed" else axis})
+    return tuple(_spec(t) for t in inputs), tuple(_spec(t) for t in outputs), False
 
-    return tuple(spec(t) for t in inputs), tuple(spec(t) for t in outputs)
+
+def _spec(t: tuple[str, str, list[int], int | str | None]) -> TensorSpec:
+    name, dtype, dims, axis = t
+    return TensorSpec.model_validate({"name": name, "datatype": dtype, "shape": tuple(dims),
+                                      "batch_axis": axis if isinstance(axis, int) else None})
 
 
 def _check_runs(path: Path) -> None:
@@ -106,20 +139,79 @@ def check_model(path: Path) -> GraphInfo:
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
-    ins, outs = _resolve(_specs(inputs, "input", path), _specs(model.graph.output, "output", path), path)
+    ins, outs, per_sample = _resolve(_specs(inputs, "input", path), _specs(model.graph.output, "output", path),
+                                     path)
     return GraphInfo(
         inputs=ins,
         outputs=outs,
         op_types=frozenset(n.op_type for n in model.graph.node),
         opset=opset,
         metadata={p.key: p.value for p in model.metadata_props},
+        per_sample=per_sample,
+        batching_note="a fixed batch of 1: evaluated and served one sample at a time" if per_sample else "",
     )
+
+
+def _set_axis(spec: TensorSpec, axis: int | None) -> TensorSpec:
+    return TensorSpec.model_validate({**spec.model_dump(), "batch_axis": axis})
+
+
+def probe_batching(path: Path, info: GraphInfo, data: Dataset) -> GraphInfo:
+    """Check the declared batch axes against what the model computes: run it on the first sample and on the
+    first two, and find in each output the axis that goes from 1 to 2 while the others stay. An output with
+    no such axis does not scale with the batch: the model is refused batching (each input's first dimension
+    pinned to 1, served one sample at a time). An output whose scaling axis is not the declared one gets the
+    measured one (state laid out [layers, N, hidden])."""
+    import onnxruntime as ort
+
+    if info.per_sample or len(data) < 2 or all(s.batch_axis is None for s in info.inputs):
+        return info
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        one = sess.run(None, data.take(0, 1))
+        two = sess.run(None, data.take(0, 2))
+    except Exception as exc:  # onnxruntime's own types: a model that cannot run two samples at once
+        return _refuse_batching(info, f"it fails on a batch of 2 ({' '.join(str(exc).split())[:200]})")
+    outs = []
+    moved = []
+    for spec, a, b in zip(info.outputs, one, two, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        scales = [i for i in range(min(a.ndim, b.ndim)) if a.ndim == b.ndim and a.shape[i] == 1 and b.shape[i] == 2
+                  and a.shape[:i] + a.shape[i + 1:] == b.shape[:i] + b.shape[i + 1:]]
+        if spec.batch_axis is None:
+            outs.append(spec)
+        elif spec.batch_axis in scales:
+            outs.append(spec)
+        elif len(scales) == 1 and spec.shape[scales[0]] == -1:
+            moved.append(f"output {spec.name!r} grows with the batch on axis {scales[0]}, not {spec.batch_axis}")
+            outs.append(_set_axis(spec, scales[0]))
+        else:
+            return _refuse_batching(info, f"output {spec.name!r} has shape {list(a.shape)} for one sample and "
+                                          f"{list(b.shape)} for two: it does not keep a batch axis")
+    return GraphInfo(info.inputs, tuple(outs), info.op_types, info.opset, info.metadata, False, "; ".join(moved))
+
+
+def _refuse_batching(info: GraphInfo, why: str) -> GraphInfo:
+    """One sample per call: inputs with a batch get a first dimension of 1 (the engine refuses more), and no
+    tensor keeps a batch axis, so the manifest is not batchable."""
+    def pin(s: TensorSpec) -> TensorSpec:
+        if s.batch_axis is None:
+            return s
+        shape = list(s.shape)
+        shape[s.batch_axis] = 1
+        return TensorSpec.model_validate({**s.model_dump(), "shape": tuple(shape), "batch_axis": None})
+
+    return GraphInfo(tuple(pin(s) for s in info.inputs), tuple(_set_axis(s, None) for s in info.outputs),
+                     info.op_types, info.opset, info.metadata, True,
+                     f"batching refused: {why}; served one sample at a time",
+                     {s.name: s.batch_axis for s in info.inputs})
 
 
 def ensure_opset(path: Path, opset: int, out_path: Path, sample: Dataset) -> Path:
     """Convert the model to ``opset`` (onnx's version converter) and check that the converted graph
     computes what the original does on ``sample``; return the converted file."""
-    import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import version_converter

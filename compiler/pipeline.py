@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import math
 import platform
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -28,10 +29,11 @@ from compiler.cache import BuildCache
 from compiler.data import Dataset, load_dataset
 from compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 from compiler.evaluate import Runner, benchmark_pair, predict_all
-from compiler.gate import GateSettings, evaluate_gate
-from compiler.graph import GraphInfo, check_model, ensure_opset
+from compiler.gate import GateSettings, evaluate_gate, uses_labels
+from compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
 from compiler.targets import get_target
 from compiler.targets.base import BuildTarget
+from compiler.tasks import TaskSpec, canonical_task, parse_task_args, resolve_task
 from engines import Engine, EngineError, EngineInputError, EngineSpec
 from engines import load as load_engine
 from engines.onnxruntime import CPU
@@ -39,6 +41,9 @@ from protocol.bundle import sha256_file, write_bundle
 from protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
 from protocol.manifest import (
     MANIFEST_VERSION,
+    NAME_RE,
+    TASK_GATE_VERSION,
+    VERSION_RE,
     AccuracyReport,
     BenchmarkPoint,
     BenchmarkReport,
@@ -57,6 +62,7 @@ __all__ = ["CompileOptions", "CompileResult", "Measured", "choose_precision", "c
 
 SELFTEST_MAX_SAMPLES = 64
 SELFTEST_MAX_INPUT_BYTES = 1 << 20  # the sample travels in every bundle: keep it small for big inputs
+SELFTEST_MAX_BYTES = 1 << 20  # the compressed self-test file, inputs and expected outputs together
 MIN_CALIBRATION_SAMPLES = 16  # fewer gives activation ranges from a handful of inputs
 QDQ_MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (the axis attribute) needs opset 13
 Progress = Callable[[int, int, str], None]
@@ -80,6 +86,8 @@ class CompileOptions:
     cache_dir: Path | None = None  # reuse a bundle built from identical inputs (compiler.cache); None: always build
     preprocess: Path | None = None  # preprocess.yaml: how images become the input (default: from the input shape)
     fallback: bool = True  # int8 over budget: keep the most sensitive layers in float until it passes (onnxruntime)
+    task: str | None = None  # what the model is for (compiler.tasks); None: MODEL.task.yaml, else inferred
+    task_args: str | None = None  # 'k=v,...' for the task (e.g. 'format=yolov8,score=0.25')
 
 
 @dataclass(frozen=True)
@@ -189,8 +197,29 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
         raise ToolchainError(str(exc)) from exc
 
 
+def _validate(opts: CompileOptions) -> None:
+    """Everything that can be checked before any work: names, version, paths, task."""
+    if not NAME_RE.fullmatch(opts.name):
+        fixed = re.sub(r"[^a-z0-9._-]+", "-", opts.name.lower()).strip("-._")[:63] or "model"
+        raise InputError(f"--name {opts.name!r}: names are 1-63 of [a-z0-9._-], starting with a letter or digit "
+                         f"(try --name {fixed})")
+    if not VERSION_RE.fullmatch(opts.version):
+        raise InputError(f"--version {opts.version!r} is not MAJOR.MINOR.PATCH (e.g. 1.0.0)")
+    for flag, path in (("model", opts.model), ("--eval", opts.eval), ("--calibration", opts.calibration),
+                       ("--preprocess", opts.preprocess)):
+        if path is not None and not path.exists():
+            raise InputError(f"{path}: {flag} file not found")
+    if opts.task:
+        parse_task_args(canonical_task(opts.task, "--task"), opts.task_args)
+    elif opts.task_args:
+        raise InputError("--task-args needs --task NAME")
+    if opts.out_dir.exists() and not opts.out_dir.is_dir():
+        raise InputError(f"--out {opts.out_dir}: not a folder")
+
+
 def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     total = 7
+    _validate(opts)
     progress(1, total, f"loading profile {opts.profile}")
     profile = load_profile(opts.profile)
     auto = opts.precision == "auto"
@@ -228,7 +257,13 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     prep = _preprocessing(opts, info)
     class_names = tuple(json.loads(info.metadata["edgefleet.labels"])) if "edgefleet.labels" in info.metadata else None
     eval_set = load_dataset(opts.eval, info.inputs, need_labels=gate.kind == "accuracy", what="evaluation set",
-                            preprocessing=prep, class_names=class_names)
+                            preprocessing=prep, class_names=class_names, axes=info.sample_axes(),
+                            per_sample=info.per_sample)
+    info = _fit_layout(opts.model, info, eval_set, progress, total)
+    eval_set = Dataset(eval_set.inputs, eval_set.labels, info.sample_axes(), info.per_sample)
+    task = resolve_task(opts.task, opts.task_args, opts.model, info.outputs).with_min_agreement(opts.min_agreement)
+    if not uses_labels(gate, eval_set.labels, task):
+        progress(2, total, f"note: {task.note}")
     # the profile's default precision first: it wins when nothing is benchmarked
     order: list[str] = [profile.default_precision, *[p for p in profile.precisions if p != profile.default_precision]]
     wanted = order if auto else [opts.precision]
@@ -248,7 +283,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             drop("int8", "no --calibration set given (pass --calibration FILE.npz)")
         else:
             calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set",
-                                 preprocessing=prep)
+                                 preprocessing=prep, axes=info.sample_axes(), per_sample=info.per_sample)
             if len(calib) < MIN_CALIBRATION_SAMPLES:
                 raise InputError(f"{opts.calibration}: {len(calib)} calibration samples; int8 needs at least "
                                  f"{MIN_CALIBRATION_SAMPLES} representative inputs (a few hundred is better)")
@@ -275,7 +310,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         for precision in list(wanted):
             try:
                 built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
-                                                   precision, calib, work, eval_set, ref_out, gate)
+                                                   precision, calib, work, eval_set, ref_out, gate, task)
             except CompilerError as exc:
                 if precision == "fp32" or not auto or len(wanted) == 1:
                     raise
@@ -285,7 +320,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
                 and profile.backend == "onnxruntime":
             progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
-            built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate,
+            built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate, task,
                                             opts.benchmark and profile.accelerator == "cpu")
         benchmarked = opts.benchmark and profile.accelerator == "cpu"
         fp32_runner = built["fp32"].runner if "fp32" in built else reference
@@ -308,6 +343,8 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         if notes:  # precisions the profile allows that could not be built here, and why
             why_not = "; ".join(f"{p} {n}" for p, n in notes.items())
             reason = f"{chosen}: {why_not}" if len(built) == 1 else f"{reason}; {why_not}"
+        if info.batching_note:  # how the model is served follows from its layout: say why
+            reason = f"{reason}; {info.batching_note}"
         best = built[chosen]
         choice = PrecisionChoice(
             mode="auto" if auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
@@ -325,16 +362,10 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                                     points=compared.points, candidate_precision=compared.precision)  # type: ignore[arg-type]
 
         progress(6, total, "writing self-test sample")
-        sample = _selftest_sample(eval_set)
-        expected = best.runner(sample.inputs)
-        arrays: dict[str, Any] = {f"input:{k}": v for k, v in sample.inputs.items()}
-        arrays.update({f"expected:{o.name}": e for o, e in zip(info.outputs, expected, strict=True)})
+        sample, expected = _write_selftest(eval_set, best.runner, reference, info, work / "selftest.npz")
         sample_top1 = None
-        if sample.labels is not None:
-            arrays["labels"] = sample.labels
-            if expected[0].ndim == 2 and sample.labels.shape == expected[0].shape[:1]:
-                sample_top1 = float((expected[0].argmax(axis=1) == sample.labels).mean())
-        np.savez_compressed(work / "selftest.npz", **arrays)
+        if sample.labels is not None and expected[0].ndim == 2 and sample.labels.shape == expected[0].shape[:1]:
+            sample_top1 = float((expected[0].argmax(axis=1) == sample.labels).mean())
 
         progress(7, total, "writing bundle")
         engine = best.engine.rename(work / f"model{target.engine_suffix}")  # a stable name in every bundle
@@ -342,7 +373,8 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                  for p in (engine, work / "selftest.npz")}
         labels = info.metadata.get("edgefleet.labels")
         manifest = Manifest(
-            manifest_version=MANIFEST_VERSION, name=opts.name, version=opts.version, profile=profile.name,
+            manifest_version=TASK_GATE_VERSION if best.accuracy.task is not None else 2,  # lowest that carries it
+            name=opts.name, version=opts.version, profile=profile.name,
             backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
             created_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
             engine=engine.name, selftest="selftest.npz", inputs=info.inputs, outputs=info.outputs,
@@ -362,6 +394,49 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     if cache is not None and cache_key is not None:
         cache.put(cache_key, out)
     return CompileResult(bundle=out, manifest=manifest)
+
+
+def _fit_layout(model: Path, info: GraphInfo, data: Dataset, progress: Progress, total: int) -> GraphInfo:
+    """Batch axes as the data and the model show them: an input whose samples lie on another dynamic axis than
+    declared (state [2, N, 128] exported as [?, ?, 128]) takes that axis; outputs are probed (graph.probe_batching)."""
+    moved = {s.name: data.axes.get(s.name) for s in info.inputs if not info.per_sample
+             and data.axes.get(s.name) != s.batch_axis}
+    if moved:
+        ins = tuple(s.model_copy(update={"batch_axis": moved[s.name]}) if s.name in moved else s for s in info.inputs)
+        info = GraphInfo(ins, info.outputs, info.op_types, info.opset, info.metadata, info.per_sample,
+                         "; ".join(f"input {k!r} holds its samples on axis {a}" for k, a in moved.items()))
+    note = info.batching_note
+    info = probe_batching(model, info, data)
+    for n in dict.fromkeys([note, info.batching_note]):
+        if n:
+            progress(2, total, f"note: {n}")
+    return info
+
+
+def _write_selftest(data: Dataset, runner: Runner, reference: Runner, info: GraphInfo,
+                    path: Path) -> tuple[Dataset, list[np.ndarray]]:
+    """The self-test sample: up to 64 evaluation samples with the engine's outputs (``expected:NAME``) and the
+    fp32 source model's (``reference:NAME``, which ``edgefleet verify`` judges the engine against with the gate's
+    own metric), compressed, halved until the file is at most SELFTEST_MAX_BYTES (one sample for a model that
+    takes one per call; one sample is kept even if it alone is larger)."""
+    n = 1 if data.per_sample else len(_selftest_sample(data))
+    with_reference = True
+    while True:
+        sample = data.head(n)
+        expected = runner(sample.inputs)
+        arrays: dict[str, Any] = {f"input:{k}": v for k, v in sample.inputs.items()}
+        arrays.update({f"expected:{o.name}": e for o, e in zip(info.outputs, expected, strict=True)})
+        if with_reference:
+            arrays.update({f"reference:{o.name}": r for o, r in zip(info.outputs, reference(sample.inputs),
+                                                                     strict=True)})
+        if sample.labels is not None:
+            arrays["labels"] = sample.labels
+        np.savez_compressed(path, **arrays)
+        if path.stat().st_size <= SELFTEST_MAX_BYTES or (n == 1 and not with_reference):
+            return sample, expected
+        if n == 1:  # one sample with its fp32 reference is too big: keep the sample, drop the reference
+            with_reference = False
+        n = max(1, n // 2)
 
 
 def _data_files(path: Path | None) -> list[Path | None]:
@@ -417,8 +492,20 @@ def _fallback_note(b: _Built) -> str | None:
             f"float fallback tried {len(steps) - 1} step(s): {steps[-1]}")
 
 
+def task_figures(task: Any) -> str:
+    """'exact_string_agreement 0.9688 (95% CI 0.84..0.99, needs >= 0.95), char_error_rate ...'"""
+    parts = []
+    for c in task.criteria:
+        ci = f"95% CI {c.ci95[0]:.4f}..{c.ci95[1]:.4f}, " if c.ci95 else ""
+        parts.append(f"{c.name.replace('_', ' ')} {c.value:.4f} ({ci}{'needs' if c.passed else 'FAILS'} "
+                     f"{'>=' if c.kind == 'min' else '<='} {c.bound:.4f})")
+    return ", ".join(parts)
+
+
 def _gate_note(acc: AccuracyReport) -> str:
     rel = "<=" if acc.passed else ">"
+    if acc.task is not None:
+        return f"{acc.candidate_precision} judged as {acc.task.task} on {acc.task.output!r}: {task_figures(acc.task)}"
     if acc.metric == "agreement":
         worst = min(acc.outputs, key=lambda o: o.value)
         return (f"{acc.candidate_precision} agrees with fp32 at {acc.candidate:.4f} (worst output {worst.name!r}, "
@@ -429,6 +516,11 @@ def _gate_note(acc: AccuracyReport) -> str:
 
 
 def _gate_advice(acc: AccuracyReport) -> str:
+    if acc.task is not None:
+        arg = _bound_arg(acc.task)
+        return (f"loosen the task's bounds (--task {acc.task.task} --task-args"
+                + (f" '{arg}'" if arg else "") + "), give a more representative --calibration set, or compile with "
+                "--precision fp32 (or auto)")
     budget = "--max-accuracy-drop" if acc.metric == "top1" else "--min-agreement"
     return (f"loosen {budget}, give a more representative --calibration set, or compile with --precision fp32 "
             "(or auto)")
@@ -446,9 +538,24 @@ def _per_output_report(built: dict[str, _Built]) -> str:
     return "".join(lines)
 
 
+def _bound_arg(task: Any) -> str:
+    """The --task-args that would admit the worst criterion (for the advice)."""
+    from compiler.tasks import TASKS
+
+    worst = min(task.criteria, key=lambda c: (c.value - c.bound) if c.kind == "min" else (c.bound - c.value))
+    key = {"top1_agreement": "min_top1", "box_recall": "min_recall", "box_precision": "min_precision",
+           "mean_iou": "min_iou", "exact_string_agreement": "min_exact", "char_error_rate": "max_cer",
+           "mask_iou": "min_iou", "decision_agreement": "min_decision", "within_tolerance": "min_within",
+           "worst_cosine": "min_cosine"}.get(worst.name, "")
+    if key not in TASKS.get(task.task, {}):
+        return ""
+    value = max(0.0, worst.value - 0.005) if worst.kind == "min" else min(1.0, worst.value + 0.005)
+    return f"{key}={value:.3f}"
+
+
 def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precision: str,
-                    calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[np.ndarray],
-                    gate: GateSettings) -> _Built:
+                    calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[Any],
+                    gate: GateSettings, task: TaskSpec) -> _Built:
     info, profile = engines.info, engines.profile
     engine = work / f"model-{precision}{target.engine_suffix}"
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
@@ -457,12 +564,12 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precisi
     quant = target.build(model, info, precision, profile, data, engine)
     runner = engines.open(target.backend, engine, precision, f"the {precision} {target.backend} candidate")
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
-    report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate)
+    report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate, task)
     return _Built(precision, engine, runner, quant, report)
 
 
 def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Dataset,
-                    work: Path, eval_set: Dataset, ref_out: list[np.ndarray], gate: GateSettings,
+                    work: Path, eval_set: Dataset, ref_out: list[Any], gate: GateSettings, task: TaskSpec,
                     benchmark: bool) -> _Built:
     """Keep the 1, 2, 4, ... layers that lose the most to quantization in float (up to a quarter of the
     compute layers) until the gate passes; return the first build that passes, else the full one."""
@@ -475,7 +582,7 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
     prepared = prepare(source, work / "prepared.onnx")
     steps = [f"all layers int8: {_gate_note(full.accuracy)}"]
     try:
-        ranked = rank_sensitive_nodes(prepared, full.engine, calib.head(8).inputs)
+        ranked = rank_sensitive_nodes(prepared, full.engine, calib.head(1 if calib.per_sample else 8).inputs)
     except Exception as exc:  # onnxruntime and onnx raise assorted types; the full build still stands
         steps.append(f"could not rank the layers ({type(exc).__name__}: {str(exc)[:200]}); no fallback")
         assert full.quantization is not None
@@ -495,7 +602,7 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
         runner = engines.open("onnxruntime", engine, "int8", f"the int8 candidate with {len(keep)} float layers")
         report = evaluate_gate([o.name for o in info.outputs], ref_out,
                                predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
-                               eval_set.labels, "int8", gate)
+                               eval_set.labels, "int8", gate, task)
         steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float ({', '.join(keep)}): "
                      f"{_gate_note(report)}")
         if report.passed:
@@ -511,7 +618,7 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
 def _benchmark(reference: Runner, candidate: Runner, data: Dataset,
                profile: HardwareProfile) -> tuple[BenchmarkPoint, ...]:
     pts = []
-    for bs in profile.benchmark.batch_sizes:
+    for bs in (1,) if data.per_sample else profile.benchmark.batch_sizes:
         (r50, r99), (c50, c99) = benchmark_pair(reference, candidate, data, bs, profile.benchmark.iterations,
                                                 profile.benchmark.warmup)
         pts.append(BenchmarkPoint(batch_size=bs, reference_ms_p50=round(r50, 4), candidate_ms_p50=round(c50, 4),

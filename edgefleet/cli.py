@@ -59,6 +59,10 @@ def _require(*extras: str) -> None:
 def _progress_bar(step: int, total: int, what: str) -> None:
     width = 24
     filled = int(width * step / total)
+    if what.startswith("note: ") or "] note: " in what:  # a finding to keep on screen, e.g. the inferred task
+        sys.stderr.write(f"\r{' ' * (width + 70)}\r{what}\n")
+        sys.stderr.flush()
+        return
     sys.stderr.write(f"\r[{'#' * filled}{'-' * (width - filled)}] {step}/{total} {what:<60}")
     if step == total:
         sys.stderr.write("\n")
@@ -91,11 +95,11 @@ def cmd_compile(a: argparse.Namespace) -> int:
     for i, profile in enumerate(profiles, start=1):
         opts = CompileOptions(
             model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
-            name=a.name or a.model.parent.name or a.model.stem, version=a.version, precision=a.precision,
+            name=a.name or _default_name(a.model), version=a.version, precision=a.precision,
             max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark, gate=a.gate,
             min_agreement=a.min_agreement, agreement_metric=a.agreement_metric,
             cache_dir=None if a.no_cache else default_cache_dir(), preprocess=a.preprocess,
-            fallback=not a.no_fallback)
+            fallback=not a.no_fallback, task=a.task, task_args=a.task_args)
         label = f"[{i}/{len(profiles)} {profile}] " if matrix else ""
         progress = (lambda *_: None) if a.json or a.quiet else (
             lambda step, total, what, label=label: _progress_bar(step, total, label + what))
@@ -123,9 +127,20 @@ def cmd_compile(a: argparse.Namespace) -> int:
     return first_failure
 
 
+def _default_name(model: Path) -> str:
+    """The model's folder name (or file stem) as a registry name: lower case, [a-z0-9._-]."""
+    import re
+
+    raw = model.parent.name if model.parent.name not in ("", ".") else model.stem
+    return re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-._")[:63] or "model"
+
+
 def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
     acc = m.accuracy
-    if acc.metric == "agreement":
+    if acc.task is not None:
+        figure = (f"{acc.task.metric.replace('_', ' ')} {acc.task.value:.4f} against fp32 "
+                  f"({'passed' if acc.passed else 'FAILED'} the {acc.task.task} gate, {acc.eval_samples} samples)")
+    elif acc.metric == "agreement":
         worst = min(acc.outputs, key=lambda o: o.value)
         figure = (f"agreement with fp32 {acc.candidate:.4f} (worst output {worst.name!r} by "
                   f"{worst.metric.replace('_', ' ')}; needed {1 - acc.max_drop:.4f}, {acc.eval_samples} samples)")
@@ -137,6 +152,11 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
     lines = [f"bundle    {bundle}" + ("  (reused from the build cache: inputs unchanged)" if cached else ""),
              f"model     {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
              f"accuracy  {figure}"]
+    if acc.task is not None:
+        from compiler.pipeline import task_figures
+
+        t = acc.task
+        lines.append(f"task      {t.task} ({t.source}) on output {t.output!r}: {task_figures(t)}")
     for o in acc.outputs:
         t1 = "" if o.top1_agreement is None else f"top-1 agreement {o.top1_agreement:.4f}, "
         lines.append(f"output    {o.name}: {t1}cosine {o.cosine:.4f}, max abs error {o.max_abs_error:.4g}, "
@@ -182,8 +202,9 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
             continue
         m = r["manifest"]
         acc = m["accuracy"]
+        task = acc.get("task")
         fid = (f"top-1 {acc['candidate']:.4f} (-{acc['drop']:.4f})" if acc["metric"] == "top1"
-               else f"agree {acc['candidate']:.4f}")
+               else f"{task['task']} {task['value']:.4f}" if task else f"agree {acc['candidate']:.4f}")
         size = sum(f["size_bytes"] for f in m["files"].values())
         bench = m.get("benchmark") or {}
         pts = bench.get("points") or []
@@ -593,6 +614,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
     elif r.top1 is not None:
         lines.append(f"top-1     {r.top1:.4f} on {r.eval_samples} samples here (the build was gated by agreement "
                      f"with fp32, worst output {m.accuracy.candidate:.4f}: no labelled figure to compare)")
+    if r.gate is not None:
+        g = r.gate
+        what = (f"{g.task.task}: {', '.join(f'{c.name} {c.value:.4f}' for c in g.task.criteria)}" if g.task
+                else f"agreement {g.candidate:.4f} (needs {1 - g.max_drop:.4f})")
+        lines.append(f"gate      {what} on the bundle's {g.eval_samples} fp32 reference sample(s), this CPU "
+                     f"(--eval has no labels): {'holds' if g.passed else 'FAILS'}")
     if r.selftest is not None or r.selftest_error:
         lines.append("computes  " + ("as gated: the same answers the compiler measured" if r.computes_as_gated
                                      else "NOT as gated: this CPU gives other answers than the ones gated"))
@@ -664,6 +691,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "accuracy.min_agreement)")
     c.add_argument("--agreement-metric", choices=["auto", "top1", "cosine"], default="auto",
                    help="how outputs are compared without labels; use cosine for embeddings")
+    c.add_argument("--task", help="what the model is for, judged by the gate without labels: classification (top-1 "
+                   "agreement), detection (box recall/precision/IoU), ctc (decoded strings: exact agreement, "
+                   "character error rate), segmentation (mask IoU), regression (decision agreement, errors; alias "
+                   "probabilities), embedding (cosine). Default: MODEL.task.yaml beside the model, else inferred from "
+                   "the output shapes (printed)")
+    c.add_argument("--task-args", help="k=v,... for the task, e.g. 'format=yolov8,score=0.25,iou=0.5' (detection), "
+                   "'blank=0,min_exact=0.95,max_cer=0.02' (ctc), 'threshold=0.5' (regression, segmentation), "
+                   "'output=NAME' (which output the task reads)")
     c.add_argument("--no-fallback", action="store_true",
                    help="int8 over budget fails (or auto ships another precision) instead of keeping the layers "
                         "that lose most to quantization in float until it passes (onnxruntime targets)")
@@ -691,7 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", formatter_class=_Formatter, help="run a bundle on this CPU as an agent would",
                        description="Load a bundle through the agent's backend on this machine's CPU, run its "
                                    "self-test and, with --eval, measure top-1 against the figure the compiler "
-                                   "recorded. Exit 0 if it holds, 3 if this CPU computes something else, 4 if "
+                                   "recorded (without labels in --eval: the gate's own metric against the fp32 "
+                                   "reference outputs the bundle carries). Exit 0 if it holds, 3 if this CPU "
+                                   "computes something else, 4 if "
                                    "this CPU lacks the instruction sets the bundle needs. Try it on an emulated "
                                    "AVX2-only CPU: qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
     v.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")

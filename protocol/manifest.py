@@ -8,6 +8,13 @@ needs (``cpu_features``), the INT8 scheme and why (``quantization``), the build 
 (``build_host``), how the precision was chosen with every candidate's figures
 (``precision_choice``), and the self-test sample's own top-1 (``selftest_summary``), which the
 agent measures again on its CPU. Version 1 manifests still parse, with those fields empty.
+
+Version 3 adds the task gate (``accuracy.task``): what the model is for (classification, detection,
+ctc, segmentation, regression, embedding), how that was decided, and each task criterion with its
+value, bound and 95% interval. A manifest is written at the lowest version that carries its content:
+a bundle without a task gate (e.g. one gated on labels) stays version 2, so an older agent still
+reads it; one with a task gate is version 3, and an older agent refuses it with "upgrade the agent"
+rather than a schema error about an unknown key.
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ __all__ = [
     "PrecisionChoice",
     "QuantizationInfo",
     "SelfTestSummary",
+    "TaskCriterion",
+    "TaskReport",
     "TensorSpec",
     "parse_manifest",
 ]
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
+TASK_GATE_VERSION = 3  # the first version with accuracy.task
 MANIFEST_FILENAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
@@ -112,6 +122,39 @@ class OutputAgreement(StrictModel):
     mean_abs_error: float = Field(ge=0.0)
 
 
+class TaskCriterion(StrictModel):
+    """One thing the task gate checks: ``value`` (a fraction) must be >= ``bound`` (kind min) or <= it (max)."""
+
+    name: str = Field(min_length=1, max_length=64)  # top1_agreement, box_recall, char_error_rate, mask_iou, ...
+    value: float = Field(ge=0.0, le=1.0)
+    bound: float = Field(ge=0.0, le=1.0)
+    kind: Literal["min", "max"]
+    ci95: tuple[float, float] | None = None  # 95% interval of the value on the evaluation set
+    passed: bool
+
+
+class TaskReport(StrictModel):
+    """The candidate judged against fp32 by what the model is for (version 3)."""
+
+    task: Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding"]
+    source: Literal["declared", "file", "inferred"]
+    output: str
+    args: dict[str, str] = Field(default_factory=dict)
+    note: str = ""
+    metric: str  # the task's headline criterion (the first of ``criteria``)
+    value: float = Field(ge=0.0, le=1.0)
+    ci95: tuple[float, float] | None = None
+    criteria: tuple[TaskCriterion, ...] = Field(min_length=1)
+    passed: bool
+    details: dict[str, float] = Field(default_factory=dict)  # box counts, max abs error, threshold, ...
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TaskReport:
+        if self.passed != all(c.passed for c in self.criteria):
+            raise ValueError("passed does not agree with the criteria")
+        return self
+
+
 class AccuracyReport(StrictModel):
     # top1: against labels (drop = fp32 top-1 - candidate top-1); agreement: no labels, reference 1.0 and
     # candidate = the worst output's agreement with fp32 (top-1 agreement or cosine similarity)
@@ -126,6 +169,8 @@ class AccuracyReport(StrictModel):
     passed: bool
     outputs: tuple[OutputAgreement, ...] = ()
     drop_ci95: tuple[float, float] | None = None  # paired 95% interval of the drop (top1 per sample)
+    # version 3: the task gate (metric "agreement": candidate is the score of the criterion with the least room)
+    task: TaskReport | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> AccuracyReport:
@@ -253,13 +298,24 @@ class Manifest(StrictModel):
                 raise ValueError(f"file name {fname!r} must be a plain name inside the bundle")
         return self
 
+    @model_validator(mode="after")
+    def _version_carries_content(self) -> Manifest:
+        if self.accuracy.task is not None and self.manifest_version < TASK_GATE_VERSION:
+            raise ValueError(f"accuracy.task needs manifest_version {TASK_GATE_VERSION} or newer")
+        return self
+
     @property
     def batchable(self) -> bool:
         """Requests can be stacked into one batch: every input has a batch dimension."""
         return all(t.batch_axis is not None for t in self.inputs)
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        """As written into a bundle: version-3 keys left out when unset, so a version-2 manifest is exactly
+        what a version-2 agent parses."""
+        data = self.model_dump(mode="json")
+        if data["accuracy"].get("task") is None:
+            data["accuracy"].pop("task", None)
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 def parse_manifest(raw: bytes | str | dict[str, Any], source: str = MANIFEST_FILENAME) -> Manifest:

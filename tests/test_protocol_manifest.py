@@ -14,7 +14,7 @@ def manifest_dict(digits_bundle):
 
 def test_round_trip(manifest_dict):
     m = parse_manifest(json.dumps(manifest_dict))
-    assert m.manifest_version == MANIFEST_VERSION
+    assert m.manifest_version == 2  # gated on labels: no version-3 content, so version-2 agents read it
     assert m.inputs[0].shape == (-1, 1, 8, 8)
     assert m.precision == "int8" and m.backend == "onnxruntime"
     assert set(m.files) == {"model.onnx", "selftest.npz"}
@@ -121,3 +121,21 @@ def test_deeply_nested_or_huge_profile_is_a_schema_error(tmp_path):
     (tmp_path / "big.yaml").write_text("# pad\n" * 100_000)
     with pytest.raises(SchemaError, match="limit"):
         load_profile(str(tmp_path / "big.yaml"))
+
+
+def test_a_task_gate_needs_version_3_and_is_left_out_of_older_manifests(manifest_dict):
+    """Version 3 carries accuracy.task; a manifest without one is written without the key (a version-2 agent,
+    which refuses unknown keys, reads it), and one with it says version 3 (older agents: 'upgrade')."""
+    m = parse_manifest(json.dumps(manifest_dict))
+    assert '"task"' not in m.to_json()
+    task = {"task": "ctc", "source": "declared", "output": "logits", "metric": "exact_string_agreement",
+            "value": 1.0, "criteria": [{"name": "exact_string_agreement", "value": 1.0, "bound": 0.95,
+                                        "kind": "min", "passed": True}], "passed": True}
+    manifest_dict["accuracy"]["task"] = task
+    with pytest.raises(SchemaError, match="needs manifest_version 3"):
+        parse_manifest(manifest_dict)
+    manifest_dict["manifest_version"] = MANIFEST_VERSION
+    assert parse_manifest(manifest_dict).accuracy.task is not None
+    task["passed"] = False
+    with pytest.raises(SchemaError, match="passed does not agree"):
+        parse_manifest(manifest_dict)

@@ -34,7 +34,7 @@ class _Reader:
 
     def __init__(self, data: Dataset, batch: int = 16):
         self._data = data
-        self._batch = batch
+        self._batch = 1 if data.per_sample else batch
         self._i = 0
 
     def get_next(self) -> dict[str, np.ndarray] | None:
@@ -62,8 +62,10 @@ class OnnxRuntimeTarget:
         if calibration is None:
             raise InputError("static INT8 quantization needs a calibration set (--calibration)")
         with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
-            prepared = prepare(source, Path(tmp) / "prepared.onnx")
-            return quantize(prepared, profile, calibration, out_path)
+            prepared, how = prepare_or_raw(source, Path(tmp) / "prepared.onnx")
+            quant = quantize(prepared, profile, calibration, out_path)
+        ops = check_quantized(out_path)
+        return quant.model_copy(update={"reason": f"{quant.reason}; {how}; {ops} quantize/dequantize ops"})
 
     def toolchain_versions(self) -> dict[str, str]:
         import onnx
@@ -78,6 +80,13 @@ class OnnxRuntimeTarget:
 def prepare(source: Path, out_path: Path) -> Path:
     """The float model as the quantizer sees it (shape inference, fusions), with every node named:
     the float fallback excludes nodes by these names."""
+    return prepare_or_raw(source, out_path)[0]
+
+
+def prepare_or_raw(source: Path, out_path: Path) -> tuple[Path, str]:
+    """:func:`prepare`, and which path it took: onnxruntime's ``quant_pre_process`` (shape inference and
+    fusions), or, when that fails on a graph (it does on some real exports, e.g. "The truth value of an array
+    ... is ambiguous"), the raw graph as it is, which ``quantize_static`` can still quantize."""
     from compiler.sensitivity import name_nodes
 
     try:
@@ -87,9 +96,54 @@ def prepare(source: Path, out_path: Path) -> Path:
     try:
         with contextlib.redirect_stdout(sys.stderr):
             quant_pre_process(str(source), str(out_path), skip_symbolic_shape=True)
-    except Exception as exc:
-        raise ToolchainError(f"onnxruntime quantization pre-processing failed: {exc}") from exc
-    return name_nodes(out_path, out_path)
+        how = "quantized after onnxruntime's quant_pre_process"
+    except Exception as exc:  # onnxruntime raises assorted types from its pre-processing
+        shutil.copyfile(source, out_path)
+        first = " ".join(str(exc).split())[:160] or type(exc).__name__
+        how = f"quantized from the raw graph (onnxruntime's quant_pre_process failed: {first})"
+    return name_nodes(out_path, out_path), how
+
+
+QUANT_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"})
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def _nodes(graph) -> list:
+    """Every node of ``graph`` and of the subgraphs inside its nodes (If branches, Loop and Scan bodies)."""
+    out = []
+    for node in graph.node:
+        out.append(node)
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                out.extend(_nodes(g))
+    return out
+
+
+def count_quantized_ops(path: Path) -> tuple[int, int, int]:
+    """(quantized ops, compute ops inside If/Loop/Scan subgraphs, all compute ops) of an ONNX model,
+    subgraphs included: a QDQ or QOperator model has QuantizeLinear/DequantizeLinear or QLinear* nodes."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    every = _nodes(model.graph)
+    inner = [n for node in model.graph.node for a in node.attribute
+             for g in ([a.g] if a.HasField("g") else []) + list(a.graphs) for n in _nodes(g)]
+    quantized = sum(n.op_type in QUANT_OPS or n.op_type.startswith("QLinear") for n in every)
+    compute = lambda nodes: sum(n.op_type not in CONTROL_FLOW for n in nodes)  # noqa: E731
+    return quantized, compute(inner), compute(every)
+
+
+def check_quantized(path: Path) -> int:
+    """The number of quantized ops in a built int8 engine; none is an error that says why (the engine would be
+    fp32 under an int8 label)."""
+    quantized, inside, total = count_quantized_ops(path)
+    if quantized:
+        return quantized
+    why = (f"{inside} of its {total} ops sit inside If/Loop/Scan subgraphs, which onnxruntime's static "
+           "quantizer leaves in float" if inside else "no op onnxruntime's quantizer handles was found")
+    raise ToolchainError(f"the int8 build has no quantized op (0 QuantizeLinear/DequantizeLinear/QLinear nodes, "
+                         f"subgraphs included): {why}; it would be fp32 labelled int8, so it is not shipped as int8 "
+                         "(compile with --precision fp32, or auto, which ships fp32 and says why)")
 
 
 def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,

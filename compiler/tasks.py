@@ -1,0 +1,443 @@
+"""What a model is for, and how a built engine is judged against FP32 by that task.
+
+Comparing tensors does not say whether a model still does its job: a detector's argmax over anchors
+means nothing, per-step agreement of an OCR recognizer hides changed strings, and cosine on an
+``[N, 1]`` probability is always 1. So the gate judges the task:
+
+=================  ==========================================================================
+task               criteria (each with a bound; the gate passes when all hold)
+=================  ==========================================================================
+classification     top-1 agreement with FP32 (per sample)
+detection          FP32's boxes (score >= ``score``, NMS) matched by IoU >= ``iou`` with the same
+                   class: recall and precision of FP32's boxes, mean IoU of the matches
+ctc                greedy CTC decoding (arg-max, collapse repeats, drop ``blank``): exact-string
+                   agreement and character error rate against FP32's strings
+segmentation       mask IoU per sample (one channel: ``> threshold``; several: arg-max per pixel)
+regression         decision agreement at ``threshold`` (probabilities: 0.5 by default); without a
+                   threshold, the share of samples within ``tol`` of FP32; max and mean abs error
+embedding          cosine similarity (the worst sample's)
+=================  ==========================================================================
+
+The task is declared (``--task NAME --task-args 'k=v,...'``), read from ``MODEL.task.yaml`` beside the
+model, or inferred from the first output's shape (the inference says so). Pure functions of arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compiler.errors import InputError
+from protocol.manifest import TaskCriterion, TaskReport, TensorSpec
+
+__all__ = ["TASKS", "Outputs", "TaskSpec", "canonical_task", "infer_task", "judge", "load_task_file", "parse_task_args",
+           "resolve_task", "samples"]
+
+# an output over the evaluation set: samples on axis 0, or one array per sample when their shapes differ
+Outputs = np.ndarray | list[np.ndarray]
+
+ALIASES = {"sequence": "ctc", "probabilities": "regression", "mask": "segmentation", "masks": "segmentation"}
+# task -> its arguments and their defaults (None: chosen from the data or from --min-agreement)
+TASKS: dict[str, dict[str, Any]] = {
+    "classification": {"min_top1": None},
+    "detection": {"format": "yolov8", "score": 0.25, "iou": 0.5, "nms": 0.7, "min_recall": 0.9,
+                  "min_precision": 0.9, "min_iou": 0.8},
+    "ctc": {"blank": 0, "min_exact": 0.95, "max_cer": 0.02},
+    "segmentation": {"threshold": None, "min_iou": 0.9},
+    "regression": {"threshold": None, "min_decision": None, "tol": None, "min_within": 0.99},
+    "embedding": {"min_cosine": None},
+}
+DETECTION_FORMATS = ("yolov8", "yolov5")
+# the bound --min-agreement sets, per task, when --task-args does not set it
+PRIMARY_BOUND = {"classification": "min_top1", "detection": "min_recall", "ctc": "min_exact",
+                 "segmentation": "min_iou", "regression": "min_decision", "embedding": "min_cosine"}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    output: str  # the output it judges
+    args: dict[str, Any] = field(default_factory=dict)  # as given (validated), defaults not filled in
+    source: str = "declared"  # declared | file | inferred
+    note: str = ""  # how it was decided, for the progress output and the manifest
+
+    def arg(self, key: str) -> Any:
+        return self.args.get(key, TASKS[self.name][key])
+
+    @classmethod
+    def from_report(cls, report: TaskReport) -> TaskSpec:
+        """The task a manifest recorded, to judge again (``edgefleet verify``)."""
+        args = {k: _coerce(report.task, k, v, "manifest accuracy.task.args") for k, v in report.args.items()}
+        return cls(report.task, report.output, args, report.source, report.note)
+
+    def with_min_agreement(self, value: float | None) -> TaskSpec:
+        """--min-agreement given on the command line bounds the task's headline criterion."""
+        key = PRIMARY_BOUND[self.name]
+        if value is None or key in self.args:
+            return self
+        extra = {"min_within": value} if self.name == "regression" and "min_within" not in self.args else {}
+        return TaskSpec(self.name, self.output, {**self.args, key: value, **extra}, self.source, self.note)
+
+
+def canonical_task(name: str, where: str) -> str:
+    task = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if task not in TASKS:
+        raise InputError(f"{where}: unknown task {name!r}; tasks are {', '.join(TASKS)} (aliases: "
+                         f"{', '.join(f'{a}={t}' for a, t in ALIASES.items())})")
+    return task
+
+
+def _coerce(task: str, key: str, value: Any, where: str) -> Any:
+    if key == "output":
+        return str(value)
+    if key not in TASKS[task]:
+        raise InputError(f"{where}: {task} takes no argument {key!r}; it takes "
+                         f"{', '.join(['output', *TASKS[task]])}")
+    if key == "format":
+        if str(value) not in DETECTION_FORMATS:
+            raise InputError(f"{where}: detection format {value!r} is not one of {', '.join(DETECTION_FORMATS)} "
+                             "([N, 4+C, A] or [N, A, 5+C])")
+        return str(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{where}: {task} argument {key}={value!r} must be a number") from None
+    if not math.isfinite(number) or number < 0:
+        raise InputError(f"{where}: {task} argument {key}={value!r} must be a finite number >= 0")
+    if key == "blank":
+        if number != int(number):
+            raise InputError(f"{where}: ctc blank={value!r} must be a class index")
+        return int(number)
+    if key.startswith(("min_", "max_")) and number > 1:
+        raise InputError(f"{where}: {task} argument {key}={value!r} is a fraction between 0 and 1")
+    return number
+
+
+def parse_task_args(task: str, text: str | None, where: str = "--task-args") -> dict[str, Any]:
+    """``'format=yolov8,score=0.25'`` -> validated arguments of ``task``."""
+    out: dict[str, Any] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"{where}: {part.strip()!r} is not key=value (e.g. 'score=0.25,iou=0.5')")
+        out[key.strip()] = _coerce(task, key.strip(), value.strip(), where)
+    return out
+
+
+def task_file(model: Path) -> Path:
+    return model.with_suffix(".task.yaml")
+
+
+def load_task_file(path: Path) -> tuple[str, dict[str, Any]]:
+    """``MODEL.task.yaml``: ``task: NAME``, optional ``output: NAME`` and ``args: {k: v}``; unknown keys are errors."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")[:65536])
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise InputError(f"{path}: not a readable task file ({str(exc).splitlines()[0]})") from exc
+    if not isinstance(data, dict) or "task" not in data:
+        raise InputError(f"{path}: a task file is a mapping with a 'task' key (e.g. 'task: ctc')")
+    unknown = sorted(set(data) - {"task", "args", "output"})
+    if unknown:
+        raise InputError(f"{path}: unknown key {unknown[0]!r} (keys: task, output, args)")
+    task = canonical_task(str(data["task"]), str(path))
+    raw = data.get("args") or {}
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: 'args' must be a mapping of argument -> value")
+    args = {str(k): _coerce(task, str(k), v, str(path)) for k, v in raw.items()}
+    if "output" in data:
+        args["output"] = str(data["output"])
+    return task, args
+
+
+def _shape(spec: TensorSpec) -> str:
+    return "[" + ", ".join("N" if i == spec.batch_axis else "?" if d == -1 else str(d)
+                           for i, d in enumerate(spec.shape)) + "]"
+
+
+def infer_task(outputs: tuple[TensorSpec, ...]) -> TaskSpec:
+    """The task most models with this first output are trained for (stated, so a user can correct it)."""
+    spec = outputs[0]
+    dims = list(spec.shape)
+    if spec.batch_axis == 0 or (dims and dims[0] == 1):
+        dims = dims[1:]
+    why = f"inferred from output {spec.name!r} {_shape(spec)}"
+    if len(dims) <= 1 and (not dims or dims[0] == 1):
+        task, what = "regression", "one value per sample: probabilities / regression"
+    elif len(dims) == 1:
+        task, what = "classification", "class scores"
+    elif len(dims) == 2 and dims[0] != -1 and dims[1] != -1 and 5 <= dims[0] and dims[1] > 2 * dims[0]:
+        task, what = "detection", "yolov8-style boxes [4+C, anchors]"
+    elif len(dims) == 2 and dims[1] != -1:
+        task, what = "ctc", "a sequence of class scores per step"
+    elif len(dims) == 3:
+        task, what = "segmentation", "a dense map per pixel"
+    else:
+        task, what = "embedding", "a tensor compared by cosine"
+    note = f"task {task} ({what}), {why}; declare another with --task"
+    return TaskSpec(task, spec.name, {}, "inferred", note)
+
+
+def resolve_task(declared: str | None, task_args: str | None, model: Path,
+                 outputs: tuple[TensorSpec, ...]) -> TaskSpec:
+    """--task (with --task-args), else MODEL.task.yaml, else inferred from the output shapes."""
+    if declared:
+        task = canonical_task(declared, "--task")
+        args, source, note = parse_task_args(task, task_args), "declared", f"task {task} (--task)"
+    elif task_args:
+        raise InputError("--task-args needs --task NAME")
+    elif task_file(model).is_file():
+        task, args = load_task_file(task_file(model))
+        source, note = "file", f"task {task} ({task_file(model).name})"
+    else:
+        return infer_task(outputs)
+    names = [o.name for o in outputs]
+    output = str(args.pop("output", names[0]))
+    if output not in names:
+        raise InputError(f"task {task}: output {output!r} is not one of the model's outputs {names}")
+    spec = next(o for o in outputs if o.name == output)
+    return TaskSpec(task, output, args, source, f"{note} on output {output!r} {_shape(spec)}")
+
+
+# -- judging ---------------------------------------------------------------------------------------
+def samples(out: Outputs) -> list[np.ndarray]:
+    return list(out) if isinstance(out, list) else [out[i] for i in range(len(out))]
+
+
+def _wilson(hits: int, n: int) -> tuple[float, float] | None:
+    if n == 0:
+        return None
+    p, z = hits / n, 1.96
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (round(max(0.0, mid - half), 6), round(min(1.0, mid + half), 6))
+
+
+def _mean_ci(values: list[float]) -> tuple[float, float] | None:
+    if not values:
+        return None
+    v = np.asarray(values, np.float64)
+    half = 1.96 * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else 0.0
+    m = float(v.mean())
+    return (round(max(0.0, m - half), 6), round(min(1.0, m + half), 6))
+
+
+def _crit(name: str, value: float, bound: float, kind: str, ci: tuple[float, float] | None) -> TaskCriterion:
+    value, bound = round(min(max(value, 0.0), 1.0), 6), round(bound, 6)
+    ok = value >= bound - 1e-9 if kind == "min" else value <= bound + 1e-9
+    return TaskCriterion(name=name, value=value, bound=bound, kind=kind, ci95=ci, passed=ok)  # type: ignore[arg-type]
+
+
+def _classification(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
+                    min_agreement: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    agree = [float((r.argmax(axis=-1) == c.argmax(axis=-1)).mean()) for r, c in zip(ref, cand, strict=True)]
+    whole = sum(a == 1.0 for a in agree)
+    bound = task.arg("min_top1")
+    crit = _crit("top1_agreement", float(np.mean(agree)), min_agreement if bound is None else bound, "min",
+                 _wilson(whole, len(agree)) if all(r.ndim == 1 for r in ref) else _mean_ci(agree))
+    return [crit], {}
+
+
+def _boxes(x: np.ndarray, fmt: str, score: float, nms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(xyxy [K, 4], scores [K], classes [K]) after the score threshold and per-class NMS."""
+    x = x.astype(np.float64)
+    if fmt == "yolov8":  # [4+C, A]
+        rows = x.T
+        cls_scores = rows[:, 4:]
+    else:  # yolov5: [A, 5+C], objectness times class score
+        rows = x
+        cls_scores = rows[:, 5:] * rows[:, 4:5]
+    if cls_scores.shape[1] == 0:
+        raise InputError(f"detection format {fmt}: the output has no class columns ({list(x.shape)})")
+    cls = cls_scores.argmax(axis=1)
+    sc = cls_scores.max(axis=1)
+    keep = sc >= score
+    cx, cy, w, h = (rows[keep, i] for i in range(4))
+    xyxy = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)
+    sc, cls = sc[keep], cls[keep]
+    order = np.argsort(-sc, kind="stable")[:3000]
+    xyxy, sc, cls = xyxy[order], sc[order], cls[order]
+    kept: list[int] = []
+    suppressed = np.zeros(len(sc), bool)
+    for i in range(len(sc)):
+        if suppressed[i]:
+            continue
+        kept.append(i)
+        if len(kept) >= 300:
+            break
+        ious = _iou(xyxy[i], xyxy[i + 1:])
+        suppressed[i + 1:] |= (ious > nms) & (cls[i + 1:] == cls[i])
+    return xyxy[kept], sc[kept], cls[kept]
+
+
+def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    if len(boxes) == 0:
+        return np.zeros(0)
+    lt = np.maximum(box[:2], boxes[:, :2])
+    rb = np.minimum(box[2:], boxes[:, 2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), axis=1)
+    area = lambda b: np.prod(np.clip(b[..., 2:] - b[..., :2], 0, None), axis=-1)  # noqa: E731
+    union = area(box) + area(boxes) - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+
+
+def _detection(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
+               _min: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    fmt, score, iou_t, nms = task.arg("format"), task.arg("score"), task.arg("iou"), task.arg("nms")
+    n_ref = n_cand = tp = 0
+    ious: list[float] = []
+    for r, c in zip(ref, cand, strict=True):
+        if r.ndim != 2:
+            raise InputError(f"detection ({fmt}) needs an output of [N, 4+C, A] (yolov8) or [N, A, 5+C] (yolov5); "
+                             f"a sample here has shape {list(r.shape)}: declare another task with --task")
+        rb, _, rc = _boxes(r, fmt, score, nms)
+        cb, _, cc = _boxes(c, fmt, score, nms)
+        used = np.zeros(len(cb), bool)
+        for box, k in zip(rb, rc, strict=True):  # reference boxes in order of score
+            cand_iou = np.where(~used & (cc == k), _iou(box, cb), 0.0)
+            j = int(cand_iou.argmax()) if len(cb) else -1
+            if j >= 0 and cand_iou[j] >= iou_t:
+                used[j] = True
+                tp += 1
+                ious.append(float(cand_iou[j]))
+        n_ref += len(rb)
+        n_cand += len(cb)
+    recall = tp / n_ref if n_ref else 1.0
+    precision = tp / n_cand if n_cand else 1.0
+    crits = [_crit("box_recall", recall, task.arg("min_recall"), "min", _wilson(tp, n_ref)),
+             _crit("box_precision", precision, task.arg("min_precision"), "min", _wilson(tp, n_cand)),
+             _crit("mean_iou", float(np.mean(ious)) if ious else (1.0 if n_ref == 0 else 0.0), task.arg("min_iou"),
+                   "min", _mean_ci(ious))]
+    return crits, {"fp32_boxes": float(n_ref), "candidate_boxes": float(n_cand), "matched_boxes": float(tp)}
+
+
+def ctc_decode(scores: np.ndarray, blank: int = 0) -> list[int]:
+    """Greedy CTC: arg-max per step, collapse repeats, drop the blank. ``scores`` is [T, C]."""
+    best = scores.reshape(-1, scores.shape[-1]).argmax(axis=-1)
+    out: list[int] = []
+    prev = -1
+    for k in best.tolist():
+        if k != prev and k != blank:
+            out.append(k)
+        prev = k
+    return out
+
+
+def edit_distance(a: list[int], b: list[int]) -> int:
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y))
+        prev = cur
+    return prev[-1]
+
+
+def _ctc(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
+         _min: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    blank = task.arg("blank")
+    exact = edits = chars = 0
+    cers: list[float] = []
+    for r, c in zip(ref, cand, strict=True):
+        if r.ndim != 2:
+            raise InputError(f"ctc needs an output of [N, T, C] (class scores per step); a sample here has shape "
+                             f"{list(r.shape)}: declare another task with --task")
+        if not 0 <= blank < r.shape[-1]:
+            raise InputError(f"ctc blank={blank} is outside the {r.shape[-1]} classes of the output")
+        a, b = ctc_decode(r, blank), ctc_decode(c, blank)
+        exact += a == b
+        d = edit_distance(a, b)
+        edits += d
+        chars += len(a)
+        cers.append(d / max(len(a), 1))
+    n = len(ref)
+    cer = edits / chars if chars else float(edits > 0)
+    crits = [_crit("exact_string_agreement", exact / n, task.arg("min_exact"), "min", _wilson(exact, n)),
+             _crit("char_error_rate", cer, task.arg("max_cer"), "max", _mean_ci(cers))]
+    return crits, {"strings": float(n), "fp32_chars": float(chars)}
+
+
+def _segmentation(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
+                  _min: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    thr = task.arg("threshold")
+    if thr is None:  # probabilities are cut at 0.5, logits at 0
+        lo = min(float(r.min(initial=0.0)) for r in ref)
+        hi = max(float(r.max(initial=0.0)) for r in ref)
+        thr = 0.5 if lo >= 0 and hi <= 1 else 0.0
+    ious: list[float] = []
+    for r, c in zip(ref, cand, strict=True):
+        if r.ndim == 3 and r.shape[0] > 1:
+            rl, cl = r.argmax(axis=0), c.argmax(axis=0)
+            per = [(np.sum((rl == k) & (cl == k)), np.sum((rl == k) | (cl == k))) for k in np.union1d(rl, cl)]
+            ious.append(float(np.mean([i / u for i, u in per if u])) if per else 1.0)
+        else:
+            rm, cm = r > thr, c > thr
+            union = int((rm | cm).sum())
+            ious.append(float((rm & cm).sum() / union) if union else 1.0)
+    crits = [_crit("mask_iou", float(np.mean(ious)), task.arg("min_iou"), "min", _mean_ci(ious))]
+    return crits, {"worst_mask_iou": round(min(ious), 6), "threshold": float(thr)}
+
+
+def _regression(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
+                min_agreement: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    r = np.concatenate([x.reshape(-1) for x in ref]).astype(np.float64)
+    c = np.concatenate([x.reshape(-1) for x in cand]).astype(np.float64)
+    err = np.abs(r - c)
+    details = {"max_abs_error": float(err.max(initial=0.0)), "mean_abs_error": float(err.mean()) if err.size else 0.0}
+    thr = task.arg("threshold")
+    if thr is None and r.size and r.min() >= 0 and r.max() <= 1:
+        thr = 0.5  # probabilities
+    crits = []
+    if thr is not None:
+        same = int(((r > thr) == (c > thr)).sum())
+        bound = task.arg("min_decision")
+        crits.append(_crit("decision_agreement", same / max(r.size, 1), min_agreement if bound is None else bound,
+                           "min", _wilson(same, r.size)))
+        details["threshold"] = float(thr)
+    if thr is None or "tol" in task.args:
+        tol = task.arg("tol")
+        if tol is None:
+            tol = 0.01 * float(r.max() - r.min()) if r.size else 0.0
+        within = sum(float(np.abs(a.astype(np.float64) - b).max(initial=0.0)) <= tol + 1e-12
+                     for a, b in zip(ref, cand, strict=True))
+        crits.append(_crit("within_tolerance", within / len(ref), task.arg("min_within"), "min",
+                           _wilson(within, len(ref))))
+        details["tol"] = float(tol)
+    return crits, details
+
+
+def _embedding(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
+               min_agreement: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    cos = []
+    for r, c in zip(ref, cand, strict=True):
+        x, y = r.reshape(-1).astype(np.float64), c.reshape(-1).astype(np.float64)
+        den = float(np.linalg.norm(x) * np.linalg.norm(y))
+        cos.append(float(x @ y / den) if den else float(np.array_equal(x, y)))
+    bound = task.arg("min_cosine")
+    crits = [_crit("worst_cosine", min(cos), min_agreement if bound is None else bound, "min", None)]
+    return crits, {"mean_cosine": round(float(np.mean(cos)), 6)}
+
+
+_JUDGES = {"classification": _classification, "detection": _detection, "ctc": _ctc, "segmentation": _segmentation,
+           "regression": _regression, "embedding": _embedding}
+
+
+def judge(task: TaskSpec, ref: Outputs, cand: Outputs, min_agreement: float) -> TaskReport:
+    """Judge the candidate's output against FP32's by the task; the first criterion is the task's metric."""
+    r, c = samples(ref), samples(cand)
+    if len(r) != len(c) or not r:
+        raise InputError(f"output {task.output!r}: fp32 gave {len(r)} samples, the candidate {len(c)}")
+    crits, details = _JUDGES[task.name](task, r, c, min_agreement)
+    first = crits[0]
+    return TaskReport(task=task.name, source=task.source, output=task.output,  # type: ignore[arg-type]
+                      args={k: str(v) for k, v in task.args.items()}, note=task.note, metric=first.name,
+                      value=first.value, ci95=first.ci95, criteria=tuple(crits), passed=all(x.passed for x in crits),
+                      details={k: round(v, 6) for k, v in details.items()})
