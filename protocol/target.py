@@ -10,13 +10,12 @@ written, so a fleet that adds one keeps older agents working until it uses it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field
 
-from protocol._strict import StrictModel, problems_from
-from protocol.errors import SchemaError
-from protocol.manifest import NAME_RE, Backend, Manifest, Precision, version_key
+from protocol._strict import StrictModel, parse_document
+from protocol.manifest import NAME_RE, VERSION_RE, Backend, Manifest, Precision
 
 __all__ = ["TargetCustom", "target_path"]
 
@@ -29,35 +28,16 @@ def target_path(manifest: Manifest) -> str:
 
 
 class TargetCustom(StrictModel):
-    name: str = Field(max_length=63)
-    version: str = Field(max_length=32)
-    profile: str = Field(max_length=63)
+    name: str = Field(pattern=f"^{NAME_RE.pattern}$")  # the manifest's rules
+    version: str = Field(pattern=f"^{VERSION_RE.pattern}$")
+    profile: str = Field(pattern=f"^{NAME_RE.pattern}$")
     # None: not recorded (repositories and CI signers from before they were); the agent reads neither
     backend: Backend | None = None
     precision: Precision | None = None
     # the instruction sets the engine needs; None in repositories from before they were recorded (the agent
     # then checks what the profile promises)
-    cpu_features: tuple[str, ...] | None = Field(default=None, max_length=MAX_CPU_FEATURES)
-
-    @field_validator("name", "profile")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.fullmatch(v):
-            raise ValueError("names are 1-63 of [a-z0-9._-], starting with a letter or digit")
-        return v
-
-    @field_validator("version")
-    @classmethod
-    def _version(cls, v: str) -> str:
-        version_key(v)
-        return v
-
-    @field_validator("cpu_features")
-    @classmethod
-    def _features(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        if v is not None and any(not f or len(f) > 32 for f in v):
-            raise ValueError("CPU feature names are 1-32 characters")
-        return v
+    cpu_features: tuple[Annotated[str, Field(min_length=1, max_length=32)], ...] | None = Field(
+        default=None, max_length=MAX_CPU_FEATURES)
 
     @classmethod
     def of(cls, manifest: Manifest) -> TargetCustom:
@@ -67,12 +47,7 @@ class TargetCustom(StrictModel):
     @classmethod
     def parse(cls, data: Any, source: str) -> TargetCustom:
         """Validate what a target's metadata says (``source`` names it in the error)."""
-        if not isinstance(data, dict):
-            raise SchemaError(source, [f"custom fields: expected a mapping, got {type(data).__name__}"])
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise SchemaError(source, problems_from(exc)) from exc
+        return parse_document(cls, data, source)
 
     def signed_fields(self) -> dict[str, Any]:
         """As written into the TUF metadata: JSON data, unset optional fields left out."""
