@@ -1,14 +1,18 @@
 """Fleet at scale through a real Mosquitto on loopback: rollout time, telemetry ingest, a halting rollout.
 
-    .venv/bin/python bench/fleet_scale.py                       # 1,000 / 5,000 / 10,000 devices
+    .venv/bin/python bench/fleet_scale.py                       # 1,000 / 10,000 devices, stock and tuned broker
     .venv/bin/python bench/fleet_scale.py --sizes 1000 --skip-telemetry --skip-halt
+    .venv/bin/python bench/fleet_scale.py --sizes 100000 --dbs postgresql --replicas 2 --brokers stock \
+        --skip-telemetry --skip-halt                              # 4 simulator processes, 25,000 devices each
 
 Each scenario starts its own Mosquitto (a free port), a fleet server (``edgefleet fleet serve``, SQLite)
 and the simulator (``edgefleet simulate``) as separate processes, so the three share the machine's cores
 as they would on one box. Figures:
 
 - rollout: seconds from POST /api/v1/rollouts (one wave, every device, no soak) until the fleet counts
-  every device installed; and how long until every desired state had been answered;
+  every device installed, on a stock-configured Mosquitto (where bursts of reports are dropped and the fleet
+  reads them back from retained copies) and a tuned one; the fleet's CPU seconds per report it handled; the
+  database's size after the run; on SQLite and/or PostgreSQL, with one or two replicas;
 - telemetry: records/s the fleet stores while devices send at a fixed rate, and sent vs stored (loss), on
   SQLite; then on PostgreSQL (127.0.0.1:5432, if reachable) with one replica and with two replicas that split
   the stream through an MQTT shared subscription (what each replica handled is printed);
@@ -52,14 +56,35 @@ def wait(pred, timeout_s: float, what: str, interval_s: float = 0.2):
     raise TimeoutError(f"{what}: not met in {timeout_s}s")
 
 
+TUNED = "max_queued_messages 0\nmax_inflight_messages 0\nset_tcp_nodelay true\n"
+
+
+def _raise_nofile(need: int) -> None:
+    """Let this process and its children open ``need`` files (sockets): one per device, in the broker and in
+    the simulator. Root may raise the hard limit too (up to the kernel's nr_open)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return
+    if hard < need and os.geteuid() == 0:
+        try:
+            nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+        except OSError:
+            nr_open = need
+        hard = max(hard, min(need, nr_open))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+
+
 @contextmanager
-def mosquitto(work: Path):
+def mosquitto(work: Path, tuned: bool = False, devices: int = 0):
+    """Mosquitto with its stock settings (only a listener and anonymous access), or ``tuned``: no queue limit for
+    subscribers that are behind (``max_queued_messages 0``: the stock limit, 1,000, drops QoS 1 messages of a
+    burst, which the fleet then reads back from retained copies) and no inflight limit."""
     port = free_port()
     conf = work / "mosquitto.conf"
-    # max_queued_messages 0: the fleet's one subscription receives every device's reports in bursts;
-    # Mosquitto's default (1000 queued per client) would drop QoS 1 messages beyond it
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                    "max_queued_messages 0\nmax_inflight_messages 0\nset_tcp_nodelay true\n")
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n" + (TUNED if tuned else ""))
+    _raise_nofile(devices + 1000)
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -98,6 +123,7 @@ def fleet(work: Path, mqtt_url: str, bundle: Path | None, *extra: str, name: str
         wait(healthy, 60, "fleet healthy")
         token = (work / "fleet" / "admin-token").read_text().strip()
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        client.pid = proc.pid  # type: ignore[attr-defined]  # for the fleet's CPU time
         if bundle is not None:
             client.post("/api/v1/bundles", content=bundle.read_bytes()).raise_for_status()
         yield client
@@ -107,16 +133,27 @@ def fleet(work: Path, mqtt_url: str, bundle: Path | None, *extra: str, name: str
 
 
 @contextmanager
-def simulator(work: Path, mqtt_url: str, n: int, *extra: str):
-    proc = cli("simulate", "--devices", str(n), "--mqtt-url", mqtt_url, "--json", *extra, log=work / "sim.log")
+def simulator(work: Path, mqtt_url: str, n: int, *extra: str, procs: int = 1):
+    """``edgefleet simulate`` as ``procs`` processes (devices split between them: one asyncio loop each)."""
+    started = []
+    per = -(-n // procs)
+    for i in range(procs):
+        count = min(per, n - i * per)
+        if count <= 0:
+            break
+        started.append(cli("simulate", "--devices", str(count), "--first-index", str(i * per), "--mqtt-url", mqtt_url,
+                           "--json", "--stats-file", str(work / f"sim-{i}.stats.json"), *extra,
+                           log=work / ("sim.log" if i == 0 else f"sim-{i}.log")))
     try:
-        yield proc
+        yield started[0]
     finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc in started:
+            proc.send_signal(2)
+        for proc in started:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def sim_counters(work: Path) -> dict[str, int]:
@@ -124,6 +161,20 @@ def sim_counters(work: Path) -> dict[str, int]:
         if line.startswith("{"):
             return json.loads(line)
     return {}
+
+
+def sim_live(work: Path) -> dict[str, int]:
+    """The simulator processes' counters now, summed (from their --stats-file)."""
+    total: dict[str, int] = {}
+    for f in work.glob("sim-*.stats.json"):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for k, v in doc.items():
+            if k != "t":
+                total[k] = total.get(k, 0) + int(v)
+    return total
 
 
 def stats(client: httpx.Client) -> dict:
@@ -140,27 +191,73 @@ def build_bundle(work: Path) -> Path:
         precision="int8")).bundle
 
 
-def bench_rollout(base: Path, bundle: Path, n: int) -> dict:
-    work = base / f"rollout-{n}"
+def _db_bytes(work: Path, db_url: str | None) -> int:
+    if db_url is None:
+        return sum(p.stat().st_size for p in (work / "fleet").glob("fleet.db*"))
+    import psycopg
+
+    name = db_url.rsplit("/", 1)[-1]
+    with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
+        row = conn.execute("SELECT pg_database_size(%s)", (name,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url: str | None = None,
+                  replicas: int = 1, sim_procs: int = 1) -> dict:
+    """One wave to every device: seconds from the POST until the fleet counts every device installed; the
+    fleet's CPU seconds per report it handled; the database's size after it."""
+    label = f"rollout-{n}-{'tuned' if tuned else 'stock'}-{'pg' if db_url else 'sqlite'}-{replicas}"
+    work = base / label
     work.mkdir()
-    with mosquitto(work) as mq, fleet(work, mq, bundle) as client, simulator(work, mq, n, "--install-s", "0.05"):
-        t = time.monotonic()
-        wait(lambda: stats(client)["online"] == n, 300, f"{n} devices online", 0.5)
-        online_s = time.monotonic() - t
-        t0 = time.monotonic()
-        r = client.post("/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "profile": "x86-cpu"})
-        r.raise_for_status()
-        created_s = time.monotonic() - t0
-        rid = r.json()["id"]
+    extra = ([] if db_url is None else ["--db-url", db_url]) + \
+        (["--shared-subscription-group", "fleet"] if replicas > 1 else [])
+    with mosquitto(work, tuned, n) as mq, ExitStack() as fleets:
+        clients = [fleets.enter_context(fleet(work, mq, bundle if i == 0 else None, *extra, name=f"fleet-{i}"))
+                   for i in range(replicas)]
+        client = clients[0]
+        with simulator(work, mq, n, "--install-s", "0.05", procs=sim_procs):
+            t = time.monotonic()
+            wait(lambda: stats(client)["online"] == n, 900, f"{n} devices online", 0.5)
+            online_s = time.monotonic() - t
+            cpu0 = sum(_cpu_s(c.pid) for c in clients)  # type: ignore[attr-defined]
+            handled0 = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients)
+            t0 = time.monotonic()
+            r = client.post("/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "profile": "x86-cpu"})
+            r.raise_for_status()
+            created_s = time.monotonic() - t0
+            rid = r.json()["id"]
 
-        def done() -> dict | None:
-            s = client.get(f"/api/v1/rollouts/{rid}?targets=false").json()
-            return s if s["status"] != "in_progress" else None
+            desired_at: list[float] = []
 
-        final = wait(done, 600, f"rollout to {n} devices", 0.2)
-        took = time.monotonic() - t0
-    return {"devices": n, "online_s": round(online_s, 1), "create_s": round(created_s, 2),
-            "rollout_s": round(took, 1), "status": final["status"], "counts": final["counts"]}
+            def done() -> dict | None:
+                if not desired_at and sim_live(work).get("desired", 0) >= n:
+                    desired_at.append(time.monotonic() - t0)
+                s = client.get(f"/api/v1/rollouts/{rid}?targets=false").json()
+                return s if s["status"] != "in_progress" else None
+
+            final = wait(done, 1800, f"rollout to {n} devices", 0.2)
+            took = time.monotonic() - t0
+            if not desired_at:
+                wait(lambda: sim_live(work).get("desired", 0) >= n, 60, "every desired state received", 0.2)
+                desired_at.append(time.monotonic() - t0)
+            cpu = sum(_cpu_s(c.pid) for c in clients) - cpu0  # type: ignore[attr-defined]
+            handled = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients) - handled0
+            rejected = stats(client)["rejected"]
+        db_bytes = _db_bytes(work, db_url)
+    return {"devices": n, "broker": "tuned" if tuned else "stock", "db": "postgresql" if db_url else "sqlite",
+            "replicas": replicas, "online_s": round(online_s, 1), "create_s": round(created_s, 2),
+            "desired_s": round(desired_at[0], 1), "rollout_s": round(took, 1), "status": final["status"],
+            "counts": final["counts"],
+            "reports_handled": handled, "fleet_cpu_s": round(cpu, 1),
+            "fleet_cpu_ms_per_report": round(1000 * cpu / handled, 3) if handled else None,
+            "db_mb": round(db_bytes / 2**20, 1), "rejected": rejected}
 
 
 def postgres_url(name: str) -> str | None:
@@ -186,7 +283,9 @@ def bench_telemetry(base: Path, n: int, interval_s: float, duration_s: float, db
     work.mkdir()
     extra = ([] if db_url is None else ["--db-url", db_url]) + \
         (["--shared-subscription-group", "fleet"] if replicas > 1 else [])
-    with mosquitto(work) as mq, ExitStack() as fleets:
+    # the tuned broker: the simulator sends each record once and does not resend what is not acked, as the agent's
+    # spool does, so a record the stock broker dropped would count as lost here and not on a real fleet
+    with mosquitto(work, tuned=True, devices=n) as mq, ExitStack() as fleets:
         clients = [fleets.enter_context(fleet(work, mq, None, *extra, name=f"fleet-{i}")) for i in range(replicas)]
         client = clients[0]
         with simulator(work, mq, n, "--telemetry-interval-s", str(interval_s), "--duration-s", str(duration_s)) as p:
@@ -217,7 +316,7 @@ def bench_telemetry(base: Path, n: int, interval_s: float, duration_s: float, db
 def bench_halt(base: Path, bundle: Path, n: int) -> dict:
     work = base / "halt"
     work.mkdir()
-    with mosquitto(work) as mq, fleet(work, mq, bundle) as client, \
+    with mosquitto(work, devices=n) as mq, fleet(work, mq, bundle) as client, \
             simulator(work, mq, n, "--install-s", "0.05", "--fail-version", "1.0.0=0.3"):
         wait(lambda: stats(client)["online"] == n, 300, f"{n} devices online", 0.5)
         r = client.post("/api/v1/rollouts", json={
@@ -242,7 +341,12 @@ def sim_counters_live(client: httpx.Client, rid: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1000,5000,10000")
+    ap.add_argument("--sizes", default="1000,10000", help="devices per rollout run, comma-separated")
+    ap.add_argument("--brokers", default="stock,tuned", help="stock (Mosquitto's defaults: the fleet must not "
+                    "lose reports it drops) and/or tuned (no subscriber queue limit)")
+    ap.add_argument("--dbs", default="sqlite", help="sqlite and/or postgresql (127.0.0.1:5432, trust auth)")
+    ap.add_argument("--replicas", type=int, default=1, help="fleet replicas per rollout run (PostgreSQL only)")
+    ap.add_argument("--devices-per-sim", type=int, default=25_000, help="simulated devices per simulator process")
     ap.add_argument("--telemetry-devices", type=int, default=1000)
     ap.add_argument("--telemetry-interval-s", type=float, default=0.2, help="per device")
     ap.add_argument("--telemetry-duration-s", type=float, default=10.0)
@@ -255,10 +359,23 @@ def main() -> int:
     bundle = build_bundle(base)
     results: dict = {"rollout": []}
     for n in [int(x) for x in a.sizes.split(",") if x]:
-        res = bench_rollout(base, bundle, n)
-        results["rollout"].append(res)
-        print(f"rollout to {n:>6} devices: {res['rollout_s']:>6.1f} s ({res['status']}, {res['counts']}); "
-              f"devices online after {res['online_s']} s, POST took {res['create_s']} s", flush=True)
+        for db in [d for d in a.dbs.split(",") if d]:
+            db_url = None if db == "sqlite" else postgres_url(f"edgefleet_bench_rollout_{n}")
+            if db != "sqlite" and db_url is None:
+                print(f"rollout on {db}: skipped, PostgreSQL is not reachable on 127.0.0.1:5432", flush=True)
+                continue
+            for broker in [b for b in a.brokers.split(",") if b]:
+                if db_url is not None:
+                    db_url = postgres_url(f"edgefleet_bench_rollout_{n}")  # a fresh database for each run
+                res = bench_rollout(base, bundle, n, broker == "tuned", db_url, a.replicas if db_url else 1,
+                                    -(-n // a.devices_per_sim))
+                results["rollout"].append(res)
+                print(f"rollout to {n:>6} devices, {broker} broker, {res['db']} x{res['replicas']}: "
+                      f"every desired state received after {res['desired_s']} s, all installed after "
+                      f"{res['rollout_s']:>6.1f} s ({res['status']}, {res['counts']}); fleet CPU "
+                      f"{res['fleet_cpu_ms_per_report']} ms per report ({res['reports_handled']} handled); database "
+                      f"{res['db_mb']} MB; devices online after {res['online_s']} s, POST took {res['create_s']} s",
+                      flush=True)
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:

@@ -461,6 +461,8 @@ def add_parser(sub: Any, formatter: Any = argparse.HelpFormatter) -> None:
     sp.add_argument("--fleet", help="a fleet whose broker needs device accounts (the embedded one does): enroll "
                                     "each device there first (an operator token in $EDGEFLEET_TOKEN)")
     sp.add_argument("--json", action="store_true", help="print the final counters as JSON")
+    sp.add_argument("--stats-file", help="also write the counters (JSON) to this file four times a second, for a "
+                                         "benchmark that watches them")
     sp.set_defaults(fn=cmd_simulate)
 
 
@@ -516,12 +518,15 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         await sim.connect_all()
         print(f"{a.devices} simulated devices connected in {time.monotonic() - t0:.1f}s", file=sys.stderr,
               flush=True)
+        writer = asyncio.ensure_future(_write_stats(sim, a.stats_file)) if a.stats_file else None
         try:
             if a.duration_s > 0:
                 await asyncio.sleep(a.duration_s)
             else:
                 await asyncio.Event().wait()
         finally:
+            if writer is not None:
+                writer.cancel()
             await sim.stop_all()
 
     try:
@@ -534,6 +539,17 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(json.dumps(sim.stats.as_json()) if a.json else
           " ".join(f"{k}={v}" for k, v in sim.stats.as_json().items()), flush=True)
     return 0
+
+
+async def _write_stats(sim: Simulator, path: str) -> None:
+    import os
+
+    while True:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"t": time.time(), **sim.stats.as_json()}, f)
+        os.replace(tmp, path)
+        await asyncio.sleep(0.25)
 
 
 def _run(coro: Any) -> None:
