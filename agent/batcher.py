@@ -33,9 +33,10 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -46,7 +47,7 @@ from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from agent.metrics import Metrics, ModelMetrics
 from engines import Engine
 
-__all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher", "ComputeGate"]
+__all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher", "ComputeGate", "pin_thread"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
 
@@ -174,18 +175,27 @@ class _Pending:
         return True
 
 
-class _Instance:
-    """One backend object and the one thread that runs it."""
+def pin_thread(cpus: Collection[int] | None) -> None:
+    """Run the calling thread (only it: Linux's affinity is per thread; threads it starts inherit it) on ``cpus``."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cpus))
 
-    def __init__(self, backend: Engine, index: int):
+
+class _Instance:
+    """One backend object and the one thread that runs it (on ``cpus``, if given)."""
+
+    def __init__(self, backend: Engine, index: int, cpus: Collection[int] | None = None):
         self.backend = backend
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{index}")
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{index}",
+                                           initializer=pin_thread, initargs=(cpus,))
 
 
 class Batcher:
     def __init__(self, backends: Engine | Sequence[Engine], settings: BatchSettings,
-                 metrics: ModelMetrics | Metrics | None = None, gate: ComputeGate | None = None):
-        """``gate``: shared with the model's other versions (default: one of its own, a permit per instance)."""
+                 metrics: ModelMetrics | Metrics | None = None, gate: ComputeGate | None = None,
+                 cpus: Collection[int] | None = None):
+        """``gate``: shared with the model's other versions (default: one of its own, a permit per instance).
+        ``cpus``: the CPUs the inference threads run on (None: wherever the scheduler puts them)."""
         backends = [backends] if isinstance(backends, Engine) else list(backends)
         if not backends:
             raise ValueError("a batcher needs at least one backend instance")
@@ -194,7 +204,7 @@ class Batcher:
         if metrics is None or isinstance(metrics, Metrics):
             metrics = (metrics or Metrics()).for_model(self.backend.spec.model, self.backend.spec.version)
         self.metrics: ModelMetrics = metrics
-        self._instances = [_Instance(b, i) for i, b in enumerate(backends)]
+        self._instances = [_Instance(b, i, cpus) for i, b in enumerate(backends)]
         self.gate = gate if gate is not None else ComputeGate(len(backends))
         self._idle: list[_Instance] = list(reversed(self._instances))  # pop() takes instance 0 first
         self._queues: tuple[collections.deque[_Pending], collections.deque[_Pending]] = (

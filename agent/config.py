@@ -68,6 +68,20 @@ class AgentConfig(StrictModel):
     intra_op_threads: int = Field(default=2, ge=1, le=256)
     shadow_sample_rate: float = Field(default=0.1, gt=0.0, le=1.0)  # live requests mirrored to a shadow candidate
     instances: int = Field(default=1, ge=1, le=16)  # backend instances per model, one inference thread each
+    # CPU numbers (0-based, as `taskset -c` and /proc/cpuinfo count them) the inference threads run on; the event
+    # loop and every other thread of the agent get the CPUs left. None: no pinning. On 2 cores: [1]. Each
+    # instance's thread runs onnxruntime's work itself with intra_op_threads 1; with more, onnxruntime's extra
+    # threads follow the thread that loads the session, which runs on these CPUs too (installs, warm-ups)
+    inference_cpus: tuple[int, ...] | None = None
+    # the Open Inference Protocol over gRPC (tritonclient.grpc) on http_host; None: off, 0: a free port
+    grpc_port: int | None = Field(default=None, ge=0, le=65535)
+    # Triton's system shared-memory extension (clients on the box pass tensors by reference, HTTP and gRPC): a
+    # client (one peer address) may hold this many regions, all clients together max_shm_regions and
+    # max_shm_bytes of mapped memory; a region unused for shm_idle_timeout_s is unregistered. 0 regions: off
+    max_shm_regions_per_client: int = Field(default=16, ge=0, le=4096)
+    max_shm_regions: int = Field(default=64, ge=0, le=65536)
+    max_shm_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)  # 1 GiB, all regions together
+    shm_idle_timeout_s: float = Field(default=600.0, gt=0, le=86400)
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)
     install_retries: int = Field(default=5, ge=0)
@@ -99,6 +113,17 @@ class AgentConfig(StrictModel):
         if self.mqtt_password is not None and self.mqtt_username is None:
             raise ValueError("mqtt_password needs mqtt_username")
         return self
+
+    @field_validator("inference_cpus")
+    @classmethod
+    def _cpus(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("name at least one CPU (e.g. [1]), or leave the setting out")
+        if any(c < 0 or c > 4095 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"CPU numbers must be distinct, 0..4095; got {list(v)}")
+        return tuple(sorted(v))
 
     @field_validator("onnxruntime_providers")
     @classmethod

@@ -20,10 +20,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agent.batcher import BatchSettings
+from agent.batcher import BatchSettings, pin_thread
 from agent.config import AgentConfig
 from agent.enroll import mqtt_security
 from agent.errors import TrustError
@@ -32,6 +33,7 @@ from agent.install import Installer
 from agent.link import MqttLink
 from agent.metrics import Metrics
 from agent.server import ModelHost, create_app
+from agent.shm import SharedMemory
 from agent.spool import Spool
 from agent.store import ModelStore
 from agent.systemd import sd_notify
@@ -94,15 +96,20 @@ class Agent:
         require_trust_anchor(config)
         self.config = config
         self.metrics = Metrics()
+        self.cpus = cpu_split(config.inference_cpus)  # (inference CPUs, the rest), or None: no pinning
         self.host = ModelHost(BatchSettings(max_batch_size=config.max_batch_size,
                                             max_queue_delay_us=config.max_queue_delay_us,
                                             queue_timeout_s=config.queue_timeout_ms / 1000,
-                                            max_queue_size=config.max_queue_size), self.metrics)
+                                            max_queue_size=config.max_queue_size), self.metrics,
+                              self.cpus[0] if self.cpus else None)
         self.store = ModelStore(config.data_dir / "store", fault=_crash_hook())
         self.spool = Spool(config.data_dir / "spool", config.max_spool_records)
         self.link: MqttLink | None = None
         self.fetcher: BundleFetcher | None = None
         self.inference_url = ""
+        self.grpc_port: int | None = None  # where gRPC listens, once it does
+        self.shm = SharedMemory(config.max_shm_regions_per_client, config.max_shm_regions, config.max_shm_bytes,
+                                config.shm_idle_timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._desired: proto.DesiredState | None = None
@@ -121,6 +128,12 @@ class Agent:
         import uvicorn
 
         self._loop = asyncio.get_running_loop()
+        if self.cpus is not None:
+            # the event loop (and the threads it starts) on the CPUs left; loading sessions (whose onnxruntime
+            # threads inherit the loading thread's CPUs) and the inference threads on the inference CPUs
+            pin_thread(self.cpus[1])
+            self._loop.set_default_executor(ThreadPoolExecutor(max_workers=4, thread_name_prefix="agent-pinned",
+                                                               initializer=pin_thread, initargs=(self.cpus[0],)))
         self.store.recover()
         self.host.index = self.installer.index
         self.installer.loop = self._loop
@@ -136,12 +149,20 @@ class Agent:
         app = create_app(self.host, self.config.max_body_bytes, self.config.device_id,
                          self.config.max_inflight_body_bytes, ImageLimits(
                              self.config.max_image_decoded_bytes, self.config.max_concurrent_image_decodes,
-                             self.config.queue_timeout_ms / 1000))
+                             self.config.queue_timeout_ms / 1000), self.shm if self.shm.enabled else None)
         # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
         # batchers close only after it returns), then waits for the connections for at most the grace period
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=math.ceil(self.config.shutdown_grace_s)))
         self._server = server
+        grpc_server = None
+        if self.config.grpc_port is not None:
+            from agent.grpc_server import GrpcServer
+
+            grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self._loop,
+                                     self.config.device_id, self.config.max_body_bytes)
+            self.grpc_port = grpc_server.start(self.config.http_host, self.config.grpc_port)
+        sweeper = self._loop.create_task(self._sweep_shm())
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
                              (self._telemetry_loop, "telemetry")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -149,7 +170,8 @@ class Agent:
             self._threads.append(t)
         cur = self.host.current
         serving = f"{cur.manifest.name} {cur.manifest.version}" if cur else "no model yet"
-        print(f"edgefleet agent {self.config.device_id}: KServe v2 on {self.inference_url} ({serving}); "
+        grpc_note = f" and grpc {self.config.http_host}:{self.grpc_port}" if grpc_server is not None else ""
+        print(f"edgefleet agent {self.config.device_id}: KServe v2 on {self.inference_url}{grpc_note} ({serving}); "
               f"following {self.config.fleet_url}", file=sys.stderr, flush=True)
         self.ready.set()
         self._own_signals()
@@ -158,6 +180,9 @@ class Agent:
             await server.serve(sockets=[sock])
         finally:
             sd_notify("STOPPING=1")
+            sweeper.cancel()
+            if grpc_server is not None:  # the requests in flight finish first (their batches still run)
+                await self._loop.run_in_executor(None, grpc_server.stop, self.config.shutdown_grace_s)
             log.info("stopping: in-flight requests are done; closing the models and the fleet link")
             self._stop.set()
             self._desired_event.set()
@@ -166,6 +191,14 @@ class Agent:
             for t in self._threads:
                 await self._loop.run_in_executor(None, t.join, 5)
             await self.host.close()
+            self.shm.close()
+
+    async def _sweep_shm(self) -> None:
+        """Unregister shared-memory regions idle for longer than shm_idle_timeout_s."""
+        while True:
+            await asyncio.sleep(min(30.0, self.config.shm_idle_timeout_s / 2))
+            if self.shm.sweep():
+                log.info("unregistered idle shared-memory regions")
 
     def _own_signals(self) -> None:
         """SIGTERM and SIGINT stop the agent gracefully. uvicorn catches them while it serves and raises them
@@ -253,6 +286,8 @@ class Agent:
 
     # -- installing -----------------------------------------------------------------------------
     def _install_loop(self) -> None:
+        if self.cpus is not None:  # loads, self-tests and warm-ups are compute: on the inference CPUs
+            pin_thread(self.cpus[0])
         while not self._stop.is_set():
             if not self._desired_event.wait(timeout=1.0):
                 continue
@@ -319,6 +354,26 @@ class Agent:
                 self.spool.append(make)
             except OSError as exc:
                 log.error("could not spool telemetry: %s", exc)
+
+
+def cpu_split(inference_cpus: tuple[int, ...] | None) -> tuple[frozenset[int], frozenset[int]] | None:
+    """(the inference CPUs, the CPUs left for everything else) of those this process may use; None: no pinning.
+    Raises ConfigError for a CPU this process may not run on. With no CPU left over, everything shares them."""
+    if inference_cpus is None:
+        return None
+    if not hasattr(os, "sched_getaffinity"):
+        raise ConfigError("inference_cpus: this platform has no CPU affinity (Linux only)")
+    allowed = frozenset(os.sched_getaffinity(0))
+    bad = sorted(set(inference_cpus) - allowed)
+    if bad:
+        raise ConfigError(f"inference_cpus: CPU(s) {bad} are not available to this process (it may use "
+                          f"{sorted(allowed)})")
+    mine = frozenset(inference_cpus)
+    rest = allowed - mine
+    if not rest:
+        log.warning("inference_cpus %s leave no CPU for the event loop: it shares them", sorted(mine))
+        rest = mine
+    return mine, rest
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -31,6 +31,9 @@ import orjson
 from agent.errors import InferenceFailed, RequestError
 from engines import NP_DTYPES
 from protocol.manifest import TensorSpec
+
+if TYPE_CHECKING:
+    from agent.shm import SharedMemory
 
 __all__ = ["HEADER_LENGTH", "InferRequest", "decode_request", "encode_response", "parse_body"]
 
@@ -50,10 +53,12 @@ class InferRequest:
     id: str | None = None
     priority: int = 0  # 0 default, 1 high, 2 normal
     timeout_us: int | None = None  # the most the request may wait in the queue
+    # outputs to write into system shared memory: name -> (region, offset, byte_size) (agent/shm.py)
+    shm_outputs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
 
 
 def parse_body(body: bytes, header_length: str | None, specs: tuple[TensorSpec, ...],
-               out_specs: tuple[TensorSpec, ...]) -> InferRequest:
+               out_specs: tuple[TensorSpec, ...], shm: SharedMemory | None = None) -> InferRequest:
     """An HTTP infer body -> a validated request. ``header_length`` is the ``Inference-Header-Content-Length``
     header's value, if the request has one (binary tensor data follows the JSON)."""
     binary: memoryview | None = None
@@ -75,7 +80,7 @@ def parse_body(body: bytes, header_length: str | None, specs: tuple[TensorSpec, 
         raise RequestError(f"{where} is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise RequestError("the body's JSON is nested too deeply") from exc
-    return decode_request(doc, specs, out_specs, binary)
+    return decode_request(doc, specs, out_specs, binary, shm=shm)
 
 
 def _loads(text: bytes) -> Any:
@@ -88,8 +93,11 @@ def _loads(text: bytes) -> Any:
 
 
 def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
-                   binary: memoryview | None = None) -> InferRequest:
-    """A parsed JSON request (and the binary data after its header, if any) -> a validated request."""
+                   binary: memoryview | None = None, raw: dict[str, memoryview] | None = None,
+                   shm: SharedMemory | None = None) -> InferRequest:
+    """A parsed JSON request (and the binary data after its header, if any) -> a validated request. ``raw``:
+    each input's bytes by name (gRPC's raw_input_contents), for inputs with ``binary_data_size``. ``shm``: the
+    registered shared-memory regions, for inputs and outputs that name one."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object with an 'inputs' list")
     unknown = set(body) - _REQ_KEYS
@@ -118,7 +126,8 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
             raise RequestError(f"inputs[{i}]: unknown input {name!r}; the model takes {sorted(by_name)}")
         if name in feeds:
             raise RequestError(f"input {name!r} is given twice")
-        feeds[name], offset = _decode_tensor(t, by_name[name], binary, offset)
+        feeds[name], offset = _decode_tensor(t, by_name[name], binary if raw is None else raw.get(name), offset,
+                                             shm, raw is not None)
     if binary is not None and offset != len(binary):
         raise RequestError(f"the inputs' binary_data_size add up to {offset} bytes, but {len(binary)} bytes of "
                            "binary data follow the JSON header")
@@ -133,6 +142,7 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
     outputs = body.get("outputs")
     wanted: tuple[str, ...] | None = None
     binary_out = set(names) if all_binary else set()
+    shm_out: dict[str, tuple[str, int, int]] = {}
     if outputs is not None:
         if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
                                                      for o in outputs):
@@ -146,6 +156,11 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
             if bad:
                 raise RequestError(f"output {o['name']!r}: unknown field(s) {sorted(bad)}")
             op = _params(o.get("parameters"), f"output {o['name']!r}")
+            if "shared_memory_region" in op:
+                if shm is None or not shm.enabled:
+                    raise RequestError(f"output {o['name']!r}: this agent has no system shared memory")
+                shm_out[o["name"]] = shm.check_output(op["shared_memory_region"], op.get("shared_memory_offset", 0),
+                                                      op.get("shared_memory_byte_size"), f"output {o['name']!r}")
             if "binary_data" in op:
                 if _flag(op, "binary_data", f"output {o['name']!r}"):
                     binary_out.add(o["name"])
@@ -159,7 +174,7 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
     timeout = params.get("timeout")
     if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1):
         raise RequestError(f"parameter 'timeout' must be a positive number of microseconds, got {timeout!r}")
-    return InferRequest(feeds, wanted, frozenset(binary_out), req_id, priority, timeout)
+    return InferRequest(feeds, wanted, frozenset(binary_out) - set(shm_out), req_id, priority, timeout, shm_out)
 
 
 def _params(p: Any, what: str) -> dict[str, Any]:
@@ -178,8 +193,9 @@ def _flag(p: dict[str, Any], key: str, what: str) -> bool:
 
 
 def _decode_tensor(t: dict[str, Any], spec: TensorSpec, binary: memoryview | None,
-                   offset: int) -> tuple[np.ndarray, int]:
-    """-> (the array, the offset of the next binary tensor)."""
+                   offset: int, shm: SharedMemory | None = None, own_buffer: bool = False) -> tuple[np.ndarray, int]:
+    """-> (the array, the offset of the next binary tensor). ``own_buffer``: ``binary`` holds this tensor alone
+    (gRPC), and ``offset`` is left alone."""
     name = spec.name
     dtype = t.get("datatype")
     if dtype != spec.datatype:
@@ -205,7 +221,22 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec, binary: memoryview | Non
     params = _params(t.get("parameters"), f"input {name!r}")
     size = params.get("binary_data_size")
     arr: np.ndarray
-    if size is not None:
+    region = params.get("shared_memory_region")
+    if region is not None:
+        if shm is None or not shm.enabled:
+            raise RequestError(f"input {name!r}: this agent has no system shared memory")
+        if size is not None or "data" in t:
+            raise RequestError(f"input {name!r}: give one of 'data', binary_data_size or shared_memory_region")
+        need = count * np_dtype.itemsize
+        given = params.get("shared_memory_byte_size")
+        if given != need or isinstance(given, bool):
+            raise RequestError(f"input {name!r}: shared_memory_byte_size is {given!r}; shape {shape} of "
+                               f"{spec.datatype} needs {need}")
+        arr = shm.read(region, params.get("shared_memory_offset", 0), need, np_dtype.newbyteorder("<"), shape,
+                       f"input {name!r}")
+        if not np_dtype.isnative:
+            arr = arr.astype(np_dtype)
+    elif size is not None:
         if binary is None:
             raise RequestError(f"input {name!r} has binary_data_size but the request has no "
                                "Inference-Header-Content-Length header (no binary data)")
@@ -217,15 +248,16 @@ def _decode_tensor(t: dict[str, Any], spec: TensorSpec, binary: memoryview | Non
         if size != need:
             raise RequestError(f"input {name!r}: binary_data_size is {size} bytes; shape {shape} of "
                                f"{spec.datatype} needs {need}")
-        if offset + size > len(binary):
+        start = 0 if own_buffer else offset
+        if start + size > len(binary):
             raise RequestError(f"input {name!r}: binary data truncated: needs bytes {offset}..{offset + size} but "
                                f"only {len(binary)} bytes follow the JSON header")
-        arr = np.frombuffer(binary, dtype=np_dtype.newbyteorder("<"), count=count, offset=offset).reshape(shape)
+        arr = np.frombuffer(binary, dtype=np_dtype.newbyteorder("<"), count=count, offset=start).reshape(shape)
         if arr.ctypes.data % np_dtype.alignment:  # the runtimes want aligned buffers; a copy is cheap next to them
             arr = arr.copy()
         if not np_dtype.isnative:
             arr = arr.astype(np_dtype)
-        offset += size
+        offset += 0 if own_buffer else size
     else:
         if "data" not in t:
             raise RequestError(f"input {name!r}: no 'data' and no binary_data_size")
@@ -251,8 +283,9 @@ def _fmt(shape: list[int], batch_axis: int | None = 0) -> str:
 
 
 def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
-                    req: InferRequest) -> tuple[bytes, int | None]:
-    """-> (the body, the length of its JSON header if binary data follows it, else None)."""
+                    req: InferRequest, shm: SharedMemory | None = None) -> tuple[bytes, int | None]:
+    """-> (the body, the length of its JSON header if binary data follows it, else None). Outputs the request
+    placed in shared memory are written there (``shm``) and described without data."""
     out = []
     blobs: list[bytes] = []
     order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
@@ -262,7 +295,15 @@ def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: 
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
         t: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype, "shape": list(arr.shape)}
-        if name in req.binary_outputs:
+        if name in req.shm_outputs:
+            if shm is None:
+                raise InferenceFailed(f"output {name!r}: the shared-memory regions are gone")
+            region, off, size = req.shm_outputs[name]
+            data_arr = np.ascontiguousarray(arr, dtype=np.dtype(NP_DTYPES[spec.datatype]).newbyteorder("<"))
+            n = shm.write(region, off, size, data_arr, f"output {name!r}")
+            t["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": n,
+                               **({"shared_memory_offset": off} if off else {})}
+        elif name in req.binary_outputs:
             data = np.ascontiguousarray(arr, dtype=np.dtype(NP_DTYPES[spec.datatype]).newbyteorder("<")).tobytes()
             t["parameters"] = {"binary_data_size": len(data)}
             blobs.append(data)

@@ -13,6 +13,8 @@
     POST /v2/models/{m}[/versions/{v}]/infer/image
                                               JPEG or PNG bytes in (the body is the file), the bundle's
                                               recorded preprocessing applied, JSON tensors out
+    GET  /v2/systemsharedmemory[/region/{r}]/status, POST .../region/{r}/register, .../region/{r}/unregister,
+         POST /v2/systemsharedmemory/unregister   Triton's system shared-memory extension (agent/shm.py)
     GET  /metrics                             Prometheus text exposition
     GET  /metrics/summary                     counters since start (JSON)
 
@@ -28,7 +30,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ from agent.image import ImageLimits, check_image, decode_feeds
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from agent.openapi import openapi
+from agent.shm import SharedMemory
 from engines import Engine
 from protocol.manifest import Manifest
 
@@ -56,7 +59,8 @@ log = logging.getLogger("edgefleet.agent.http")
 
 TRITON_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT8": "TYPE_INT8", "UINT8": "TYPE_UINT8",
                 "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL"}
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository_index", "image_infer"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository_index", "image_infer",
+              "system_shared_memory"]
 
 
 @dataclass
@@ -95,9 +99,10 @@ class ModelHost:
     and its first batch take turns on the cores.
     """
 
-    def __init__(self, settings: BatchSettings, metrics: Metrics):
+    def __init__(self, settings: BatchSettings, metrics: Metrics, inference_cpus: Collection[int] | None = None):
         self.settings = settings  # the default for models swapped in without their own
         self.metrics = metrics
+        self.inference_cpus = inference_cpus  # where every batcher's inference threads run (None: anywhere)
         self.models: dict[str, Served] = {}
         self.current: Served | None = None  # the version swapped in last
         self.index: Callable[[], Sequence[IndexEntry]] | None = None
@@ -122,7 +127,7 @@ class ModelHost:
             s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": ()})
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
-            batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)))
+            batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
             batcher.start()
             served = Served(manifest, instances, batcher, s, mm)
             old = self.models.get(manifest.name)
@@ -254,7 +259,9 @@ def model_config(served: Served) -> dict[str, Any]:
 
 
 def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
-               max_inflight_body_bytes: int = 256 * 1024 * 1024, image_limits: ImageLimits | None = None) -> ASGIApp:
+               max_inflight_body_bytes: int = 256 * 1024 * 1024, image_limits: ImageLimits | None = None,
+               shm: SharedMemory | None = None) -> ASGIApp:
+    """``shm``: the system shared-memory regions (shared with the gRPC server); None: the extension is off."""
     metrics = host.metrics
     budget = _ByteBudget(max_inflight_body_bytes)
     # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
@@ -349,15 +356,15 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             header_length = header(HEADER_LENGTH)
             if header_length is None and len(body) > LARGE_BODY:
                 async with large_decodes:
-                    req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs)
+                    req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs, shm)
             else:
-                req = parse_body(body, header_length, m.inputs, m.outputs)
+                req = parse_body(body, header_length, m.inputs, m.outputs, shm)
             del body
             outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
                                                None if req.timeout_us is None else req.timeout_us / 1e6)
             if host.shadow is not None:
                 host.shadow.offer(m.name, req.feeds, outs)
-            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req)
+            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req, shm)
             status = 200
             if json_length is None:
                 return 200, [(b"content-type", b"application/json")], content
@@ -422,6 +429,43 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             budget.give(held[0])
             finish(request, served, t0, status)
 
+    # -- system shared memory (Triton's extension; agent/shm.py) ------------------------------------------
+    def no_shm() -> Response:
+        return _error(400, "system shared memory is off on this agent")
+
+    async def shm_status(request: Request) -> Response:
+        if shm is None:
+            return no_shm()
+        try:
+            return JSONResponse(shm.status(request.path_params.get("region")))
+        except AgentError as exc:
+            return _agent_error(exc)
+
+    async def shm_register(request: Request) -> Response:
+        if shm is None:
+            return no_shm()
+        if int(request.headers.get("content-length") or 0) > 64 * 1024:
+            return _error(413, "a register request is a small JSON object {\"key\", \"offset\", \"byte_size\"}")
+        try:
+            doc = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            doc = None
+        if not isinstance(doc, dict) or set(doc) - {"key", "offset", "byte_size"} or "key" not in doc \
+                or "byte_size" not in doc:
+            return _error(400, "the body must be a JSON object {\"key\": \"/name\", \"offset\": 0, \"byte_size\": N}")
+        client = request.client.host if request.client else "?"
+        try:
+            shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"], client)
+        except AgentError as exc:
+            return _agent_error(exc)
+        return JSONResponse({})
+
+    async def shm_unregister(request: Request) -> Response:
+        if shm is None:
+            return no_shm()
+        shm.unregister(request.path_params.get("region"))
+        return JSONResponse({})
+
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
@@ -462,6 +506,11 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         return JSONResponse(openapi(protocol.__version__, max_body_bytes,
                                     {n: s.manifest.version for n, s in host.models.items()}))
 
+    routes += [Route("/v2/systemsharedmemory/status", shm_status, methods=get),
+               Route("/v2/systemsharedmemory/region/{region}/status", shm_status, methods=get),
+               Route("/v2/systemsharedmemory/region/{region}/register", shm_register, methods=post),
+               Route("/v2/systemsharedmemory/region/{region}/unregister", shm_unregister, methods=post),
+               Route("/v2/systemsharedmemory/unregister", shm_unregister, methods=post)]
     routes += [Route("/metrics", prometheus, methods=get), Route("/metrics/summary", summary, methods=get),
                Route("/openapi.json", openapi_doc, methods=get)]
     slow = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})

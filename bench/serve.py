@@ -48,6 +48,23 @@ from serve_bench import AgentProcess, _die_with_parent, _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("digits", "mobilenetv2-fp32", "mobilenetv2-int8")
+# --pin: (the inference CPUs, the rest): the limit's sessions, the agent's inference threads and the naive server
+# (whose runtime runs in its event loop) on the first; the agent's event loop and the load generator on the rest
+PIN: tuple[frozenset[int], frozenset[int]] | None = None
+
+
+@contextlib.contextmanager
+def _pinned(cpus: frozenset[int] | None) -> Any:
+    """This thread (and the threads it starts meanwhile, e.g. onnxruntime's pool) on ``cpus`` for a while."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 NAIVE_DELAY_S = 0.005  # the naive batcher's fixed collection window
 NAIVE_MAX_BATCH = 16
 
@@ -128,6 +145,11 @@ def the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: floa
     """Images/s of InferenceSession.run at batch 1..16 in two layouts: one session of ``threads`` intra-op threads,
     and ``threads`` sessions of one thread each, called from as many Python threads at once (on CPUs the second
     often does more per second); the limit is the best of all. Also each layout's batch-1 median call time."""
+    with _pinned(PIN[0] if PIN else None):
+        return _the_limit(engine, images, threads, seconds_each)
+
+
+def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float) -> dict[str, Any]:
     import threading
 
     layouts = [(1, threads)] + ([(threads, 1)] if threads > 1 else [])
@@ -275,6 +297,12 @@ def naive_server(engine: str, port: int, threads: int) -> None:
     asyncio.run(main())
 
 
+def _naive_child() -> None:  # in the child before exec: --pin puts the whole naive server on the inference CPUs
+    _die_with_parent()
+    if PIN:
+        os.sched_setaffinity(0, PIN[0])
+
+
 class NaiveProcess:
     def __init__(self, engine: Path, threads: int, log_path: Path):
         self.engine, self.threads, self.log_path = engine, threads, log_path
@@ -287,7 +315,7 @@ class NaiveProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen([sys.executable, __file__, "--naive-server", str(self.engine), str(self.port),
                                           str(self.threads)], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=REPO, preexec_fn=_die_with_parent)
+                                         stdin=subprocess.DEVNULL, cwd=REPO, preexec_fn=_naive_child)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -416,8 +444,10 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
             "load_cpu_s": load_cpu_s}
 
 
-def _load_worker(args: tuple, results: Any) -> None:
+def _load_worker(args: tuple, results: Any, cpus: frozenset[int] | None = None) -> None:
     try:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # --pin: the load generator off the inference CPUs
         url, kind, path, reqs, labels, clients, total, warmup = args
         results.put(asyncio.run(_drive(url, kind, path, reqs, labels, clients, total, warmup,
                                        timed=lambda: results.put({"timed": True}))))
@@ -446,8 +476,8 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
     time its runtime took per batch-1 call during the timed phase: the raw call of that very run."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results),
-                    daemon=True)
+    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results,
+                                               PIN[1] if PIN else None), daemon=True)
     w.start()
     before: dict[str, float] = {}
     try:
@@ -527,7 +557,9 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     binary_request = bodies("binary", m["model"], images[:1])[1][0]
     floor_ms = transport_floor_ms(len(binary_request))
     t0 = time.monotonic()
-    agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, 16, per, 120, instances=instances)
+    pin_args = ("--inference-cpus", ",".join(map(str, sorted(PIN[0])))) if PIN else ()
+    agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, 16, per, 120, instances=instances,
+                         extra_args=pin_args)
     rows: list[dict[str, Any]] = []
     with agent:
         cold_s = time.monotonic() - t0
@@ -577,7 +609,9 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
 
 
 def print_report(doc: dict[str, Any]) -> None:
-    print(f"\nbench/serve.py: {doc['machine']['cpus']} CPUs, python {doc['machine']['python']}, onnxruntime "
+    pin = doc["config"].get("pin_cpus")
+    pinned = f" (pinned: inference on {pin[0]}, the rest on {pin[1]})" if pin else ""
+    print(f"\nbench/serve.py: {doc['machine']['cpus']} CPUs{pinned}, python {doc['machine']['python']}, onnxruntime "
           f"{doc['machine']['onnxruntime']}, {doc['config']['threads']} intra-op threads, spinning off everywhere")
     for res in doc["models"]:
         lb, la = res["limit_before"], res["limit_after"]
@@ -636,11 +670,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-layout", default="default",
                    help="the agent's INSTANCESxTHREADS, e.g. 2x1; default: the agent's default, one instance of "
                         "--threads threads; auto: the layout that gave the limit first")
+    p.add_argument("--pin", action="store_true",
+                   help="give the runtime its own CPU(s): the limit, the agent's inference threads and the naive "
+                        "server on --inference-cpus, the agent's event loop and the load generator on the rest; "
+                        "--threads becomes the number of inference CPUs")
+    p.add_argument("--inference-cpus", help="with --pin: CPU numbers, e.g. 1 or 2,3 (default: the last CPU)")
     p.add_argument("--limit-seconds", type=float, default=1.5, help="timing per batch size for the limit")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--work-dir", type=Path, help="keep bundles and logs here (default: a temp dir)")
     args = p.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    if args.pin:
+        global PIN
+        allowed = sorted(os.sched_getaffinity(0))
+        mine = frozenset(int(c) for c in args.inference_cpus.split(",")) if args.inference_cpus else \
+            frozenset(allowed[-1:])
+        rest = frozenset(allowed) - mine
+        if not mine <= set(allowed) or not rest:
+            p.error(f"--inference-cpus {sorted(mine)}: must be CPUs of {allowed}, leaving at least one")
+        PIN = (mine, rest)
+        args.threads = len(mine)
+        _say(f"pinned: inference on CPU(s) {sorted(mine)}, event loops and the load generator on {sorted(rest)}; "
+             f"{args.threads} inference thread(s)")
     args.requests = args.requests or (1000 if args.quick else 3000)
     args.requests_big = args.requests_big or (200 if args.quick else 600)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -659,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "edgefleet bench/serve.py", "models": results,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": ort.__version__,
                        "platform": platform.platform()},
-           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+           "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                      "pin_cpus": [sorted(PIN[0]), sorted(PIN[1])] if PIN else None}}
     print_report(doc)
     if args.json:
         args.json.write_text(json.dumps(doc, indent=2, default=str))

@@ -122,8 +122,9 @@ class AgentProcess:
     """``python -m edgefleet.cli agent`` on a free loopback port; a context manager that always stops it."""
 
     def __init__(self, data_dir: Path, log_path: Path, delay_us: int, max_batch_size: int, threads: int,
-                 ready_timeout_s: float, instances: int = 1):
+                 ready_timeout_s: float, instances: int = 1, extra_args: tuple[str, ...] = ()):
         self.data_dir, self.log_path = data_dir, log_path
+        self.extra_args = extra_args  # more `edgefleet agent` flags, e.g. ("--inference-cpus", "1")
         self.delay_us, self.max_batch_size, self.threads = delay_us, max_batch_size, threads
         self.instances = instances
         self.ready_timeout_s = ready_timeout_s
@@ -136,7 +137,7 @@ class AgentProcess:
                 "--data-dir", str(self.data_dir), "--http-port", str(self.port),
                 "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", str(self.delay_us),
                 "--threads", str(self.threads), "--instances", str(self.instances),
-                "--trust-on-first-use"]  # no fleet here: it serves the bundle preinstalled in its data dir
+                "--trust-on-first-use", *self.extra_args]  # no fleet here: it serves the bundle preinstalled
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -429,6 +429,18 @@ def cmd_fleet_models(a: argparse.Namespace) -> int:
 
 
 # -- agent ------------------------------------------------------------------------------------------
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """``1`` / ``2,3`` / ``0-3`` (taskset's list format) -> CPU numbers."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like 1 or 2,3 or 0-3") from None
+    return tuple(cpus)
+
+
 def cmd_agent(a: argparse.Namespace) -> int:
     try:
         _require("agent")
@@ -446,6 +458,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
         "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
         "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
         "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads, "instances": a.instances,
+        "inference_cpus": a.inference_cpus, "grpc_port": a.grpc_port,
         "enroll_token": a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN"),
     }
     try:
@@ -878,6 +891,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="backend instances per model, each with its own inference thread (default 1); on CPUs, "
                          "N instances of 1 thread often serve more under load than 1 of N threads, while 1 of N "
                          "answers a lone request sooner: bench/serve.py measures both")
+    ag.add_argument("--inference-cpus", type=_cpu_list, metavar="CPUS",
+                    help="run the inference threads on these CPUs (0-based, as taskset -c counts them: 1 or 2,3 or "
+                         "2-3) and everything else on the rest; key inference_cpus in --config (default: no pinning)")
+    ag.add_argument("--grpc-port", type=int,
+                    help="also serve the Open Inference Protocol over gRPC on this port of --http-host (0: a free "
+                         "one; default: off)")
     ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     ag.set_defaults(fn=cmd_agent)
     ag_sub = ag.add_subparsers(dest="agent_command", metavar="{install-service}")

@@ -1,0 +1,290 @@
+"""The Open Inference Protocol over gRPC (KServe v2 / Triton's ``inference.GRPCInferenceService``).
+
+What ``tritonclient.grpc`` needs of a server: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
+ModelConfig, ModelInfer (tensors in ``raw_input_contents``, typed ``contents`` or system shared memory; outputs in
+``raw_output_contents`` or shared memory) and the system shared-memory calls (agent/shm.py, shared with HTTP).
+Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/kserve.py) and queue
+in the same batcher: a gRPC request and an HTTP request can share a batch.
+
+gRPC's server runs its handlers on its own threads (``max_workers``); each one decodes its request there,
+queues it on the agent's event loop and waits for the answer, so at most ``max_workers`` requests are in the
+agent from gRPC at once, and up to ``max_concurrent_rpcs`` more wait in gRPC before it answers
+RESOURCE_EXHAUSTED. Messages are capped at ``max_message_bytes`` (the agent's max_body_bytes). Every error is a
+gRPC status with a message: INVALID_ARGUMENT (a bad request), NOT_FOUND (no such model), RESOURCE_EXHAUSTED
+(a full queue), UNAVAILABLE (no model yet, being replaced, queue timeout), INTERNAL.
+
+grpcio and the service's message classes (from ``tritonclient[grpc]``) are imported only when gRPC is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+import protocol
+from agent.batcher import HIGH, NORMAL
+from agent.errors import AgentError, InferenceFailed, RequestError
+from agent.kserve import InferRequest, decode_request
+from agent.server import EXTENSIONS, ModelHost, Served, model_config
+from agent.shm import SharedMemory
+from engines import NP_DTYPES
+from protocol.errors import ConfigError
+
+__all__ = ["GrpcServer"]
+
+log = logging.getLogger("edgefleet.agent.grpc")
+
+# InferTensorContents' field for each datatype (typed, non-raw inputs)
+_CONTENTS = {"FP32": "fp32_contents", "INT64": "int64_contents", "INT32": "int_contents", "INT8": "int_contents",
+             "UINT8": "uint_contents", "BOOL": "bool_contents"}
+
+
+def _param_value(p: Any) -> Any:
+    kind = p.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(p, kind)
+
+
+def _params(m: Any) -> dict[str, Any]:
+    return {k: _param_value(v) for k, v in m.items()}
+
+
+def request_doc(request: Any) -> tuple[dict[str, Any], dict[str, memoryview]]:
+    """A ModelInferRequest -> the JSON-shaped request agent/kserve.py decodes, and each raw input's bytes."""
+    raw: dict[str, memoryview] = {}
+    inputs = []
+    k = 0
+    for t in request.inputs:
+        params = _params(t.parameters)
+        d: dict[str, Any] = {"name": t.name, "shape": list(t.shape), "datatype": t.datatype, "parameters": params}
+        if "shared_memory_region" not in params:
+            if k < len(request.raw_input_contents):
+                content = request.raw_input_contents[k]
+                k += 1
+                params["binary_data_size"] = len(content)
+                raw[t.name] = memoryview(content)
+            elif t.HasField("contents"):
+                field = _CONTENTS.get(t.datatype)
+                if field is None:
+                    raise RequestError(f"input {t.name!r}: {t.datatype} goes in raw_input_contents, not contents")
+                d["data"] = list(getattr(t.contents, field))
+        inputs.append(d)
+    if k != len(request.raw_input_contents):
+        raise RequestError(f"{len(request.raw_input_contents)} raw_input_contents for {k} inputs without shared memory")
+    doc: dict[str, Any] = {"inputs": inputs, "parameters": _params(request.parameters)}
+    for key in ("sequence_start", "sequence_end", "sequence_id"):
+        doc["parameters"].pop(key, None)  # tritonclient's defaults; the agent serves no sequence models
+    if request.id:
+        doc["id"] = request.id
+    if request.outputs:
+        doc["outputs"] = [{"name": o.name, "parameters": _params(o.parameters)} for o in request.outputs]
+    return doc, raw
+
+
+_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED",
+          503: "UNAVAILABLE"}
+
+
+class GrpcServer:
+    def __init__(self, host: ModelHost, shm: SharedMemory | None, loop: asyncio.AbstractEventLoop, device_id: str,
+                 max_message_bytes: int, max_workers: int = 64, max_concurrent_rpcs: int = 1024):
+        self.host, self.shm, self.loop, self.device_id = host, shm, loop, device_id
+        self.max_message_bytes = max_message_bytes
+        self.max_workers, self.max_concurrent_rpcs = max_workers, max_concurrent_rpcs
+        self._server: Any = None
+        self.port = 0
+
+    def start(self, bind_host: str, port: int) -> int:
+        """Listen on ``bind_host:port`` (0: a free port) -> the port."""
+        try:
+            import grpc  # type: ignore[import-untyped]
+            from tritonclient.grpc import service_pb2, service_pb2_grpc  # type: ignore[import-untyped]
+        except ImportError as exc:
+            raise ConfigError(f"grpc_port: gRPC needs grpcio and tritonclient's service messages, install "
+                              f"edgefleet[grpc] ({exc})") from exc
+
+        self._grpc, self._pb = grpc, service_pb2
+        opts = [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", max(self.max_message_bytes, 64 * 1024 * 1024)),
+                ("grpc.so_reuseport", 0)]
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="grpc"),
+                             options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self, service_pb2_grpc), server)
+        addr = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
+        self.port = server.add_insecure_port(addr)
+        if not self.port:
+            raise OSError(f"gRPC could not listen on {addr}")
+        server.start()
+        self._server = server
+        return self.port
+
+    def stop(self, grace_s: float) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1)
+            self._server = None
+
+    # -- helpers, on gRPC's threads -------------------------------------------------------------
+    def on_loop(self, coro: Any, timeout_s: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def served(self, name: str, version: str) -> Served:
+        return self.host.get(name, version or None)
+
+    def abort(self, context: Any, exc: BaseException) -> None:
+        grpc = self._grpc
+        if isinstance(exc, AgentError):
+            code = getattr(grpc.StatusCode, _CODES.get(getattr(exc, "status_code", 500), "INTERNAL"))
+            context.abort(code, str(exc))
+        log.exception("unexpected error in a gRPC call")
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+
+    def infer(self, request: Any, context: Any) -> Any:
+        t0 = time.perf_counter()
+        served: Served | None = None
+        status = 500
+        try:
+            served = self.served(request.model_name, request.model_version)
+            m = served.manifest
+            doc, raw = request_doc(request)
+            req = decode_request(doc, m.inputs, m.outputs, raw=raw, shm=self.shm)
+            outs = self.on_loop(served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
+                                                      None if req.timeout_us is None else req.timeout_us / 1e6))
+            if self.host.shadow is not None:
+                self.loop.call_soon_threadsafe(self.host.shadow.offer, m.name, req.feeds, outs)
+            response = self._response(m.name, m.version, outs, m.outputs, req)
+            status = 200
+            return response
+        except AgentError as exc:
+            status = getattr(exc, "status_code", 500)
+            self.abort(context, exc)
+        except Exception as exc:
+            if type(exc).__module__.startswith("grpc"):  # context.abort's own exception
+                raise
+            self.abort(context, exc)
+        finally:
+            dt = time.perf_counter() - t0
+            if served is not None:
+                self.loop.call_soon_threadsafe(served.metrics.request, dt, status)
+            else:
+                self.loop.call_soon_threadsafe(self.host.metrics.rejected, dt, status, None)
+
+    def _response(self, model: str, version: str, outputs: list[np.ndarray], specs: Any, req: InferRequest) -> Any:
+        pb = self._pb
+        resp = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
+        order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
+        by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
+        for name in order:
+            arr, spec = by_name[name]
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
+            data = np.ascontiguousarray(arr, dtype=np.dtype(NP_DTYPES[spec.datatype]).newbyteorder("<"))
+            t = resp.outputs.add(name=name, datatype=spec.datatype, shape=list(arr.shape))
+            if name in req.shm_outputs:
+                assert self.shm is not None
+                region, off, size = req.shm_outputs[name]
+                n = self.shm.write(region, off, size, data, f"output {name!r}")
+                t.parameters["shared_memory_region"].string_param = region
+                t.parameters["shared_memory_byte_size"].int64_param = n
+                if off:
+                    t.parameters["shared_memory_offset"].int64_param = off
+                resp.raw_output_contents.append(b"")  # keeps raw_output_contents[i] the i-th output's
+            else:
+                resp.raw_output_contents.append(data.tobytes())
+        return resp
+
+
+class _Servicer:
+    """Bound to ``service_pb2_grpc.GRPCInferenceServiceServicer`` at start (grpcio is imported lazily)."""
+
+    def __new__(cls, srv: GrpcServer, service_pb2_grpc: Any) -> Any:
+        pb = srv._pb
+        base = service_pb2_grpc.GRPCInferenceServiceServicer
+
+        class Servicer(base):  # type: ignore[misc, valid-type]
+            def ServerLive(self, request: Any, context: Any) -> Any:
+                return pb.ServerLiveResponse(live=True)
+
+            def ServerReady(self, request: Any, context: Any) -> Any:
+                return pb.ServerReadyResponse(ready=bool(srv.host.models))
+
+            def ServerMetadata(self, request: Any, context: Any) -> Any:
+                return pb.ServerMetadataResponse(name="edgefleet-agent", version=protocol.__version__,
+                                                 extensions=EXTENSIONS)
+
+            def ModelReady(self, request: Any, context: Any) -> Any:
+                try:
+                    srv.served(request.name, request.version)
+                except AgentError:
+                    return pb.ModelReadyResponse(ready=False)
+                return pb.ModelReadyResponse(ready=True)
+
+            def ModelMetadata(self, request: Any, context: Any) -> Any:
+                try:
+                    served = srv.served(request.name, request.version)
+                except AgentError as exc:
+                    srv.abort(context, exc)
+                m = served.manifest
+                T = pb.ModelMetadataResponse.TensorMetadata
+                return pb.ModelMetadataResponse(
+                    name=m.name, versions=[m.version], platform=m.backend,
+                    inputs=[T(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.inputs],
+                    outputs=[T(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.outputs])
+
+            def ModelConfig(self, request: Any, context: Any) -> Any:
+                from google.protobuf import json_format  # type: ignore[import-untyped]
+                from tritonclient.grpc import model_config_pb2  # type: ignore[import-untyped]
+
+                try:
+                    served = srv.served(request.name, request.version)
+                except AgentError as exc:
+                    srv.abort(context, exc)
+                doc = model_config(served)
+                doc.pop("version_policy", None)  # Triton's versions are integers; the agent's are semver
+                cfg = json_format.ParseDict(doc, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
+                return pb.ModelConfigResponse(config=cfg)
+
+            def ModelInfer(self, request: Any, context: Any) -> Any:
+                return srv.infer(request, context)
+
+            def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+                resp = pb.SystemSharedMemoryStatusResponse()
+                if srv.shm is None:
+                    srv.abort(context, RequestError("system shared memory is off on this agent"))
+                    return resp
+                try:
+                    regions = srv.shm.status(request.name or None)
+                except AgentError as exc:
+                    srv.abort(context, exc)
+                for r in regions:
+                    resp.regions[str(r["name"])].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
+                return resp
+
+            def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+                if srv.shm is None:
+                    srv.abort(context, RequestError("system shared memory is off on this agent"))
+                    return None
+                try:
+                    srv.shm.register(request.name, request.key, request.offset, request.byte_size,
+                                     _peer_host(context.peer()))
+                except AgentError as exc:
+                    srv.abort(context, exc)
+                return pb.SystemSharedMemoryRegisterResponse()
+
+            def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+                if srv.shm is not None:
+                    srv.shm.unregister(request.name or None)
+                return pb.SystemSharedMemoryUnregisterResponse()
+
+        return Servicer()
+
+
+def _peer_host(peer: str) -> str:
+    """gRPC's peer ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555", "unix:...") -> its address without the port."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer

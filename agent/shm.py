@@ -1,0 +1,227 @@
+"""Triton's system shared-memory extension: clients on the box pass tensors by reference.
+
+A client creates a POSIX shared-memory object (``shm_open``; ``tritonclient.utils.shared_memory``), registers a
+*region* of it under a name (``key`` is the object's name, e.g. ``/cam0_input``; ``offset`` and ``byte_size`` say
+which bytes), then names the region in an infer request's input or output parameters
+(``shared_memory_region``, ``shared_memory_byte_size``, ``shared_memory_offset``) instead of sending the bytes.
+
+Bounded like every other input: at most ``max_per_client`` regions per client (a client is one peer address:
+on the box, every local process is the same client, 127.0.0.1), ``max_regions`` in all and ``max_bytes`` mapped in
+all; a region not used for ``idle_timeout_s`` is unregistered (checked at every shared-memory call and infer
+that names a region, and by :meth:`SharedMemory.sweep`), and every region is unmapped at shutdown. Names and keys
+are validated (a key is one file name under /dev/shm: no path, no ``..``, no symlink followed); an object is
+opened read-write when the agent may (outputs can be written to it), otherwise read-only, and inputs are read
+through a read-only mapping. Input bytes are copied out of the region before the request is queued, so a
+client that rewrites, truncates or unlinks its object meanwhile cannot change or break a batch: a region
+shrunk below what it registered is refused by name (its pages would fault), one unlinked keeps its mapping
+until it is unregistered.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from agent.errors import RequestError
+
+__all__ = ["Region", "SharedMemory"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+_KEY = re.compile(r"/[A-Za-z0-9_.\-]{1,200}")
+
+
+@dataclass(eq=False)
+class Region:
+    name: str
+    key: str
+    offset: int  # of the region in the object, bytes
+    byte_size: int
+    client: str
+    fd: int
+    readable: mmap.mmap  # the object's first offset + byte_size bytes, read-only
+    writable: mmap.mmap | None  # the same, read-write (None: the agent may only read the object)
+    last_used: float = field(default_factory=time.monotonic)
+
+    def status(self) -> dict[str, object]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+class SharedMemory:
+    """The registered system shared-memory regions. Thread-safe (HTTP on the event loop, gRPC on its threads)."""
+
+    def __init__(self, max_per_client: int = 16, max_regions: int = 64, max_bytes: int = 1 << 30,
+                 idle_timeout_s: float = 600.0, root: Path = Path("/dev/shm")):
+        self.max_per_client, self.max_regions, self.max_bytes = max_per_client, max_regions, max_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.root = root
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_regions > 0 and self.max_per_client > 0
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(r.offset + r.byte_size for r in self._regions.values())
+
+    # -- registry --------------------------------------------------------------------------------
+    def register(self, name: object, key: object, offset: object, byte_size: object, client: str) -> None:
+        if not self.enabled:
+            raise RequestError("system shared memory is off on this agent (max_shm_regions 0)")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise RequestError(f"shared-memory region name {str(name)[:80]!r}: 1-128 of [A-Za-z0-9_.-]")
+        if not isinstance(key, str) or not _KEY.fullmatch(key) or key in ("/.", "/.."):
+            raise RequestError(f"shared-memory key {str(key)[:80]!r}: a POSIX shared-memory name, '/' then 1-200 "
+                               "of [A-Za-z0-9_.-] (an object in /dev/shm, no path)")
+        for what, v in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise RequestError(f"shared-memory region {name!r}: {what} must be a byte count, got {v!r}")
+        assert isinstance(offset, int) and isinstance(byte_size, int)
+        if byte_size == 0:
+            raise RequestError(f"shared-memory region {name!r}: byte_size must be at least 1")
+        with self._lock:
+            self._sweep_locked(time.monotonic())
+            if name in self._regions:
+                raise RequestError(f"shared-memory region {name!r} is already registered; unregister it first")
+            mine = sum(1 for r in self._regions.values() if r.client == client)
+            if mine >= self.max_per_client:
+                raise RequestError(f"this client ({client}) holds {mine} shared-memory regions, the most allowed "
+                                   f"(max_shm_regions_per_client {self.max_per_client}); unregister some first")
+            if len(self._regions) >= self.max_regions:
+                raise RequestError(f"{len(self._regions)} shared-memory regions are registered, the most allowed "
+                                   f"(max_shm_regions {self.max_regions}); retry after some are unregistered")
+            if self.mapped_bytes + offset + byte_size > self.max_bytes:
+                raise RequestError(f"registering {offset + byte_size} bytes would map more than max_shm_bytes "
+                                   f"({self.max_bytes}; {self.mapped_bytes} mapped now)")
+            self._regions[name] = self._open(name, key, offset, byte_size, client)
+
+    def _open(self, name: str, key: str, offset: int, byte_size: int, client: str) -> Region:
+        path = self.root / key[1:]
+        flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                fd = os.open(path, os.O_RDWR | flags)
+                rw = True
+            except PermissionError:
+                fd = os.open(path, os.O_RDONLY | flags)
+                rw = False
+        except FileNotFoundError:
+            raise RequestError(f"shared-memory region {name!r}: no shared-memory object {key!r} on this box "
+                               "(shm_open it first)") from None
+        except OSError as exc:
+            raise RequestError(f"shared-memory region {name!r}: cannot open {key!r}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RequestError(f"shared-memory region {name!r}: {key!r} is not a shared-memory object")
+            if offset + byte_size > st.st_size:
+                raise RequestError(f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} is beyond "
+                                   f"the end of {key!r} ({st.st_size} bytes)")
+            readable = mmap.mmap(fd, offset + byte_size, access=mmap.ACCESS_READ)
+            writable = mmap.mmap(fd, offset + byte_size, access=mmap.ACCESS_WRITE) if rw else None
+        except BaseException:
+            os.close(fd)
+            raise
+        return Region(name, key, offset, byte_size, client, fd, readable, writable)
+
+    def unregister(self, name: str | None = None) -> None:
+        """One region, or every region (``name`` None). An unknown name is not an error (as in Triton)."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name]
+            for n in names:
+                r = self._regions.pop(n, None)
+                if r is not None:
+                    _close(r)
+
+    def status(self, name: str | None = None) -> list[dict[str, object]]:
+        with self._lock:
+            self._sweep_locked(time.monotonic())
+            if name is None:
+                return [r.status() for _, r in sorted(self._regions.items())]
+            r = self._regions.get(name)
+            if r is None:
+                raise RequestError(f"no shared-memory region {name!r} is registered")
+            return [r.status()]
+
+    def sweep(self) -> int:
+        """Unregister the regions idle for longer than ``idle_timeout_s``; -> how many."""
+        with self._lock:
+            return self._sweep_locked(time.monotonic())
+
+    def _sweep_locked(self, now: float) -> int:
+        stale = [n for n, r in self._regions.items() if now - r.last_used > self.idle_timeout_s]
+        for n in stale:
+            _close(self._regions.pop(n))
+        return len(stale)
+
+    def close(self) -> None:
+        self.unregister(None)
+
+    # -- tensors ---------------------------------------------------------------------------------
+    def _use(self, name: object, offset: object, size: int, what: str) -> Region:
+        if not isinstance(name, str):
+            raise RequestError(f"{what}: shared_memory_region must be a region name, got {name!r}")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise RequestError(f"{what}: shared_memory_offset must be a byte count, got {offset!r}")
+        now = time.monotonic()
+        self._sweep_locked(now)
+        r = self._regions.get(name)
+        if r is None:
+            raise RequestError(f"{what}: no shared-memory region {name!r} is registered")
+        if offset + size > r.byte_size:
+            raise RequestError(f"{what}: bytes {offset}..{offset + size} are beyond shared-memory region {name!r} "
+                               f"({r.byte_size} bytes)")
+        if os.fstat(r.fd).st_size < r.offset + offset + size:  # reading past the object's end would fault
+            raise RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
+        r.last_used = now
+        return r
+
+    def read(self, name: object, offset: object, size: int, dtype: np.dtype, shape: list[int],
+             what: str) -> np.ndarray:
+        """A copy of ``size`` bytes at ``offset`` in region ``name`` as an array (the client owns the region)."""
+        with self._lock:
+            r = self._use(name, offset, size, what)
+            assert isinstance(offset, int)
+            count = size // dtype.itemsize
+            return np.frombuffer(r.readable, dtype=dtype, count=count, offset=r.offset + offset).reshape(shape).copy()
+
+    def check_output(self, name: object, offset: object, size: object, what: str) -> tuple[str, int, int]:
+        """Validate an output's placement -> (region, offset, byte_size); the output's own size is checked later."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise RequestError(f"{what}: shared_memory_byte_size must be a positive byte count, got {size!r}")
+        with self._lock:
+            r = self._use(name, offset, size, what)
+            if r.writable is None:
+                raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
+                                   "writable by the agent's user for outputs")
+        assert isinstance(name, str) and isinstance(offset, int)
+        return name, offset, size
+
+    def write(self, name: str, offset: int, size: int, data: np.ndarray, what: str) -> int:
+        """Write ``data`` (C-contiguous, little-endian) into region ``name`` -> its byte count."""
+        n = data.nbytes
+        if n > size:
+            raise RequestError(f"{what}: the output is {n} bytes; shared_memory_byte_size gives it {size}")
+        with self._lock:
+            r = self._use(name, offset, n, what)
+            if r.writable is None:
+                raise RequestError(f"{what}: shared-memory object {r.key!r} is read-only to the agent")
+            start = r.offset + offset
+            r.writable[start:start + n] = data.reshape(-1).view(np.uint8).data
+        return n
+
+
+def _close(r: Region) -> None:
+    for m in (r.readable, r.writable):
+        if m is not None:
+            m.close()
+    os.close(r.fd)
