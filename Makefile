@@ -10,29 +10,64 @@ HASWELL = qemu-x86_64 -cpu Haswell
 QUIET_QEMU = 2> >(grep -v "TCG doesn't support requested feature" >&2)
 DIGITS  = models/digits
 
-.PHONY: demo test test-native test-haswell lint venv lock clean system-deps
+# The agent's tests on Python 3.10 (JetPack 6 / Ubuntu 22.04 ship it), in a venv of their own with the
+# versions in constraints-py310.txt. PYTHON310 is found by .ci/find-python310 unless given.
+VENV310 ?= .venv-py310
+PY310   = $(VENV310)/bin/python
 
+# The emulated aarch64 pass: Debian 12's own arm64 Python 3.11.2 (Raspberry Pi OS Bookworm's) under qemu
+# user mode, built by the shared as-arm64 tool (its sysroot and venv live in $AS_ARM64_HOME, default
+# ~/.cache/as-arm64). Two ARM CPU models by default: the Pi 4's and a Graviton2's.
+AS_ARM64   ?= ../shared/tools/as-arm64
+ARM64_CPUS ?= cortex-a72,neoverse-n1
+
+.PHONY: demo test test-native test-haswell test-py310 test-arm64 lint venv venv-py310 lock clean system-deps
+
+# rapidocr-onnxruntime (PP-OCRv4 for the compiler tests: only its .onnx file is used) goes in with --no-deps:
+# it requires opencv-python, whose cv2 would clash with the headless cv2 the project uses (pyproject.toml)
 $(VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "edgefleet needs Python 3.11+"'
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "make needs Python 3.11+ (the compiler and the fleet; the agent alone runs on 3.10)"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# a venv from before the headless switch: both cv2 builds share files, so remove both, then install one
+	if $(PY) -m pip show -q opencv-python >/dev/null 2>&1; then \
+	  $(PY) -m pip uninstall -q -y opencv-python opencv-python-headless; fi
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps rapidocr-onnxruntime
 	touch $@
 
 venv: $(VENV)/.installed
 
-# Refresh constraints.txt with the newest versions that resolve today, in a scratch venv; then run
-# `make test` and commit constraints.txt only if it passes.
+$(VENV310)/.installed: pyproject.toml constraints-py310.txt
+	py310=$${PYTHON310:-$$(bash .ci/find-python310)} && \
+	  "$$py310" -c 'import sys; assert sys.version_info[:2] == (3, 10), sys.version' && \
+	  rm -rf $(VENV310) && "$$py310" -m venv $(VENV310)
+	$(PY310) -m pip install -q --upgrade pip
+	$(PY310) -m pip install -q -c constraints-py310.txt -e '.[agent-tests]'
+	touch $@
+
+venv-py310: $(VENV310)/.installed
+
+# Refresh constraints.txt (and constraints-py310.txt, for the agent's tests on Python 3.10) with the
+# newest versions that resolve today, in scratch venvs; then run `make test` and commit them only if it passes.
 lock:
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q --upgrade pip
 	.venv-lock/bin/python -m pip install -q -e '.[dev]'
+	.venv-lock/bin/python -m pip install -q --no-deps rapidocr-onnxruntime
 	{ echo "# The versions the tests passed on. Refresh: make lock (then make test). Used by make and .ci/run."; \
 	  echo "# Python $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version())'), $$(date -u +%Y-%m-%d)"; \
 	  .venv-lock/bin/python -m pip freeze --exclude-editable; } > constraints.txt
 	rm -rf .venv-lock
-	@echo "constraints.txt refreshed: run 'make test' before committing it"
+	py310=$${PYTHON310:-$$(bash .ci/find-python310)} && "$$py310" -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q -e '.[agent-tests]'
+	{ echo "# The versions the agent's tests passed on with Python 3.10 (make test-py310). Refresh: make lock."; \
+	  echo "# Python $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version())'), $$(date -u +%Y-%m-%d)"; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable; } > constraints-py310.txt
+	rm -rf .venv-lock
+	@echo "constraints.txt and constraints-py310.txt refreshed: run 'make test' before committing them"
 
 # the tests start their own Mosquitto on a free port and run parts under qemu; install them if missing
 system-deps:
@@ -45,7 +80,7 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-test: test-native test-haswell
+test: test-native test-haswell test-arm64
 
 test-native: $(VENV)/.installed system-deps lint
 	$(PY) -m pytest
@@ -67,5 +102,20 @@ test-haswell: $(VENV)/.installed system-deps
 	done
 	rm -rf .edgefleet-haswell
 
+# The agent's own tests (and the protocol's) on Python 3.10: what a stock Jetson (JetPack 6) has.
+test-py310: $(VENV310)/.installed system-deps
+	$(PY310) -m pytest -p no:cacheprovider tests/test_agent_*.py tests/test_protocol_*.py tests/test_python_versions.py
+
+# The agent on 64-bit ARM: its [agent] extra installed from aarch64 wheels under as-arm64, arm64-cpu
+# bundles (LiteRT, FP32 and INT8) built here natively, verified on each of ARM64_CPUS, and an emulated
+# agent answering an OIP request from this host over loopback (tests/test_arm64.py prints the figures).
+test-arm64: $(VENV)/.installed system-deps
+	@[ -x "$(AS_ARM64)" ] || { echo "error: $(AS_ARM64) is missing: the emulated aarch64 pass needs the shared tools" \
+	  "beside this checkout (../shared/tools/as-arm64), or AS_ARM64=/path/to/as-arm64" >&2; exit 1; }
+	$(AS_ARM64) init
+	$(VENV)/bin/edgefleet toolchain install tflite
+	EDGEFLEET_AS_ARM64="$(abspath $(AS_ARM64))" EDGEFLEET_ARM64_CPUS="$(ARM64_CPUS)" \
+	    $(PY) -m pytest -p no:cacheprovider -rA tests/test_arm64.py
+
 clean:
-	rm -rf $(VENV) .edgefleet-demo .edgefleet-haswell .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV310) .edgefleet-demo .edgefleet-haswell .pytest_cache .mypy_cache .ruff_cache

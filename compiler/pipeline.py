@@ -376,7 +376,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             manifest_version=TASK_GATE_VERSION if best.accuracy.task is not None else 2,  # lowest that carries it
             name=opts.name, version=opts.version, profile=profile.name,
             backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
-            created_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+            created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
             engine=engine.name, selftest="selftest.npz", inputs=info.inputs, outputs=info.outputs,
             files=files, accuracy=best.accuracy, benchmark=bench,
             toolchain={"edgefleet": protocol.__version__, "python": sys.version.split()[0],

@@ -206,7 +206,8 @@ def install(name: str, progress: Progress | None = None, force: bool = False) ->
         size = _tree_size(env)
         _write_status(env, {
             "format": STATUS_FORMAT, "name": s.name, "requirements": list(s.requirements), "versions": versions,
-            "python_version": pyver, "installed_at": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+            "python_version": pyver,
+            "installed_at": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
             "install_seconds": seconds, "size_bytes": size})
         say(f"{name} toolchain installed in {seconds:.0f} s, {size / 1e9:.2f} GB: "
             + ", ".join(f"{k} {v}" for k, v in versions.items()))

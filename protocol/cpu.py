@@ -57,6 +57,11 @@ def cpu_features() -> frozenset[str]:
         except ImportError:  # a numpy without the table: the kernel's view (wrong under emulation)
             return _proc_cpuinfo_flags()
     feats = {_NUMPY_TO_LINUX[k] for k, on in table.items() if on and k in _NUMPY_TO_LINUX}
+    # names this numpy's table does not carry at all (numpy < 2.3, the newest on Python 3.10, has no BMI,
+    # BMI2 or AVX512BF16): the kernel's view, the only one there is
+    unknown = {name for k, name in _NUMPY_TO_LINUX.items() if k not in table}
+    if unknown:
+        feats |= _proc_cpuinfo_flags() & unknown
     if cpu_arch() == "aarch64":
         feats |= {"neon", "asimd"}  # mandatory on ARMv8-A
     return frozenset(feats)

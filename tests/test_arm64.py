@@ -1,0 +1,210 @@
+"""The agent on 64-bit ARM, emulated: what `make test-arm64` runs (a Raspberry Pi's, a Graviton's CPU).
+
+``../shared/tools/as-arm64`` runs Debian 12's own aarch64 Python 3.11.2 (Raspberry Pi OS Bookworm's) under
+qemu user mode, in a venv holding this checkout's ``[agent]`` extra from aarch64 wheels (``as-arm64 init``,
+which ``make test-arm64`` runs first). Here: ``arm64-cpu`` bundles (LiteRT, FP32 and INT8) are built on
+this host natively, verified by the emulated agent on each ARM CPU model of ``EDGEFLEET_ARM64_CPUS``, and an
+emulated agent with a bundle installed answers OIP requests sent from this host over loopback.
+
+Skipped unless ``EDGEFLEET_AS_ARM64`` names the tool (``make test-arm64`` sets it). Emulation is 10-50x
+slower than native: nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import DIGITS, free_port
+
+AS_ARM64 = os.environ.get("EDGEFLEET_AS_ARM64") or None
+CPUS = [c.strip() for c in os.environ.get("EDGEFLEET_ARM64_CPUS", "cortex-a72,neoverse-n1").split(",") if c.strip()]
+# what the emulated /proc/cpuinfo of each model says beyond the Cortex-A72's baseline (fp asimd crc32)
+DOTPROD = {"cortex-a72": False, "cortex-a76": True, "neoverse-n1": True, "max": True}
+
+pytestmark = [
+    pytest.mark.skipif(AS_ARM64 is None, reason="the emulated aarch64 pass: `make test-arm64` runs it "
+                                                "(as-arm64 init, then this file with EDGEFLEET_AS_ARM64 set)"),
+    pytest.mark.timeout(1800),  # emulated, and the first build may install the tflite toolchain
+]
+
+
+def arm(cpu: str, *argv: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    """Run ``argv`` (python or a console script of the emulated venv) on the emulated ARM ``cpu``."""
+    assert AS_ARM64 is not None
+    return subprocess.run([AS_ARM64, "run", *argv], env={**os.environ, "AS_ARM64_CPU": cpu},
+                          capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+def say(line: str) -> None:
+    print(f"[arm64] {line}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="module")
+def arm_bundles(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """precision -> (bundle, manifest): digits for arm64-cpu, built here (x86) with the LiteRT toolchain."""
+    from compiler import toolchain
+
+    toolchain.ensure("tflite", say)
+    out = tmp_path_factory.mktemp("arm64-bundles")
+    # image preprocessing recorded, for the image endpoint: 8x8 gray, pixels / 255 (as in test_agent_oip)
+    prep = out / "preprocess.yaml"
+    prep.write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\nscale: 0.00392156862745098\n")
+    built: dict[str, tuple[Path, dict]] = {}
+    for precision in ("fp32", "int8"):
+        r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "compile", str(DIGITS / "model.onnx"),
+                            "--profile", "arm64-cpu", "--precision", precision,
+                            "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"),
+                            "--preprocess", str(prep), "--name", "digits", "--version", "1.0.0",
+                            "--out", str(out / precision), "--json"],
+                           capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+        m = json.loads(r.stdout)["manifest"]
+        assert (m["profile"], m["backend"], m["precision"]) == ("arm64-cpu", "litert", precision)
+        built[precision] = (out / precision / "digits-1.0.0-arm64-cpu.tar", m)
+    return built
+
+
+def test_the_emulated_python_is_debian_s_3_11_2_on_aarch64():
+    r = arm(CPUS[0], "python", "-c", "import platform, sys; print(platform.machine(), sys.version.split()[0])")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["aarch64", "3.11.2"]
+
+
+# what headless Pi and Jetson images lack: X11, xcb, GL and glib (the sysroot has them for opencv-python)
+NOT_ON_A_HEADLESS_BOX = ("libX", "libxcb", "libICE", "libSM", "libGL", "libEGL", "libOpenGL", "libglib-2.0",
+                         "libgthread-2.0", "libgobject-2.0", "libgio-2.0", "libgmodule-2.0")
+
+
+def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(tmp_path):
+    """The emulated venv (a fresh ``pip install .[agent]``) run on a copy of the sysroot without X11, GL and
+    glib: one cv2, the headless one, imports, and the image endpoint's decoder reads a PNG."""
+    assert AS_ARM64 is not None
+    paths = dict(line.split(None, 1) for line in subprocess.run(
+        [AS_ARM64, "path"], capture_output=True, text=True, check=True).stdout.splitlines())
+    root, venv = Path(paths["sysroot"]), Path(paths["venv"])
+    bare = tmp_path / "headless-root"
+    r = subprocess.run(["cp", "-al", str(root), str(bare)], capture_output=True, text=True)
+    if r.returncode != 0:  # another filesystem: a copy (about 90 MB)
+        subprocess.run(["cp", "-a", str(root), str(bare)], check=True)
+    removed = [p for p in bare.rglob("*.so*") if p.name.startswith(NOT_ON_A_HEADLESS_BOX) and not p.is_dir()]
+    assert any(p.name.startswith("libX11") for p in removed) and any(p.name.startswith("libGL") for p in removed)
+    for p in removed:
+        p.unlink()
+    probe = ("import ctypes, importlib.metadata as md, json, numpy as np\n"
+             "gone = []\n"
+             "for lib in ('libX11.so.6', 'libxcb.so.1', 'libGL.so.1', 'libgthread-2.0.so.0'):\n"
+             "    try:\n"
+             "        ctypes.CDLL(lib)\n"
+             "    except OSError:\n"
+             "        gone.append(lib)\n"
+             "import cv2, agent.image, agent.server\n"
+             "from protocol.preprocess import decode_image\n"
+             "ok, png = cv2.imencode('.png', np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)\n"
+             "img = decode_image(png.tobytes(), 'probe')\n"
+             "names = sorted(n for n in (d.metadata['Name'].lower() for d in md.distributions()) if 'opencv' in n)\n"
+             "print(json.dumps({'gone': gone, 'cv2': names, 'shape': list(img.shape)}))\n")
+    r = subprocess.run(["qemu-aarch64", "-L", str(bare), str(venv / "bin" / "python"), "-c", probe],
+                       env={**os.environ, "QEMU_CPU": CPUS[0]}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["gone"] == ["libX11.so.6", "libxcb.so.1", "libGL.so.1", "libgthread-2.0.so.0"], doc
+    assert doc["cv2"] == ["opencv-python-headless"], doc
+    assert doc["shape"][:2] == [8, 8], doc
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("cpu", CPUS)
+def test_an_arm64_cpu_bundle_computes_as_gated_on(cpu, precision, arm_bundles):
+    bundle, m = arm_bundles[precision]
+    r = arm(cpu, "edgefleet", "verify", str(bundle), "--eval", str(DIGITS / "test.npz"), "--json")
+    assert r.stdout, r.stderr
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["computes_as_gated"], doc
+    assert doc["arch"] == "aarch64" and doc["cpu_ok"], doc
+    assert ("asimddp" in doc["cpu_features"]) == DOTPROD.get(cpu, "asimddp" in doc["cpu_features"]), doc
+    st = doc["selftest"]
+    assert st["drift"] <= 1.0
+    # the same top-1 as the compiler recorded (one image of slack for float summation order)
+    assert abs(doc["top1"] - m["accuracy"]["candidate"]) <= 1 / doc["eval_samples"] + 1e-9, doc
+    assert doc["drop_vs_fp32"] <= m["accuracy"]["max_drop"]
+    say(f"{cpu:<12} {precision}: top-1 {doc['top1']:.4f} on {doc['eval_samples']} (compile-time "
+        f"{m['accuracy']['candidate']:.4f}); self-test {st['samples']} samples, top-1 {st['top1']:.4f}, "
+        f"drift {st['drift']:.2f}x tolerance")
+
+
+def test_an_emulated_arm_agent_answers_oip_requests_from_this_host(arm_bundles, tmp_path):
+    """The agent runs as a device would (`edgefleet agent`, its store holding the INT8 bundle), on the first
+    CPU model; this host sends it tensors and PNGs over loopback."""
+    from tests.agent_harness import preinstall
+
+    bundle, _ = arm_bundles["int8"]
+    data = tmp_path / "device"
+    preinstall(data, bundle)
+    port = free_port()
+    log = tmp_path / "agent.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([AS_ARM64 or "", "run", "edgefleet", "agent", "--device-id", "arm-1",
+                                 "--fleet", "http://127.0.0.1:9", "--data-dir", str(data), "--trust-on-first-use",
+                                 "--http-host", "127.0.0.1", "--http-port", str(port)],
+                                env={**os.environ, "AS_ARM64_CPU": CPUS[0]}, stdout=err, stderr=err,
+                                stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ready = _wait_ready(proc, url, log)
+        assert ready, f"the emulated agent never became ready:\n{log.read_text()[-3000:]}"
+        assert Path(os.readlink(f"/proc/{proc.pid}/exe")).name.startswith("qemu-aarch64")
+        with np.load(DIGITS / "test.npz") as npz:
+            x, labels = npz["input"][:16].astype(np.float32), npz["labels"][:16]
+        r = httpx.post(f"{url}/v2/models/digits/infer", timeout=300, json={"inputs": [{
+            "name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist()}]})
+        assert r.status_code == 200, r.text
+        out = r.json()["outputs"][0]
+        assert out["shape"] == [16, 10]
+        preds = np.asarray(out["data"]).reshape(16, 10).argmax(1)
+        assert (preds == labels).mean() >= 0.9, (preds, labels)
+        # the image endpoint: the headless cv2 decodes a PNG on ARM
+        import cv2
+
+        ok, png = cv2.imencode(".png", np.round(x[0, 0] * 255).astype(np.uint8))
+        assert ok
+        r = httpx.post(f"{url}/v2/models/digits/infer/image", content=png.tobytes(),
+                       headers={"Content-Type": "image/png"}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert int(np.argmax(r.json()["outputs"][0]["data"])) == int(preds[0])
+        say(f"{CPUS[0]:<12} agent: answered /infer (16 images, top-1 {(preds == labels).mean():.4f}) and "
+            f"/infer/image over loopback")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+            raise
+    assert rc == 0, log.read_text()[-3000:]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, wait_s: float = 600) -> bool:
+    """Poll /v2/health/ready until 200 (bounded: emulated start-up imports take a while); False if it exits."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    return False
