@@ -2,11 +2,11 @@
 
 A device publishes each report at QoS 1 and retained, so the broker holds every device's latest report even
 when it dropped the copy meant for the fleet (a stock Mosquitto queues at most ``max_queued_messages``, 1,000,
-for a subscriber that is behind, and drops the rest silently). Every ``interval_s`` this asks the broker again
-for the retained reports of targets that have waited ``after_s`` or longer in a wave that is running (or that
-are being rolled back), at most ``batch`` devices a tick, so that reading them back cannot overflow the same
-queue. What comes back goes through the bridge and the ingest like any report (reports are idempotent: a
-target's state and its wave's counters move once).
+for a subscriber that is behind, and drops the rest silently). Every second this asks the broker again for the
+retained reports of targets that have waited ``after_s`` or longer in a wave that is running (or that are being
+rolled back), at most ``batch`` devices a tick, so that reading them back cannot overflow the same queue. What
+comes back goes through the bridge and the ingest like any report (reports are idempotent: a target's state
+and its wave's counters move once).
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ class Reconciler:
                  len(due), self.after_s)
         return len(due)
 
-    def run(self, stop: threading.Event, interval_s: float | None = None) -> None:
-        interval = interval_s if interval_s is not None else max(0.5, self.after_s / 2)
-        while not stop.wait(interval):
+    def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+        """Tick every ``interval_s``: at most ``batch`` devices a second are asked again (each at most once per
+        ``after_s``), few enough for a stock broker's queue, many enough to catch up with a large wave."""
+        while not stop.wait(interval_s):
             try:
                 self.tick()
             except Exception:
