@@ -125,7 +125,7 @@ class ComputeGate:
         async def turn() -> None:
             try:
                 await asyncio.wait_for(self.acquire(), wait_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 return
             with lock:
                 if state["gave_up"]:
@@ -329,7 +329,7 @@ class Batcher:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 break
         if self._preferred and n not in self._preferred:
             fits = [p for p in self._preferred if p <= n]
@@ -429,11 +429,11 @@ class Batcher:
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), drain_timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 stuck = list(self._forming)  # the loop's own clean-up forgets them when cancelled
                 self._task.cancel()
                 log.error("batcher did not drain in %.0fs; failing what is left", drain_timeout_s)
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
                     await asyncio.wait_for(self._task, 1.0)
             except Exception:
                 log.exception("the batching loop had crashed")
