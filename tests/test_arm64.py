@@ -40,7 +40,7 @@ pytestmark = [
 def arm(cpu: str, *argv: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
     """Run ``argv`` (python or a console script of the emulated venv) on the emulated ARM ``cpu``."""
     assert AS_ARM64 is not None
-    return subprocess.run([AS_ARM64, "run", *argv], env={**os.environ, "AS_ARM64_CPU": cpu},
+    return subprocess.run(["bash", AS_ARM64, "run", *argv], env={**os.environ, "AS_ARM64_CPU": cpu},
                           capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
 
@@ -89,7 +89,7 @@ def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(t
     glib: one cv2, the headless one, imports, and the image endpoint's decoder reads a PNG."""
     assert AS_ARM64 is not None
     paths = dict(line.split(None, 1) for line in subprocess.run(
-        [AS_ARM64, "path"], capture_output=True, text=True, check=True).stdout.splitlines())
+        ["bash", AS_ARM64, "path"], capture_output=True, text=True, check=True).stdout.splitlines())
     root, venv = Path(paths["sysroot"]), Path(paths["venv"])
     bare = tmp_path / "headless-root"
     r = subprocess.run(["cp", "-al", str(root), str(bare)], capture_output=True, text=True)
@@ -152,7 +152,7 @@ def test_an_emulated_arm_agent_answers_oip_requests_from_this_host(arm_bundles, 
     port = free_port()
     log = tmp_path / "agent.log"
     with log.open("w") as err:
-        proc = subprocess.Popen([AS_ARM64 or "", "run", "edgefleet", "agent", "--device-id", "arm-1",
+        proc = subprocess.Popen(["bash", AS_ARM64 or "", "run", "edgefleet", "agent", "--device-id", "arm-1",
                                  "--fleet", "http://127.0.0.1:9", "--data-dir", str(data), "--trust-on-first-use",
                                  "--http-host", "127.0.0.1", "--http-port", str(port)],
                                 env={**os.environ, "AS_ARM64_CPU": CPUS[0]}, stdout=err, stderr=err,
