@@ -67,13 +67,16 @@ def _raise_nofile(need: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= need:
         return
-    if hard < need and os.geteuid() == 0:
-        try:
-            nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
-        except OSError:
-            nr_open = need
-        hard = max(hard, min(need, nr_open))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    if hard < need:
+        try:  # root with CAP_SYS_RESOURCE may raise the hard limit (up to the kernel's nr_open)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+            return
+        except (ValueError, OSError):
+            raise SystemExit(
+                f"error: {need} open files are needed (one socket per device in the broker) but this machine allows "
+                f"{hard} per process and may not raise it (no CAP_SYS_RESOURCE): run at most about {hard - 1000} "
+                "devices here, or raise the hard limit (ulimit -Hn, LimitNOFILE=) first") from None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 @contextmanager
