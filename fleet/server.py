@@ -62,7 +62,7 @@ class FleetConfig:
     mqtt_key_file: Path | None = None
     # a target still waiting for a report this long has its device's retained report read again (the broker
     # may have dropped the fleet's copy: fleet.reconcile); 0 turns it off
-    report_reconcile_after_s: float = 10.0
+    report_reconcile_after_s: float = 5.0
     # where the TUF repository lives: "db" (the fleet's database: replicas share nothing else), "dir" (data_dir/tuf),
     # "auto": db on PostgreSQL, dir on SQLite
     tuf_store: str = "auto"
@@ -131,7 +131,7 @@ class FleetServer:
         self.bridge.ingest = self.ingest
         self.bridge.on_connected = self.service.republish_desired
         self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
-                                     config.report_reconcile_after_s or 10.0)
+                                     config.report_reconcile_after_s or 5.0)
         public = config.public_url or f"http://{config.host}:{config.port}"
         self.bootstrap = {
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,
