@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from agent._compat import run_with_loop
 from agent.batcher import BatchSettings, pin_thread
 from agent.config import AgentConfig
 from agent.enroll import mqtt_security
@@ -390,8 +391,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run_until_stopped(agent: Agent) -> None:
     """Run ``agent`` on the loop of :func:`event_loop_factory` until it stops (the daemon and the tests)."""
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(agent.run())
+    run_with_loop(agent.run(), event_loop_factory())  # asyncio.Runner, or its steps on Python 3.10
 
 
 def run_agent(config: AgentConfig) -> None:

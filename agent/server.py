@@ -404,7 +404,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             header = check_image(body, m, images.max_decoded_bytes)  # before any decoder: 4xx, no slot taken
             try:
                 await asyncio.wait_for(image_decodes.acquire(), images.wait_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 raise Unavailable(f"{images.max_concurrent} images are decoding (max_concurrent_image_decodes) and "
                                   f"this one waited {images.wait_s:g} s for its turn; retry") from None
             try:  # the thread is never abandoned (anyio waits for it), so the slot is given back after it

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata as md
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
 from agent._compat import run_with_loop
+from tests.conftest import REPO
 
 
 @pytest.mark.parametrize(("version", "box"), [
@@ -73,3 +77,15 @@ def test_the_daemon_s_loop_runner_on_this_python():
     assert len(made) == 1 and seen["loop"] is made[0] and made[0].is_closed()
     assert seen.get("cancelled") and seen.get("agen_closed") and seen.get("timeout")
     assert run_with_loop(asyncio.sleep(0, "plain")) == "plain"  # no factory: asyncio's own loop
+
+
+def test_the_agent_side_of_the_source_uses_nothing_newer_than_python_3_10():
+    """vermin (a dev dependency; `make lint` runs it too) on agent/, engines/, protocol/ and compiler/."""
+    vermin = Path(sys.executable).parent / "vermin"
+    if not vermin.exists():
+        pytest.skip("vermin is not installed in this environment (the dev extra has it; make lint runs it)")
+    dirs = [str(REPO / d) for d in ("agent", "engines", "protocol", "compiler") if (REPO / d).is_dir()]
+    r = subprocess.run([str(vermin), "--no-tips", "--violations", "--eval-annotations",
+                        "--backport", "typing_extensions", "-t=3.10-", *dirs],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
