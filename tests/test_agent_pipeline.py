@@ -1,0 +1,121 @@
+"""The batch queued behind a running one (agent/batcher.py): formed while the runtime is busy and started by the
+inference thread the moment the running batch ends; taken back for a high-priority request or an install's turn;
+its requests still expire, still count against the queue's limit, and all get their own answers."""
+
+import asyncio
+import threading
+
+import numpy as np
+
+from agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
+from tests.test_agent_batcher import FakeBackend, _until, x
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_full_batch_waits_on_the_busy_thread_and_every_request_gets_its_own_answer():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=4, max_queue_size=16))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1, start=-10)))
+        await _until(be.started.is_set, "the first batch running")
+        rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(8)]
+        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        assert b.queued_samples == 8  # still counted as waiting
+        staged = b._instances[0].slot
+        assert staged is not None and staged.n == 4
+        be.gate.set()
+        outs = await asyncio.gather(first, *rest)
+        await b.close()
+        return be, outs
+
+    be, outs = run(main())
+    np.testing.assert_array_equal(outs[0][0], x(1, start=-10)["x"] * 2)
+    for i, o in enumerate(outs[1:]):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+    assert be.batches == [1, 4, 4]
+
+
+def test_an_install_turn_takes_back_the_queued_batch():
+    """A swap adds at most one batch to the wait of an install's call: the batch queued behind the running one
+    goes back to the queue when the call asks for its turn."""
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        gate = ComputeGate(1)
+        b = Batcher(be, BatchSettings(max_batch_size=2), gate=gate)
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1, start=0)))
+        await _until(be.started.is_set, "the first batch running")
+        rest = [asyncio.ensure_future(b.submit(x(1, start=100 + 10 * i))) for i in range(2)]
+        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        loop = asyncio.get_running_loop()
+        install = loop.run_in_executor(None, lambda: gate.call(loop, be.seen.append, -1.0))  # marks its turn
+        await _until(lambda: b._instances[0].slot is None, "the queued batch taken back")
+        be.gate.set()
+        await install
+        await asyncio.gather(first, *rest)
+        await b.close()
+        return be.seen
+
+    assert run(main()) == [0.0, -1.0, 100.0]  # the running batch, the install's call, then the queued batch
+
+
+def test_a_high_priority_request_goes_before_the_queued_batch():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=2))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1, start=0)))
+        await _until(be.started.is_set, "the first batch running")
+        normal = [asyncio.ensure_future(b.submit(x(1, start=100 + i))) for i in range(2)]
+        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
+        await asyncio.sleep(0)
+        be.gate.set()
+        await asyncio.gather(first, *normal, high)
+        await b.close()
+        return be.seen
+
+    seen = run(main())
+    assert seen[0] == 0.0 and seen[1] == 200.0  # the high-priority request heads the next batch
+
+
+def test_the_thread_starts_the_queued_batch_without_the_event_loop():
+    """With the event loop blocked (busy on other work), the queued batch still starts the moment the running one
+    ends."""
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=2))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1, start=0)))
+        await _until(be.started.is_set, "the first batch running")
+        rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
+        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        be.started.clear()
+        be.gate.set()
+        ran = be.started.wait(10)  # blocks the event loop: only the inference thread can move
+        await asyncio.gather(first, *rest)
+        await b.close()
+        return ran
+
+    assert run(main())
+
+
+def test_threads_are_not_left_behind():
+    before = threading.active_count()
+
+    async def main():
+        b = Batcher(FakeBackend(), BatchSettings(max_batch_size=2))
+        b.start()
+        await asyncio.gather(*(b.submit(x(1)) for _ in range(9)))
+        await b.close()
+
+    run(main())
+    assert threading.active_count() <= before + 1
