@@ -160,9 +160,9 @@ class Agent:
         if self.config.grpc_port is not None:
             from agent.grpc_server import GrpcServer
 
-            grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self._loop,
-                                     self.config.device_id, self.config.max_body_bytes)
-            self.grpc_port = grpc_server.start(self.config.http_host, self.config.grpc_port)
+            grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
+                                     self.config.max_body_bytes)
+            self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
         sweeper = self._loop.create_task(self._sweep_shm())
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
                              (self._telemetry_loop, "telemetry")):
@@ -183,7 +183,7 @@ class Agent:
             sd_notify("STOPPING=1")
             sweeper.cancel()
             if grpc_server is not None:  # the requests in flight finish first (their batches still run)
-                await self._loop.run_in_executor(None, grpc_server.stop, self.config.shutdown_grace_s)
+                await grpc_server.stop(self.config.shutdown_grace_s)
             log.info("stopping: in-flight requests are done; closing the models and the fleet link")
             self._stop.set()
             self._desired_event.set()

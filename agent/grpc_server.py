@@ -6,20 +6,19 @@ ModelConfig, ModelInfer (tensors in ``raw_input_contents``, typed ``contents`` o
 Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/kserve.py) and queue
 in the same batcher: a gRPC request and an HTTP request can share a batch.
 
-gRPC's server runs its handlers on its own threads (``max_workers``); each one decodes its request there,
-queues it on the agent's event loop and waits for the answer, so at most ``max_workers`` requests are in the
-agent from gRPC at once, and up to ``max_concurrent_rpcs`` more wait in gRPC before it answers
-RESOURCE_EXHAUSTED. Messages are capped at ``max_message_bytes`` (the agent's max_body_bytes). Every error is a
-gRPC status with a message: INVALID_ARGUMENT (a bad request), NOT_FOUND (no such model), RESOURCE_EXHAUSTED
-(a full queue), UNAVAILABLE (no model yet, being replaced, queue timeout), INTERNAL.
+gRPC's asyncio server runs on the agent's event loop (grpc.aio): a request is decoded there and queued in the
+batcher like an HTTP one, with no thread hand-off (a server on threads that handed each request to the loop
+served digits at a third of the rate, measured with bench/serve.py). At most ``max_concurrent_rpcs`` calls are
+in progress at once; beyond that gRPC answers RESOURCE_EXHAUSTED. Messages are capped at ``max_message_bytes``
+(the agent's max_body_bytes). Every error is a gRPC status with a message: INVALID_ARGUMENT (a bad request),
+NOT_FOUND (no such model), RESOURCE_EXHAUSTED (a full queue), UNAVAILABLE (no model yet, being replaced, queue
+timeout), INTERNAL.
 
 grpcio and the service's message classes (from ``tritonclient[grpc]``) are imported only when gRPC is on.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -90,16 +89,16 @@ _CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 
 
 
 class GrpcServer:
-    def __init__(self, host: ModelHost, shm: SharedMemory | None, loop: asyncio.AbstractEventLoop, device_id: str,
-                 max_message_bytes: int, max_workers: int = 64, max_concurrent_rpcs: int = 1024):
-        self.host, self.shm, self.loop, self.device_id = host, shm, loop, device_id
+    def __init__(self, host: ModelHost, shm: SharedMemory | None, device_id: str, max_message_bytes: int,
+                 max_concurrent_rpcs: int = 1024):
+        self.host, self.shm, self.device_id = host, shm, device_id
         self.max_message_bytes = max_message_bytes
-        self.max_workers, self.max_concurrent_rpcs = max_workers, max_concurrent_rpcs
+        self.max_concurrent_rpcs = max_concurrent_rpcs
         self._server: Any = None
         self.port = 0
 
-    def start(self, bind_host: str, port: int) -> int:
-        """Listen on ``bind_host:port`` (0: a free port) -> the port."""
+    async def start(self, bind_host: str, port: int) -> int:
+        """Listen on ``bind_host:port`` (0: a free port) -> the port. On the event loop that serves."""
         try:
             import grpc  # type: ignore[import-untyped]
             from tritonclient.grpc import service_pb2, service_pb2_grpc  # type: ignore[import-untyped]
@@ -111,38 +110,36 @@ class GrpcServer:
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", max(self.max_message_bytes, 64 * 1024 * 1024)),
                 ("grpc.so_reuseport", 0)]
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="grpc"),
-                             options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self, service_pb2_grpc), server)
         addr = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
         self.port = server.add_insecure_port(addr)
         if not self.port:
             raise OSError(f"gRPC could not listen on {addr}")
-        server.start()
+        await server.start()
         self._server = server
         return self.port
 
-    def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking calls; the calls in progress get ``grace_s`` to finish."""
         if self._server is not None:
-            self._server.stop(grace_s).wait(grace_s + 1)
+            await self._server.stop(grace_s)
             self._server = None
 
-    # -- helpers, on gRPC's threads -------------------------------------------------------------
-    def on_loop(self, coro: Any, timeout_s: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+    # -- helpers ------------------------------------------------------------------------------------
 
     def served(self, name: str, version: str) -> Served:
         return self.host.get(name, version or None)
 
-    def abort(self, context: Any, exc: BaseException) -> None:
+    async def abort(self, context: Any, exc: BaseException) -> None:
         grpc = self._grpc
         if isinstance(exc, AgentError):
             code = getattr(grpc.StatusCode, _CODES.get(getattr(exc, "status_code", 500), "INTERNAL"))
-            context.abort(code, str(exc))
-        log.exception("unexpected error in a gRPC call")
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+            await context.abort(code, str(exc))
+        log.error("unexpected error in a gRPC call: %r", exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
 
-    def infer(self, request: Any, context: Any) -> Any:
+    async def infer(self, request: Any, context: Any) -> Any:
         t0 = time.perf_counter()
         served: Served | None = None
         status = 500
@@ -151,26 +148,26 @@ class GrpcServer:
             m = served.manifest
             doc, raw = request_doc(request)
             req = decode_request(doc, m.inputs, m.outputs, raw=raw, shm=self.shm)
-            outs = self.on_loop(served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
-                                                      None if req.timeout_us is None else req.timeout_us / 1e6))
+            outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
+                                               None if req.timeout_us is None else req.timeout_us / 1e6)
             if self.host.shadow is not None:
-                self.loop.call_soon_threadsafe(self.host.shadow.offer, m.name, req.feeds, outs)
+                self.host.shadow.offer(m.name, req.feeds, outs)
             response = self._response(m.name, m.version, outs, m.outputs, req)
             status = 200
             return response
         except AgentError as exc:
             status = getattr(exc, "status_code", 500)
-            self.abort(context, exc)
+            await self.abort(context, exc)
         except Exception as exc:
             if type(exc).__module__.startswith("grpc"):  # context.abort's own exception
                 raise
-            self.abort(context, exc)
+            await self.abort(context, exc)
         finally:
             dt = time.perf_counter() - t0
             if served is not None:
-                self.loop.call_soon_threadsafe(served.metrics.request, dt, status)
+                served.metrics.request(dt, status)
             else:
-                self.loop.call_soon_threadsafe(self.host.metrics.rejected, dt, status, None)
+                self.host.metrics.rejected(dt, status, None)
 
     def _response(self, model: str, version: str, outputs: list[np.ndarray], specs: Any, req: InferRequest) -> Any:
         pb = self._pb
@@ -205,28 +202,28 @@ class _Servicer:
         base = service_pb2_grpc.GRPCInferenceServiceServicer
 
         class Servicer(base):  # type: ignore[misc, valid-type]
-            def ServerLive(self, request: Any, context: Any) -> Any:
+            async def ServerLive(self, request: Any, context: Any) -> Any:
                 return pb.ServerLiveResponse(live=True)
 
-            def ServerReady(self, request: Any, context: Any) -> Any:
+            async def ServerReady(self, request: Any, context: Any) -> Any:
                 return pb.ServerReadyResponse(ready=bool(srv.host.models))
 
-            def ServerMetadata(self, request: Any, context: Any) -> Any:
+            async def ServerMetadata(self, request: Any, context: Any) -> Any:
                 return pb.ServerMetadataResponse(name="edgefleet-agent", version=protocol.__version__,
                                                  extensions=EXTENSIONS)
 
-            def ModelReady(self, request: Any, context: Any) -> Any:
+            async def ModelReady(self, request: Any, context: Any) -> Any:
                 try:
                     srv.served(request.name, request.version)
                 except AgentError:
                     return pb.ModelReadyResponse(ready=False)
                 return pb.ModelReadyResponse(ready=True)
 
-            def ModelMetadata(self, request: Any, context: Any) -> Any:
+            async def ModelMetadata(self, request: Any, context: Any) -> Any:
                 try:
                     served = srv.served(request.name, request.version)
                 except AgentError as exc:
-                    srv.abort(context, exc)
+                    await srv.abort(context, exc)
                 m = served.manifest
                 T = pb.ModelMetadataResponse.TensorMetadata
                 return pb.ModelMetadataResponse(
@@ -234,47 +231,47 @@ class _Servicer:
                     inputs=[T(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.inputs],
                     outputs=[T(name=s.name, datatype=s.datatype, shape=list(s.shape)) for s in m.outputs])
 
-            def ModelConfig(self, request: Any, context: Any) -> Any:
+            async def ModelConfig(self, request: Any, context: Any) -> Any:
                 from google.protobuf import json_format  # type: ignore[import-untyped]
                 from tritonclient.grpc import model_config_pb2  # type: ignore[import-untyped]
 
                 try:
                     served = srv.served(request.name, request.version)
                 except AgentError as exc:
-                    srv.abort(context, exc)
+                    await srv.abort(context, exc)
                 doc = model_config(served)
                 doc.pop("version_policy", None)  # Triton's versions are integers; the agent's are semver
                 cfg = json_format.ParseDict(doc, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
                 return pb.ModelConfigResponse(config=cfg)
 
-            def ModelInfer(self, request: Any, context: Any) -> Any:
-                return srv.infer(request, context)
+            async def ModelInfer(self, request: Any, context: Any) -> Any:
+                return await srv.infer(request, context)
 
-            def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+            async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
                 resp = pb.SystemSharedMemoryStatusResponse()
                 if srv.shm is None:
-                    srv.abort(context, RequestError("system shared memory is off on this agent"))
+                    await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return resp
                 try:
                     regions = srv.shm.status(request.name or None)
                 except AgentError as exc:
-                    srv.abort(context, exc)
+                    await srv.abort(context, exc)
                 for r in regions:
                     resp.regions[str(r["name"])].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
                 return resp
 
-            def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+            async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
                 if srv.shm is None:
-                    srv.abort(context, RequestError("system shared memory is off on this agent"))
+                    await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return None
                 try:
                     srv.shm.register(request.name, request.key, request.offset, request.byte_size,
                                      _peer_host(context.peer()))
                 except AgentError as exc:
-                    srv.abort(context, exc)
+                    await srv.abort(context, exc)
                 return pb.SystemSharedMemoryRegisterResponse()
 
-            def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+            async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
                 if srv.shm is not None:
                     srv.shm.unregister(request.name or None)
                 return pb.SystemSharedMemoryUnregisterResponse()

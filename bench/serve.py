@@ -340,7 +340,20 @@ class NaiveProcess:
 
 
 def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes], dict[str, str]]:
-    """-> (path, one body per image, extra headers) for one variant."""
+    """-> (path, one body per image, extra headers) for one variant. grpc: serialized ModelInferRequests; shm: the
+    images' raw bytes (the load generator writes them into its shared-memory region)."""
+    if kind == "grpc":
+        from tritonclient.grpc import service_pb2
+
+        out = []
+        for img in images:
+            r = service_pb2.ModelInferRequest(model_name=model)
+            r.inputs.add(name="input", datatype="FP32", shape=[1, *images.shape[1:]])
+            r.raw_input_contents.append(np.ascontiguousarray(img[None], dtype=np.float32).tobytes())
+            out.append(r.SerializeToString())
+        return "/inference.GRPCInferenceService/ModelInfer", out, {}
+    if kind == "shm":
+        return f"/v2/models/{model}/infer", [np.ascontiguousarray(i[None], np.float32).tobytes() for i in images], {}
     if kind == "naive":
         return "/predict", [np.ascontiguousarray(img[None]).tobytes() for img in images], {}
     path = f"/v2/models/{model}/infer"
@@ -403,6 +416,8 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
     """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
+    if kind in ("grpc", "shm"):
+        return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed)
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
     conns: list[list[Any]] = [[] for _ in range(clients)]
     lat: list[float] = []
@@ -440,6 +455,108 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
     for c in conns:
         if c:
             c[1].close()
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
+            "load_cpu_s": load_cpu_s}
+
+
+async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[int],
+                       clients: int, total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+    """The on-box clients: ``grpc`` (one grpc.aio channel, requests prebuilt) to the agent's gRPC port (``port`` is
+    then that port), or ``shm``: binary-free HTTP requests whose input and output live in one POSIX shared-memory
+    region this process registers (each client its own slice; it writes its image there before each request and
+    reads the logits back from it)."""
+    from multiprocessing import shared_memory
+
+    lat: list[float] = []
+    bad = {"errors": 0, "wrong": 0}
+    first_error: list[str] = []
+    in_bytes, out_bytes = len(reqs[0]) if kind == "shm" else 0, 4096  # 4 KiB of outputs is plenty here
+    region: Any = None
+    call: Callable[[int, int], Any]
+    if kind == "grpc":
+        import grpc  # type: ignore[import-untyped]
+        from tritonclient.grpc import service_pb2  # type: ignore[import-untyped]
+
+        channel = grpc.aio.insecure_channel(f"{host}:{port}", options=[("grpc.max_receive_message_length", 1 << 26),
+                                                                       ("grpc.max_send_message_length", 1 << 26)])
+        infer = channel.unary_unary(path, request_serializer=None,
+                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
+
+        async def call(slot: int, i: int) -> int:
+            r = await infer(reqs[i], timeout=60)
+            return int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax())
+    else:
+        slot_bytes = in_bytes + out_bytes
+        key = f"edgefleet-bench-{os.getpid()}"
+        region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
+        conns: list[list[Any]] = [[] for _ in range(clients)]
+        reg = json.dumps({"key": "/" + key, "offset": 0, "byte_size": slot_bytes * clients}).encode()
+        status, _, content = await _post([], host, port, _request(host, port, f"/v2/systemsharedmemory/region/{key}"
+                                                                              "/register", reg, "json"))
+        if status != 200:
+            raise RuntimeError(f"registering the shared-memory region: {status} {content[:200]!r}")
+        with urllib.request.urlopen(f"http://{host}:{port}{path.removesuffix('/infer')}", timeout=30) as r:
+            meta = json.loads(r.read())  # loopback: the agent under test
+        shape = [1 if d == -1 else d for d in meta["inputs"][0]["shape"]]
+        prebuilt = []
+        for slot in range(clients):
+            base = slot * slot_bytes
+            head = json.dumps({
+                "inputs": [{"name": meta["inputs"][0]["name"], "shape": shape, "datatype": "FP32", "parameters": {
+                    "shared_memory_region": key, "shared_memory_byte_size": in_bytes, "shared_memory_offset": base}}],
+                "outputs": [{"name": meta["outputs"][0]["name"], "parameters": {
+                    "shared_memory_region": key, "shared_memory_byte_size": out_bytes,
+                    "shared_memory_offset": base + in_bytes}}]})
+            prebuilt.append(head)
+        buf = region.buf
+
+        async def call(slot: int, i: int) -> int:
+            base = slot * slot_bytes
+            buf[base:base + in_bytes] = reqs[i]
+            status, _, content = await _post(conns[slot], host, port, _request(host, port, path,
+                                                                               prebuilt[slot].encode(), "json"))
+            if status != 200:
+                raise RuntimeError(f"{status}: {content[:200]!r}")
+            n = json.loads(content)["outputs"][0]["parameters"]["shared_memory_byte_size"]
+            return int(np.frombuffer(buf[base + in_bytes:base + in_bytes + n], np.float32).argmax())
+
+    async def client(slot: int, n: int, record: bool) -> None:
+        i = (slot * 7919) % len(reqs)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                top1, err = await asyncio.wait_for(call(slot, i), 60), None
+            except Exception as exc:
+                top1, err = -1, repr(exc)
+            dt = time.perf_counter() - t0
+            if record:
+                if err is None:
+                    lat.append(dt)
+                    bad["wrong"] += top1 != labels[i]
+                else:
+                    bad["errors"] += 1
+                    if not first_error:
+                        first_error.append(err[:300])
+            i = (i + 1) % len(reqs)
+
+    try:
+        await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
+        per = max(1, total // clients)
+        if timed is not None:
+            timed()
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(k, per, True) for k in range(clients)))
+        wall = time.perf_counter() - t0
+        load_cpu_s = time.process_time() - cpu0
+    finally:
+        if kind == "grpc":
+            await channel.close()
+        if region is not None:
+            with contextlib.suppress(Exception):
+                await _post([], host, port, _request(host, port, "/v2/systemsharedmemory/unregister", b"", "json"))
+            region.close()
+            region.unlink()
     return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
             "load_cpu_s": load_cpu_s}
 
@@ -537,12 +654,23 @@ def _rss_mb(pid: int) -> float:
 # -- one model ---------------------------------------------------------------------------------------
 
 
+def _have_grpc() -> bool:
+    try:
+        import grpc  # type: ignore[import-untyped]  # noqa: F401
+        import tritonclient.grpc  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        _say("no grpcio / tritonclient[grpc] (edgefleet[grpc]): the gRPC and shared-memory rows are skipped")
+        return False
+    return True
+
+
 def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     name, images, labels = m["name"], m["images"], m["labels"]
     small = name == "digits"
     totals = {"naive": args.requests if small else args.requests_big,
               "binary": args.requests if small else args.requests_big,
-              "json": args.requests if small else max(20, args.requests_big // 5)}
+              "json": args.requests if small else max(20, args.requests_big // 5),
+              "grpc": args.requests, "shm": args.requests}
     _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, 1x{args.threads} and {args.threads}x1)")
     limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
     layout = {"auto": limit_before["layout"], "default": f"1x{args.threads}"}.get(args.agent_layout, args.agent_layout)
@@ -558,8 +686,10 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     floor_ms = transport_floor_ms(len(binary_request))
     t0 = time.monotonic()
     pin_args = ("--inference-cpus", ",".join(map(str, sorted(PIN[0])))) if PIN else ()
+    local = small and _have_grpc()  # digits, where the transport is the cost: gRPC and shared memory too
+    grpc_port = _free_port()
     agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, 16, per, 120, instances=instances,
-                         extra_args=pin_args)
+                         extra_args=(*pin_args, *(("--grpc-port", str(grpc_port)) if local else ())))
     rows: list[dict[str, Any]] = []
     with agent:
         cold_s = time.monotonic() - t0
@@ -568,12 +698,14 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         idle_rss = _rss_mb(agent.proc.pid)
         with NaiveProcess(m["engine"], args.threads, work / "logs" / f"{name}-naive.log") as naive:
             variants = [("naive", naive.url), ("binary", agent.url), ("json", agent.url)]
+            if local:
+                variants += [("grpc", f"http://127.0.0.1:{grpc_port}"), ("shm", agent.url)]
             for clients in args.clients:
                 order = variants if clients % 2 == 0 else list(reversed(variants))  # interleave, alternating order
                 for kind, url in order:
                     path, reqs, _ = bodies(kind, m["model"], images)
                     pid = (naive if kind == "naive" else agent).proc.pid  # type: ignore[union-attr]
-                    stats = f"{url}/v2/models/{m['model']}/stats" if kind != "naive" and clients == 1 else None
+                    stats = f"{agent.url}/v2/models/{m['model']}/stats" if kind != "naive" and clients == 1 else None
                     r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid,
                                   stats_url=stats)
                     rows.append({"variant": kind, "clients": clients, **r})
