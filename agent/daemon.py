@@ -357,6 +357,18 @@ class Agent:
                 log.error("could not spool telemetry: %s", exc)
 
 
+def check_runtime_config(config: AgentConfig) -> None:
+    """What a config asks of this machine, checked before the agent starts (ConfigError): the CPUs it pins to
+    exist here, and gRPC's packages are installed if it serves gRPC."""
+    cpu_split(config.inference_cpus)
+    if config.grpc_port is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("grpc") is None or importlib.util.find_spec("tritonclient") is None:
+            raise ConfigError("grpc_port: gRPC needs grpcio and tritonclient's service messages: install "
+                              "edgefleet[grpc]")
+
+
 def cpu_split(inference_cpus: tuple[int, ...] | None) -> tuple[frozenset[int], frozenset[int]] | None:
     """(the inference CPUs, the CPUs left for everything else) of those this process may use; None: no pinning.
     Raises ConfigError for a CPU this process may not run on. With no CPU left over, everything shares them."""

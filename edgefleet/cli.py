@@ -445,7 +445,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     try:
         _require("agent")
         from agent.config import load_config
-        from agent.daemon import require_trust_anchor, run_agent
+        from agent.daemon import check_runtime_config, require_trust_anchor, run_agent
     except ImportError as exc:
         return _need("agent", exc)
     from protocol.errors import EdgefleetError
@@ -464,6 +464,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
     try:
         cfg = load_config(a.config, overrides)
         require_trust_anchor(cfg)
+        check_runtime_config(cfg)
     except EdgefleetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT

@@ -295,3 +295,12 @@ def test_inference_threads_run_on_the_cpus_they_are_given(tmp_path, digits_bundl
                   if t.name.startswith("infer-") and t.native_id is not None}
         assert pinned and all(v == {cpus[-1]} for v in pinned.values()), pinned
     assert os.sched_getaffinity(0) == main_before  # the test's own thread was not moved
+
+
+def test_a_cpu_this_machine_lacks_is_a_config_error_before_start(tmp_path):
+    from agent.daemon import check_runtime_config
+    from protocol.errors import ConfigError
+
+    cfg = AgentConfig(device_id="d", fleet_url="http://x", data_dir=tmp_path, inference_cpus=[4095])
+    with pytest.raises(ConfigError, match=r"CPU\(s\) \[4095\] are not available"):
+        check_runtime_config(cfg)
