@@ -53,7 +53,8 @@ from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from agent.metrics import Metrics, ModelMetrics
 from engines import Engine
 
-__all__ = ["HIGH", "NORMAL", "BatchSettings", "Batcher", "ComputeGate", "pin_thread"]
+__all__ = ["BATCH_TOLERANCE", "HIGH", "NORMAL", "BatchSettings", "BatchTuning", "Batcher", "ComputeGate",
+           "batch_ladder", "choose_batch_size", "pin_thread"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
 
@@ -68,15 +69,59 @@ class BatchSettings:
     preferred_batch_sizes: tuple[int, ...] = ()  # sizes the runtime runs best at, e.g. (4, 8)
     queue_timeout_s: float = 5.0  # a request's default timeout in the queue; a request may ask for less
     max_queue_size: int = 1024  # samples waiting, both levels together; beyond it: 429
+    # the largest request accepted, in samples (None: max_batch_size). A request larger than max_batch_size (the
+    # largest batch formed) runs alone: a device that tuned its batches smaller still takes what any device takes
+    max_request_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        if self.max_request_batch_size is not None and self.max_request_batch_size < self.max_batch_size:
+            raise ValueError("max_request_batch_size must be at least max_batch_size")
         if self.max_queue_delay_us < 0 or self.queue_timeout_s <= 0 or self.max_queue_size < 1:
             raise ValueError("max_queue_delay_us must be >= 0, queue_timeout_s > 0, max_queue_size >= 1")
         bad = [p for p in self.preferred_batch_sizes if not 1 <= p <= self.max_batch_size]
         if bad:
             raise ValueError(f"preferred_batch_sizes {bad} are outside 1..max_batch_size ({self.max_batch_size})")
+
+
+    @property
+    def request_limit(self) -> int:
+        """The largest request accepted, in samples."""
+        return self.max_request_batch_size or self.max_batch_size
+
+
+BATCH_TOLERANCE = 0.05  # a smaller batch within this fraction of the best images/s is chosen: less latency
+
+
+@dataclass(frozen=True)
+class BatchTuning:
+    """How a served version's batch sizes were chosen: ``measured`` on this device at install (``images_per_s``
+    per batch size, ``chosen`` from them), set by the ``operator`` (max_batch_size in the agent's config), or
+    ``off`` (batch_tuning: off)."""
+
+    mode: str  # measured | operator | off
+    images_per_s: tuple[tuple[int, float], ...] = ()  # (batch size, images/s), ascending sizes
+    chosen: int | None = None
+
+
+def batch_ladder(limit: int) -> tuple[int, ...]:
+    """The batch sizes a device measures: 1, 2, 4, ... up to ``limit``, and ``limit`` itself."""
+    sizes = [1]
+    while sizes[-1] * 2 <= limit:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return tuple(sizes)
+
+
+def choose_batch_size(images_per_s: Sequence[tuple[int, float]], tolerance: float = BATCH_TOLERANCE) -> int:
+    """The largest batch to form: the smallest size whose images/s is within ``tolerance`` of the best measured
+    (a larger batch that is barely faster only makes each request wait longer)."""
+    if not images_per_s:
+        raise ValueError("no batch size was measured")
+    best = max(v for _, v in images_per_s)
+    return min(n for n, v in images_per_s if v >= (1 - tolerance) * best)
 
 
 class ComputeGate:
@@ -272,9 +317,9 @@ class Batcher:
         configured ``queue_timeout_s``) bounds its time in the queue."""
         n = next((int(feeds[k].shape[a]) for k, a in self._in_axes.items() if a is not None), 1)
         s = self.settings
-        if self._batchable and n > s.max_batch_size:
+        if self._batchable and n > s.request_limit:
             raise RequestError(f"request batch of {n} exceeds this model's max batch size "
-                               f"{s.max_batch_size}; split it into smaller requests")
+                               f"{s.request_limit}; split it into smaller requests")
         if n > s.max_queue_size:
             raise RequestError(f"request batch of {n} exceeds this model's queue of {s.max_queue_size} samples")
         if self._closing:

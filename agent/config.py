@@ -15,6 +15,7 @@ import difflib
 import platform
 import re
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, field_validator, model_validator
@@ -55,6 +56,11 @@ class AgentConfig(StrictModel):
     http_port: int = Field(default=8000, ge=0, le=65535)
     profiles: tuple[str, ...] = Field(default_factory=default_profiles)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
+    # auto: at each install the agent times its runtime at batch sizes 1, 2, 4, ... up to max_batch_size (each call
+    # in turn with the version serving, about 2 s in all) and forms batches of at most the smallest size within 5%
+    # of the best images/s; requests up to max_batch_size are still accepted. Setting max_batch_size (file or
+    # flag) turns this off: the operator's size is used as it is. off: max_batch_size (default 16) as it is
+    batch_tuning: Literal["auto", "off"] = "auto"
     max_queue_delay_us: int = Field(default=0, ge=0, le=1_000_000)
     max_queue_size: int = Field(default=1024, ge=1)  # queued samples beyond this get 503
     queue_timeout_ms: int = Field(default=5000, ge=1)  # a request waiting longer than this gets 503

@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.batcher import BatchSettings, BatchTuning, batch_ladder, choose_batch_size
 from agent.config import AgentConfig
 from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
-from agent.selftest import Turn, now, self_test, warm_up
+from agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from agent.server import IndexEntry, ModelHost
 from agent.shadow import ShadowMirror
 from agent.store import ModelStore, StagedModel
@@ -67,13 +68,24 @@ class Installer:
                 try:
                     manifest = self.store.load_manifest(entry, verify=False)
                     self.require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
+                    directory = self.store.models_dir / entry.directory
                     backends = await asyncio.get_running_loop().run_in_executor(
-                        None, self.load_instances, manifest, self.store.models_dir / entry.directory)
+                        None, self.load_instances, manifest, directory)
                 except (UpdateError, ContractError) as exc:
                     log.error("could not load the %s model %s: %s", which, entry.directory, exc)
                     self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
                     continue
-                await self.host.swap(manifest, backends)
+                try:  # measured again at each start: the figures are this box's, today
+                    settings, tuning = await asyncio.get_running_loop().run_in_executor(
+                        None, self.tune_batches, backends[0], StagedModel(manifest, directory, entry.installed.sha256),
+                        self.turn(manifest.name, len(backends)))
+                except UpdateError as exc:
+                    for b in backends:
+                        b.close()
+                    log.error("could not load the %s model %s: %s", which, entry.directory, exc)
+                    self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
+                    continue
+                await self.host.swap(manifest, backends, settings, tuning)
                 if which == "previous":
                     log.error("serving the previous model %s; the committed one would not load", entry.directory)
                     if name == primary:
@@ -154,6 +166,7 @@ class Installer:
             turn = self.turn(m.name, len(loaded))
             measured = self_test(backend, staged, turn)
             warm_up(loaded, staged, self.warm_batch_sizes(), turn)
+            settings, tuning = (None, None) if shadow else self.tune_batches(backend, staged, turn)
             bundle_fault = False
             if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
                 for extra in loaded[1:]:
@@ -171,7 +184,8 @@ class Installer:
             backend = None  # from here the host may own it; never close a backend that might be serving
             loaded_now, loaded = loaded, []
             try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now), self.loop).result(timeout=120)
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now, settings, tuning),
+                                                 self.loop).result(timeout=120)
             except Exception as exc:
                 serving = self.host.current
                 if serving is None or serving.backend is not new:  # not serving it: the old model stays current
@@ -226,6 +240,26 @@ class Installer:
         s = self.host.settings
         return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
 
+    def tune_batches(self, backend: Engine, staged: StagedModel, turn: Turn) -> tuple[BatchSettings, BatchTuning]:
+        """The batch settings a version serves with: the host's, unless ``batch_tuning: auto`` and the operator
+        left max_batch_size unset; then measured on this device (each call in ``turn``) and the largest batch
+        formed chosen from the figures, requests up to the configured max still accepted."""
+        base = self.host.settings
+        if self.config.batch_tuning == "off":
+            return base, BatchTuning("off")
+        if "max_batch_size" in self.config.model_fields_set:  # in the config file or on the command line
+            return base, BatchTuning("operator")
+        if not staged.manifest.batchable or base.max_batch_size == 1:
+            return base, BatchTuning("off")
+        figures = measure_batch_sizes(backend, staged, batch_ladder(base.max_batch_size), turn)
+        chosen = choose_batch_size(figures)
+        settings = BatchSettings(**{**base.__dict__, "max_batch_size": chosen,
+                                    "preferred_batch_sizes": (chosen,) if chosen > 1 else (),
+                                    "max_request_batch_size": base.request_limit})
+        log.info("%s %s: batches of at most %d (images/s by batch size: %s)", staged.manifest.name,
+                 staged.manifest.version, chosen, ", ".join(f"{n}: {v:g}" for n, v in figures))
+        return settings, BatchTuning("measured", figures, chosen)
+
     def index(self) -> list[IndexEntry]:
         """Versions on disk and versions that failed, for the repository index (serving ones are added by
         the host as READY)."""
@@ -256,6 +290,7 @@ class Installer:
             turn = self.turn(manifest.name, len(backends))
             await loop.run_in_executor(None, self_test, backends[0], staged, turn)
             await loop.run_in_executor(None, warm_up, backends, staged, self.warm_batch_sizes(), turn)
+            settings, tuning = await loop.run_in_executor(None, self.tune_batches, backends[0], staged, turn)
         except BaseException as exc:
             for b in backends:
                 b.close()
@@ -264,7 +299,7 @@ class Installer:
                       slots[name][0].installed.version, exc)
             raise
         await loop.run_in_executor(None, self.store.rollback, name)  # writes and fsyncs: not on the loop
-        await self.host.swap(manifest, backends)
+        await self.host.swap(manifest, backends, settings, tuning)
         self.unavailable.pop((manifest.name, manifest.version), None)
         log.warning("rolled %s back to %s", name, manifest.version)
         return manifest

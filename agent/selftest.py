@@ -5,6 +5,7 @@ cores (``turn``: between the batches of the version serving). ``edgefleet verify
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,9 +16,11 @@ from agent.store import StagedModel
 from engines import Engine
 from protocol import mqtt as proto
 
-__all__ = ["WARMUP_RUNS", "Turn", "now", "self_test", "warm_up"]
+__all__ = ["TUNE_BUDGET_S", "TUNE_CALLS", "WARMUP_RUNS", "Turn", "measure_batch_sizes", "now", "self_test", "warm_up"]
 
 WARMUP_RUNS = 3
+TUNE_BUDGET_S = 2.0  # seconds of calls, all batch sizes together, when a version measures its batch sizes
+TUNE_CALLS = 5  # timed calls per batch size at most (after one untimed call at that size)
 
 _T = TypeVar("_T")
 Turn = Callable[..., Any]  # runs fn(*args) in its turn on the model's cores: ComputeGate.call, bound to a loop
@@ -75,19 +78,60 @@ def warm_up(backends: list[Engine], staged: StagedModel, batch_sizes: tuple[int,
     (``Engine.warm_up_sizes``), on the bundle's own sample, before the version takes traffic: the first
     call at a new shape can be costly (LiteRT tensor resizes, TensorRT shape setup) and would otherwise
     land on a client's request. Each call goes through ``turn``."""
-    path = staged.directory / staged.manifest.selftest
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            sample = {s.name: npz[f"input:{s.name}"] for s in staged.manifest.inputs}
-    except (KeyError, ValueError, OSError) as exc:
-        raise SelfTestFailed(f"warm-up: self-test sample {path.name} is unreadable: {exc}") from exc
-    axes = {s.name: s.batch_axis for s in staged.manifest.inputs}
+    sample = _sample(staged, "warm-up")
     batchable = staged.manifest.batchable
     for b in backends:
         for n in b.warm_up_sizes(batch_sizes) if batchable else (None,):
-            feeds = {k: v if (a := axes[k]) is None or n is None else
-                     np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}
+            feeds = _fill(staged, sample, n)
             try:
                 turn(b.infer, feeds)
             except Exception as exc:  # the runtime's own error types
                 raise SelfTestFailed(f"warm-up at batch size {n}: the engine failed: {exc}") from exc
+
+
+def measure_batch_sizes(backend: Engine, staged: StagedModel, sizes: tuple[int, ...], turn: Turn = now,
+                        budget_s: float = TUNE_BUDGET_S, calls: int = TUNE_CALLS) -> tuple[tuple[int, float], ...]:
+    """Images per second of ``backend`` at each batch size of ``sizes`` (ascending), on the bundle's own sample
+    repeated to fill the batch: one untimed call at the size, then up to ``calls`` timed ones, each in its turn
+    (``turn``: only the call itself is timed, not the wait for the cores); the fastest call counts (the least
+    disturbed by whatever else runs on the box). Stops after ``budget_s`` of calls: the sizes not reached are
+    left out."""
+    sample = _sample(staged, "batch tuning")
+    out: list[tuple[int, float]] = []
+    spent = 0.0
+    for n in sizes:
+        feeds = _fill(staged, sample, n)
+        times: list[float] = []
+        try:
+            spent += turn(_timed, backend.infer, feeds)
+            while len(times) < calls and (spent < budget_s or not times):
+                times.append(turn(_timed, backend.infer, feeds))
+                spent += times[-1]
+        except Exception as exc:  # the runtime's own error types
+            raise SelfTestFailed(f"batch tuning at batch size {n}: the engine failed: {exc}") from exc
+        out.append((n, round(n / max(min(times), 1e-9), 1)))
+        if spent >= budget_s:
+            break
+    return tuple(out)
+
+
+def _timed(fn: Callable[[dict[str, np.ndarray]], Any], feeds: dict[str, np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    fn(feeds)
+    return time.perf_counter() - t0
+
+
+def _sample(staged: StagedModel, what: str) -> dict[str, np.ndarray]:
+    path = staged.directory / staged.manifest.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {s.name: npz[f"input:{s.name}"] for s in staged.manifest.inputs}
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"{what}: self-test sample {path.name} is unreadable: {exc}") from exc
+
+
+def _fill(staged: StagedModel, sample: dict[str, np.ndarray], n: int | None) -> dict[str, np.ndarray]:
+    """The sample's rows repeated (or cut) to ``n`` along each input's batch axis (None: as it is)."""
+    axes = {s.name: s.batch_axis for s in staged.manifest.inputs}
+    return {k: v if (a := axes[k]) is None or n is None else
+            np.ascontiguousarray(np.take(v, np.arange(n) % v.shape[a], axis=a)) for k, v in sample.items()}

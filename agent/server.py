@@ -44,7 +44,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import protocol
-from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
+from agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
 from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
 from agent.image import ImageLimits, check_image, decode_feeds
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
@@ -72,6 +72,7 @@ class Served:
     settings: BatchSettings
     metrics: ModelMetrics
     loaded_at: float = field(default_factory=time.time)
+    tuning: BatchTuning | None = None  # how its batch sizes were chosen (None: the host's defaults, untold)
 
     @property
     def backend(self) -> Engine:
@@ -119,18 +120,21 @@ class ModelHost:
         return g
 
     async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
-                   settings: BatchSettings | None = None) -> None:
-        """Start serving ``backends`` (loaded instances of one model version); the version it replaces
-        finishes its queue, then closes. Runs on the server loop."""
+                   settings: BatchSettings | None = None, tuning: BatchTuning | None = None) -> None:
+        """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
+        host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
+        server loop."""
         instances = (backends,) if isinstance(backends, Engine) else tuple(backends)
         s = settings or self.settings
-        if not manifest.batchable and s.max_batch_size != 1:  # an unbatched input: one request at a time
-            s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": ()})
+        if not manifest.batchable and s.request_limit != 1:  # an unbatched input: one request at a time
+            s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": (),
+                                 "max_request_batch_size": None})
+            tuning = None
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
             batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
             batcher.start()
-            served = Served(manifest, instances, batcher, s, mm)
+            served = Served(manifest, instances, batcher, s, mm, tuning=tuning)
             old = self.models.get(manifest.name)
             self.models[manifest.name] = served
             self.current = served
@@ -225,9 +229,10 @@ LARGE_BODY = 256 * 1024  # JSON bodies above this are decoded off the event loop
 
 
 def model_config(served: Served) -> dict[str, Any]:
-    """Triton's model configuration layout (what ``tritonclient`` get_model_config returns)."""
-    m, s = served.manifest, served.settings
-    batched = m.batchable and s.max_batch_size > 1
+    """Triton's model configuration layout (what ``tritonclient`` get_model_config returns). ``max_batch_size``
+    is the largest request accepted; ``batch_tuning`` (edgefleet's) says how the batches formed were sized."""
+    m, s, t = served.manifest, served.settings, served.tuning
+    batched = m.batchable and s.request_limit > 1
 
     def dims(spec: Any) -> list[int]:
         shape = list(spec.shape)
@@ -237,7 +242,7 @@ def model_config(served: Served) -> dict[str, Any]:
 
     return {
         "name": m.name, "version": m.version, "platform": m.backend, "backend": m.backend,
-        "max_batch_size": s.max_batch_size if batched else 0,
+        "max_batch_size": s.request_limit if batched else 0,
         "input": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
                   for t in m.inputs],
         "output": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
@@ -256,6 +261,10 @@ def model_config(served: Served) -> dict[str, Any]:
         "version_policy": {"specific": {"versions": [m.version]}},
         "parameters": {"precision": {"string_value": m.precision}, "profile": {"string_value": m.profile}},
         "image_preprocessing": m.preprocessing.model_dump() if m.preprocessing else None,
+        "batch_tuning": None if t is None else {
+            "mode": t.mode, "max_formed_batch_size": s.max_batch_size,
+            "images_per_second": {str(n): v for n, v in t.images_per_s},
+            "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None},
     }
 
 
@@ -297,7 +306,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.inputs],
             "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.outputs],
             "accuracy": m.accuracy.model_dump(), "labels": list(m.labels) if m.labels else None,
-            "max_batch_size": served.settings.max_batch_size, "instances": len(served.backends),
+            "max_batch_size": served.settings.request_limit, "instances": len(served.backends),
             "devices": [getattr(b, "device", "?") for b in served.backends],
         })
 

@@ -123,7 +123,8 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
             real_call = gate.call
             gate.call = lambda loop, fn, *a, **kw: (turns.append(fn.__name__), real_call(loop, fn, *a, **kw))[1]  # type: ignore[method-assign]
             swapped = asyncio.run_coroutine_threadsafe(agent.rollback("digits"), agent._loop).result(120)
-            assert turns == ["infer"] * (3 + 2)  # three self-test runs, a batch-1 warm-up on each instance
+            # three self-test runs, a batch-1 warm-up on each instance, then the batch sizes measured (timed calls)
+            assert turns[:5] == ["infer"] * (3 + 2) and len(turns) > 5 and set(turns[5:]) == {"_timed"}
             assert agent.host.models["digits"].batcher.gate is gate
             assert swapped.version == "1.0.0"
             before = count()
