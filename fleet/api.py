@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
@@ -215,8 +215,15 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return bootstrap
 
     @app.get("/api/v1/devices", response_model=list[out.Device])
-    def list_devices(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
-        return service.list_devices()
+    def list_devices(response: Response, limit: int | None = Query(default=None, ge=0, le=out.MAX_PAGE),
+                     offset: int = Query(default=0, ge=0), group: str | None = Query(default=None, max_length=64),
+                     state: str | None = Query(default=None, max_length=32),
+                     q: str | None = Query(default=None, max_length=64),
+                     _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        """Devices by id; ``limit``/``offset`` page them, ``group``/``state``/``q`` filter (fleet.schemas)."""
+        page, total = service.find_devices(limit, offset, group, state, q)
+        response.headers["X-Total-Count"] = str(total)
+        return page
 
     @app.post("/api/v1/devices", status_code=201, response_model=out.Device)
     def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
@@ -362,8 +369,19 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
                                       spec, c.name)
 
     @app.get("/api/v1/rollouts/{rollout_id}", response_model=out.Rollout, response_model_exclude_unset=True)
-    def get_rollout(rollout_id: RolloutId, targets: bool = True, _: Caller = Depends(viewer)) -> dict[str, Any]:
-        return service.get_rollout(rollout_id, with_targets=targets)
+    def get_rollout(rollout_id: RolloutId, targets: bool = True,
+                    targets_limit: int | None = Query(default=None, ge=0, le=out.MAX_PAGE),
+                    targets_offset: int = Query(default=0, ge=0),
+                    targets_state: str | None = Query(default=None, max_length=32),
+                    _: Caller = Depends(viewer)) -> dict[str, Any]:
+        """With ``targets_limit`` (or ``targets_state``/``targets_offset``): one page of targets and their total."""
+        paged = targets and (targets_limit is not None or targets_state or targets_offset)
+        r = service.get_rollout(rollout_id, with_targets=targets and not paged)
+        if paged:
+            limit = out.MAX_PAGE if targets_limit is None else targets_limit
+            r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, limit, targets_offset,
+                                                                       targets_state)
+        return r
 
     @app.post("/api/v1/rollouts/{rollout_id}/{action}", response_model=out.Rollout,
               response_model_exclude_unset=True)
@@ -424,22 +442,44 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     def can_operate(c: Caller) -> bool:
         return ROLES.index(c.role) >= ROLES.index("operator")
 
+    def _int_param(request: Request, name: str) -> int:
+        raw = request.query_params.get(name, "")
+        return min(int(raw), 10**9) if raw.isdigit() else 0
+
+    def _str_param(request: Request, name: str) -> str:
+        return request.query_params.get(name, "").strip()[:64]
+
+    def render_index(request: Request, operate: bool, message: str | None = None) -> str:
+        """The overview with one page of devices, filtered and paged in the database (?group=&state=&q=&offset=)."""
+        filters = {k: _str_param(request, k) for k in ("group", "state", "q")}
+        offset = _int_param(request, "offset")
+        page, matching = service.find_devices(console.PAGE_SIZE, offset, filters["group"] or None,
+                                              filters["state"] or None, filters["q"] or None)
+        return console.render(page, service.list_models(), service.list_rollouts(20), operate, message,
+                              fleet=service.device_counts(), matching=matching, filters=filters, offset=offset)
+
+    def render_rollout(rollout_id: int, request: Request, operate: bool, message: str | None = None) -> str:
+        """A rollout with its wave counters and one page of its targets (?state=&offset=), never all of them."""
+        state, offset = _str_param(request, "state"), _int_param(request, "offset")
+        r = service.get_rollout(rollout_id, with_targets=False)
+        r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
+                                                                   state or None)
+        devices = service.devices_by_id([t["device_id"] for t in r["targets"]])
+        return console.rollout_page(r, devices, operate, message, state=state, offset=offset)
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request) -> Any:
         c = console_caller(request)
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
-        return console.render(service.list_devices(), service.list_models(), service.list_rollouts(20),
-                              can_operate(c))
+        return render_index(request, can_operate(c))
 
     @app.get("/rollouts/{rollout_id}", response_class=HTMLResponse, include_in_schema=False)
     def console_rollout(rollout_id: RolloutId, request: Request) -> Any:
         c = console_caller(request)
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
-        r = service.get_rollout(rollout_id)
-        devices = {d["device_id"]: d for d in service.list_devices()}
-        return console.rollout_page(r, devices, can_operate(c))
+        return render_rollout(rollout_id, request, can_operate(c))
 
     @app.get("/devices/{device_id}", response_class=HTMLResponse, include_in_schema=False)
     def console_device(device_id: str, request: Request) -> Any:
@@ -501,9 +541,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             r = service.create_rollout(name, version, split("devices") or None, f.get("profile") or None,
                                        f.get("group") or None, split("tags") or None, spec, c.name)
         except (ValueError, FleetError) as exc:
-            return HTMLResponse(console.render(service.list_devices(), service.list_models(),
-                                               service.list_rollouts(20), True, f"rollout not started: {exc}"),
-                                status_code=400)
+            return HTMLResponse(render_index(request, True, f"rollout not started: {exc}"), status_code=400)
         return RedirectResponse(f"/rollouts/{r['id']}", status_code=303)
 
     @app.post("/console/rollouts/{rollout_id}/{action}", include_in_schema=False)
@@ -514,9 +552,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         try:
             service.rollout_action(rollout_id, action, c.name)
         except FleetError as exc:
-            devices = {d["device_id"]: d for d in service.list_devices()}
-            return HTMLResponse(console.rollout_page(service.get_rollout(rollout_id), devices, True, str(exc)),
-                                status_code=exc.status_code)
+            return HTMLResponse(render_rollout(rollout_id, request, True, str(exc)), status_code=exc.status_code)
         return RedirectResponse(f"/rollouts/{rollout_id}", status_code=303)
 
     @app.post("/login", include_in_schema=False)

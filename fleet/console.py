@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from html import escape
 from typing import Any
+from urllib.parse import urlencode
 
-__all__ = ["STATE_STYLES", "render"]
+from fleet.states import TargetState
+
+__all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
+
+PAGE_SIZE = 50  # rows of a console list per page (devices, a rollout's targets); filtered and paged in SQL
 
 CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1b1f24;background:#fafbfc}
@@ -110,10 +115,46 @@ def _choice(m: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _pager(path: str, filters: dict[str, str], offset: int, shown: int, total: int, limit: int = PAGE_SIZE) -> str:
+    """'rows 51-100 of 1234' with previous/next links that keep the filters."""
+    def link(to: int, text: str, rel: str) -> str:
+        query = urlencode({**{k: v for k, v in filters.items() if v}, **({"offset": to} if to else {})})
+        return f'<a rel="{rel}" href="{escape(path + ("?" + query if query else ""))}">{text}</a>'
+    first = f"{offset + 1}–{offset + shown}" if shown else "none"
+    prev = link(max(0, offset - limit), "← previous", "prev") if offset > 0 else ""
+    nxt = link(offset + limit, "next →", "next") if offset + shown < total else ""
+    return f'<nav class="pager sub">rows <b>{first}</b> of <b>{total}</b> {prev} {nxt}</nav>'
+
+
+def _select(name: str, current: str, options: tuple[str, ...]) -> str:
+    opts = "".join(f'<option value="{escape(o)}"{" selected" if o == current else ""}>{escape(o) or "any"}</option>'
+                   for o in ("", *options))
+    return f'<select name="{escape(name)}">{opts}</select>'
+
+
+# the filters' choices: a device's connection or last report (protocol.mqtt.ReportedState), a target's state
+DEVICE_STATES = ("online", "offline", "downloading", "installing", "installed", "shadowing", "failed",
+                 "rolled_back", "decommissioned")
+TARGET_STATES = tuple(str(t) for t in TargetState)
+
+
 def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]],
-           can_operate: bool = False, message: str | None = None) -> str:
-    online = sum(1 for d in devices if d["online"])
-    failing = sum(1 for d in devices if d["last_state"] in ("failed", "rolled_back"))
+           can_operate: bool = False, message: str | None = None, fleet: dict[str, int] | None = None,
+           matching: int | None = None, filters: dict[str, str] | None = None, offset: int = 0) -> str:
+    """The overview. ``devices`` is one page (``offset`` into ``matching`` devices that pass ``filters``);
+    ``fleet`` the whole fleet's figures (FleetService.device_counts); without them, ``devices`` is all."""
+    filters = filters or {}
+    if fleet is None:
+        fleet = {"devices": len(devices), "online": sum(1 for d in devices if d["online"]),
+                  "failing": sum(1 for d in devices if d["last_state"] in ("failed", "rolled_back"))}
+    matching = len(devices) if matching is None else matching
+    online, failing = fleet["online"], fleet["failing"]
+    form = (f'<form id="device-filter" method="get" action="/"><label>group <input name="group" size="10" '
+            f'value="{escape(filters.get("group", ""))}"></label><label>state '
+            f'{_select("state", filters.get("state", ""), DEVICE_STATES)}</label>'
+            f'<label>id contains <input name="q" size="14" value="{escape(filters.get("q", ""))}"></label>'
+            f'<button type="submit">filter</button> <a href="/">clear</a></form>')
+    pager = _pager("/", filters, offset, len(devices), matching)
     rows = []
     for d in devices:
         running = f'{_e(d["running_model"])} {_e(d["running_version"])}' if d["running_model"] else "–"
@@ -144,11 +185,12 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
 <title>edgefleet console</title><style>{CSS}</style></head><body>
 <h1>edgefleet fleet console</h1>
-<div class="sub summary"><span><b>{len(devices)}</b> devices</span><span><b>{online}</b> online</span>
+<div class="sub summary"><span><b>{fleet["devices"]}</b> devices</span><span><b>{online}</b> online</span>
 <span><b>{failing}</b> failing</span><span><b>{len(models)}</b> model builds</span>
 <span><b>{sum(1 for r in rollouts if r["status"] == "in_progress")}</b> rollouts in progress</span>
 <span>refreshes every 5 s</span></div>
-<h2>Devices</h2><table><tr><th>device</th><th>status</th><th>running</th><th>desired</th><th>last report</th>
+<h2>Devices</h2>{form}{pager}
+<table id="devices"><tr><th>device</th><th>status</th><th>running</th><th>desired</th><th>last report</th>
 <th>self-test on device</th><th>requests</th><th>p95 latency</th><th>mean batch</th><th>cpu · memory</th>
 <th>last seen (UTC)</th></tr>
 {"".join(rows) or empty}</table>
@@ -212,8 +254,10 @@ def _gate_cells(gates: list[dict[str, Any]] | None, live: bool) -> str:
 
 
 def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_operate: bool,
-                 message: str | None = None) -> str:
-    """One rollout: progress, each wave with its gates against their thresholds, the buttons, each device."""
+                 message: str | None = None, state: str = "", offset: int = 0) -> str:
+    """One rollout: progress, each wave with its gates against their thresholds, the buttons, and one page of
+    its targets (``r["targets"]``, ``offset`` into ``r["targets_total"]`` matching ``state``; ``devices``
+    those targets' devices)."""
     total = sum(w["size"] for w in r["waves"])
     installed = r["counts"].get("installed", 0)
     failed = sum(r["counts"].get(k, 0) for k in _UNDONE)
@@ -242,6 +286,12 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
                      f'<td>{t["wave"] + 1}</td><td>{_pill(t["state"])}{err}</td>'
                      f'<td>{_e(d.get("running_version"))}</td>{_telemetry_cells(tel)}</tr>')
     by_version = _by_version([devices.get(t["device_id"], {}) for t in r.get("targets", [])])
+    targets = r.get("targets", [])
+    total_targets = r.get("targets_total", len(targets))
+    path = f'/rollouts/{r["id"]}'
+    tfilter = (f'<form id="target-filter" method="get" action="{escape(path)}"><label>state '
+               f'{_select("state", state, TARGET_STATES)}</label><button type="submit">filter</button></form>')
+    pager = _pager(path, {"state": state}, offset, len(targets), total_targets)
     msg = f'<p class="pill bad">{escape(message)}</p>' if message else ""
     tone = "bad" if r["status"] in ("failed", "aborted") else "wait"
     reason = f'<div class="pill {tone}">{escape(r["reason"])}</div>' if r.get("reason") else ""
@@ -253,8 +303,9 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
 {reason}{msg}<div id="actions">{buttons}</div>
 <h2>Waves</h2><table id="waves"><tr><th>wave</th><th>devices</th><th>state</th><th>progress</th>
 <th>gates (value vs threshold)</th><th>soak</th></tr>{"".join(wrows)}</table>
-<h2>By model version (latest telemetry of these devices)</h2>{by_version}
-<h2>Devices</h2><table><tr><th>device</th><th>wave</th><th>state</th><th>running</th><th>requests</th>
+<h2>By model version (latest telemetry of the devices on this page)</h2>{by_version}
+<h2>Devices</h2>{tfilter}{pager}
+<table id="targets"><tr><th>device</th><th>wave</th><th>state</th><th>running</th><th>requests</th>
 <th>p95 latency</th><th>mean batch</th><th>cpu · memory</th></tr>{"".join(trows)}</table>"""
     return _page(f"rollout #{r['id']}", body, refresh_s=2)
 

@@ -20,6 +20,7 @@ from protocol import manifest as pm
 from protocol import mqtt as proto
 
 __all__ = [
+    "MAX_PAGE",
     "AuditEntry",
     "Bootstrap",
     "Device",
@@ -224,6 +225,18 @@ class Rollout(ApiModel):
     counts: dict[str, int]  # devices by state
     waves: list[Wave]
     targets: list[RolloutTarget] | None = None  # left out by lists and with ?targets=false
+    # with ?targets_limit= (and targets_offset=, targets_state=): ``targets`` is that page (by device id)
+    # and this is how many targets match the state filter in all; unset when every target is sent
+    targets_total: int | None = None
+
+
+# -- paging (query parameters, not bodies) ----------------------------------------------------------
+# GET /api/v1/devices?limit=&offset=&group=&state=&q=: a list of Device, by id. Without ``limit`` every
+# matching device (today's answer); ``limit`` is 0..MAX_PAGE, ``offset`` >= 0; ``group`` exact, ``state`` a
+# last report's state or "online"/"offline", ``q`` a substring of the device id. The answer's
+# ``X-Total-Count`` header says how many devices match in all.
+# GET /api/v1/rollouts/{id}?targets_limit=&targets_offset=&targets_state=: one page of its targets (above).
+MAX_PAGE = 1000
 
 
 class AuditEntry(ApiModel):

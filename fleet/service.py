@@ -145,6 +145,41 @@ class FleetService:
         with self.sessions() as s:
             return [self._device_json(s, d) for d in s.scalars(select(Device).order_by(Device.id))]
 
+    def find_devices(self, limit: int | None = None, offset: int = 0, group: str | None = None,
+                     state: str | None = None, q: str | None = None) -> tuple[list[dict[str, Any]], int]:
+        """One page of devices by id, filtered on the server: ``group`` exactly, ``state`` a last report's
+        state or ``online``/``offline`` (the connection), ``q`` a substring of the id. Returns the page and
+        how many devices match in all. ``limit`` None: every match (the API's answer when no limit is asked)."""
+        where = []
+        if group:
+            where.append(Device.group_name == group)
+        if state in ("online", "offline"):
+            where.append(Device.online.is_(state == "online"))
+        elif state:
+            where.append(Device.last_state == state)
+        if q:
+            pattern = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            where.append(Device.id.like(f"%{pattern}%", escape="\\"))
+        with self.sessions() as s:
+            total = int(s.scalar(select(func.count()).select_from(Device).where(*where)) or 0)
+            query = select(Device).where(*where).order_by(Device.id).offset(max(0, offset))
+            if limit is not None:
+                query = query.limit(max(0, limit))
+            return [self._device_json(s, d) for d in s.scalars(query)], total
+
+    def device_counts(self) -> dict[str, int]:
+        """The whole fleet's figures for the console's summary, counted in the database."""
+        with self.sessions() as s:
+            total, online, failing = s.execute(select(
+                func.count(), func.sum(case((Device.online.is_(True), 1), else_=0)),
+                func.sum(case((Device.last_state.in_(("failed", "rolled_back")), 1), else_=0)))).one()
+            return {"devices": int(total or 0), "online": int(online or 0), "failing": int(failing or 0)}
+
+    def devices_by_id(self, device_ids: list[str]) -> dict[str, dict[str, Any]]:
+        with self.sessions() as s:
+            return {d.id: self._device_json(s, d)
+                    for d in s.scalars(select(Device).where(Device.id.in_(device_ids)))} if device_ids else {}
+
     def get_device(self, device_id: str) -> dict[str, Any]:
         with self.sessions() as s:
             d = s.get(Device, device_id)
@@ -256,6 +291,19 @@ class FleetService:
 
     def get_rollout(self, rollout_id: int, with_targets: bool = True) -> dict[str, Any]:
         return self.rollouts.status(rollout_id, with_targets)
+
+    def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
+                        state: str | None = None) -> tuple[list[dict[str, Any]], int]:
+        """One page of a rollout's targets by device id (``state`` filters), and how many match in all."""
+        where = [RolloutTarget.rollout_id == rollout_id]
+        if state:
+            where.append(RolloutTarget.state == state)
+        with self.sessions() as s:
+            total = int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
+            rows = s.scalars(select(RolloutTarget).where(*where).order_by(RolloutTarget.device_id)
+                             .offset(max(0, offset)).limit(max(0, limit)))
+            return [{"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,
+                     "updated_at": _iso(t.updated_at)} for t in rows], total
 
     def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[dict[str, Any]]:
         with self.sessions() as s:
