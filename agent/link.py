@@ -3,8 +3,9 @@
 paho-mqtt runs the network loop in its own thread and reconnects by itself. Telemetry goes
 through the on-disk spool: a record is deleted only when the fleet acks its seq (see
 ``protocol.mqtt``), and unacked records are sent again, so nothing made while the broker or the
-fleet is away is lost. The last report is retained, kept on disk (``<spool>/report.json``) and
-sent again on every reconnect, also after a restart during an outage.
+fleet is away is lost. The last report is retained, kept on disk (``<spool>/report.json``), sent
+again on every reconnect (also after a restart during an outage) and, until the fleet acks it
+(``TelemetryAck.report_ts``), again after ``ack_timeout_s``, doubling up to 5 minutes.
 
 Order: after a (re)connect the fleet may not be subscribed yet (after a broker restart both sides
 race back), and records sent into that gap would be resent later, behind newer ones. So until the
@@ -34,6 +35,7 @@ from protocol.fsutil import atomic_write
 __all__ = ["MqttLink", "MqttSecurity"]
 
 log = logging.getLogger("edgefleet.agent.mqtt")
+REPORT_RESEND_MAX_S = 300.0  # an unacked report is sent again after ack_timeout_s, doubling up to this
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class MqttLink:
         self._inflight_lock = threading.Lock()
         self._report_path: Path = spool.dir / "report.json"
         self._last_report: proto.ReportedState | None = self._load_report()
+        # the latest report until the fleet acks it: the ts it was last sent with, when, and the wait before the
+        # next resend (doubling up to REPORT_RESEND_MAX_S); None once acked
+        self._report_lock = threading.Lock()
+        self._report_sent: tuple[float, float, float] | None = None  # (ts, monotonic sent, resend after s)
         self.connected = threading.Event()
         self._stop = threading.Event()
         # the client id is the device id (its username): the embedded broker refuses another device's, and
@@ -121,7 +127,21 @@ class MqttLink:
             atomic_write(self._report_path, proto.encode(msg))
         except OSError as exc:
             log.error("could not save the report on disk: %s", exc)
+        self._send_report(msg, self.ack_timeout_s)
+
+    def _send_report(self, msg: proto.ReportedState, resend_after_s: float) -> None:
+        with self._report_lock:
+            self._report_sent = (msg.ts, time.monotonic(), resend_after_s)
         self._client.publish(proto.topic(self.device_id, "reported"), proto.encode(msg), qos=1, retain=True)
+
+    def _resend_report_if_unacked(self) -> None:
+        """The latest report again (with a new ts) if the fleet has not acked it in time: a broker may drop the
+        fleet's copy, and a fleet away when it came reads only what is retained."""
+        with self._report_lock:
+            sent, last = self._report_sent, self._last_report
+        if sent is None or last is None or time.monotonic() - sent[1] < sent[2]:
+            return
+        self._send_report(last.model_copy(update={"ts": time.time()}), min(sent[2] * 2, REPORT_RESEND_MAX_S))
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -134,8 +154,7 @@ class MqttLink:
         client.publish(proto.topic(self.device_id, "status"), proto.encode(status), qos=1, retain=True)
         client.subscribe([(proto.topic(self.device_id, "desired"), 1), (proto.topic(self.device_id, "ack"), 1)])
         if self._last_report is not None:
-            again = self._last_report.model_copy(update={"ts": time.time()})
-            client.publish(proto.topic(self.device_id, "reported"), proto.encode(again), qos=1, retain=True)
+            self._send_report(self._last_report.model_copy(update={"ts": time.time()}), self.ack_timeout_s)
         with self._inflight_lock:
             self._inflight.clear()  # whatever was in flight may have died with the connection: resend
             self._fleet_listens.clear()
@@ -170,6 +189,11 @@ class MqttLink:
             ack = proto.decode(proto.TelemetryAck, payload, source="ack")
         except ContractError as exc:
             log.warning("ignored a malformed ack: %s", exc)
+            return
+        if ack.report_ts is not None:
+            with self._report_lock:
+                if self._report_sent is not None and abs(self._report_sent[0] - ack.report_ts) < 1e-6:
+                    self._report_sent = None  # the fleet stored the latest report
             return
         if ack.stream != self.spool.stream:
             return  # an ack for the spool this device had before it was re-imaged
@@ -214,4 +238,5 @@ class MqttLink:
                         self._inflight.pop(seq, None)
                     break
                 sent += 1
+            self._resend_report_if_unacked()
             self._stop.wait(0.05 if sent else 0.25)

@@ -179,10 +179,16 @@ class MqttBridge:
         and acks again."""
         self.handled[kind] += len(msgs)
         seqs: dict[tuple[str, str], list[int]] = {}
+        reports: dict[str, float] = {}
         for msg in msgs:
             if isinstance(msg, proto.Telemetry):
                 seqs.setdefault((msg.device_id, msg.stream), []).append(msg.seq)
+            elif isinstance(msg, proto.ReportedState):
+                reports[msg.device_id] = max(msg.ts, reports.get(msg.device_id, msg.ts))
         now = time.time()
+        for device_id, report_ts in reports.items():  # the device may stop resending its latest report
+            ack = proto.TelemetryAck(device_id=device_id, ts=now, stream="", report_ts=report_ts)
+            self._client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=0)
         for (device_id, stream), got in seqs.items():
             for i in range(0, len(got), ACK_MAX_SEQS):
                 ack = proto.TelemetryAck(device_id=device_id, ts=now, stream=stream,

@@ -196,13 +196,18 @@ class Telemetry(_Message):
 
 class TelemetryAck(_Message):
     """``seqs`` are stored. ``rejected`` could not be stored and never will be (the fleet cannot read
-    them); the agent sets them aside on its disk instead of resending them forever."""
+    them); the agent sets them aside on its disk instead of resending them forever. ``report_ts``: the
+    report with that ``ts`` is stored."""
 
     kind: Literal["ack"] = "ack"
     stream: str
     seqs: tuple[int, ...] = Field(default=(), max_length=10_000)
     rejected: tuple[int, ...] = Field(default=(), max_length=10_000)
     reason: str | None = None
+    # the ``ts`` of the device's report the fleet stored (an ack of a report, not of telemetry: ``stream`` is
+    # then ""); an agent keeps sending its latest report until this acks it. Sent only in report acks, so an
+    # older agent, which forbids the key, drops those alone and keeps its telemetry acks
+    report_ts: float | None = None
 
 
 class StatusMessage(_Message):
