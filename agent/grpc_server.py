@@ -27,8 +27,8 @@ import numpy as np
 
 import protocol
 from agent.batcher import HIGH, NORMAL
-from agent.errors import AgentError, InferenceFailed, RequestError
-from agent.kserve import InferRequest, decode_request
+from agent.errors import AgentError, RequestError
+from agent.kserve import InferRequest, decode_request, ordered_outputs
 from agent.server import EXTENSIONS, ModelHost, Served, model_config
 from agent.shm import SharedMemory
 from engines import NP_DTYPES
@@ -172,12 +172,7 @@ class GrpcServer:
     def _response(self, model: str, version: str, outputs: list[np.ndarray], specs: Any, req: InferRequest) -> Any:
         pb = self._pb
         resp = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
-        order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
-        by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
-        for name in order:
-            arr, spec = by_name[name]
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
+        for name, arr, spec in ordered_outputs(outputs, specs, req):
             data = np.ascontiguousarray(arr, dtype=np.dtype(NP_DTYPES[spec.datatype]).newbyteorder("<"))
             t = resp.outputs.add(name=name, datatype=spec.datatype, shape=list(arr.shape))
             if name in req.shm_outputs:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -282,18 +283,26 @@ def _fmt(shape: list[int], batch_axis: int | None = 0) -> str:
     return "[" + ", ".join("N" if i == batch_axis else ("?" if d == -1 else str(d)) for i, d in enumerate(shape)) + "]"
 
 
-def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
-                    req: InferRequest, shm: SharedMemory | None = None) -> tuple[bytes, int | None]:
-    """-> (the body, the length of its JSON header if binary data follows it, else None). Outputs the request
-    placed in shared memory are written there (``shm``) and described without data."""
-    out = []
-    blobs: list[bytes] = []
+def ordered_outputs(outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
+                    req: InferRequest) -> Iterator[tuple[str, np.ndarray, TensorSpec]]:
+    """The outputs a request asked for, in its order (every output in the model's order if it named none),
+    each checked to hold no NaN or infinity: what the HTTP and the gRPC answers both encode."""
     order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
     by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
     for name in order:
         arr, spec = by_name[name]
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
+        yield name, arr, spec
+
+
+def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
+                    req: InferRequest, shm: SharedMemory | None = None) -> tuple[bytes, int | None]:
+    """-> (the body, the length of its JSON header if binary data follows it, else None). Outputs the request
+    placed in shared memory are written there (``shm``) and described without data."""
+    out = []
+    blobs: list[bytes] = []
+    for name, arr, spec in ordered_outputs(outputs, specs, req):
         t: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype, "shape": list(arr.shape)}
         if name in req.shm_outputs:
             if shm is None:
