@@ -29,11 +29,14 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MESSAGE_VERSION",
     "DesiredState",
+    "PrecisionTiming",
     "ReportedState",
     "SelfTestResult",
+    "ServingChoice",
     "StatusMessage",
     "Telemetry",
     "TelemetryAck",
+    "Timing",
     "client_id",
     "decode",
     "device_id_ok",
@@ -131,6 +134,38 @@ class SelfTestResult(StrictModel):
     drift: float = Field(ge=0.0)  # worst |device - build| / tolerance over the outputs; above 1 fails
 
 
+class Timing(StrictModel):
+    """Items per second the device measured at one batch size (on its own cores, in turns with serving)."""
+
+    batch_size: int = Field(gt=0, lt=MAX_INT)
+    items_per_s: float = Field(ge=0.0)
+
+
+class PrecisionTiming(StrictModel):
+    """One precision of the bundle, timed on the device at install."""
+
+    precision: Literal["fp32", "fp16", "int8"]
+    items_per_s: float = Field(ge=0.0)  # geometric mean over ``timings``: what the choice compares
+    timings: tuple[Timing, ...] = Field(default=(), max_length=32)
+
+
+class ServingChoice(StrictModel):
+    """How the device serves the version it installed, and how it chose that on its own CPU: the precision
+    (``bundle``: the one engine the bundle has, or the compiler's choice; ``device``: the fastest of the
+    bundle's passing precisions as timed here; ``operator``: the agent's config), the largest batch formed
+    (``measured`` here, set by the ``operator``, or ``off``) and the layout (instances x threads per instance)."""
+
+    precision: Literal["fp32", "fp16", "int8"]
+    precision_source: Literal["bundle", "device", "operator"]
+    precisions: tuple[PrecisionTiming, ...] = Field(default=(), max_length=8)
+    max_batch_size: int = Field(gt=0, lt=MAX_INT)
+    batch_source: Literal["measured", "operator", "off"]
+    batch_timings: tuple[Timing, ...] = Field(default=(), max_length=32)
+    instances: int = Field(gt=0, le=1024)
+    threads: int = Field(gt=0, le=1024)
+    layout_source: Literal["measured", "operator", "default"] = "default"
+
+
 class ReportedState(_Message):
     kind: Literal["reported"] = "reported"
     state: Literal["downloading", "installing", "installed", "failed", "rolled_back", "shadowing"]
@@ -142,6 +177,9 @@ class ReportedState(_Message):
     error: str | None = None
     install_s: float | None = None
     selftest: SelfTestResult | None = None  # with state "installed", for the model just installed
+    # with state "installed": how the device serves it (precision, batch sizes and layout, chosen on its own CPU).
+    # Left out when unset, so a fleet of the previous release, which forbids unknown keys, reads the rest
+    serving: ServingChoice | None = None
 
 
 class LatencySummary(StrictModel):
