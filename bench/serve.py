@@ -688,7 +688,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     pin_args = ("--inference-cpus", ",".join(map(str, sorted(PIN[0])))) if PIN else ()
     local = small and _have_grpc()  # digits, where the transport is the cost: gRPC and shared memory too
     grpc_port = _free_port()
-    agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, 16, per, 120, instances=instances,
+    agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, args.max_batch_size, per, 120,
+                         instances=instances,
                          extra_args=(*pin_args, *(("--grpc-port", str(grpc_port)) if local else ())))
     rows: list[dict[str, Any]] = []
     with agent:
@@ -696,6 +697,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         assert agent.proc is not None
         time.sleep(1.0)
         idle_rss = _rss_mb(agent.proc.pid)
+        chosen = agent_choice(agent.url, m["model"])
+        _say(f"{name}: the agent serves {chosen}")
         with NaiveProcess(m["engine"], args.threads, work / "logs" / f"{name}-naive.log") as naive:
             variants = [("naive", naive.url), ("binary", agent.url), ("json", agent.url)]
             if local:
@@ -737,7 +740,23 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
             "transport_floor_ms": floor_ms,
             "json_decode_orjson_ms": decode_ms_orjson, "json_target_req_s": json_target,
             "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss,
-            "rows": rows, "agent_layout": layout}
+            "rows": rows, "agent_layout": layout, "agent_choice": chosen}
+
+
+def agent_choice(url: str, model: str) -> str:
+    """What the agent chose to serve with, from its model configuration (batch_tuning, instance_group)."""
+    with urllib.request.urlopen(f"{url}/v2/models/{model}/config", timeout=30) as r:  # loopback: the agent under test
+        cfg = json.loads(r.read())
+    t = cfg.get("batch_tuning") or {}
+    layout = t.get("layout") or {}
+    out = (f"batches of at most {t.get('max_formed_batch_size', '?')} ({t.get('mode', 'untold')}"
+           + (f"; images/s by batch size {t['images_per_second']}" if t.get("images_per_second") else "") + "), "
+           f"{cfg['instance_group'][0]['count']} instance(s)")
+    if layout:
+        out += f" of {layout.get('threads', '?')} thread(s) ({layout.get('source', '?')}"
+        out += f"; {layout['measured']}" if layout.get("measured") else ""
+        out += ")"
+    return out
 
 
 def print_report(doc: dict[str, Any]) -> None:
@@ -751,7 +770,8 @@ def print_report(doc: dict[str, Any]) -> None:
         print(f"\n{res['model']} ({res['precision']}): limit {res['limit_img_s']:.1f} img/s (before "
               f"{lb['images_per_s']:.1f}, {lb['layout']} at batch {lb['best_batch']}; after {la['images_per_s']:.1f}, "
               f"{la['layout']} at batch {la['best_batch']}; sessions x threads); the agent ran "
-              f"{res['agent_layout']}; raw batch-1 call {b1}; agent cold start to ready "
+              f"{res['agent_layout']}, serving {res.get('agent_choice', '?')}; raw batch-1 call {b1}; agent cold "
+              f"start to ready "
               f"{res['cold_start_s']:.2f} s, idle RSS {res['idle_rss_mb']:.0f} MB; JSON decode of one request "
               f"{res['json_decode_ms']:.2f} ms (json), {res['json_decode_orjson_ms']:.2f} ms (orjson, the agent's)")
         print(f"{'variant':>8} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
@@ -802,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-layout", default="default",
                    help="the agent's INSTANCESxTHREADS, e.g. 2x1; default: the agent's default, one instance of "
                         "--threads threads; auto: the layout that gave the limit first")
+    p.add_argument("--max-batch-size", type=int,
+                   help="the agent's max batch size, as an operator's setting (it then does not tune its own); "
+                        "default: the agent measures and chooses its own at install (batch_tuning: auto)")
     p.add_argument("--pin", action="store_true",
                    help="give the runtime its own CPU(s): the limit, the agent's inference threads and the naive "
                         "server on --inference-cpus, the agent's event loop and the load generator on the rest; "

@@ -121,8 +121,9 @@ def _die_with_parent() -> None:  # runs in the child: SIGTERM it if the benchmar
 class AgentProcess:
     """``python -m edgefleet.cli agent`` on a free loopback port; a context manager that always stops it."""
 
-    def __init__(self, data_dir: Path, log_path: Path, delay_us: int, max_batch_size: int, threads: int,
-                 ready_timeout_s: float, instances: int = 1, extra_args: tuple[str, ...] = ()):
+    def __init__(self, data_dir: Path, log_path: Path, delay_us: int, max_batch_size: int | None, threads: int | None,
+                 ready_timeout_s: float, instances: int | None = 1, extra_args: tuple[str, ...] = ()):
+        """``max_batch_size``, ``threads``, ``instances``: None leaves the flag out (the agent's own choice)."""
         self.data_dir, self.log_path = data_dir, log_path
         self.extra_args = extra_args  # more `edgefleet agent` flags, e.g. ("--inference-cpus", "1")
         self.delay_us, self.max_batch_size, self.threads = delay_us, max_batch_size, threads
@@ -135,9 +136,12 @@ class AgentProcess:
     def __enter__(self) -> AgentProcess:
         args = [sys.executable, "-m", "edgefleet.cli", "agent", "--device-id", "bench", "--fleet", UNREACHABLE_FLEET,
                 "--data-dir", str(self.data_dir), "--http-port", str(self.port),
-                "--max-batch-size", str(self.max_batch_size), "--max-queue-delay-us", str(self.delay_us),
-                "--threads", str(self.threads), "--instances", str(self.instances),
+                "--max-queue-delay-us", str(self.delay_us),
                 "--trust-on-first-use", *self.extra_args]  # no fleet here: it serves the bundle preinstalled
+        for flag, v in (("--max-batch-size", self.max_batch_size), ("--threads", self.threads),
+                        ("--instances", self.instances)):
+            if v is not None:  # an operator's setting: the agent does not choose it itself
+                args += [flag, str(v)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
