@@ -252,6 +252,7 @@ class _Instance:
         self.inflight = 0  # batches handed to its thread and not finished: at most 2 (one runs, one waits)
         self.slot: _Staged | None = None  # the batch its thread starts next; taken under ``lock``
         self.lock = threading.Lock()
+        self.buffers: list[dict[str, np.ndarray]] = []  # batch buffers not in use (two at most: one runs, one fills)
 
 
 @dataclass(eq=False)
@@ -261,14 +262,19 @@ class _Staged:
     n: int  # samples
     behind: bool = False  # queued behind a running batch: in its instance's slot until its thread takes it
     staged: bool = False  # counted in the queue's limit (_staged_samples) until it ends or is taken back
+    # an open batch: its requests' inputs copied into rows of these (one per input, max_batch_size rows), and
+    # requests arriving while it waits in the slot join it (copied into the next rows) until its thread takes it
+    buffers: dict[str, np.ndarray] | None = None
 
 
 class Batcher:
     def __init__(self, backends: Engine | Sequence[Engine], settings: BatchSettings,
                  metrics: ModelMetrics | Metrics | None = None, gate: ComputeGate | None = None,
-                 cpus: Collection[int] | None = None):
+                 cpus: Collection[int] | None = None, open_batches: bool = True):
         """``gate``: shared with the model's other versions (default: one of its own, a permit per instance).
-        ``cpus``: the CPUs the inference threads run on (None: wherever the scheduler puts them)."""
+        ``cpus``: the CPUs the inference threads run on (None: wherever the scheduler puts them).
+        ``open_batches``: a batch queued behind a running one takes requests until its thread starts it (False: it
+        is queued there only when full, and closed)."""
         backends = [backends] if isinstance(backends, Engine) else list(backends)
         if not backends:
             raise ValueError("a batcher needs at least one backend instance")
@@ -296,6 +302,10 @@ class Batcher:
         # a model with an unbatched input runs each request alone, whatever its size: no batch limit applies
         self._batchable = all(a is not None for a in self._in_axes.values())
         self._preferred = sorted(set(settings.preferred_batch_sizes))
+        # batches queued behind a running one stay open (later requests join them) when every input is batched
+        # along its first axis: each request is copied once into its rows of a reused buffer
+        self._open_cap = self._preferred[-1] if self._preferred else settings.max_batch_size
+        self._open = open_batches and self._batchable and all(a == 0 for a in self._in_axes.values())
 
     @property
     def instances(self) -> int:
@@ -398,10 +408,11 @@ class Batcher:
         self._forming = batch
         deadline = first.enqueued + s.max_queue_delay_us / 1e6
         concurrent = self._arrived_while_running > 1
-        while n < s.max_batch_size:
+        cap = self._open_cap if staged and self._open else s.max_batch_size
+        while n < cap:
             nxt = self._peek()
             if nxt is not None:
-                if n + nxt.n > s.max_batch_size or not nxt.stackable_with(first, self._in_axes):
+                if n + nxt.n > cap or not nxt.stackable_with(first, self._in_axes):
                     break
                 self._take(nxt)
                 batch.append(nxt)
@@ -410,8 +421,8 @@ class Batcher:
             if self._preferred and n in self._preferred:
                 break  # a preferred size: run it rather than wait
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._closing or not (concurrent or len(batch) > 1):
-                break
+            if remaining <= 0 or self._closing or not (concurrent or len(batch) > 1) or (staged and self._open):
+                break  # an open batch does not wait: later requests join it while it waits on the thread
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), remaining)
@@ -445,7 +456,8 @@ class Batcher:
         the instance's thread, which starts it the moment the running one ends, without a round trip through
         the event loop (measured: the inference thread waited 19% of the time for its next batch at 32
         clients, pinned)."""
-        if self._closing or self.gate.waiting or self._queued_samples < self.settings.max_batch_size:
+        if self._closing or self.gate.waiting or self._queued_samples < (1 if self._open else
+                                                                          self.settings.max_batch_size):
             return None
         # inflight 1 and an empty slot: one batch runs (or is about to), none waits behind it
         return next((i for i in self._instances if i.inflight == 1 and i.slot is None), None)
@@ -454,6 +466,7 @@ class Batcher:
         while True:
             staged: _Instance | None = None
             while not (self._idle and self._peek() is not None):
+                self._top_up()
                 staged = self._stageable()
                 if staged is not None:
                     break
@@ -480,6 +493,41 @@ class Batcher:
                 self.gate.release()
                 continue
             self._dispatch(self._idle.pop(), batch)
+
+    def _top_up(self) -> None:
+        """Requests queued while an open batch waits on a busy thread join it (copied into its next rows), oldest
+        first, while they fit and stack with it, until its thread takes it."""
+        if not self._open or self._closing or self.gate.waiting:
+            return
+        for inst in self._instances:
+            st = inst.slot
+            if st is None or st.buffers is None:
+                continue
+            while st.n < self._open_cap:
+                p = self._peek()
+                if p is None or st.n + p.n > self._open_cap or not p.stackable_with(st.batch[0], self._in_axes):
+                    return  # first in, first out: nothing jumps the request at the head of the queue
+                with inst.lock:
+                    if inst.slot is not st:  # its thread took it meanwhile
+                        break
+                    for k, b in st.buffers.items():
+                        b[st.n:st.n + p.n] = p.feeds[k]
+                    self._take(p)
+                    p.dispatched = p.waiting_on_thread = True
+                    st.batch.append(p)
+                    st.n += p.n
+                    self._staged_samples += p.n
+
+    def _buffers(self, inst: _Instance, first: _Pending, rows: int) -> dict[str, np.ndarray]:
+        """A batch buffer of at least ``rows`` rows for ``first``'s input shapes, reused when one of ``inst`` is
+        free (a request larger than the batches formed runs alone: its rows are more than ``_open_cap``)."""
+        rows = max(rows, self._open_cap)
+        while inst.buffers:
+            bufs = inst.buffers.pop()
+            if all(k in bufs and bufs[k].shape[0] >= rows and bufs[k].shape[1:] == v.shape[1:]
+                   and bufs[k].dtype == v.dtype for k, v in first.feeds.items()):
+                return bufs
+        return {k: np.empty((rows, *v.shape[1:]), v.dtype) for k, v in first.feeds.items()}
 
     async def _dispatch_fresh(self, batch: list[_Pending]) -> None:
         await self.gate.acquire()
@@ -527,6 +575,8 @@ class Batcher:
                 if inst.slot is not st:
                     return None
                 inst.slot = None
+                if st.buffers is not None:  # closed now: its rows so far
+                    st.feeds = {k: b[:st.n] for k, b in st.buffers.items()}
             for p in st.batch:  # started: no longer expires or goes back to the queue
                 p.waiting_on_thread = False
         t0 = time.perf_counter()
@@ -535,7 +585,15 @@ class Batcher:
 
     def _stage(self, inst: _Instance, batch: list[_Pending]) -> _Staged:
         st = _Staged(batch, {}, sum(p.n for p in batch), behind=inst.inflight > 0)
-        st.feeds = self._stack(batch)
+        if st.behind and self._open:
+            st.buffers = self._buffers(inst, batch[0], st.n)
+            row = 0
+            for p in batch:
+                for k, b in st.buffers.items():
+                    b[row:row + p.n] = p.feeds[k]
+                row += p.n
+        else:
+            st.feeds = self._stack(batch)
         if st.behind:
             with inst.lock:
                 inst.slot = st
@@ -566,25 +624,28 @@ class Batcher:
                 self._unstage(inst)
 
     async def _run_batch(self, inst: _Instance, st: _Staged) -> None:
-        batch, n = st.batch, st.n
+        batch = st.batch  # an open batch may still grow until its thread takes it: its size is read after
         start_t = time.monotonic()
         try:
             # the engine checked the feeds and that its outputs keep the batch (engines.Engine.infer)
             got = await asyncio.get_running_loop().run_in_executor(inst.executor, self._infer, inst, st)
         except Exception as exc:
             err = exc if isinstance(exc, InferenceFailed) else InferenceFailed(f"inference failed: {exc}")
-            log.error("batch of %d failed: %s", n, err)
+            log.error("batch of %d failed: %s", st.n, err)
             for p in batch:
                 if not p.future.done():
                     p.future.set_exception(err)
+            self._reuse(inst, st)
             return
         finally:
             if st.staged:
                 st.staged = False
-                self._staged_samples -= n
+                self._staged_samples -= st.n
+        self._reuse(inst, st)
         if got is None:  # taken back before it started (_unstage)
             return
         outs, compute_s = got
+        n = st.n
         self.metrics.batch(n, [start_t - p.enqueued for p in batch], compute_s)
         if len(batch) == 1:
             if not batch[0].future.done():
@@ -596,6 +657,13 @@ class Batcher:
                 p.future.set_result([o if a is None else o[(slice(None),) * a + (slice(start, start + p.n),)]
                                      for o, a in zip(outs, self._out_axes, strict=True)])
             start += p.n
+
+    @staticmethod
+    def _reuse(inst: _Instance, st: _Staged) -> None:
+        """``st``'s buffer back to its instance, once its thread is done with it (ran, failed or taken back)."""
+        if st.buffers is not None and len(inst.buffers) < 2:
+            inst.buffers.append(st.buffers)
+            st.buffers = None
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:
         """Stop taking requests, finish the queued ones, release the inference threads."""

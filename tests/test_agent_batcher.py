@@ -530,3 +530,50 @@ def test_an_install_call_runs_even_when_no_turn_comes():
 
     out, busy_after_call, gate = run(main())
     assert out == "ran" and busy_after_call == 1 and gate.busy == 0
+
+
+def test_requests_arriving_while_a_batch_runs_join_the_batch_queued_behind_it():
+    """Without waiting for a full batch: the first request queued behind a running batch opens the next one, each
+    later request joins it (copied into its rows) until the thread starts it, up to the max batch size; a request
+    that does not fit waits for the batch after. Answers are each request's own rows, and every request of an open
+    batch is answered once."""
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()  # the first batch holds the thread while the others arrive one by one
+        b = Batcher(be, BatchSettings(max_batch_size=4))
+        b.start()
+        futs = [asyncio.ensure_future(b.submit(x(1, start=0)))]
+        await _until(be.started.is_set, "the first batch running")
+        for i, n in enumerate((1, 2, 1, 2), start=1):  # 1 + 2 + 1 fill the open batch; the last 2 do not fit
+            futs.append(asyncio.ensure_future(b.submit(x(n, start=100 * i))))
+            await asyncio.sleep(0.01)
+        assert b.queued_samples == 6
+        be.gate.set()
+        outs = await asyncio.gather(*futs)
+        again = await b.submit(x(3, start=7))  # the buffers are reused: no stale rows
+        await b.close()
+        return be, outs, again
+
+    be, outs, again = run(main())
+    assert be.batches == [1, 4, 2, 3]
+    for i, (n, o) in enumerate(zip((1, 1, 2, 1, 2), outs, strict=True)):
+        np.testing.assert_array_equal(o[0], x(n, start=100 * i)["x"] * 2)
+    np.testing.assert_array_equal(again[0], x(3, start=7)["x"] * 2)
+
+
+def test_closed_batches_queue_only_a_full_batch_behind():
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=4), open_batches=False)
+        b.start()
+        futs = [asyncio.ensure_future(b.submit(x(1)))]
+        await _until(be.started.is_set, "the first batch running")
+        futs += [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(1, 4)]
+        await asyncio.sleep(0.05)
+        be.gate.set()
+        await asyncio.gather(*futs)
+        await b.close()
+        return be
+
+    assert run(main()).batches == [1, 3]
