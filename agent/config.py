@@ -61,6 +61,11 @@ class AgentConfig(StrictModel):
     # of the best images/s; requests up to max_batch_size are still accepted. Setting max_batch_size (file or
     # flag) turns this off: the operator's size is used as it is. off: max_batch_size (default 16) as it is
     batch_tuning: Literal["auto", "off"] = "auto"
+    # a bundle compiled where its devices' CPU could not be timed carries every precision that passed the gate.
+    # auto: at install (and each start) the agent times them on its own cores and serves the faster
+    # (agent/precision.py); bundle: serve the bundle's own engine untimed; fp32/fp16/int8: that one, if the bundle
+    # has it
+    precision: Literal["auto", "bundle", "fp32", "fp16", "int8"] = "auto"
     max_queue_delay_us: int = Field(default=0, ge=0, le=1_000_000)
     max_queue_size: int = Field(default=1024, ge=1)  # queued samples beyond this get 503
     queue_timeout_ms: int = Field(default=5000, ge=1)  # a request waiting longer than this gets 503

@@ -273,7 +273,8 @@ class Agent:
         self._desired_event.set()
 
     def _report(self, state: str, desired: proto.DesiredState | None, error: str | None = None,
-                install_s: float | None = None, selftest: proto.SelfTestResult | None = None) -> None:
+                install_s: float | None = None, selftest: proto.SelfTestResult | None = None,
+                serving: proto.ServingChoice | None = None) -> None:
         if self.link is None:
             return
         cur = self.store.current
@@ -282,7 +283,7 @@ class Agent:
             rollout_id=desired.rollout_id if desired else None,
             model=desired.model if desired else None, version=desired.version if desired else None,
             running_model=cur.installed.name if cur else None, running_version=cur.installed.version if cur else None,
-            error=error, install_s=install_s, selftest=selftest)
+            error=error, install_s=install_s, selftest=selftest, serving=serving)
         self.link.report(msg)
 
     # -- installing -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from agent.batcher import BatchSettings, BatchTuning, batch_ladder, choose_batch_size
 from agent.config import AgentConfig
 from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from agent.precision import PrecisionPick, pick_precision
 from agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from agent.server import IndexEntry, ModelHost
 from agent.shadow import ShadowMirror
@@ -32,7 +33,7 @@ __all__ = ["Installer", "Report"]
 
 log = logging.getLogger("edgefleet.agent")
 
-Report = Callable[..., None]  # report(state, desired, error=None, install_s=None, selftest=None)
+Report = Callable[..., None]  # report(state, desired, error=None, install_s=None, selftest=None, serving=None)
 
 
 class Installer:
@@ -69,6 +70,9 @@ class Installer:
                     manifest = self.store.load_manifest(entry, verify=False)
                     self.require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
                     directory = self.store.models_dir / entry.directory
+                    pick = await asyncio.get_running_loop().run_in_executor(  # timed again: this box, today
+                        None, self.pick_precision, StagedModel(manifest, directory, entry.installed.sha256))
+                    manifest = pick.staged.manifest
                     backends = await asyncio.get_running_loop().run_in_executor(
                         None, self.load_instances, manifest, directory)
                 except (UpdateError, ContractError) as exc:
@@ -85,7 +89,8 @@ class Installer:
                     log.error("could not load the %s model %s: %s", which, entry.directory, exc)
                     self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
                     continue
-                await self.host.swap(manifest, backends, settings, tuning)
+                await self.host.swap(manifest, backends, settings, tuning,
+                                     self.serving_choice(pick, settings, tuning, len(backends)))
                 if which == "previous":
                     log.error("serving the previous model %s; the committed one would not load", entry.directory)
                     if name == primary:
@@ -159,6 +164,8 @@ class Installer:
                 raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
                                  f"expected {desired.model} {desired.version} {profile}")
             self.require_cpu(profile, m.cpu_features)
+            pick = self.pick_precision(staged)  # a bundle with several precisions: the faster on this CPU
+            staged, m = pick.staged, pick.staged.manifest
             loaded = self.load_instances(m, staged.directory)
             backend = loaded[0]
             # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
@@ -167,6 +174,7 @@ class Installer:
             measured = self_test(backend, staged, turn)
             warm_up(loaded, staged, self.warm_batch_sizes(), turn)
             settings, tuning = (None, None) if shadow else self.tune_batches(backend, staged, turn)
+            serving = self.serving_choice(pick, settings, tuning, len(loaded))
             bundle_fault = False
             if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
                 for extra in loaded[1:]:
@@ -184,11 +192,11 @@ class Installer:
             backend = None  # from here the host may own it; never close a backend that might be serving
             loaded_now, loaded = loaded, []
             try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now, settings, tuning),
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now, settings, tuning, serving),
                                                  self.loop).result(timeout=120)
             except Exception as exc:
-                serving = self.host.current
-                if serving is None or serving.backend is not new:  # not serving it: the old model stays current
+                current = self.host.current
+                if current is None or current.backend is not new:  # not serving it: the old model stays current
                     self.store.revert()
                     raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
                 log.warning("the new model is serving; retiring the old one failed: %r", exc)
@@ -209,15 +217,16 @@ class Installer:
             fetcher = self.fetcher()
             if fetcher is not None:
                 fetcher.clean()
-        self.report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured)
+        self.report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured,
+                    serving=serving)
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
 
     # -- model lifecycle ------------------------------------------------------------------------
-    def load_instances(self, manifest: Manifest, directory: Path) -> list[Engine]:
-        """``instances`` loaded engines of one model version (each its own runtime session/interpreter)."""
+    def load_instances(self, manifest: Manifest, directory: Path, count: int | None = None) -> list[Engine]:
+        """``instances`` (or ``count``) loaded engines of one model version (each its own runtime session)."""
         out: list[Engine] = []
         try:
-            for _ in range(self.config.instances):
+            for _ in range(self.config.instances if count is None else count):
                 out.append(load_bundle_engine(manifest, directory / manifest.engine, self.config.intra_op_threads,
                                               self.config.onnxruntime_providers))
         except BaseException as exc:
@@ -239,6 +248,35 @@ class Installer:
     def warm_batch_sizes(self) -> tuple[int, ...]:
         s = self.host.settings
         return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
+
+    def pick_precision(self, staged: StagedModel) -> PrecisionPick:
+        """The precision to serve a bundle in (agent.precision): the bundle's own, unless it carries several and
+        ``precision: auto`` times them here; each call in turn with the version serving the model."""
+        m = staged.manifest
+
+        def load_one(manifest: Manifest) -> Engine:
+            return self.load_instances(manifest, staged.directory, count=1)[0]
+
+        pick = pick_precision(staged, self.config.precision, load_one, self.host.settings.max_batch_size,
+                              self.turn(m.name, self.config.instances))
+        if pick.note:
+            log.info("%s %s: precision %s", m.name, m.version, pick.note)
+        return pick
+
+    def serving_choice(self, pick: PrecisionPick, settings: BatchSettings | None, tuning: BatchTuning | None,
+                       instances: int) -> proto.ServingChoice:
+        """How a version serves, for the install report and /v2/models/{name}/config."""
+        s = settings or self.host.settings
+        mode = tuning.mode if tuning is not None else "off"
+        return proto.ServingChoice(
+            precision=pick.staged.manifest.precision, precision_source=pick.source,  # type: ignore[arg-type]
+            precisions=pick.timings, max_batch_size=s.max_batch_size,
+            batch_source=mode if mode in ("measured", "operator") else "off",  # type: ignore[arg-type]
+            batch_timings=tuple(proto.Timing(batch_size=n, items_per_s=v)
+                                for n, v in (tuning.images_per_s if tuning is not None else ())),
+            instances=instances, threads=self.config.intra_op_threads,
+            layout_source="operator" if {"instances", "intra_op_threads"} & self.config.model_fields_set
+            else "default")
 
     def tune_batches(self, backend: Engine, staged: StagedModel, turn: Turn) -> tuple[BatchSettings, BatchTuning]:
         """The batch settings a version serves with: the host's, unless ``batch_tuning: auto`` and the operator
@@ -284,7 +322,9 @@ class Installer:
         assert prev is not None
         directory = self.store.models_dir / prev.directory
         manifest = self.store.load_manifest(prev)
-        staged = StagedModel(manifest, directory, prev.installed.sha256)
+        pick = await loop.run_in_executor(None, self.pick_precision,
+                                          StagedModel(manifest, directory, prev.installed.sha256))
+        staged, manifest = pick.staged, pick.staged.manifest
         backends = await loop.run_in_executor(None, self.load_instances, manifest, directory)
         try:
             turn = self.turn(manifest.name, len(backends))
@@ -299,7 +339,8 @@ class Installer:
                       slots[name][0].installed.version, exc)
             raise
         await loop.run_in_executor(None, self.store.rollback, name)  # writes and fsyncs: not on the loop
-        await self.host.swap(manifest, backends, settings, tuning)
+        await self.host.swap(manifest, backends, settings, tuning,
+                             self.serving_choice(pick, settings, tuning, len(backends)))
         self.unavailable.pop((manifest.name, manifest.version), None)
         log.warning("rolled %s back to %s", name, manifest.version)
         return manifest

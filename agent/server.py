@@ -52,6 +52,7 @@ from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from agent.openapi import openapi
 from agent.shm import SharedMemory
 from engines import Engine
+from protocol import mqtt as proto
 from protocol.manifest import Manifest
 
 __all__ = ["IndexEntry", "ModelHost", "Served", "create_app", "model_config"]
@@ -73,6 +74,7 @@ class Served:
     metrics: ModelMetrics
     loaded_at: float = field(default_factory=time.time)
     tuning: BatchTuning | None = None  # how its batch sizes were chosen (None: the host's defaults, untold)
+    serving: proto.ServingChoice | None = None  # precision, batch sizes and layout as chosen here (install report)
 
     @property
     def backend(self) -> Engine:
@@ -120,7 +122,8 @@ class ModelHost:
         return g
 
     async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
-                   settings: BatchSettings | None = None, tuning: BatchTuning | None = None) -> None:
+                   settings: BatchSettings | None = None, tuning: BatchTuning | None = None,
+                   serving: proto.ServingChoice | None = None) -> None:
         """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
         host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
         server loop."""
@@ -134,7 +137,7 @@ class ModelHost:
             mm = self.metrics.for_model(manifest.name, manifest.version)
             batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
             batcher.start()
-            served = Served(manifest, instances, batcher, s, mm, tuning=tuning)
+            served = Served(manifest, instances, batcher, s, mm, tuning=tuning, serving=serving)
             old = self.models.get(manifest.name)
             self.models[manifest.name] = served
             self.current = served
@@ -265,6 +268,12 @@ def model_config(served: Served) -> dict[str, Any]:
             "mode": t.mode, "max_formed_batch_size": s.max_batch_size,
             "images_per_second": {str(n): v for n, v in t.images_per_s},
             "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None},
+        # edgefleet's: the precisions this bundle carries and how this device chose among them (timed here, or not)
+        "precision_choice": {
+            "precision": m.precision, "available": list(m.precisions),
+            "source": served.serving.precision_source if served.serving else "bundle",
+            "items_per_second": {pt.precision: pt.items_per_s for pt in served.serving.precisions}
+            if served.serving else {}},
     }
 
 

@@ -132,12 +132,18 @@ def _top1(backend: Engine, manifest: Manifest, feeds: dict[str, np.ndarray], lab
 
 
 def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
-                  batch: int = 64, skip_cpu_check: bool = False) -> VerifyResult:
+                  batch: int = 64, skip_cpu_check: bool = False, precision: str | None = None) -> VerifyResult:
     """``skip_cpu_check`` runs the bundle even on a CPU its profile does not admit (diagnostics: what
-    would such a CPU compute?); the result still says the CPU check failed."""
+    would such a CPU compute?); the result still says the CPU check failed. ``precision``: which of the
+    bundle's engines (its own, or a variant the device may choose) to verify; None: its own."""
     feats = cpu_features()
     with tempfile.TemporaryDirectory(prefix="edgefleet-verify-") as tmp:
         manifest = extract_bundle(bundle, Path(tmp))
+        if precision is not None:
+            try:
+                manifest = manifest.as_variant(precision)
+            except ValueError as exc:
+                raise ConfigError(f"--precision {precision}: {exc}") from exc
         cpu = check_cpu(manifest.profile, manifest.cpu_features, feats)
 
         def result(st: proto.SelfTestResult | None = None, st_err: str | None = None, top1: float | None = None,

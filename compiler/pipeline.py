@@ -43,11 +43,13 @@ from protocol.manifest import (
     MANIFEST_VERSION,
     NAME_RE,
     TASK_GATE_VERSION,
+    VARIANTS_VERSION,
     VERSION_RE,
     AccuracyReport,
     BenchmarkPoint,
     BenchmarkReport,
     BuildHost,
+    EngineVariant,
     FileEntry,
     Manifest,
     PrecisionCandidate,
@@ -322,13 +324,16 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
             built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate, task,
                                             opts.benchmark and profile.accelerator == "cpu")
-        benchmarked = opts.benchmark and profile.accelerator == "cpu"
+        cannot_time = _host_cannot_time(profile)
+        benchmarked = opts.benchmark and profile.accelerator == "cpu" and cannot_time is None
         fp32_runner = built["fp32"].runner if "fp32" in built else reference
         to_bench = [b for b in built.values() if b.precision != "fp32" and (b.accuracy.passed or not auto)]
         if benchmarked and to_bench:
             progress(5, total, f"benchmarking fp32 vs {' and '.join(b.precision for b in to_bench)} (alternating)")
             for b in to_bench:
                 b.points = _benchmark(fp32_runner, b.runner, eval_set, profile)
+        elif cannot_time is not None and opts.benchmark:
+            progress(5, total, f"benchmark skipped: {cannot_time}")
         else:
             progress(5, total, "benchmark skipped" if not benchmarked else "fp32 only: nothing to compare")
         measured = [Measured(p, b.accuracy.passed, _gate_note(b.accuracy), b.points) for p, b in built.items()]
@@ -340,6 +345,15 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                 f"accuracy gate failed: {failed}; {_gate_advice(next(iter(built.values())).accuracy)}"
                 + _per_output_report(built))
         chosen, reason = decided
+        # the build host cannot time this profile's CPUs: every passing precision ships, the device times them
+        passing = [b for b in built.values() if b.accuracy.passed]
+        variants = passing[1:] if auto and cannot_time is not None and len(passing) > 1 else []
+        if variants:
+            chosen = passing[0].precision
+            reason = (f"device: {' and '.join(b.precision for b in passing)} pass the gate and {cannot_time}, so "
+                      f"each device times them at install and serves the faster; {chosen} (the profile's "
+                      f"default first) for an agent that does not time them; "
+                      + "; ".join(_gate_note(b.accuracy) for b in passing))
         if notes:  # precisions the profile allows that could not be built here, and why
             why_not = "; ".join(f"{p} {n}" for p, n in notes.items())
             reason = f"{chosen}: {why_not}" if len(built) == 1 else f"{reason}; {why_not}"
@@ -347,7 +361,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             reason = f"{reason}; {info.batching_note}"
         best = built[chosen]
         choice = PrecisionChoice(
-            mode="auto" if auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
+            mode="device" if variants else "auto" if auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
             candidates=tuple(
                 [PrecisionCandidate(precision=p, top1=b.accuracy.candidate, drop=b.accuracy.drop,  # type: ignore[arg-type]
                                     passed=b.accuracy.passed, speedup=b.points, metric=b.accuracy.metric,
@@ -363,17 +377,26 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
 
         progress(6, total, "writing self-test sample")
         sample, expected = _write_selftest(eval_set, best.runner, reference, info, work / "selftest.npz")
-        sample_top1 = None
-        if sample.labels is not None and expected[0].ndim == 2 and sample.labels.shape == expected[0].shape[:1]:
-            sample_top1 = float((expected[0].argmax(axis=1) == sample.labels).mean())
+        sample_top1 = _sample_top1(sample, expected)
 
         progress(7, total, "writing bundle")
         engine = best.engine.rename(work / f"model{target.engine_suffix}")  # a stable name in every bundle
-        files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size)
-                 for p in (engine, work / "selftest.npz")}
+        shipped = [engine, work / "selftest.npz"]
+        variant_entries = []
+        for b in variants:  # each with its own engine and self-test sample (its outputs differ from the others')
+            v_engine = b.engine.rename(work / f"model-{b.precision}{target.engine_suffix}")
+            v_sample, v_expected = _write_selftest(eval_set, b.runner, reference, info,
+                                                   work / f"selftest-{b.precision}.npz")
+            shipped += [v_engine, work / f"selftest-{b.precision}.npz"]
+            variant_entries.append(EngineVariant(
+                precision=b.precision, engine=v_engine.name, selftest=f"selftest-{b.precision}.npz",  # type: ignore[arg-type]
+                accuracy=b.accuracy, quantization=b.quantization,
+                selftest_summary=SelfTestSummary(samples=len(v_sample), top1=_sample_top1(v_sample, v_expected))))
+        files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size) for p in shipped}
         labels = info.metadata.get("edgefleet.labels")
         manifest = Manifest(
-            manifest_version=TASK_GATE_VERSION if best.accuracy.task is not None else 2,  # lowest that carries it
+            manifest_version=VARIANTS_VERSION if variants else TASK_GATE_VERSION  # the lowest that carries it
+            if best.accuracy.task is not None else 2,
             name=opts.name, version=opts.version, profile=profile.name,
             backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
             created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -389,6 +412,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             selftest_summary=SelfTestSummary(samples=len(sample), top1=sample_top1),
             engine_compatibility=target.engine_compatibility(),
             preprocessing=prep,
+            variants=tuple(variant_entries),
         )
         write_bundle(manifest, work, out)
     if cache is not None and cache_key is not None:
@@ -468,6 +492,26 @@ def _preprocessing(opts: CompileOptions, info: GraphInfo) -> Preprocessing | Non
         raise InputError(f"--preprocess makes {prep.layout} samples of {list(prep.sample_shape())}; model input "
                          f"{spec.name!r} wants {list(spec.shape)}")
     return prep
+
+
+def _sample_top1(sample: Dataset, expected: list[np.ndarray]) -> float | None:
+    if sample.labels is not None and expected[0].ndim == 2 and sample.labels.shape == expected[0].shape[:1]:
+        return float((expected[0].argmax(axis=1) == sample.labels).mean())
+    return None
+
+
+def _host_cannot_time(profile: HardwareProfile) -> str | None:
+    """Why this host's timings say nothing about the profile's CPUs (None: they do): another architecture, or CPU
+    features the profile promises that this host lacks (its kernels would not be the devices'). GPU profiles are
+    not timed on the CPU at all."""
+    if profile.accelerator != "cpu":
+        return None
+    if profile.arch != cpu_arch():
+        return f"the build host is {cpu_arch()} while {profile.name} devices are {profile.arch}"
+    missing = sorted(set(profile.cpu_features) - set(cpu_features()))
+    if missing:
+        return f"the build host lacks {', '.join(missing)}, which {profile.name} devices have"
+    return None
 
 
 def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:

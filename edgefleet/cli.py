@@ -165,8 +165,10 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
         for c in m.precision_choice.candidates:
             if c.precision != m.precision and c.top1 is not None:
                 what = "agreement" if c.metric == "agreement" else "top-1"
+                shipped = "; shipped too: the device times it" if c.precision in m.precisions else ""
                 lines.append(f"also      {what} {c.precision} {c.top1:.4f} (drop {c.drop:+.4f}, "
-                             f"{'passed' if c.passed else 'FAILED'} the gate)" + (f"; {c.note}" if c.note else ""))
+                             f"{'passed' if c.passed else 'FAILED'} the gate)" + (f"; {c.note}" if c.note else "")
+                             + shipped)
             elif c.note:
                 lines.append(f"also      {c.precision}: {c.note}")
     if m.quantization is not None:
@@ -458,7 +460,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
         "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
         "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
         "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads, "instances": a.instances,
-        "inference_cpus": a.inference_cpus, "grpc_port": a.grpc_port,
+        "inference_cpus": a.inference_cpus, "grpc_port": a.grpc_port, "precision": a.precision,
         "enroll_token": a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN"),
     }
     try:
@@ -603,7 +605,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
         print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
         return EXIT_INPUT
     try:
-        r = verify_bundle(a.bundle, a.eval, threads=a.threads, skip_cpu_check=a.skip_cpu_check)
+        r = verify_bundle(a.bundle, a.eval, threads=a.threads, skip_cpu_check=a.skip_cpu_check,
+                          precision=a.precision)
     except (AgentError, EdgefleetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if a.json:
@@ -748,6 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
     v.add_argument("--eval", type=Path, help=".npz with input(s) and 'labels' (e.g. models/digits/test.npz)")
     v.add_argument("--threads", type=int, default=2, help="inference threads")
+    v.add_argument("--precision", metavar="P",
+                   help="verify this precision's engine: a bundle compiled where its devices' CPU could not be timed "
+                        "carries every precision that passed the gate, and the device picks one (default: the "
+                        "bundle's own engine, the one an agent serves before it times them)")
     v.add_argument("--skip-cpu-check", action="store_true",
                    help="run even if this CPU lacks the features the bundle's profile promises (diagnostics)")
     v.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
@@ -892,6 +899,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="backend instances per model, each with its own inference thread (default 1); on CPUs, "
                          "N instances of 1 thread often serve more under load than 1 of N threads, while 1 of N "
                          "answers a lone request sooner: bench/serve.py measures both")
+    ag.add_argument("--precision", choices=("auto", "bundle", "fp32", "fp16", "int8"),
+                    help="for a bundle that carries several precisions (compiled where its devices' CPU could not be "
+                         "timed): auto times them here at install and serves the faster; bundle serves its own engine "
+                         "untimed; or name one (default auto; key precision in --config)")
     ag.add_argument("--inference-cpus", type=_cpu_list, metavar="CPUS",
                     help="run the inference threads on these CPUs (0-based, as taskset -c counts them: 1 or 2,3 or "
                          "2-3) and everything else on the rest; key inference_cpus in --config (default: no pinning)")

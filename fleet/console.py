@@ -92,6 +92,23 @@ def _selftest_cell(st: dict[str, Any] | None, running: tuple[Any, Any] | None = 
             f'{f" <small>({escape(theirs)})</small>" if theirs else ""}{stale}')
 
 
+def _serving(st: dict[str, Any] | None) -> str:
+    """How the device serves its model, as it chose on its own CPU: 'int8 (timed here: int8 412/s, fp32 230/s),
+    batches up to 8 (measured), 1 instance of 2 threads (default)'."""
+    sv = (st or {}).get("serving")
+    if not sv:
+        return "–"
+    how = {"device": "timed here", "operator": "set on the device", "bundle": "the bundle's"}.get(
+        sv["precision_source"], sv["precision_source"])
+    figures = ", ".join(f'{t["precision"]} {t["items_per_s"]:g}/s' for t in sv.get("precisions") or [])
+    detail = escape(how + (f": {figures}" if figures else ""))
+    batch = escape(sv["batch_source"])
+    layout = escape(sv.get("layout_source", "default"))
+    return (f'<b>{escape(sv["precision"])}</b> <small class="sub">({detail})</small> · '
+            f'batches ≤ {sv["max_batch_size"]} <small class="sub">({batch})</small> · '
+            f'{sv["instances"]}×{sv["threads"]} <small class="sub">({layout})</small>')
+
+
 def _hardware(h: dict[str, Any] | None) -> str:
     if not h:
         return ""
@@ -382,6 +399,7 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]]) -> str:
 <div class="sub summary"><span>running <b>{_e(d["running_model"])} {_e(d["running_version"])}</b></span>
 <span>last report {_pill(d["last_state"])}</span>
 <span>self-test {_selftest_cell(d.get("selftest"), (d["running_model"], d["running_version"]))}</span>
+<span>serves {_serving(d.get("selftest"))}</span>
 <span>group {_e(d.get("group"))}</span><span>profile {_e(d.get("profile"))}</span>
 <span>last seen {_ts(d["last_seen"])}</span><span>{len(rows)} telemetry records</span></div>
 <div class="grid">{"".join(charts + by_version)}</div>"""

@@ -117,6 +117,8 @@ class DeviceSelfTest(ApiModel):
     top1_agreement: float | None = None
     drift: float | None = None
     build: BuildFigures | None = None
+    # the precision, batch sizes and layout the device chose on its own CPU at that install
+    serving: proto.ServingChoice | None = None
 
 
 class TelemetryRecord(proto.Telemetry):
@@ -207,6 +209,9 @@ class RolloutTarget(ApiModel):
     error: str | None
     wave: int
     updated_at: str | None
+    # the profile of the bundle this device is sent: its own, or its profile's cpu_fallback (e.g. arm64-cpu for a
+    # Jetson while the version has no TensorRT bundle)
+    bundle_profile: str | None = None
 
 
 class Rollout(ApiModel):

@@ -18,7 +18,7 @@ from fleet.audit import Rejections, audit
 from fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
 from fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
 from fleet.keys import bundle_target
-from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
+from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
 from fleet.tuf_repo import Repository
 from protocol import mqtt as proto
 from protocol.bundle import check_bundle
@@ -300,10 +300,10 @@ class FleetService:
             where.append(RolloutTarget.state == state)
         with self.sessions() as s:
             total = int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
-            rows = s.scalars(select(RolloutTarget).where(*where).order_by(RolloutTarget.device_id)
-                             .offset(max(0, offset)).limit(max(0, limit)))
-            return [{"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,
-                     "updated_at": _iso(t.updated_at)} for t in rows], total
+            rows = s.execute(select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
+                             .where(*where).order_by(RolloutTarget.device_id).offset(max(0, offset))
+                             .limit(max(0, limit)))
+            return [target_json(t, p) for t, p in rows], total
 
     def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[dict[str, Any]]:
         with self.sessions() as s:
@@ -420,6 +420,8 @@ class FleetService:
         """The device's self-test next to what the compiler measured for the same build."""
         out: dict[str, Any] = {"model": msg.running_model, "version": msg.running_version,
                                **(msg.selftest.model_dump(mode="json") if msg.selftest else {})}
+        if msg.serving is not None:  # the precision, batch sizes and layout it chose on its own CPU
+            out["serving"] = msg.serving.model_dump(mode="json")
         t = s.get(RolloutTarget, (msg.rollout_id, msg.device_id)) if msg.rollout_id is not None else None
         m = s.get(Model, t.model_id) if t is not None and t.model_id is not None else None
         if m is not None and (m.name, m.version) == (msg.running_model, msg.running_version):

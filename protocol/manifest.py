@@ -15,6 +15,13 @@ value, bound and 95% interval. A manifest is written at the lowest version that 
 a bundle without a task gate (e.g. one gated on labels) stays version 2, so an older agent still
 reads it; one with a task gate is version 3, and an older agent refuses it with "upgrade the agent"
 rather than a schema error about an unknown key.
+
+Version 4 adds precision chosen on the device (``variants``): when the build host cannot time the
+profile's CPUs (another architecture, or features it lacks), the bundle carries every precision that
+passed the gate, each with its own engine, self-test sample and gate report; the manifest's own engine
+is the first of them in the profile's order (what an agent that does not time serves), and
+``precision_choice.mode`` is ``device``. The agent times them on its own cores at install and serves
+the fastest (:meth:`Manifest.as_variant` gives the manifest as that precision's).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ __all__ = [
     "BenchmarkPoint",
     "BenchmarkReport",
     "BuildHost",
+    "EngineVariant",
     "FileEntry",
     "Int8Scheme",
     "Manifest",
@@ -52,8 +60,9 @@ __all__ = [
     "parse_manifest",
 ]
 
-MANIFEST_VERSION = 3
+MANIFEST_VERSION = 4
 TASK_GATE_VERSION = 3  # the first version with accuracy.task
+VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the device)
 MANIFEST_FILENAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
@@ -234,7 +243,9 @@ class PrecisionCandidate(StrictModel):
 
 
 class PrecisionChoice(StrictModel):
-    mode: Literal["auto", "fixed"]
+    # auto: the compiler chose on the build host; fixed: --precision; device: the agent times the bundle's
+    # precisions (the manifest's own and its variants) on its own cores and serves the fastest (version 4)
+    mode: Literal["auto", "fixed", "device"]
     chosen: Precision
     reason: str
     candidates: tuple[PrecisionCandidate, ...]
@@ -245,6 +256,17 @@ class SelfTestSummary(StrictModel):
 
     samples: int = Field(gt=0)
     top1: float | None = Field(default=None, ge=0.0, le=1.0)  # against the sample's labels, when it has them
+
+
+class EngineVariant(StrictModel):
+    """Another precision of the same model in the bundle, gated like the manifest's own engine (version 4)."""
+
+    precision: Precision
+    engine: str  # file names inside the bundle, listed in the manifest's ``files``
+    selftest: str
+    accuracy: AccuracyReport
+    quantization: QuantizationInfo | None = None
+    selftest_summary: SelfTestSummary | None = None
 
 
 class Manifest(StrictModel):
@@ -274,6 +296,8 @@ class Manifest(StrictModel):
     engine_compatibility: dict[str, str] = Field(default_factory=dict)
     # how an image becomes the model's input (the agent's image endpoint applies the same)
     preprocessing: Preprocessing | None = None
+    # version 4: the other precisions that passed the gate, for the device to time (precision_choice.mode device)
+    variants: tuple[EngineVariant, ...] = Field(default=(), max_length=4)
 
     @field_validator("name", "profile")
     @classmethod
@@ -290,7 +314,10 @@ class Manifest(StrictModel):
 
     @model_validator(mode="after")
     def _files_listed(self) -> Manifest:
-        for role, fname in (("engine", self.engine), ("selftest", self.selftest)):
+        roles = [("engine", self.engine), ("selftest", self.selftest)]
+        for v in self.variants:
+            roles += [(f"{v.precision} engine", v.engine), (f"{v.precision} selftest", v.selftest)]
+        for role, fname in roles:
             if fname not in self.files:
                 raise ValueError(f"{role} file {fname!r} is not listed in 'files'")
         for fname in self.files:
@@ -302,7 +329,42 @@ class Manifest(StrictModel):
     def _version_carries_content(self) -> Manifest:
         if self.accuracy.task is not None and self.manifest_version < TASK_GATE_VERSION:
             raise ValueError(f"accuracy.task needs manifest_version {TASK_GATE_VERSION} or newer")
+        if self.variants:
+            if self.manifest_version < VARIANTS_VERSION:
+                raise ValueError(f"variants need manifest_version {VARIANTS_VERSION} or newer")
+            precisions = [self.precision, *(v.precision for v in self.variants)]
+            if len(set(precisions)) != len(precisions):
+                raise ValueError(f"each precision appears once among the engine and its variants: {precisions}")
+            if len({self.engine, *(v.engine for v in self.variants)}) != len(precisions):
+                raise ValueError("each variant has an engine file of its own")
+            if any(not v.accuracy.passed for v in self.variants):
+                raise ValueError("a variant must have passed the accuracy gate")
+            if self.precision_choice is None or self.precision_choice.mode != "device":
+                raise ValueError("a manifest with variants has precision_choice.mode 'device'")
+        elif self.precision_choice is not None and self.precision_choice.mode == "device":
+            raise ValueError("precision_choice.mode 'device' needs variants to choose among")
         return self
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision the bundle can serve: its own first, then its variants'."""
+        return (self.precision, *(v.precision for v in self.variants))
+
+    def as_variant(self, precision: str) -> Manifest:
+        """The manifest as the given precision's: its engine, self-test sample, gate report and quantization in
+        place of the bundle's own (the others become its variants), for the agent to serve and self-test."""
+        if precision == self.precision:
+            return self
+        v = next((v for v in self.variants if v.precision == precision), None)
+        if v is None:
+            raise ValueError(f"the bundle has no {precision} engine (it has {', '.join(self.precisions)})")
+        own = EngineVariant(precision=self.precision, engine=self.engine, selftest=self.selftest,
+                            accuracy=self.accuracy, quantization=self.quantization,
+                            selftest_summary=self.selftest_summary)
+        others = tuple(own if x is v else x for x in self.variants)
+        return self.model_copy(update={
+            "precision": v.precision, "engine": v.engine, "selftest": v.selftest, "accuracy": v.accuracy,
+            "quantization": v.quantization, "selftest_summary": v.selftest_summary, "variants": others})
 
     @property
     def batchable(self) -> bool:
@@ -313,8 +375,11 @@ class Manifest(StrictModel):
         """As written into a bundle: version-3 keys left out when unset, so a version-2 manifest is exactly
         what a version-2 agent parses."""
         data = self.model_dump(mode="json")
-        if data["accuracy"].get("task") is None:
-            data["accuracy"].pop("task", None)
+        for acc in [data["accuracy"], *(v["accuracy"] for v in data.get("variants", ()))]:
+            if acc.get("task") is None:
+                acc.pop("task", None)
+        if not data.get("variants"):
+            data.pop("variants", None)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 

@@ -119,6 +119,42 @@ def digits_bundle_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def two_precision_bundle(tmp_path_factory: pytest.TempPathFactory, digits_bundle: Path) -> Path:
+    """digits 1.0.0 for x86-cpu carrying int8 (its own engine) and fp32 (a variant), laid out as the compiler writes
+    a bundle for devices whose CPU it cannot time (test_litert checks the compiler does so for arm64-cpu on this
+    host); assembled from two real x86-cpu builds so that an agent on this machine can run it."""
+    import shutil
+
+    from compiler.pipeline import CompileOptions, compile_model
+    from protocol.bundle import extract_bundle, sha256_file, write_bundle
+    from protocol.manifest import MANIFEST_VERSION, parse_manifest
+
+    out = tmp_path_factory.mktemp("two-precisions")
+    fp32 = compile_model(CompileOptions(
+        model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
+        eval=DIGITS / "test.npz", out_dir=out / "fp32", name="digits", version="1.0.0", benchmark=False,
+        precision="fp32")).bundle
+    own = extract_bundle(digits_bundle, out / "x-int8")
+    other = extract_bundle(fp32, out / "x-fp32")
+    work = out / "work"
+    work.mkdir()
+    shutil.copy(out / "x-int8" / own.engine, work / own.engine)
+    shutil.copy(out / "x-int8" / own.selftest, work / own.selftest)
+    shutil.copy(out / "x-fp32" / other.engine, work / "model-fp32.onnx")
+    shutil.copy(out / "x-fp32" / other.selftest, work / "selftest-fp32.npz")
+    data = own.model_dump(mode="json")
+    data["manifest_version"] = MANIFEST_VERSION
+    data["variants"] = [{"precision": "fp32", "engine": "model-fp32.onnx", "selftest": "selftest-fp32.npz",
+                         "accuracy": other.accuracy.model_dump(mode="json"),
+                         "selftest_summary": other.selftest_summary.model_dump(mode="json")
+                         if other.selftest_summary else None}]
+    data["files"] = {f.name: {"sha256": sha256_file(f), "size_bytes": f.stat().st_size} for f in work.iterdir()}
+    data["precision_choice"] = {"mode": "device", "chosen": "int8", "candidates": [],
+                                "reason": "device: int8 and fp32 pass the gate (assembled for the tests)"}
+    return write_bundle(parse_manifest(data), work, out / "digits-1.0.0-x86-cpu.tar")
+
+
+@pytest.fixture(scope="session")
 def test_images():
     import numpy as np
 

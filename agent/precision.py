@@ -1,0 +1,114 @@
+"""Precision chosen on the device. A bundle compiled where its devices' CPU could not be timed (another
+architecture, or CPU features the build host lacks) carries every precision that passed the gate
+(``Manifest.variants``). At install, and again at each start (the figures are this box's, today), the agent
+loads each, runs each one's own self-test, times them in alternation on its own cores (every call in its turn
+with the version serving: ``turn``) and serves the faster. The bundle's own engine (the compiler's default)
+is kept unless another is more than :data:`TIE` faster, so noise does not flip a choice between equals.
+
+``precision`` in the agent's config: ``auto`` (time them), ``bundle`` (serve the bundle's own engine, never
+time), or a precision (serve it when the bundle has it; otherwise time them, and say so).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.errors import BackendError, SelfTestFailed
+from agent.selftest import Turn, measure_batch_sizes, now, self_test
+from agent.store import StagedModel
+from engines import Engine
+from protocol import mqtt as proto
+from protocol.manifest import Manifest
+
+__all__ = ["ROUNDS", "TIE", "PrecisionPick", "pick_precision", "timing_sizes"]
+
+log = logging.getLogger("edgefleet.agent")
+
+TIE = 0.03  # another precision must be this much faster than the bundle's own to replace it
+ROUNDS = 3  # each precision is timed this many times, in alternation; the best figure per batch size counts
+ROUND_BUDGET_S = 0.3  # seconds of calls per precision per round
+
+
+@dataclass(frozen=True)
+class PrecisionPick:
+    staged: StagedModel  # the bundle as the chosen precision's (Manifest.as_variant)
+    source: str  # bundle | device | operator (proto.ServingChoice.precision_source)
+    timings: tuple[proto.PrecisionTiming, ...] = ()
+    note: str = ""  # why, in a sentence (logged)
+
+
+def timing_sizes(manifest: Manifest, max_batch_size: int) -> tuple[int, ...]:
+    """Batch 1 (a lone request) and the largest batch the agent forms, up to 8 (enough to see the batched rate)."""
+    if not manifest.batchable or max_batch_size <= 1:
+        return (1,)
+    return (1, min(8, max_batch_size))
+
+
+def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest], Engine], max_batch_size: int,
+                   turn: Turn = now) -> PrecisionPick:
+    """The precision to serve ``staged`` in. ``load`` makes one engine of a manifest (closed here). A precision
+    whose self-test fails on this CPU is not a candidate; if every one fails, the first failure is raised."""
+    m = staged.manifest
+    if not m.variants:
+        return PrecisionPick(staged, "bundle")
+    if setting == "bundle":
+        return PrecisionPick(staged, "bundle", note=f"{m.precision}: the bundle's own engine (precision: bundle)")
+    if setting in m.precisions:
+        return PrecisionPick(_as(staged, setting), "operator", note=f"{setting}: set in the agent's config")
+    asked = "" if setting == "auto" else (f"precision {setting} is not in this bundle "
+                                          f"({', '.join(m.precisions)}); ")
+    sizes = timing_sizes(m, max_batch_size)
+    candidates: dict[str, tuple[StagedModel, Engine]] = {}
+    failures: list[SelfTestFailed] = []
+    try:
+        for p in m.precisions:
+            view = _as(staged, p)
+            try:
+                engine = load(view.manifest)
+            except BackendError as exc:
+                log.warning("%s %s: the %s engine does not load here, not a candidate: %s", m.name, m.version, p, exc)
+                failures.append(SelfTestFailed(f"the {p} engine does not load on this device: {exc}"))
+                continue
+            try:
+                self_test(engine, view, turn)
+            except SelfTestFailed as exc:
+                engine.close()
+                log.warning("%s %s: the %s engine fails its self-test on this CPU, not a candidate: %s",
+                            m.name, m.version, p, exc)
+                failures.append(exc)
+                continue
+            candidates[p] = (view, engine)
+        if not candidates:
+            raise failures[0]
+        best: dict[str, dict[int, float]] = {p: {} for p in candidates}
+        for _ in range(ROUNDS):  # in alternation: a slow spell of the box lands on every candidate alike
+            for p, (view, engine) in candidates.items():
+                for n, v in measure_batch_sizes(engine, view, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2):
+                    best[p][n] = max(best[p].get(n, 0.0), v)
+    finally:
+        for _, engine in candidates.values():
+            engine.close()
+    timings = tuple(proto.PrecisionTiming(
+        precision=p, items_per_s=round(_geomean(list(figs.values())), 1),  # type: ignore[arg-type]
+        timings=tuple(proto.Timing(batch_size=n, items_per_s=v) for n, v in sorted(figs.items())))
+        for p, figs in best.items())
+    by_p = {t.precision: t.items_per_s for t in timings}
+    fastest = max(by_p, key=lambda p: by_p[p])
+    own = m.precision
+    chosen = own if own in by_p and by_p[own] * (1 + TIE) >= by_p[fastest] else fastest
+    figures = ", ".join(f"{t.precision} {t.items_per_s:g}/s" for t in timings)
+    note = (f"{asked}{chosen}: timed here ({figures}, geometric mean over batch sizes {sizes})"
+            + ("" if chosen != own or fastest == own else f"; {fastest} is within {TIE:.0%}, the bundle's own kept"))
+    return PrecisionPick(candidates[chosen][0], "device", timings, note)
+
+
+def _as(staged: StagedModel, precision: str) -> StagedModel:
+    return StagedModel(staged.manifest.as_variant(precision), staged.directory, staged.bundle_sha256)
+
+
+def _geomean(values: list[float]) -> float:
+    vals = [max(v, 1e-9) for v in values]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0
