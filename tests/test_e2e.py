@@ -259,3 +259,41 @@ def test_a_shadow_wave_on_a_real_agent_mirrors_live_requests_then_installs(tmp_p
         print(f"\nshadow: {gate.detail}")
     finally:
         lf.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_device_reports_the_precision_it_timed_and_the_fleet_shows_it(tmp_path, mosquitto, two_precision_bundle,
+                                                                        test_images):
+    """A bundle with two precisions, rolled out through a real broker: the device times both at install, serves
+    the faster, and its report carries the figures and the choice; the fleet stores them with the device's
+    self-test, its API returns them and the console's device page shows them."""
+    images, labels = test_images
+    lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
+    try:
+        lf.start()
+        m = lf.client.upload(two_precision_bundle)
+        assert m.precision == "int8"
+        lf.client.register("edge-p")
+        lf.start_agent("edge-p")
+        lf.wait_online(["edge-p"])
+        r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-p"]).id)
+        assert r.status == "succeeded", r
+
+        def serving():
+            st = lf.client.device("edge-p").selftest
+            return st.serving if st is not None else None
+
+        sv = _wait(serving, what="the device's serving choice").model_dump(mode="json")
+        assert sv["precision_source"] == "device", sv
+        timed = {t["precision"]: t["items_per_s"] for t in sv["precisions"]}
+        assert set(timed) == {"int8", "fp32"} and all(v > 0 for v in timed.values()), sv
+        served = httpx.get(f"{lf.agents['edge-p'].url}/v2/models/digits/config").json()["precision_choice"]
+        assert served["precision"] == sv["precision"] and served["items_per_second"] == timed
+        assert sv["batch_source"] == "measured" and sv["batch_timings"] and sv["max_batch_size"] >= 1, sv
+        pred, _ = infer_images(lf.agents["edge-p"].url, "digits", images[:60])
+        assert (pred == labels[:60]).mean() >= 0.95
+        html = httpx.get(f"{lf.url}/devices/edge-p", headers={"Authorization": f"Bearer {lf.client.token}"}).text
+        assert f"<b>{sv['precision']}</b>" in html and "timed here: " in html, html
+        assert f"int8 {timed['int8']:g}/s" in html and f"fp32 {timed['fp32']:g}/s" in html
+    finally:
+        lf.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -233,3 +234,44 @@ def test_compile_pipeline_builds_a_litert_int8_bundle(tflite_toolchain, tmp_path
     assert [s.name for s in m.inputs] == ["input"] and list(m.inputs[0].shape) == [-1, 1, 8, 8]
     extracted = extract_bundle(result.bundle, tmp_path / "x")
     assert (tmp_path / "x" / extracted.engine).read_bytes()[4:8] == b"TFL3"
+
+
+def test_a_build_host_that_cannot_time_arm_cpus_ships_every_passing_precision(tflite_toolchain, tmp_path):
+    """This x86 host cannot say which precision is faster on an ARM core: --precision auto for arm64-cpu ships
+    int8 and fp32 (manifest version 4), each with its own engine, self-test and gate report, leaves the choice to
+    the device and records no x86 timings as if they were the device's; each engine computes as gated."""
+    r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "compile", str(MODEL), "--profile", "arm64-cpu",
+                        "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"),
+                        "--name", "digits", "--version", "1.0.0", "--out", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert m["manifest_version"] == 4 and m["precision"] == "int8"  # the profile's default first
+    choice = m["precision_choice"]
+    assert choice["mode"] == "device" and "x86_64 while arm64-cpu devices are aarch64" in choice["reason"], choice
+    assert [v["precision"] for v in m["variants"]] == ["fp32"] and m["variants"][0]["accuracy"]["passed"]
+    assert m["benchmark"] is None
+    bundle = tmp_path / "digits-1.0.0-arm64-cpu.tar"
+    for precision in ("int8", "fp32"):  # LiteRT runs on x86 too: past the CPU check, the numbers are the same
+        v = subprocess.run([sys.executable, "-m", "edgefleet.cli", "verify", str(bundle), "--precision", precision,
+                            "--skip-cpu-check", "--eval", str(DIGITS / "test.npz"), "--json"],
+                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        doc = json.loads(v.stdout)
+        assert doc["computes_as_gated"] and doc["selftest"]["drift"] <= 1.0, doc
+        want = m["accuracy"] if precision == "int8" else m["variants"][0]["accuracy"]
+        assert abs(doc["top1"] - want["candidate"]) <= 1 / doc["eval_samples"] + 1e-9, (precision, doc)
+    bad = subprocess.run([sys.executable, "-m", "edgefleet.cli", "verify", str(bundle), "--precision", "fp16",
+                          "--skip-cpu-check"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 4 and "has no fp16 engine (it has int8, fp32)" in bad.stderr, bad.stderr
+
+
+def test_a_build_host_that_can_time_the_profile_keeps_choosing_at_compile_time(tmp_path):
+    """x86-cpu on this x86 host: the compiler times both and ships one (today's choice, manifest version 2)."""
+    r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "compile", str(MODEL), "--profile", "x86-cpu",
+                        "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"),
+                        "--name", "digits", "--version", "1.0.0", "--out", str(tmp_path), "--json", "--no-cache"],
+                       capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    assert m["manifest_version"] == 2 and m["precision_choice"]["mode"] == "auto" and not m["variants"]
+    assert m["benchmark"] is not None
