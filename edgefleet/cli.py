@@ -77,12 +77,10 @@ def _print(doc: Any, as_json: bool, human: str) -> None:
 def cmd_compile(a: argparse.Namespace) -> int:
     try:
         _require("compiler")
-        from compiler.cache import default_cache_dir
-        from compiler.errors import CompilerError
-        from compiler.pipeline import CompileOptions, compile_model
+        import compiler.pipeline  # noqa: F401  (imported here so a missing part is a message, not a traceback)
+        from compiler.fallback import choose as choose_fallback
     except ImportError as exc:
         return _need("compiler", exc)
-    from protocol.errors import EdgefleetError
     from protocol.profile import list_profiles
 
     profiles = list_profiles() if a.profile == "all" else [p.strip() for p in a.profile.split(",") if p.strip()]
@@ -91,40 +89,66 @@ def cmd_compile(a: argparse.Namespace) -> int:
         return EXIT_USAGE
     matrix = len(profiles) > 1
     results: list[dict[str, Any]] = []
+    done: dict[str, dict[str, Any]] = {}  # profile built -> its result: a fallback also asked for is built once
     first_failure = EXIT_OK
     for i, profile in enumerate(profiles, start=1):
-        opts = CompileOptions(
-            model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
-            name=a.name or _default_name(a.model), version=a.version, precision=a.precision,
-            max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark, gate=a.gate,
-            min_agreement=a.min_agreement, agreement_metric=a.agreement_metric,
-            cache_dir=None if a.no_cache else default_cache_dir(), preprocess=a.preprocess,
-            fallback=not a.no_fallback, task=a.task, task_args=a.task_args)
+        fallback = None if a.no_cpu_fallback else choose_fallback(profile)
+        build = fallback.profile_arg if fallback is not None else profile
         label = f"[{i}/{len(profiles)} {profile}] " if matrix else ""
-        progress = (lambda *_: None) if a.json or a.quiet else (
-            lambda step, total, what, label=label: _progress_bar(step, total, label + what))
-        t0 = time.monotonic()
-        try:
-            result = compile_model(opts, progress)
-        except (CompilerError, EdgefleetError) as exc:
-            code = exc.exit_code if isinstance(exc, CompilerError) else EXIT_INPUT
-            first_failure = first_failure or code
+        if build in done:  # built already in this compile (as asked, or as another profile's fallback)
+            r = {**done[build], "seconds": 0.0}
+        else:
+            r = done[build] = _compile_one(a, build, label)
+        if fallback is not None:
+            # one entry per profile asked for; the bundle (and its manifest) is the fallback's
+            r = {**r, "profile": profile, "cpu_fallback": fallback.as_json()}
+            if r["ok"]:
+                print(fallback.line(), file=sys.stderr)
+            else:
+                r["error"] = (f"{fallback.reason}; building its CPU fallback {fallback.built} instead failed: "
+                              f"{r['error']}")
+        if not r["ok"]:
+            first_failure = first_failure or r["exit_code"]
             if not a.json:
                 sys.stderr.write("\n")
-                print(f"error: {label}{exc}", file=sys.stderr)
-            results.append({"ok": False, "profile": profile, "error": str(exc), "kind": type(exc).__name__,
-                            "exit_code": code, "seconds": round(time.monotonic() - t0, 2)})
-            continue
-        m = result.manifest
-        results.append({"ok": True, "profile": profile, "bundle": str(result.bundle), "cached": result.cached,
-                        "seconds": round(time.monotonic() - t0, 2), "manifest": m.model_dump(mode="json")})
-        if not matrix and not a.json:
-            print(_compile_summary(result.bundle, m, result.cached))
+                print(f"error: {label}{r['error']}", file=sys.stderr)
+        elif not matrix and not a.json:
+            print(_compile_summary(Path(r["bundle"]), r.pop("_manifest"), r["cached"]))
+        r.pop("_manifest", None)
+        results.append(r)
     if a.json:
         print(json.dumps({"ok": first_failure == EXIT_OK, "builds": results} if matrix else results[0], indent=2))
     elif matrix:
         print(_matrix_table(results))
     return first_failure
+
+
+def _compile_one(a: argparse.Namespace, profile: str, label: str) -> dict[str, Any]:
+    """One build; a failure is a result (``ok`` false, its exit code), not an exception."""
+    from compiler.cache import default_cache_dir
+    from compiler.errors import CompilerError
+    from compiler.pipeline import CompileOptions, compile_model
+    from protocol.errors import EdgefleetError
+
+    opts = CompileOptions(
+        model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
+        name=a.name or _default_name(a.model), version=a.version, precision=a.precision,
+        max_accuracy_drop=a.max_accuracy_drop, benchmark=not a.no_benchmark, gate=a.gate,
+        min_agreement=a.min_agreement, agreement_metric=a.agreement_metric,
+        cache_dir=None if a.no_cache else default_cache_dir(), preprocess=a.preprocess,
+        fallback=not a.no_fallback, task=a.task, task_args=a.task_args)
+    progress = (lambda *_: None) if a.json or a.quiet else (
+        lambda step, total, what, label=label: _progress_bar(step, total, label + what))
+    t0 = time.monotonic()
+    try:
+        result = compile_model(opts, progress)
+    except (CompilerError, EdgefleetError) as exc:
+        code = exc.exit_code if isinstance(exc, CompilerError) else EXIT_INPUT
+        return {"ok": False, "profile": profile, "error": str(exc), "kind": type(exc).__name__, "exit_code": code,
+                "seconds": round(time.monotonic() - t0, 2)}
+    m = result.manifest
+    return {"ok": True, "profile": profile, "bundle": str(result.bundle), "cached": result.cached,
+            "seconds": round(time.monotonic() - t0, 2), "manifest": m.model_dump(mode="json"), "_manifest": m}
 
 
 def _default_name(model: Path) -> str:
@@ -199,8 +223,10 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
     head = f"{'PROFILE':<18} {'BACKEND':<12} {'PREC':<5} {'SIZE':>9} {'FIDELITY':<22} {'LATENCY b1':>11} STATUS"
     rows = [head]
     for r in results:
+        fb = r.get("cpu_fallback")
+        asked = r["profile"]
         if not r["ok"]:
-            rows.append(f"{r['profile']:<18} {'–':<12} {'–':<5} {'–':>9} {'–':<22} {'–':>11} FAILED: {r['error']}")
+            rows.append(f"{asked:<18} {'–':<12} {'–':<5} {'–':>9} {'–':<22} {'–':>11} FAILED: {r['error']}")
             continue
         m = r["manifest"]
         acc = m["accuracy"]
@@ -213,7 +239,9 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
         shipped = "candidate_ms_p50" if bench.get("candidate_precision") == m["precision"] else "reference_ms_p50"
         lat = f"{pts[0][shipped]:.3f} ms" if pts else "–"  # of the precision shipped
         status = "ok (cached)" if r["cached"] else "ok"
-        rows.append(f"{r['profile']:<18} {m['backend']:<12} {m['precision']:<5} {size / 1024:>7.0f}KB {fid:<22} "
+        if fb:
+            status += f": built its CPU fallback {fb['built']} ({fb['reason']})"
+        rows.append(f"{asked:<18} {m['backend']:<12} {m['precision']:<5} {size / 1024:>7.0f}KB {fid:<22} "
                     f"{lat:>11} {status}")
     return "\n".join(rows)
 
@@ -719,6 +747,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-fallback", action="store_true",
                    help="int8 over budget fails (or auto ships another precision) instead of keeping the layers "
                         "that lose most to quantization in float until it passes (onnxruntime targets)")
+    c.add_argument("--no-cpu-fallback", action="store_true",
+                   help="a profile whose toolchain is not on this host (TensorRT for jetson-*) fails (exit 5) instead "
+                        "of building the CPU profile it names as cpu_fallback (arm64-cpu), which its devices then "
+                        "get until a bundle of their own profile is uploaded")
     c.add_argument("--no-cache", action="store_true",
                    help="build even if an identical build is cached ($EDGEFLEET_CACHE_DIR or ~/.cache/edgefleet)")
     c.add_argument("--out", type=Path, default=Path("dist"), help="folder for the bundle")

@@ -299,6 +299,10 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
         d = devices.get(t["device_id"], {})
         tel = d.get("telemetry")
         err = f'<br><small class="pill bad">{escape(t["error"][:200])}</small>' if t.get("error") else ""
+        bp = t.get("bundle_profile")
+        if bp and d.get("profile") and bp != d["profile"]:  # served by its profile's CPU fallback
+            err += (f'<br><small class="sub fallback">{escape(bp)} bundle (CPU fallback of '
+                    f'{escape(d["profile"])})</small>')
         trows.append(f'<tr><td><a href="/devices/{escape(t["device_id"])}">{escape(t["device_id"])}</a></td>'
                      f'<td>{t["wave"] + 1}</td><td>{_pill(t["state"])}{err}</td>'
                      f'<td>{_e(d.get("running_version"))}</td>{_telemetry_cells(tel)}</tr>')

@@ -1,7 +1,9 @@
 """Rollouts as a persisted state machine: targets, waves, soak times and health gates.
 
 A rollout sends one model version to the devices a selector picks (a device list, a group, tags, a
-hardware profile); each device gets the bundle built for its own profile. The targets are split into
+hardware profile); each device gets the bundle built for its own profile, or, when the model version has
+none, the bundle of the CPU profile its profile names as ``cpu_fallback`` (a Jetson runs the arm64-cpu build
+on its CPU cores until a TensorRT build is uploaded). The targets are split into
 waves (counts or cumulative percentages, e.g. ``1%,10%,50%,100%``), each with a soak time. A wave
 starts by publishing the devices' desired state; it is *installed* when every target reported (or
 its device has been offline for ``offline_grace_s``); it then soaks; at the end of the soak the
@@ -26,6 +28,7 @@ All state is in the database, so a restarted fleet resumes every rollout where i
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import math
 import re
@@ -56,13 +59,29 @@ from fleet.states import (
     WaveState,
 )
 from protocol import mqtt as proto
+from protocol.errors import EdgefleetError
+from protocol.profile import load_profile
 
 __all__ = ["AUDIT_DEVICES_PER_ROW", "TRANSITIONS", "WAVE_ACTIONS", "GateResult", "Gates", "RolloutEngine",
-           "RolloutSpec", "TargetMove", "WaveFigures", "evaluate_gates", "move_targets", "move_wave", "plan_waves"]
+           "RolloutSpec", "TargetMove", "WaveFigures", "cpu_fallback", "evaluate_gates", "move_targets", "move_wave",
+           "plan_waves", "target_json"]
 
 log = logging.getLogger("edgefleet.fleet.rollout")
 
 _WAVE_RE = re.compile(r"^(\d+(?:\.\d+)?)%$|^(\d+)$")
+_PROFILE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+@functools.lru_cache(maxsize=256)
+def cpu_fallback(profile: str) -> str | None:
+    """The CPU profile whose bundle devices of ``profile`` run when a version has none of their own (its
+    ``cpu_fallback`` in hw-profiles/); None for a profile without one or one this fleet does not know."""
+    if not _PROFILE_NAME_RE.fullmatch(profile) or profile.endswith((".yaml", ".yml")):
+        return None  # a device's profile is a name, never a path to read
+    try:
+        return load_profile(profile).cpu_fallback
+    except (EdgefleetError, OSError):
+        return None
 
 
 class Publisher(Protocol):
@@ -398,28 +417,36 @@ class RolloutEngine:
             if not builds:
                 raise NotFound(f"no model {name} {version}" + (f" for {sel.profile}" if sel.profile else "")
                                + "; upload it first")
-            if sel.profile and sel.profile not in builds:
-                raise BadRequest(f"profile {sel.profile!r} has no bundle of {name} {version} (built for "
-                                 f"{', '.join(sorted(builds))})", 422)
+            if sel.profile and sel.profile not in builds and cpu_fallback(sel.profile) not in builds:
+                fb = cpu_fallback(sel.profile)
+                raise BadRequest(f"profile {sel.profile!r} has no bundle of {name} {version}"
+                                 + (f", nor has its CPU fallback {fb!r}" if fb else "")
+                                 + f" (built for {', '.join(sorted(builds))})", 422)
             devices = self._select(s, sel)
             chosen: list[tuple[Device, Model]] = []
             no_bundle: dict[str, list[str]] = {}
+            by_fallback: dict[str, list[str]] = {}  # device profile -> devices that get its fallback's bundle
             unknown_profile: list[str] = []
             for d in devices:
                 prof = d.profile or sel.profile or (next(iter(builds)) if len(builds) == 1 else None)
                 if prof is None:
                     unknown_profile.append(d.id)
-                elif prof not in builds:
-                    no_bundle.setdefault(prof, []).append(d.id)
-                else:
+                elif prof in builds:  # a bundle of the device's own profile always wins
                     chosen.append((d, builds[prof]))
+                elif (fb := cpu_fallback(prof)) is not None and fb in builds:
+                    chosen.append((d, builds[fb]))
+                    by_fallback.setdefault(prof, []).append(d.id)
+                else:
+                    no_bundle.setdefault(prof, []).append(d.id)
             if unknown_profile:
                 raise BadRequest(f"{name} {version} exists for several profiles ({', '.join(sorted(builds))}) and "
                                  f"these devices have no known hardware profile: {_names(unknown_profile)}; set "
                                  "their profile or say which build with 'profile'", 422)
             if no_bundle:
                 raise BadRequest("no bundle of " + f"{name} {version} for " + "; ".join(
-                    f"profile {p} (devices {_names(ids)})" for p, ids in sorted(no_bundle.items()))
+                    f"profile {p} (devices {_names(ids)})"
+                    + (f", nor for its CPU fallback {fb}" if (fb := cpu_fallback(p)) else "")
+                    for p, ids in sorted(no_bundle.items()))
                     + f"; it is built for {', '.join(sorted(builds))}", 422)
             # online devices first, so an early wave is not spent waiting for boxes that are off
             chosen.sort(key=lambda dm: (not dm[0].online, dm[0].id))
@@ -443,7 +470,10 @@ class RolloutEngine:
             s.execute(insert(RolloutTarget), rows)
             audit(s, actor, "rollout_created", rid, model=name, version=version, targets=len(chosen), waves=sizes,
                   selector={k: v for k, v in asdict(sel).items() if v and k != "devices"} or None,
-                  devices=len(sel.devices) or None, spec=spec.model_dump(mode="json"))
+                  devices=len(sel.devices) or None, spec=spec.model_dump(mode="json"),
+                  cpu_fallback={p: {"bundle": cpu_fallback(p), "count": len(ids),
+                                    "devices": ids[:AUDIT_DEVICES_PER_ROW]}
+                                for p, ids in sorted(by_fallback.items())} or None)
         self.advance(rid)  # the first wave goes out now, not at the next tick
         return rid
 
@@ -726,7 +756,7 @@ class RolloutEngine:
                 continue  # superseded meanwhile
             m = self.model(s, t.model_id)
             assert m is not None
-            t.previous_model_id = running.get((d.running_model or "", d.running_version or "", m.profile))
+            t.previous_model_id = self._previous_model(s, d, m, running)
             tel = d.last_telemetry or {}
             if (tel.get("model"), tel.get("version")) == (d.running_model, d.running_version) and d.running_model:
                 t.p99_before = (tel.get("latency") or {}).get("p99_ms")
@@ -735,6 +765,24 @@ class RolloutEngine:
             msgs.append(desired_message(d.id, m, r.id, now))
             sent += 1
         move_wave(s, w, WaveState.INSTALLING, devices=sent)
+
+    def _previous_model(self, s: Session, d: Device, m: ModelInfo,
+                        running: dict[tuple[str, str, str], int]) -> int | None:
+        """The bundle the device runs now (what a rollback sends it back to). A device reports the model's name
+        and version, not which profile's bundle: the one it was last sent when that is the same name and version,
+        else the bundle of its own profile, else its profile's CPU fallback's. The new bundle's profile says
+        nothing: a Jetson moving from its arm64-cpu fallback to a TensorRT build (or back) changes profile."""
+        if not d.running_model:
+            return None
+        last = self.model(s, d.desired_model_id)
+        if last is not None and (last.name, last.version) == (d.running_model, d.running_version):
+            return last.id
+        prof = d.profile or m.profile
+        fb = cpu_fallback(prof)
+        for p in (prof, *([fb] if fb else [])):
+            if (found := running.get((d.running_model, d.running_version or "", p))) is not None:
+                return found
+        return None
 
     @staticmethod
     def _outstanding_online(s: Session, w: RolloutWave) -> int:
@@ -897,11 +945,17 @@ class RolloutEngine:
                         g["name"] != "shadow_agreement" for g in (w.gates or [])):
                     wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
             if with_targets:
-                out["targets"] = [{"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,
-                                   "updated_at": _iso(t.updated_at)}
-                                  for t in s.scalars(select(RolloutTarget).where(RolloutTarget.rollout_id == r.id)
-                                                     .order_by(RolloutTarget.device_id))]
+                out["targets"] = [target_json(t, p) for t, p in s.execute(
+                    select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
+                    .where(RolloutTarget.rollout_id == r.id).order_by(RolloutTarget.device_id))]
             return out
+
+
+def target_json(t: RolloutTarget, bundle_profile: str | None) -> dict[str, Any]:
+    """A target as the API shows it; ``bundle_profile`` is the profile of the bundle it was sent (its device's
+    own, or that profile's CPU fallback)."""
+    return {"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,
+            "updated_at": _iso(t.updated_at), "bundle_profile": bundle_profile}
 
 
 def _names(ids: list[str], limit: int = 10) -> str:

@@ -14,10 +14,12 @@ from protocol.cpu import KNOWN_FEATURES, VNNI_FEATURES
 from protocol.errors import SchemaError
 from protocol.manifest import Backend, Int8Scheme, Precision
 
-__all__ = ["HardwareProfile", "list_profiles", "load_profile", "profile_dir", "resolve_profile_path"]
+__all__ = ["HardwareProfile", "list_profiles", "load_profile", "profile_dir", "resolve_fallback_path",
+           "resolve_profile_path"]
 
 PROFILE_VERSION = 1
 MAX_PROFILE_BYTES = 256 * 1024  # a profile is a page of YAML
+PROFILE_NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,63}$"  # a file name in hw-profiles/, as the fleet's API accepts it
 
 
 class QuantizationSettings(StrictModel):
@@ -70,6 +72,10 @@ class HardwareProfile(StrictModel):
     benchmark: BenchmarkSettings = BenchmarkSettings()
     runtime: RuntimeSettings = RuntimeSettings()
     tensorrt: TensorRTSettings | None = None
+    # another profile (a CPU one of the same arch) whose bundle this profile's devices can run: built instead
+    # when the build host lacks this profile's toolchain, and rolled out to its devices when a model version
+    # has no bundle of their own profile. Checked against that profile when loaded (load_profile).
+    cpu_fallback: str | None = Field(default=None, pattern=PROFILE_NAME_RE)
 
     @field_validator("cpu_features")
     @classmethod
@@ -94,6 +100,9 @@ class HardwareProfile(StrictModel):
             raise ValueError("backend 'tensorrt' needs accelerator 'gpu'")
         if "fp16" in self.precisions and self.accelerator == "cpu":
             raise ValueError("fp16 is for GPU targets; CPU profiles use int8 or fp32")
+        if self.cpu_fallback is not None and self.cpu_fallback == self.name:
+            raise ValueError(f"cpu_fallback {self.cpu_fallback!r} names this profile itself; name another, CPU "
+                             "profile of the same arch")
         return self
 
     def _saturates_full_range(self) -> bool:
@@ -139,8 +148,48 @@ def resolve_profile_path(name_or_path: str) -> Path:
     return profile_dir() / f"{name_or_path}.yaml"
 
 
+def resolve_fallback_path(profile_path: Path, fallback: str) -> Path:
+    """Where a profile's ``cpu_fallback`` is: beside the profile that names it, else in :func:`profile_dir`."""
+    beside = profile_path.parent / f"{fallback}.yaml"
+    return beside if beside.exists() else profile_dir() / f"{fallback}.yaml"
+
+
 def load_profile(name_or_path: str) -> HardwareProfile:
+    """A profile by name (``hw-profiles/NAME.yaml``) or path, checked, with its ``cpu_fallback`` checked too."""
     path = resolve_profile_path(name_or_path)
+    prof = _load(path, name_or_path)
+    if prof.cpu_fallback is not None:
+        _check_fallback(prof, path)
+    return prof
+
+
+def _check_fallback(prof: HardwareProfile, path: Path) -> None:
+    name = prof.cpu_fallback
+    assert name is not None
+    fb_path = resolve_fallback_path(path, name)
+    if not fb_path.exists():
+        known = sorted({q.stem for q in (*path.parent.glob("*.yaml"), *profile_dir().glob("*.yaml"))})
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise SchemaError(str(path), [f"key 'cpu_fallback': no profile {name!r}; {hint}known profiles: "
+                                      f"{', '.join(known)}"])
+    try:
+        fb = _load(fb_path, name)
+    except SchemaError as exc:
+        raise SchemaError(str(path), [f"key 'cpu_fallback': profile {name!r} does not load: {exc}"]) from exc
+    problems = []
+    if fb.accelerator != "cpu":
+        problems.append(f"{name} is a {fb.accelerator} profile (backend {fb.backend}); a fallback must be a CPU "
+                        "profile (accelerator: cpu)")
+    if fb.arch != prof.arch:
+        problems.append(f"{name} is for {fb.arch} while {prof.name} devices are {prof.arch}")
+    if fb.cpu_fallback is not None:
+        problems.append(f"{name} names a cpu_fallback of its own ({fb.cpu_fallback}); a fallback is one step")
+    if problems:
+        raise SchemaError(str(path), [f"key 'cpu_fallback': {p}" for p in problems])
+
+
+def _load(path: Path, name_or_path: str) -> HardwareProfile:
     if not path.exists():
         known = list_profiles()
         near = difflib.get_close_matches(name_or_path, known, n=1)

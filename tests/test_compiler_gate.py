@@ -189,7 +189,7 @@ def test_percentile_calibration_keeps_json_output_clean(tmp_path):
 def test_matrix_builds_each_profile_continues_past_a_failure_and_exits_non_zero(tmp_path):
     r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu,jetson-orin-nano,x86-cpu-vnni",
                 "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out",
-                str(tmp_path), "--name", "digits", "--no-benchmark", "--json")
+                str(tmp_path), "--name", "digits", "--no-benchmark", "--json", "--no-cpu-fallback")
     doc = json.loads(r.stdout)
     by = {b["profile"]: b for b in doc["builds"]}
     assert list(by) == ["x86-cpu", "jetson-orin-nano", "x86-cpu-vnni"]
@@ -199,7 +199,7 @@ def test_matrix_builds_each_profile_continues_past_a_failure_and_exits_non_zero(
     assert {p.name for p in tmp_path.glob("*.tar")} == {"digits-1.0.0-x86-cpu.tar", "digits-1.0.0-x86-cpu-vnni.tar"}
     table = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu,jetson-orin-nano", "--calibration",
                     str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "test.npz"), "--out", str(tmp_path),
-                    "--name", "digits", "--no-benchmark", "--quiet")
+                    "--name", "digits", "--no-benchmark", "--quiet", "--no-cpu-fallback")
     assert "PROFILE" in table.stdout and "FAILED" in table.stdout and "ok (cached)" in table.stdout
 
 
