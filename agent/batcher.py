@@ -53,8 +53,9 @@ from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from agent.metrics import Metrics, ModelMetrics
 from engines import Engine
 
-__all__ = ["BATCH_TOLERANCE", "HIGH", "NORMAL", "BatchSettings", "BatchTuning", "Batcher", "ComputeGate",
-           "batch_ladder", "choose_batch_size", "pin_thread"]
+__all__ = ["BATCH_TOLERANCE", "HIGH", "LAYOUT_LATENCY_WEIGHT", "LAYOUT_MIN_GAIN", "NORMAL", "BatchSettings",
+           "BatchTuning", "Batcher", "ComputeGate", "LayoutFigures", "batch_ladder", "choose_batch_size",
+           "choose_layout", "layout_candidates", "pin_thread"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
 
@@ -103,6 +104,55 @@ class BatchTuning:
     mode: str  # measured | operator | off
     images_per_s: tuple[tuple[int, float], ...] = ()  # (batch size, images/s), ascending sizes
     chosen: int | None = None
+    # the layout served: (instances, intra-op threads each), ``measured`` here (``layouts``: the figures of each
+    # candidate), set by the ``operator`` (instances / intra_op_threads in the config), or the ``default``
+    layout: tuple[int, int] | None = None
+    layout_source: str = "default"  # measured | operator | default
+    layouts: tuple[LayoutFigures, ...] = ()
+
+
+@dataclass(frozen=True)
+class LayoutFigures:
+    """One candidate layout as measured at install: ``instances`` sessions of ``threads`` intra-op threads each,
+    all running at once; images/s by batch size, and a lone batch-1 call's time on one of its sessions."""
+
+    instances: int
+    threads: int
+    images_per_s: tuple[tuple[int, float], ...]
+    lone_ms: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.instances}x{self.threads}"
+
+    @property
+    def best(self) -> float:
+        return max((v for _, v in self.images_per_s), default=0.0)
+
+
+# a layout slower for a lone request than the fastest one is chosen only if it serves at least this much more under
+# load (images/s at its best batch size), plus this weight times the lone request's extra time: a layout that makes
+# a lone request take twice as long must serve 15% more to be chosen
+LAYOUT_MIN_GAIN = 0.05
+LAYOUT_LATENCY_WEIGHT = 0.10
+
+
+def layout_candidates(cores: int) -> tuple[tuple[int, int], ...]:
+    """(instances, threads) that use ``cores`` inference CPUs exactly: one session of every core, one session per
+    core, and the splits between (1x1 alone on one core)."""
+    return tuple((i, cores // i) for i in range(1, cores + 1) if cores % i == 0 and i <= 16)
+
+
+def choose_layout(measured: Sequence[LayoutFigures]) -> LayoutFigures:
+    """The layout to serve with: the one whose lone batch-1 call is fastest, unless another serves at least
+    ``LAYOUT_MIN_GAIN`` + ``LAYOUT_LATENCY_WEIGHT`` x (its lone call's extra time, as a fraction) more images/s;
+    of those, the one that serves the most."""
+    if not measured:
+        raise ValueError("no layout was measured")
+    base = min(measured, key=lambda f: (f.lone_ms, -f.best))
+    better = [f for f in measured if f.best >= base.best * (
+        1 + LAYOUT_MIN_GAIN + LAYOUT_LATENCY_WEIGHT * max(0.0, f.lone_ms / max(base.lone_ms, 1e-9) - 1))]
+    return max(better, key=lambda f: f.best) if better else base
 
 
 def batch_ladder(limit: int) -> tuple[int, ...]:

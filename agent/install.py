@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from agent.batcher import BatchSettings, BatchTuning, batch_ladder, choose_batch_size
+from agent.batcher import (
+    BatchSettings,
+    BatchTuning,
+    LayoutFigures,
+    batch_ladder,
+    choose_batch_size,
+    choose_layout,
+    layout_candidates,
+)
 from agent.config import AgentConfig
 from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from agent.precision import PrecisionPick, pick_precision
-from agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
+from agent.selftest import RunTogether, Turn, lone_call_ms, measure_batch_sizes, now, self_test, warm_up
 from agent.server import IndexEntry, ModelHost
 from agent.shadow import ShadowMirror
 from agent.store import ModelStore, StagedModel
@@ -222,12 +232,17 @@ class Installer:
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
 
     # -- model lifecycle ------------------------------------------------------------------------
-    def load_instances(self, manifest: Manifest, directory: Path, count: int | None = None) -> list[Engine]:
-        """``instances`` (or ``count``) loaded engines of one model version (each its own runtime session)."""
+    def load_instances(self, manifest: Manifest, directory: Path, count: int | None = None,
+                       threads: int | None = None) -> list[Engine]:
+        """``instances`` (or ``count``) loaded engines of one model version (each its own runtime session of
+        ``intra_op_threads``, or ``threads``). The serving instances (no ``count``) of a CPU engine, with
+        ``batch_tuning: auto`` and neither instances nor intra_op_threads set by the operator: the layout measured
+        here (:meth:`measure_layouts`), its figures kept for :meth:`tune_batches`."""
         out: list[Engine] = []
         try:
             for _ in range(self.config.instances if count is None else count):
-                out.append(load_bundle_engine(manifest, directory / manifest.engine, self.config.intra_op_threads,
+                out.append(load_bundle_engine(manifest, directory / manifest.engine,
+                                              threads or self.config.intra_op_threads,
                                               self.config.onnxruntime_providers))
         except BaseException as exc:
             for b in out:
@@ -235,6 +250,55 @@ class Installer:
             if isinstance(exc, EngineError):  # the engine cannot run here: the update fails, the old model serves
                 raise BackendError(str(exc)) from exc
             raise
+        device = str(getattr(out[0], "device", "CPU"))
+        if count is None and self.config.batch_tuning == "auto" and "CUDA" not in device and "Tensorrt" not in device \
+                and not {"instances", "intra_op_threads"} & self.config.model_fields_set:
+            try:
+                out = self.measure_layouts(manifest, directory, out)
+            except BaseException:
+                for b in out:
+                    b.close()
+                raise
+        return out
+
+    def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine]) -> list[Engine]:
+        """Each layout of this box's inference CPUs (agent.batcher.layout_candidates: 1x2 and 2x1 on two, 1x1 alone
+        on one) loaded and timed at the batch sizes the batcher may form, all its instances at once, and a lone
+        batch-1 call; each call in turn with the version serving the model. -> the chosen layout's engines
+        (agent.batcher.choose_layout); the others are closed. ``loaded``: the configured layout, reused if it is
+        a candidate."""
+        staged = StagedModel(manifest, directory, "")
+        cpus = self.config.inference_cpus
+        cores = len(cpus) if cpus else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        served = self.host.models.get(manifest.name)
+        turn = self.turn(manifest.name, served.batcher.gate.permits if served else len(loaded))
+        sizes = batch_ladder(self.host.settings.max_batch_size) if manifest.batchable else (1,)
+        figures: list[LayoutFigures] = []
+        engines: dict[tuple[int, int], list[Engine]] = {}
+        try:
+            for i, t in layout_candidates(cores):
+                engines[(i, t)] = loaded if (i, t) == (len(loaded), self.config.intra_op_threads) else \
+                    self.load_instances(manifest, directory, count=i, threads=t)
+                figures.append(LayoutFigures(i, t, measure_batch_sizes(RunTogether(engines[(i, t)]), staged, sizes,
+                                                                       turn),
+                                             lone_call_ms(engines[(i, t)][0], staged, turn)))
+            chosen = choose_layout(figures)
+        except BaseException:
+            for e in engines.values():
+                if e is not loaded:
+                    for b in e:
+                        b.close()
+            raise
+        out = engines[(chosen.instances, chosen.threads)]
+        for e in [*engines.values(), loaded]:
+            if e is not out:
+                for b in e:
+                    b.close()
+        # for tune_batches, which gets the first instance: the chosen layout's figures (the latest install's only)
+        vars(self)["measured_layouts"] = {id(out[0]): (out[0], chosen, tuple(figures))}
+        log.info("%s %s: layout %s (%s)", manifest.name, manifest.version, chosen.name, "; ".join(
+            f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms" for f in figures))
         return out
 
     def turn(self, name: str, instances: int) -> Turn:
@@ -274,29 +338,41 @@ class Installer:
             batch_source=mode if mode in ("measured", "operator") else "off",  # type: ignore[arg-type]
             batch_timings=tuple(proto.Timing(batch_size=n, items_per_s=v)
                                 for n, v in (tuning.images_per_s if tuning is not None else ())),
-            instances=instances, threads=self.config.intra_op_threads,
-            layout_source="operator" if {"instances", "intra_op_threads"} & self.config.model_fields_set
-            else "default")
+            instances=instances,
+            threads=tuning.layout[1] if tuning is not None and tuning.layout else self.config.intra_op_threads,
+            layout_source=tuning.layout_source if tuning is not None and tuning.layout else  # type: ignore[arg-type]
+            "operator" if {"instances", "intra_op_threads"} & self.config.model_fields_set else "default")
 
     def tune_batches(self, backend: Engine, staged: StagedModel, turn: Turn) -> tuple[BatchSettings, BatchTuning]:
         """The batch settings a version serves with: the host's, unless ``batch_tuning: auto`` and the operator
         left max_batch_size unset; then measured on this device (each call in ``turn``) and the largest batch
         formed chosen from the figures, requests up to the configured max still accepted."""
         base = self.host.settings
+        measured = vars(self).pop("measured_layouts", {}).get(id(backend))  # load_instances measured the layout
+        if measured is not None and measured[0] is backend:
+            _, lay, lays = measured
+            layout: dict[str, Any] = {"layout": (lay.instances, lay.threads), "layout_source": "measured",
+                                      "layouts": lays}
+        else:
+            lay = None
+            layout = {"layout": (self.config.instances, self.config.intra_op_threads), "layout_source": "operator"
+                      if {"instances", "intra_op_threads"} & self.config.model_fields_set else "default"}
         if self.config.batch_tuning == "off":
-            return base, BatchTuning("off")
+            return base, BatchTuning("off", **layout)
         if "max_batch_size" in self.config.model_fields_set:  # in the config file or on the command line
-            return base, BatchTuning("operator")
+            return base, BatchTuning("operator", **layout)
         if not staged.manifest.batchable or base.max_batch_size == 1:
-            return base, BatchTuning("off")
-        figures = measure_batch_sizes(backend, staged, batch_ladder(base.max_batch_size), turn)
+            return base, BatchTuning("off", **layout)
+        # the layout's own figures (all its instances at once), else this instance's, measured now
+        figures = lay.images_per_s if lay is not None else \
+            measure_batch_sizes(backend, staged, batch_ladder(base.max_batch_size), turn)
         chosen = choose_batch_size(figures)
         settings = BatchSettings(**{**base.__dict__, "max_batch_size": chosen,
                                     "preferred_batch_sizes": (chosen,) if chosen > 1 else (),
                                     "max_request_batch_size": base.request_limit})
         log.info("%s %s: batches of at most %d (images/s by batch size: %s)", staged.manifest.name,
                  staged.manifest.version, chosen, ", ".join(f"{n}: {v:g}" for n, v in figures))
-        return settings, BatchTuning("measured", figures, chosen)
+        return settings, BatchTuning("measured", figures, chosen, **layout)
 
     def index(self) -> list[IndexEntry]:
         """Versions on disk and versions that failed, for the repository index (serving ones are added by

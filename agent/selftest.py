@@ -16,7 +16,18 @@ from agent.store import StagedModel
 from engines import Engine
 from protocol import mqtt as proto
 
-__all__ = ["TUNE_BUDGET_S", "TUNE_CALLS", "WARMUP_RUNS", "Turn", "measure_batch_sizes", "now", "self_test", "warm_up"]
+__all__ = [
+    "TUNE_BUDGET_S",
+    "TUNE_CALLS",
+    "WARMUP_RUNS",
+    "RunTogether",
+    "Turn",
+    "lone_call_ms",
+    "measure_batch_sizes",
+    "now",
+    "self_test",
+    "warm_up",
+]
 
 WARMUP_RUNS = 3
 TUNE_BUDGET_S = 2.0  # seconds of calls, all batch sizes together, when a version measures its batch sizes
@@ -89,13 +100,14 @@ def warm_up(backends: list[Engine], staged: StagedModel, batch_sizes: tuple[int,
                 raise SelfTestFailed(f"warm-up at batch size {n}: the engine failed: {exc}") from exc
 
 
-def measure_batch_sizes(backend: Engine, staged: StagedModel, sizes: tuple[int, ...], turn: Turn = now,
+def measure_batch_sizes(backend: Engine | RunTogether, staged: StagedModel, sizes: tuple[int, ...], turn: Turn = now,
                         budget_s: float = TUNE_BUDGET_S, calls: int = TUNE_CALLS) -> tuple[tuple[int, float], ...]:
     """Images per second of ``backend`` at each batch size of ``sizes`` (ascending), on the bundle's own sample
     repeated to fill the batch: one untimed call at the size, then up to ``calls`` timed ones, each in its turn
     (``turn``: only the call itself is timed, not the wait for the cores); the fastest call counts (the least
     disturbed by whatever else runs on the box). Stops after ``budget_s`` of calls: the sizes not reached are
-    left out."""
+    left out. ``backend`` may be several instances that run each call together (:class:`RunTogether`)."""
+    copies = len(backend.backends) if isinstance(backend, RunTogether) else 1
     sample = _sample(staged, "batch tuning")
     out: list[tuple[int, float]] = []
     spent = 0.0
@@ -109,10 +121,51 @@ def measure_batch_sizes(backend: Engine, staged: StagedModel, sizes: tuple[int, 
                 spent += times[-1]
         except Exception as exc:  # the runtime's own error types
             raise SelfTestFailed(f"batch tuning at batch size {n}: the engine failed: {exc}") from exc
-        out.append((n, round(n / max(min(times), 1e-9), 1)))
+        out.append((n, round(n * copies / max(min(times), 1e-9), 1)))
         if spent >= budget_s:
             break
     return tuple(out)
+
+
+class RunTogether:
+    """Call ``infer`` of every one of ``backends`` at once on the same feeds, one thread each (a layout of several
+    instances, as the batcher runs them under load)."""
+
+    def __init__(self, backends: list[Engine]):
+        self.backends = backends
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if len(self.backends) == 1:
+            return self.backends[0].infer(feeds)
+        import threading
+
+        errors: list[BaseException] = []
+
+        def one(b: Engine) -> None:
+            try:
+                b.infer(feeds)
+            except BaseException as exc:  # re-raised in the calling thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(b,)) for b in self.backends[1:]]
+        for t in threads:  # started from the calling thread: on its CPUs
+            t.start()
+        one(self.backends[0])
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return []
+
+
+def lone_call_ms(backend: Engine, staged: StagedModel, turn: Turn = now, calls: int = TUNE_CALLS) -> float:
+    """The fastest of ``calls`` batch-1 calls of ``backend`` alone (after one untimed): what a lone request costs."""
+    feeds = _fill(staged, _sample(staged, "layout tuning"), 1 if staged.manifest.batchable else None)
+    try:
+        turn(_timed, backend.infer, feeds)
+        return round(1000 * min(turn(_timed, backend.infer, feeds) for _ in range(calls)), 3)
+    except Exception as exc:  # the runtime's own error types
+        raise SelfTestFailed(f"layout tuning: the engine failed: {exc}") from exc
 
 
 def _timed(fn: Callable[[dict[str, np.ndarray]], Any], feeds: dict[str, np.ndarray]) -> float:

@@ -267,7 +267,12 @@ def model_config(served: Served) -> dict[str, Any]:
         "batch_tuning": None if t is None else {
             "mode": t.mode, "max_formed_batch_size": s.max_batch_size,
             "images_per_second": {str(n): v for n, v in t.images_per_s},
-            "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None},
+            "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None,
+            # instances x intra-op threads each: measured here (each candidate's best images/s and lone batch-1
+            # call), set by the operator, or the default
+            "layout": None if t.layout is None else {
+                "instances": t.layout[0], "threads": t.layout[1], "source": t.layout_source,
+                "measured": {f.name: {"images_per_second": f.best, "lone_call_ms": f.lone_ms} for f in t.layouts}}},
         # edgefleet's: the precisions this bundle carries and how this device chose among them (timed here, or not)
         "precision_choice": {
             "precision": m.precision, "available": list(m.precisions),

@@ -95,7 +95,8 @@ def test_model_config_with_tritonclient(client):
     assert cfg["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [1, 8, 8]}]
     assert cfg["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]
     assert cfg["dynamic_batching"]["priority_levels"] == 2
-    assert cfg["instance_group"][0]["count"] == 1
+    # the layout the device measured and chose (tests/test_agent_layout.py): 1x2 or 2x1 on two CPUs
+    assert cfg["instance_group"][0]["count"] == cfg["batch_tuning"]["layout"]["instances"]
     assert cfg["image_preprocessing"]["color"] == "gray"
     assert client.get_model_config("digits", "1.0.0")["name"] == "digits"
 
