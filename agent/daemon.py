@@ -350,7 +350,8 @@ class Agent:
                     batches=snap.batches, batch_size_mean=snap.batch_size_mean, batch_size_max=snap.batch_size_max,
                     cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None,
                     device=_device_summary(self.device_stats),
-                    shadow=self.host.shadow.figures() if self.host.shadow is not None else None))
+                    shadow=self.host.shadow.figures() if self.host.shadow is not None else None,
+                    serving=cur.serving if cur else None))
 
             try:
                 self.spool.append(make)

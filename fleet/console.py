@@ -109,6 +109,15 @@ def _serving(st: dict[str, Any] | None) -> str:
             f'{sv["instances"]}×{sv["threads"]} <small class="sub">({layout})</small>')
 
 
+def _serving_source(d: dict[str, Any]) -> dict[str, Any] | None:
+    """The newest word on how the device serves: its last telemetry record (a restart chooses again and sends no
+    install report) when that is of the model it runs, else its last install report (kept with the self-test)."""
+    t = d.get("telemetry") or {}
+    if t.get("serving") and (t.get("model"), t.get("version")) == (d.get("running_model"), d.get("running_version")):
+        return t
+    return d.get("selftest")
+
+
 def _hardware(h: dict[str, Any] | None) -> str:
     if not h:
         return ""
@@ -403,7 +412,7 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]]) -> str:
 <div class="sub summary"><span>running <b>{_e(d["running_model"])} {_e(d["running_version"])}</b></span>
 <span>last report {_pill(d["last_state"])}</span>
 <span>self-test {_selftest_cell(d.get("selftest"), (d["running_model"], d["running_version"]))}</span>
-<span>serves {_serving(d.get("selftest"))}</span>
+<span>serves {_serving(_serving_source(d))}</span>
 <span>group {_e(d.get("group"))}</span><span>profile {_e(d.get("profile"))}</span>
 <span>last seen {_ts(d["last_seen"])}</span><span>{len(rows)} telemetry records</span></div>
 <div class="grid">{"".join(charts + by_version)}</div>"""

@@ -230,6 +230,9 @@ class Telemetry(_Message):
     dropped: int | None = Field(default=None, ge=0, lt=MAX_INT)  # records this stream's full spool dropped, in total
     device: DeviceSummary | None = None  # the box itself; left out by agents that have no sample yet
     shadow: ShadowFigures | None = None  # while a candidate runs in shadow
+    # how the model it serves now runs: precision, batch sizes and layout as the device chose them (at install,
+    # and again at each start: a restart may choose differently, and sends no install report)
+    serving: ServingChoice | None = None
 
 
 class TelemetryAck(_Message):

@@ -290,6 +290,9 @@ def test_a_device_reports_the_precision_it_timed_and_the_fleet_shows_it(tmp_path
         served = httpx.get(f"{lf.agents['edge-p'].url}/v2/models/digits/config").json()["precision_choice"]
         assert served["precision"] == sv["precision"] and served["items_per_second"] == timed
         assert sv["batch_source"] == "measured" and sv["batch_timings"] and sv["max_batch_size"] >= 1, sv
+        # telemetry carries how the model it serves now runs (a restart chooses again without an install report)
+        t = _wait(lambda: (lf.client.device("edge-p").telemetry or None), what="telemetry")
+        assert t.serving is not None and t.serving.model_dump(mode="json") == sv
         pred, _ = infer_images(lf.agents["edge-p"].url, "digits", images[:60])
         assert (pred == labels[:60]).mean() >= 0.95
         html = httpx.get(f"{lf.url}/devices/edge-p", headers={"Authorization": f"Bearer {lf.client.token}"}).text
