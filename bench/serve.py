@@ -607,6 +607,7 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
                 before = _thread_cpu_s(server_pid)
             if stats_url is not None:
                 b1_before = _batch1_compute(stats_url)
+                sizes_before = _batches(stats_url)
     except queue.Empty as exc:
         raise RuntimeError(f"the load generator did not finish in {timeout_s:.0f}s") from exc
     finally:
@@ -631,7 +632,22 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
     if stats_url is not None:
         (n1, ns1), (n0, ns0) = _batch1_compute(stats_url), b1_before
         res["compute_b1_ms"] = (ns1 - ns0) / (n1 - n0) / 1e6 if n1 > n0 else float("nan")
+        # the batches the agent formed in the timed phase, and the share of it its runtime was running one
+        sizes_after = _batches(stats_url)
+        formed = {b: (c - sizes_before.get(b, (0, 0))[0], ns - sizes_before.get(b, (0, 0))[1])
+                  for b, (c, ns) in sizes_after.items()}
+        formed = {b: v for b, v in formed.items() if v[0] > 0}
+        res["batches_formed"] = {b: c for b, (c, _) in sorted(formed.items())}
+        res["runtime_busy"] = sum(ns for _, ns in formed.values()) / 1e9 / out["wall"] if out["wall"] > 0 else 0.0
     return res
+
+
+def _batches(stats_url: str) -> dict[int, tuple[int, int]]:
+    """batch size -> (batches run, nanoseconds in the runtime) so far, from the agent's Triton statistics."""
+    with urllib.request.urlopen(stats_url, timeout=30) as r:  # loopback: the agent under test
+        doc = json.loads(r.read())
+    return {int(b["batch_size"]): (int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))
+            for b in doc["model_stats"][0]["batch_stats"]}
 
 
 def _batch1_compute(stats_url: str) -> tuple[int, int]:
@@ -674,9 +690,10 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, 1x{args.threads} and {args.threads}x1)")
     limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
     layout = {"auto": limit_before["layout"], "default": f"1x{args.threads}"}.get(args.agent_layout, args.agent_layout)
-    instances, per = (int(v) for v in layout.split("x"))
+    # "agent": no --instances/--threads, the agent measures and chooses its layout (read back from its config)
+    instances, per = (None, None) if layout == "agent" else (int(v) for v in layout.split("x"))
     _say(f"{name}: limit {limit_before['images_per_s']:.1f} img/s ({limit_before['by_layout']}); the agent runs "
-         f"{instances} instance(s) of {per} thread(s)")
+         + ("the layout it chooses" if layout == "agent" else f"{instances} instance(s) of {per} thread(s)"))
     json_body = bodies("json", m["model"], images[:1])[1][0]
     decode_ms = json_decode_ms(json_body)
     import orjson
@@ -697,7 +714,9 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         assert agent.proc is not None
         time.sleep(1.0)
         idle_rss = _rss_mb(agent.proc.pid)
-        chosen = agent_choice(agent.url, m["model"])
+        chosen, chosen_layout = agent_choice(agent.url, m["model"])
+        layout = chosen_layout if layout == "agent" else layout
+        instances, per = (int(v) for v in layout.split("x"))
         _say(f"{name}: the agent serves {chosen}")
         with NaiveProcess(m["engine"], args.threads, work / "logs" / f"{name}-naive.log") as naive:
             variants = [("naive", naive.url), ("binary", agent.url), ("json", agent.url)]
@@ -708,7 +727,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                 for kind, url in order:
                     path, reqs, _ = bodies(kind, m["model"], images)
                     pid = (naive if kind == "naive" else agent).proc.pid  # type: ignore[union-attr]
-                    stats = f"{agent.url}/v2/models/{m['model']}/stats" if kind != "naive" and clients == 1 else None
+                    stats = f"{agent.url}/v2/models/{m['model']}/stats" if kind != "naive" else None
                     r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid,
                                   stats_url=stats)
                     rows.append({"variant": kind, "clients": clients, **r})
@@ -743,8 +762,9 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
             "rows": rows, "agent_layout": layout, "agent_choice": chosen}
 
 
-def agent_choice(url: str, model: str) -> str:
-    """What the agent chose to serve with, from its model configuration (batch_tuning, instance_group)."""
+def agent_choice(url: str, model: str) -> tuple[str, str]:
+    """What the agent chose to serve with, from its model configuration (batch_tuning, instance_group), and its
+    layout (INSTANCESxTHREADS)."""
     with urllib.request.urlopen(f"{url}/v2/models/{model}/config", timeout=30) as r:  # loopback: the agent under test
         cfg = json.loads(r.read())
     t = cfg.get("batch_tuning") or {}
@@ -756,7 +776,7 @@ def agent_choice(url: str, model: str) -> str:
         out += f" of {layout.get('threads', '?')} thread(s) ({layout.get('source', '?')}"
         out += f"; {layout['measured']}" if layout.get("measured") else ""
         out += ")"
-    return out
+    return out, f"{cfg['instance_group'][0]['count']}x{layout.get('threads', '?')}"
 
 
 def print_report(doc: dict[str, Any]) -> None:
@@ -791,6 +811,11 @@ def print_report(doc: dict[str, Any]) -> None:
               "loop) thread and its other threads (inference; the naive server runs inference on its main thread "
               "and in onnxruntime's pool). vs limit on CPU left: against the limit scaled to the cores the load "
               "generator left.")
+        formed = [f"{r['variant']} {r['clients']} clients: runtime busy {r['runtime_busy']:.1%}, batches "
+                  f"{r['batches_formed']}" for r in res["rows"] if "batches_formed" in r and r["clients"] > 1]
+        if formed:
+            print("the agent's runtime in the timed phase (its statistics: the share of the time it ran a batch, "
+                  "batches formed by size): " + "; ".join(formed))
         if own:
             print("added at 1 client over the agent's own runtime calls in the same run (its statistics): "
                   + "; ".join(own))
@@ -819,9 +844,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per client first")
     p.add_argument("--threads", type=int, default=2, help="threads for inference, everywhere (the naive server: one "
                                                          "session of this many; the limit: both layouts)")
-    p.add_argument("--agent-layout", default="default",
-                   help="the agent's INSTANCESxTHREADS, e.g. 2x1; default: the agent's default, one instance of "
-                        "--threads threads; auto: the layout that gave the limit first")
+    p.add_argument("--agent-layout", default="agent",
+                   help="the agent's INSTANCESxTHREADS as an operator's setting, e.g. 2x1; default: one instance of "
+                        "--threads threads; auto: the layout that gave the limit first; agent: none given, the agent "
+                        "measures its layouts at install and chooses")
     p.add_argument("--max-batch-size", type=int,
                    help="the agent's max batch size, as an operator's setting (it then does not tune its own); "
                         "default: the agent measures and chooses its own at install (batch_tuning: auto)")
