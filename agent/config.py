@@ -57,7 +57,7 @@ class AgentConfig(StrictModel):
     profiles: tuple[str, ...] = Field(default_factory=default_profiles)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
     # auto: at each install the agent times its runtime at batch sizes 1, 2, 4, ... up to max_batch_size (each call
-    # in turn with the version serving, about 2 s in all) and forms batches of at most the smallest size within 5%
+    # in turn with the version serving, about 2 s in all) and forms batches of at most the smallest size within 2%
     # of the best images/s; requests up to max_batch_size are still accepted. Setting max_batch_size (file or
     # flag) turns this off: the operator's size is used as it is. off: max_batch_size (default 16) as it is
     batch_tuning: Literal["auto", "off"] = "auto"
