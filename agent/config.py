@@ -93,6 +93,12 @@ class AgentConfig(StrictModel):
     max_shm_regions: int = Field(default=64, ge=0, le=65536)
     max_shm_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)  # 1 GiB, all regions together
     shm_idle_timeout_s: float = Field(default=600.0, gt=0, le=86400)
+    # the on-box socket (agent/local.py, protocol/local.py): the Open Inference Protocol without HTTP over a Unix
+    # socket at this path (relative: under data_dir), mode 0660; None: off. At most local_max_connections at once,
+    # local_max_inflight requests in flight on each
+    local_socket: Path | None = None
+    local_max_connections: int = Field(default=32, ge=1, le=4096)
+    local_max_inflight: int = Field(default=256, ge=1, le=65536)
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)
     install_retries: int = Field(default=5, ge=0)

@@ -109,6 +109,7 @@ class Agent:
         self.fetcher: BundleFetcher | None = None
         self.inference_url = ""
         self.grpc_port: int | None = None  # where gRPC listens, once it does
+        self.local_socket: Path | None = None  # where the on-box socket listens, once it does
         self.shm = SharedMemory(config.max_shm_regions_per_client, config.max_shm_regions, config.max_shm_bytes,
                                 config.shm_idle_timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,6 +164,14 @@ class Agent:
             grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
                                      self.config.max_body_bytes)
             self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
+        local_server = None
+        if self.config.local_socket is not None:  # the on-box socket (agent/local.py)
+            from agent.local import LocalServer
+
+            local_server = LocalServer(self.host, self.shm if self.shm.enabled else None, self.config.max_body_bytes,
+                                       self.config.local_max_connections, self.config.local_max_inflight,
+                                       self.config.max_inflight_body_bytes)
+            self.local_socket = await local_server.start(self.config.data_dir / self.config.local_socket)
         sweeper = self._loop.create_task(self._sweep_shm())
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
                              (self._telemetry_loop, "telemetry")):
@@ -184,6 +193,8 @@ class Agent:
             sweeper.cancel()
             if grpc_server is not None:  # the requests in flight finish first (their batches still run)
                 await grpc_server.stop(self.config.shutdown_grace_s)
+            if local_server is not None:
+                await local_server.stop(self.config.shutdown_grace_s)
             log.info("stopping: in-flight requests are done; closing the models and the fleet link")
             self._stop.set()
             self._desired_event.set()

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 import protocol
-from agent.batcher import HIGH, NORMAL
 from agent.errors import AgentError, RequestError
 from agent.kserve import InferRequest, decode_request, ordered_outputs
 from agent.server import EXTENSIONS, ModelHost, Served, model_config
@@ -148,10 +147,7 @@ class GrpcServer:
             m = served.manifest
             doc, raw = request_doc(request)
             req = decode_request(doc, m.inputs, m.outputs, raw=raw, shm=self.shm)
-            outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
-                                               None if req.timeout_us is None else req.timeout_us / 1e6)
-            if self.host.shadow is not None:
-                self.host.shadow.offer(m.name, req.feeds, outs)
+            outs = await self.host.infer(served, req)
             response = self._response(m.name, m.version, outs, m.outputs, req)
             status = 200
             return response

@@ -58,7 +58,7 @@ class InferRequest:
     shm_outputs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
 
 
-def parse_body(body: bytes, header_length: str | None, specs: tuple[TensorSpec, ...],
+def parse_body(body: bytes | memoryview, header_length: str | None, specs: tuple[TensorSpec, ...],
                out_specs: tuple[TensorSpec, ...], shm: SharedMemory | None = None) -> InferRequest:
     """An HTTP infer body -> a validated request. ``header_length`` is the ``Inference-Header-Content-Length``
     header's value, if the request has one (binary tensor data follows the JSON)."""

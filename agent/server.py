@@ -188,6 +188,15 @@ class ModelHost:
             raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {served.manifest.version}")
         return served
 
+    async def infer(self, served: Served, req: InferRequest) -> list[np.ndarray]:
+        """Queue a decoded request in ``served``'s batcher and wait for its outputs (and offer it to a shadow
+        candidate): what every transport does with a request once decoded (HTTP, gRPC, the local socket)."""
+        outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
+                                           None if req.timeout_us is None else req.timeout_us / 1e6)
+        if self.shadow is not None:
+            self.shadow.offer(served.manifest.name, req.feeds, outs)
+        return outs
+
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         entries: dict[tuple[str, str], IndexEntry] = {}
         if self.index is not None:
@@ -386,10 +395,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             else:
                 req = parse_body(body, header_length, m.inputs, m.outputs, shm)
             del body
-            outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
-                                               None if req.timeout_us is None else req.timeout_us / 1e6)
-            if host.shadow is not None:
-                host.shadow.offer(m.name, req.feeds, outs)
+            outs = await host.infer(served, req)
             content, json_length = encode_response(m.name, m.version, outs, m.outputs, req, shm)
             status = 200
             if json_length is None:

@@ -19,6 +19,7 @@ until it is unregistered.
 
 from __future__ import annotations
 
+import copy
 import mmap
 import os
 import re
@@ -45,6 +46,7 @@ class Region:
     offset: int  # of the region in the object, bytes
     byte_size: int
     client: str
+    scope: str | None  # None: HTTP's and gRPC's (Triton's global names); else the one connection that may use it
     fd: int
     readable: mmap.mmap  # the object's first offset + byte_size bytes, read-only
     writable: mmap.mmap | None  # the same, read-write (None: the agent may only read the object)
@@ -62,8 +64,23 @@ class SharedMemory:
         self.max_per_client, self.max_regions, self.max_bytes = max_per_client, max_regions, max_bytes
         self.idle_timeout_s = idle_timeout_s
         self.root = root
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[str, Region] = {}  # by name, or "scope:name" for a scoped region
         self._lock = threading.Lock()
+        self.scope: str | None = None
+
+    def scoped(self, scope: str) -> SharedMemory:
+        """A view of the same registry whose regions only it sees (one local-socket connection, agent/local.py):
+        its names cannot collide with anyone else's, and no one else can read or write its regions."""
+        view = copy.copy(self)  # the same dict, lock and bounds
+        view.scope = scope
+        return view
+
+    def _key(self, name: str) -> str:
+        return name if self.scope is None else f"{self.scope}:{name}"  # ':' is never in a name (_NAME)
+
+    def _get(self, name: str) -> Region | None:
+        r = self._regions.get(self._key(name))
+        return r if r is not None and r.scope == self.scope else None
 
     @property
     def enabled(self) -> bool:
@@ -90,7 +107,7 @@ class SharedMemory:
             raise RequestError(f"shared-memory region {name!r}: byte_size must be at least 1")
         with self._lock:
             self._sweep_locked(time.monotonic())
-            if name in self._regions:
+            if self._key(name) in self._regions:
                 raise RequestError(f"shared-memory region {name!r} is already registered; unregister it first")
             mine = sum(1 for r in self._regions.values() if r.client == client)
             if mine >= self.max_per_client:
@@ -102,7 +119,7 @@ class SharedMemory:
             if self.mapped_bytes + offset + byte_size > self.max_bytes:
                 raise RequestError(f"registering {offset + byte_size} bytes would map more than max_shm_bytes "
                                    f"({self.max_bytes}; {self.mapped_bytes} mapped now)")
-            self._regions[name] = self._open(name, key, offset, byte_size, client)
+            self._regions[self._key(name)] = self._open(name, key, offset, byte_size, client)
 
     def _open(self, name: str, key: str, offset: int, byte_size: int, client: str) -> Region:
         path = self.root / key[1:]
@@ -131,23 +148,23 @@ class SharedMemory:
         except BaseException:
             os.close(fd)
             raise
-        return Region(name, key, offset, byte_size, client, fd, readable, writable)
+        return Region(name, key, offset, byte_size, client, self.scope, fd, readable, writable)
 
     def unregister(self, name: str | None = None) -> None:
-        """One region, or every region (``name`` None). An unknown name is not an error (as in Triton)."""
+        """One region, or every region of this scope (``name`` None). An unknown name is not an error (as in
+        Triton)."""
         with self._lock:
-            names = list(self._regions) if name is None else [name]
-            for n in names:
-                r = self._regions.pop(n, None)
-                if r is not None:
-                    _close(r)
+            keys = [k for k, r in self._regions.items() if r.scope == self.scope] if name is None else \
+                [self._key(name)] if self._get(name) is not None else []
+            for k in keys:
+                _close(self._regions.pop(k))
 
     def status(self, name: str | None = None) -> list[dict[str, object]]:
         with self._lock:
             self._sweep_locked(time.monotonic())
             if name is None:
-                return [r.status() for _, r in sorted(self._regions.items())]
-            r = self._regions.get(name)
+                return [r.status() for _, r in sorted(self._regions.items()) if r.scope == self.scope]
+            r = self._get(name)
             if r is None:
                 raise RequestError(f"no shared-memory region {name!r} is registered")
             return [r.status()]
@@ -164,7 +181,11 @@ class SharedMemory:
         return len(stale)
 
     def close(self) -> None:
-        self.unregister(None)
+        """Every region, of every scope."""
+        with self._lock:
+            for r in self._regions.values():
+                _close(r)
+            self._regions.clear()
 
     # -- tensors ---------------------------------------------------------------------------------
     def _use(self, name: object, offset: object, size: int, what: str) -> Region:
@@ -174,9 +195,10 @@ class SharedMemory:
             raise RequestError(f"{what}: shared_memory_offset must be a byte count, got {offset!r}")
         now = time.monotonic()
         self._sweep_locked(now)
-        r = self._regions.get(name)
+        r = self._get(name)
         if r is None:
-            raise RequestError(f"{what}: no shared-memory region {name!r} is registered")
+            raise RequestError(f"{what}: no shared-memory region {name!r} is registered"
+                               + ("" if self.scope is None else " on this connection"))
         if offset + size > r.byte_size:
             raise RequestError(f"{what}: bytes {offset}..{offset + size} are beyond shared-memory region {name!r} "
                                f"({r.byte_size} bytes)")

@@ -489,6 +489,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
         "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
         "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads, "instances": a.instances,
         "inference_cpus": a.inference_cpus, "grpc_port": a.grpc_port, "precision": a.precision,
+        "local_socket": a.local_socket,
         "enroll_token": a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN"),
     }
     try:
@@ -941,6 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--grpc-port", type=int,
                     help="also serve the Open Inference Protocol over gRPC on this port of --http-host (0: a free "
                          "one; default: off)")
+    ag.add_argument("--local-socket", type=Path, metavar="PATH",
+                    help="also serve the Open Inference Protocol on this Unix socket, without HTTP (protocol/local.py; "
+                         "relative: under --data-dir; mode 0660; default: off)")
     ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     ag.set_defaults(fn=cmd_agent)
     ag_sub = ag.add_subparsers(dest="agent_command", metavar="{install-service}")

@@ -1,0 +1,318 @@
+"""The on-box socket: the Open Inference Protocol over a Unix-domain socket, without HTTP (protocol/local.py).
+
+For clients on the device, where HTTP itself is the cost (a small model: digits answers in 12 us, HTTP's
+parsing and its loopback TCP writes take most of the event loop's time per request). The same decoding
+(agent.kserve.parse_body / encode_response), the same shared-memory registry (agent/shm.py, one scoped view per
+connection) and the same batcher as HTTP and gRPC: a request from here can share a batch with HTTP's.
+
+Served on the agent's event loop with an ``asyncio.Protocol`` (no streams, no per-connection task): frames are
+cut from what each read brings, requests pipelined on one connection run concurrently, and the answers finished
+in one turn of the loop leave in one write. Off unless ``local_socket`` is set (a path; relative: under the
+data dir). The socket file is made mode 0660 before the agent listens (so no one connects in between): the
+agent's user and group may connect, nobody else -- stricter than the loopback HTTP port any local user reaches.
+A stale socket at the path is replaced; any other file there is refused.
+
+Bounds: ``max_connections`` connections (one more is answered ERROR 503 and closed), ``max_inflight``
+requests in flight per connection (reading pauses beyond it, and while the client does not read its answers),
+``max_inflight_bytes`` of request bodies in flight over all connections (beyond it: 503), a frame at most
+``max_body_bytes`` (the agent's), a frame whole within protocol.local.FRAME_TIMEOUT_S of its first byte. A
+connection's regions are unregistered when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agent.errors import AgentError, RequestError
+from agent.kserve import encode_response, parse_body
+from agent.server import LARGE_BODY, ModelHost, Served
+from agent.shm import SharedMemory
+from protocol import local as wire
+
+__all__ = ["LocalServer"]
+
+log = logging.getLogger("edgefleet.agent.local")
+
+_U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
+_HEAD = wire.HEADER.size
+
+
+class LocalServer:
+    def __init__(self, host: ModelHost, shm: SharedMemory | None, max_body_bytes: int, max_connections: int = 32,
+                 max_inflight: int = 256, max_inflight_bytes: int = 256 * 1024 * 1024,
+                 frame_timeout_s: float = wire.FRAME_TIMEOUT_S):
+        self.host, self.shm = host, shm
+        self.max_body_bytes, self.max_connections, self.max_inflight = max_body_bytes, max_connections, max_inflight
+        self.max_inflight_bytes, self.frame_timeout_s = max_inflight_bytes, frame_timeout_s
+        self.inflight_bytes = 0
+        self.connections: set[_Connection] = set()
+        self.path: Path | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._numbers = itertools.count(1)
+        self.large_decodes = asyncio.Semaphore(2)  # as HTTP's: big JSON bodies decode off the loop, two at a time
+
+    async def start(self, path: Path) -> Path:
+        """Listen on ``path`` (mode 0660) -> the path. On the event loop that serves."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise OSError(f"local_socket: {path} exists and is not a socket; remove it or choose another path")
+            path.unlink()  # a socket left by an earlier run
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            os.chmod(path, 0o660)  # before listen(): nobody can connect yet
+            sock.listen(128)
+            sock.setblocking(False)
+            self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self.path = path
+        return path
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; requests in flight get ``grace_s`` to finish; then every connection is closed."""
+        if self._server is None:
+            return
+        self._server.close()
+        deadline = time.monotonic() + grace_s
+        while any(c.tasks for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            c.close()
+        self._server = None
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, srv: LocalServer):
+        self.srv = srv
+        self.number = next(srv._numbers)
+        self.client = f"local#{self.number}"
+        self.shm = srv.shm.scoped(f"L{self.number}") if srv.shm is not None else None
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.out: list[bytes] = []
+        self.flushing = False
+        self.paused_reading = self.paused_writing = False
+        self.stall: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    # -- the connection ------------------------------------------------------------------------------
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        with contextlib.suppress(OSError, AttributeError, struct.error):
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            self.client = f"local#{self.number} (pid {pid}, uid {uid})"
+        if len(self.srv.connections) >= self.srv.max_connections:
+            transport.write(_error(0, 503, f"{len(self.srv.connections)} local connections are open, the most "
+                                           f"allowed (local_max_connections {self.srv.max_connections}); retry"))
+            transport.close()
+            self.closed = True
+            return
+        self.srv.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.srv.connections.discard(self)
+        if self.stall is not None:
+            self.stall.cancel()
+        for t in self.tasks:  # a request still queued is dropped from the batch; its answer has nowhere to go
+            t.cancel()
+        if self.shm is not None:
+            self.shm.unregister(None)  # this connection's regions
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def pause_writing(self) -> None:  # the client does not read its answers: stop taking its requests
+        self.paused_writing = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self.paused_writing = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        if self.transport is None or self.closed:
+            return
+        want_pause = self.paused_writing or len(self.tasks) >= self.srv.max_inflight
+        if want_pause and not self.paused_reading:
+            self.transport.pause_reading()
+        elif not want_pause and self.paused_reading:
+            self.transport.resume_reading()
+        self.paused_reading = want_pause
+
+    # -- frames in -----------------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        buf = self.buf
+        buf += data
+        pos, n = 0, len(buf)
+        while n - pos >= _HEAD:
+            try:
+                kind, rid, length = wire.unpack_header(buf[pos:pos + _HEAD], self.srv.max_body_bytes)
+            except wire.FrameError as exc:
+                self._fatal(413 if "exceeds" in str(exc) else 400, str(exc))
+                return
+            end = pos + _HEAD + length
+            if end > n:
+                break
+            body = bytes(buf[pos + _HEAD:end])
+            pos = end
+            self._dispatch(kind, rid, body)
+            if self.closed:
+                return
+        del buf[:pos]
+        if buf:
+            if self.stall is None:
+                self.stall = asyncio.get_running_loop().call_later(self.srv.frame_timeout_s, self._stalled)
+        elif self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        self.stall = None
+        if self.buf and not self.closed:
+            self._fatal(408, f"a frame did not arrive whole within {self.srv.frame_timeout_s:g} s")
+
+    def _fatal(self, status: int, message: str) -> None:
+        """A frame that cannot be read: say why (request id 0) and close; the stream cannot be resynchronised."""
+        log.info("local client %s: %s; closing its connection", self.client, message)
+        self._send(_error(0, status, message))
+        self._flush()
+        self.buf.clear()
+        if self.transport is not None:
+            self.transport.close()
+        self.closed = True
+
+    def _dispatch(self, kind: int, rid: int, body: bytes) -> None:
+        if kind == wire.INFER:
+            srv = self.srv
+            if srv.inflight_bytes + len(body) > srv.max_inflight_bytes:
+                self._send(_error(rid, 503, f"too many request bytes in flight ({srv.inflight_bytes} of "
+                                            f"{srv.max_inflight_bytes}); retry"))
+                return
+            srv.inflight_bytes += len(body)
+            task = asyncio.get_running_loop().create_task(self._infer(rid, body))
+            self.tasks.add(task)
+            task.add_done_callback(self._done)
+            if len(self.tasks) >= srv.max_inflight:
+                self._update_reading()
+        elif kind in (wire.REGISTER, wire.UNREGISTER):
+            try:
+                self._shm_call(kind, body)
+            except AgentError as exc:
+                self._send(_error(rid, getattr(exc, "status_code", 400), str(exc)))
+            else:
+                self._send(wire.pack(wire.OK, rid))
+        else:
+            self._send(_error(rid, 400, f"unknown frame kind {kind:#x}; requests are INFER {wire.INFER}, REGISTER "
+                                        f"{wire.REGISTER}, UNREGISTER {wire.UNREGISTER}"))
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if self.paused_reading:
+            self._update_reading()
+
+    def _shm_call(self, kind: int, body: bytes) -> None:
+        if self.shm is None:
+            raise RequestError("system shared memory is off on this agent (max_shm_regions 0)")
+        try:
+            doc = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"the body is not valid JSON: {exc}") from None
+        if kind == wire.REGISTER:
+            if not isinstance(doc, dict) or set(doc) - {"name", "key", "offset", "byte_size"} \
+                    or not {"name", "key", "byte_size"} <= set(doc):
+                raise RequestError('REGISTER takes a JSON object {"name": ..., "key": "/object", "offset": 0, '
+                                   '"byte_size": N}')
+            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client)
+        else:
+            if not isinstance(doc, dict) or set(doc) - {"name"} or not isinstance(doc.get("name", ""), str):
+                raise RequestError('UNREGISTER takes a JSON object {"name": "region"}, or {} for every region of '
+                                   "this connection")
+            self.shm.unregister(doc.get("name"))
+
+    async def _infer(self, rid: int, body: bytes) -> None:
+        srv, host = self.srv, self.srv.host
+        t0 = time.perf_counter()
+        status = 500
+        served: Served | None = None
+        model = ""
+        try:
+            try:
+                model, version, json_length, rest = wire.parse_infer(memoryview(body))
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+            served = host.get(model, version)
+            m = served.manifest
+            header = str(json_length) if json_length < len(rest) else None  # binary tensors follow the JSON
+            if header is None and len(rest) > LARGE_BODY:
+                async with srv.large_decodes:
+                    req = await asyncio.get_running_loop().run_in_executor(
+                        None, parse_body, rest, header, m.inputs, m.outputs, self.shm)
+            else:
+                req = parse_body(rest, header, m.inputs, m.outputs, self.shm)
+            del rest
+            outs = await host.infer(served, req)
+            content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm)
+            status = 200
+            self._send(b"".join([wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.RESULT, 0, rid, 4 + len(content)),
+                                 _U32.pack(len(content) if json_len is None else json_len), content]))
+        except AgentError as exc:
+            status = getattr(exc, "status_code", 500)
+            self._send(_error(rid, status, str(exc)))
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        except Exception as exc:  # never let one request take the server down
+            log.exception("unexpected error in a local infer")
+            self._send(_error(rid, 500, f"internal error: {exc}"))
+        finally:
+            srv.inflight_bytes -= len(body)
+            dt = time.perf_counter() - t0
+            if served is not None:
+                served.metrics.request(dt, status)
+            else:
+                host.metrics.rejected(dt, status, model if model in host.models else None)
+
+    # -- frames out ----------------------------------------------------------------------------------
+    def _send(self, frame: bytes) -> None:
+        """Queue a frame; the frames queued in one turn of the event loop leave in one write."""
+        if self.closed:
+            return
+        self.out.append(frame)
+        if not self.flushing:
+            self.flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flushing = False
+        if self.out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
+        self.out.clear()
+
+
+def _error(rid: int, status: int, message: str) -> bytes:
+    return wire.pack(wire.ERROR, rid, _U16.pack(status) + message.encode("utf-8", "replace"))
