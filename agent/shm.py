@@ -35,6 +35,7 @@ from agent.errors import RequestError
 
 __all__ = ["Region", "SharedMemory"]
 
+_SWEEP_EVERY_S = 1.0
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _KEY = re.compile(r"/[A-Za-z0-9_.\-]{1,200}")
 
@@ -67,6 +68,7 @@ class SharedMemory:
         self._regions: dict[str, Region] = {}  # by name, or "scope:name" for a scoped region
         self._lock = threading.Lock()
         self.scope: str | None = None
+        self._swept_at = 0.0
 
     def scoped(self, scope: str) -> SharedMemory:
         """A view of the same registry whose regions only it sees (one local-socket connection, agent/local.py):
@@ -175,6 +177,7 @@ class SharedMemory:
             return self._sweep_locked(time.monotonic())
 
     def _sweep_locked(self, now: float) -> int:
+        self._swept_at = now
         stale = [n for n, r in self._regions.items() if now - r.last_used > self.idle_timeout_s]
         for n in stale:
             _close(self._regions.pop(n))
@@ -188,21 +191,28 @@ class SharedMemory:
             self._regions.clear()
 
     # -- tensors ---------------------------------------------------------------------------------
-    def _use(self, name: object, offset: object, size: int, what: str) -> Region:
+    def _use(self, name: object, offset: object, size: int, what: str, mapped: bool = True) -> Region:
+        """The region ``name`` for ``size`` bytes at ``offset``, checked; ``mapped``: also check that the object still
+        holds those bytes (one fstat; needed before touching them). Every other region idle too long is swept at
+        most every ``_SWEEP_EVERY_S`` here (a use is a hot path); this one is checked each time."""
         if not isinstance(name, str):
             raise RequestError(f"{what}: shared_memory_region must be a region name, got {name!r}")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise RequestError(f"{what}: shared_memory_offset must be a byte count, got {offset!r}")
         now = time.monotonic()
-        self._sweep_locked(now)
+        if now - self._swept_at > _SWEEP_EVERY_S:
+            self._sweep_locked(now)
         r = self._get(name)
+        if r is not None and now - r.last_used > self.idle_timeout_s:
+            _close(self._regions.pop(self._key(name)))
+            r = None
         if r is None:
             raise RequestError(f"{what}: no shared-memory region {name!r} is registered"
                                + ("" if self.scope is None else " on this connection"))
         if offset + size > r.byte_size:
             raise RequestError(f"{what}: bytes {offset}..{offset + size} are beyond shared-memory region {name!r} "
                                f"({r.byte_size} bytes)")
-        if os.fstat(r.fd).st_size < r.offset + offset + size:  # reading past the object's end would fault
+        if mapped and os.fstat(r.fd).st_size < r.offset + offset + size:  # touching past the object's end faults
             raise RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
         r.last_used = now
         return r
@@ -221,7 +231,7 @@ class SharedMemory:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise RequestError(f"{what}: shared_memory_byte_size must be a positive byte count, got {size!r}")
         with self._lock:
-            r = self._use(name, offset, size, what)
+            r = self._use(name, offset, size, what, mapped=False)  # write() checks the object's size
             if r.writable is None:
                 raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
                                    "writable by the agent's user for outputs")

@@ -11,7 +11,9 @@ and with every loop bounded:
    with an asyncio micro-batcher that collects for up to 5 ms and runs the model inside the event loop, the
    common tutorial pattern) as separate processes;
 4. closed-loop load from a separate process at 1, 8 and 32 clients (one image per request), interleaving
-   the variants level by level: naive raw bytes, agent binary OIP, agent JSON OIP;
+   the variants level by level: naive raw bytes, agent binary OIP, agent JSON OIP; for digits also the on-box
+   clients: gRPC, system shared memory over HTTP (shm), and the agent's Unix socket (agent/local_client.py, every
+   client on one pipelined connection): ``local`` with the tensors in shared memory, ``local-inline`` in the frames;
 5. print ratios against the limit, p50/p99, the median latency the server adds at 1 client over a raw
    batch-1 call, and the JSON decode cost (``json.loads`` + ``np.asarray`` of one request body; also with
    orjson, the parser the agent uses, for a stricter JSON target).
@@ -352,8 +354,12 @@ def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes],
             r.raw_input_contents.append(np.ascontiguousarray(img[None], dtype=np.float32).tobytes())
             out.append(r.SerializeToString())
         return "/inference.GRPCInferenceService/ModelInfer", out, {}
-    if kind == "shm":
+    if kind in ("shm", "local"):
         return f"/v2/models/{model}/infer", [np.ascontiguousarray(i[None], np.float32).tobytes() for i in images], {}
+    if kind == "local-inline":
+        from agent.local_client import infer_request
+
+        return model, [infer_request(model, {"input": np.ascontiguousarray(i[None], np.float32)}) for i in images], {}
     if kind == "naive":
         return "/predict", [np.ascontiguousarray(img[None]).tobytes() for img in images], {}
     path = f"/v2/models/{model}/infer"
@@ -414,6 +420,8 @@ def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
                  warmup: int, timed: Callable[[], object] | None = None) -> dict[str, Any]:
     """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
+    if kind in ("local", "local-inline"):
+        return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed)
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
     if kind in ("grpc", "shm"):
@@ -561,6 +569,85 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
             "load_cpu_s": load_cpu_s}
 
 
+async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
+                        total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+    """The agent's on-box socket (agent/local_client.py): every client on one connection, its requests pipelined.
+    ``local``: the input and the output in one shared-memory region (each client its own slice, as for ``shm``);
+    ``local-inline``: the input bytes in the frame (``reqs`` are prebuilt INFER bodies), the output in the answer."""
+    from multiprocessing import shared_memory
+
+    import orjson
+
+    from agent.local_client import AsyncLocalClient, decode_result, infer_request
+
+    lat: list[float] = []
+    bad = {"errors": 0, "wrong": 0}
+    first_error: list[str] = []
+    region: Any = None
+    conn = await AsyncLocalClient.connect(sock_path)
+    call: Callable[[int, int], Any]
+    if kind == "local":
+        in_bytes, out_bytes = len(reqs[0]), 4096
+        slot_bytes = in_bytes + out_bytes
+        key = f"edgefleet-bench-{os.getpid()}"
+        region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
+        await conn.register_region(key, "/" + key, slot_bytes * clients)
+        # the digits model (the only one this variant runs for): input [N, 1, 8, 8], output logits
+        prebuilt = [infer_request(path.split("/")[3], {"input": (key, s * slot_bytes, in_bytes, [1, 1, 8, 8])},
+                                  outputs={"logits": (key, s * slot_bytes + in_bytes, out_bytes)})
+                    for s in range(clients)]
+        buf = region.buf
+
+        async def call(slot: int, i: int) -> int:
+            base = slot * slot_bytes
+            buf[base:base + in_bytes] = reqs[i]
+            body = await conn.infer_raw(prebuilt[slot])
+            jl = int.from_bytes(body[:4], "little")
+            n = orjson.loads(body[4:4 + jl])["outputs"][0]["parameters"]["shared_memory_byte_size"]
+            return int(np.frombuffer(buf[base + in_bytes:base + in_bytes + n], np.float32).argmax())
+    else:
+        async def call(slot: int, i: int) -> int:
+            return int(decode_result(await conn.infer_raw(reqs[i]))[1]["logits"].argmax())
+
+    async def client(slot: int, n: int, record: bool) -> None:
+        i = (slot * 7919) % len(reqs)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                top1, err = await asyncio.wait_for(call(slot, i), 60), None
+            except Exception as exc:
+                top1, err = -1, repr(exc)
+            dt = time.perf_counter() - t0
+            if record:
+                if err is None:
+                    lat.append(dt)
+                    bad["wrong"] += top1 != labels[i]
+                else:
+                    bad["errors"] += 1
+                    if not first_error:
+                        first_error.append(err[:300])
+            i = (i + 1) % len(reqs)
+
+    try:
+        await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
+        per = max(1, total // clients)
+        if timed is not None:
+            timed()
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(k, per, True) for k in range(clients)))
+        wall = time.perf_counter() - t0
+        load_cpu_s = time.process_time() - cpu0
+    finally:
+        conn.close()
+        if region is not None:
+            del buf
+            region.close()
+            region.unlink()
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
+            "load_cpu_s": load_cpu_s}
+
+
 def _load_worker(args: tuple, results: Any, cpus: frozenset[int] | None = None) -> None:
     try:
         if cpus:
@@ -686,7 +773,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     totals = {"naive": args.requests if small else args.requests_big,
               "binary": args.requests if small else args.requests_big,
               "json": args.requests if small else max(20, args.requests_big // 5),
-              "grpc": args.requests, "shm": args.requests}
+              "grpc": args.requests, "shm": args.requests, "local": args.requests, "local-inline": args.requests}
     _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, 1x{args.threads} and {args.threads}x1)")
     limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
     layout = {"auto": limit_before["layout"], "default": f"1x{args.threads}"}.get(args.agent_layout, args.agent_layout)
@@ -705,9 +792,11 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     pin_args = ("--inference-cpus", ",".join(map(str, sorted(PIN[0])))) if PIN else ()
     local = small and _have_grpc()  # digits, where the transport is the cost: gRPC and shared memory too
     grpc_port = _free_port()
+    sock = m["data_dir"] / "local.sock"  # the on-box socket (agent/local.py), for digits
     agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, args.max_batch_size, per, 120,
                          instances=instances,
-                         extra_args=(*pin_args, *(("--grpc-port", str(grpc_port)) if local else ())))
+                         extra_args=(*pin_args, *(("--grpc-port", str(grpc_port)) if local else ()),
+                                     *(("--local-socket", str(sock)) if small else ())))
     rows: list[dict[str, Any]] = []
     with agent:
         cold_s = time.monotonic() - t0
@@ -722,6 +811,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
             variants = [("naive", naive.url), ("binary", agent.url), ("json", agent.url)]
             if local:
                 variants += [("grpc", f"http://127.0.0.1:{grpc_port}"), ("shm", agent.url)]
+            if small:
+                variants += [("local", str(sock)), ("local-inline", str(sock))]
             for clients in args.clients:
                 order = variants if clients % 2 == 0 else list(reversed(variants))  # interleave, alternating order
                 for kind, url in order:
@@ -794,7 +885,7 @@ def print_report(doc: dict[str, Any]) -> None:
               f"start to ready "
               f"{res['cold_start_s']:.2f} s, idle RSS {res['idle_rss_mb']:.0f} MB; JSON decode of one request "
               f"{res['json_decode_ms']:.2f} ms (json), {res['json_decode_orjson_ms']:.2f} ms (orjson, the agent's)")
-        print(f"{'variant':>8} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        print(f"{'variant':>12} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'added ms':>8} {'errors':>6} {'wrong':>5} | cores: {'load':>5} {'main':>5} {'other':>5} "
               f"| {'vs limit on CPU left':>20}")
         own = []
@@ -803,7 +894,7 @@ def print_report(doc: dict[str, Any]) -> None:
             if "added_own_ms" in r:
                 own.append(f"{r['variant']} {r['added_own_ms']:.3f} ms (p50 {r['p50_ms']:.2f} ms, its batch-1 calls "
                            f"{r['compute_b1_ms']:.2f} ms)")
-            print(f"{r['variant']:>8} {r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>8.1%} "
+            print(f"{r['variant']:>12} {r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>8.1%} "
                   f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {added:>8} {r['errors']:>6} {r['wrong']:>5} | "
                   f"{'':>6} {r['load_cores']:>5.2f} {r.get('server_main_cores', float('nan')):>5.2f} "
                   f"{r.get('server_other_cores', float('nan')):>5.2f} | {r['vs_limit_cpu_left']:>20.1%}")
@@ -816,6 +907,12 @@ def print_report(doc: dict[str, Any]) -> None:
         if formed:
             print("the agent's runtime in the timed phase (its statistics: the share of the time it ran a batch, "
                   "batches formed by size): " + "; ".join(formed))
+        binary = {r["clients"]: r["req_per_s"] for r in res["rows"] if r["variant"] == "binary"}
+        for c, v in binary.items():
+            near = [f"{r['variant']} {r['req_per_s'] / v:.2f}x" for r in res["rows"] if r["clients"] == c
+                    and r["variant"] in ("grpc", "shm", "local", "local-inline")]
+            if near:
+                print(f"on-box clients at {c} clients, against binary HTTP ({v:,.0f} req/s): " + ", ".join(near))
         if own:
             print("added at 1 client over the agent's own runtime calls in the same run (its statistics): "
                   + "; ".join(own))
