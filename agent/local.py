@@ -299,8 +299,12 @@ class _Connection(asyncio.Protocol):
 
     # -- frames out ----------------------------------------------------------------------------------
     def _send(self, frame: bytes) -> None:
-        """Queue a frame; the frames queued in one turn of the event loop leave in one write."""
+        """Queue a frame; the frames queued in one turn of the event loop leave in one write. A lone request's
+        answer (nothing else in flight on this connection) leaves at once: no turn of the loop to wait for."""
         if self.closed:
+            return
+        if not self.out and len(self.tasks) <= 1 and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame)
             return
         self.out.append(frame)
         if not self.flushing:

@@ -206,8 +206,12 @@ class AsyncLocalClient(asyncio.Protocol):
         rid = next(self._ids) & wire.MAX_REQUEST_ID or 1
         f = asyncio.get_running_loop().create_future()
         self.pending[rid] = f
-        self.out.append(wire.HEADER.pack(wire.MAGIC, wire.VERSION, kind, 0, rid, len(body)) + body)
-        if not self.flushing:  # the requests made in one turn of the loop leave in one write
+        frame = wire.HEADER.pack(wire.MAGIC, wire.VERSION, kind, 0, rid, len(body)) + body
+        if len(self.pending) == 1 and not self.out and self.transport is not None:  # alone: no batching to wait for
+            self.transport.write(frame)
+        else:
+            self.out.append(frame)
+        if self.out and not self.flushing:  # the requests made in one turn of the loop leave in one write
             self.flushing = True
             asyncio.get_running_loop().call_soon(self._flush)
         try:
