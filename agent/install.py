@@ -64,6 +64,9 @@ class Installer:
         self.failed: dict[str, str] = {}  # bundle sha256 -> why it failed (bundle faults only)
         self.max_rollout: int | None = None  # desired states from older rollouts are stale replays
         self.unavailable: dict[tuple[str, str], str] = {}  # (model, version) -> why it is not serving
+        # the layout load_instances measured for a set of engines, by its first engine, until tune_batches takes it
+        self.measured_layouts: dict[int, tuple[Engine, LayoutFigures, tuple[LayoutFigures, ...]]] = {}
+        self._layouts_lock = threading.Lock()
 
     async def load_installed(self) -> None:
         """Serve every model on disk, the one installed last last (it is "current" for the fleet): its active
@@ -296,7 +299,9 @@ class Installer:
                 for b in e:
                     b.close()
         # for tune_batches, which gets the first instance: the chosen layout's figures (the latest install's only)
-        vars(self)["measured_layouts"] = {id(out[0]): (out[0], chosen, tuple(figures))}
+        with self._layouts_lock:  # installs, rollbacks and start-up loads run on different threads
+            self.measured_layouts = {k: v for k, v in self.measured_layouts.items() if not v[0].closed}  # failed ones
+            self.measured_layouts[id(out[0])] = (out[0], chosen, tuple(figures))
         log.info("%s %s: layout %s (%s)", manifest.name, manifest.version, chosen.name, "; ".join(
             f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms" for f in figures))
         return out
@@ -348,7 +353,8 @@ class Installer:
         left max_batch_size unset; then measured on this device (each call in ``turn``) and the largest batch
         formed chosen from the figures, requests up to the configured max still accepted."""
         base = self.host.settings
-        measured = vars(self).pop("measured_layouts", {}).get(id(backend))  # load_instances measured the layout
+        with self._layouts_lock:
+            measured = self.measured_layouts.pop(id(backend), None)  # load_instances measured the layout
         if measured is not None and measured[0] is backend:
             _, lay, lays = measured
             layout: dict[str, Any] = {"layout": (lay.instances, lay.threads), "layout_source": "measured",
