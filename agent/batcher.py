@@ -73,6 +73,10 @@ class BatchSettings:
     # the largest request accepted, in samples (None: max_batch_size). A request larger than max_batch_size (the
     # largest batch formed) runs alone: a device that tuned its batches smaller still takes what any device takes
     max_request_batch_size: int | None = None
+    # a lone request (nothing else queued or running) of a CPU model whose lone calls take less than this runs on
+    # the event loop itself: handing it to the inference thread and its answer back costs more (about 0.2 ms of
+    # thread wake-ups, measured). 0: always on the inference thread
+    inline_max_us: int = 100
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -359,6 +363,11 @@ class Batcher:
         # along its first axis: each request is copied once into its rows of a reused buffer
         self._open_cap = self._preferred[-1] if self._preferred else settings.max_batch_size
         self._open = open_batches and self._batchable and all(a == 0 for a in self._in_axes.values())
+        # the compute times of the latest lone calls: a lone request runs inline when every one was below
+        # inline_max_us (one slow call, and the next lone requests go to the thread until it has aged out)
+        self._lone_s: collections.deque[float] = collections.deque(maxlen=8)
+        self._inline_ok = settings.inline_max_us > 0 and all(
+            b.kind in ("onnxruntime", "litert") and "CPU" in b.device for b in backends)  # where it says it runs
 
     @property
     def instances(self) -> int:
@@ -681,7 +690,10 @@ class Batcher:
         start_t = time.monotonic()
         try:
             # the engine checked the feeds and that its outputs keep the batch (engines.Engine.infer)
-            got = await asyncio.get_running_loop().run_in_executor(inst.executor, self._infer, inst, st)
+            if self._inline(st):  # a lone tiny call: on the loop, cheaper than two thread hand-offs
+                got = self._infer(inst, st)
+            else:
+                got = await asyncio.get_running_loop().run_in_executor(inst.executor, self._infer, inst, st)
         except Exception as exc:
             err = exc if isinstance(exc, InferenceFailed) else InferenceFailed(f"inference failed: {exc}")
             log.error("batch of %d failed: %s", st.n, err)
@@ -699,6 +711,8 @@ class Batcher:
             return
         outs, compute_s = got
         n = st.n
+        if len(batch) == 1:
+            self._lone_s.append(compute_s)
         self.metrics.batch(n, [start_t - p.enqueued for p in batch], compute_s)
         if len(batch) == 1:
             if not batch[0].future.done():
@@ -710,6 +724,15 @@ class Batcher:
                 p.future.set_result([o if a is None else o[(slice(None),) * a + (slice(start, start + p.n),)]
                                      for o, a in zip(outs, self._out_axes, strict=True)])
             start += p.n
+
+    def _inline(self, st: _Staged) -> bool:
+        """Run ``st`` on the event loop: one request, nothing else queued or running, and its model's last lone
+        calls all took less than ``inline_max_us`` (CPU engines only: a GPU context belongs to its thread). The
+        price: while such a call runs, the loop waits for it, so a call that hangs would hold every request of the
+        agent, not only its model's (``inline_max_us: 0`` keeps every call on the inference thread)."""
+        return (self._inline_ok and not st.behind and len(st.batch) == 1 and len(self._lone_s) > 0
+                and max(self._lone_s) * 1e6 < self.settings.inline_max_us and len(self._running) <= 1
+                and self._peek() is None)
 
     @staticmethod
     def _reuse(inst: _Instance, st: _Staged) -> None:

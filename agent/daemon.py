@@ -101,7 +101,8 @@ class Agent:
         self.host = ModelHost(BatchSettings(max_batch_size=config.max_batch_size,
                                             max_queue_delay_us=config.max_queue_delay_us,
                                             queue_timeout_s=config.queue_timeout_ms / 1000,
-                                            max_queue_size=config.max_queue_size), self.metrics,
+                                            max_queue_size=config.max_queue_size,
+                                            inline_max_us=config.inline_max_us), self.metrics,
                               self.cpus[0] if self.cpus else None)
         self.store = ModelStore(config.data_dir / "store", fault=_crash_hook())
         self.spool = Spool(config.data_dir / "spool", config.max_spool_records)

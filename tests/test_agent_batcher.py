@@ -577,3 +577,69 @@ def test_closed_batches_queue_only_a_full_batch_behind():
         return be
 
     assert run(main()).batches == [1, 3]
+
+
+class _CpuSpy(FakeBackend):
+    """A CPU engine as the batcher sees it (its kind decides whether a lone call may run inline); records the
+    thread each call ran on."""
+
+    kind = "onnxruntime"
+
+    def __init__(self, delay_s: float = 0.0, kind: str = "onnxruntime"):
+        super().__init__(delay_s)
+        self.kind = kind
+        self.device = "CPUExecutionProvider"  # what onnxruntime's engine says when it runs on the CPU
+        self.threads: list[int] = []
+
+    def _infer_impl(self, feeds):
+        self.threads.append(threading.get_ident())
+        return super()._infer_impl(feeds)
+
+
+def _lone_requests(be: _CpuSpy, inline_max_us: int, n: int = 4) -> list[bool]:
+    """``n`` requests one after another: for each, did it run on the event loop's own thread?"""
+    async def main():
+        b = Batcher(be, BatchSettings(max_batch_size=8, inline_max_us=inline_max_us))
+        b.start()
+        for i in range(n):
+            out = await b.submit(x(1, start=i))
+            np.testing.assert_array_equal(out[0], x(1, start=i)["x"] * 2)
+        await b.close()
+        return threading.get_ident()
+
+    loop_thread = run(main())
+    return [t == loop_thread for t in be.threads]
+
+
+def test_a_lone_tiny_call_runs_on_the_event_loop_after_the_first():
+    """The first lone call runs on the inference thread and is timed; every later lone call of a model whose lone
+    calls take less than inline_max_us runs on the loop (two thread hand-offs would cost more than the call)."""
+    assert _lone_requests(_CpuSpy(), inline_max_us=10_000) == [False, True, True, True]
+
+
+@pytest.mark.parametrize("be, inline_max_us", [
+    (_CpuSpy(), 0),  # switched off
+    (_CpuSpy(delay_s=0.02), 100),  # 20 ms calls: far above the bound
+    (_CpuSpy(kind="tensorrt"), 10_000),  # a GPU context belongs to its thread
+    (_CpuSpy(kind="fake"), 10_000)])
+def test_other_calls_stay_on_the_inference_thread(be, inline_max_us):
+    assert _lone_requests(be, inline_max_us) == [False] * 4
+
+
+def test_requests_under_concurrency_are_never_run_inline():
+    """With others queued or running, the loop keeps forming batches and the thread runs them: inline only helps
+    the lone request."""
+    async def main():
+        be = _CpuSpy()
+        b = Batcher(be, BatchSettings(max_batch_size=2, inline_max_us=10_000))
+        b.start()
+        await b.submit(x(1))  # timed on the thread: the model's lone calls are tiny from here on
+        outs = await asyncio.gather(*(b.submit(x(1, start=10 * i)) for i in range(9)))
+        await b.close()
+        return be, outs, threading.get_ident()
+
+    be, outs, loop_thread = run(main())
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+    together = [t == loop_thread for t, n in zip(be.threads, be.batches, strict=True) if n > 1]
+    assert together and not any(together), (be.batches, be.threads)
