@@ -50,7 +50,8 @@ def timing_sizes(manifest: Manifest, max_batch_size: int) -> tuple[int, ...]:
 def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest], Engine], max_batch_size: int,
                    turn: Turn = now) -> PrecisionPick:
     """The precision to serve ``staged`` in. ``load`` makes one engine of a manifest (closed here). A precision
-    whose self-test fails on this CPU is not a candidate; if every one fails, the first failure is raised."""
+    whose self-test fails on this CPU (or whose engine fails while timed) is not a candidate; if every one fails, the
+    first failure is raised."""
     m = staged.manifest
     if not m.variants:
         return PrecisionPick(staged, "bundle")
@@ -85,9 +86,20 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
             raise failures[0]
         best: dict[str, dict[int, float]] = {p: {} for p in candidates}
         for _ in range(ROUNDS):  # in alternation: a slow spell of the box lands on every candidate alike
-            for p, (view, engine) in candidates.items():
-                for n, v in measure_batch_sizes(engine, view, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2):
+            for p, (view, engine) in list(candidates.items()):
+                try:
+                    measured = measure_batch_sizes(engine, view, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2)
+                except SelfTestFailed as exc:  # fails at a batch size its self-test did not run: not a candidate
+                    del candidates[p], best[p]
+                    engine.close()
+                    log.warning("%s %s: the %s engine fails while timed on this CPU, not a candidate: %s",
+                                m.name, m.version, p, exc)
+                    failures.append(exc)
+                    continue
+                for n, v in measured:
                     best[p][n] = max(best[p].get(n, 0.0), v)
+        if not candidates:
+            raise failures[0]
     finally:
         for _, engine in candidates.values():
             engine.close()
