@@ -335,8 +335,12 @@ class Manifest(StrictModel):
             precisions = [self.precision, *(v.precision for v in self.variants)]
             if len(set(precisions)) != len(precisions):
                 raise ValueError(f"each precision appears once among the engine and its variants: {precisions}")
-            if len({self.engine, *(v.engine for v in self.variants)}) != len(precisions):
-                raise ValueError("each variant has an engine file of its own")
+            # one role per file: an engine that is another's self-test sample, or a sample shared between
+            # precisions (whose expected answers differ), is a crafted bundle, never the compiler's
+            roles = [self.engine, self.selftest, *(f for v in self.variants for f in (v.engine, v.selftest))]
+            if len(set(roles)) != len(roles):
+                raise ValueError("each engine and self-test sample of the bundle and its variants is a file of its "
+                                 f"own: {roles}")
             if any(not v.accuracy.passed for v in self.variants):
                 raise ValueError("a variant must have passed the accuracy gate")
             if self.precision_choice is None or self.precision_choice.mode != "device":
