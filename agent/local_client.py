@@ -29,6 +29,7 @@ from protocol import local as wire
 __all__ = ["AsyncLocalClient", "LocalClient", "LocalError", "decode_result", "infer_request"]
 
 _U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
+_HEADER, _MAGIC, _VERSION = wire.HEADER, wire.MAGIC, wire.VERSION
 _NP = {"FP32": np.float32, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32, "INT8": np.int8,
        "UINT8": np.uint8, "BOOL": np.bool_}
 _DT = {np.dtype(v).str.lstrip("<|="): k for k, v in _NP.items()}
@@ -162,6 +163,9 @@ class AsyncLocalClient(asyncio.Protocol):
         self.flushing = False
         self._ids = itertools.count(1)
         self.lost: BaseException | None = None
+        self._deadlines: dict[int, float] = {}  # request id -> when its timeout ends (requests with a timeout)
+        self._sweep: asyncio.TimerHandle | None = None  # one timer for every timeout: at the earliest deadline
+        self._sweep_at = 0.0
 
     @classmethod
     async def connect(cls, path: str | Path, max_frame_bytes: int = 1 << 30) -> AsyncLocalClient:
@@ -177,6 +181,10 @@ class AsyncLocalClient(asyncio.Protocol):
             if not f.done():
                 f.set_exception(self.lost)
         self.pending.clear()
+        self._deadlines.clear()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -200,25 +208,56 @@ class AsyncLocalClient(asyncio.Protocol):
                 waiter.set_result((kind, body))
         del buf[:pos]
 
-    async def call(self, kind: int, body: bytes = b"") -> bytes:
+    async def call(self, kind: int, body: bytes = b"", timeout_s: float | None = None) -> bytes:
+        """One request -> its answer's body; ``timeout_s``: asyncio.TimeoutError (TimeoutError from 3.11) if no
+        answer comes within it (the request's answer, should it come later, is dropped). No task per request: the
+        answer resolves a future (data_received, by request id), and every timeout is watched by one timer."""
         if self.lost is not None:
             raise ConnectionError(f"the connection is closed ({self.lost})")
         rid = next(self._ids) & wire.MAX_REQUEST_ID or 1
-        f = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        f = loop.create_future()
         self.pending[rid] = f
-        frame = wire.HEADER.pack(wire.MAGIC, wire.VERSION, kind, 0, rid, len(body)) + body
+        if timeout_s is not None:
+            deadline = loop.time() + timeout_s
+            self._deadlines[rid] = deadline
+            if self._sweep is None or deadline < self._sweep_at:
+                if self._sweep is not None:
+                    self._sweep.cancel()
+                self._sweep_at = deadline
+                self._sweep = loop.call_at(deadline, self._expire)
+        frame = _HEADER.pack(_MAGIC, _VERSION, kind, 0, rid, len(body)) + body
         if len(self.pending) == 1 and not self.out and self.transport is not None:  # alone: no batching to wait for
             self.transport.write(frame)
         else:
             self.out.append(frame)
-        if self.out and not self.flushing:  # the requests made in one turn of the loop leave in one write
-            self.flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            if not self.flushing:  # the requests made in one turn of the loop leave in one write
+                self.flushing = True
+                loop.call_soon(self._flush)
         try:
             k, answer = await f
         finally:
             self.pending.pop(rid, None)
+            if timeout_s is not None:
+                self._deadlines.pop(rid, None)
         return _check(k, answer)
+
+    def _expire(self) -> None:
+        """The timeout timer: fail every request past its deadline, then wait for the earliest one left."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now, nxt = loop.time(), None
+        for rid, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                del self._deadlines[rid]
+                f = self.pending.pop(rid, None)
+                if f is not None and not f.done():
+                    f.set_exception(asyncio.TimeoutError(f"no answer to request {rid} within its timeout"))
+            elif nxt is None or deadline < nxt:
+                nxt = deadline
+        if nxt is not None:
+            self._sweep_at = nxt
+            self._sweep = loop.call_at(nxt, self._expire)
 
     def _flush(self) -> None:
         self.flushing = False
@@ -233,9 +272,9 @@ class AsyncLocalClient(asyncio.Protocol):
     async def unregister_region(self, name: str | None = None) -> None:
         await self.call(wire.UNREGISTER, json.dumps({} if name is None else {"name": name}).encode())
 
-    async def infer_raw(self, body: bytes) -> bytes:
-        """An INFER body -> the RESULT body (decode_result reads it)."""
-        return await self.call(wire.INFER, body)
+    async def infer_raw(self, body: bytes, timeout_s: float | None = None) -> bytes:
+        """An INFER body -> the RESULT body (decode_result reads it); ``timeout_s`` as for :meth:`call`."""
+        return await self.call(wire.INFER, body, timeout_s)
 
     def close(self) -> None:
         if self.transport is not None:

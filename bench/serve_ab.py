@@ -35,6 +35,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=300, help="timed requests per level")
     p.add_argument("--pin", action="store_true", help="inference on the last CPU, the rest on the others")
+    p.add_argument("--kind", default="binary", choices=("binary", "local", "local-inline"),
+                   help="the load: binary OIP over HTTP, or the on-box socket (digits) with shared memory or inline")
+    p.add_argument("--socket-timeouts", default="client",
+                   help="local kinds: the load generator's timeouts, comma-separated of client (the client's "
+                        "timeout_s) and wait_for (asyncio.wait_for, a task per request): each a variant of its own")
     args = p.parse_args()
     allowed = sorted(os.sched_getaffinity(0))
     if args.pin:
@@ -50,26 +55,31 @@ def main() -> int:
     for name in args.models.split(","):
         m = serve.prepare(name, work)
         lim0 = serve.the_limit(m["engine"], m["images"], threads, 1.5)
-        path, reqs, _ = serve.bodies("binary", m["model"], m["images"])
+        path, reqs, _ = serve.bodies(args.kind, m["model"], m["images"])
+        modes = args.socket_timeouts.split(",") if args.kind != "binary" else ["-"]
         res: dict[str, list[tuple[float, float, int, int]]] = {}
         for r in range(args.rounds):
             for label, tree, mb, lay in variants if r % 2 == 0 else list(reversed(variants)):
                 serve_bench.REPO = tree  # the agent runs from this tree (python -m edgefleet.cli, cwd first)
                 inst, per = (None, None) if lay == "agent" else (int(x) for x in lay.split("x"))
+                sock = m["data_dir"] / "local.sock"
+                extra = (("--inference-cpus", str(allowed[-1])) if args.pin else ()) + (
+                    ("--local-socket", str(sock)) if args.kind != "binary" else ())
                 agent = serve_bench.AgentProcess(
                     m["data_dir"], work / f"{name}-{label}.log", 0, None if mb == "auto" else int(mb), per, 120,
-                    instances=inst, extra_args=("--inference-cpus", str(allowed[-1])) if args.pin else ())
+                    instances=inst, extra_args=extra)
                 with agent:
                     assert agent.proc is not None
                     choice, _ = serve.agent_choice(agent.url, m["model"])
                     for c in clients:
-                        x = serve.run_level(agent.url, "binary", path, reqs, m["labels"], c, args.requests, 5,
-                                            server_pid=agent.proc.pid)
-                        res.setdefault(f"{label}:{mb}:{lay}:{c}", []).append(
-                            (x["req_per_s"], x["p99_ms"], x["errors"], x["wrong"]))
-                        print(f"{name} {label} {c} clients: {x['req_per_s']:.1f} req/s p99 {x['p99_ms']:.1f} ms "
-                              f"inference cores {x.get('server_other_cores', 0):.2f}; {choice}", file=sys.stderr,
-                              flush=True)
+                        for mode in modes if c % 2 == 0 else list(reversed(modes)):
+                            os.environ["EDGEFLEET_BENCH_SOCKET_WAIT_FOR"] = "1" if mode == "wait_for" else "0"
+                            x = serve.run_level(agent.url if args.kind == "binary" else str(sock), args.kind, path,
+                                                reqs, m["labels"], c, args.requests, 5, server_pid=agent.proc.pid)
+                            key = f"{label}:{mb}:{lay}:{c}" + ("" if mode == "-" else f":{mode}")
+                            res.setdefault(key, []).append((x["req_per_s"], x["p99_ms"], x["errors"], x["wrong"]))
+                            print(f"{name} {key}: {x['req_per_s']:.1f} req/s p99 {x['p99_ms']:.1f} ms inference "
+                                  f"cores {x.get('server_other_cores', 0):.2f}; {choice}", file=sys.stderr, flush=True)
         lim1 = serve.the_limit(m["engine"], m["images"], threads, 1.5)
         limit = (lim0["images_per_s"] + lim1["images_per_s"]) / 2
         print(f"\n{name}: limit {limit:.1f} img/s ({'pinned' if args.pin else 'unpinned'}; before "
