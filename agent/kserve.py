@@ -36,7 +36,8 @@ from protocol.manifest import TensorSpec
 if TYPE_CHECKING:
     from agent.shm import SharedMemory
 
-__all__ = ["HEADER_LENGTH", "InferRequest", "decode_request", "encode_response", "parse_body"]
+__all__ = ["HEADER_LENGTH", "InferRequest", "RequestTemplate", "decode_request", "encode_response", "parse_body",
+           "request_template"]
 
 HEADER_LENGTH = "inference-header-content-length"  # the HTTP header (lower case, as ASGI gives headers)
 
@@ -176,6 +177,107 @@ def decode_request(body: Any, specs: tuple[TensorSpec, ...], out_specs: tuple[Te
     if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1):
         raise RequestError(f"parameter 'timeout' must be a positive number of microseconds, got {timeout!r}")
     return InferRequest(feeds, wanted, frozenset(binary_out) - set(shm_out), req_id, priority, timeout, shm_out)
+
+
+@dataclass(frozen=True)
+class _InputPlan:
+    name: str
+    region: str | None  # shared memory: the region; None: binary data after the JSON header
+    offset: int  # the region offset (shared memory)
+    size: int  # bytes
+    count: int
+    shape: tuple[int, ...]
+    dtype: np.dtype  # the model's
+    what: str
+
+
+@dataclass(frozen=True)
+class RequestTemplate:
+    """What decode_request concluded from one JSON header that passed it (the local socket caches these by the
+    header's exact bytes, agent/local.py): everything that follows from the header and the model's specs alone.
+    ``apply`` redoes every check that depends on anything else -- the binary data's length, each shared-memory
+    region's registration, bounds and access (SharedMemory.read / check_output, as decode_request calls them),
+    NaN and infinity in the data -- and raises RequestError where decode_request would refuse (the caller then
+    runs decode_request for its exact verdict). Only headers whose inputs are all binary or in shared memory."""
+
+    specs: tuple[TensorSpec, ...]
+    out_specs: tuple[TensorSpec, ...]
+    has_binary: bool
+    inputs: tuple[_InputPlan, ...]
+    shm_outputs: tuple[tuple[str, str, int, int, str], ...]  # (name, region, offset, byte_size, what)
+    binary_size: int
+    outputs: tuple[str, ...] | None
+    binary_outputs: frozenset[str]
+    id: str | None
+    priority: int
+    timeout_us: int | None
+
+    def apply(self, binary: memoryview | None, shm: SharedMemory | None) -> InferRequest:
+        if (binary is not None) != self.has_binary:
+            raise RequestError("the binary data does not match the template")
+        if self.binary_size != (0 if binary is None else len(binary)):
+            raise RequestError("the binary data's length does not match the inputs' binary_data_size")
+        feeds: dict[str, np.ndarray] = {}
+        offset = 0
+        for p in self.inputs:
+            le = p.dtype.newbyteorder("<")
+            if p.region is not None:
+                if shm is None or not shm.enabled:
+                    raise RequestError(f"{p.what}: this agent has no system shared memory")
+                arr = shm.read(p.region, p.offset, p.size, le, list(p.shape), p.what)
+            else:
+                assert binary is not None  # has_binary
+                arr = np.frombuffer(binary, dtype=le, count=p.count, offset=offset).reshape(p.shape)
+                if arr.ctypes.data % p.dtype.alignment:
+                    arr = arr.copy()
+                offset += p.size
+            if not p.dtype.isnative:
+                arr = arr.astype(p.dtype)
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise RequestError(f"{p.what}: data contains NaN or infinity")
+            feeds[p.name] = arr
+        shm_out: dict[str, tuple[str, int, int]] = {}
+        for name, region, off, size, what in self.shm_outputs:
+            if shm is None or not shm.enabled:
+                raise RequestError(f"{what}: this agent has no system shared memory")
+            shm_out[name] = shm.check_output(region, off, size, what)
+        return InferRequest(feeds, self.outputs, self.binary_outputs, self.id, self.priority, self.timeout_us, shm_out)
+
+
+def request_template(doc: Any, req: InferRequest, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
+                     has_binary: bool) -> RequestTemplate | None:
+    """The template of a header ``doc`` that decode_request accepted as ``req`` (with these specs, binary data
+    after it or not) -> a RequestTemplate, or None where it would not pay or not be exact (JSON ``data`` inputs:
+    their values are in the header)."""
+    by_name = {s.name: s for s in specs}
+    plans = []
+    total = 0
+    for t in doc["inputs"]:
+        name = t["name"]
+        params = t.get("parameters") or {}
+        dtype = np.dtype(NP_DTYPES[by_name[name].datatype])
+        shape = tuple(t["shape"])
+        count = math.prod(shape)
+        what = f"input {name!r}"
+        region = params.get("shared_memory_region")
+        if region is not None:
+            plans.append(_InputPlan(name, region, params.get("shared_memory_offset", 0), count * dtype.itemsize,
+                                    count, shape, dtype, what))
+        elif params.get("binary_data_size") is not None and "data" not in t:
+            plans.append(_InputPlan(name, None, 0, params["binary_data_size"], count, shape, dtype, what))
+            total += params["binary_data_size"]
+        else:
+            return None
+    outs: list[tuple[str, str, int, int, str]] = []
+    for o in doc.get("outputs") or ():
+        op = o.get("parameters") or {}
+        if "shared_memory_region" in op:
+            outs.append((o["name"], op["shared_memory_region"], op.get("shared_memory_offset", 0),
+                         op["shared_memory_byte_size"], f"output {o['name']!r}"))
+    if {o[0] for o in outs} != set(req.shm_outputs):
+        return None
+    return RequestTemplate(specs, out_specs, has_binary, tuple(plans), tuple(outs), total, req.outputs,
+                           req.binary_outputs, req.id, req.priority, req.timeout_us)
 
 
 def _params(p: Any, what: str) -> dict[str, Any]:

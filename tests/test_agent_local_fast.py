@@ -1,0 +1,178 @@
+"""The on-box socket's fast paths (issue 21): the per-connection cache of decoded JSON headers (agent/local.py
+_decode, agent/kserve.py RequestTemplate) never lets a request through that decode_request would refuse, and
+answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no task per request)."""
+
+import asyncio
+import json
+import uuid
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from agent.errors import RequestError
+from agent.kserve import parse_body
+from agent.local import TEMPLATES_PER_CONNECTION, LocalServer, _Connection
+from agent.local_client import AsyncLocalClient, infer_request
+from agent.shm import SharedMemory
+from protocol import local as wire
+from protocol.manifest import TensorSpec
+
+SPECS = (TensorSpec(name="input", datatype="FP32", shape=(-1, 1, 8, 8)),)
+OUT = (TensorSpec(name="logits", datatype="FP32", shape=(-1, 10)),)
+
+
+@pytest.fixture
+def conn():
+    shm = SharedMemory(max_regions=8, max_per_client=8, max_bytes=1 << 20)
+    c = _Connection(LocalServer(None, shm, 1 << 20))  # type: ignore[arg-type]
+    yield c
+    shm.close()
+
+
+@pytest.fixture
+def region():
+    name = f"edgefleet-fast-{uuid.uuid4().hex[:12]}"
+    r = shared_memory.SharedMemory(name, create=True, size=8192)
+    yield "/" + name, r
+    r.close()
+    r.unlink()
+
+
+def split(body: bytes):
+    """An INFER body -> what _decode is given."""
+    _, _, jl, rest = wire.parse_infer(memoryview(body))
+    return rest, jl, (str(jl) if jl < len(rest) else None)
+
+
+def verdict(fn):
+    try:
+        r = fn()
+    except RequestError as exc:
+        return ("refused", str(exc))
+    return ("ok", {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in r.feeds.items()}, r.outputs,
+            r.binary_outputs, r.id, r.priority, r.timeout_us, r.shm_outputs)
+
+
+def both(conn, body):
+    """The cached path's verdict and the uncached one's (parse_body, as before): they must agree."""
+    rest, jl, header = split(body)
+    uncached = verdict(lambda: parse_body(rest, header, SPECS, OUT, conn.shm))
+    cached = verdict(lambda: conn._decode(rest, jl, header, SPECS, OUT))
+    assert cached == uncached
+    return cached
+
+
+def test_the_template_cache_never_lets_through_what_decoding_refuses(conn, region):
+    key, r = region
+    x = np.arange(64, dtype=np.float32).reshape(1, 1, 8, 8)
+    r.buf[:256] = x.tobytes()
+    conn.shm.register("io", key, 0, 8192, "test")
+    by_ref = infer_request("digits", {"input": ("io", 0, 256, [1, 1, 8, 8])}, outputs={"logits": ("io", 4096, 40)})
+    assert both(conn, by_ref)[0] == "ok" and len(conn.templates) == 1
+    assert both(conn, by_ref)[0] == "ok"  # from the template
+    import agent.local
+
+    rest, jl, header = split(by_ref)
+    real, agent.local.parse_body = agent.local.parse_body, None  # type: ignore[assignment]
+    try:  # a hit does not decode the header again
+        assert conn._decode(rest, jl, header, SPECS, OUT).feeds["input"].tobytes() == x.tobytes()
+    finally:
+        agent.local.parse_body = real
+    r.buf[:4] = np.float32(np.nan).tobytes()  # NaN in the region: refused, as uncached
+    assert "NaN" in both(conn, by_ref)[1]
+    r.buf[:256] = x.tobytes()
+    conn.shm.unregister("io")  # the region gone: the same header bytes are refused
+    assert "no shared-memory region 'io'" in both(conn, by_ref)[1]
+    conn.shm.register("io", key, 0, 1024, "test")  # again, but smaller: the output no longer fits
+    assert "beyond shared-memory region 'io'" in both(conn, by_ref)[1]
+    conn.shm.unregister("io")
+    conn.shm.register("io", key, 0, 8192, "test")
+    assert both(conn, by_ref)[0] == "ok"
+    # inline: the same header with other data, then too little or too much of it
+    inline = infer_request("digits", {"input": x})
+    assert both(conn, inline)[0] == "ok"
+    other = infer_request("digits", {"input": x + 1})
+    assert both(conn, other)[1]["input"][2] == (x + 1).tobytes()
+    assert "truncated" in both(conn, inline[:-4])[1] or "binary" in both(conn, inline[:-4])[1]
+    assert both(conn, inline + b"\0" * 4)[0] == "refused"
+    assert both(conn, inline[:-256])[0] == "refused"  # no binary data at all after the header
+    nan = x.copy()
+    nan[0, 0, 0, 0] = np.inf
+    assert "NaN or infinity" in both(conn, infer_request("digits", {"input": nan}))[1]
+    # another shape is another header (its own verdict); a header refused is never cached
+    n = len(conn.templates)
+    assert both(conn, infer_request("digits", {"input": np.zeros((1, 1, 8, 7), np.float32)}))[0] == "refused"
+    assert len(conn.templates) == n
+    # JSON data inputs are never cached (their values are in the header)
+    data = json.dumps({"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}]}).encode()
+    assert both(conn, wire.infer_body("digits", data))[0] == "ok" and len(conn.templates) == n
+    # other specs (a model swapped in under the same header): not the template's
+    rest, jl, header = split(inline)
+    specs2 = (TensorSpec(name="input", datatype="FP16", shape=(-1, 1, 8, 8)),)
+    with pytest.raises(RequestError):
+        conn._decode(rest, jl, header, specs2, OUT)
+
+
+def test_the_template_cache_is_bounded(conn):
+    for i in range(TEMPLATES_PER_CONNECTION + 20):
+        body = infer_request("digits", {"input": np.full((1, 1, 8, 8), i, np.float32)}, version=str(i))
+        head = json.dumps({"id": str(i), "inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32",
+                                                     "parameters": {"binary_data_size": 256}}]}).encode()
+        body = wire.infer_body("digits", head, np.full(64, i, np.float32).tobytes())
+        assert both(conn, body)[4] == str(i)
+    assert len(conn.templates) == TEMPLATES_PER_CONNECTION
+
+
+async def _silent_server(path):
+    """A Unix server that reads everything and answers only REGISTER frames (OK), at once."""
+    async def handle(reader, writer):
+        buf = b""
+        while chunk := await reader.read(65536):
+            buf += chunk
+            while len(buf) >= 16:
+                _, _, kind, _, rid, length = wire.HEADER.unpack(buf[:16])
+                if len(buf) < 16 + length:
+                    break
+                buf = buf[16 + length:]
+                if kind == wire.REGISTER:
+                    writer.write(wire.pack(wire.OK, rid))
+        writer.close()
+    return await asyncio.start_unix_server(handle, path)
+
+
+def test_async_client_timeouts(tmp_path):
+    path = str(tmp_path / "s.sock")
+
+    async def main():
+        server = await _silent_server(path)
+        c = await AsyncLocalClient.connect(path)
+        try:
+            # answered before their timeout: no error later, the timer gone once nothing waits
+            for _ in range(3):
+                assert await c.call(wire.REGISTER, b"{}", timeout_s=0.3) == b""
+            assert not c._deadlines and not c.pending
+            # never answered: TimeoutError at its timeout, the shorter first; one without a timeout still waits
+            forever = asyncio.ensure_future(c.infer_raw(b"x"))
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            long = asyncio.ensure_future(c.infer_raw(b"y", timeout_s=0.6))
+            with pytest.raises(TimeoutError):
+                await c.infer_raw(b"z", timeout_s=0.2)
+            assert 0.15 < loop.time() - t0 < 0.5
+            with pytest.raises(TimeoutError):
+                await long
+            assert 0.5 < loop.time() - t0 < 1.0
+            await asyncio.sleep(0.05)
+            assert not forever.done() and list(c.pending) and not c._deadlines
+            assert await c.call(wire.REGISTER, b"{}", timeout_s=5) == b""  # the connection still serves
+            c.close()
+            with pytest.raises(ConnectionError):
+                await forever
+            assert c._sweep is None
+        finally:
+            c.close()
+            server.close()
+
+    asyncio.run(main())
