@@ -155,15 +155,13 @@ def test_async_client_timeouts(tmp_path):
             assert not c._deadlines and not c.pending
             # never answered: TimeoutError at its timeout, the shorter first; one without a timeout still waits
             forever = asyncio.ensure_future(c.infer_raw(b"x"))
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            long = asyncio.ensure_future(c.infer_raw(b"y", timeout_s=0.6))
-            with pytest.raises(TimeoutError):
+            long = asyncio.ensure_future(c.infer_raw(b"y", timeout_s=3.0))
+            # asyncio.TimeoutError: the builtin TimeoutError only from Python 3.11 (the agent runs on 3.10 too)
+            with pytest.raises(asyncio.TimeoutError):
                 await c.infer_raw(b"z", timeout_s=0.2)
-            assert 0.15 < loop.time() - t0 < 0.5
-            with pytest.raises(TimeoutError):
+            assert not long.done()  # its later deadline has not fired with the earlier one
+            with pytest.raises(asyncio.TimeoutError):
                 await long
-            assert 0.5 < loop.time() - t0 < 1.0
             await asyncio.sleep(0.05)
             assert not forever.done() and list(c.pending) and not c._deadlines
             assert await c.call(wire.REGISTER, b"{}", timeout_s=5) == b""  # the connection still serves
