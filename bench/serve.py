@@ -39,7 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +417,47 @@ def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
     return int(np.argmax(json.loads(content)["outputs"][0]["data"]))
 
 
+async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
+                       one: Callable[[int, int], Awaitable[tuple[str | None, bool]]],
+                       timed: Callable[[], object] | None) -> dict[str, Any]:
+    """Closed-loop load: each of ``clients`` sends ``warmup`` untimed requests, then its share of ``total`` timed
+    ones, one at a time. ``one(slot, i)`` sends request ``i`` for client ``slot`` and returns (the error, or None;
+    whether the answer's top-1 is wrong). ``timed``, if given, is called as the timed phase starts."""
+    lat: list[float] = []
+    bad = {"errors": 0, "wrong": 0}
+    first_error: list[str] = []
+
+    async def client(slot: int, n: int, record: bool) -> None:
+        i = (slot * 7919) % n_reqs
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                err, wrong = await one(slot, i)
+            except Exception as exc:
+                err, wrong = repr(exc), False
+            dt = time.perf_counter() - t0
+            if record:
+                if err is None:
+                    lat.append(dt)
+                    bad["wrong"] += wrong
+                else:
+                    bad["errors"] += 1
+                    if not first_error:
+                        first_error.append(err[:300])
+            i = (i + 1) % n_reqs
+
+    await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
+    per = max(1, total // clients)
+    if timed is not None:
+        timed()
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k, per, True) for k in range(clients)))
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
+            "load_cpu_s": time.process_time() - cpu0}
+
+
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
                  warmup: int, timed: Callable[[], object] | None = None) -> dict[str, Any]:
     """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
@@ -428,43 +469,19 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
         return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed)
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
     conns: list[list[Any]] = [[] for _ in range(clients)]
-    lat: list[float] = []
-    bad = {"errors": 0, "wrong": 0}
-    first_error: list[str] = []
 
-    async def client(slot: int, n: int, record: bool) -> None:
-        i = (slot * 7919) % len(prebuilt)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            try:
-                status, headers, content = await asyncio.wait_for(_post(conns[slot], host, port, prebuilt[i]), 60)
-            except Exception as exc:
-                status, headers, content = 0, {}, repr(exc).encode()
-            dt = time.perf_counter() - t0
-            if record:
-                if status == 200:
-                    lat.append(dt)
-                    bad["wrong"] += _top1(kind, headers, content) != labels[i]
-                else:
-                    bad["errors"] += 1
-                    if not first_error:
-                        first_error.append(f"{status}: {content[:200]!r}")
-            i = (i + 1) % len(prebuilt)
+    async def one(slot: int, i: int) -> tuple[str | None, bool]:
+        status, headers, content = await asyncio.wait_for(_post(conns[slot], host, port, prebuilt[i]), 60)
+        if status != 200:
+            return f"{status}: {content[:200]!r}", False
+        return None, _top1(kind, headers, content) != labels[i]
 
-    await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
-    per = max(1, total // clients)
-    if timed is not None:
-        timed()
-    cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(k, per, True) for k in range(clients)))
-    wall = time.perf_counter() - t0
-    load_cpu_s = time.process_time() - cpu0
-    for c in conns:
-        if c:
-            c[1].close()
-    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
-            "load_cpu_s": load_cpu_s}
+    try:
+        return await _closed_loop(clients, total, warmup, len(prebuilt), one, timed)
+    finally:
+        for c in conns:
+            if c:
+                c[1].close()
 
 
 async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[int],
@@ -475,9 +492,6 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
     reads the logits back from it)."""
     from multiprocessing import shared_memory
 
-    lat: list[float] = []
-    bad = {"errors": 0, "wrong": 0}
-    first_error: list[str] = []
     in_bytes, out_bytes = len(reqs[0]) if kind == "shm" else 0, 4096  # 4 KiB of outputs is plenty here
     region: Any = None
     call: Callable[[int, int], Any]
@@ -528,35 +542,11 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
             n = json.loads(content)["outputs"][0]["parameters"]["shared_memory_byte_size"]
             return int(np.frombuffer(buf[base + in_bytes:base + in_bytes + n], np.float32).argmax())
 
-    async def client(slot: int, n: int, record: bool) -> None:
-        i = (slot * 7919) % len(reqs)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            try:
-                top1, err = await asyncio.wait_for(call(slot, i), 60), None
-            except Exception as exc:
-                top1, err = -1, repr(exc)
-            dt = time.perf_counter() - t0
-            if record:
-                if err is None:
-                    lat.append(dt)
-                    bad["wrong"] += top1 != labels[i]
-                else:
-                    bad["errors"] += 1
-                    if not first_error:
-                        first_error.append(err[:300])
-            i = (i + 1) % len(reqs)
+    async def one(slot: int, i: int) -> tuple[str | None, bool]:
+        return None, await asyncio.wait_for(call(slot, i), 60) != labels[i]
 
     try:
-        await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
-        per = max(1, total // clients)
-        if timed is not None:
-            timed()
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(k, per, True) for k in range(clients)))
-        wall = time.perf_counter() - t0
-        load_cpu_s = time.process_time() - cpu0
+        return await _closed_loop(clients, total, warmup, len(reqs), one, timed)
     finally:
         if kind == "grpc":
             await channel.close()
@@ -565,8 +555,6 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
                 await _post([], host, port, _request(host, port, "/v2/systemsharedmemory/unregister", b"", "json"))
             region.close()
             region.unlink()
-    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
-            "load_cpu_s": load_cpu_s}
 
 
 async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
@@ -580,9 +568,6 @@ async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes],
 
     from agent.local_client import AsyncLocalClient, decode_result, infer_request
 
-    lat: list[float] = []
-    bad = {"errors": 0, "wrong": 0}
-    first_error: list[str] = []
     region: Any = None
     conn = await AsyncLocalClient.connect(sock_path)
     call: Callable[[int, int], Any]
@@ -613,44 +598,19 @@ async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes],
         async def call(slot: int, i: int) -> int:
             return int(decode_result(await conn.infer_raw(reqs[i], timeout_s))[1]["logits"].argmax())
 
-    async def client(slot: int, n: int, record: bool) -> None:
-        i = (slot * 7919) % len(reqs)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            try:
-                # the client's own timeout (one timer for all): no task per request as asyncio.wait_for makes
-                top1, err = (await (asyncio.wait_for(call(slot, i), 60) if wait_for else call(slot, i))), None
-            except Exception as exc:
-                top1, err = -1, repr(exc)
-            dt = time.perf_counter() - t0
-            if record:
-                if err is None:
-                    lat.append(dt)
-                    bad["wrong"] += top1 != labels[i]
-                else:
-                    bad["errors"] += 1
-                    if not first_error:
-                        first_error.append(err[:300])
-            i = (i + 1) % len(reqs)
+    async def one(slot: int, i: int) -> tuple[str | None, bool]:
+        # the client's own timeout (one timer for all): no task per request as asyncio.wait_for makes
+        top1 = await (asyncio.wait_for(call(slot, i), 60) if wait_for else call(slot, i))
+        return None, top1 != labels[i]
 
     try:
-        await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
-        per = max(1, total // clients)
-        if timed is not None:
-            timed()
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(k, per, True) for k in range(clients)))
-        wall = time.perf_counter() - t0
-        load_cpu_s = time.process_time() - cpu0
+        return await _closed_loop(clients, total, warmup, len(reqs), one, timed)
     finally:
         conn.close()
         if region is not None:
             del buf
             region.close()
             region.unlink()
-    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
-            "load_cpu_s": load_cpu_s}
 
 
 def _load_worker(args: tuple, results: Any, cpus: frozenset[int] | None = None) -> None:
