@@ -30,7 +30,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -589,21 +589,27 @@ async def _receive_body(receive: Receive, declared: str | None, limit: int, budg
     if align_at is not None and declared is not None and declared.isdigit() and 0 <= align_at <= int(declared):
         return await _receive_aligned(receive, int(declared), align_at, budget, held)
     chunks, size = [], 0
+    async for chunk in _body_chunks(receive):
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        budget.take(len(chunk))
+        held[0] += len(chunk)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _body_chunks(receive: Receive) -> AsyncIterator[bytes]:
+    """The body's non-empty chunks as the ASGI server hands them over; RequestError if the client goes away."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise RequestError("the client went away before the body arrived")
         chunk = message.get("body", b"")
         if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
-            budget.take(len(chunk))
-            held[0] += len(chunk)
-            chunks.append(chunk)
+            yield chunk
         if not message.get("more_body", False):
-            break
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return
 
 
 async def _receive_aligned(receive: Receive, length: int, align_at: int, budget: _ByteBudget,
@@ -614,18 +620,11 @@ async def _receive_aligned(receive: Receive, length: int, align_at: int, budget:
     start = (-(raw.ctypes.data + align_at)) % ALIGN
     buf = memoryview(raw[start:start + length].data).cast("B")
     pos = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise RequestError("the client went away before the body arrived")
-        chunk = message.get("body", b"")
-        if chunk:
-            if pos + len(chunk) > length:
-                raise RequestError(f"the body is longer than its Content-Length ({length} bytes)")
-            buf[pos:pos + len(chunk)] = chunk
-            pos += len(chunk)
-        if not message.get("more_body", False):
-            break
+    async for chunk in _body_chunks(receive):
+        if pos + len(chunk) > length:
+            raise RequestError(f"the body is longer than its Content-Length ({length} bytes)")
+        buf[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
     if pos != length:
         raise RequestError(f"the body has {pos} bytes; its Content-Length says {length}")
     return buf

@@ -15,16 +15,25 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def _queued_behind(settings: BatchSettings, first_start: float, starts: list[float],
+                         gate: ComputeGate | None = None):
+    """A batcher whose first request (``first_start``) runs, held inside its gated fake engine, with requests
+    ``starts`` submitted after it and a batch of them queued on the busy thread. -> (engine, batcher, first, rest)"""
+    be = FakeBackend()
+    be.gate.clear()
+    b = Batcher(be, settings, gate=gate)
+    b.start()
+    first = asyncio.ensure_future(b.submit(x(1, start=first_start)))
+    await _until(be.started.is_set, "the first batch running")
+    rest = [asyncio.ensure_future(b.submit(x(1, start=v))) for v in starts]
+    await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+    return be, b, first, rest
+
+
 def test_a_full_batch_waits_on_the_busy_thread_and_every_request_gets_its_own_answer():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=4, max_queue_size=16))
-        b.start()
-        first = asyncio.ensure_future(b.submit(x(1, start=-10)))
-        await _until(be.started.is_set, "the first batch running")
-        rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(8)]
-        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        be, b, first, rest = await _queued_behind(BatchSettings(max_batch_size=4, max_queue_size=16), -10,
+                                                  [10 * i for i in range(8)])
         assert b.queued_samples == 8  # still counted as waiting
         staged = b._instances[0].slot
         assert staged is not None and staged.n == 4
@@ -44,15 +53,9 @@ def test_an_install_turn_takes_back_the_queued_batch():
     """A swap adds at most one batch to the wait of an install's call: the batch queued behind the running one
     goes back to the queue when the call asks for its turn."""
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
         gate = ComputeGate(1)
-        b = Batcher(be, BatchSettings(max_batch_size=2), gate=gate)
-        b.start()
-        first = asyncio.ensure_future(b.submit(x(1, start=0)))
-        await _until(be.started.is_set, "the first batch running")
-        rest = [asyncio.ensure_future(b.submit(x(1, start=100 + 10 * i))) for i in range(2)]
-        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        be, b, first, rest = await _queued_behind(BatchSettings(max_batch_size=2), 0, [100 + 10 * i for i in range(2)],
+                                                  gate)
         loop = asyncio.get_running_loop()
         install = loop.run_in_executor(None, lambda: gate.call(loop, be.seen.append, -1.0))  # marks its turn
         await _until(lambda: b._instances[0].slot is None, "the queued batch taken back")
@@ -67,14 +70,7 @@ def test_an_install_turn_takes_back_the_queued_batch():
 
 def test_a_high_priority_request_goes_before_the_queued_batch():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=2))
-        b.start()
-        first = asyncio.ensure_future(b.submit(x(1, start=0)))
-        await _until(be.started.is_set, "the first batch running")
-        normal = [asyncio.ensure_future(b.submit(x(1, start=100 + i))) for i in range(2)]
-        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        be, b, first, normal = await _queued_behind(BatchSettings(max_batch_size=2), 0, [100 + i for i in range(2)])
         high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
         await asyncio.sleep(0)
         be.gate.set()
@@ -90,14 +86,7 @@ def test_the_thread_starts_the_queued_batch_without_the_event_loop():
     """With the event loop blocked (busy on other work), the queued batch still starts the moment the running one
     ends."""
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=2))
-        b.start()
-        first = asyncio.ensure_future(b.submit(x(1, start=0)))
-        await _until(be.started.is_set, "the first batch running")
-        rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
-        await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+        be, b, first, rest = await _queued_behind(BatchSettings(max_batch_size=2), 0, [10 * i for i in range(2)])
         be.started.clear()
         be.gate.set()
         ran = be.started.wait(10)  # blocks the event loop: only the inference thread can move
