@@ -54,7 +54,7 @@ from agent.metrics import Metrics, ModelMetrics
 from engines import Engine
 
 __all__ = ["BATCH_TOLERANCE", "HIGH", "LAYOUT_LATENCY_WEIGHT", "LAYOUT_MIN_GAIN", "NORMAL", "BatchSettings",
-           "BatchTuning", "Batcher", "ComputeGate", "LayoutFigures", "batch_ladder", "choose_batch_size",
+           "BatchTuning", "Batcher", "ComputeGate", "LayoutFigures", "Outputs", "batch_ladder", "choose_batch_size",
            "choose_layout", "layout_candidates", "pin_thread"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
@@ -268,6 +268,15 @@ class ComputeGate:
                 loop.call_soon_threadsafe(self.release)
 
 
+class Outputs(list):  # type: ignore[type-arg]
+    """One request's outputs (a list of arrays, one per model output), and whether the whole batch they came from was
+    checked to hold no NaN or infinity (``finite``: then no check of each request's rows is needed)."""
+
+    def __init__(self, arrays: list[np.ndarray], finite: bool = False):
+        super().__init__(arrays)
+        self.finite = finite
+
+
 @dataclass(eq=False)
 class _Pending:
     feeds: dict[str, np.ndarray]
@@ -387,6 +396,17 @@ class Batcher:
                      timeout_s: float | None = None) -> list[np.ndarray]:
         """Queue one request (already validated) and wait for its outputs. ``timeout_s`` (at most the
         configured ``queue_timeout_s``) bounds its time in the queue."""
+        p = self.enqueue(feeds, priority, timeout_s)
+        try:
+            return await p.future
+        finally:
+            self.settle(p)
+
+    def enqueue(self, feeds: dict[str, np.ndarray], priority: int = NORMAL,
+                timeout_s: float | None = None) -> _Pending:
+        """``submit`` without a coroutine: queue one request -> its entry, whose ``future`` gets the outputs (or the
+        error). The caller calls ``settle(entry)`` once that future is done, cancelled included (a transport that
+        answers from a done-callback: no task per request). Raises as ``submit`` does when the request is refused."""
         n = next((int(feeds[k].shape[a]) for k, a in self._in_axes.items() if a is not None), 1)
         s = self.settings
         if self._batchable and n > s.request_limit:
@@ -411,12 +431,15 @@ class Batcher:
         if self._running:
             self._arrived_while_running += 1
         self._wake.set()
-        try:
-            return await p.future
-        finally:
-            if not p.dispatched and p.counted:  # cancelled (the client went away) while queued
-                p.counted = False
-                self._queued_samples -= p.n
+        return p
+
+    def settle(self, p: _Pending) -> None:
+        """``p``'s future is done: a request cancelled while queued (its client went away) leaves the queue's count
+        now, and its timeout timer goes."""
+        if not p.dispatched and p.counted:
+            p.counted = False
+            self._queued_samples -= p.n
+        if p.timer is not None:
             p.timer.cancel()
 
     def _expire(self, p: _Pending, timeout: float) -> None:
@@ -630,7 +653,7 @@ class Batcher:
             return batch[0].feeds
         return {k: np.concatenate([p.feeds[k] for p in batch], axis=self._in_axes[k] or 0) for k in self._in_names}
 
-    def _infer(self, inst: _Instance, st: _Staged) -> tuple[list[np.ndarray], float] | None:
+    def _infer(self, inst: _Instance, st: _Staged) -> tuple[list[np.ndarray], float, bool] | None:
         """On the instance's thread: run ``st`` unless the loop took it back before it started (-> None)."""
         with inst.lock:
             if st.behind:
@@ -643,7 +666,10 @@ class Batcher:
                 p.waiting_on_thread = False
         t0 = time.perf_counter()
         outs = inst.backend.infer(st.feeds)
-        return outs, time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        # NaN or infinity anywhere in the batch's outputs? Checked once here, not once per request's rows: a request
+        # whose outputs are answered as Outputs(finite=True) needs no check of its own (agent.kserve.ordered_outputs)
+        return outs, dt, all(o.dtype.kind != "f" or bool(np.isfinite(o).all()) for o in outs)
 
     def _stage(self, inst: _Instance, batch: list[_Pending]) -> _Staged:
         st = _Staged(batch, {}, sum(p.n for p in batch), behind=inst.inflight > 0)
@@ -709,20 +735,20 @@ class Batcher:
         self._reuse(inst, st)
         if got is None:  # taken back before it started (_unstage)
             return
-        outs, compute_s = got
+        outs, compute_s, finite = got
         n = st.n
         if len(batch) == 1:
             self._lone_s.append(compute_s)
         self.metrics.batch(n, [start_t - p.enqueued for p in batch], compute_s)
         if len(batch) == 1:
             if not batch[0].future.done():
-                batch[0].future.set_result(outs)
+                batch[0].future.set_result(Outputs(outs, finite))
             return
         start = 0
         for p in batch:
             if not p.future.done():
-                p.future.set_result([o if a is None else o[(slice(None),) * a + (slice(start, start + p.n),)]
-                                     for o, a in zip(outs, self._out_axes, strict=True)])
+                p.future.set_result(Outputs([o if a is None else o[(slice(None),) * a + (slice(start, start + p.n),)]
+                                             for o, a in zip(outs, self._out_axes, strict=True)], finite))
             start += p.n
 
     def _inline(self, st: _Staged) -> bool:

@@ -190,6 +190,10 @@ class _InputPlan:
     dtype: np.dtype  # the model's
     what: str
 
+    @property
+    def le(self) -> np.dtype:
+        return self.dtype.newbyteorder("<")
+
 
 @dataclass(frozen=True)
 class RequestTemplate:
@@ -212,36 +216,40 @@ class RequestTemplate:
     priority: int
     timeout_us: int | None
 
+    # derived from the above (request_template): the shared-memory reads of the inputs, in order, and the outputs'
+    # placements to check, as SharedMemory.gather takes them
+    shm_reads: tuple[tuple[str, int, int, np.dtype, tuple[int, ...], str], ...] = ()
+    shm_checks: tuple[tuple[str, int, int, str], ...] = ()
+
     def apply(self, binary: memoryview | None, shm: SharedMemory | None) -> InferRequest:
         if (binary is not None) != self.has_binary:
             raise RequestError("the binary data does not match the template")
         if self.binary_size != (0 if binary is None else len(binary)):
             raise RequestError("the binary data's length does not match the inputs' binary_data_size")
+        from_shm: list[np.ndarray] = []
+        if self.shm_reads or self.shm_checks:
+            if shm is None or not shm.enabled:
+                raise RequestError("this agent has no system shared memory")
+            from_shm = shm.gather(self.shm_reads, self.shm_checks)  # one lock, one fstat per region
         feeds: dict[str, np.ndarray] = {}
-        offset = 0
+        offset = k = 0
         for p in self.inputs:
-            le = p.dtype.newbyteorder("<")
             if p.region is not None:
-                if shm is None or not shm.enabled:
-                    raise RequestError(f"{p.what}: this agent has no system shared memory")
-                arr = shm.read(p.region, p.offset, p.size, le, list(p.shape), p.what)
+                arr = from_shm[k]
+                k += 1
             else:
                 assert binary is not None  # has_binary
-                arr = np.frombuffer(binary, dtype=le, count=p.count, offset=offset).reshape(p.shape)
+                arr = np.frombuffer(binary, dtype=p.le, count=p.count, offset=offset).reshape(p.shape)
                 if arr.ctypes.data % p.dtype.alignment:
                     arr = arr.copy()
                 offset += p.size
             if not p.dtype.isnative:
                 arr = arr.astype(p.dtype)
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            if p.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise RequestError(f"{p.what}: data contains NaN or infinity")
             feeds[p.name] = arr
-        shm_out: dict[str, tuple[str, int, int]] = {}
-        for name, region, off, size, what in self.shm_outputs:
-            if shm is None or not shm.enabled:
-                raise RequestError(f"{what}: this agent has no system shared memory")
-            shm_out[name] = shm.check_output(region, off, size, what)
-        return InferRequest(feeds, self.outputs, self.binary_outputs, self.id, self.priority, self.timeout_us, shm_out)
+        return InferRequest(feeds, self.outputs, self.binary_outputs, self.id, self.priority, self.timeout_us,
+                            {name: (region, off, size) for name, region, off, size, _ in self.shm_outputs})
 
 
 def request_template(doc: Any, req: InferRequest, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
@@ -277,7 +285,10 @@ def request_template(doc: Any, req: InferRequest, specs: tuple[TensorSpec, ...],
     if {o[0] for o in outs} != set(req.shm_outputs):
         return None
     return RequestTemplate(specs, out_specs, has_binary, tuple(plans), tuple(outs), total, req.outputs,
-                           req.binary_outputs, req.id, req.priority, req.timeout_us)
+                           req.binary_outputs, req.id, req.priority, req.timeout_us,
+                           tuple((p.region, p.offset, p.size, p.le, p.shape, p.what) for p in plans
+                                 if p.region is not None),
+                           tuple((region, off, size, what) for _, region, off, size, what in outs))
 
 
 def _params(p: Any, what: str) -> dict[str, Any]:
@@ -391,9 +402,10 @@ def ordered_outputs(outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
     each checked to hold no NaN or infinity: what the HTTP and the gRPC answers both encode."""
     order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
     by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
+    checked = getattr(outputs, "finite", False)  # the batcher checked the whole batch (agent.batcher.Outputs)
     for name in order:
         arr, spec = by_name[name]
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if not checked and arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise InferenceFailed(f"the model produced NaN or infinity in output {spec.name!r}")
         yield name, arr, spec
 

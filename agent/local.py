@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -93,7 +94,7 @@ class LocalServer:
             return
         self._server.close()
         deadline = time.monotonic() + grace_s
-        while any(c.tasks for c in self.connections) and time.monotonic() < deadline:
+        while any(c.inflight for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for c in list(self.connections):
             c.close()
@@ -117,7 +118,9 @@ class _Connection(asyncio.Protocol):
         self.paused_reading = self.paused_writing = False
         self.stall: asyncio.TimerHandle | None = None
         self.closed = False
-        self.templates: dict[bytes, RequestTemplate] = {}  # by the JSON header's exact bytes (_decode)
+        # requests decoded before, by the exact bytes of their model, version and JSON header (_quick, _decode)
+        self.quick: dict[bytes, tuple[str, str | None, RequestTemplate]] = {}
+        self.pending: set[Any] = set()  # fast-path requests in flight (Batcher.enqueue entries)
 
     # -- the connection ------------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
@@ -141,12 +144,19 @@ class _Connection(asyncio.Protocol):
             self.stall.cancel()
         for t in self.tasks:  # a request still queued is dropped from the batch; its answer has nowhere to go
             t.cancel()
+        for q in list(self.pending):  # the same for the fast path's (_quick): their callbacks answer nowhere
+            q.future.cancel()
         if self.shm is not None:
             self.shm.unregister(None)  # this connection's regions
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.close()
+
+    @property
+    def inflight(self) -> int:
+        """Requests of this connection not answered yet."""
+        return len(self.tasks) + len(self.pending)
 
     def pause_writing(self) -> None:  # the client does not read its answers: stop taking its requests
         self.paused_writing = True
@@ -159,7 +169,7 @@ class _Connection(asyncio.Protocol):
     def _update_reading(self) -> None:
         if self.transport is None or self.closed:
             return
-        want_pause = self.paused_writing or len(self.tasks) >= self.srv.max_inflight
+        want_pause = self.paused_writing or self.inflight >= self.srv.max_inflight
         if want_pause and not self.paused_reading:
             self.transport.pause_reading()
         elif not want_pause and self.paused_reading:
@@ -218,6 +228,8 @@ class _Connection(asyncio.Protocol):
                                             f"{srv.max_inflight_bytes}); retry"))
                 return
             srv.inflight_bytes += len(body)
+            if self._quick(rid, body):
+                return
             task = asyncio.get_running_loop().create_task(self._infer(rid, body))
             self.tasks.add(task)
             task.add_done_callback(self._done)
@@ -258,6 +270,96 @@ class _Connection(asyncio.Protocol):
                                    "this connection")
             self.shm.unregister(doc.get("name"))
 
+    def _quick(self, rid: int, body: bytes) -> bool:
+        """A request whose model, version and JSON header are byte-for-byte those of one decoded before on this
+        connection (a camera loop's every frame) goes straight to the batcher, without a task: its cached
+        RequestTemplate decodes it (regions, bounds, binary length, NaN all checked again), ``Batcher.enqueue``
+        queues it and its answer is written from the future's callback (_answered). -> False where it is not such
+        a request (not cached yet, the model was swapped, a check failed, a large header): _infer then takes it,
+        whose verdict is exact."""
+        q = self._template_for(body)
+        if q is None:
+            return False
+        n = len(body)
+        t0 = time.perf_counter()
+        model, version, t, end = q
+        served: Served | None = None
+        try:
+            served = self.srv.host.get(model, version)
+            m = served.manifest
+            if t.specs is not m.inputs or t.out_specs is not m.outputs:
+                return False  # another version serves now: decoded afresh
+            req = t.apply(memoryview(body)[end:] if t.has_binary else None, self.shm)
+            pending = self.srv.host.enqueue(served, req)
+        except RequestError:
+            return False  # _infer says exactly why
+        except AgentError as exc:  # queue full, model being replaced, none loaded: as _infer would answer
+            status = getattr(exc, "status_code", 500)
+            self._send(_error(rid, status, str(exc)))
+            self.srv.inflight_bytes -= n
+            if served is not None:
+                served.metrics.request(time.perf_counter() - t0, status)
+            else:
+                self.srv.host.metrics.rejected(time.perf_counter() - t0, status, None)
+            return True
+        self.pending.add(pending)
+        pending.future.add_done_callback(functools.partial(self._answered, rid, served, req, t0, n, pending))
+        if self.inflight >= self.srv.max_inflight:
+            self._update_reading()
+        return True
+
+    def _template_for(self, body: bytes) -> tuple[str, str | None, RequestTemplate, int] | None:
+        """The cached template of an INFER body that starts with the bytes of one decoded before -> (model, version,
+        template, where the binary data starts), or None."""
+        n = len(body)
+        if n < 8:
+            return None
+        ml = body[0] | body[1] << 8
+        if n < 8 + ml:
+            return None
+        vl = body[2 + ml] | body[3 + ml] << 8
+        jpos = 8 + ml + vl
+        if n < jpos:
+            return None
+        jl = int.from_bytes(body[4 + ml + vl:jpos], "little")
+        end = jpos + jl
+        if jl > TEMPLATE_MAX_HEADER or end > n:
+            return None
+        q = self.quick.get(body[:end] if end < n else body)
+        return None if q is None else (*q, end)
+
+    def _answered(self, rid: int, served: Served, req: InferRequest, t0: float, nbytes: int, pending: Any,
+                  fut: asyncio.Future) -> None:
+        """A fast-path request's outputs (or error) are in: answer it (as _infer would)."""
+        served.batcher.settle(pending)
+        self.srv.inflight_bytes -= nbytes
+        status = 500
+        try:
+            if fut.cancelled():
+                status = 499  # the client went away
+                return
+            exc = fut.exception()
+            if exc is not None:
+                raise exc
+            outs = fut.result()
+            self.srv.host.offer_shadow(served, req, outs)
+            m = served.manifest
+            content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm)
+            status = 200
+            self._send(b"".join([wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.RESULT, 0, rid, 4 + len(content)),
+                                 _U32.pack(len(content) if json_len is None else json_len), content]))
+        except AgentError as exc:
+            status = getattr(exc, "status_code", 500)
+            self._send(_error(rid, status, str(exc)))
+        except Exception as exc:  # never let one request take the server down
+            log.exception("unexpected error in a local infer")
+            self._send(_error(rid, 500, f"internal error: {exc}"))
+        finally:
+            self.pending.discard(pending)
+            served.metrics.request(time.perf_counter() - t0, status)
+            if self.paused_reading:
+                self._update_reading()
+
     async def _infer(self, rid: int, body: bytes) -> None:
         srv, host = self.srv, self.srv.host
         t0 = time.perf_counter()
@@ -277,7 +379,8 @@ class _Connection(asyncio.Protocol):
                     req = await asyncio.get_running_loop().run_in_executor(
                         None, parse_body, rest, header, m.inputs, m.outputs, self.shm)
             else:
-                req = self._decode(rest, json_length, header, m.inputs, m.outputs)
+                req = self._decode(body[:len(body) - len(rest) + json_length], model, version, rest, json_length,
+                                   header, m.inputs, m.outputs)
             del rest
             outs = await host.infer(served, req)
             content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm)
@@ -301,32 +404,23 @@ class _Connection(asyncio.Protocol):
             else:
                 host.metrics.rejected(dt, status, model if model in host.models else None)
 
-    def _decode(self, rest: memoryview, json_length: int, header: str | None, specs: tuple[TensorSpec, ...],
-                out_specs: tuple[TensorSpec, ...]) -> InferRequest:
-        """parse_body, with this connection's templates: a JSON header byte-for-byte equal to one decoded before
-        (for the same model specs, binary data after it or not) skips the JSON parse and its validation; the checks
-        that depend on anything but the header (binary length, the regions, NaN) run again, and a request they
-        refuse goes through parse_body for its exact verdict."""
-        if json_length > TEMPLATE_MAX_HEADER:
-            return parse_body(rest, header, specs, out_specs, self.shm)
-        key = bytes(rest[:json_length])
-        t = self.templates.get(key)
-        binary = rest[json_length:] if header is not None else None
-        if t is not None and t.specs is specs and t.out_specs is out_specs:
-            try:
-                return t.apply(binary, self.shm)
-            except RequestError:
-                pass  # the uncached path says exactly why (it refuses too)
+    def _decode(self, key: bytes, model: str, version: str | None, rest: memoryview, json_length: int,
+                header: str | None, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...]) -> InferRequest:
+        """parse_body; a header it accepts is kept as a RequestTemplate under ``key`` (the body's bytes up to the end
+        of its JSON header: the model, the version and the header), for _quick to decode the next request that
+        starts with the same bytes without parsing it."""
         req = parse_body(rest, header, specs, out_specs, self.shm)
+        if json_length > TEMPLATE_MAX_HEADER:
+            return req
         try:
-            doc = orjson.loads(key)  # what parse_body read (it tries orjson first)
+            doc = orjson.loads(rest[:json_length])  # what parse_body read (it tries orjson first)
         except orjson.JSONDecodeError:  # parse_body took it with the json module: no template
             return req
         t = request_template(doc, req, specs, out_specs, header is not None)
         if t is not None:
-            if len(self.templates) >= TEMPLATES_PER_CONNECTION and key not in self.templates:
-                del self.templates[next(iter(self.templates))]  # the oldest
-            self.templates[key] = t
+            if len(self.quick) >= TEMPLATES_PER_CONNECTION and key not in self.quick:
+                del self.quick[next(iter(self.quick))]  # the oldest
+            self.quick[key] = (model, version, t)
         return req
 
     # -- frames out ----------------------------------------------------------------------------------
@@ -335,7 +429,7 @@ class _Connection(asyncio.Protocol):
         answer (nothing else in flight on this connection) leaves at once: no turn of the loop to wait for."""
         if self.closed:
             return
-        if not self.out and len(self.tasks) <= 1 and self.transport is not None and not self.transport.is_closing():
+        if not self.out and self.inflight <= 1 and self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame)
             return
         self.out.append(frame)

@@ -191,11 +191,24 @@ class ModelHost:
     async def infer(self, served: Served, req: InferRequest) -> list[np.ndarray]:
         """Queue a decoded request in ``served``'s batcher and wait for its outputs (and offer it to a shadow
         candidate): what every transport does with a request once decoded (HTTP, gRPC, the local socket)."""
-        outs = await served.batcher.submit(req.feeds, HIGH if req.priority == 1 else NORMAL,
-                                           None if req.timeout_us is None else req.timeout_us / 1e6)
+        pending = self.enqueue(served, req)
+        try:
+            outs = await pending.future
+        finally:
+            served.batcher.settle(pending)
+        self.offer_shadow(served, req, outs)
+        return outs
+
+    @staticmethod
+    def enqueue(served: Served, req: InferRequest) -> Any:
+        """``infer`` without a coroutine (the local socket's fast path): queue ``req`` -> its batcher entry, whose
+        ``future`` gets the outputs; then ``served.batcher.settle(entry)`` and ``offer_shadow`` are the caller's."""
+        return served.batcher.enqueue(req.feeds, HIGH if req.priority == 1 else NORMAL,
+                                      None if req.timeout_us is None else req.timeout_us / 1e6)
+
+    def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:
         if self.shadow is not None:
             self.shadow.offer(served.manifest.name, req.feeds, outs)
-        return outs
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         entries: dict[tuple[str, str], IndexEntry] = {}

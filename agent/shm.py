@@ -26,6 +26,7 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,6 +203,13 @@ class SharedMemory:
         now = time.monotonic()
         if now - self._swept_at > _SWEEP_EVERY_S:
             self._sweep_locked(now)
+        r = self._live(name, offset, size, what, now)
+        if mapped:
+            self._check_mapped(r, name, offset + size, what, os.fstat(r.fd).st_size)
+        return r
+
+    def _live(self, name: str, offset: int, size: int, what: str, now: float) -> Region:
+        """The registered, not idle-expired region ``name`` holding ``size`` bytes at ``offset`` (marked used)."""
         r = self._get(name)
         if r is not None and now - r.last_used > self.idle_timeout_s:
             _close(self._regions.pop(self._key(name)))
@@ -212,10 +220,13 @@ class SharedMemory:
         if offset + size > r.byte_size:
             raise RequestError(f"{what}: bytes {offset}..{offset + size} are beyond shared-memory region {name!r} "
                                f"({r.byte_size} bytes)")
-        if mapped and os.fstat(r.fd).st_size < r.offset + offset + size:  # touching past the object's end faults
-            raise RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
         r.last_used = now
         return r
+
+    @staticmethod
+    def _check_mapped(r: Region, name: str, end: int, what: str, object_size: int) -> None:
+        if object_size < r.offset + end:  # touching past the object's end faults
+            raise RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
 
     def read(self, name: object, offset: object, size: int, dtype: np.dtype, shape: list[int],
              what: str) -> np.ndarray:
@@ -225,6 +236,33 @@ class SharedMemory:
             assert isinstance(offset, int)
             count = size // dtype.itemsize
             return np.frombuffer(r.readable, dtype=dtype, count=count, offset=r.offset + offset).reshape(shape).copy()
+
+    def gather(self, reads: Sequence[tuple[str, int, int, np.dtype, tuple[int, ...], str]],
+               outputs: Sequence[tuple[str, int, int, str]]) -> list[np.ndarray]:
+        """``read`` of each of ``reads`` (region, offset, size, dtype, shape, what) and ``check_output`` of each of
+        ``outputs`` (region, offset, size, what), all under one hold of the lock and with one fstat per region (a
+        request's tensors mostly share one): a cached request's shared memory (agent.kserve.RequestTemplate), whose
+        names and offsets were type-checked when it was first decoded. The same checks and errors otherwise."""
+        now = time.monotonic()
+        got: list[np.ndarray] = []
+        with self._lock:
+            if now - self._swept_at > _SWEEP_EVERY_S:
+                self._sweep_locked(now)
+            sizes: dict[int, int] = {}
+            for name, offset, size, dtype, shape, what in reads:
+                r = self._live(name, offset, size, what, now)
+                st = sizes.get(r.fd)
+                if st is None:
+                    st = sizes[r.fd] = os.fstat(r.fd).st_size
+                self._check_mapped(r, name, offset + size, what, st)
+                got.append(np.frombuffer(r.readable, dtype=dtype, count=size // dtype.itemsize,
+                                         offset=r.offset + offset).reshape(shape).copy())
+            for name, offset, size, what in outputs:
+                r = self._live(name, offset, size, what, now)
+                if r.writable is None:
+                    raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
+                                       "writable by the agent's user for outputs")
+        return got
 
     def check_output(self, name: object, offset: object, size: object, what: str) -> tuple[str, int, int]:
         """Validate an output's placement -> (region, offset, byte_size); the output's own size is checked later."""

@@ -643,3 +643,35 @@ def test_requests_under_concurrency_are_never_run_inline():
         np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
     together = [t == loop_thread for t, n in zip(be.threads, be.batches, strict=True) if n > 1]
     assert together and not any(together), (be.batches, be.threads)
+
+
+def test_non_finite_outputs_fail_only_the_requests_whose_rows_hold_them():
+    """The batcher checks a batch's outputs for NaN and infinity once (Outputs.finite); a batch that holds some still
+    fails only the requests whose own rows do, when their answers are encoded (agent.kserve.ordered_outputs)."""
+    from agent.batcher import Outputs
+    from agent.kserve import InferRequest, encode_response
+
+    async def main():
+        be = FakeBackend()
+        b = Batcher(be, BatchSettings(max_batch_size=8, max_queue_delay_us=200_000))
+        b.start()
+        feeds = [x(1, start=1.0), {"x": np.full((1, 2), np.inf, np.float32)}, x(1, start=5.0)]  # inf in, inf out
+        mixed = await asyncio.gather(*(b.submit(f) for f in feeds))
+        clean = await asyncio.gather(*(b.submit(x(1, start=10.0 * i)) for i in range(3)))
+        await b.close()
+        return be, mixed, clean
+
+    be, mixed, clean = run(main())
+    assert be.batches[:2] == [3, 3]  # each three formed one batch
+    assert all(isinstance(o, Outputs) and not o.finite for o in mixed)
+    assert all(isinstance(o, Outputs) and o.finite for o in clean)
+    req = InferRequest({}, None, frozenset())
+    verdicts = []
+    for o in mixed:
+        try:
+            encode_response("m", "1", o, be.outputs, req)
+            verdicts.append("ok")
+        except InferenceFailed as exc:
+            verdicts.append(str(exc))
+    assert verdicts[0] == verdicts[2] == "ok" and "NaN or infinity" in verdicts[1]
+    assert all(encode_response("m", "1", o, be.outputs, req)[0] for o in clean)

@@ -1,6 +1,7 @@
-"""The on-box socket's fast paths (issue 21): the per-connection cache of decoded JSON headers (agent/local.py
-_decode, agent/kserve.py RequestTemplate) never lets a request through that decode_request would refuse, and
-answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no task per request)."""
+"""The on-box socket's fast paths (issue 21): the per-connection cache of decoded requests (agent/local.py
+_decode and _template_for, as _quick uses them; agent/kserve.py RequestTemplate) never lets a request through that
+decode_request would refuse, and answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no
+task per request)."""
 
 import asyncio
 import json
@@ -54,11 +55,26 @@ def verdict(fn):
             r.binary_outputs, r.id, r.priority, r.timeout_us, r.shm_outputs)
 
 
+def cached_decode(conn, body, specs=SPECS, out_specs=OUT):
+    """What the connection does with an INFER body (_quick, then _infer): a template cached under the body's first
+    bytes decodes it unless one of its checks fails; otherwise (and then) the uncached decode, which caches it."""
+    hit = conn._template_for(body)
+    if hit is not None and hit[2].specs is specs and hit[2].out_specs is out_specs:
+        t, end = hit[2], hit[3]
+        try:
+            return t.apply(memoryview(body)[end:] if t.has_binary else None, conn.shm)
+        except RequestError:
+            pass  # _infer's uncached decode says exactly why
+    model, version, jl, rest = wire.parse_infer(memoryview(body))
+    header = str(jl) if jl < len(rest) else None
+    return conn._decode(body[:len(body) - len(rest) + jl], model, version, rest, jl, header, specs, out_specs)
+
+
 def both(conn, body):
     """The cached path's verdict and the uncached one's (parse_body, as before): they must agree."""
     rest, jl, header = split(body)
     uncached = verdict(lambda: parse_body(rest, header, SPECS, OUT, conn.shm))
-    cached = verdict(lambda: conn._decode(rest, jl, header, SPECS, OUT))
+    cached = verdict(lambda: cached_decode(conn, body))
     assert cached == uncached
     return cached
 
@@ -69,14 +85,13 @@ def test_the_template_cache_never_lets_through_what_decoding_refuses(conn, regio
     r.buf[:256] = x.tobytes()
     conn.shm.register("io", key, 0, 8192, "test")
     by_ref = infer_request("digits", {"input": ("io", 0, 256, [1, 1, 8, 8])}, outputs={"logits": ("io", 4096, 40)})
-    assert both(conn, by_ref)[0] == "ok" and len(conn.templates) == 1
+    assert both(conn, by_ref)[0] == "ok" and len(conn.quick) == 1
     assert both(conn, by_ref)[0] == "ok"  # from the template
     import agent.local
 
-    rest, jl, header = split(by_ref)
     real, agent.local.parse_body = agent.local.parse_body, None  # type: ignore[assignment]
     try:  # a hit does not decode the header again
-        assert conn._decode(rest, jl, header, SPECS, OUT).feeds["input"].tobytes() == x.tobytes()
+        assert cached_decode(conn, by_ref).feeds["input"].tobytes() == x.tobytes()
     finally:
         agent.local.parse_body = real
     r.buf[:4] = np.float32(np.nan).tobytes()  # NaN in the region: refused, as uncached
@@ -101,18 +116,17 @@ def test_the_template_cache_never_lets_through_what_decoding_refuses(conn, regio
     nan[0, 0, 0, 0] = np.inf
     assert "NaN or infinity" in both(conn, infer_request("digits", {"input": nan}))[1]
     # another shape is another header (its own verdict); a header refused is never cached
-    n = len(conn.templates)
+    n = len(conn.quick)
     assert both(conn, infer_request("digits", {"input": np.zeros((1, 1, 8, 7), np.float32)}))[0] == "refused"
-    assert len(conn.templates) == n
+    assert len(conn.quick) == n
     # JSON data inputs are never cached (their values are in the header)
     data = json.dumps({"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32",
                                    "data": x.reshape(-1).tolist()}]}).encode()
-    assert both(conn, wire.infer_body("digits", data))[0] == "ok" and len(conn.templates) == n
+    assert both(conn, wire.infer_body("digits", data))[0] == "ok" and len(conn.quick) == n
     # other specs (a model swapped in under the same header): not the template's
-    rest, jl, header = split(inline)
     specs2 = (TensorSpec(name="input", datatype="FP16", shape=(-1, 1, 8, 8)),)
     with pytest.raises(RequestError):
-        conn._decode(rest, jl, header, specs2, OUT)
+        cached_decode(conn, inline, specs2)
 
 
 def test_the_template_cache_is_bounded(conn):
@@ -122,7 +136,7 @@ def test_the_template_cache_is_bounded(conn):
                                                      "parameters": {"binary_data_size": 256}}]}).encode()
         body = wire.infer_body("digits", head, np.full(64, i, np.float32).tobytes())
         assert both(conn, body)[4] == str(i)
-    assert len(conn.templates) == TEMPLATES_PER_CONNECTION
+    assert len(conn.quick) == TEMPLATES_PER_CONNECTION
 
 
 async def _silent_server(path):

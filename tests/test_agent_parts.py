@@ -98,3 +98,47 @@ def test_rejected_records_are_set_aside_not_resent(tmp_path):
     assert [int(p.stem) for p in s.pending()] == [0, 2]
     assert json.loads((s.rejected_dir / f"{1:012d}.json").read_bytes()) == {"seq": 1}
     assert [int(p.stem) for p in Spool(tmp_path).pending()] == [0, 2]  # still so after a restart
+
+
+def test_successes_counted_in_bulk_read_the_same_as_one_by_one():
+    """ModelMetrics counts successful requests in bulk (fold): whatever reads the counters -- the exposition, the
+    Triton statistics, telemetry, /metrics/summary -- sees every request at once, exactly as counted one by one."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from agent.metrics import FOLD_EVERY, LATENCY_BUCKETS, _observe_many
+
+    rng = random.Random(7)
+    values = [rng.choice(LATENCY_BUCKETS) for _ in range(50)] + [rng.uniform(0, 12) for _ in range(500)]
+    one, bulk = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("h", "h", ["m"], buckets=LATENCY_BUCKETS, registry=one).labels("x")
+    h2 = Histogram("h", "h", ["m"], buckets=LATENCY_BUCKETS, registry=bulk).labels("x")
+    for v in values:
+        h1.observe(v)
+    _observe_many(h2, values[:3])  # below the bulk threshold: one by one
+    _observe_many(h2, values[3:])
+
+    def samples(reg):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in reg.collect() for s in f.samples
+                if not s.name.endswith("_created")}
+
+    got, want = samples(bulk), samples(one)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-12), k
+
+    m = Metrics()
+    mm = m.for_model("digits", "1")
+    for i in range(FOLD_EVERY + 5):  # one fold on the way, five still waiting
+        mm.request(0.001 * (i % 7 + 1), 200)
+    mm.request(0.5, 503)
+    assert m.total_requests == FOLD_EVERY + 6 and m.total_errors == 1
+    st = mm.stats()["inference_stats"]
+    assert st["success"]["count"] == FOLD_EVERY + 5 and st["fail"]["count"] == 1
+    text = m.exposition().decode()
+    assert f'edgefleet_inference_requests_total{{model="digits",version="1"}} {FOLD_EVERY + 6}.0' in text
+    assert f'edgefleet_request_duration_seconds_count{{model="digits",version="1"}} {FOLD_EVERY + 6}.0' in text
+    mm.request(0.002, 200)
+    snap = m.snapshot_and_reset()
+    assert snap.requests == FOLD_EVERY + 7 and snap.errors == 1
