@@ -303,7 +303,8 @@ class _Connection(asyncio.Protocol):
                 self.srv.host.metrics.rejected(time.perf_counter() - t0, status, None)
             return True
         self.pending.add(pending)
-        pending.future.add_done_callback(functools.partial(self._answered, rid, served, req, t0, n, pending))
+        pending.future.add_done_callback(
+            functools.partial(self._answered, rid, served, req, t0, n, pending, t.answers))
         if self.inflight >= self.srv.max_inflight:
             self._update_reading()
         return True
@@ -329,7 +330,7 @@ class _Connection(asyncio.Protocol):
         return None if q is None else (*q, end)
 
     def _answered(self, rid: int, served: Served, req: InferRequest, t0: float, nbytes: int, pending: Any,
-                  fut: asyncio.Future) -> None:
+                  answers: dict[tuple, bytes], fut: asyncio.Future) -> None:
         """A fast-path request's outputs (or error) are in: answer it (as _infer would)."""
         served.batcher.settle(pending)
         self.srv.inflight_bytes -= nbytes
@@ -344,7 +345,7 @@ class _Connection(asyncio.Protocol):
             outs = fut.result()
             self.srv.host.offer_shadow(served, req, outs)
             m = served.manifest
-            content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm)
+            content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm, answers)
             status = 200
             self._send(b"".join([wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.RESULT, 0, rid, 4 + len(content)),
                                  _U32.pack(len(content) if json_len is None else json_len), content]))

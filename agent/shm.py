@@ -278,16 +278,32 @@ class SharedMemory:
 
     def write(self, name: str, offset: int, size: int, data: np.ndarray, what: str) -> int:
         """Write ``data`` (C-contiguous, little-endian) into region ``name`` -> its byte count."""
-        n = data.nbytes
-        if n > size:
-            raise RequestError(f"{what}: the output is {n} bytes; shared_memory_byte_size gives it {size}")
+        self.scatter(((name, offset, size, data, what),))
+        return data.nbytes
+
+    def scatter(self, writes: Sequence[tuple[str, int, int, np.ndarray, str]]) -> None:
+        """``write`` of each (region, offset, size, data, what), under one hold of the lock and with one fstat per
+        region: a request's outputs (checked by check_output when it was decoded, checked again here)."""
+        for _, _, size, data, what in writes:
+            if data.nbytes > size:
+                raise RequestError(f"{what}: the output is {data.nbytes} bytes; shared_memory_byte_size gives it "
+                                   f"{size}")
+        now = time.monotonic()
         with self._lock:
-            r = self._use(name, offset, n, what)
-            if r.writable is None:
-                raise RequestError(f"{what}: shared-memory object {r.key!r} is read-only to the agent")
-            start = r.offset + offset
-            r.writable[start:start + n] = data.reshape(-1).view(np.uint8).data
-        return n
+            if now - self._swept_at > _SWEEP_EVERY_S:
+                self._sweep_locked(now)
+            sizes: dict[int, int] = {}
+            for name, offset, _, data, what in writes:
+                n = data.nbytes
+                r = self._live(name, offset, n, what, now)
+                st = sizes.get(r.fd)
+                if st is None:
+                    st = sizes[r.fd] = os.fstat(r.fd).st_size
+                self._check_mapped(r, name, offset + n, what, st)
+                if r.writable is None:
+                    raise RequestError(f"{what}: shared-memory object {r.key!r} is read-only to the agent")
+                start = r.offset + offset
+                r.writable[start:start + n] = data.reshape(-1).view(np.uint8).data
 
 
 def _close(r: Region) -> None:

@@ -188,3 +188,34 @@ def test_async_client_timeouts(tmp_path):
             server.close()
 
     asyncio.run(main())
+
+
+def test_answers_kept_per_template_are_the_answers_built_afresh(conn, region):
+    """encode_response's memo (a template's answers, where every output goes to shared memory): the same bytes as an
+    answer built afresh, the outputs written each time, and every check still made (the region, its size, NaN)."""
+    from agent.errors import InferenceFailed
+    from agent.kserve import encode_response
+
+    key, r = region
+    conn.shm.register("io", key, 0, 8192, "test")
+    body = infer_request("digits", {"input": ("io", 0, 256, [1, 1, 8, 8])}, outputs={"logits": ("io", 4096, 40)})
+    r.buf[:256] = np.ones(64, np.float32).tobytes()
+    req = cached_decode(conn, body)
+    memo: dict = {}
+    for i in range(3):
+        out = [np.arange(10, dtype=np.float32).reshape(1, 10) + i]
+        fresh = encode_response("digits", "1", out, OUT, req, conn.shm)
+        r.buf[4096:4136] = bytes(40)
+        assert encode_response("digits", "1", out, OUT, req, conn.shm, memo) == fresh
+        assert np.frombuffer(r.buf[4096:4136], np.float32).tolist() == out[0].reshape(-1).tolist()
+    assert len(memo) == 1
+    assert encode_response("digits", "2", out, OUT, req, conn.shm, memo) != fresh  # another version: its own
+    nan = [np.full((1, 10), np.nan, np.float32)]
+    with pytest.raises(InferenceFailed, match="NaN"):
+        encode_response("digits", "1", nan, OUT, req, conn.shm, memo)
+    conn.shm.unregister("io")
+    with pytest.raises(RequestError, match="no shared-memory region 'io'"):
+        encode_response("digits", "1", out, OUT, req, conn.shm, memo)
+    conn.shm.register("io", key, 0, 4100, "test")  # too small for the output now
+    with pytest.raises(RequestError, match="beyond shared-memory region 'io'"):
+        encode_response("digits", "1", out, OUT, req, conn.shm, memo)
