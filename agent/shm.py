@@ -255,8 +255,8 @@ class SharedMemory:
                 if st is None:
                     st = sizes[r.fd] = os.fstat(r.fd).st_size
                 self._check_mapped(r, name, offset + size, what, st)
-                got.append(np.frombuffer(r.readable, dtype=dtype, count=size // dtype.itemsize,
-                                         offset=r.offset + offset).reshape(shape).copy())
+                start = r.offset + offset  # a copy of the bytes (the client owns the region), as an array
+                got.append(np.frombuffer(r.readable[start:start + size], dtype=dtype).reshape(shape))
             for name, offset, size, what in outputs:
                 r = self._live(name, offset, size, what, now)
                 if r.writable is None:
