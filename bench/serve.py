@@ -198,9 +198,11 @@ def json_decode_ms(body: bytes, repeats: int = 5, loads: Callable[[bytes], Any] 
 # -- the transport floor: a body's round trip to a server that only reads it ---------------------------
 
 
-def _sink_server(port_q: Any) -> None:
+def _sink_server(port_q: Any, asgi: bool = False) -> None:
     """A loopback server that reads each request (head, then Content-Length bytes) and answers 4 KB: what
-    any HTTP server pays for the bytes alone, without parsing, validation or inference."""
+    any HTTP server pays for the bytes alone, without parsing, validation or inference. ``asgi``: the same through
+    uvicorn and a Starlette route that reads the whole body (``await request.body()``), the HTTP stack the agent
+    serves with: what that stack adds over the bytes, before the agent does anything with them."""
     _die_with_parent()
 
     async def main() -> None:
@@ -217,18 +219,41 @@ def _sink_server(port_q: Any) -> None:
         port_q.put(srv.sockets[0].getsockname()[1])
         await asyncio.sleep(120)  # bounded; the parent terminates it sooner
 
+    async def main_asgi() -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        async def sink(request: Request) -> Response:
+            await request.body()
+            return Response(b"x" * 4096, media_type="application/octet-stream")
+
+        port = _free_port()
+        cfg = uvicorn.Config(Starlette(routes=[Route("/sink", sink, methods=["POST"])]), host="127.0.0.1", port=port,
+                             log_level="warning", access_log=False, lifespan="off", loop="uvloop")
+        server = uvicorn.Server(cfg)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port_q.put(port)
+        await asyncio.sleep(120)  # bounded; the parent terminates it sooner
+        task.cancel()
+
     try:
         import uvloop
-        uvloop.run(main())
+        uvloop.run(main_asgi() if asgi else main())
     except ImportError:
-        asyncio.run(main())
+        asyncio.run(main_asgi() if asgi else main())
 
 
-def transport_floor_ms(body_bytes: int, rounds: int = 400) -> float:
-    """Median round trip of a ``body_bytes`` POST and a 4 KB answer over loopback (one blocking client)."""
+def transport_floor_ms(body_bytes: int, rounds: int = 400, asgi: bool = False) -> float:
+    """Median round trip of a ``body_bytes`` POST and a 4 KB answer over loopback (one blocking client); ``asgi``:
+    through uvicorn and Starlette (_sink_server)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_sink_server, args=(q,), daemon=True)
+    proc = ctx.Process(target=_sink_server, args=(q, asgi), daemon=True)
     proc.start()
     try:
         port = q.get(timeout=60)
@@ -240,9 +265,11 @@ def transport_floor_ms(body_bytes: int, rounds: int = 400) -> float:
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 s.sendall(req)
-                while f.readline() not in (b"\r\n", b""):
-                    pass
-                f.read(4096)
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                f.read(length)
                 lats.append(time.perf_counter() - t0)
         return statistics.median(lats[rounds // 10:]) * 1000
     finally:
@@ -753,6 +780,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     decode_ms_orjson = json_decode_ms(json_body, loads=orjson.loads)
     binary_request = bodies("binary", m["model"], images[:1])[1][0]
     floor_ms = transport_floor_ms(len(binary_request))
+    asgi_floor_ms = transport_floor_ms(len(binary_request), asgi=True)
     t0 = time.monotonic()
     pin_args = ("--inference-cpus", ",".join(map(str, sorted(PIN[0])))) if PIN else ()
     local = small and _have_grpc()  # digits, where the transport is the cost: gRPC and shared memory too
@@ -812,7 +840,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     json_target_orjson = {c: 1 / (1 / v + decode_ms_orjson / 1000) for c, v in naive_by_c.items()}
     return {"model": name, "precision": m["precision"], "limit_img_s": limit, "limit_before": limit_before,
             "limit_after": limit_after, "raw_batch1_ms": b1_ms, "json_decode_ms": decode_ms,
-            "transport_floor_ms": floor_ms,
+            "transport_floor_ms": floor_ms, "asgi_floor_ms": asgi_floor_ms,
             "json_decode_orjson_ms": decode_ms_orjson, "json_target_req_s": json_target,
             "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss,
             "rows": rows, "agent_layout": layout, "agent_choice": chosen}
@@ -882,7 +910,9 @@ def print_report(doc: dict[str, Any]) -> None:
             print("added at 1 client over the agent's own runtime calls in the same run (its statistics): "
                   + "; ".join(own))
         print(f"transport floor: a binary request's bytes to a loopback server that only reads them and back, "
-              f"{res['transport_floor_ms']:.3f} ms")
+              f"{res['transport_floor_ms']:.3f} ms; through uvicorn and a Starlette route that reads the body (the "
+              f"agent's HTTP stack, nothing decoded) {res['asgi_floor_ms']:.3f} ms: that stack adds "
+              f"{res['asgi_floor_ms'] - res['transport_floor_ms']:.3f} ms before the agent's own work")
         tgt = ", ".join(f"{c} clients {v:.1f}" for c, v in res["json_target_req_s"].items())
         print(f"JSON target (naive raw-bytes req/s with the decode cost added per request): {tgt}")
         tgt = ", ".join(f"{c} clients {v:.1f}" for c, v in res["json_target_orjson_req_s"].items())
