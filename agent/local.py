@@ -14,7 +14,8 @@ A stale socket at the path is replaced; any other file there is refused.
 
 Bounds: ``max_connections`` connections (one more is answered ERROR 503 and closed), ``max_inflight``
 requests in flight per connection (reading pauses beyond it, and while the client does not read its answers),
-``max_inflight_bytes`` of request bodies in flight over all connections (beyond it: 503), a frame at most
+``max_inflight_bytes`` of request bodies in flight over all connections, frames still being read included
+(beyond it: 503), a frame at most
 ``max_body_bytes`` (the agent's), a frame whole within protocol.local.FRAME_TIMEOUT_S of its first byte. A
 connection's regions are unregistered when it closes.
 """
@@ -111,6 +112,9 @@ class _Connection(asyncio.Protocol):
         self.client = f"local#{self.number}"
         self.shm = srv.shm.scoped(f"L{self.number}") if srv.shm is not None else None
         self.buf = bytearray()
+        self.held_bytes = 0  # of buf, counted in srv.inflight_bytes (_hold)
+        self.waiting = False  # buf holds whole frames waiting for room (max_inflight), not a partial one
+        self.resuming = False
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Task] = set()
         self.out: list[bytes] = []
@@ -140,6 +144,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.srv.connections.discard(self)
+        self._release()
         if self.stall is not None:
             self.stall.cancel()
         for t in self.tasks:  # a request still queued is dropped from the batch; its answer has nowhere to go
@@ -169,7 +174,10 @@ class _Connection(asyncio.Protocol):
     def _update_reading(self) -> None:
         if self.transport is None or self.closed:
             return
-        want_pause = self.paused_writing or self.inflight >= self.srv.max_inflight
+        if self.waiting and self.inflight < self.srv.max_inflight and not self.resuming:
+            self.resuming = True  # room again for the whole frames left in buf: dispatched in the next turn
+            asyncio.get_running_loop().call_soon(self._resume)
+        want_pause = self.paused_writing or self.inflight >= self.srv.max_inflight or self.waiting
         if want_pause and not self.paused_reading:
             self.transport.pause_reading()
         elif not want_pause and self.paused_reading:
@@ -180,12 +188,25 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self.buf += data
+        self._frames()
+
+    def _frames(self) -> None:
+        """Dispatch the whole frames in ``buf`` while this connection has room (``max_inflight``); what is left (a
+        partial frame, or whole ones waiting for room: _update_reading resumes them) counts against the server's
+        ``max_inflight_bytes`` (_hold), as the requests it will become do."""
+        srv = self.srv
+        srv.inflight_bytes -= self.held_bytes  # held until now; each whole frame is charged as it is dispatched
+        self.held_bytes = 0
         buf = self.buf
-        buf += data
         pos, n = 0, len(buf)
+        full = False
         while n - pos >= _HEAD:
+            if self.inflight >= srv.max_inflight:
+                full = True  # the rest waits for answers to free room, in buf
+                break
             try:
-                kind, rid, length = wire.unpack_header(buf[pos:pos + _HEAD], self.srv.max_body_bytes)
+                kind, rid, length = wire.unpack_header(buf[pos:pos + _HEAD], srv.max_body_bytes)
             except wire.FrameError as exc:
                 self._fatal(413 if "exceeds" in str(exc) else 400, str(exc))
                 return
@@ -198,12 +219,39 @@ class _Connection(asyncio.Protocol):
             if self.closed:
                 return
         del buf[:pos]
-        if buf:
+        self.waiting = full and bool(buf)
+        if buf and not self._hold():
+            return
+        if buf and not self.waiting:
             if self.stall is None:
-                self.stall = asyncio.get_running_loop().call_later(self.srv.frame_timeout_s, self._stalled)
-        elif self.stall is not None:
+                self.stall = asyncio.get_running_loop().call_later(srv.frame_timeout_s, self._stalled)
+        elif self.stall is not None:  # nothing partial, or whole frames waiting on this agent, not on the client
             self.stall.cancel()
             self.stall = None
+        self._update_reading()
+
+    def _hold(self) -> bool:
+        """Charge the bytes left in ``buf`` to the server's in-flight byte budget -> False where they do not fit: then
+        the connection is refused (503) and closed, a frame it cannot finish reading."""
+        srv, held = self.srv, len(self.buf)
+        if srv.inflight_bytes + held > srv.max_inflight_bytes:
+            self._fatal(503, f"too many request bytes in flight ({srv.inflight_bytes} of {srv.max_inflight_bytes}) "
+                             f"to hold the {held} bytes of a frame not read yet; retry")
+            return False
+        srv.inflight_bytes += held
+        self.held_bytes = held
+        return True
+
+    def _release(self) -> None:
+        """The bytes held in ``buf`` leave the budget (the connection failed or closed)."""
+        self.srv.inflight_bytes -= self.held_bytes
+        self.held_bytes = 0
+        self.buf.clear()
+
+    def _resume(self) -> None:
+        self.resuming = False
+        if self.waiting and not self.closed:
+            self._frames()
 
     def _stalled(self) -> None:
         self.stall = None
@@ -215,7 +263,7 @@ class _Connection(asyncio.Protocol):
         log.info("local client %s: %s; closing its connection", self.client, message)
         self._send(_error(0, status, message))
         self._flush()
-        self.buf.clear()
+        self._release()
         if self.transport is not None:
             self.transport.close()
         self.closed = True
