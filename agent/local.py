@@ -339,8 +339,8 @@ class _Connection(asyncio.Protocol):
                 return False  # another version serves now: decoded afresh
             req = t.apply(memoryview(body)[end:] if t.has_binary else None, self.shm)
             pending = self.srv.host.enqueue(served, req)
-        except RequestError:
-            return False  # _infer says exactly why
+        except (RequestError, ValueError, TypeError, KeyError):
+            return False  # _infer says exactly why (and logs what it did not expect)
         except AgentError as exc:  # queue full, model being replaced, none loaded: as _infer would answer
             status = getattr(exc, "status_code", 500)
             self._send(_error(rid, status, str(exc)))
