@@ -287,7 +287,9 @@ class _Pending:
     counted: bool = True  # its samples are still in the queue's count
     dispatched: bool = False
     waiting_on_thread: bool = False  # in a batch queued behind the running one on an inference thread
-    timer: asyncio.TimerHandle | None = None
+    timer: asyncio.TimerHandle | None = None  # a request with a timeout of its own; else the batcher's one timer
+    deadline: float = 0.0  # loop time when its timeout ends
+    settled: bool = False  # Batcher.settle ran: its answer is out, nothing of it is needed any more
 
     def stackable_with(self, other: _Pending, axes: dict[str, int | None]) -> bool:
         """Every input has a batch axis, and the same other dimensions (dynamic dims may differ between
@@ -357,6 +359,9 @@ class Batcher:
         self._queued_samples = 0
         self._staged_samples = 0  # in batches waiting on a busy inference thread
         self._wake = asyncio.Event()
+        # requests with the default timeout, in the order (and so the deadline order) they came: one timer (_sweep)
+        self._timeouts: collections.deque[_Pending] = collections.deque()
+        self._sweeper: asyncio.TimerHandle | None = None
         self._closing = False
         self._task: asyncio.Task | None = None
         self._running: dict[asyncio.Task, list[_Pending]] = {}  # batches being run, by their task
@@ -423,7 +428,16 @@ class Batcher:
         loop = asyncio.get_running_loop()
         p = _Pending(feeds, n, loop.create_future(), HIGH if priority == HIGH else NORMAL)
         timeout = s.queue_timeout_s if timeout_s is None else min(timeout_s, s.queue_timeout_s)
-        p.timer = loop.call_later(timeout, self._expire, p, timeout)
+        if timeout == s.queue_timeout_s:  # the usual case: one timer for them all, their deadlines in order
+            p.deadline = loop.time() + timeout
+            dq = self._timeouts
+            while dq and dq[0].settled:  # answered: nothing left to watch (keeps this as short as what is in flight)
+                dq.popleft()
+            dq.append(p)
+            if self._sweeper is None:
+                self._sweeper = loop.call_at(dq[0].deadline, self._sweep)
+        else:
+            p.timer = loop.call_later(timeout, self._expire, p, timeout)
         self._queues[p.priority].append(p)
         self._queued_samples += n
         if p.priority == HIGH and self._staged_samples:  # it goes before a batch not yet started
@@ -439,8 +453,24 @@ class Batcher:
         if not p.dispatched and p.counted:
             p.counted = False
             self._queued_samples -= p.n
+        elif p.waiting_on_thread and p.future.cancelled():  # its client went away while its batch waited on a thread
+            self._drop_if_all_done(p)
         if p.timer is not None:
             p.timer.cancel()
+        p.settled = True  # the timeout queue lets it go (enqueue drops answered requests from its head)
+
+    def _sweep(self) -> None:
+        """The one timer of requests with the default timeout: expire those whose deadline has passed (oldest first:
+        they were queued in deadline order), then wait for the next one."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        now, dq, timeout = loop.time(), self._timeouts, self.settings.queue_timeout_s
+        while dq and (dq[0].settled or dq[0].deadline <= now):
+            p = dq.popleft()
+            if not p.settled:
+                self._expire(p, timeout)
+        if dq:
+            self._sweeper = loop.call_at(dq[0].deadline, self._sweep)
 
     def _expire(self, p: _Pending, timeout: float) -> None:
         if p.future.done() or (p.dispatched and not p.waiting_on_thread):
@@ -451,11 +481,15 @@ class Batcher:
         staged = p.waiting_on_thread
         p.future.set_exception(Unavailable(f"request waited {time.monotonic() - p.enqueued:.3f}s in the queue "
                                            f"(timeout {timeout:g}s); retry later"))
-        if staged:  # a batch waiting on a thread whose requests have all expired does not run
-            for inst in self._instances:
-                st = inst.slot
-                if st is not None and p in st.batch and all(q.future.done() for q in st.batch):
-                    self._unstage(inst)
+        if staged:
+            self._drop_if_all_done(p)
+
+    def _drop_if_all_done(self, p: _Pending) -> None:
+        """A batch waiting on a thread whose requests have all expired or been cancelled does not run."""
+        for inst in self._instances:
+            st = inst.slot
+            if st is not None and p in st.batch and all(q.future.done() for q in st.batch):
+                self._unstage(inst)
 
     # -- forming batches -------------------------------------------------------------------------
     def _peek(self) -> _Pending | None:
@@ -793,6 +827,10 @@ class Batcher:
         for q in self._queues:
             q.clear()
         self._queued_samples = 0
+        if self._sweeper is not None:  # everyone is answered: no timeout left to watch
+            self._sweeper.cancel()
+            self._sweeper = None
+        self._timeouts.clear()
         for t in list(self._running):  # their threads are let go below; the tasks must not wait for them
             t.cancel()
         self.metrics.retire()

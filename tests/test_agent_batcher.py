@@ -675,3 +675,40 @@ def test_non_finite_outputs_fail_only_the_requests_whose_rows_hold_them():
             verdicts.append(str(exc))
     assert verdicts[0] == verdicts[2] == "ok" and "NaN or infinity" in verdicts[1]
     assert all(encode_response("m", "1", o, be.outputs, req)[0] for o in clean)
+
+
+def test_default_timeouts_share_one_timer_in_order_and_keep_nothing_once_answered():
+    """Requests with the default timeout are watched by one timer (Batcher._sweep): each still expires while the
+    model is busy, oldest first, a cancelled one is not answered twice, and answered requests are not kept."""
+    async def main():
+        be = FakeBackend()
+        be.gate.clear()
+        b = Batcher(be, BatchSettings(max_batch_size=1, queue_timeout_s=0.3))
+        b.start()
+        first = asyncio.ensure_future(b.submit(x(1)))
+        await _until(be.started.is_set, "the first batch running")
+        order = []
+        gone = asyncio.ensure_future(b.submit(x(1, start=2)))
+        old = asyncio.ensure_future(b.submit(x(1, start=4)))
+        old.add_done_callback(lambda f: order.append("old"))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # its client went away
+        new = asyncio.ensure_future(b.submit(x(1, start=6)))
+        new.add_done_callback(lambda f: order.append("new"))
+        for f in (old, new):
+            with pytest.raises(Unavailable, match=r"timeout 0.3s"):
+                await f
+        assert order == ["old", "new"] and gone.cancelled()
+        assert not be.gate.is_set() and not first.done() and b.queued_samples == 0  # expired while it was busy
+        be.gate.set()
+        await first
+        for _ in range(5):
+            await asyncio.gather(*(b.submit(x(1, start=i)) for i in range(40)))
+        await b.submit(x(1))  # a request comes: the answered ones before it leave the timeout queue
+        kept = len(b._timeouts)
+        await b.close()
+        return be.batches, kept
+
+    batches, kept = run(main())
+    assert batches.count(1) == 202  # the first and the 201 after; none of the expired or cancelled ones ran
+    assert kept <= 1  # answered requests leave the timeout queue as new ones come
