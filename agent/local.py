@@ -7,7 +7,12 @@ connection) and the same batcher as HTTP and gRPC: a request from here can share
 
 Served on the agent's event loop with an ``asyncio.Protocol`` (no streams, no per-connection task): frames are
 cut from what each read brings, requests pipelined on one connection run concurrently, and the answers finished
-in one turn of the loop leave in one write. Off unless ``local_socket`` is set (a path; relative: under the
+in one turn of the loop leave in one write. A request that starts with the same bytes (model, version, JSON
+header) as one decoded before on the connection -- a camera loop's every frame -- takes the fast path (_quick):
+its cached template decodes it with every check that depends on more than the header made again, the batcher
+queues it without an asyncio task (Batcher.enqueue), and its answer is written from the future's callback, its
+JSON reused where every output goes to shared memory. Anything else, and any request the fast path would refuse,
+goes through _infer for the exact verdict. Off unless ``local_socket`` is set (a path; relative: under the
 data dir). The socket file is made mode 0660 before the agent listens (so no one connects in between): the
 agent's user and group may connect, nobody else -- stricter than the loopback HTTP port any local user reaches.
 A stale socket at the path is replaced; any other file there is refused.
