@@ -397,17 +397,10 @@ class _Connection(asyncio.Protocol):
                 raise exc
             outs = fut.result()
             self.srv.host.offer_shadow(served, req, outs)
-            m = served.manifest
-            content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm, answers)
+            self._result(rid, served, req, outs, answers)
             status = 200
-            self._send(b"".join([wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.RESULT, 0, rid, 4 + len(content)),
-                                 _U32.pack(len(content) if json_len is None else json_len), content]))
-        except AgentError as exc:
-            status = getattr(exc, "status_code", 500)
-            self._send(_error(rid, status, str(exc)))
         except Exception as exc:  # never let one request take the server down
-            log.exception("unexpected error in a local infer")
-            self._send(_error(rid, 500, f"internal error: {exc}"))
+            status = self._refuse(rid, exc)
         finally:
             self.pending.discard(pending)
             served.metrics.request(time.perf_counter() - t0, status)
@@ -437,19 +430,13 @@ class _Connection(asyncio.Protocol):
                                    header, m.inputs, m.outputs)
             del rest
             outs = await host.infer(served, req)
-            content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm)
+            self._result(rid, served, req, outs)
             status = 200
-            self._send(b"".join([wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.RESULT, 0, rid, 4 + len(content)),
-                                 _U32.pack(len(content) if json_len is None else json_len), content]))
-        except AgentError as exc:
-            status = getattr(exc, "status_code", 500)
-            self._send(_error(rid, status, str(exc)))
         except asyncio.CancelledError:
             status = 499  # the client went away
             raise
         except Exception as exc:  # never let one request take the server down
-            log.exception("unexpected error in a local infer")
-            self._send(_error(rid, 500, f"internal error: {exc}"))
+            status = self._refuse(rid, exc)
         finally:
             srv.inflight_bytes -= len(body)
             dt = time.perf_counter() - t0
@@ -457,6 +444,24 @@ class _Connection(asyncio.Protocol):
                 served.metrics.request(dt, status)
             else:
                 host.metrics.rejected(dt, status, model if model in host.models else None)
+
+    def _result(self, rid: int, served: Served, req: InferRequest, outs: list, answers: dict | None = None) -> None:
+        """Send the RESULT frame of ``outs`` (``answers``: the request's template's, encode_response's memo)."""
+        m = served.manifest
+        content, json_len = encode_response(m.name, m.version, outs, m.outputs, req, self.shm, answers)
+        self._send(b"".join([wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.RESULT, 0, rid, 4 + len(content)),
+                             _U32.pack(len(content) if json_len is None else json_len), content]))
+
+    def _refuse(self, rid: int, exc: Exception) -> int:
+        """Send the ERROR frame a request that failed with ``exc`` gets -> its status (an AgentError's own; anything
+        else is this agent's fault: 500, logged)."""
+        if isinstance(exc, AgentError):
+            status = getattr(exc, "status_code", 500)
+            self._send(_error(rid, status, str(exc)))
+            return status
+        log.error("unexpected error in a local infer", exc_info=exc)
+        self._send(_error(rid, 500, f"internal error: {exc}"))
+        return 500
 
     def _decode(self, key: bytes, model: str, version: str | None, rest: memoryview, json_length: int,
                 header: str | None, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...]) -> InferRequest:

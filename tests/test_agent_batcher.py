@@ -307,14 +307,20 @@ def test_preferred_batch_sizes_split_a_queue():
         np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
 
 
+async def _held_busy(settings: BatchSettings):
+    """A started batcher whose model is held busy (at its gate) by a first request -> (backend, batcher, first)."""
+    be = FakeBackend()
+    be.gate.clear()
+    b = Batcher(be, settings)
+    b.start()
+    first = asyncio.ensure_future(b.submit(x(1)))
+    await _until(be.started.is_set, "the first batch running")
+    return be, b, first
+
+
 def test_a_request_timeout_is_answered_at_its_deadline_not_when_the_queue_moves():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=1, queue_timeout_s=60))
-        b.start()
-        first = asyncio.ensure_future(b.submit(x(1)))
-        await _until(be.started.is_set, "the first batch running")
+        be, b, first = await _held_busy(BatchSettings(max_batch_size=1, queue_timeout_s=60))
         with pytest.raises(Unavailable, match=r"timeout 0.05s"):
             await b.submit(x(1), timeout_s=0.05)
         assert not be.gate.is_set() and not first.done()  # answered while the model was still busy
@@ -681,12 +687,7 @@ def test_default_timeouts_share_one_timer_in_order_and_keep_nothing_once_answere
     """Requests with the default timeout are watched by one timer (Batcher._sweep): each still expires while the
     model is busy, oldest first, a cancelled one is not answered twice, and answered requests are not kept."""
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=1, queue_timeout_s=0.3))
-        b.start()
-        first = asyncio.ensure_future(b.submit(x(1)))
-        await _until(be.started.is_set, "the first batch running")
+        be, b, first = await _held_busy(BatchSettings(max_batch_size=1, queue_timeout_s=0.3))
         order = []
         gone = asyncio.ensure_future(b.submit(x(1, start=2)))
         old = asyncio.ensure_future(b.submit(x(1, start=4)))
