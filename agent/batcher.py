@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,13 +54,14 @@ from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from agent.metrics import Metrics, ModelMetrics
 from engines import Engine
 
-__all__ = ["BATCH_TOLERANCE", "HIGH", "LAYOUT_LATENCY_WEIGHT", "LAYOUT_MIN_GAIN", "NORMAL", "BatchSettings",
+__all__ = ["BATCH_TOLERANCE", "DEAD_MAX", "HIGH", "LAYOUT_LATENCY_WEIGHT", "LAYOUT_MIN_GAIN", "NORMAL", "BatchSettings",
            "BatchTuning", "Batcher", "ComputeGate", "LayoutFigures", "Outputs", "batch_ladder", "choose_batch_size",
            "choose_layout", "layout_candidates", "pin_thread"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
 
 HIGH, NORMAL = 0, 1  # priority levels: the index of their queue
+DEAD_MAX = 64  # cancelled requests left in the queues before they are compacted (when they are half of them)
 _T = TypeVar("_T")
 
 
@@ -288,7 +290,6 @@ class _Pending:
     dispatched: bool = False
     waiting_on_thread: bool = False  # in a batch queued behind the running one on an inference thread
     timer: asyncio.TimerHandle | None = None  # a request with a timeout of its own; else the batcher's one timer
-    deadline: float = 0.0  # loop time when its timeout ends
     settled: bool = False  # Batcher.settle ran: its answer is out, nothing of it is needed any more
 
     def stackable_with(self, other: _Pending, axes: dict[str, int | None]) -> bool:
@@ -302,6 +303,12 @@ class _Pending:
             if v.shape[:a] + v.shape[a + 1:] != o[:a] + o[a + 1:]:
                 return False
         return True
+
+
+def _gone(ref: weakref.ref[_Pending]) -> bool:
+    """A request in the timeout queue that needs no watching any more: answered (settled) or freed."""
+    p = ref()
+    return p is None or p.settled
 
 
 def pin_thread(cpus: Collection[int] | None) -> None:
@@ -360,7 +367,8 @@ class Batcher:
         self._staged_samples = 0  # in batches waiting on a busy inference thread
         self._wake = asyncio.Event()
         # requests with the default timeout, in the order (and so the deadline order) they came: one timer (_sweep)
-        self._timeouts: collections.deque[_Pending] = collections.deque()
+        self._timeouts: collections.deque[tuple[float, weakref.ref[_Pending]]] = collections.deque()
+        self._dead = 0  # cancelled requests left in the queues (a hint for _compact)
         self._sweeper: asyncio.TimerHandle | None = None
         self._closing = False
         self._task: asyncio.Task | None = None
@@ -429,13 +437,12 @@ class Batcher:
         p = _Pending(feeds, n, loop.create_future(), HIGH if priority == HIGH else NORMAL)
         timeout = s.queue_timeout_s if timeout_s is None else min(timeout_s, s.queue_timeout_s)
         if timeout == s.queue_timeout_s:  # the usual case: one timer for them all, their deadlines in order
-            p.deadline = loop.time() + timeout
             dq = self._timeouts
-            while dq and dq[0].settled:  # answered: nothing left to watch (keeps this as short as what is in flight)
+            while dq and _gone(dq[0][1]):  # answered: nothing left to watch
                 dq.popleft()
-            dq.append(p)
+            dq.append((loop.time() + timeout, weakref.ref(p)))  # weak: an answered request's inputs are not kept
             if self._sweeper is None:
-                self._sweeper = loop.call_at(dq[0].deadline, self._sweep)
+                self._sweeper = loop.call_at(dq[0][0], self._sweep)
         else:
             p.timer = loop.call_later(timeout, self._expire, p, timeout)
         self._queues[p.priority].append(p)
@@ -453,11 +460,24 @@ class Batcher:
         if not p.dispatched and p.counted:
             p.counted = False
             self._queued_samples -= p.n
+            self._dead += 1  # still in its queue, which drops it when the batcher next looks; or compacts now
+            if self._dead > DEAD_MAX and 2 * self._dead > len(self._queues[HIGH]) + len(self._queues[NORMAL]):
+                self._compact()
         elif p.waiting_on_thread and p.future.cancelled():  # its client went away while its batch waited on a thread
             self._drop_if_all_done(p)
         if p.timer is not None:
             p.timer.cancel()
-        p.settled = True  # the timeout queue lets it go (enqueue drops answered requests from its head)
+        p.settled = True  # the timeout queue lets it go (and holds it only weakly meanwhile)
+
+    def _compact(self) -> None:
+        """Drop the answered requests (cancelled by their clients) from the queues now: while the model is busy the
+        batcher does not look at its queues, and a client that sends and cancels would otherwise fill them with
+        requests the queue's count no longer holds (memory bounded to about twice what waits)."""
+        for q in self._queues:
+            live = [p for p in q if not p.future.done() or p.counted]
+            q.clear()
+            q.extend(live)
+        self._dead = 0
 
     def _sweep(self) -> None:
         """The one timer of requests with the default timeout: expire those whose deadline has passed (oldest first:
@@ -465,12 +485,12 @@ class Batcher:
         self._sweeper = None
         loop = asyncio.get_running_loop()
         now, dq, timeout = loop.time(), self._timeouts, self.settings.queue_timeout_s
-        while dq and (dq[0].settled or dq[0].deadline <= now):
-            p = dq.popleft()
-            if not p.settled:
+        while dq and (dq[0][0] <= now or _gone(dq[0][1])):
+            p = dq.popleft()[1]()
+            if p is not None and not p.settled:
                 self._expire(p, timeout)
         if dq:
-            self._sweeper = loop.call_at(dq[0].deadline, self._sweep)
+            self._sweeper = loop.call_at(dq[0][0], self._sweep)
 
     def _expire(self, p: _Pending, timeout: float) -> None:
         if p.future.done() or (p.dispatched and not p.waiting_on_thread):

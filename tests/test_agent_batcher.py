@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
+from agent.batcher import DEAD_MAX, HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
 from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from engines import Engine, EngineSpec
 from protocol.manifest import TensorSpec
@@ -713,3 +713,36 @@ def test_default_timeouts_share_one_timer_in_order_and_keep_nothing_once_answere
     batches, kept = run(main())
     assert batches.count(1) == 202  # the first and the 201 after; none of the expired or cancelled ones ran
     assert kept <= 1  # answered requests leave the timeout queue as new ones come
+
+
+def test_the_timeout_queue_does_not_keep_answered_requests_inputs():
+    """While the model is busy and an older request still waits (its deadline far off), requests cancelled by their
+    clients are not all kept alive, inputs and all: the timeout queue holds them weakly, and the priority queues
+    compact once they hold more than DEAD_MAX of them."""
+    import gc
+    import weakref
+
+    async def main():
+        be, b, first = await _held_busy(BatchSettings(max_batch_size=1, queue_timeout_s=30))
+        stuck = asyncio.ensure_future(b.submit(x(1)))  # queued behind the held one, unanswered: the oldest watched
+        await asyncio.sleep(0)
+        refs = []
+        for i in range(300):  # answered one by one while `stuck` is still the oldest the timer watches
+            feeds = x(1, start=i)
+            refs.append(weakref.ref(feeds["x"]))
+            b2 = asyncio.ensure_future(b.submit(feeds, priority=HIGH))
+            del feeds
+            await asyncio.sleep(0)
+            b2.cancel()  # their clients went away: answered (cancelled), settled
+            with pytest.raises(asyncio.CancelledError):
+                await b2
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        be.gate.set()
+        await first
+        await stuck
+        await b.close()
+        return alive, len(b._timeouts)
+
+    alive, _ = run(main())
+    assert alive <= DEAD_MAX  # the queues drop cancelled requests lazily, or compact when there are many
