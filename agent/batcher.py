@@ -370,6 +370,7 @@ class Batcher:
         self._timeouts: collections.deque[tuple[float, weakref.ref[_Pending]]] = collections.deque()
         self._dead = 0  # cancelled requests left in the queues (a hint for _compact)
         self._sweeper: asyncio.TimerHandle | None = None
+        self._ev_loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._closing = False
         self._task: asyncio.Task | None = None
         self._running: dict[asyncio.Task, list[_Pending]] = {}  # batches being run, by their task
@@ -401,7 +402,9 @@ class Batcher:
         return self._queued_samples + self._staged_samples
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+        # the loop it serves on, kept: asyncio.get_running_loop() costs a getpid() system call on Python 3.11
+        self._ev_loop = asyncio.get_running_loop()
+        self._task = self._ev_loop.create_task(self._loop(), name="batcher")
         self.gate.on_wait.append(self._unstage_all)
         self.metrics.watch_queue(lambda: self.queued_samples)
 
@@ -433,7 +436,7 @@ class Batcher:
             raise QueueFull(f"queue full ({self._queued_samples + self._staged_samples} samples waiting, limit "
                             f"{s.max_queue_size}); "
                             "retry later")
-        loop = asyncio.get_running_loop()
+        loop = self._ev_loop or asyncio.get_running_loop()
         p = _Pending(feeds, n, loop.create_future(), HIGH if priority == HIGH else NORMAL)
         timeout = s.queue_timeout_s if timeout_s is None else min(timeout_s, s.queue_timeout_s)
         if timeout == s.queue_timeout_s:  # the usual case: one timer for them all, their deadlines in order
@@ -483,7 +486,7 @@ class Batcher:
         """The one timer of requests with the default timeout: expire those whose deadline has passed (oldest first:
         they were queued in deadline order), then wait for the next one."""
         self._sweeper = None
-        loop = asyncio.get_running_loop()
+        loop = self._ev_loop or asyncio.get_running_loop()
         now, dq, timeout = loop.time(), self._timeouts, self.settings.queue_timeout_s
         while dq and (dq[0][0] <= now or _gone(dq[0][1])):
             p = dq.popleft()[1]()
@@ -689,7 +692,7 @@ class Batcher:
             return
         inst.inflight += 1
         self._arrived_while_running = 0
-        task = asyncio.get_running_loop().create_task(self._run_batch(inst, st))
+        task = (self._ev_loop or asyncio.get_running_loop()).create_task(self._run_batch(inst, st))
         self._running[task] = batch
         task.add_done_callback(functools.partial(self._ran, inst))
 
@@ -773,7 +776,8 @@ class Batcher:
             if self._inline(st):  # a lone tiny call: on the loop, cheaper than two thread hand-offs
                 got = self._infer(inst, st)
             else:
-                got = await asyncio.get_running_loop().run_in_executor(inst.executor, self._infer, inst, st)
+                got = await (self._ev_loop or asyncio.get_running_loop()).run_in_executor(inst.executor, self._infer,
+                                                                                          inst, st)
         except Exception as exc:
             err = exc if isinstance(exc, InferenceFailed) else InferenceFailed(f"inference failed: {exc}")
             log.error("batch of %d failed: %s", st.n, err)

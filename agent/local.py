@@ -121,6 +121,7 @@ class _Connection(asyncio.Protocol):
         self.waiting = False  # buf holds whole frames waiting for room (max_inflight), not a partial one
         self.resuming = False
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop  # connection_made
         self.tasks: set[asyncio.Task] = set()
         self.out: list[bytes] = []
         self.flushing = False
@@ -134,6 +135,7 @@ class _Connection(asyncio.Protocol):
     # -- the connection ------------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self.loop = asyncio.get_running_loop()  # kept: get_running_loop() costs a getpid() call on Python 3.11
         sock = transport.get_extra_info("socket")
         with contextlib.suppress(OSError, AttributeError, struct.error):
             pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -181,7 +183,7 @@ class _Connection(asyncio.Protocol):
             return
         if self.waiting and self.inflight < self.srv.max_inflight and not self.resuming:
             self.resuming = True  # room again for the whole frames left in buf: dispatched in the next turn
-            asyncio.get_running_loop().call_soon(self._resume)
+            self.loop.call_soon(self._resume)
         want_pause = self.paused_writing or self.inflight >= self.srv.max_inflight or self.waiting
         if want_pause and not self.paused_reading:
             self.transport.pause_reading()
@@ -229,7 +231,7 @@ class _Connection(asyncio.Protocol):
             return
         if buf and not self.waiting:
             if self.stall is None:
-                self.stall = asyncio.get_running_loop().call_later(srv.frame_timeout_s, self._stalled)
+                self.stall = self.loop.call_later(srv.frame_timeout_s, self._stalled)
         elif self.stall is not None:  # nothing partial, or whole frames waiting on this agent, not on the client
             self.stall.cancel()
             self.stall = None
@@ -283,7 +285,7 @@ class _Connection(asyncio.Protocol):
             srv.inflight_bytes += len(body)
             if self._quick(rid, body):
                 return
-            task = asyncio.get_running_loop().create_task(self._infer(rid, body))
+            task = self.loop.create_task(self._infer(rid, body))
             self.tasks.add(task)
             task.add_done_callback(self._done)
             if len(self.tasks) >= srv.max_inflight:
@@ -494,7 +496,7 @@ class _Connection(asyncio.Protocol):
         self.out.append(frame)
         if not self.flushing:
             self.flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self.flushing = False
