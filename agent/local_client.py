@@ -157,6 +157,7 @@ class AsyncLocalClient(asyncio.Protocol):
     def __init__(self, max_frame_bytes: int = 1 << 30) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop  # connection_made
         self.pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self.buf = bytearray()
         self.out: list[bytes] = []
@@ -174,6 +175,7 @@ class AsyncLocalClient(asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self.loop = asyncio.get_running_loop()  # kept: get_running_loop() costs a getpid() call on Python 3.11
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = exc or ConnectionError("the agent closed the connection")
@@ -215,7 +217,7 @@ class AsyncLocalClient(asyncio.Protocol):
         if self.lost is not None:
             raise ConnectionError(f"the connection is closed ({self.lost})")
         rid = next(self._ids) & wire.MAX_REQUEST_ID or 1
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         f = loop.create_future()
         self.pending[rid] = f
         if timeout_s is not None:
@@ -245,7 +247,7 @@ class AsyncLocalClient(asyncio.Protocol):
     def _expire(self) -> None:
         """The timeout timer: fail every request past its deadline, then wait for the earliest one left."""
         self._sweep = None
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         now, nxt = loop.time(), None
         for rid, deadline in list(self._deadlines.items()):
             if deadline <= now:
