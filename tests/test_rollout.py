@@ -224,7 +224,10 @@ def test_a_fleet_restart_mid_rollout_resumes_where_it_was(tmp_path, mosquitto, s
         assert r["counts"] == {"installed": 6}
         log = actions(url, rid)
         assert log.count("wave_started") == 2  # wave 1 was not started again after the restart
-        assert log[:3] == ["rollout_created", "wave_started", "rollout_paused"]
+        # paused inside wave 1: before or after its two devices installed and it began to soak (a loaded machine
+        # may get there before the pause request is served), but before wave 2 started
+        assert log[:2] == ["rollout_created", "wave_started"]
+        assert log.index("rollout_paused") < log.index("wave_started", 2)
 
 
 def test_targets_by_group_and_tags_and_refusals_that_name_the_problem(fleet, digits_bundle):
