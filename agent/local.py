@@ -346,8 +346,8 @@ class _Connection(asyncio.Protocol):
                 return False  # another version serves now: decoded afresh
             req = t.apply(memoryview(body)[end:] if t.has_binary else None, self.shm)
             pending = self.srv.host.enqueue(served, req)
-        except (RequestError, ValueError, TypeError, KeyError):
-            return False  # _infer says exactly why (and logs what it did not expect)
+        except RequestError:
+            return False  # _infer says exactly why
         except AgentError as exc:  # queue full, model being replaced, none loaded: as _infer would answer
             status = getattr(exc, "status_code", 500)
             self._send(_error(rid, status, str(exc)))
@@ -357,6 +357,10 @@ class _Connection(asyncio.Protocol):
             else:
                 self.srv.host.metrics.rejected(time.perf_counter() - t0, status, None)
             return True
+        except Exception:  # nothing was queued: _infer decodes it afresh and answers exactly
+            log.warning("local client %s: the cached decode failed unexpectedly; decoding afresh", self.client,
+                        exc_info=True)
+            return False
         self.pending.add(pending)
         pending.future.add_done_callback(
             functools.partial(self._answered, rid, served, req, t0, n, pending, t.answers))

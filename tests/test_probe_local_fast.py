@@ -496,3 +496,31 @@ def test_partial_frames_count_against_the_inflight_byte_budget(tmp_path, digits_
         until(a, lambda: not srv.connections and srv.inflight_bytes == 0, "the budget released on close")
         with LocalClient(a.local_socket, timeout_s=30) as c:
             assert c.infer("digits", {"input": x4(test_images)})["logits"].shape == (4, 10)
+
+
+def test_an_unexpected_error_on_the_fast_path_goes_to_the_exact_path(agent, test_images, fast_hits, monkeypatch):
+    """Whatever the cached template raises, the request is answered by the uncached path (its exact verdict), the
+    connection stays open and no request bytes stay counted in flight."""
+    from agent import kserve
+
+    a, url, srv = agent
+    x = x4(test_images)
+    body = infer_request("digits", {"input": x})
+    with LocalClient(a.local_socket, timeout_s=30) as c:
+        c.infer_raw(body)
+        want = c.infer_raw(body)  # by the template
+        hits = fast_hits[0]
+        real, calls = kserve.RequestTemplate.apply, []
+
+        def apply(self, binary, shm):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("something no check foresaw")
+            return real(self, binary, shm)
+
+        monkeypatch.setattr(kserve.RequestTemplate, "apply", apply)
+        got = c.infer_raw(body)  # the fast path failed: answered all the same, on the same connection
+        assert calls and got[1]["logits"].tobytes() == want[1]["logits"].tobytes()
+        assert c.infer_raw(body)[1]["logits"].tobytes() == want[1]["logits"].tobytes()
+        assert fast_hits[0] == hits + 1  # the fourth went by the template again
+    until(a, lambda: srv.inflight_bytes == 0, "no request bytes left in flight")
