@@ -6,21 +6,25 @@ which bytes), then names the region in an infer request's input or output parame
 (``shared_memory_region``, ``shared_memory_byte_size``, ``shared_memory_offset``) instead of sending the bytes.
 
 Bounded like every other input: at most ``max_per_client`` regions per client (a client is one peer address:
-on the box, every local process is the same client, 127.0.0.1), ``max_regions`` in all and ``max_bytes`` mapped in
-all; a region not used for ``idle_timeout_s`` is unregistered (checked at every shared-memory call and infer
-that names a region, and by :meth:`SharedMemory.sweep`), and every region is unmapped at shutdown. Names and keys
+on the box, every local process is the same client, 127.0.0.1), ``max_regions`` in all and ``max_bytes`` registered
+in all; a region not used for ``idle_timeout_s`` is unregistered (checked at every shared-memory call and infer
+that names a region, and by :meth:`SharedMemory.sweep`), and every region is closed at shutdown. Names and keys
 are validated (a key is one file name under /dev/shm: no path, no ``..``, no symlink followed); an object is
-opened read-write when the agent may (outputs can be written to it), otherwise read-only, and inputs are read
-through a read-only mapping. Input bytes are copied out of the region before the request is queued, so a
-client that rewrites, truncates or unlinks its object meanwhile cannot change or break a batch: a region
-shrunk below what it registered is refused by name (its pages would fault), one unlinked keeps its mapping
-until it is unregistered.
+opened read-write when the agent may (outputs can be written to it), otherwise read-only.
+
+The agent never maps a client's object: it reads inputs with ``preadv`` and writes outputs with ``pwrite`` on its
+descriptor. A mapping faults (SIGBUS, which kills the process) on a page the object no longer has, and a client
+can truncate its object at any moment, also between a size check and the copy; a read past the end is merely
+short, and is refused by name ("was truncated below region"). Before an output is written the object's size is
+checked too (a write past the end would grow the object back); if a client truncates it in between, the write
+lands in the regrown object and nothing faults. Input bytes are copied out of the object before the request is
+queued, so a client that rewrites, truncates or unlinks its object meanwhile cannot change or break a batch; one
+unlinked keeps its descriptor (and its bytes) until it is unregistered.
 """
 
 from __future__ import annotations
 
 import copy
-import mmap
 import os
 import re
 import stat
@@ -49,9 +53,8 @@ class Region:
     byte_size: int
     client: str
     scope: str | None  # None: HTTP's and gRPC's (Triton's global names); else the one connection that may use it
-    fd: int
-    readable: mmap.mmap  # the object's first offset + byte_size bytes, read-only
-    writable: mmap.mmap | None  # the same, read-write (None: the agent may only read the object)
+    fd: int  # the object, opened read-write when ``writable``, else read-only
+    writable: bool  # False: the agent may only read the object
     last_used: float = field(default_factory=time.monotonic)
 
     def status(self) -> dict[str, object]:
@@ -90,7 +93,7 @@ class SharedMemory:
         return self.max_regions > 0 and self.max_per_client > 0
 
     @property
-    def mapped_bytes(self) -> int:
+    def registered_bytes(self) -> int:
         return sum(r.offset + r.byte_size for r in self._regions.values())
 
     # -- registry --------------------------------------------------------------------------------
@@ -119,9 +122,9 @@ class SharedMemory:
             if len(self._regions) >= self.max_regions:
                 raise RequestError(f"{len(self._regions)} shared-memory regions are registered, the most allowed "
                                    f"(max_shm_regions {self.max_regions}); retry after some are unregistered")
-            if self.mapped_bytes + offset + byte_size > self.max_bytes:
-                raise RequestError(f"registering {offset + byte_size} bytes would map more than max_shm_bytes "
-                                   f"({self.max_bytes}; {self.mapped_bytes} mapped now)")
+            if self.registered_bytes + offset + byte_size > self.max_bytes:
+                raise RequestError(f"registering {offset + byte_size} bytes would exceed max_shm_bytes "
+                                   f"({self.max_bytes}; {self.registered_bytes} registered now)")
             self._regions[self._key(name)] = self._open(name, key, offset, byte_size, client)
 
     def _open(self, name: str, key: str, offset: int, byte_size: int, client: str) -> Region:
@@ -146,12 +149,10 @@ class SharedMemory:
             if offset + byte_size > st.st_size:
                 raise RequestError(f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} is beyond "
                                    f"the end of {key!r} ({st.st_size} bytes)")
-            readable = mmap.mmap(fd, offset + byte_size, access=mmap.ACCESS_READ)
-            writable = mmap.mmap(fd, offset + byte_size, access=mmap.ACCESS_WRITE) if rw else None
         except BaseException:
             os.close(fd)
             raise
-        return Region(name, key, offset, byte_size, client, self.scope, fd, readable, writable)
+        return Region(name, key, offset, byte_size, client, self.scope, fd, rw)
 
     def unregister(self, name: str | None = None) -> None:
         """One region, or every region of this scope (``name`` None). An unknown name is not an error (as in
@@ -192,10 +193,9 @@ class SharedMemory:
             self._regions.clear()
 
     # -- tensors ---------------------------------------------------------------------------------
-    def _use(self, name: object, offset: object, size: int, what: str, mapped: bool = True) -> Region:
-        """The region ``name`` for ``size`` bytes at ``offset``, checked; ``mapped``: also check that the object still
-        holds those bytes (one fstat; needed before touching them). Every other region idle too long is swept at
-        most every ``_SWEEP_EVERY_S`` here (a use is a hot path); this one is checked each time."""
+    def _use(self, name: object, offset: object, size: int, what: str) -> Region:
+        """The region ``name`` for ``size`` bytes at ``offset``, checked. Every other region idle too long is swept
+        at most every ``_SWEEP_EVERY_S`` here (a use is a hot path); this one is checked each time."""
         if not isinstance(name, str):
             raise RequestError(f"{what}: shared_memory_region must be a region name, got {name!r}")
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -203,10 +203,7 @@ class SharedMemory:
         now = time.monotonic()
         if now - self._swept_at > _SWEEP_EVERY_S:
             self._sweep_locked(now)
-        r = self._live(name, offset, size, what, now)
-        if mapped:
-            self._check_mapped(r, name, offset + size, what, os.fstat(r.fd).st_size)
-        return r
+        return self._live(name, offset, size, what, now)
 
     def _live(self, name: str, offset: int, size: int, what: str, now: float) -> Region:
         """The registered, not idle-expired region ``name`` holding ``size`` bytes at ``offset`` (marked used)."""
@@ -224,55 +221,54 @@ class SharedMemory:
         return r
 
     @staticmethod
-    def _check_mapped(r: Region, name: str, end: int, what: str, object_size: int) -> None:
-        if object_size < r.offset + end:  # touching past the object's end faults
-            raise RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
+    def _truncated(r: Region, name: str, what: str) -> RequestError:
+        return RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
+
+    def _pread(self, r: Region, name: str, offset: int, size: int, dtype: np.dtype, shape: tuple[int, ...] | list[int],
+               what: str) -> np.ndarray:
+        """A copy of the ``size`` bytes at ``offset`` in ``r``, read through its descriptor (never a mapping: a
+        truncated object gives a short read, not a fault), as an array of ``shape``."""
+        out = np.empty(size, np.uint8)
+        if os.preadv(r.fd, [out], r.offset + offset) != size:
+            raise self._truncated(r, name, what)
+        return out.view(dtype).reshape(shape)
 
     def read(self, name: object, offset: object, size: int, dtype: np.dtype, shape: list[int],
              what: str) -> np.ndarray:
         """A copy of ``size`` bytes at ``offset`` in region ``name`` as an array (the client owns the region)."""
         with self._lock:
             r = self._use(name, offset, size, what)
-            assert isinstance(offset, int)
-            count = size // dtype.itemsize
-            return np.frombuffer(r.readable, dtype=dtype, count=count, offset=r.offset + offset).reshape(shape).copy()
+            assert isinstance(name, str) and isinstance(offset, int)
+            return self._pread(r, name, offset, size, dtype, shape, what)
 
     def gather(self, reads: Sequence[tuple[str, int, int, np.dtype, tuple[int, ...], str]],
                outputs: Sequence[tuple[str, int, int, str]]) -> list[np.ndarray]:
         """``read`` of each of ``reads`` (region, offset, size, dtype, shape, what) and ``check_output`` of each of
-        ``outputs`` (region, offset, size, what), all under one hold of the lock and with one fstat per region (a
-        request's tensors mostly share one): a cached request's shared memory (agent.kserve.RequestTemplate), whose
-        names and offsets were type-checked when it was first decoded. The same checks and errors otherwise."""
+        ``outputs`` (region, offset, size, what), all under one hold of the lock: a cached request's shared memory
+        (agent.kserve.RequestTemplate), whose names and offsets were type-checked when it was first decoded. The
+        same checks and errors otherwise."""
         now = time.monotonic()
-        got: list[np.ndarray] = []
         with self._lock:
             if now - self._swept_at > _SWEEP_EVERY_S:
                 self._sweep_locked(now)
-            sizes: dict[int, int] = {}
-            for name, offset, size, dtype, shape, what in reads:
-                r = self._live(name, offset, size, what, now)
-                st = sizes.get(r.fd)
-                if st is None:
-                    st = sizes[r.fd] = os.fstat(r.fd).st_size
-                self._check_mapped(r, name, offset + size, what, st)
-                start = r.offset + offset  # a copy of the bytes (the client owns the region), as an array
-                got.append(np.frombuffer(r.readable[start:start + size], dtype=dtype).reshape(shape))
+            got = [self._pread(self._live(name, offset, size, what, now), name, offset, size, dtype, shape, what)
+                   for name, offset, size, dtype, shape, what in reads]
             for name, offset, size, what in outputs:
-                r = self._live(name, offset, size, what, now)
-                if r.writable is None:
-                    raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
-                                       "writable by the agent's user for outputs")
+                self._writable(self._live(name, offset, size, what, now), what)
         return got
+
+    @staticmethod
+    def _writable(r: Region, what: str) -> None:
+        if not r.writable:
+            raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
+                               "writable by the agent's user for outputs")
 
     def check_output(self, name: object, offset: object, size: object, what: str) -> tuple[str, int, int]:
         """Validate an output's placement -> (region, offset, byte_size); the output's own size is checked later."""
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise RequestError(f"{what}: shared_memory_byte_size must be a positive byte count, got {size!r}")
         with self._lock:
-            r = self._use(name, offset, size, what, mapped=False)  # write() checks the object's size
-            if r.writable is None:
-                raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
-                                   "writable by the agent's user for outputs")
+            self._writable(self._use(name, offset, size, what), what)  # scatter() checks the object's size
         assert isinstance(name, str) and isinstance(offset, int)
         return name, offset, size
 
@@ -282,8 +278,9 @@ class SharedMemory:
         return data.nbytes
 
     def scatter(self, writes: Sequence[tuple[str, int, int, np.ndarray, str]]) -> None:
-        """``write`` of each (region, offset, size, data, what), under one hold of the lock and with one fstat per
-        region: a request's outputs (checked by check_output when it was decoded, checked again here)."""
+        """``write`` of each (region, offset, size, data, what), under one hold of the lock, each with ``pwrite``
+        after one fstat per region (a truncated object is refused by name rather than grown back): a request's
+        outputs, checked by check_output when it was decoded and again here."""
         for _, _, size, data, what in writes:
             if data.nbytes > size:
                 raise RequestError(f"{what}: the output is {data.nbytes} bytes; shared_memory_byte_size gives it "
@@ -296,18 +293,18 @@ class SharedMemory:
             for name, offset, _, data, what in writes:
                 n = data.nbytes
                 r = self._live(name, offset, n, what, now)
+                if not r.writable:
+                    raise RequestError(f"{what}: shared-memory object {r.key!r} is read-only to the agent")
                 st = sizes.get(r.fd)
                 if st is None:
                     st = sizes[r.fd] = os.fstat(r.fd).st_size
-                self._check_mapped(r, name, offset + n, what, st)
-                if r.writable is None:
-                    raise RequestError(f"{what}: shared-memory object {r.key!r} is read-only to the agent")
                 start = r.offset + offset
-                r.writable[start:start + n] = data.reshape(-1).view(np.uint8).data
+                if st < start + n:
+                    raise self._truncated(r, name, what)
+                # a write, not a mapping: truncated after the fstat above, the object grows back; nothing faults
+                if os.pwrite(r.fd, data.reshape(-1).view(np.uint8), start) != n:
+                    raise RequestError(f"{what}: could not write {n} bytes into shared-memory object {r.key!r}")
 
 
 def _close(r: Region) -> None:
-    for m in (r.readable, r.writable):
-        if m is not None:
-            m.close()
     os.close(r.fd)

@@ -3,6 +3,7 @@ and hostile local clients. Each hostile frame gets a precise ERROR and the agent
 answers equal HTTP's bit for bit for the digits bundle."""
 
 import json
+import multiprocessing
 import os
 import socket
 import stat
@@ -244,6 +245,57 @@ def test_a_region_unlinked_or_truncated_under_the_agent(client, region, test_ima
         t.close()
         t.unlink()
     assert client.infer("digits", {"input": x})["logits"].shape == (4, 10)
+
+
+def _flap(path: str, stop_at: float) -> None:
+    """In its own process: truncate a shared-memory object to nothing and regrow it, as fast as it can."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        while time.monotonic() < stop_at:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, 64 * 1024)
+    finally:
+        os.close(fd)
+
+
+def test_a_client_that_truncates_its_object_while_the_agent_reads_and_writes_it(agent, test_images):
+    """A hostile local client races the agent: its object shrinks to nothing and grows back, over and over, while
+    its requests name it for the input and the output. A mapped read or write that lands on a vanished page would
+    kill the agent with SIGBUS (it did, within a second, when regions were mapped); each request must instead be
+    answered, or refused by name as truncated, and the agent keep serving."""
+    a, _ = agent
+    name = f"edgefleet-local-{uuid.uuid4().hex[:12]}"
+    t = shared_memory.SharedMemory(name, create=True, size=64 * 1024)
+    x = np.ascontiguousarray(test_images[0][:16], np.float32)
+    outcomes: dict[str, int] = {}
+    flapper = None
+    try:
+        with LocalClient(a.local_socket, timeout_s=30) as c:
+            c.register_region("flap", "/" + name, 64 * 1024)
+            flapper = multiprocessing.get_context("spawn").Process(
+                target=_flap, args=(f"/dev/shm/{name}", time.monotonic() + 30), daemon=True)
+            flapper.start()
+            n = 0
+            while n < 3000 and (len(outcomes) < 3 or n < 300):  # bounded: at most 3,000 requests
+                n += 1
+                try:
+                    c.infer("digits", {"input": ("flap", 8192, x.nbytes, list(x.shape))},
+                            outputs={"logits": ("flap", 16384, OUT_BYTES)})
+                    outcomes["answered"] = outcomes.get("answered", 0) + 1
+                except LocalError as e:
+                    assert e.status == 400 and "was truncated below region 'flap'" in e.message, e.message
+                    kind = "input refused" if e.message.startswith("input") else "output refused"
+                    outcomes[kind] = outcomes.get(kind, 0) + 1
+            c.unregister_region("flap")
+    finally:
+        if flapper is not None:
+            flapper.kill()
+            flapper.join(10)
+        t.close()
+        t.unlink()
+    # the race was run: the object was seen both whole and truncated
+    assert outcomes.get("answered", 0) > 0 and outcomes.get("input refused", 0) > 0, outcomes
+    assert serves(a.local_socket, x).shape == (16, 10)
 
 
 def test_a_client_that_goes_away_mid_request_or_mid_frame(agent, client, region, test_images):
