@@ -129,7 +129,9 @@ class SharedMemory:
 
     def _open(self, name: str, key: str, offset: int, byte_size: int, client: str) -> Region:
         path = self.root / key[1:]
-        flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        # O_NONBLOCK: a FIFO opened read-only would wait for a writer (on the event loop, holding the lock); for a
+        # regular file it changes nothing (fstat below refuses anything else)
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
             try:
                 fd = os.open(path, os.O_RDWR | flags)
