@@ -19,6 +19,7 @@ grpcio and the service's message classes (from ``tritonclient[grpc]``) are impor
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -151,6 +152,9 @@ class GrpcServer:
             response = self._response(m.name, m.version, outs, m.outputs, req)
             status = 200
             return response
+        except asyncio.CancelledError:
+            status = 499  # the client cancelled the call (or its deadline passed): not this agent's error
+            raise
         except AgentError as exc:
             status = getattr(exc, "status_code", 500)
             await self.abort(context, exc)

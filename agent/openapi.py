@@ -80,7 +80,7 @@ def openapi(version: str, max_body_bytes: int, models: dict[str, str] | None = N
                 "requestBody": {"required": False, "content": {"application/json": {"schema": {
                     "type": "object", "properties": {"ready": {"type": "boolean"}}}}}},
                 "responses": {"200": _json({"type": "array", "items": {"type": "object"}}, "index"),
-                              **_errors(400)}}},
+                              **_errors(400, 413)}}},
             **model_ops,
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format",

@@ -369,10 +369,13 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _agent_error(exc)
 
     async def repository_index(request: Request) -> Response:
-        raw = await request.body() if int(request.headers.get("content-length") or 0) <= 64 * 1024 else b"x"
+        raw = await _small_body(request)
+        if raw is None:
+            return _error(413, f"the body must be empty or a JSON object like {{\"ready\": true}} (at most "
+                               f"{SMALL_BODY} bytes)")
         try:
             doc = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, an int of too many digits
             return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
         if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
             return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
@@ -489,11 +492,12 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
     async def shm_register(request: Request) -> Response:
         if shm is None:
             return no_shm()
-        if int(request.headers.get("content-length") or 0) > 64 * 1024:
+        raw = await _small_body(request)
+        if raw is None:
             return _error(413, "a register request is a small JSON object {\"key\", \"offset\", \"byte_size\"}")
         try:
-            doc = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, an int of too many digits
             doc = None
         if not isinstance(doc, dict) or set(doc) - {"key", "offset", "byte_size"} or "key" not in doc \
                 or "byte_size" not in doc:
@@ -583,6 +587,24 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         await slow(scope, receive, send)
 
     return app
+
+
+SMALL_BODY = 64 * 1024  # bytes: the most a small JSON request (register, repository index) may have
+
+
+async def _small_body(request: Request) -> bytes | None:
+    """The body of a request that is a small JSON object -> its bytes; None (read no further) past SMALL_BODY, by
+    its Content-Length or, sent chunked, as it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > SMALL_BODY:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > SMALL_BODY:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _error_body(message: str) -> bytes:

@@ -156,3 +156,84 @@ def test_a_fifo_the_agent_may_not_write_is_refused_not_waited_on(agent):
         on_loop(a, lambda: (_libc.setfsuid(0), _libc.setfsgid(0)))
         os.unlink(path)
     assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
+
+
+# -- (2) the HTTP shared-memory extension: hostile JSON and bodies -------------------------------------
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[" * 50_000, "JSON object"),  # nested past the JSON decoder's recursion limit
+    (b'{"key": "/x", "byte_size": 1' + b"0" * 5000 + b"}", "JSON object"),  # past int()'s digit limit
+])
+def test_http_register_with_hostile_json_is_a_400(agent, body, words):
+    a, url = agent
+    r = register(url, "r", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and words in r.json()["error"], (r.status_code, r.text[:200])
+
+
+def _post_chunked_until_answered(url: str, path: str, most: int) -> tuple[bytes, int]:
+    """POST ``path`` with a chunked body of spaces, up to ``most`` bytes, stopping when the agent answers ->
+    (the start of its answer, the bytes sent by then)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  "Transfer-Encoding: chunked\r\n\r\n".encode())
+        chunk = b"%x\r\n" % 65536 + b" " * 65536 + b"\r\n"
+        sent = 0
+        s.setblocking(False)
+        while sent < most:
+            try:
+                got = s.recv(4096)
+                return got, sent
+            except BlockingIOError:
+                pass
+            s.settimeout(10)
+            s.sendall(chunk)
+            s.setblocking(False)
+            sent += 65536
+        s.settimeout(10)
+        s.sendall(b"0\r\n\r\n")
+        return s.recv(4096), sent
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("path", ["/v2/systemsharedmemory/region/r/register", "/v2/repository/index"])
+def test_small_json_bodies_stay_small_when_sent_chunked(agent, path):
+    """A register (or repository index) body is a small JSON object; one sent chunked has no Content-Length to
+    refuse it by, and must still be refused once past the limit -- not buffered whole (64 MiB here; a client can
+    send gigabytes)."""
+    a, url = agent
+    answer, sent = _post_chunked_until_answered(url, path, 64 * 1024 * 1024)
+    assert answer.startswith(b"HTTP/1.1 413") and sent < 16 * 1024 * 1024, (answer[:200], sent)
+    assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
+
+
+# -- (1) gRPC: calls the client cancels -----------------------------------------------------------------
+
+
+def test_a_cancelled_grpc_call_is_counted_as_the_client_gone_not_a_server_error(agent, stub, test_images):
+    a, url = agent
+    x = x4(test_images)
+    before_500 = metric(url, "edgefleet_inference_errors_total", model="digits", code="500")
+    before_499 = metric(url, "edgefleet_inference_errors_total", model="digits", code="499")
+    with gated(a):
+        calls = [stub.ModelInfer.future(grpc_infer_request(x), timeout=20) for _ in range(6)]
+        deadline = time.monotonic() + 10
+        while on_loop(a, lambda: a.host.models["digits"].batcher.queued_samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for c in calls:
+            c.cancel()
+        deadline = time.monotonic() + 10  # the agent sees the cancellations (the batch still held at the gate)
+        while metric(url, "edgefleet_inference_errors_total", model="digits") < before_500 + before_499 + 6 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for c in calls:
+        with pytest.raises(grpc.FutureCancelledError):
+            c.result()
+    assert metric(url, "edgefleet_inference_errors_total", model="digits", code="500") == before_500
+    assert metric(url, "edgefleet_inference_errors_total", model="digits", code="499") == before_499 + 6
+    assert on_loop(a, lambda: a.host.models["digits"].batcher.queued_samples) == 0
+    r = stub.ModelInfer(grpc_infer_request(x), timeout=20)
+    assert len(r.raw_output_contents[0]) == OUT_BYTES
