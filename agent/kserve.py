@@ -77,7 +77,7 @@ def parse_body(body: bytes | memoryview, header_length: str | None, specs: tuple
         text = body
     try:
         doc = _loads(bytes(text) if isinstance(text, memoryview) else text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         where = "the JSON header (Inference-Header-Content-Length bytes)" if binary is not None else "the body"
         raise RequestError(f"{where} is not valid JSON: {exc}") from exc
     except RecursionError as exc:

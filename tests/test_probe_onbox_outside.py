@@ -237,3 +237,20 @@ def test_a_cancelled_grpc_call_is_counted_as_the_client_gone_not_a_server_error(
     assert on_loop(a, lambda: a.host.models["digits"].batcher.queued_samples) == 0
     r = stub.ModelInfer(grpc_infer_request(x), timeout=20)
     assert len(r.raw_output_contents[0]) == OUT_BYTES
+
+
+# -- infer bodies whose JSON only the standard library's decoder takes -----------------------------------
+
+
+def test_an_integer_of_too_many_digits_in_an_infer_body_is_a_400(agent):
+    """orjson refuses an integer past 64 bits and the agent asks the json module, which refuses one past 4300 digits
+    with a ValueError that is not a JSONDecodeError: HTTP and the local socket must still say 400, not 500."""
+    a, url = agent
+    head = b'{"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [1' + b"0" * 5000 \
+        + b', ' + b", ".join([b"0"] * 63) + b"]}]}"
+    r = httpx.post(f"{url}/v2/models/digits/infer", content=head, timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"], (r.status_code, r.text[:300])
+    with LocalClient(a.local_socket, timeout_s=10) as c:
+        with pytest.raises(LocalError) as e:
+            c.infer_raw(wire.infer_body("digits", head, b""))
+        assert e.value.status == 400 and "not valid JSON" in e.value.message, e.value
