@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.local_client import LocalClient, LocalError
+from agent import local as agent_local
+from agent.local_client import LocalClient, LocalError, infer_request
 from protocol import local as wire
 from tests.agent_harness import preinstall, running_agent
 
@@ -33,14 +34,29 @@ IN_BYTES = 4 * 64 * 4  # 4 digits images, FP32
 OUT_BYTES = 4 * 10 * 4
 
 
+LOCAL_SERVERS: list = []  # the agent's LocalServer, recorded as it starts (for its in-flight byte count)
+
+
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, digits_bundle):
     data = tmp_path_factory.mktemp("agent")
     preinstall(data, digits_bundle)
-    with running_agent(data, grpc_port=0, local_socket="local.sock", max_shm_regions_per_client=4,
-                       max_shm_regions=8, max_shm_bytes=1024 * 1024, local_max_connections=8,
-                       max_body_bytes=256 * 1024) as (a, url):
-        yield a, url
+    real = agent_local.LocalServer.start
+
+    async def start(self, path):
+        LOCAL_SERVERS.append(self)
+        return await real(self, path)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(agent_local.LocalServer, "start", start)
+    try:
+        with running_agent(data, grpc_port=0, local_socket="local.sock", max_shm_regions_per_client=4,
+                           max_shm_regions=8, max_shm_bytes=1024 * 1024, local_max_connections=8,
+                           max_body_bytes=256 * 1024) as (a, url):
+            yield a, url
+    finally:
+        mp.undo()
+        LOCAL_SERVERS.clear()
 
 
 @pytest.fixture
@@ -254,3 +270,206 @@ def test_an_integer_of_too_many_digits_in_an_infer_body_is_a_400(agent):
         with pytest.raises(LocalError) as e:
             c.infer_raw(wire.infer_body("digits", head, b""))
         assert e.value.status == 400 and "not valid JSON" in e.value.message, e.value
+
+
+# -- (1) gRPC shared-memory RPCs and tensors, raw ------------------------------------------------------
+
+
+def test_grpc_hostile_shared_memory_calls_and_tensors(agent, stub, region, test_images):
+    """Register with hostile names, keys, offsets and sizes (uint64 extremes, NUL, a directory, a FIFO); status and
+    unregister of odd names; tensors whose raw contents, shapes and parameters disagree. Each gets
+    INVALID_ARGUMENT (or OK for an unknown name's unregister, as Triton) and nothing is left registered."""
+    a, url = agent
+    key, r = region
+    d = f"/dev/shm/edgefleet-dir-{uuid.uuid4().hex[:8]}"
+    fifo = f"/dev/shm/edgefleet-fifo-{uuid.uuid4().hex[:8]}"
+    os.mkdir(d)
+    os.mkfifo(fifo, 0o666)
+    top = 2 ** 64 - 1
+    try:
+        for kw, words in [
+            ({"name": "", "key": key, "byte_size": 16}, "region name"),
+            ({"name": "a\x00b", "key": key, "byte_size": 16}, "region name"),
+            ({"name": "r", "key": key + "\x00", "byte_size": 16}, "shared-memory key"),
+            ({"name": "r", "key": "/" + d.rsplit("/", 1)[1], "byte_size": 16}, "cannot open"),
+            ({"name": "r", "key": "/" + fifo.rsplit("/", 1)[1], "byte_size": 16}, "not a shared-memory object"),
+            ({"name": "r", "key": key, "offset": top, "byte_size": top}, "max_shm_bytes"),
+            ({"name": "r", "key": key, "offset": top, "byte_size": 1}, "max_shm_bytes"),
+            ({"name": "r", "key": key, "offset": 64 * 1024 - 1, "byte_size": 2}, "beyond the end"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(**kw), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), (kw, e.value)
+    finally:
+        os.rmdir(d)
+        os.unlink(fifo)
+    stub.SystemSharedMemoryUnregister(service_pb2.SystemSharedMemoryUnregisterRequest(name="../../etc"), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(name="nope"), timeout=10)
+    assert "no shared-memory region 'nope'" in e.value.details()
+    assert not stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(), timeout=10).regions
+
+    x = x4(test_images)
+    r.buf[:IN_BYTES] = x.tobytes()
+    stub.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(
+        name="in", key=key, byte_size=IN_BYTES + OUT_BYTES), timeout=10)
+
+    def shm_req(offset=0, size=IN_BYTES, shape=(4, 1, 8, 8), region_param=("string_param", "in")):
+        req = service_pb2.ModelInferRequest(model_name="digits")
+        t = req.inputs.add(name="input", datatype="FP32", shape=list(shape))
+        setattr(t.parameters["shared_memory_region"], *region_param)
+        t.parameters["shared_memory_byte_size"].int64_param = size
+        t.parameters["shared_memory_offset"].int64_param = offset
+        return req
+
+    big = grpc_infer_request(x)
+    big.inputs[0].shape[0] = 2 ** 62  # raw bytes for 4 images, a shape of 2^62
+    two = grpc_infer_request(x)
+    two.raw_input_contents.append(x.tobytes())  # a second raw tensor for one input
+    typed = service_pb2.ModelInferRequest(model_name="digits")
+    typed.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8]).contents.fp32_contents.extend(
+        [float("nan")] + [0.0] * 63)
+    for req, words in [
+        (shm_req(offset=-1), "shared_memory_offset must be a byte count"),
+        (shm_req(offset=2 ** 63 - 1), "beyond shared-memory region 'in'"),
+        (shm_req(size=-IN_BYTES), "shared_memory_byte_size"),
+        (shm_req(shape=(2 ** 40, 1, 8, 8), size=2 ** 48), "beyond shared-memory region"),
+        (shm_req(region_param=("int64_param", 7)), "shared_memory_region must be a region name"),
+        (shm_req(region_param=("string_param", "../in")), "no shared-memory region"),
+        (big, "binary_data_size"),
+        (two, "raw_input_contents"),
+        (typed, "NaN"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), (words, e.value)
+    got = stub.ModelInfer(shm_req(), timeout=10)
+    want = stub.ModelInfer(grpc_infer_request(x), timeout=10)
+    assert got.raw_output_contents[0] == want.raw_output_contents[0]
+
+
+# -- (3) the local socket with shared memory ------------------------------------------------------------
+
+
+def _frames(sock, count, timeout_s=20.0):
+    """Read ``count`` whole frames -> [(kind, rid, body)]."""
+    sock.settimeout(timeout_s)
+    buf, out = bytearray(), []
+    while len(out) < count:
+        while len(buf) >= 16 and len(out) < count:
+            kind, rid, length = wire.unpack_header(bytes(buf[:16]), 1 << 30)
+            if len(buf) < 16 + length:
+                break
+            out.append((kind, rid, bytes(buf[16:16 + length])))
+            del buf[:16 + length]
+        if len(out) < count:
+            chunk = sock.recv(1 << 16)
+            assert chunk, f"the agent closed after {len(out)} of {count} frames"
+            buf += chunk
+    return out
+
+
+def test_local_regions_across_connections_and_unregistered_while_queued(agent, region, test_images):
+    """A region is its connection's: another connection naming it is refused by name. An output region unregistered
+    (and a new region of the same name, too small, registered) while requests naming it wait in the queue: each
+    is answered ERROR 400 by name, nothing is written, the in-flight bytes and queue return to zero and the
+    connection keeps serving. A connection closed with requests queued naming its regions leaves no region and
+    nothing in flight."""
+    a, url = agent
+    key, r = region
+    x = x4(test_images)
+    r.buf[:IN_BYTES] = x.tobytes()
+    r.buf[IN_BYTES:IN_BYTES + OUT_BYTES] = b"\xee" * OUT_BYTES
+    with LocalClient(a.local_socket, timeout_s=20) as one, LocalClient(a.local_socket, timeout_s=20) as two:
+        one.register_region("mine", key, IN_BYTES + OUT_BYTES)
+        with pytest.raises(LocalError) as e:
+            two.infer("digits", {"input": ("mine", 0, IN_BYTES, [4, 1, 8, 8])})
+        assert e.value.status == 400 and "no shared-memory region 'mine' is registered on this connection" \
+            in e.value.message
+        body = infer_request_shm("mine")
+        with gated(a):
+            for rid in range(1, 5):
+                one.sock.sendall(wire.pack(wire.INFER, rid, body))
+            until_inflight(a, 4)
+            one.sock.sendall(wire.pack(wire.UNREGISTER, 5, b'{"name": "mine"}'))
+            one.sock.sendall(wire.pack(wire.REGISTER, 6, json.dumps(
+                {"name": "mine", "key": key, "byte_size": IN_BYTES}).encode()))
+            got = _frames(one.sock, 2)
+            assert [(k, rid) for k, rid, _ in got] == [(wire.OK, 5), (wire.OK, 6)], got
+        got = sorted(_frames(one.sock, 4), key=lambda f: f[1])
+        for kind, rid, msg in got:
+            assert kind == wire.ERROR, (rid, msg)
+            assert b"beyond shared-memory region 'mine'" in msg, msg
+        assert bytes(r.buf[IN_BYTES:IN_BYTES + OUT_BYTES]) == b"\xee" * OUT_BYTES
+        assert one.infer("digits", {"input": x})["logits"].shape == (4, 10)
+        # closed with requests queued that name its regions
+        with LocalClient(a.local_socket, timeout_s=20) as three:
+            three.register_region("gone", key, IN_BYTES + OUT_BYTES)
+            with gated(a):
+                for rid in range(1, 9):
+                    three.sock.sendall(wire.pack(wire.INFER, rid, infer_request_shm("gone")))
+                until_inflight(a, 8)
+                three.sock.close()
+                time.sleep(0.2)
+    (lsrv,) = LOCAL_SERVERS
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = on_loop(a, lambda: (len(a.shm._regions), a.host.models["digits"].batcher.queued_samples,
+                                   lsrv.inflight_bytes, len(lsrv.connections)))
+        if left == (0, 0, 0, 0):
+            break
+        time.sleep(0.05)
+    assert left == (0, 0, 0, 0), "regions, queued samples, local bytes in flight, local connections left"
+
+
+def until_inflight(a, n: int) -> None:
+    """Wait (at most 10 s) until the local connections have ``n`` requests in flight."""
+    (lsrv,) = LOCAL_SERVERS
+    deadline = time.monotonic() + 10
+    while on_loop(a, lambda: sum(c.inflight for c in lsrv.connections)) < n:
+        assert time.monotonic() < deadline, f"never {n} local requests in flight"
+        time.sleep(0.02)
+
+
+def infer_request_shm(region_name: str) -> bytes:
+    return infer_request("digits", {"input": (region_name, 0, IN_BYTES, [4, 1, 8, 8])},
+                         outputs={"logits": (region_name, IN_BYTES, OUT_BYTES)})
+
+
+def test_many_concurrent_grpc_calls_some_cancelled_or_past_their_deadline(agent, stub, test_images):
+    """240 ModelInfer calls at once on one channel while the model is held: a third cancelled, a third with a
+    deadline that passes while they wait. The rest are answered exactly; nothing stays queued; none is counted as a
+    server error."""
+    a, url = agent
+    x = x4(test_images)
+    want = stub.ModelInfer(grpc_infer_request(x), timeout=10).raw_output_contents[0]
+    before_500 = metric(url, "edgefleet_inference_errors_total", model="digits", code="500")
+    with gated(a) as gate:
+        calls = [stub.ModelInfer.future(grpc_infer_request(x), timeout=0.5 if i % 3 == 1 else 20)
+                 for i in range(240)]
+        time.sleep(0.2)
+        for c in calls[::3]:
+            c.cancel()
+        time.sleep(0.6)  # the short deadlines pass
+        gate.set()
+        ok = 0
+        for i, c in enumerate(calls):
+            if i % 3 == 0:
+                assert c.cancelled() or c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, c
+            elif i % 3 == 1:
+                with pytest.raises(grpc.RpcError) as e:
+                    c.result(timeout=20)
+                assert e.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                          grpc.StatusCode.UNAVAILABLE), e.value
+            else:
+                try:
+                    assert c.result(timeout=20).raw_output_contents[0] == want
+                    ok += 1
+                except grpc.RpcError as e:  # the queue (max_queue_size samples) may be full: refused by name
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.details(), e
+    assert ok > 0
+    deadline = time.monotonic() + 10
+    while on_loop(a, lambda: a.host.models["digits"].batcher.queued_samples) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert on_loop(a, lambda: a.host.models["digits"].batcher.queued_samples) == 0
+    assert metric(url, "edgefleet_inference_errors_total", model="digits", code="500") == before_500
