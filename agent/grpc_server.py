@@ -29,6 +29,7 @@ import numpy as np
 import protocol
 from agent.errors import AgentError, RequestError
 from agent.kserve import InferRequest, decode_request, ordered_outputs
+from agent.peer import tcp_peer
 from agent.server import EXTENSIONS, ModelHost, Served, model_config
 from agent.shm import SharedMemory
 from engines import NP_DTYPES
@@ -260,8 +261,9 @@ class _Servicer:
                     await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return None
                 try:
+                    host, port = _peer_address(context.peer())
                     srv.shm.register(request.name, request.key, request.offset, request.byte_size,
-                                     _peer_host(context.peer()))
+                                     _peer_host(context.peer()), tcp_peer(host, port, srv.port))
                 except AgentError as exc:
                     await srv.abort(context, exc)
                 return pb.SystemSharedMemoryRegisterResponse()
@@ -272,6 +274,15 @@ class _Servicer:
                 return pb.SystemSharedMemoryUnregisterResponse()
 
         return Servicer()
+
+
+def _peer_address(peer: str) -> tuple[str | None, int | None]:
+    """gRPC's peer ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") -> (address, port); (None, None) for any other kind."""
+    kind, _, rest = peer.partition(":")
+    host, _, port = rest.rpartition(":")
+    if kind not in ("ipv4", "ipv6") or not port.isdigit():
+        return None, None
+    return host.strip("[]"), int(port)
 
 
 def _peer_host(peer: str) -> str:

@@ -44,6 +44,7 @@ import orjson
 
 from agent.errors import AgentError, RequestError
 from agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
+from agent.peer import Peer, unix_peer
 from agent.server import LARGE_BODY, ModelHost, Served
 from agent.shm import SharedMemory
 from protocol import local as wire
@@ -115,6 +116,7 @@ class _Connection(asyncio.Protocol):
         self.srv = srv
         self.number = next(srv._numbers)
         self.client = f"local#{self.number}"
+        self.peer = Peer(None)  # its user, from SO_PEERCRED (connection_made); untold: no shared-memory regions
         self.shm = srv.shm.scoped(f"L{self.number}") if srv.shm is not None else None
         self.buf = bytearray()
         self.held_bytes = 0  # of buf, counted in srv.inflight_bytes (_hold)
@@ -138,8 +140,9 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()  # kept: get_running_loop() costs a getpid() call on Python 3.11
         sock = transport.get_extra_info("socket")
         with contextlib.suppress(OSError, AttributeError, struct.error):
-            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.client = f"local#{self.number} (pid {pid}, uid {uid})"
+            self.peer = unix_peer(uid, gid)  # whose objects it may use as regions (agent/peer.py)
         if len(self.srv.connections) >= self.srv.max_connections:
             transport.write(_error(0, 503, f"{len(self.srv.connections)} local connections are open, the most "
                                            f"allowed (local_max_connections {self.srv.max_connections}); retry"))
@@ -318,7 +321,7 @@ class _Connection(asyncio.Protocol):
                     or not {"name", "key", "byte_size"} <= set(doc):
                 raise RequestError('REGISTER takes a JSON object {"name": ..., "key": "/object", "offset": 0, '
                                    '"byte_size": N}')
-            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client)
+            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client, self.peer)
         else:
             if not isinstance(doc, dict) or set(doc) - {"name"} or not isinstance(doc.get("name", ""), str):
                 raise RequestError('UNREGISTER takes a JSON object {"name": "region"}, or {} for every region of '

@@ -50,6 +50,7 @@ from agent.image import ImageLimits, check_image, decode_feeds
 from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from agent.openapi import openapi
+from agent.peer import tcp_peer
 from agent.shm import SharedMemory
 from engines import Engine
 from protocol import mqtt as proto
@@ -502,9 +503,12 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         if not isinstance(doc, dict) or set(doc) - {"key", "offset", "byte_size"} or "key" not in doc \
                 or "byte_size" not in doc:
             return _error(400, "the body must be a JSON object {\"key\": \"/name\", \"offset\": 0, \"byte_size\": N}")
-        client = request.client.host if request.client else "?"
+        host, port = request.client if request.client else (None, None)
+        client = host or "?"
+        peer = tcp_peer(host, port, (request.scope.get("server") or (None, None))[1])
         try:
-            shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"], client)
+            shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"], client,
+                         peer)
         except AgentError as exc:
             return _agent_error(exc)
         return JSONResponse({})

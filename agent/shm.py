@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.errors import RequestError
+from agent.peer import Peer
 
 __all__ = ["Region", "SharedMemory"]
 
@@ -53,8 +54,9 @@ class Region:
     byte_size: int
     client: str
     scope: str | None  # None: HTTP's and gRPC's (Triton's global names); else the one connection that may use it
-    fd: int  # the object, opened read-write when ``writable``, else read-only
-    writable: bool  # False: the agent may only read the object
+    fd: int  # the object, opened read-write when the agent's user may, else read-only
+    writable: bool  # outputs may be written into it: the agent's user and the client may both write it
+    read_only_why: str = ""  # why not, when not
     last_used: float = field(default_factory=time.monotonic)
 
     def status(self) -> dict[str, object]:
@@ -97,9 +99,19 @@ class SharedMemory:
         return sum(r.offset + r.byte_size for r in self._regions.values())
 
     # -- registry --------------------------------------------------------------------------------
-    def register(self, name: object, key: object, offset: object, byte_size: object, client: str) -> None:
+    def register(self, name: object, key: object, offset: object, byte_size: object, client: str,
+                 peer: Peer | None = None) -> None:
+        """Register ``key``'s bytes ``offset``..``offset + byte_size`` as region ``name`` for ``client`` (a label
+        for the per-client limit), whose user is ``peer`` (agent/peer.py; None: this process's own user). The
+        object is used only as far as that user could use it: read if it may read it, outputs written into it only
+        if it may write it."""
         if not self.enabled:
             raise RequestError("system shared memory is off on this agent (max_shm_regions 0)")
+        peer = Peer.me() if peer is None else peer
+        if peer.uid is None:
+            raise RequestError(f"shared-memory regions are for processes on this box, over the local socket or a "
+                               f"loopback connection whose user the agent can tell; this client ({client}) is not "
+                               "one (system shared memory is never shared across machines)")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RequestError(f"shared-memory region name {str(name)[:80]!r}: 1-128 of [A-Za-z0-9_.-]")
         if not isinstance(key, str) or not _KEY.fullmatch(key) or key in ("/.", "/.."):
@@ -125,9 +137,9 @@ class SharedMemory:
             if self.registered_bytes + offset + byte_size > self.max_bytes:
                 raise RequestError(f"registering {offset + byte_size} bytes would exceed max_shm_bytes "
                                    f"({self.max_bytes}; {self.registered_bytes} registered now)")
-            self._regions[self._key(name)] = self._open(name, key, offset, byte_size, client)
+            self._regions[self._key(name)] = self._open(name, key, offset, byte_size, client, peer)
 
-    def _open(self, name: str, key: str, offset: int, byte_size: int, client: str) -> Region:
+    def _open(self, name: str, key: str, offset: int, byte_size: int, client: str, peer: Peer) -> Region:
         path = self.root / key[1:]
         # O_NONBLOCK: a FIFO opened read-only would wait for a writer (on the event loop, holding the lock); for a
         # regular file it changes nothing (fstat below refuses anything else)
@@ -151,10 +163,17 @@ class SharedMemory:
             if offset + byte_size > st.st_size:
                 raise RequestError(f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} is beyond "
                                    f"the end of {key!r} ({st.st_size} bytes)")
+            may_read, may_write = peer.may(st)
+            if not may_read:  # the agent would read it for a client that may not: a confused deputy
+                raise RequestError(f"shared-memory region {name!r}: this client (uid {peer.uid}) may not read {key!r} "
+                                   f"(owner uid {st.st_uid}, group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}); "
+                                   "the agent uses an object only as far as its client could itself")
         except BaseException:
             os.close(fd)
             raise
-        return Region(name, key, offset, byte_size, client, self.scope, fd, rw)
+        why = "" if rw and may_write else "the agent's user may not write it" if not rw else \
+            f"this client (uid {peer.uid}) may not write it"
+        return Region(name, key, offset, byte_size, client, self.scope, fd, rw and may_write, why)
 
     def unregister(self, name: str | None = None) -> None:
         """One region, or every region of this scope (``name`` None). An unknown name is not an error (as in
@@ -231,7 +250,7 @@ class SharedMemory:
         """A copy of the ``size`` bytes at ``offset`` in ``r``, read through its descriptor (never a mapping: a
         truncated object gives a short read, not a fault), as an array of ``shape``."""
         out = np.empty(size, np.uint8)
-        if os.preadv(r.fd, [out], r.offset + offset) != size:
+        if os.preadv(r.fd, [out.data], r.offset + offset) != size:
             raise self._truncated(r, name, what)
         return out.view(dtype).reshape(shape)
 
@@ -262,8 +281,8 @@ class SharedMemory:
     @staticmethod
     def _writable(r: Region, what: str) -> None:
         if not r.writable:
-            raise RequestError(f"{what}: the agent may only read shared-memory object {r.key!r}; make it "
-                               "writable by the agent's user for outputs")
+            raise RequestError(f"{what}: outputs cannot be written into shared-memory object {r.key!r}: "
+                               f"{r.read_only_why}; give outputs a region both may write")
 
     def check_output(self, name: object, offset: object, size: object, what: str) -> tuple[str, int, int]:
         """Validate an output's placement -> (region, offset, byte_size); the output's own size is checked later."""
@@ -295,8 +314,7 @@ class SharedMemory:
             for name, offset, _, data, what in writes:
                 n = data.nbytes
                 r = self._live(name, offset, n, what, now)
-                if not r.writable:
-                    raise RequestError(f"{what}: shared-memory object {r.key!r} is read-only to the agent")
+                self._writable(r, what)
                 st = sizes.get(r.fd)
                 if st is None:
                     st = sizes[r.fd] = os.fstat(r.fd).st_size
@@ -304,7 +322,7 @@ class SharedMemory:
                 if st < start + n:
                     raise self._truncated(r, name, what)
                 # a write, not a mapping: truncated after the fstat above, the object grows back; nothing faults
-                if os.pwrite(r.fd, data.reshape(-1).view(np.uint8), start) != n:
+                if os.pwrite(r.fd, data.reshape(-1).view(np.uint8).data, start) != n:
                     raise RequestError(f"{what}: could not write {n} bytes into shared-memory object {r.key!r}")
 
 

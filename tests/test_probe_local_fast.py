@@ -223,7 +223,7 @@ def test_regions_changed_under_a_cached_request(agent, region, test_images, fast
                 os.chmod(f"/dev/shm/{ro}", 0o400)
                 c.unregister_region("io")
                 c.register_region("io", "/" + ro, 64 * 1024)
-                refused(c, "may only read shared-memory object")
+                refused(c, "outputs cannot be written into shared-memory object")
             finally:
                 t.close()
                 t.unlink()

@@ -1,0 +1,205 @@
+"""System shared memory and other users on the box (agent/peer.py): a client may make the agent read or write an
+object only as far as the client's own user could. Before this, any process that reached the agent's loopback
+port -- every local user does -- could register another user's object (one the agent's user may open) and have
+the agent read it as an input or write outputs into it.
+
+The refusals need a client running as another user than the agent's, so those tests run a client process that
+drops to ``nobody`` (they need root to do so, and skip otherwise, saying why)."""
+
+import json
+import multiprocessing
+import os
+import socket
+import uuid
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from agent.errors import RequestError
+from agent.peer import Peer, tcp_peer
+from agent.shm import SharedMemory
+from tests.agent_harness import preinstall, running_agent
+
+NOBODY = 65534
+IN_BYTES = 4 * 64 * 4  # 4 digits images, FP32
+OUT_BYTES = 4 * 10 * 4
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="a client of another user needs root to drop to nobody")
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, digits_bundle):
+    data = tmp_path_factory.mktemp("agent")
+    preinstall(data, digits_bundle)
+    with running_agent(data, max_shm_regions_per_client=8, max_shm_regions=8, max_shm_bytes=1024 * 1024) as (a, url):
+        yield a, url
+
+
+@pytest.fixture
+def objects():
+    made = []
+
+    def make(owner: int = 0, mode: int = 0o600) -> tuple[str, shared_memory.SharedMemory]:
+        name = f"edgefleet-owner-{uuid.uuid4().hex[:12]}"
+        r = shared_memory.SharedMemory(name, create=True, size=64 * 1024)
+        os.chown(f"/dev/shm/{name}", owner, owner)
+        os.chmod(f"/dev/shm/{name}", mode)
+        made.append(r)
+        return "/" + name, r
+
+    yield make
+    for r in made:
+        r.close()
+        try:
+            r.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _post_as(uid: int, port: int, path: str, body: bytes, headers: dict[str, str], out) -> None:
+    """In a child process: drop to ``uid`` (and its group), POST over plain loopback TCP, put (status, body)."""
+    try:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n{head}"
+                      f"Connection: close\r\n\r\n".encode() + body)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        status = int(data.split(b" ", 2)[1])
+        out.put((status, data.partition(b"\r\n\r\n")[2]))
+    except BaseException as exc:  # surfaced to the test
+        out.put((0, repr(exc).encode()))
+
+
+def post_as(uid: int, url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    ctx = multiprocessing.get_context("fork")  # fork: nothing to import after dropping to nobody
+    out = ctx.Queue()
+    p = ctx.Process(target=_post_as, args=(uid, int(url.rsplit(":", 1)[1]), path, body, headers or {}, out))
+    p.start()
+    try:
+        return out.get(timeout=60)
+    finally:
+        p.join(30)
+
+
+def register_as(uid: int, url: str, region: str, key: str) -> tuple[int, str]:
+    status, body = post_as(uid, url, f"/v2/systemsharedmemory/region/{region}/register",
+                           json.dumps({"key": key, "offset": 0, "byte_size": 64 * 1024}).encode())
+    return status, body.decode(errors="replace")
+
+
+def infer_as(uid: int, url: str, x: np.ndarray, out_region: str | None) -> tuple[int, bytes]:
+    raw = x.tobytes()
+    doc: dict = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                             "parameters": {"binary_data_size": len(raw)}}]}
+    if out_region is not None:
+        doc["outputs"] = [{"name": "logits", "parameters": {"shared_memory_region": out_region,
+                                                            "shared_memory_byte_size": OUT_BYTES}}]
+    head = json.dumps(doc).encode()
+    return post_as(uid, url, "/v2/models/digits/infer", head + raw,
+                   {"Inference-Header-Content-Length": str(len(head))})
+
+
+@as_root
+def test_another_users_object_is_refused_over_http(agent, objects, test_images):
+    """nobody names root's private object: refused by name, nothing registered, the object untouched."""
+    a, url = agent
+    key, r = objects(owner=0, mode=0o600)
+    r.buf[:8] = b"private!"
+    status, body = register_as(NOBODY, url, "theirs", key)
+    assert status == 400 and f"this client (uid {NOBODY}) may not read {key!r}" in body, (status, body)
+    assert "owner uid 0" in body and "mode 600" in body
+    assert all(reg["name"] != "theirs" for reg in a.shm.status())
+    assert bytes(r.buf[:8]) == b"private!"
+
+
+@as_root
+def test_an_object_others_may_read_but_not_write_takes_no_outputs(agent, objects, test_images):
+    """root's 0644 object: nobody may use it as an input, but the agent writes no output into it for nobody."""
+    a, url = agent
+    key, r = objects(owner=0, mode=0o644)
+    x = np.ascontiguousarray(test_images[0][:4], np.float32)
+    try:
+        status, body = register_as(NOBODY, url, "readonly", key)
+        assert status == 200, body
+        before = bytes(r.buf[:OUT_BYTES])
+        status, answer = infer_as(NOBODY, url, x, "readonly")
+        assert status == 400, answer
+        assert f"this client (uid {NOBODY}) may not write it" in answer.decode(), answer
+        assert bytes(r.buf[:OUT_BYTES]) == before
+    finally:
+        a.shm.unregister("readonly")
+
+
+@as_root
+def test_a_clients_own_object_takes_its_outputs(agent, objects, test_images):
+    """nobody's own object: registered and written, the same logits as an answer in the body."""
+    a, url = agent
+    key, r = objects(owner=NOBODY, mode=0o600)
+    x = np.ascontiguousarray(test_images[0][:4], np.float32)
+    try:
+        status, body = register_as(NOBODY, url, "mine", key)
+        assert status == 200, body
+        status, answer = infer_as(NOBODY, url, x, "mine")
+        assert status == 200, answer
+        status, plain = infer_as(NOBODY, url, x, None)
+        assert status == 200
+        want = json.loads(plain)["outputs"][0]["data"]
+        got = np.frombuffer(bytes(r.buf[:OUT_BYTES]), np.float32)
+        assert np.array_equal(got, np.asarray(want, np.float32)), (got[:4], want[:4])
+    finally:
+        a.shm.unregister("mine")
+
+
+def test_a_client_the_agent_cannot_tell_registers_nothing(tmp_path):
+    """Not a loopback connection of this box (or not found in /proc/net): no regions, by name."""
+    key = f"/edgefleet-owner-{uuid.uuid4().hex[:12]}"
+    h = shared_memory.SharedMemory(key[1:], create=True, size=4096)
+    try:
+        reg = SharedMemory()
+        with pytest.raises(RequestError, match="shared-memory regions are for processes on this box"):
+            reg.register("x", key, 0, 4096, "10.0.0.5", tcp_peer("10.0.0.5", 40000, 8000))
+        with pytest.raises(RequestError, match="shared-memory regions are for processes on this box"):
+            reg.register("x", key, 0, 4096, "127.0.0.1", tcp_peer("127.0.0.1", 1, 2))  # no such connection
+        assert reg.status() == []
+    finally:
+        h.close()
+        h.unlink()
+
+
+def test_a_loopback_connection_is_told_by_its_own_socket():
+    """The uid of a real loopback connection's client end, over IPv4 and IPv6 where the box has it."""
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            srv = socket.socket(family)
+            srv.bind((host, 0))
+        except OSError:
+            continue  # no IPv6 loopback here
+        with srv:
+            srv.listen(1)
+            with socket.create_connection((host, srv.getsockname()[1]), timeout=5) as c:
+                conn, addr = srv.accept()
+                with conn:
+                    assert tcp_peer(addr[0], addr[1], srv.getsockname()[1]).uid == os.geteuid()
+                    # the same client port towards another server port is no connection of this box
+                    assert tcp_peer(addr[0], addr[1], srv.getsockname()[1] ^ 1).uid is None
+
+
+@pytest.mark.parametrize(("owner", "group", "mode", "want"), [
+    (1000, 1000, 0o600, (True, True)),  # its own
+    (1000, 1000, 0o400, (True, False)),
+    (2000, 1000, 0o640, (True, False)),  # its group's
+    (2000, 3000, 0o660, (False, False)),  # neither
+    (2000, 3000, 0o604, (True, False)),  # anyone's to read
+    (2000, 3000, 0o666, (True, True)),
+])
+def test_the_kernels_rule_for_a_user(owner, group, mode, want):
+    st = os.stat_result((0o100000 | mode, 0, 0, 1, owner, group, 0, 0, 0, 0))
+    assert Peer(1000, frozenset({1000})).may(st) == want
+    assert Peer(0).may(st) == (True, True)
+    assert Peer(None).may(st) == (False, False)
