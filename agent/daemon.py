@@ -160,10 +160,11 @@ class Agent:
         self._server = server
         grpc_server = None
         if self.config.grpc_port is not None:
-            from agent.grpc_server import GrpcServer
+            from agent.grpc_server import GrpcServer, grpc_concurrency
 
             grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
-                                     self.config.max_body_bytes)
+                                     self.config.max_body_bytes,
+                                     grpc_concurrency(self.config.max_inflight_body_bytes, self.config.max_body_bytes))
             self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
         local_server = None
         if self.config.local_socket is not None:  # the on-box socket (agent/local.py)

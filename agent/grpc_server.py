@@ -8,9 +8,11 @@ in the same batcher: a gRPC request and an HTTP request can share a batch.
 
 gRPC's asyncio server runs on the agent's event loop (grpc.aio): a request is decoded there and queued in the
 batcher like an HTTP one, with no thread hand-off (a server on threads that handed each request to the loop
-served digits at a third of the rate, measured with bench/serve.py). At most ``max_concurrent_rpcs`` calls are
-in progress at once; beyond that gRPC answers RESOURCE_EXHAUSTED. Messages are capped at ``max_message_bytes``
-(the agent's max_body_bytes). Every error is a gRPC status with a message: INVALID_ARGUMENT (a bad request),
+served digits at a third of the rate, measured with bench/serve.py). Messages are capped at ``max_message_bytes``
+(the agent's max_body_bytes), and gRPC receives a call's whole message before the agent sees it, so the memory
+its calls hold is bounded by how many may be in progress at once: ``grpc_concurrency`` (max_inflight_body_bytes
+/ max_body_bytes, at least 64 and at most 1024; 64 calls of up to 16 MiB at the defaults); beyond that gRPC
+answers RESOURCE_EXHAUSTED. Every error is a gRPC status with a message: INVALID_ARGUMENT (a bad request),
 NOT_FOUND (no such model), RESOURCE_EXHAUSTED (a full queue), UNAVAILABLE (no model yet, being replaced, queue
 timeout), INTERNAL.
 
@@ -35,7 +37,7 @@ from agent.shm import SharedMemory
 from engines import NP_DTYPES
 from protocol.errors import ConfigError
 
-__all__ = ["GrpcServer"]
+__all__ = ["GrpcServer", "grpc_concurrency"]
 
 log = logging.getLogger("edgefleet.agent.grpc")
 
@@ -89,9 +91,18 @@ _CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 
           503: "UNAVAILABLE"}
 
 
+GRPC_MIN_CONCURRENCY, GRPC_MAX_CONCURRENCY = 64, 1024
+
+
+def grpc_concurrency(max_inflight_body_bytes: int, max_body_bytes: int) -> int:
+    """How many gRPC calls may be in progress at once: as many whole messages as fit in the in-flight budget
+    (HTTP's bound, which HTTP charges as bytes arrive), at least 64 and at most 1024."""
+    return min(GRPC_MAX_CONCURRENCY, max(GRPC_MIN_CONCURRENCY, max_inflight_body_bytes // max_body_bytes))
+
+
 class GrpcServer:
     def __init__(self, host: ModelHost, shm: SharedMemory | None, device_id: str, max_message_bytes: int,
-                 max_concurrent_rpcs: int = 1024):
+                 max_concurrent_rpcs: int = GRPC_MIN_CONCURRENCY):
         self.host, self.shm, self.device_id = host, shm, device_id
         self.max_message_bytes = max_message_bytes
         self.max_concurrent_rpcs = max_concurrent_rpcs
