@@ -185,6 +185,7 @@ def test_a_loopback_connection_is_told_by_its_own_socket():
             with socket.create_connection((host, srv.getsockname()[1]), timeout=5) as c:
                 conn, addr = srv.accept()
                 with conn:
+                    assert c.getsockname()[:2] == addr[:2]  # the client's end, as the server sees it
                     assert tcp_peer(addr[0], addr[1], srv.getsockname()[1]).uid == os.geteuid()
                     # the same client port towards another server port is no connection of this box
                     assert tcp_peer(addr[0], addr[1], srv.getsockname()[1] ^ 1).uid is None
