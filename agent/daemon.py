@@ -112,7 +112,7 @@ class Agent:
         self.grpc_port: int | None = None  # where gRPC listens, once it does
         self.local_socket: Path | None = None  # where the on-box socket listens, once it does
         self.shm = SharedMemory(config.max_shm_regions_per_client, config.max_shm_regions, config.max_shm_bytes,
-                                config.shm_idle_timeout_s)
+                                config.shm_idle_timeout_s, max_read_bytes=config.max_body_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._desired: proto.DesiredState | None = None

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.errors import RequestError
+from agent.errors import PayloadTooLarge, RequestError
 from agent.peer import Peer
 
 __all__ = ["Region", "SharedMemory"]
@@ -67,8 +67,10 @@ class SharedMemory:
     """The registered system shared-memory regions. Thread-safe (HTTP on the event loop, gRPC on its threads)."""
 
     def __init__(self, max_per_client: int = 16, max_regions: int = 64, max_bytes: int = 1 << 30,
-                 idle_timeout_s: float = 600.0, root: Path = Path("/dev/shm")):
+                 idle_timeout_s: float = 600.0, root: Path = Path("/dev/shm"), max_read_bytes: int = 1 << 62):
         self.max_per_client, self.max_regions, self.max_bytes = max_per_client, max_regions, max_bytes
+        # one input read from a region, at most (the agent's max_body_bytes): refused before anything is allocated
+        self.max_read_bytes = max_read_bytes
         self.idle_timeout_s = idle_timeout_s
         self.root = root
         self._regions: dict[str, Region] = {}  # by name, or "scope:name" for a scoped region
@@ -249,6 +251,9 @@ class SharedMemory:
                what: str) -> np.ndarray:
         """A copy of the ``size`` bytes at ``offset`` in ``r``, read through its descriptor (never a mapping: a
         truncated object gives a short read, not a fault), as an array of ``shape``."""
+        if size > self.max_read_bytes:  # before the buffer: a region may be far bigger than one request may be
+            raise PayloadTooLarge(f"{what}: {size} bytes from shared-memory region {name!r} exceed the "
+                                  f"{self.max_read_bytes}-byte limit of one request (max_body_bytes)")
         out = np.empty(size, np.uint8)
         if os.preadv(r.fd, [out.data], r.offset + offset) != size:
             raise self._truncated(r, name, what)

@@ -247,6 +247,27 @@ def test_a_region_unlinked_or_truncated_under_the_agent(client, region, test_ima
     assert client.infer("digits", {"input": x})["logits"].shape == (4, 10)
 
 
+def test_an_input_from_shared_memory_is_bounded_like_a_body(client, test_images):
+    """A region may be far bigger than one request may be: an input that names more of it than max_body_bytes (64
+    KiB here) is refused (413) before the agent allocates or reads anything (it read all of it first, then
+    refused the batch size), and the agent keeps serving."""
+    name = f"edgefleet-local-{uuid.uuid4().hex[:12]}"
+    t = shared_memory.SharedMemory(name, create=True, size=256 * 1024)
+    try:
+        client.register_region("big", "/" + name, 256 * 1024)
+        with pytest.raises(LocalError) as e:
+            client.infer("digits", {"input": ("big", 0, 512 * 64 * 4, [512, 1, 8, 8])})
+        assert e.value.status == 413, e.value.message
+        assert f"{512 * 64 * 4} bytes from shared-memory region 'big' exceed the {64 * 1024}-byte limit of one " \
+               "request (max_body_bytes)" in e.value.message
+        client.unregister_region("big")
+    finally:
+        t.close()
+        t.unlink()
+    x = np.ascontiguousarray(test_images[0][:4], np.float32)
+    assert client.infer("digits", {"input": x})["logits"].shape == (4, 10)
+
+
 def _flap(path: str, stop_at: float) -> None:
     """In its own process: truncate a shared-memory object to nothing and regrow it, as fast as it can."""
     fd = os.open(path, os.O_RDWR)
