@@ -74,6 +74,10 @@ def request_doc(request: Any) -> tuple[dict[str, Any], dict[str, memoryview]]:
                 if field is None:
                     raise RequestError(f"input {t.name!r}: {t.datatype} goes in raw_input_contents, not contents")
                 d["data"] = list(getattr(t.contents, field))
+            elif "binary_data_size" in params:  # HTTP's parameter: over gRPC the bytes are raw_input_contents
+                raise RequestError(f"input {t.name!r}: binary_data_size is given but no raw_input_contents is left "
+                                   "for it; over gRPC a tensor's bytes go in raw_input_contents, one per input "
+                                   "without shared memory, in the inputs' order")
         inputs.append(d)
     if k != len(request.raw_input_contents):
         raise RequestError(f"{len(request.raw_input_contents)} raw_input_contents for {k} inputs without shared memory")

@@ -509,3 +509,16 @@ def test_grpc_calls_in_progress_are_bounded_by_the_inflight_budget(tmp_path, dig
                 assert len(c.result(timeout=30).raw_output_contents[0]) == OUT_BYTES
         finally:
             ch.close()
+
+
+def test_grpc_binary_data_size_without_raw_contents_is_explained_in_grpc_terms(agent, stub):
+    """HTTP's binary_data_size parameter on a gRPC input with no raw_input_contents: INVALID_ARGUMENT that says
+    where gRPC wants the bytes (it used to speak of HTTP's Inference-Header-Content-Length header)."""
+    req = service_pb2.ModelInferRequest(model_name="digits")
+    t = req.inputs.add(name="input", datatype="FP32", shape=[4, 1, 8, 8])
+    t.parameters["binary_data_size"].int64_param = IN_BYTES
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(req, timeout=20)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "binary_data_size is given but no raw_input_contents is left" in e.value.details()
+    assert "Inference-Header-Content-Length" not in e.value.details()
