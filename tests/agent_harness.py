@@ -87,3 +87,38 @@ def serving_app(app, setup=None) -> Iterator[str]:
         server.should_exit = True
         t.join(10)
         sock.close()
+
+
+def on_loop(a, fn):
+    """``fn()`` run on the agent's event loop -> its result."""
+    async def call():
+        return fn()
+    return asyncio.run_coroutine_threadsafe(call(), a._loop).result(30)
+
+
+@contextmanager
+def gated(a):
+    """The digits backend held at a gate (its batches wait on their inference thread until the block ends)."""
+    served = on_loop(a, lambda: a.host.models["digits"])
+    gate = threading.Event()
+    patched = []
+    for be in served.backends:
+        real = be.infer
+
+        def infer(feeds, real=real):
+            gate.wait(30)
+            return real(feeds)
+
+        be.infer = infer
+        patched.append(be)
+    try:
+        yield gate
+    finally:
+        gate.set()
+        for be in patched:
+            del be.infer
+
+
+def in_batcher(b) -> int:
+    """Samples a batcher holds: queued, waiting behind a running batch, or running."""
+    return b.queued_samples + sum(p.n for batch in b._running.values() for p in batch)
