@@ -97,8 +97,9 @@ def on_loop(a, fn):
 
 
 @contextmanager
-def gated(a):
-    """The digits backend held at a gate (its batches wait on their inference thread until the block ends)."""
+def gated(a, hold_s: float = 60.0):
+    """The digits backend held at a gate (its batches wait on their inference thread until the block ends, at most
+    ``hold_s``)."""
     served = on_loop(a, lambda: a.host.models["digits"])
     gate = threading.Event()
     patched = []
@@ -106,7 +107,7 @@ def gated(a):
         real = be.infer
 
         def infer(feeds, real=real):
-            gate.wait(30)
+            gate.wait(hold_s)
             return real(feeds)
 
         be.infer = infer

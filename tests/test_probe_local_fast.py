@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent import local as agent_local
 from agent.local_client import LocalClient, LocalError, decode_result, infer_request
 from protocol import local as wire
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import gated, on_loop, preinstall, running_agent
 
 IN_BYTES = 4 * 64 * 4  # 4 digits images, FP32
 OUT_BYTES = 4 * 10 * 4
@@ -52,13 +52,6 @@ def probed_agent(data, bundle, **overrides):
             yield a, url, servers[0]
     finally:
         mp.undo()
-
-
-def on_loop(a, fn):
-    """``fn()`` run on the agent's event loop (its state is only coherent there) -> its result."""
-    async def call():
-        return fn()
-    return asyncio.run_coroutine_threadsafe(call(), a._loop).result(30)
 
 
 def until(a, fn, what, tries=600):
@@ -99,29 +92,6 @@ def fast_hits(monkeypatch):
 
     monkeypatch.setattr(agent_local._Connection, "_quick", quick)
     return hits
-
-
-@contextmanager
-def gated(a):
-    """The digits backend held at a gate (its batches wait on their inference thread until the block ends)."""
-    served = on_loop(a, lambda: a.host.models["digits"])
-    gate = threading.Event()
-    patched = []
-    for be in served.backends:
-        real = be.infer
-
-        def infer(feeds, real=real):
-            gate.wait(60)
-            return real(feeds)
-
-        be.infer = infer
-        patched.append(be)
-    try:
-        yield gate
-    finally:
-        gate.set()
-        for be in patched:
-            del be.infer
 
 
 def frames(sock, count, timeout_s=60.0):
