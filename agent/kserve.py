@@ -232,7 +232,7 @@ class RequestTemplate:
         if self.shm_reads or self.shm_checks:
             if shm is None or not shm.enabled:
                 raise RequestError("this agent has no system shared memory")
-            from_shm = shm.gather(self.shm_reads, self.shm_checks)  # one lock, one fstat per region
+            from_shm = shm.gather(self.shm_reads, self.shm_checks)  # one lock, a read per input
         feeds: dict[str, np.ndarray] = {}
         offset = k = 0
         for p in self.inputs:
