@@ -38,7 +38,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -370,7 +370,10 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _agent_error(exc)
 
     async def repository_index(request: Request) -> Response:
-        raw = await _small_body(request)
+        try:
+            raw = await _small_body(request)
+        except RequestError as exc:
+            return _agent_error(exc)
         if raw is None:
             return _error(413, f"the body must be empty or a JSON object like {{\"ready\": true}} (at most "
                                f"{SMALL_BODY} bytes)")
@@ -493,7 +496,10 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
     async def shm_register(request: Request) -> Response:
         if shm is None:
             return no_shm()
-        raw = await _small_body(request)
+        try:
+            raw = await _small_body(request)
+        except RequestError as exc:
+            return _agent_error(exc)
         if raw is None:
             return _error(413, "a register request is a small JSON object {\"key\", \"offset\", \"byte_size\"}")
         try:
@@ -598,16 +604,19 @@ SMALL_BODY = 64 * 1024  # bytes: the most a small JSON request (register, reposi
 
 async def _small_body(request: Request) -> bytes | None:
     """The body of a request that is a small JSON object -> its bytes; None (read no further) past SMALL_BODY, by
-    its Content-Length or, sent chunked, as it arrives."""
+    its Content-Length or, sent chunked, as it arrives. RequestError if the client goes away before it ends."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > SMALL_BODY:
         return None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > SMALL_BODY:
-            return None
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > SMALL_BODY:
+                return None
+            chunks.append(chunk)
+    except ClientDisconnect:  # not the agent's fault: no 500, no error in its log
+        raise RequestError("the client went away before the body arrived") from None
     return b"".join(chunks)
 
 

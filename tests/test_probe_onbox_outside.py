@@ -463,3 +463,21 @@ def test_grpc_binary_data_size_without_raw_contents_is_explained_in_grpc_terms(a
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "binary_data_size is given but no raw_input_contents is left" in e.value.details()
     assert "Inference-Header-Content-Length" not in e.value.details()
+
+
+@pytest.mark.parametrize("path", ["/v2/systemsharedmemory/region/r/register", "/v2/repository/index"])
+def test_a_small_json_request_whose_client_goes_away_mid_body_is_not_an_agent_error(agent, path, caplog):
+    """A client that sends half its body and closes: not the agent's fault, so no 500 and no error in its log
+    (it was logged as an unhandled error, as if the agent had failed)."""
+    a, url = agent
+    host, port = url.removeprefix("http://").split(":")
+    with caplog.at_level("WARNING", logger="edgefleet.agent.http"):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 1000\r\n\r\n{\"key\": ".encode())
+            time.sleep(0.2)  # the agent is reading the body
+        deadline = time.monotonic() + 1  # the agent sees the close within milliseconds; an error would be logged
+        while time.monotonic() < deadline and not any(r.levelname == "ERROR" for r in caplog.records):
+            time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
