@@ -276,9 +276,10 @@ class _Servicer:
                     await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return None
                 try:
-                    host, port = _peer_address(context.peer())
-                    srv.shm.register(request.name, request.key, request.offset, request.byte_size,
-                                     _peer_host(context.peer()), tcp_peer(host, port, srv.port))
+                    peer = context.peer()
+                    host, port = _peer_address(peer)
+                    srv.shm.register(request.name, request.key, request.offset, request.byte_size, host or peer,
+                                     tcp_peer(host, port, srv.port))
                 except AgentError as exc:
                     await srv.abort(context, exc)
                 return pb.SystemSharedMemoryRegisterResponse()
@@ -292,17 +293,10 @@ class _Servicer:
 
 
 def _peer_address(peer: str) -> tuple[str | None, int | None]:
-    """gRPC's peer ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") -> (address, port); (None, None) for any other kind."""
+    """gRPC's peer ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") -> (address, port); (None, None) for any other kind
+    ("unix:...")."""
     kind, _, rest = peer.partition(":")
     host, _, port = rest.rpartition(":")
     if kind not in ("ipv4", "ipv6") or not port.isdigit():
         return None, None
     return host.strip("[]"), int(port)
-
-
-def _peer_host(peer: str) -> str:
-    """gRPC's peer ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555", "unix:...") -> its address without the port."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return peer

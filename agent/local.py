@@ -116,7 +116,7 @@ class _Connection(asyncio.Protocol):
         self.srv = srv
         self.number = next(srv._numbers)
         self.client = f"local#{self.number}"
-        self.peer = Peer(None)  # its user, from SO_PEERCRED (connection_made); untold: no shared-memory regions
+        self.cred: tuple[int, int] | None = None  # its uid and gid, from SO_PEERCRED (connection_made)
         self.shm = srv.shm.scoped(f"L{self.number}") if srv.shm is not None else None
         self.buf = bytearray()
         self.held_bytes = 0  # of buf, counted in srv.inflight_bytes (_hold)
@@ -142,7 +142,7 @@ class _Connection(asyncio.Protocol):
         with contextlib.suppress(OSError, AttributeError, struct.error):
             pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.client = f"local#{self.number} (pid {pid}, uid {uid})"
-            self.peer = unix_peer(uid, gid)  # whose objects it may use as regions (agent/peer.py)
+            self.cred = (uid, gid)  # whose objects it may use as regions (agent/peer.py, looked up at REGISTER)
         if len(self.srv.connections) >= self.srv.max_connections:
             transport.write(_error(0, 503, f"{len(self.srv.connections)} local connections are open, the most "
                                            f"allowed (local_max_connections {self.srv.max_connections}); retry"))
@@ -321,7 +321,8 @@ class _Connection(asyncio.Protocol):
                     or not {"name", "key", "byte_size"} <= set(doc):
                 raise RequestError('REGISTER takes a JSON object {"name": ..., "key": "/object", "offset": 0, '
                                    '"byte_size": N}')
-            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client, self.peer)
+            peer = Peer(None) if self.cred is None else unix_peer(*self.cred)  # untold: no shared-memory regions
+            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client, peer)
         else:
             if not isinstance(doc, dict) or set(doc) - {"name"} or not isinstance(doc.get("name", ""), str):
                 raise RequestError('UNREGISTER takes a JSON object {"name": "region"}, or {} for every region of '

@@ -201,6 +201,11 @@ class SharedMemory:
         with self._lock:
             return self._sweep_locked(time.monotonic())
 
+    def _sweep_due(self, now: float) -> None:
+        """Sweep (lock held) if the last sweep is ``_SWEEP_EVERY_S`` old: a use of a region is a hot path."""
+        if now - self._swept_at > _SWEEP_EVERY_S:
+            self._sweep_locked(now)
+
     def _sweep_locked(self, now: float) -> int:
         self._swept_at = now
         stale = [n for n, r in self._regions.items() if now - r.last_used > self.idle_timeout_s]
@@ -224,8 +229,7 @@ class SharedMemory:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise RequestError(f"{what}: shared_memory_offset must be a byte count, got {offset!r}")
         now = time.monotonic()
-        if now - self._swept_at > _SWEEP_EVERY_S:
-            self._sweep_locked(now)
+        self._sweep_due(now)
         return self._live(name, offset, size, what, now)
 
     def _live(self, name: str, offset: int, size: int, what: str, now: float) -> Region:
@@ -275,8 +279,7 @@ class SharedMemory:
         same checks and errors otherwise."""
         now = time.monotonic()
         with self._lock:
-            if now - self._swept_at > _SWEEP_EVERY_S:
-                self._sweep_locked(now)
+            self._sweep_due(now)
             got = [self._pread(self._live(name, offset, size, what, now), name, offset, size, dtype, shape, what)
                    for name, offset, size, dtype, shape, what in reads]
             for name, offset, size, what in outputs:
@@ -313,8 +316,7 @@ class SharedMemory:
                                    f"{size}")
         now = time.monotonic()
         with self._lock:
-            if now - self._swept_at > _SWEEP_EVERY_S:
-                self._sweep_locked(now)
+            self._sweep_due(now)
             sizes: dict[int, int] = {}
             for name, offset, _, data, what in writes:
                 n = data.nbytes

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import httpx
@@ -123,3 +125,19 @@ def gated(a, hold_s: float = 60.0):
 def in_batcher(b) -> int:
     """Samples a batcher holds: queued, waiting behind a running batch, or running."""
     return b.queued_samples + sum(p.n for batch in b._running.values() for p in batch)
+
+
+@contextmanager
+def shm_object(prefix: str, size: int = 64 * 1024) -> Iterator[tuple[str, shared_memory.SharedMemory]]:
+    """A POSIX shared-memory object of ``size`` bytes -> (its key, "/" + name; the object), unlinked afterwards (if
+    the test did not)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    r = shared_memory.SharedMemory(name, create=True, size=size)
+    try:
+        yield "/" + name, r
+    finally:
+        r.close()
+        try:
+            r.unlink()
+        except FileNotFoundError:
+            pass

@@ -18,7 +18,7 @@ import pytest
 
 from agent.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
 from protocol import local as wire
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import preinstall, running_agent, shm_object
 
 IN_BYTES = 16 * 64 * 4  # 16 digits images, FP32
 OUT_BYTES = 16 * 10 * 4
@@ -42,14 +42,8 @@ def client(agent):
 @pytest.fixture
 def region():
     """A POSIX shared-memory object of 64 KiB, unlinked after the test (if the test did not)."""
-    name = f"edgefleet-local-{uuid.uuid4().hex[:12]}"
-    r = shared_memory.SharedMemory(name, create=True, size=64 * 1024)
-    yield "/" + name, r
-    r.close()
-    try:
-        r.unlink()
-    except FileNotFoundError:
-        pass
+    with shm_object("edgefleet-local") as o:
+        yield o
 
 
 def http_logits(url, x):

@@ -11,7 +11,6 @@ import os
 import socket
 import time
 import uuid
-from multiprocessing import shared_memory
 
 import httpx
 import numpy as np
@@ -21,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent import local as agent_local
 from agent.local_client import LocalClient, LocalError, infer_request
 from protocol import local as wire
-from tests.agent_harness import gated, in_batcher, on_loop, preinstall, running_agent
+from tests.agent_harness import gated, in_batcher, on_loop, preinstall, running_agent, shm_object
 
 grpc = pytest.importorskip("grpc", reason="gRPC needs edgefleet[grpc]")
 tgrpc = pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc]")
@@ -66,14 +65,8 @@ def stub(agent):
 @pytest.fixture
 def region():
     """A POSIX shared-memory object of 64 KiB, unlinked after the test (if the test did not)."""
-    name = f"edgefleet-outside-{uuid.uuid4().hex[:12]}"
-    r = shared_memory.SharedMemory(name, create=True, size=64 * 1024)
-    yield "/" + name, r
-    r.close()
-    try:
-        r.unlink()
-    except FileNotFoundError:
-        pass
+    with shm_object("edgefleet-outside") as o:
+        yield o
 
 
 @pytest.fixture(autouse=True)
