@@ -54,7 +54,7 @@ def arm_bundle(tmp_path_factory) -> tuple[Path, dict]:
     """(bundle, manifest): digits for arm64-cpu, built here (x86) with the LiteRT toolchain, --precision auto. This
     host cannot time an ARM core, so the bundle carries int8 (its own engine) and fp32 (a variant) for the device
     to time."""
-    from compiler import toolchain
+    from edgefleet.compiler import toolchain
 
     toolchain.ensure("tflite", say)
     out = tmp_path_factory.mktemp("arm64-bundles")
@@ -106,7 +106,7 @@ def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(t
              "        ctypes.CDLL(lib)\n"
              "    except OSError:\n"
              "        gone.append(lib)\n"
-             "import cv2, agent.image, agent.server\n"
+             "import cv2, edgefleet.agent.image, edgefleet.agent.server\n"
              "from protocol.preprocess import decode_image\n"
              "ok, png = cv2.imencode('.png', np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)\n"
              "img = decode_image(png.tobytes(), 'probe')\n"
@@ -119,6 +119,34 @@ def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(t
     assert doc["gone"] == ["libX11.so.6", "libxcb.so.1", "libGL.so.1", "libgthread-2.0.so.0"], doc
     assert doc["cv2"] == ["opencv-python-headless"], doc
     assert doc["shape"][:2] == [8, 8], doc
+
+
+def test_the_agent_verifies_tuf_signatures_with_cryptography_on_arm(tmp_path):
+    """The agent's TUF client in the emulated ``pip install .[agent]`` venv refreshes and downloads from the fleet's
+    repository served by this host over loopback, every Ed25519 check on cryptography's path, none on
+    securesystemslib's pure-Python fallback (the probe of tests/test_signature_backend.py: which path ran, not how
+    fast)."""
+    from edgefleet.fleet.keys import KeyStore, init_keys
+    from edgefleet.fleet.tuf_repo import Repository
+    from tests.test_signature_backend import PROBE, TARGET, probe_argv
+    from tests.test_tuf import Server
+
+    init_keys(tmp_path / "keys")
+    repo = Repository(tmp_path / "repo", KeyStore(tmp_path / "keys"))
+    repo.init()
+    blob = tmp_path / "probe.tar"
+    blob.write_bytes(b"probe" * 1000)
+    sha = repo.add_target(TARGET, blob, {"name": "probe", "version": "1.0.0", "profile": "arm64-cpu"})["sha256"]
+    srv = Server(tmp_path / "repo")
+    try:
+        r = arm(CPUS[0], "python", "-c", PROBE, *probe_argv(tmp_path, srv, sha, "arm-client"), timeout_s=600)
+    finally:
+        srv.close()
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["sha256"] == sha
+    assert doc["calls"]["cryptography"] >= 4 and doc["calls"]["pure_python"] == 0, doc
+    say(f"{CPUS[0]:<12} TUF refresh + download: {doc['calls']['cryptography']} Ed25519 checks, all on cryptography")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
