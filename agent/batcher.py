@@ -50,9 +50,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
-from agent.metrics import Metrics, ModelMetrics
-from engines import Engine
+from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
+from edgefleet.agent.metrics import Metrics, ModelMetrics
+from edgefleet.engines import Engine
 
 __all__ = ["BATCH_TOLERANCE", "DEAD_MAX", "HIGH", "LAYOUT_LATENCY_WEIGHT", "LAYOUT_MIN_GAIN", "NORMAL", "BatchSettings",
            "BatchTuning", "Batcher", "ComputeGate", "LayoutFigures", "Outputs", "batch_ladder", "choose_batch_size",

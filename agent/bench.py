@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engines import load_bundle_engine
-from protocol.bundle import extract_bundle
-from protocol.cpu import cpu_features
-from protocol.manifest import Manifest
+from edgefleet.engines import load_bundle_engine
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.cpu import cpu_features
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["BenchPoint", "bench_bundle"]
 

@@ -24,25 +24,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agent._compat import run_with_loop
-from agent.batcher import BatchSettings, pin_thread
-from agent.config import AgentConfig
-from agent.enroll import mqtt_security
-from agent.errors import TrustError
-from agent.image import ImageLimits
-from agent.install import Installer
-from agent.link import MqttLink
-from agent.metrics import Metrics
-from agent.server import ModelHost, create_app
-from agent.shm import SharedMemory
-from agent.spool import Spool
-from agent.store import ModelStore
-from agent.systemd import sd_notify
-from agent.telemetry import DeviceSampler, DeviceStats
-from agent.updater import BundleFetcher
-from protocol import mqtt as proto
-from protocol.errors import ConfigError
-from protocol.manifest import Manifest
+from edgefleet.agent._compat import run_with_loop
+from edgefleet.agent.batcher import BatchSettings, pin_thread
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.enroll import mqtt_security
+from edgefleet.agent.errors import TrustError
+from edgefleet.agent.image import ImageLimits
+from edgefleet.agent.install import Installer
+from edgefleet.agent.link import MqttLink
+from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.server import ModelHost, create_app
+from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.spool import Spool
+from edgefleet.agent.store import ModelStore
+from edgefleet.agent.systemd import sd_notify
+from edgefleet.agent.telemetry import DeviceSampler, DeviceStats
+from edgefleet.agent.updater import BundleFetcher
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.errors import ConfigError
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["Agent", "event_loop_factory", "require_trust_anchor", "run_agent", "run_until_stopped"]
 
@@ -160,7 +160,7 @@ class Agent:
         self._server = server
         grpc_server = None
         if self.config.grpc_port is not None:
-            from agent.grpc_server import GrpcServer, grpc_concurrency
+            from edgefleet.agent.grpc_server import GrpcServer, grpc_concurrency
 
             grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
                                      self.config.max_body_bytes,
@@ -168,7 +168,7 @@ class Agent:
             self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
         local_server = None
         if self.config.local_socket is not None:  # the on-box socket (agent/local.py)
-            from agent.local import LocalServer
+            from edgefleet.agent.local import LocalServer
 
             local_server = LocalServer(self.host, self.shm if self.shm.enabled else None, self.config.max_body_bytes,
                                        self.config.local_max_connections, self.config.local_max_inflight,

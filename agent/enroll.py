@@ -20,10 +20,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from agent.config import AgentConfig
-from agent.link import MqttSecurity
-from protocol.errors import ConfigError
-from protocol.fsutil import atomic_write
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.link import MqttSecurity
+from edgefleet.protocol.errors import ConfigError
+from edgefleet.protocol.fsutil import atomic_write
 
 __all__ = ["CREDENTIALS_FILE", "EnrollmentRefused", "mqtt_security"]
 

@@ -20,7 +20,7 @@ Errors from onnxruntime, python-tuf and paho are translated at the boundary and 
 
 from __future__ import annotations
 
-from protocol.errors import EdgefleetError
+from edgefleet.protocol.errors import EdgefleetError
 
 __all__ = [
     "AgentError",

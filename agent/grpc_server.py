@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 
-import protocol
-from agent.errors import AgentError, RequestError
-from agent.kserve import InferRequest, decode_request, ordered_outputs
-from agent.peer import tcp_peer
-from agent.server import EXTENSIONS, ModelHost, Served, model_config
-from agent.shm import SharedMemory
-from engines import NP_DTYPES
-from protocol.errors import ConfigError
+from edgefleet import protocol
+from edgefleet.agent.errors import AgentError, RequestError
+from edgefleet.agent.kserve import InferRequest, decode_request, ordered_outputs
+from edgefleet.agent.peer import tcp_peer
+from edgefleet.agent.server import EXTENSIONS, ModelHost, Served, model_config
+from edgefleet.agent.shm import SharedMemory
+from edgefleet.engines import NP_DTYPES
+from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["GrpcServer", "grpc_concurrency"]
 

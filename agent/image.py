@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.errors import PayloadTooLarge, RequestError
-from protocol.manifest import Manifest
-from protocol.preprocess import Preprocessing
+from edgefleet.agent.errors import PayloadTooLarge, RequestError
+from edgefleet.protocol.manifest import Manifest
+from edgefleet.protocol.preprocess import Preprocessing
 
 __all__ = ["DEFAULT_MAX_DECODED_BYTES", "ImageHeader", "ImageLimits", "UnsupportedImage", "check_budget",
            "check_image", "decode_feeds", "image_header", "preprocess_image"]

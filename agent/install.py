@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.batcher import (
+from edgefleet.agent.batcher import (
     BatchSettings,
     BatchTuning,
     LayoutFigures,
@@ -23,21 +23,21 @@ from agent.batcher import (
     choose_layout,
     layout_candidates,
 )
-from agent.config import AgentConfig
-from agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
-from agent.precision import PrecisionPick, pick_precision
-from agent.selftest import RunTogether, Turn, lone_call_ms, measure_batch_sizes, now, self_test, warm_up
-from agent.server import IndexEntry, ModelHost
-from agent.shadow import ShadowMirror
-from agent.store import ModelStore, StagedModel
-from agent.trusted import Decision, check_cpu, decide
-from agent.updater import BundleFetcher
-from engines import Engine, EngineError, load_bundle_engine
-from protocol import mqtt as proto
-from protocol.cpu import cpu_features
-from protocol.errors import ContractError
-from protocol.manifest import Manifest
-from protocol.profile import load_profile
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from edgefleet.agent.precision import PrecisionPick, pick_precision
+from edgefleet.agent.selftest import RunTogether, Turn, lone_call_ms, measure_batch_sizes, now, self_test, warm_up
+from edgefleet.agent.server import IndexEntry, ModelHost
+from edgefleet.agent.shadow import ShadowMirror
+from edgefleet.agent.store import ModelStore, StagedModel
+from edgefleet.agent.trusted import Decision, check_cpu, decide
+from edgefleet.agent.updater import BundleFetcher
+from edgefleet.engines import Engine, EngineError, load_bundle_engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.cpu import cpu_features
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import Manifest
+from edgefleet.protocol.profile import load_profile
 
 __all__ = ["Installer", "Report"]
 

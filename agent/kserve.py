@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from agent.errors import InferenceFailed, RequestError
-from engines import NP_DTYPES
-from protocol.manifest import TensorSpec
+from edgefleet.agent.errors import InferenceFailed, RequestError
+from edgefleet.engines import NP_DTYPES
+from edgefleet.protocol.manifest import TensorSpec
 
 if TYPE_CHECKING:
-    from agent.shm import SharedMemory
+    from edgefleet.agent.shm import SharedMemory
 
 __all__ = ["HEADER_LENGTH", "InferRequest", "RequestTemplate", "decode_request", "encode_response", "parse_body",
            "request_template"]

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-import protocol
-from agent.spool import Spool
-from protocol import mqtt as proto
-from protocol.cpu import cpu_arch, cpu_features
-from protocol.errors import ContractError
-from protocol.fsutil import atomic_write
+from edgefleet import protocol
+from edgefleet.agent.spool import Spool
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.cpu import cpu_arch, cpu_features
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.fsutil import atomic_write
 
 __all__ = ["MqttLink", "MqttSecurity"]
 

@@ -42,13 +42,13 @@ from typing import Any
 
 import orjson
 
-from agent.errors import AgentError, RequestError
-from agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
-from agent.peer import Peer, unix_peer
-from agent.server import LARGE_BODY, ModelHost, Served
-from agent.shm import SharedMemory
-from protocol import local as wire
-from protocol.manifest import TensorSpec
+from edgefleet.agent.errors import AgentError, RequestError
+from edgefleet.agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
+from edgefleet.agent.peer import Peer, unix_peer
+from edgefleet.agent.server import LARGE_BODY, ModelHost, Served
+from edgefleet.agent.shm import SharedMemory
+from edgefleet.protocol import local as wire
+from edgefleet.protocol.manifest import TensorSpec
 
 __all__ = ["LocalServer"]
 

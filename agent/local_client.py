@@ -1,6 +1,6 @@
 """A client for the agent's on-box socket (protocol/local.py, served by agent/local.py).
 
-    from agent.local_client import LocalClient
+    from edgefleet.agent.local_client import LocalClient
     with LocalClient("/var/lib/edgefleet/local.sock") as c:
         logits = c.infer("digits", {"input": x})["logits"]           # tensors inline
         c.register_region("cam0", "/cam0", 1 << 20)                  # or by reference, in shared memory
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import local as wire
+from edgefleet.protocol import local as wire
 
 __all__ = ["AsyncLocalClient", "LocalClient", "LocalError", "decode_result", "infer_request"]
 

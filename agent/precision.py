@@ -16,12 +16,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.errors import BackendError, SelfTestFailed
-from agent.selftest import Turn, measure_batch_sizes, now, self_test
-from agent.store import StagedModel
-from engines import Engine
-from protocol import mqtt as proto
-from protocol.manifest import Manifest
+from edgefleet.agent.errors import BackendError, SelfTestFailed
+from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import Engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["ROUNDS", "TIE", "PrecisionPick", "pick_precision", "timing_sizes"]
 

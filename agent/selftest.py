@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from agent.errors import SelfTestFailed
-from agent.store import StagedModel
-from engines import Engine
-from protocol import mqtt as proto
+from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import Engine
+from edgefleet.protocol import mqtt as proto
 
 __all__ = [
     "TUNE_BUDGET_S",

@@ -43,18 +43,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import protocol
-from agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
-from agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
-from agent.image import ImageLimits, check_image, decode_feeds
-from agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
-from agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
-from agent.openapi import openapi
-from agent.peer import tcp_peer
-from agent.shm import SharedMemory
-from engines import Engine
-from protocol import mqtt as proto
-from protocol.manifest import Manifest
+from edgefleet import protocol
+from edgefleet.agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
+from edgefleet.agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
+from edgefleet.agent.image import ImageLimits, check_image, decode_feeds
+from edgefleet.agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
+from edgefleet.agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
+from edgefleet.agent.openapi import openapi
+from edgefleet.agent.peer import tcp_peer
+from edgefleet.agent.shm import SharedMemory
+from edgefleet.engines import Engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["IndexEntry", "ModelHost", "Served", "create_app", "model_config"]
 

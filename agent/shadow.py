@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from engines import Engine
-from protocol import mqtt as proto
-from protocol.manifest import Manifest
+from edgefleet.engines import Engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["ShadowMirror"]
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.errors import PayloadTooLarge, RequestError
-from agent.peer import Peer
+from edgefleet.agent.errors import PayloadTooLarge, RequestError
+from edgefleet.agent.peer import Peer
 
 __all__ = ["Region", "SharedMemory"]
 

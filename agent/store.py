@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agent.errors import TrustError
-from agent.trusted import Installed, TrustedRecord
-from protocol.bundle import extract_bundle, sha256_file
-from protocol.errors import ContractError
-from protocol.fsutil import atomic_write, fsync_dir
-from protocol.manifest import MANIFEST_FILENAME, Manifest, parse_manifest
+from edgefleet.agent.errors import TrustError
+from edgefleet.agent.trusted import Installed, TrustedRecord
+from edgefleet.protocol.bundle import extract_bundle, sha256_file
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.fsutil import atomic_write, fsync_dir
+from edgefleet.protocol.manifest import MANIFEST_FILENAME, Manifest, parse_manifest
 
 __all__ = ["ModelStore", "StagedModel", "StoreEntry"]
 

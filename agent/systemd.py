@@ -9,8 +9,8 @@ import socket
 import sys
 from pathlib import Path
 
-from agent.config import AgentConfig
-from protocol.errors import ConfigError
+from edgefleet.agent.config import AgentConfig
+from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["SERVICE_NAME", "install_unit", "render_unit", "sd_notify"]
 
@@ -53,7 +53,7 @@ def render_unit(config_path: Path, config: AgentConfig, user: str = "edgefleet",
     ``supplementary_groups``: on a Jetson the GPU device nodes belong to ``video`` and ``render``."""
     from importlib import resources
 
-    template = resources.files("agent").joinpath(UNIT_TEMPLATE).read_text(encoding="utf-8")
+    template = resources.files("edgefleet.agent").joinpath(UNIT_TEMPLATE).read_text(encoding="utf-8")
     data = config.data_dir.resolve()
     if data.is_relative_to("/var/lib") and data != Path("/var/lib"):
         # systemd creates it owned by User= and makes it writable despite ProtectSystem=strict
@@ -74,7 +74,7 @@ def render_unit(config_path: Path, config: AgentConfig, user: str = "edgefleet",
 
 def install_unit(unit_text: str, unit_dir: Path) -> Path:
     """Write the unit atomically into ``unit_dir`` (never runs systemctl)."""
-    from protocol.fsutil import atomic_write
+    from edgefleet.protocol.fsutil import atomic_write
 
     if not unit_dir.is_dir():
         raise ConfigError(f"{unit_dir}: no such directory for the unit file")

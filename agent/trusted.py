@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from agent.errors import RefusedUpdate
-from protocol.cpu import missing_features
-from protocol.manifest import version_key
+from edgefleet.agent.errors import RefusedUpdate
+from edgefleet.protocol.cpu import missing_features
+from edgefleet.protocol.manifest import version_key
 
 __all__ = ["RECORD_VERSION", "Decision", "Installed", "Seen", "TrustedRecord", "check_cpu", "decide"]
 

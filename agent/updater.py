@@ -23,10 +23,10 @@ from urllib.parse import urlsplit
 from tuf.api import exceptions as tuf_exc
 from tuf.ngclient.fetcher import FetcherInterface
 
-from agent.errors import FetchError, TrustError
-from protocol.errors import SchemaError
-from protocol.fsutil import atomic_write
-from protocol.target import TargetCustom
+from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.protocol.errors import SchemaError
+from edgefleet.protocol.fsutil import atomic_write
+from edgefleet.protocol.target import TargetCustom
 
 __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.errors import SelfTestFailed
-from agent.selftest import self_test
-from agent.store import StagedModel
-from agent.trusted import check_cpu
-from engines import NP_DTYPES, Engine, load_bundle_engine
-from protocol import mqtt as proto
-from protocol.bundle import extract_bundle, sha256_file
-from protocol.cpu import cpu_arch, cpu_features
-from protocol.errors import ConfigError
-from protocol.evaluation import label_axis, top1_hits
-from protocol.manifest import AccuracyReport, Manifest
+from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.selftest import self_test
+from edgefleet.agent.store import StagedModel
+from edgefleet.agent.trusted import check_cpu
+from edgefleet.engines import NP_DTYPES, Engine, load_bundle_engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.bundle import extract_bundle, sha256_file
+from edgefleet.protocol.cpu import cpu_arch, cpu_features
+from edgefleet.protocol.errors import ConfigError
+from edgefleet.protocol.evaluation import label_axis, top1_hits
+from edgefleet.protocol.manifest import AccuracyReport, Manifest
 
 __all__ = ["VerifyResult", "verify_bundle"]
 
@@ -178,9 +178,9 @@ def _gate_on_reference(backend: Engine, manifest: Manifest, selftest: Path) -> A
     """The gate's own metric on this CPU: the engine's outputs on the bundle's self-test inputs against the fp32
     source model's outputs recorded beside them (``reference:NAME``), judged by the recorded task, or by
     output agreement with the recorded budget. Numpy only: compiler.gate and compiler.tasks import no toolchain."""
-    from compiler.errors import CompilerError
-    from compiler.gate import GateSettings, evaluate_gate
-    from compiler.tasks import TaskSpec
+    from edgefleet.compiler.errors import CompilerError
+    from edgefleet.compiler.gate import GateSettings, evaluate_gate
+    from edgefleet.compiler.tasks import TaskSpec
 
     try:
         with np.load(selftest, allow_pickle=False) as npz:

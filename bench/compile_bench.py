@@ -70,7 +70,7 @@ def _progress(step: int, total: int, what: str) -> None:
 def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cache: bool,
                   precision: str = "int8", times_: int = 2) -> dict[str, Any]:
     """Compile the same inputs twice; -> the bundle, its manifest and both wall times."""
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     opts = CompileOptions(
         model=model_dir / "model.onnx", profile=profile, calibration=model_dir / "calibration.npz",
@@ -92,8 +92,7 @@ def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cach
 def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manifest: Any) -> tuple[Runner, Runner]:
     """(fp32, int8) runners: the engines the compiler gates and the agent serves (engines.load), onnxruntime's
     or, for a LiteRT profile, both .tflite engines."""
-    import engines
-
+    from edgefleet import engines
     kind = "litert" if sessions == "litert" else "onnxruntime"
     pair = []
     for path, precision in ((fp32_model, "fp32"), (engine, "int8")):  # the fp32 source has the bundle's names
@@ -106,9 +105,9 @@ def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manife
 def measure(model_dir: Path, engine: Path, profile_name: str, manifest: Any, sessions: str,
             iterations: dict[int, tuple[int, int]], fp32_engine: Path | None = None) -> dict[str, Any]:
     """FP32 source vs INT8 engine: batch timings (alternating) and top-1 agreement over eval.npz."""
-    from compiler.data import Dataset
-    from compiler.evaluate import benchmark_pair, predict_all
-    from protocol.profile import load_profile
+    from edgefleet.compiler.data import Dataset
+    from edgefleet.compiler.evaluate import benchmark_pair, predict_all
+    from edgefleet.protocol.profile import load_profile
 
     profile = load_profile(profile_name)
     fp32, int8 = _runners(sessions, fp32_engine or model_dir / "model.onnx", engine, profile, manifest)
@@ -137,14 +136,14 @@ def measure(model_dir: Path, engine: Path, profile_name: str, manifest: Any, ses
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import onnxruntime
 
-    from protocol.bundle import extract_bundle
-    from protocol.cpu import cpu_features, u8s8_saturates
+    from edgefleet.protocol.bundle import extract_bundle
+    from edgefleet.protocol.cpu import cpu_features, u8s8_saturates
 
     t_start = time.perf_counter()
     zoo = load_zoo()
     iterations = QUICK_ITERATIONS if args.quick else ITERATIONS
     saturates = u8s8_saturates()
-    from compiler import toolchain
+    from edgefleet.compiler import toolchain
 
     litert_ready = toolchain.status("tflite").installed
     profiles = [p for p in args.profiles if not (p in VNNI_PROFILES and saturates)

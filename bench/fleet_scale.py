@@ -108,7 +108,7 @@ def cli(*args: str, log: Path) -> subprocess.Popen:
 def fleet(work: Path, mqtt_url: str, bundle: Path | None, *extra: str, name: str = "fleet"):
     """``edgefleet fleet serve`` on a free port; uploads ``bundle`` if given. Replicas: the same ``work``
     (keys, data dir), ``--db-url`` and ``--shared-subscription-group`` in ``extra``, another ``name``."""
-    from fleet.keys import init_keys
+    from edgefleet.fleet.keys import init_keys
 
     if not (work / "keys" / "root.json").exists():
         init_keys(work / "keys")
@@ -185,7 +185,7 @@ def stats(client: httpx.Client) -> dict:
 
 
 def build_bundle(work: Path) -> Path:
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     digits = REPO / "models" / "digits"
     return compile_model(CompileOptions(

@@ -56,7 +56,7 @@ def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile versions 1.0.0 and 1.1.0 and install both (1.1.0 serves, 1.0.0 is kept for rollback)."""
     import importlib.util
 
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from tests.agent_harness import preinstall
 
     if name == "digits":

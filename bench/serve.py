@@ -82,9 +82,9 @@ def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile and install one model; -> data dir, engine, images and labels for the load."""
     import importlib.util
 
-    from agent.store import ModelStore
-    from compiler.pipeline import CompileOptions, compile_model
-    from protocol.bundle import sha256_file
+    from edgefleet.agent.store import ModelStore
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.protocol.bundle import sha256_file
 
     if name == "digits":
         src = REPO / "models" / "digits"
@@ -119,7 +119,7 @@ def prepare(name: str, work: Path) -> dict[str, Any]:
 def _session(engine: Path, threads: int) -> Any:
     import onnxruntime as ort
 
-    from engines.onnxruntime import session_options
+    from edgefleet.engines.onnxruntime import session_options
 
     # the agent's own session options (engines.onnxruntime), called raw: the runtime's limit
     return ort.InferenceSession(str(engine), session_options(ort, threads), providers=["CPUExecutionProvider"])
@@ -384,7 +384,7 @@ def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes],
     if kind in ("shm", "local"):
         return f"/v2/models/{model}/infer", [np.ascontiguousarray(i[None], np.float32).tobytes() for i in images], {}
     if kind == "local-inline":
-        from agent.local_client import infer_request
+        from edgefleet.agent.local_client import infer_request
 
         return model, [infer_request(model, {"input": np.ascontiguousarray(i[None], np.float32)}) for i in images], {}
     if kind == "naive":
@@ -593,7 +593,7 @@ async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes],
 
     import orjson
 
-    from agent.local_client import AsyncLocalClient, decode_result, infer_request
+    from edgefleet.agent.local_client import AsyncLocalClient, decode_result, infer_request
 
     region: Any = None
     conn = await AsyncLocalClient.connect(sock_path)

@@ -55,9 +55,9 @@ def _say(msg: str) -> None:
 
 def compile_and_install(work: Path) -> tuple[Path, Path, Any]:
     """Compile the digits model and commit it into ``work/agent/store``; -> (data dir, engine path, manifest)."""
-    from agent.store import ModelStore
-    from compiler.pipeline import CompileOptions, compile_model
-    from protocol.bundle import sha256_file
+    from edgefleet.agent.store import ModelStore
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.protocol.bundle import sha256_file
 
     result = compile_model(CompileOptions(
         model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
@@ -78,7 +78,7 @@ def ort_baseline(engine: Path, images: np.ndarray, threads: int, iters_b1: int, 
     """Images per second of ``InferenceSession.run`` on the engine, batch 1 and batch 16, fixed iterations."""
     import onnxruntime as ort
 
-    from engines.onnxruntime import session_options
+    from edgefleet.engines.onnxruntime import session_options
 
     so = session_options(ort, threads)  # the agent's own, spinning off; on only when asked
     if spinning:

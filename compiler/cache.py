@@ -15,8 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from protocol.bundle import read_manifest, sha256_file
-from protocol.manifest import Manifest
+from edgefleet.protocol.bundle import read_manifest, sha256_file
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["BuildCache", "default_cache_dir"]
 

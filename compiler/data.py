@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.errors import InputError
-from protocol.manifest import TensorSpec
-from protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
+from edgefleet.compiler.errors import InputError
+from edgefleet.protocol.manifest import TensorSpec
+from edgefleet.protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
 
 __all__ = ["Dataset", "load_dataset"]
 

@@ -10,7 +10,7 @@ Errors from onnx / onnxruntime are translated at the boundary and re-raised ``fr
 
 from __future__ import annotations
 
-from protocol.errors import EdgefleetError
+from edgefleet.protocol.errors import EdgefleetError
 
 __all__ = ["AccuracyGateFailed", "CompilerError", "InputError", "ToolchainError"]
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from compiler.data import Dataset
-from compiler.tasks import Outputs
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.tasks import Outputs
 
 __all__ = ["Outputs", "Runner", "benchmark_pair", "predict_all", "top1"]
 

@@ -33,10 +33,10 @@ from typing import Literal
 
 import numpy as np
 
-from compiler.errors import InputError
-from compiler.tasks import Outputs, TaskSpec, judge, samples
-from protocol.evaluation import label_axis, top1_hits
-from protocol.manifest import AccuracyReport, OutputAgreement
+from edgefleet.compiler.errors import InputError
+from edgefleet.compiler.tasks import Outputs, TaskSpec, judge, samples
+from edgefleet.protocol.evaluation import label_axis, top1_hits
+from edgefleet.protocol.manifest import AccuracyReport, OutputAgreement
 
 __all__ = ["GateSettings", "evaluate_gate", "label_axis"]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.data import Dataset
-from compiler.errors import InputError
-from protocol.manifest import TensorSpec
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.errors import InputError
+from edgefleet.protocol.manifest import TensorSpec
 
 __all__ = ["GraphInfo", "check_model", "ensure_opset", "probe_batching"]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from compiler.errors import InputError
-from protocol.manifest import TaskCriterion, TaskReport, TensorSpec
+from edgefleet.compiler.errors import InputError
+from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 
 __all__ = ["TASKS", "Outputs", "TaskSpec", "canonical_task", "infer_task", "judge", "load_task_file", "parse_task_args",
            "resolve_task", "samples"]

@@ -77,11 +77,11 @@ def _print(doc: Any, as_json: bool, human: str) -> None:
 def cmd_compile(a: argparse.Namespace) -> int:
     try:
         _require("compiler")
-        import compiler.pipeline  # noqa: F401  (imported here so a missing part is a message, not a traceback)
-        from compiler.fallback import choose as choose_fallback
+        import edgefleet.compiler.pipeline  # noqa: F401  (imported here so a missing part is a message, not a traceback)
+        from edgefleet.compiler.fallback import choose as choose_fallback
     except ImportError as exc:
         return _need("compiler", exc)
-    from protocol.profile import list_profiles
+    from edgefleet.protocol.profile import list_profiles
 
     profiles = list_profiles() if a.profile == "all" else [p.strip() for p in a.profile.split(",") if p.strip()]
     if not profiles:
@@ -125,10 +125,10 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 def _compile_one(a: argparse.Namespace, profile: str, label: str) -> dict[str, Any]:
     """One build; a failure is a result (``ok`` false, its exit code), not an exception."""
-    from compiler.cache import default_cache_dir
-    from compiler.errors import CompilerError
-    from compiler.pipeline import CompileOptions, compile_model
-    from protocol.errors import EdgefleetError
+    from edgefleet.compiler.cache import default_cache_dir
+    from edgefleet.compiler.errors import CompilerError
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.protocol.errors import EdgefleetError
 
     opts = CompileOptions(
         model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
@@ -177,7 +177,7 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
              f"model     {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
              f"accuracy  {figure}"]
     if acc.task is not None:
-        from compiler.pipeline import task_figures
+        from edgefleet.compiler.pipeline import task_figures
 
         t = acc.task
         lines.append(f"task      {t.task} ({t.source}) on output {t.output!r}: {task_figures(t)}")
@@ -250,8 +250,8 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
 def cmd_keys_init(a: argparse.Namespace) -> int:
     try:
         _require("keys")
-        from fleet.errors import KeyStoreError
-        from fleet.keys import init_keys
+        from edgefleet.fleet.errors import KeyStoreError
+        from edgefleet.fleet.keys import init_keys
     except ImportError as exc:
         return _need("compiler", exc)
     try:
@@ -269,7 +269,7 @@ def _keys_call(a: argparse.Namespace, fn) -> int:
     """Run a key operation; errors are one line (exit 4). ``fn`` returns (json doc, human text)."""
     try:
         _require("keys")
-        from fleet.errors import FleetError
+        from edgefleet.fleet.errors import FleetError
     except ImportError as exc:
         return _need("compiler", exc)
     try:
@@ -284,8 +284,8 @@ def _keys_call(a: argparse.Namespace, fn) -> int:
 def _publish_signed(a: argparse.Namespace, path: Path) -> str:
     if a.publish_to is None:
         return f"the fleet publishes {path.name} when it starts next (or pass --publish-to)"
-    from fleet.keys import KeyStore
-    from fleet.tuf_repo import Repository
+    from edgefleet.fleet.keys import KeyStore
+    from edgefleet.fleet.tuf_repo import Repository
 
     repo = Repository(a.publish_to, KeyStore(a.dir / "fleet"))
     (repo.publish_targets if path.name == "targets.json" else repo.publish_root)(path.read_bytes())
@@ -294,7 +294,7 @@ def _publish_signed(a: argparse.Namespace, path: Path) -> str:
 
 def cmd_keys_create(a: argparse.Namespace) -> int:
     def run() -> tuple[dict[str, Any], str]:
-        from fleet.keys import create_keys
+        from edgefleet.fleet.keys import create_keys
 
         fleet = create_keys(a.dir, force=a.force)
         return ({"fleet_keys": str(fleet), "offline": str(a.dir / "offline"), "ci": str(a.dir / "ci")},
@@ -307,7 +307,7 @@ def cmd_keys_create(a: argparse.Namespace) -> int:
 
 def cmd_keys_rotate(a: argparse.Namespace) -> int:
     def run() -> tuple[dict[str, Any], str]:
-        from fleet.keys import rotate_key
+        from edgefleet.fleet.keys import rotate_key
 
         out = rotate_key(a.dir, a.role)
         return {"role": a.role, "signed": str(out)}, f"new {a.role} key; signed {out}; {_publish_signed(a, out)}"
@@ -316,7 +316,7 @@ def cmd_keys_rotate(a: argparse.Namespace) -> int:
 
 def cmd_keys_revoke(a: argparse.Namespace) -> int:
     def run() -> tuple[dict[str, Any], str]:
-        from fleet.keys import revoke_key
+        from edgefleet.fleet.keys import revoke_key
 
         out = revoke_key(a.dir, a.role, a.keyid)
         return ({"role": a.role, "keyid": a.keyid, "signed": str(out)},
@@ -328,10 +328,10 @@ def cmd_keys_revoke(a: argparse.Namespace) -> int:
 def cmd_fleet_serve(a: argparse.Namespace) -> int:
     try:
         _require("fleet")
-        from fleet.server import FleetConfig, FleetServer
+        from edgefleet.fleet.server import FleetConfig, FleetServer
     except ImportError as exc:
         return _need("fleet", exc)
-    from protocol.errors import EdgefleetError
+    from edgefleet.protocol.errors import EdgefleetError
 
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s fleet %(levelname)s %(name)s: %(message)s")
@@ -356,13 +356,13 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
 
 
 def _client(a: argparse.Namespace):
-    from fleet.client import FleetClient
+    from edgefleet.fleet.client import FleetClient
 
     return FleetClient(a.fleet)
 
 
 def _fleet_call(fn) -> int:
-    from fleet.client import FleetClientError
+    from edgefleet.fleet.client import FleetClientError
 
     try:
         return fn()
@@ -384,8 +384,8 @@ def cmd_fleet_upload(a: argparse.Namespace) -> int:
         return EXIT_INPUT
 
     def run() -> int:
-        from fleet.errors import KeyStoreError
-        from protocol.errors import ContractError
+        from edgefleet.fleet.errors import KeyStoreError
+        from edgefleet.protocol.errors import ContractError
 
         try:
             m = _client(a).upload(a.bundle, a.sign_key)
@@ -474,11 +474,11 @@ def _cpu_list(text: str) -> tuple[int, ...]:
 def cmd_agent(a: argparse.Namespace) -> int:
     try:
         _require("agent")
-        from agent.config import load_config
-        from agent.daemon import check_runtime_config, require_trust_anchor, run_agent
+        from edgefleet.agent.config import load_config
+        from edgefleet.agent.daemon import check_runtime_config, require_trust_anchor, run_agent
     except ImportError as exc:
         return _need("agent", exc)
-    from protocol.errors import EdgefleetError
+    from edgefleet.protocol.errors import EdgefleetError
 
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format=f"%(asctime)s agent[{a.device_id or '?'}] %(levelname)s %(name)s: %(message)s")
@@ -512,11 +512,11 @@ def cmd_agent(a: argparse.Namespace) -> int:
 def cmd_agent_install_service(a: argparse.Namespace) -> int:
     try:
         _require("agent")
-        from agent.config import load_config
-        from agent.systemd import SERVICE_NAME, install_unit, render_unit
+        from edgefleet.agent.config import load_config
+        from edgefleet.agent.systemd import SERVICE_NAME, install_unit, render_unit
     except ImportError as exc:
         return _need("agent", exc)
-    from protocol.errors import EdgefleetError
+    from edgefleet.protocol.errors import EdgefleetError
 
     config = a.service_config.resolve()
     try:
@@ -536,11 +536,11 @@ def cmd_agent_install_service(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     try:
         _require("agent")
-        from agent.bench import bench_bundle
-        from agent.errors import AgentError
+        from edgefleet.agent.bench import bench_bundle
+        from edgefleet.agent.errors import AgentError
     except ImportError as exc:
         return _need("agent", exc)
-    from protocol.errors import EdgefleetError
+    from edgefleet.protocol.errors import EdgefleetError
 
     if not a.bundle.is_file():
         print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
@@ -577,8 +577,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 # -- toolchain --------------------------------------------------------------------------------------
 def cmd_toolchain_install(a: argparse.Namespace) -> int:
-    from compiler import toolchain
-    from compiler.errors import CompilerError
+    from edgefleet.compiler import toolchain
+    from edgefleet.compiler.errors import CompilerError
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -595,8 +595,8 @@ def cmd_toolchain_install(a: argparse.Namespace) -> int:
 
 
 def cmd_toolchain_status(a: argparse.Namespace) -> int:
-    from compiler import toolchain
-    from compiler.errors import CompilerError
+    from edgefleet.compiler import toolchain
+    from edgefleet.compiler.errors import CompilerError
 
     try:
         found = [toolchain.status(n) for n in ([a.name] if a.name else sorted(toolchain.TOOLCHAINS))]
@@ -624,11 +624,11 @@ def _toolchain_line(st: Any) -> str:
 def cmd_verify(a: argparse.Namespace) -> int:
     try:
         _require("agent")
-        from agent.errors import AgentError
-        from agent.verify import verify_bundle
+        from edgefleet.agent.errors import AgentError
+        from edgefleet.agent.verify import verify_bundle
     except ImportError as exc:
         return _need("agent", exc)
-    from protocol.errors import EdgefleetError
+    from edgefleet.protocol.errors import EdgefleetError
 
     if not a.bundle.is_file():
         print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
@@ -896,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_parser("decommission", "revoke a device's MQTT credentials (it can no longer connect); admin role",
                   cmd_fleet_decommission).add_argument("device_id")
     client_parser("models", "list uploaded models", cmd_fleet_models)
-    from fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
+    from edgefleet.fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
 
     cli_rollout.add_create_parser(f, "rollout", _Formatter, "roll a model version out (the same as 'edgefleet "
                                                             "rollout create')")

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.client import FleetClient, FleetClientError, FleetUnreachable
-from fleet.schemas import Rollout
+from edgefleet.fleet.client import FleetClient, FleetClientError, FleetUnreachable
+from edgefleet.fleet.schemas import Rollout
 
 __all__ = ["DemoOptions", "LocalFleet", "free_port", "infer_images", "run_demo"]
 
@@ -87,7 +87,7 @@ class LocalFleet:
         return FleetClient(self.url, token=token_file.read_text().strip() if token_file.exists() else None)
 
     def start(self, timeout_s: float = 60.0) -> None:
-        from fleet.keys import init_keys
+        from edgefleet.fleet.keys import init_keys
 
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if not (self.keys / "root.json").exists():
@@ -215,9 +215,9 @@ def _say(msg: str) -> None:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    from compiler.pipeline import CompileOptions, compile_model
     from edgefleet.cli import EXIT_INTERNAL, EXIT_OK, EXIT_ROLLOUT, _progress_bar
-    from protocol.errors import EdgefleetError
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.protocol.errors import EdgefleetError
 
     work = opts.work_dir.resolve()
     try:

@@ -12,20 +12,23 @@ kind is loaded, so ``import engines`` works on a box that has only some of them.
 
 from __future__ import annotations
 
+if __name__ != "edgefleet.engines":  # the folder engines/ is installed as edgefleet.engines (pyproject.toml)
+    raise ImportError(f"import edgefleet.engines, not {__name__}: edgefleet installs one top-level name")
+
 import importlib
 from pathlib import Path
 
-from engines.base import NP_DTYPES, Engine, EngineSpec
-from engines.errors import EngineClosed, EngineError, EngineInputError, EngineLoadError, EngineRunError
-from protocol.manifest import Manifest
+from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec
+from edgefleet.engines.errors import EngineClosed, EngineError, EngineInputError, EngineLoadError, EngineRunError
+from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["KINDS", "NP_DTYPES", "Engine", "EngineClosed", "EngineError", "EngineInputError", "EngineLoadError",
            "EngineRunError", "EngineSpec", "load", "load_bundle_engine"]
 
 _REGISTRY = {
-    "onnxruntime": ("engines.onnxruntime", "OnnxRuntimeEngine"),
-    "litert": ("engines.litert", "LiteRTEngine"),
-    "tensorrt": ("engines.tensorrt", "TensorRTEngine"),
+    "onnxruntime": ("edgefleet.engines.onnxruntime", "OnnxRuntimeEngine"),
+    "litert": ("edgefleet.engines.litert", "LiteRTEngine"),
+    "tensorrt": ("edgefleet.engines.tensorrt", "TensorRTEngine"),
 }
 KINDS = tuple(_REGISTRY)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.errors import EngineClosed, EngineInputError, EngineRunError
-from protocol.manifest import Manifest, TensorSpec
+from edgefleet.engines.errors import EngineClosed, EngineInputError, EngineRunError
+from edgefleet.protocol.manifest import Manifest, TensorSpec
 
 __all__ = ["NP_DTYPES", "Engine", "EngineSpec"]
 

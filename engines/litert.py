@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Engine, EngineSpec
-from engines.errors import EngineLoadError, EngineRunError
-from protocol import jsonlimits
-from protocol.errors import ContractError
+from edgefleet.engines.base import Engine, EngineSpec
+from edgefleet.engines.errors import EngineLoadError, EngineRunError
+from edgefleet.protocol import jsonlimits
+from edgefleet.protocol.errors import ContractError
 
 __all__ = ["IO_FORMAT", "IO_METADATA", "IOMap", "LiteRTEngine", "Port", "interpreter_class", "read_io_map",
            "read_tflite_metadata"]

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Engine, EngineSpec
-from engines.errors import EngineLoadError, EngineRunError
+from edgefleet.engines.base import Engine, EngineSpec
+from edgefleet.engines.errors import EngineLoadError, EngineRunError
 
 __all__ = ["CPU", "CUDA", "TENSORRT", "OnnxRuntimeEngine", "providers_for", "session_options"]
 
@@ -34,8 +34,8 @@ KNOWN_PROVIDERS = (TENSORRT, CUDA, CPU)
 def providers_for(profile: str | None) -> tuple[str, ...]:
     """The providers an engine built for ``profile`` asks for, best first: the profile's accelerator decides
     (gpu: TensorRT, then CUDA, then CPU). None, or a profile this box does not know, is a CPU one."""
-    from protocol.errors import EdgefleetError
-    from protocol.profile import load_profile
+    from edgefleet.protocol.errors import EdgefleetError
+    from edgefleet.protocol.profile import load_profile
 
     try:
         accelerator = load_profile(profile).accelerator if profile else "cpu"

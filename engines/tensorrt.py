@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Engine, EngineSpec
-from engines.cuda import Device, DeviceBuffers, one_line, open_device
-from engines.errors import EngineLoadError, EngineRunError
+from edgefleet.engines.base import Engine, EngineSpec
+from edgefleet.engines.cuda import Device, DeviceBuffers, one_line, open_device
+from edgefleet.engines.errors import EngineLoadError, EngineRunError
 
 __all__ = ["BindingIO", "TensorIO", "TensorRTEngine", "import_tensorrt", "logged_errors", "make_logger"]
 

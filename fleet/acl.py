@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from protocol import mqtt as proto
-from protocol.fsutil import atomic_write
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.fsutil import atomic_write
 
 __all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "Account", "allowed", "client_id_allowed", "hash_password",
            "mosquitto_conf", "reload_mosquitto", "verify_password", "write_mosquitto_files"]

@@ -23,16 +23,16 @@ from fastapi.responses import (
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleet import console
-from fleet import schemas as out
-from fleet.auth import ROLES, Caller, TokenStore
-from fleet.enroll import Enrollment
-from fleet.errors import BadRequest, FleetError, Forbidden, NotFound, RepositoryError, Unauthorized
-from fleet.rollout import Gates, RolloutSpec, ShadowGate
-from fleet.service import FleetService
-from fleet.tuf_repo import Repository
-from protocol import jsonlimits
-from protocol.errors import ContractError
+from edgefleet.fleet import console
+from edgefleet.fleet import schemas as out
+from edgefleet.fleet.auth import ROLES, Caller, TokenStore
+from edgefleet.fleet.enroll import Enrollment
+from edgefleet.fleet.errors import BadRequest, FleetError, Forbidden, NotFound, RepositoryError, Unauthorized
+from edgefleet.fleet.rollout import Gates, RolloutSpec, ShadowGate
+from edgefleet.fleet.service import FleetService
+from edgefleet.fleet.tuf_repo import Repository
+from edgefleet.protocol import jsonlimits
+from edgefleet.protocol.errors import ContractError
 
 __all__ = ["COOKIE", "create_app"]
 

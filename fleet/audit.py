@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from fleet.db import AuditRow
+from edgefleet.fleet.db import AuditRow
 
 __all__ = ["ENGINE_ACTOR", "Rejections", "audit"]
 

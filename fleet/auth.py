@@ -23,9 +23,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from fleet.audit import audit
-from fleet.db import ApiToken, utcnow
-from fleet.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
+from edgefleet.fleet.audit import audit
+from edgefleet.fleet.db import ApiToken, utcnow
+from edgefleet.fleet.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 
 __all__ = ["ROLES", "Caller", "TokenStore"]
 

@@ -42,8 +42,8 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.utils import gen_client_id
 
-from fleet.acl import allowed, client_id_allowed
-from protocol.errors import ConfigError
+from edgefleet.fleet.acl import allowed, client_id_allowed
+from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["Authorizer", "EmbeddedBroker", "FleetBroker"]
 
@@ -206,8 +206,8 @@ class EmbeddedBroker:
                 plugins: dict[str, Any] = (
                     {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
                     if self.anonymous else
-                    {"fleet.broker.AclAuthPlugin": {"key": self._key},
-                     "fleet.broker.AclTopicPlugin": {"key": self._key}})
+                    {"edgefleet.fleet.broker.AclAuthPlugin": {"key": self._key},
+                     "edgefleet.fleet.broker.AclTopicPlugin": {"key": self._key}})
                 cfg = {"listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
                        "plugins": plugins}
                 broker = FleetBroker(cfg)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fleet.client import FleetClient
-    from fleet.schemas import Rollout
+    from edgefleet.fleet.client import FleetClient
+    from edgefleet.fleet.schemas import Rollout
 
 __all__ = ["add_create_parser", "add_parsers"]
 
@@ -104,7 +104,7 @@ def _run(fn: Command) -> Callable[[argparse.Namespace], int]:
     def run(a: argparse.Namespace) -> int:
         from pydantic import TypeAdapter
 
-        from fleet.client import FleetClient, FleetClientError
+        from edgefleet.fleet.client import FleetClient, FleetClientError
 
         try:
             answer, human, code = fn(a, FleetClient(a.fleet, a.timeout_s, a.token))

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from fleet import schemas as s
-from protocol import jsonlimits
-from protocol.errors import ContractError, EdgefleetError
+from edgefleet.fleet import schemas as s
+from edgefleet.protocol import jsonlimits
+from edgefleet.protocol.errors import ContractError, EdgefleetError
 
 __all__ = ["FleetBadAnswer", "FleetClient", "FleetClientError", "FleetHTTPError", "FleetUnreachable"]
 
@@ -109,8 +109,8 @@ class FleetClient:
         """Upload a bundle. With ``sign_key`` (the compiler CI's ``bundles`` key, for a fleet that does not
         sign): first sign it into the fleet's current bundles metadata, here, and publish that."""
         if sign_key is not None:
-            from fleet.keys import bundle_target, sign_bundle
-            from protocol.bundle import read_manifest
+            from edgefleet.fleet.keys import bundle_target, sign_bundle
+            from edgefleet.protocol.bundle import read_manifest
 
             target, custom = bundle_target(read_manifest(bundle))
             current = self._raw("GET", "/api/v1/bundles/signed-metadata")

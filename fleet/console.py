@@ -6,7 +6,7 @@ from html import escape
 from typing import Any
 from urllib.parse import urlencode
 
-from fleet.states import TargetState
+from edgefleet.fleet.states import TargetState
 
 __all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
 

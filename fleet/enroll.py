@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from fleet.acl import FLEET_USER, Account, hash_password
-from fleet.errors import BadRequest, NotFound
-from protocol import mqtt as proto
+from edgefleet.fleet.acl import FLEET_USER, Account, hash_password
+from edgefleet.fleet.errors import BadRequest, NotFound
+from edgefleet.protocol import mqtt as proto
 
 __all__ = ["DeviceCredentials", "Enrollment"]
 

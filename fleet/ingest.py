@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fleet.audit import Rejections
+from edgefleet.fleet.audit import Rejections
 
 __all__ = ["IngestWorker"]
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.errors import KeyStoreError
-from protocol.manifest import Manifest
-from protocol.target import TargetCustom
-from protocol.target import target_path as _target_path
+from edgefleet.fleet.errors import KeyStoreError
+from edgefleet.protocol.manifest import Manifest
+from edgefleet.protocol.target import TargetCustom
+from edgefleet.protocol.target import target_path as _target_path
 
 __all__ = [
     "BUNDLES_ROLE",
@@ -293,7 +293,7 @@ def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custo
     fleet publishes it) with ``bundle`` added as ``target_path``, signed with the CI key."""
     from tuf.api.metadata import Metadata, TargetFile, Targets
 
-    from protocol.bundle import check_bundle
+    from edgefleet.protocol.bundle import check_bundle
 
     signer = load_signer(key, BUNDLES_ROLE)
     check_bundle(bundle)  # never sign an archive the agent would refuse (BundleError names the problem)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from fleet.db import Rollout, RolloutTarget, RolloutWave
+from edgefleet.fleet.db import Rollout, RolloutTarget, RolloutWave
 
 __all__ = ["Reconciler"]
 

@@ -45,10 +45,10 @@ from sqlalchemy import Float, Table, and_, bindparam, case, func, insert, or_, s
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.attributes import set_committed_value
 
-from fleet.audit import ENGINE_ACTOR, audit
-from fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
-from fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
-from fleet.states import (
+from edgefleet.fleet.audit import ENGINE_ACTOR, audit
+from edgefleet.fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
+from edgefleet.fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
+from edgefleet.fleet.states import (
     TARGET_DONE,
     TARGET_FINAL,
     TARGET_TRANSITIONS,
@@ -58,9 +58,9 @@ from fleet.states import (
     TargetState,
     WaveState,
 )
-from protocol import mqtt as proto
-from protocol.errors import EdgefleetError
-from protocol.profile import load_profile
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.errors import EdgefleetError
+from edgefleet.protocol.profile import load_profile
 
 __all__ = ["AUDIT_DEVICES_PER_ROW", "TRANSITIONS", "WAVE_ACTIONS", "GateResult", "Gates", "RolloutEngine",
            "RolloutSpec", "TargetMove", "WaveFigures", "cpu_fallback", "evaluate_gates", "move_targets", "move_wave",

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol import manifest as pm
-from protocol import mqtt as proto
+from edgefleet.protocol import manifest as pm
+from edgefleet.protocol import mqtt as proto
 
 __all__ = [
     "MAX_PAGE",

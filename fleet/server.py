@@ -11,18 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.acl import FLEET_USER, Account, reload_mosquitto, verify_password, write_mosquitto_files
-from fleet.auth import TokenStore
-from fleet.bridge import MqttBridge
-from fleet.broker import EmbeddedBroker
-from fleet.db import make_engine
-from fleet.enroll import Enrollment
-from fleet.ingest import IngestWorker
-from fleet.keys import KeyStore
-from fleet.reconcile import Reconciler
-from fleet.service import FleetService
-from fleet.tuf_repo import Repository
-from fleet.tuf_store import DirStore, SqlStore
+from edgefleet.fleet.acl import FLEET_USER, Account, reload_mosquitto, verify_password, write_mosquitto_files
+from edgefleet.fleet.auth import TokenStore
+from edgefleet.fleet.bridge import MqttBridge
+from edgefleet.fleet.broker import EmbeddedBroker
+from edgefleet.fleet.db import make_engine
+from edgefleet.fleet.enroll import Enrollment
+from edgefleet.fleet.ingest import IngestWorker
+from edgefleet.fleet.keys import KeyStore
+from edgefleet.fleet.reconcile import Reconciler
+from edgefleet.fleet.service import FleetService
+from edgefleet.fleet.tuf_repo import Repository
+from edgefleet.fleet.tuf_store import DirStore, SqlStore
 
 __all__ = ["FleetConfig", "FleetServer"]
 
@@ -157,7 +157,7 @@ class FleetServer:
                           "the old accounts until it is reloaded", n, cfg.mosquitto_pid_file, exc)
 
     def app(self):
-        from fleet.api import create_app
+        from edgefleet.fleet.api import create_app
 
         return create_app(self.service, self.repo, self.bootstrap, self.health,
                           self.config.max_upload_bytes, self.tokens, self.enrollment, self._replica_stats)

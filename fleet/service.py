@@ -14,17 +14,17 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from fleet.audit import Rejections, audit
-from fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
-from fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
-from fleet.keys import bundle_target
-from fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
-from fleet.tuf_repo import Repository
-from protocol import mqtt as proto
-from protocol.bundle import check_bundle
-from protocol.errors import ContractError
-from protocol.manifest import version_key
-from protocol.profile import list_profiles
+from edgefleet.fleet.audit import Rejections, audit
+from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
+from edgefleet.fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
+from edgefleet.fleet.keys import bundle_target
+from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
+from edgefleet.fleet.tuf_repo import Repository
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.bundle import check_bundle
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import version_key
+from edgefleet.protocol.profile import list_profiles
 
 __all__ = ["FleetService", "Publisher"]
 

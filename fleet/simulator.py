@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol import mqtt as proto
+from edgefleet.protocol import mqtt as proto
 
 __all__ = ["SimConfig", "Simulator", "add_parser", "fails"]
 
@@ -470,7 +470,7 @@ def enroll_all(fleet_url: str, device_ids: list[str], token: str | None, concurr
     """Enroll simulated devices through the fleet's API: device id -> MQTT password."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fleet.client import FleetClient
+    from edgefleet.fleet.client import FleetClient
 
     client = FleetClient(fleet_url, token=token)
 
@@ -502,7 +502,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         import dataclasses
         import os
 
-        from protocol.errors import EdgefleetError
+        from edgefleet.protocol.errors import EdgefleetError
 
         ids = [f"{a.prefix}-{a.first_index + i:05d}" for i in range(a.devices)]
         try:

@@ -32,10 +32,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from protocol import jsonlimits
-from protocol._strict import StrictModel, parse_document
-from protocol.errors import SchemaError, UnsupportedVersionError
-from protocol.preprocess import Preprocessing
+from edgefleet.protocol import jsonlimits
+from edgefleet.protocol._strict import StrictModel, parse_document
+from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
+from edgefleet.protocol.preprocess import Preprocessing
 
 __all__ = [
     "MANIFEST_FILENAME",

@@ -9,10 +9,10 @@ from typing import Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from protocol._strict import StrictModel, parse_document
-from protocol.cpu import KNOWN_FEATURES, VNNI_FEATURES
-from protocol.errors import SchemaError
-from protocol.manifest import Backend, Int8Scheme, Precision
+from edgefleet.protocol._strict import StrictModel, parse_document
+from edgefleet.protocol.cpu import KNOWN_FEATURES, VNNI_FEATURES
+from edgefleet.protocol.errors import SchemaError
+from edgefleet.protocol.manifest import Backend, Int8Scheme, Precision
 
 __all__ = ["HardwareProfile", "list_profiles", "load_profile", "profile_dir", "resolve_fallback_path",
            "resolve_profile_path"]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 
-from agent.config import AgentConfig
-from agent.daemon import Agent, run_until_stopped
-from agent.store import ModelStore
-from protocol.bundle import sha256_file
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.daemon import Agent, run_until_stopped
+from edgefleet.agent.store import ModelStore
+from edgefleet.protocol.bundle import sha256_file
 
 
 def preinstall(data_dir: Path, bundle: Path) -> None:

@@ -98,7 +98,7 @@ def _build_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The digits model compiled for x86-cpu (static INT8), once per test session."""
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("dist")
     result = compile_model(CompileOptions(
@@ -109,7 +109,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def digits_bundle_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("dist2")
     return compile_model(CompileOptions(
@@ -125,9 +125,9 @@ def two_precision_bundle(tmp_path_factory: pytest.TempPathFactory, digits_bundle
     host); assembled from two real x86-cpu builds so that an agent on this machine can run it."""
     import shutil
 
-    from compiler.pipeline import CompileOptions, compile_model
-    from protocol.bundle import extract_bundle, sha256_file, write_bundle
-    from protocol.manifest import MANIFEST_VERSION, parse_manifest
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
+    from edgefleet.protocol.manifest import MANIFEST_VERSION, parse_manifest
 
     out = tmp_path_factory.mktemp("two-precisions")
     fp32 = compile_model(CompileOptions(
@@ -165,7 +165,7 @@ def test_images():
 @pytest.fixture
 def sims():
     """Start simulated fleets (fleet.simulator) for the test; all are stopped after it."""
-    from fleet.simulator import SimConfig, Simulator
+    from edgefleet.fleet.simulator import SimConfig, Simulator
 
     started: list[Simulator] = []
 

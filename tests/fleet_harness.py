@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from fleet.keys import init_keys
-from fleet.server import FleetConfig, FleetServer
+from edgefleet.fleet.keys import init_keys
+from edgefleet.fleet.server import FleetConfig, FleetServer
 from tests.conftest import free_port
 
 

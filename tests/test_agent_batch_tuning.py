@@ -12,15 +12,15 @@ import httpx
 import numpy as np
 import pytest
 
-from agent.batcher import Batcher, BatchSettings, batch_ladder, choose_batch_size
-from agent.config import AgentConfig
-from agent.install import Installer
-from agent.metrics import Metrics
-from agent.selftest import measure_batch_sizes
-from agent.server import ModelHost
-from agent.store import ModelStore, StagedModel
-from engines import Engine, EngineSpec
-from protocol.bundle import sha256_file
+from edgefleet.agent.batcher import Batcher, BatchSettings, batch_ladder, choose_batch_size
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.install import Installer
+from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.selftest import measure_batch_sizes
+from edgefleet.agent.server import ModelHost
+from edgefleet.agent.store import ModelStore, StagedModel
+from edgefleet.engines import Engine, EngineSpec
+from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import preinstall, running_agent
 from tests.test_agent_batcher import FakeBackend, x
 

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from agent.batcher import DEAD_MAX, HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
-from agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
-from engines import Engine, EngineSpec
-from protocol.manifest import TensorSpec
+from edgefleet.agent.batcher import DEAD_MAX, HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
+from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
+from edgefleet.engines import Engine, EngineSpec
+from edgefleet.protocol.manifest import TensorSpec
 
 
 class FakeBackend(Engine):
@@ -654,8 +654,8 @@ def test_requests_under_concurrency_are_never_run_inline():
 def test_non_finite_outputs_fail_only_the_requests_whose_rows_hold_them():
     """The batcher checks a batch's outputs for NaN and infinity once (Outputs.finite); a batch that holds some still
     fails only the requests whose own rows do, when their answers are encoded (agent.kserve.ordered_outputs)."""
-    from agent.batcher import Outputs
-    from agent.kserve import InferRequest, encode_response
+    from edgefleet.agent.batcher import Outputs
+    from edgefleet.agent.kserve import InferRequest, encode_response
 
     async def main():
         be = FakeBackend()

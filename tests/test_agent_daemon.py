@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from agent.config import load_config
-from agent.telemetry import DeviceSampler, parse_tegrastats, read_nvml, read_thermal_zones
+from edgefleet.agent.config import load_config
+from edgefleet.agent.telemetry import DeviceSampler, parse_tegrastats, read_nvml, read_thermal_zones
 from edgefleet.cli import main as cli_main
-from protocol.errors import ConfigError
+from edgefleet.protocol.errors import ConfigError
 from tests.agent_harness import preinstall
 from tests.conftest import REPO, free_port, wait_for
 
@@ -62,8 +62,8 @@ def _agent_args(data_dir: Path, *extra: str) -> list[str]:
 
 
 def test_an_agent_without_a_trusted_root_refuses_to_start(tmp_path, capsys):
-    from agent.config import AgentConfig
-    from agent.daemon import Agent
+    from edgefleet.agent.config import AgentConfig
+    from edgefleet.agent.daemon import Agent
 
     with pytest.raises(ConfigError) as err:
         Agent(AgentConfig(device_id="cam-7", fleet_url="http://127.0.0.1:9", data_dir=tmp_path / "a"))
@@ -75,8 +75,8 @@ def test_an_agent_without_a_trusted_root_refuses_to_start(tmp_path, capsys):
 
 
 def test_trust_on_first_use_or_a_held_root_lets_the_agent_start(tmp_path):
-    from agent.config import AgentConfig
-    from agent.daemon import Agent
+    from edgefleet.agent.config import AgentConfig
+    from edgefleet.agent.daemon import Agent
 
     base = {"device_id": "cam-7", "fleet_url": "http://127.0.0.1:9"}
     Agent(AgentConfig(**base, data_dir=tmp_path / "a", trust_on_first_use=True))

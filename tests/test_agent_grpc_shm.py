@@ -14,8 +14,8 @@ import tritonclient.http as thttp
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from agent.config import AgentConfig
-from agent.shm import SharedMemory
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.shm import SharedMemory
 from tests.agent_harness import preinstall, running_agent
 
 tgrpc = pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc] (grpcio, tritonclient[grpc])")
@@ -298,8 +298,8 @@ def test_inference_threads_run_on_the_cpus_they_are_given(tmp_path, digits_bundl
 
 
 def test_a_cpu_this_machine_lacks_is_a_config_error_before_start(tmp_path):
-    from agent.daemon import check_runtime_config
-    from protocol.errors import ConfigError
+    from edgefleet.agent.daemon import check_runtime_config
+    from edgefleet.protocol.errors import ConfigError
 
     cfg = AgentConfig(device_id="d", fleet_url="http://x", data_dir=tmp_path, inference_cpus=[4095])
     with pytest.raises(ConfigError, match=r"CPU\(s\) \[4095\] are not available"):

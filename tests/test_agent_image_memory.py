@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from agent.errors import RequestError
+from edgefleet.agent.errors import RequestError
 from tests.agent_harness import preinstall, running_agent
 from tests.conftest import DIGITS
 
@@ -84,7 +84,7 @@ def post_at_once(url: str, bodies: list[bytes]) -> list[httpx.Response]:
 @pytest.fixture(scope="module")
 def image_bundle(tmp_path_factory):
     """Digits with recorded image preprocessing (8x8 gray), as in test_agent_oip."""
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     d = tmp_path_factory.mktemp("imgbundle")
     (d / "preprocess.yaml").write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\n"
@@ -103,7 +103,7 @@ def small_png(test_images) -> bytes:
 
 # -- the header decides, before any decoder ---------------------------------------------------------------
 def test_the_decode_cost_comes_from_the_png_header():
-    from agent.image import image_header
+    from edgefleet.agent.image import image_header
 
     h = image_header(png_bytes(6300, 6300, 16, 2))
     assert (h.format, h.width, h.height, h.channels, h.bits) == ("png", 6300, 6300, 3, 16)
@@ -116,7 +116,7 @@ def test_the_decode_cost_comes_from_the_png_header():
 
 
 def test_the_decode_cost_comes_from_the_jpeg_frame_header():
-    from agent.image import image_header
+    from edgefleet.agent.image import image_header
 
     img = np.zeros((30, 40, 3), np.uint8)
     baseline = cv2.imencode(".jpg", img)[1].tobytes()
@@ -138,7 +138,7 @@ def test_the_decode_cost_comes_from_the_jpeg_frame_header():
     (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00garbage", 400, "corrupt JPEG"),
 ])
 def test_other_formats_and_unreadable_headers_are_refused(data, status, message):
-    from agent.image import image_header
+    from edgefleet.agent.image import image_header
 
     with pytest.raises(RequestError, match=message) as err:
         image_header(data)
@@ -146,7 +146,7 @@ def test_other_formats_and_unreadable_headers_are_refused(data, status, message)
 
 
 def test_an_image_over_the_budget_is_refused_before_opencv_sees_it(monkeypatch):
-    from agent import image
+    from edgefleet.agent import image
 
     def no_decoder(*a, **k):
         raise AssertionError("the decoder ran")
@@ -161,8 +161,8 @@ def test_an_image_over_the_budget_is_refused_before_opencv_sees_it(monkeypatch):
 
 # -- the config --------------------------------------------------------------------------------------------
 def test_the_budget_is_in_the_agent_config(tmp_path):
-    from agent.config import load_config
-    from protocol.errors import ConfigError
+    from edgefleet.agent.config import load_config
+    from edgefleet.protocol.errors import ConfigError
 
     p = tmp_path / "agent.yaml"
     p.write_text(f"device_id: d\nfleet_url: http://x\ndata_dir: {tmp_path}\nmax_image_decoded_bytes: 1000000\n"
@@ -201,7 +201,7 @@ def test_decompression_bombs_at_once_stay_under_the_stated_ceiling(tmp_path, ima
 def test_images_within_the_budget_decode_a_few_at_a_time(tmp_path, image_bundle, test_images):
     """Large legit images: each within the budget, four sent at once, one decodes at a time; the rest wait
     (or get 503 with Retry-After), and the peak stays under 1 x the budget."""
-    from agent.image import image_header
+    from edgefleet.agent.image import image_header
 
     img = png_bytes(2800, 2800, 8, 2)
     budget, at_once = image_header(img).decode_cost_bytes, 1

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from agent.batcher import LayoutFigures, choose_layout, layout_candidates
+from edgefleet.agent.batcher import LayoutFigures, choose_layout, layout_candidates
 from tests.agent_harness import preinstall, running_agent
 
 DIGITS_EVAL = Path(__file__).resolve().parent.parent / "models" / "digits" / "test.npz"

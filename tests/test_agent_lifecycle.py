@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from agent.errors import SelfTestFailed
-from agent.store import ModelStore
+from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.store import ModelStore
 from tests.agent_harness import preinstall, running_agent
 from tests.conftest import wait_for
 

@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from agent.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
-from protocol import local as wire
+from edgefleet.agent.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
+from edgefleet.protocol import local as wire
 from tests.agent_harness import preinstall, running_agent, shm_object
 
 IN_BYTES = 16 * 64 * 4  # 16 digits images, FP32
@@ -337,10 +337,10 @@ def test_a_stalled_frame_times_out(tmp_path, digits_bundle, test_images):
     """A frame that never completes: ERROR 408 after the frame timeout, connection closed."""
     import asyncio
 
-    from agent.batcher import BatchSettings
-    from agent.local import LocalServer
-    from agent.metrics import Metrics
-    from agent.server import ModelHost
+    from edgefleet.agent.batcher import BatchSettings
+    from edgefleet.agent.local import LocalServer
+    from edgefleet.agent.metrics import Metrics
+    from edgefleet.agent.server import ModelHost
 
     async def main():
         srv = LocalServer(ModelHost(BatchSettings(), Metrics()), None, 1024, frame_timeout_s=0.2)
@@ -405,10 +405,10 @@ def test_too_many_connections_get_503(agent, client, test_images):
 def test_a_file_at_the_socket_path_is_refused(tmp_path):
     import asyncio
 
-    from agent.batcher import BatchSettings
-    from agent.local import LocalServer
-    from agent.metrics import Metrics
-    from agent.server import ModelHost
+    from edgefleet.agent.batcher import BatchSettings
+    from edgefleet.agent.local import LocalServer
+    from edgefleet.agent.metrics import Metrics
+    from edgefleet.agent.server import ModelHost
 
     (tmp_path / "s.sock").write_text("mine")
 

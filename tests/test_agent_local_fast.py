@@ -11,13 +11,13 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from agent.errors import RequestError
-from agent.kserve import parse_body
-from agent.local import TEMPLATES_PER_CONNECTION, LocalServer, _Connection
-from agent.local_client import AsyncLocalClient, infer_request
-from agent.shm import SharedMemory
-from protocol import local as wire
-from protocol.manifest import TensorSpec
+from edgefleet.agent.errors import RequestError
+from edgefleet.agent.kserve import parse_body
+from edgefleet.agent.local import TEMPLATES_PER_CONNECTION, LocalServer, _Connection
+from edgefleet.agent.local_client import AsyncLocalClient, infer_request
+from edgefleet.agent.shm import SharedMemory
+from edgefleet.protocol import local as wire
+from edgefleet.protocol.manifest import TensorSpec
 
 SPECS = (TensorSpec(name="input", datatype="FP32", shape=(-1, 1, 8, 8)),)
 OUT = (TensorSpec(name="logits", datatype="FP32", shape=(-1, 10)),)
@@ -87,13 +87,13 @@ def test_the_template_cache_never_lets_through_what_decoding_refuses(conn, regio
     by_ref = infer_request("digits", {"input": ("io", 0, 256, [1, 1, 8, 8])}, outputs={"logits": ("io", 4096, 40)})
     assert both(conn, by_ref)[0] == "ok" and len(conn.quick) == 1
     assert both(conn, by_ref)[0] == "ok"  # from the template
-    import agent.local
+    import edgefleet.agent.local as local_mod
 
-    real, agent.local.parse_body = agent.local.parse_body, None  # type: ignore[assignment]
+    real, local_mod.parse_body = local_mod.parse_body, None  # type: ignore[assignment]
     try:  # a hit does not decode the header again
         assert cached_decode(conn, by_ref).feeds["input"].tobytes() == x.tobytes()
     finally:
-        agent.local.parse_body = real
+        local_mod.parse_body = real
     r.buf[:4] = np.float32(np.nan).tobytes()  # NaN in the region: refused, as uncached
     assert "NaN" in both(conn, by_ref)[1]
     r.buf[:256] = x.tobytes()
@@ -193,8 +193,8 @@ def test_async_client_timeouts(tmp_path):
 def test_answers_kept_per_template_are_the_answers_built_afresh(conn, region):
     """encode_response's memo (a template's answers, where every output goes to shared memory): the same bytes as an
     answer built afresh, the outputs written each time, and every check still made (the region, its size, NaN)."""
-    from agent.errors import InferenceFailed
-    from agent.kserve import encode_response
+    from edgefleet.agent.errors import InferenceFailed
+    from edgefleet.agent.kserve import encode_response
 
     key, r = region
     conn.shm.register("io", key, 0, 8192, "test")

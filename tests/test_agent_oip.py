@@ -16,14 +16,14 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from agent.batcher import BatchSettings
-from agent.metrics import Metrics
-from agent.server import ModelHost, create_app
-from agent.store import ModelStore
-from engines import EngineSpec
-from engines.onnxruntime import OnnxRuntimeEngine
-from protocol.bundle import sha256_file
-from protocol.preprocess import decode_image
+from edgefleet.agent.batcher import BatchSettings
+from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.server import ModelHost, create_app
+from edgefleet.agent.store import ModelStore
+from edgefleet.engines import EngineSpec
+from edgefleet.engines.onnxruntime import OnnxRuntimeEngine
+from edgefleet.protocol.bundle import sha256_file
+from edgefleet.protocol.preprocess import decode_image
 from tests.agent_harness import preinstall, running_agent, serving_app
 from tests.conftest import DIGITS
 
@@ -34,7 +34,7 @@ MAX_BODY = 64 * 1024
 def image_bundle(tmp_path_factory):
     """Digits compiled with recorded image preprocessing: 8x8 gray, pixels / 255 (the test set's pixels / 16,
     stored as 8-bit PNG values pixel * 255 / 16)."""
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     d = tmp_path_factory.mktemp("imgbundle")
     (d / "preprocess.yaml").write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\n"

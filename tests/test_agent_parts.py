@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from agent.config import load_config
-from agent.metrics import Metrics
-from agent.spool import Spool
-from protocol.errors import ConfigError
+from edgefleet.agent.config import load_config
+from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.spool import Spool
+from edgefleet.protocol.errors import ConfigError
 
 
 def test_config_file_with_flag_overrides(tmp_path):
@@ -107,7 +107,7 @@ def test_successes_counted_in_bulk_read_the_same_as_one_by_one():
 
     from prometheus_client import CollectorRegistry, Histogram
 
-    from agent.metrics import FOLD_EVERY, LATENCY_BUCKETS, _observe_many
+    from edgefleet.agent.metrics import FOLD_EVERY, LATENCY_BUCKETS, _observe_many
 
     rng = random.Random(7)
     values = [rng.choice(LATENCY_BUCKETS) for _ in range(50)] + [rng.uniform(0, 12) for _ in range(500)]

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
+from edgefleet.agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
 from tests.test_agent_batcher import FakeBackend, _until, x
 
 

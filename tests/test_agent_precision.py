@@ -13,8 +13,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from protocol.bundle import extract_bundle, sha256_file, write_bundle
-from protocol.manifest import parse_manifest
+from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
+from edgefleet.protocol.manifest import parse_manifest
 from tests.agent_harness import preinstall, running_agent
 
 pytestmark = pytest.mark.timeout(300)

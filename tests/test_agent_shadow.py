@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 
-from agent.shadow import ShadowMirror
-from engines import load_bundle_engine
-from protocol.bundle import read_manifest, sha256_file
+from edgefleet.agent.shadow import ShadowMirror
+from edgefleet.engines import load_bundle_engine
+from edgefleet.protocol.bundle import read_manifest, sha256_file
 
 
 def _backend(tmp_path, bundle, name):
-    from agent.store import ModelStore
+    from edgefleet.agent.store import ModelStore
 
     store = ModelStore(tmp_path / name)
     store.recover()

@@ -16,9 +16,9 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from agent.errors import RequestError
-from agent.peer import Peer, tcp_peer
-from agent.shm import SharedMemory
+from edgefleet.agent.errors import RequestError
+from edgefleet.agent.peer import Peer, tcp_peer
+from edgefleet.agent.shm import SharedMemory
 from tests.agent_harness import preinstall, running_agent
 
 NOBODY = 65534

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from agent.errors import TrustError
-from agent.store import ModelStore
-from protocol.bundle import sha256_file
+from edgefleet.agent.errors import TrustError
+from edgefleet.agent.store import ModelStore
+from edgefleet.protocol.bundle import sha256_file
 
 
 class Crash(BaseException):
@@ -122,7 +122,7 @@ def test_the_record_keeps_every_model_ever_installed(tmp_path, digits_bundle, di
 
 
 def test_the_store_refuses_to_commit_what_the_record_refuses(tmp_path, digits_bundle, digits_bundle_v2):
-    from agent.errors import RefusedUpdate
+    from edgefleet.agent.errors import RefusedUpdate
     from tests.test_agent_lifecycle import rebuild
 
     install(tmp_path, digits_bundle_v2)
@@ -137,7 +137,7 @@ def test_the_store_refuses_to_commit_what_the_record_refuses(tmp_path, digits_bu
 def test_a_store_from_before_the_record_migrates_from_its_state(tmp_path, digits_bundle, digits_bundle_v2):
     """A device upgraded in place has state.json but no trusted.json: it keeps refusing downgrades of the
     models it holds (the highest version of each, current or kept for rollback)."""
-    from agent.errors import RefusedUpdate
+    from edgefleet.agent.errors import RefusedUpdate
 
     install(tmp_path, digits_bundle)
     install(tmp_path, digits_bundle_v2)
@@ -158,7 +158,7 @@ def test_a_store_from_before_the_record_migrates_from_its_state(tmp_path, digits
 
 def test_an_unreadable_record_refuses_every_update(tmp_path, digits_bundle, digits_bundle_v2):
     """Fail closed: an unreadable record must not read as 'nothing installed yet'."""
-    from agent.errors import TrustError
+    from edgefleet.agent.errors import TrustError
 
     install(tmp_path, digits_bundle)
     (tmp_path / "trusted.json").write_text("{garbage")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import RefusedUpdate
-from agent.trusted import Installed, TrustedRecord, decide
+from edgefleet.agent.errors import RefusedUpdate
+from edgefleet.agent.trusted import Installed, TrustedRecord, decide
 
 CUR = Installed("digits", "1.2.0", "a" * 64, "x86-cpu")
 REC = TrustedRecord().advance("digits", "1.2.0", "a" * 64)
@@ -149,7 +149,7 @@ def test_a_malformed_record_is_an_error_not_an_empty_record(doc):
 
 # -- CPU features: a bundle whose profile promises more than this CPU has is refused --------------
 def test_cpu_without_vnni_refuses_a_vnni_bundle():
-    from agent.trusted import check_cpu
+    from edgefleet.agent.trusted import check_cpu
 
     d = check_cpu("x86-cpu-vnni", ("avx2", "avx512_vnni"), frozenset({"avx2", "fma"}))
     assert d.action == "refuse"
@@ -157,7 +157,7 @@ def test_cpu_without_vnni_refuses_a_vnni_bundle():
 
 
 def test_cpu_with_the_features_accepts():
-    from agent.trusted import check_cpu
+    from edgefleet.agent.trusted import check_cpu
 
     assert check_cpu("x86-cpu", ("avx2", "fma"), frozenset({"avx2", "fma", "avx512_vnni"})).action == "install"
     assert check_cpu("x86-cpu", (), frozenset()).action == "install"
@@ -166,7 +166,7 @@ def test_cpu_with_the_features_accepts():
 def test_this_process_sees_its_cpu_through_cpuid():
     import platform
 
-    from protocol.cpu import KNOWN_FEATURES, cpu_features
+    from edgefleet.protocol.cpu import KNOWN_FEATURES, cpu_features
 
     feats = cpu_features()
     assert feats <= KNOWN_FEATURES
@@ -177,7 +177,7 @@ def test_this_process_sees_its_cpu_through_cpuid():
 def test_the_kernel_view_of_the_cpu_is_the_fallback():
     import platform
 
-    from protocol.cpu import _proc_cpuinfo_flags, cpu_features
+    from edgefleet.protocol.cpu import _proc_cpuinfo_flags, cpu_features
 
     if platform.machine() != "x86_64":
         pytest.skip("the x86 flag names are checked on x86-64")
@@ -193,10 +193,10 @@ def test_the_kernel_view_of_the_cpu_is_the_fallback():
 def test_an_agent_that_switched_models_refuses_an_older_build_of_the_first(tmp_path, digits_bundle):
     """digits 1.1.0 ran, then the fleet moved the device to another model; a signed digits 1.0.0 is now
     offered again: refused as a downgrade before anything is downloaded, also after a restart."""
-    from agent.config import AgentConfig
-    from agent.daemon import Agent
-    from protocol import mqtt as proto
-    from protocol.bundle import sha256_file
+    from edgefleet.agent.config import AgentConfig
+    from edgefleet.agent.daemon import Agent
+    from edgefleet.protocol import mqtt as proto
+    from edgefleet.protocol.bundle import sha256_file
     from tests.agent_harness import preinstall
     from tests.test_agent_lifecycle import rebuild
 

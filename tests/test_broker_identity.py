@@ -24,9 +24,9 @@ import paho.mqtt.client as mqtt
 import pytest
 from sqlalchemy import create_engine
 
-from agent.link import MqttLink, MqttSecurity
-from agent.spool import Spool
-from fleet.acl import (
+from edgefleet.agent.link import MqttLink, MqttSecurity
+from edgefleet.agent.spool import Spool
+from edgefleet.fleet.acl import (
     FLEET_USER,
     LEGACY_AGENT_PREFIX,
     Account,
@@ -35,9 +35,9 @@ from fleet.acl import (
     verify_password,
     write_mosquitto_files,
 )
-from fleet.broker import EmbeddedBroker
-from fleet.enroll import Enrollment
-from protocol import mqtt as proto
+from edgefleet.fleet.broker import EmbeddedBroker
+from edgefleet.fleet.enroll import Enrollment
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import free_port, wait_for, wait_port
 
 FLEET_PASSWORD = "fleet-secret-for-identity-tests"
@@ -338,6 +338,6 @@ def test_fleet_replicas_share_one_account_and_the_agent_connects(env: Env, tmp_p
     (FLEET_USER, "edgefleet-fleet-0123abcd", True),  # replicas share the account, each with a random id
 ])
 def test_the_client_id_rule_the_embedded_broker_applies(user, client_id, ok):
-    from fleet.acl import client_id_allowed
+    from edgefleet.fleet.acl import client_id_allowed
 
     assert client_id_allowed(user, client_id) is ok

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from protocol import bundle as bundle_mod
-from protocol.bundle import BundleError, extract_bundle
-from protocol.errors import ContractError
-from protocol.manifest import MANIFEST_FILENAME
+from edgefleet.protocol import bundle as bundle_mod
+from edgefleet.protocol.bundle import BundleError, extract_bundle
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import MANIFEST_FILENAME
 from tests.conftest import Mosquitto, free_port
 from tests.fleet_harness import api, running_fleet
 
@@ -273,7 +273,7 @@ def _ci_sign_unchecked(key: Path, current: bytes, target: str, bundle: Path, cus
     from tuf.api.metadata import Metadata, TargetFile, Targets
     from tuf.api.serialization.json import JSONSerializer
 
-    from fleet.keys import BUNDLES_ROLE, load_signer
+    from edgefleet.fleet.keys import BUNDLES_ROLE, load_signer
 
     md = Metadata[Targets].from_bytes(current)
     tf = TargetFile.from_file(target, str(bundle), ["sha256"])
@@ -288,8 +288,8 @@ def _ci_sign_unchecked(key: Path, current: bytes, target: str, bundle: Path, cus
 def test_a_bundle_ci_signed_is_still_checked_before_the_fleet_stores_it(tmp_path, digits_bundle, mosquitto):
     import shutil
 
-    from fleet.errors import KeyStoreError
-    from fleet.keys import BUNDLES_ROLE, create_keys, sign_bundle
+    from edgefleet.fleet.errors import KeyStoreError
+    from edgefleet.fleet.keys import BUNDLES_ROLE, create_keys, sign_bundle
 
     create_keys(tmp_path / "split")
     shutil.copytree(tmp_path / "split" / "fleet", tmp_path / "keys")

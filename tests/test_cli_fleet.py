@@ -51,7 +51,7 @@ def test_keys_init_json_and_refusal(tmp_path):
 
 def test_rollout_cli_over_the_rest_api(tmp_path, mosquitto, digits_bundle, monkeypatch):
     """create (with --wait), status, pause, resume, abort, rollback and audit, JSON and human, with their exit codes."""
-    from fleet.simulator import SimConfig, Simulator
+    from edgefleet.fleet.simulator import SimConfig, Simulator
 
     with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
         r = run_cli("rollout", "list", "--fleet", url)

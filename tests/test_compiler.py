@@ -7,9 +7,9 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.errors import InputError
-from compiler.graph import check_model
-from protocol.bundle import extract_bundle
+from edgefleet.compiler.errors import InputError
+from edgefleet.compiler.graph import check_model
+from edgefleet.protocol.bundle import extract_bundle
 from tests.conftest import DIGITS
 from tests.emulation import python_argv
 

@@ -13,10 +13,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.errors import InputError
-from compiler.gate import GateSettings, evaluate_gate, label_axis
-from protocol.bundle import extract_bundle
-from protocol.profile import profile_dir
+from edgefleet.compiler.errors import InputError
+from edgefleet.compiler.gate import GateSettings, evaluate_gate, label_axis
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.profile import profile_dir
 from tests.conftest import DIGITS
 from tests.test_compiler import run_cli
 

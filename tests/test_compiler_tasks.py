@@ -18,16 +18,16 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.data import Dataset
-from compiler.errors import InputError
-from compiler.evaluate import predict_all
-from compiler.gate import GateSettings, evaluate_gate
-from compiler.graph import check_model
-from compiler.targets.onnxruntime import OnnxRuntimeTarget, count_quantized_ops
-from compiler.tasks import TaskSpec, infer_task, parse_task_args, resolve_task
-from protocol.bundle import extract_bundle
-from protocol.manifest import parse_manifest
-from protocol.profile import load_profile
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.errors import InputError
+from edgefleet.compiler.evaluate import predict_all
+from edgefleet.compiler.gate import GateSettings, evaluate_gate
+from edgefleet.compiler.graph import check_model
+from edgefleet.compiler.targets.onnxruntime import OnnxRuntimeTarget, count_quantized_ops
+from edgefleet.compiler.tasks import TaskSpec, infer_task, parse_task_args, resolve_task
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.manifest import parse_manifest
+from edgefleet.protocol.profile import load_profile
 from tests.conftest import REPO
 from tests.test_compiler import run_cli
 
@@ -245,7 +245,7 @@ def test_a_damaged_engine_makes_the_build_fail_with_advice_that_works(tmp_path):
     ref, bad = _run(model, x, False), _run(damaged, x, False)
     spec = infer_task(check_model(model).outputs)
     r = evaluate_gate(["mask"], [ref], [bad], None, "int8", GateSettings(), spec)
-    from compiler.pipeline import _bound_arg, _gate_advice
+    from edgefleet.compiler.pipeline import _bound_arg, _gate_advice
 
     assert not r.passed and "--task segmentation --task-args 'min_iou=" in _gate_advice(r)
     assert r.task is not None
@@ -324,7 +324,7 @@ def _text_lines(seed: int, n: int) -> np.ndarray:
 def test_the_pp_ocrv4_recognizer_is_judged_by_its_decoded_strings(tmp_path):
     """The gate's ctc verdict on INT8 agrees with the string agreement this test measures itself with the model's
     own dictionary; the compile with the task declared ships what that verdict allows, with no traceback."""
-    from compiler.tasks import ctc_decode
+    from edgefleet.compiler.tasks import ctc_decode
 
     model = _ppocr_rec()
     np.savez(tmp_path / "calib.npz", x=_text_lines(1, 16))
@@ -335,7 +335,7 @@ def test_the_pp_ocrv4_recognizer_is_judged_by_its_decoded_strings(tmp_path):
     assert "Traceback" not in r.stderr and r.returncode in (0, 3), r.stderr[-2000:]
 
     # the same INT8 engine, built again in-process, decoded with the model's dictionary by this test
-    from compiler.graph import ensure_opset
+    from edgefleet.compiler.graph import ensure_opset
 
     info = check_model(model)
     calib = Dataset({"x": np.load(tmp_path / "calib.npz")["x"]}, None, {"x": 0})

@@ -131,7 +131,7 @@ def _bulk_fleet(sessions, model_id: int, n: int, first_wave: int, chunk: int = 1
     chunks of multi-row INSERTs (seconds, where ``n`` API calls would take minutes). Returns its id."""
     from sqlalchemy import insert
 
-    from fleet.db import Device, Rollout, RolloutTarget, RolloutWave
+    from edgefleet.fleet.db import Device, Rollout, RolloutTarget, RolloutWave
 
     states = ("installed", "installed", "installed", "failed", "pending")
     with sessions.begin() as s:

@@ -18,11 +18,11 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from compiler import toolchain
-from protocol import mqtt as proto
-from protocol.bundle import extract_bundle
-from protocol.errors import SchemaError
-from protocol.profile import load_profile, profile_dir
+from edgefleet.compiler import toolchain
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.errors import SchemaError
+from edgefleet.protocol.profile import load_profile, profile_dir
 from tests.conftest import DIGITS, wait_for
 from tests.emulation import python_argv
 from tests.fleet_harness import api, running_fleet
@@ -160,7 +160,7 @@ def test_a_failed_fallback_says_both_and_exits_as_the_toolchain_error(tmp_path):
 # -- the fleet -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def arm64_bundle(tflite_toolchain, tmp_path_factory) -> Path:
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     return compile_model(CompileOptions(
         model=DIGITS / "model.onnx", profile="arm64-cpu", calibration=DIGITS / "calibration.npz",

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from agent.store import ModelStore
+from edgefleet.agent.store import ModelStore
 from edgefleet.demo import AgentProc, free_port, spawn
 from tests.conftest import Mosquitto, wait_for
 from tests.fleet_harness import running_fleet

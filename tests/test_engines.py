@@ -21,11 +21,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engines import KINDS, EngineClosed, EngineLoadError, EngineSpec, load_bundle_engine
-from engines.litert import LiteRTEngine, read_tflite_metadata
-from engines.onnxruntime import CPU, CUDA, TENSORRT, OnnxRuntimeEngine, providers_for
-from protocol.bundle import extract_bundle
-from protocol.manifest import Manifest, TensorSpec
+from edgefleet.engines import KINDS, EngineClosed, EngineLoadError, EngineSpec, load_bundle_engine
+from edgefleet.engines.litert import LiteRTEngine, read_tflite_metadata
+from edgefleet.engines.onnxruntime import CPU, CUDA, TENSORRT, OnnxRuntimeEngine, providers_for
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.manifest import Manifest, TensorSpec
 from tests.agent_harness import preinstall, running_agent
 from tests.conftest import DIGITS, REPO
 from tests.fakes import install_fake_gpu
@@ -56,9 +56,10 @@ def reference():
 
 
 def test_importing_the_agent_loads_no_runtime_it_does_not_need():
-    code = ("import sys, engines, agent.daemon, engines.litert, engines.tensorrt, engines.cuda; "
-            "print(sorted(m for m in ('tensorrt', 'ai_edge_litert', 'tflite_runtime', 'cuda', 'pycuda', 'compiler',"
-            " 'onnx', 'fleet') if m in sys.modules))")
+    code = ("import sys, edgefleet.engines, edgefleet.agent.daemon, edgefleet.engines.litert, edgefleet.engines.tensorrt, "
+            "edgefleet.engines.cuda; "
+            "print(sorted(m for m in ('tensorrt', 'ai_edge_litert', 'tflite_runtime', 'cuda', 'pycuda', "
+            "'edgefleet.compiler', 'onnx', 'edgefleet.fleet') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -285,7 +286,7 @@ def test_litert_not_a_tflite_file_is_a_one_line_error(digits_x86, tmp_path):
 # -- LiteRT: the digits model through onnx2tf, served over HTTP --------------------------------------------
 @pytest.mark.timeout(1800)  # the first use installs the toolchain
 def test_litert_digits_bundle_served_over_http_keeps_its_accuracy(tflite_toolchain, tmp_path):  # noqa: F811
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     # a LiteRT profile this x86 box runs (arm64-cpu's needs NEON, which the agent rightly refuses here)
     arm = (REPO / "hw-profiles" / "arm64-cpu.yaml").read_text()
@@ -323,7 +324,7 @@ def test_litert_digits_bundle_served_over_http_keeps_its_accuracy(tflite_toolcha
 # -- TensorRT against the fakes ---------------------------------------------------------------------------
 @pytest.fixture
 def jetson_bundle(monkeypatch, tmp_path) -> tuple[Manifest, Path]:
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     install_fake_gpu(monkeypatch)  # TensorRT 10.3.0, sm87
     result = compile_model(CompileOptions(
@@ -397,7 +398,7 @@ def test_tensorrt_without_cuda_bindings_says_what_to_install(monkeypatch, jetson
 
 @pytest.mark.skipif(REAL_TENSORRT_MISSING is not None, reason=REAL_TENSORRT_MISSING or "")
 def test_real_tensorrt_backend_matches_onnxruntime(tmp_path, reference, test_images):
-    from compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
 
     result = compile_model(CompileOptions(
         model=DIGITS / "model.onnx", profile="jetson-orin-nano", calibration=DIGITS / "calibration.npz",

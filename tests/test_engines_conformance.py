@@ -20,9 +20,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-import engines
-from engines import EngineClosed, EngineInputError, EngineSpec
-from protocol.manifest import Backend, TensorSpec
+from edgefleet import engines
+from edgefleet.engines import EngineClosed, EngineInputError, EngineSpec
+from edgefleet.protocol.manifest import Backend, TensorSpec
 from tests.fakes import install_fake_gpu
 from tests.test_engines import IO_MAP, make_tflite
 
@@ -53,9 +53,9 @@ def _litert(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, EngineSpe
 
 
 def _tensorrt(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, EngineSpec]:
-    from compiler.graph import check_model
-    from compiler.targets.tensorrt import TensorRTTarget
-    from protocol.profile import load_profile
+    from edgefleet.compiler.graph import check_model
+    from edgefleet.compiler.targets.tensorrt import TensorRTTarget
+    from edgefleet.protocol.profile import load_profile
 
     install_fake_gpu(monkeypatch)  # TensorRT 10.3.0 on sm87, cuda-python's runtime API
     model = make_onnx(tmp / "model.onnx")

@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from agent.config import AgentConfig
-from agent.enroll import CREDENTIALS_FILE, EnrollmentRefused, mqtt_security
-from fleet.acl import FLEET_USER, Account, hash_password, write_mosquitto_files
-from protocol import mqtt as proto
-from protocol.errors import ConfigError
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.enroll import CREDENTIALS_FILE, EnrollmentRefused, mqtt_security
+from edgefleet.fleet.acl import FLEET_USER, Account, hash_password, write_mosquitto_files
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.errors import ConfigError
 from tests.conftest import free_port, wait_port
 from tests.fleet_harness import api, running_fleet
 from tests.test_mqtt_acl import MOSQUITTO_USER, Client
@@ -207,7 +207,7 @@ def test_the_fleet_keeps_mosquittos_accounts_current(tmp_path):
 
 
 def test_simulated_devices_enroll_and_connect_to_the_embedded_broker(tmp_path):
-    from fleet.simulator import SimConfig, Simulator, enroll_all
+    from edgefleet.fleet.simulator import SimConfig, Simulator, enroll_all
 
     with running_fleet(tmp_path, None) as (fs, url):
         assert fs.broker is not None

@@ -8,7 +8,7 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from protocol import mqtt as proto
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
 
@@ -338,8 +338,8 @@ def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
 def test_a_database_from_another_schema_is_refused(tmp_path):
     import sqlite3
 
-    from fleet.db import make_engine
-    from protocol.errors import ConfigError
+    from edgefleet.fleet.db import make_engine
+    from edgefleet.protocol.errors import ConfigError
 
     db = tmp_path / "old.db"
     with sqlite3.connect(db) as conn:
@@ -354,8 +354,8 @@ def test_a_database_from_another_schema_is_refused(tmp_path):
 def test_a_newer_schema_is_refused(tmp_path):
     import sqlite3
 
-    from fleet.db import make_engine
-    from protocol.errors import ConfigError
+    from edgefleet.fleet.db import make_engine
+    from edgefleet.protocol.errors import ConfigError
 
     url = f"sqlite:///{tmp_path / 'fleet.db'}"
     make_engine(url)[0].dispose()
@@ -371,7 +371,7 @@ def test_a_newer_schema_is_refused(tmp_path):
 
 
 def test_every_request_body_is_bounded_and_bad_ones_are_one_line_json(tmp_path, mosquitto):
-    from fleet.api import MAX_BODY_BYTES
+    from edgefleet.fleet.api import MAX_BODY_BYTES
 
     with running_fleet(tmp_path, mosquitto.url) as (_, url):
         big = b'{"device_id": "' + b"x" * (MAX_BODY_BYTES + 10) + b'"}'

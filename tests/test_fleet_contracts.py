@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter
 
-from fleet import schemas
-from protocol.errors import SchemaError
-from protocol.target import TargetCustom
+from edgefleet.fleet import schemas
+from edgefleet.protocol.errors import SchemaError
+from edgefleet.protocol.target import TargetCustom
 from tests.fleet_harness import api, running_fleet
 
 
@@ -79,8 +79,8 @@ GOOD = {"name": "digits", "version": "1.0.0", "profile": "x86-cpu", "backend": "
 
 
 def test_target_custom_round_trips_what_the_fleet_signs(digits_bundle):
-    from fleet.keys import bundle_target
-    from protocol.bundle import read_manifest
+    from edgefleet.fleet.keys import bundle_target
+    from edgefleet.protocol.bundle import read_manifest
 
     m = read_manifest(digits_bundle)
     path, custom = bundle_target(m)
@@ -124,11 +124,11 @@ def test_target_custom_of_older_signers_is_read():
 def test_agent_refuses_a_target_with_custom_fields_it_does_not_know(tmp_path, digits_bundle):
     """Signed by the fleet, but with a field of a newer fleet: the agent refuses before downloading, naming it
     (an ignored field could be a requirement it does not meet). What the fleet writes today is read."""
-    from agent.errors import TrustError
-    from agent.updater import BundleFetcher
-    from fleet.keys import KeyStore, bundle_target, init_keys
-    from fleet.tuf_repo import Repository
-    from protocol.bundle import read_manifest, sha256_file
+    from edgefleet.agent.errors import TrustError
+    from edgefleet.agent.updater import BundleFetcher
+    from edgefleet.fleet.keys import KeyStore, bundle_target, init_keys
+    from edgefleet.fleet.tuf_repo import Repository
+    from edgefleet.protocol.bundle import read_manifest, sha256_file
     from tests.test_tuf import Server
 
     init_keys(tmp_path / "keys")

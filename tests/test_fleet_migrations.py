@@ -8,9 +8,9 @@ import time
 import pytest
 from sqlalchemy import create_engine, select, text
 
-from fleet.db import REVISIONS, SCHEMA_VERSION, Device, Meta, Rollout, RolloutWave, TelemetryRow, make_engine
-from fleet.rollout import RolloutEngine
-from protocol import mqtt as proto
+from edgefleet.fleet.db import REVISIONS, SCHEMA_VERSION, Device, Meta, Rollout, RolloutWave, TelemetryRow, make_engine
+from edgefleet.fleet.rollout import RolloutEngine
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import postgres_db
 
 # CREATE statements of release 2 (fleet/db.py at schema 2), as SQLAlchemy emitted them

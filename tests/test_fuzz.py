@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import paho.mqtt.client as mqtt
 
-from protocol import mqtt as proto
-from protocol.errors import ContractError
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.errors import ContractError
 from tests.agent_harness import preinstall, running_agent
 from tests.conftest import Mosquitto, wait_for
 from tests.fleet_harness import api, running_fleet

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import TrustError
-from agent.updater import BundleFetcher
-from fleet.errors import RepositoryError
-from fleet.keys import (
+from edgefleet.agent.errors import TrustError
+from edgefleet.agent.updater import BundleFetcher
+from edgefleet.fleet.errors import RepositoryError
+from edgefleet.fleet.keys import (
     BUNDLES_ROLE,
     KeyStore,
     add_key,
@@ -30,8 +30,8 @@ from fleet.keys import (
     rotate_key,
     sign_bundle,
 )
-from fleet.tuf_repo import Repository
-from protocol.bundle import read_manifest, sha256_file
+from edgefleet.fleet.tuf_repo import Repository
+from edgefleet.protocol.bundle import read_manifest, sha256_file
 from tests.test_crash_random import record_figures
 from tests.test_tuf import Server
 from tests.test_tuf_bundles import rebundle
@@ -265,7 +265,7 @@ def test_revoke_one_of_two_ci_keys(split, digits_bundle_v2):
     assert _client(tmp, srv, "agent", fleet / "root.json").fetch(t2, sha256_file(v2)).length > 0
     from tuf.api.metadata import Metadata
 
-    from fleet.errors import KeyStoreError
+    from edgefleet.fleet.errors import KeyStoreError
 
     only = Metadata.from_bytes((fleet / "targets.json").read_bytes()).signed.delegations.roles[BUNDLES_ROLE].keyids[0]
     with pytest.raises(KeyStoreError, match="rotate"):

@@ -19,17 +19,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from compiler import toolchain
-from compiler.data import Dataset, load_dataset
-from compiler.errors import ToolchainError
-from compiler.graph import GraphInfo, check_model
-from compiler.targets.litert import LiteRTTarget
 from edgefleet.cli import main as cli_main
-from engines import EngineSpec
-from engines import load as load_engine
-from engines.litert import IOMap, interpreter_class, read_io_map
-from protocol.manifest import QuantizationInfo
-from protocol.profile import HardwareProfile, load_profile
+from edgefleet.compiler import toolchain
+from edgefleet.compiler.data import Dataset, load_dataset
+from edgefleet.compiler.errors import ToolchainError
+from edgefleet.compiler.graph import GraphInfo, check_model
+from edgefleet.compiler.targets.litert import LiteRTTarget
+from edgefleet.engines import EngineSpec
+from edgefleet.engines import load as load_engine
+from edgefleet.engines.litert import IOMap, interpreter_class, read_io_map
+from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.profile import HardwareProfile, load_profile
 from tests.conftest import DIGITS
 
 # the first test that needs the toolchain installs it: allow for that download beyond the default 600 s
@@ -218,8 +218,8 @@ def test_changed_pins_make_a_new_environment(tmp_path, monkeypatch):
 
 
 def test_compile_pipeline_builds_a_litert_int8_bundle(tflite_toolchain, tmp_path):
-    from compiler.pipeline import CompileOptions, compile_model
-    from protocol.bundle import extract_bundle
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.protocol.bundle import extract_bundle
 
     result = compile_model(CompileOptions(
         model=MODEL, profile="arm64-cpu", calibration=DIGITS / "calibration.npz", eval=DIGITS / "test.npz",

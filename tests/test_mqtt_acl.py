@@ -24,12 +24,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from sqlalchemy import create_engine
 
-from agent.link import MqttLink, MqttSecurity
-from agent.spool import Spool
-from fleet.acl import FLEET_USER, allowed, mosquitto_conf, reload_mosquitto, write_mosquitto_files
-from fleet.enroll import Enrollment
-from fleet.errors import BadRequest
-from protocol import mqtt as proto
+from edgefleet.agent.link import MqttLink, MqttSecurity
+from edgefleet.agent.spool import Spool
+from edgefleet.fleet.acl import FLEET_USER, allowed, mosquitto_conf, reload_mosquitto, write_mosquitto_files
+from edgefleet.fleet.enroll import Enrollment
+from edgefleet.fleet.errors import BadRequest
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import free_port, wait_port
 from tests.test_crash_random import record_figures
 
@@ -337,7 +337,7 @@ def test_the_rule_the_embedded_broker_applies(user, topic, action, ok):
 
 
 def test_the_fleet_connects_over_tls_and_refuses_a_broker_it_cannot_verify(broker: Broker):
-    from fleet.bridge import MqttBridge
+    from edgefleet.fleet.bridge import MqttBridge
 
     good = MqttBridge(f"mqtts://127.0.0.1:{broker.tls_port}", username=FLEET_USER, password=FLEET_PASSWORD,
                       ca_file=broker.pki["ca"])

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from agent.link import MqttLink
-from agent.spool import Spool
-from protocol import mqtt as proto
+from edgefleet.agent.link import MqttLink
+from edgefleet.agent.spool import Spool
+from edgefleet.protocol import mqtt as proto
 from tests.agent_harness import running_agent
 from tests.conftest import Mosquitto, wait_for
 from tests.fleet_harness import running_fleet

@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from compiler.pipeline import CompileOptions, Measured, choose_precision, compile_model
-from protocol.bundle import extract_bundle
-from protocol.cpu import cpu_features, u8s8_saturates
-from protocol.manifest import BenchmarkPoint
+from edgefleet.compiler.pipeline import CompileOptions, Measured, choose_precision, compile_model
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.cpu import cpu_features, u8s8_saturates
+from edgefleet.protocol.manifest import BenchmarkPoint
 from tests.conftest import DIGITS
 from tests.emulation import QEMU, needs_qemu, run_as_cpu
 from tests.test_compiler import run_cli
@@ -332,8 +332,8 @@ def test_verify_eval_of_a_bundle_gated_by_agreement_reports_top1_without_a_drop(
 
 def test_auto_ships_fp32_when_the_int8_build_itself_fails(tmp_path, monkeypatch):
     # the quantizer is not under test here: what auto does when it fails is
-    import compiler.targets.onnxruntime as ort_target
-    from compiler.errors import CompilerError, ToolchainError
+    import edgefleet.compiler.targets.onnxruntime as ort_target
+    from edgefleet.compiler.errors import CompilerError, ToolchainError
 
     def broken(*_a, **_k):
         raise ToolchainError("the quantizer failed on node 'conv1': unsupported")
@@ -348,7 +348,7 @@ def test_auto_ships_fp32_when_the_int8_build_itself_fails(tmp_path, monkeypatch)
 
 
 def test_console_selftest_cell_names_the_metric_and_marks_a_figure_of_another_build():
-    from fleet.console import _selftest_cell
+    from edgefleet.fleet.console import _selftest_cell
 
     st = {"model": "det", "version": "1.0.0", "samples": 8, "drift": 0.1, "top1_agreement": 1.0,
           "build": {"metric": "agreement", "accuracy": 0.95, "eval_samples": 64}}

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import local as agent_local
-from agent.local_client import LocalClient, LocalError, decode_result, infer_request
-from protocol import local as wire
+from edgefleet.agent import local as agent_local
+from edgefleet.agent.local_client import LocalClient, LocalError, decode_result, infer_request
+from edgefleet.protocol import local as wire
 from tests.agent_harness import gated, on_loop, preinstall, running_agent
 
 IN_BYTES = 4 * 64 * 4  # 4 digits images, FP32
@@ -381,10 +381,10 @@ def test_queue_full_on_the_fast_path(tmp_path, digits_bundle, test_images, fast_
 
 def test_a_swapped_model_never_gets_the_old_versions_template(tmp_path, digits_bundle, digits_bundle_v2,
                                                               test_images, fast_hits):
-    from agent.store import ModelStore
-    from engines import EngineSpec
-    from engines.onnxruntime import OnnxRuntimeEngine
-    from protocol.bundle import sha256_file
+    from edgefleet.agent.store import ModelStore
+    from edgefleet.engines import EngineSpec
+    from edgefleet.engines.onnxruntime import OnnxRuntimeEngine
+    from edgefleet.protocol.bundle import sha256_file
 
     x = x4(test_images)
     any_version = infer_request("digits", {"input": x})
@@ -471,7 +471,7 @@ def test_partial_frames_count_against_the_inflight_byte_budget(tmp_path, digits_
 def test_an_unexpected_error_on_the_fast_path_goes_to_the_exact_path(agent, test_images, fast_hits, monkeypatch):
     """Whatever the cached template raises, the request is answered by the uncached path (its exact verdict), the
     connection stays open and no request bytes stay counted in flight."""
-    from agent import kserve
+    from edgefleet.agent import kserve
 
     a, url, srv = agent
     x = x4(test_images)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import local as agent_local
-from agent.local_client import LocalClient, LocalError, infer_request
-from protocol import local as wire
+from edgefleet.agent import local as agent_local
+from edgefleet.agent.local_client import LocalClient, LocalError, infer_request
+from edgefleet.protocol import local as wire
 from tests.agent_harness import gated, in_batcher, on_loop, preinstall, running_agent, shm_object
 
 grpc = pytest.importorskip("grpc", reason="gRPC needs edgefleet[grpc]")

@@ -15,14 +15,14 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from agent.errors import BackendError, SelfTestFailed
-from agent.precision import pick_precision
-from agent.store import StagedModel
-from engines import Engine, EngineError, load_bundle_engine
-from protocol import mqtt as proto
-from protocol.bundle import extract_bundle, sha256_file
-from protocol.errors import ContractError
-from protocol.manifest import parse_manifest
+from edgefleet.agent.errors import BackendError, SelfTestFailed
+from edgefleet.agent.precision import pick_precision
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import Engine, EngineError, load_bundle_engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.bundle import extract_bundle, sha256_file
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import parse_manifest
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
 from tests.test_trust_boundaries import _device, _enroll

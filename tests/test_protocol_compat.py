@@ -7,8 +7,8 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError
 
-from protocol import mqtt as proto
-from protocol._strict import StrictModel
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol._strict import StrictModel
 
 
 class StatusV01(StrictModel):

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from protocol.bundle import BundleError, extract_bundle, read_manifest
-from protocol.errors import SchemaError, UnsupportedVersionError
-from protocol.manifest import MANIFEST_VERSION, parse_manifest, version_key
+from edgefleet.protocol.bundle import BundleError, extract_bundle, read_manifest
+from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
+from edgefleet.protocol.manifest import MANIFEST_VERSION, parse_manifest, version_key
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_deeply_nested_manifest_is_a_schema_error_not_a_crash():
 
 
 def test_deeply_nested_or_huge_profile_is_a_schema_error(tmp_path):
-    from protocol.profile import load_profile
+    from edgefleet.protocol.profile import load_profile
 
     (tmp_path / "deep.yaml").write_text("[" * 50_000 + "]" * 50_000)
     with pytest.raises(SchemaError, match="nested too deeply"):

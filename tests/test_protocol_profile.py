@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol.errors import SchemaError
-from protocol.profile import load_profile, profile_dir
+from edgefleet.protocol.errors import SchemaError
+from edgefleet.protocol.profile import load_profile, profile_dir
 
 NAMES = ["x86-cpu", "x86-cpu-vnni", "jetson-orin-nano", "jetson-agx-orin", "arm64-cpu"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from agent._compat import run_with_loop
+from edgefleet.agent._compat import run_with_loop
 from tests.conftest import REPO
 
 

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import pytest
 from sqlalchemy import select
 
-from fleet.db import Rollout
+from edgefleet.fleet.db import Rollout
 from tests.conftest import wait_for
 from tests.fleet_harness import running_fleet
 from tests.test_fleet import _postgres_url
@@ -55,8 +55,8 @@ def test_replicas_share_no_disk_a_bundle_uploaded_to_one_installs_from_the_other
     replica b, and neither replica's data dir holds the bundle."""
     import shutil
 
-    from fleet.keys import init_keys
-    from fleet.tuf_store import SqlStore
+    from edgefleet.fleet.keys import init_keys
+    from edgefleet.fleet.tuf_store import SqlStore
     from tests.agent_harness import running_agent
     from tests.conftest import postgres_db
     from tests.fleet_harness import api
@@ -99,9 +99,9 @@ def test_two_replicas_publishing_at_once_lose_no_target(tmp_path, digits_bundle)
 
     from sqlalchemy import create_engine
 
-    from fleet.keys import KeyStore, init_keys
-    from fleet.tuf_repo import Repository
-    from fleet.tuf_store import SqlStore
+    from edgefleet.fleet.keys import KeyStore, init_keys
+    from edgefleet.fleet.tuf_repo import Repository
+    from edgefleet.fleet.tuf_store import SqlStore
     from tests.conftest import postgres_db
 
     db = postgres_db("edgefleet_tuf_race")

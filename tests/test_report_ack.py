@@ -8,9 +8,9 @@ import time
 
 import paho.mqtt.client as mqtt
 
-from agent.link import MqttLink
-from agent.spool import Spool
-from protocol import mqtt as proto
+from edgefleet.agent.link import MqttLink
+from edgefleet.agent.spool import Spool
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
 

@@ -26,7 +26,7 @@ def _barrier(port: int, url: str) -> None:
 
     import paho.mqtt.client as mqtt
 
-    from protocol import mqtt as proto
+    from edgefleet.protocol import mqtt as proto
 
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="marker")
     c.connect("127.0.0.1", port)

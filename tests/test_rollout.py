@@ -7,9 +7,17 @@ import time
 import pytest
 from sqlalchemy import event
 
-from fleet.rollout import TRANSITIONS, Gates, RolloutSpec, WaveFigures, evaluate_gates, install_gate_lost, plan_waves
-from fleet.simulator import fails
-from protocol import mqtt as proto
+from edgefleet.fleet.rollout import (
+    TRANSITIONS,
+    Gates,
+    RolloutSpec,
+    WaveFigures,
+    evaluate_gates,
+    install_gate_lost,
+    plan_waves,
+)
+from edgefleet.fleet.simulator import fails
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
 
@@ -277,7 +285,7 @@ def test_tokens_and_roles(fleet):
     assert stored == ["admin", "viewer-1", "operator-1"]
     from sqlalchemy import select
 
-    from fleet.db import ApiToken
+    from edgefleet.fleet.db import ApiToken
     with fs.sessions() as s:  # only digests are kept
         assert tokens["viewer"] not in {t.token_sha256 for t in s.scalars(select(ApiToken))}
     assert api.delete(f"{url}/api/v1/tokens/viewer-1").status_code == 204
@@ -318,8 +326,8 @@ def test_a_device_reporting_on_a_rollout_that_does_not_target_it_is_rejected_and
 
 def test_cost_of_a_report_does_not_grow_with_the_fleet(tmp_path):
     """Statements per report are the same in a rollout of 10 and of 2,000 devices (SQLite, no broker)."""
-    from fleet.db import Device, Model, make_engine
-    from fleet.service import FleetService
+    from edgefleet.fleet.db import Device, Model, make_engine
+    from edgefleet.fleet.service import FleetService
 
     class Sink:
         def publish(self, topic, payload, retain):

@@ -17,12 +17,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, func, select
 
-from fleet import console, rollout
-from fleet.audit import ENGINE_ACTOR
-from fleet.db import AuditRow, Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, make_engine
-from fleet.errors import Conflict
-from fleet.rollout import WAVE_ACTIONS, RolloutEngine, RolloutSpec, Selector, TargetMove, move_targets, move_wave
-from fleet.states import (
+from edgefleet.fleet import console, rollout
+from edgefleet.fleet.audit import ENGINE_ACTOR
+from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, make_engine
+from edgefleet.fleet.errors import Conflict
+from edgefleet.fleet.rollout import (
+    WAVE_ACTIONS,
+    RolloutEngine,
+    RolloutSpec,
+    Selector,
+    TargetMove,
+    move_targets,
+    move_wave,
+)
+from edgefleet.fleet.states import (
     TARGET_FINAL,
     TARGET_TRANSITIONS,
     TRANSITIONS,
@@ -31,7 +39,7 @@ from fleet.states import (
     TargetState,
     WaveState,
 )
-from protocol import mqtt as proto
+from edgefleet.protocol import mqtt as proto
 
 N_DEVICES = 5000
 

@@ -18,17 +18,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from compiler.data import Dataset, load_dataset
-from compiler.errors import InputError, ToolchainError
-from compiler.graph import GraphInfo, check_model
-from compiler.pipeline import CompileOptions, compile_model
-from compiler.targets import get_target
-from compiler.targets.tensorrt import TensorRTTarget, l4t_release
-from engines import EngineInputError, EngineLoadError, EngineSpec
-from engines import load as load_engine
-from protocol.bundle import extract_bundle
-from protocol.manifest import QuantizationInfo
-from protocol.profile import HardwareProfile, TensorRTSettings, load_profile
+from edgefleet.compiler.data import Dataset, load_dataset
+from edgefleet.compiler.errors import InputError, ToolchainError
+from edgefleet.compiler.graph import GraphInfo, check_model
+from edgefleet.compiler.pipeline import CompileOptions, compile_model
+from edgefleet.compiler.targets import get_target
+from edgefleet.compiler.targets.tensorrt import TensorRTTarget, l4t_release
+from edgefleet.engines import EngineInputError, EngineLoadError, EngineSpec
+from edgefleet.engines import load as load_engine
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.profile import HardwareProfile, TensorRTSettings, load_profile
 from tests.conftest import DIGITS, REPO
 from tests.fakes import install_fake_gpu
 from tests.fakes.fake_tensorrt import read_engine
@@ -101,7 +101,7 @@ def load_trt(engine: Path, info: GraphInfo, outputs: tuple[str, ...] | None = No
 
 
 def test_module_imports_without_tensorrt():
-    code = "import sys, compiler.targets.tensorrt; assert 'tensorrt' not in sys.modules"
+    code = "import sys, edgefleet.compiler.targets.tensorrt; assert 'tensorrt' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 

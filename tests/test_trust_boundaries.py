@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from fleet.acl import FLEET_USER
-from protocol import mqtt as proto
+from edgefleet.fleet.acl import FLEET_USER
+from edgefleet.protocol import mqtt as proto
 from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
 from tests.test_crash_random import record_figures
@@ -116,7 +116,7 @@ def test_a_dead_ingest_or_network_thread_is_restarted_and_health_says_degraded(t
                 raise _Boom("injected into the ingest thread")
             return real_reports(msgs)
 
-        monkeypatch.setattr("fleet.bridge.proto.parse_topic", parse_once_boom)
+        monkeypatch.setattr("edgefleet.fleet.bridge.proto.parse_topic", parse_once_boom)
         fs.ingest.handlers["reported"] = reports_once_boom
         dev.publish(proto.topic("dev", "status"), proto.encode(
             proto.StatusMessage(device_id="dev", ts=time.time(), state="online")))  # kills the network thread once

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import FetchError, TrustError
-from agent.updater import BundleFetcher
-from fleet.keys import KeyStore, init_keys
-from fleet.tuf_repo import Repository
-from protocol.bundle import sha256_file
+from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.agent.updater import BundleFetcher
+from edgefleet.fleet.keys import KeyStore, init_keys
+from edgefleet.fleet.tuf_repo import Repository
+from edgefleet.protocol.bundle import sha256_file
 
 TARGET = "digits/1.0.0/x86-cpu.tar"
 
@@ -92,7 +92,7 @@ def test_attack_rollback_of_metadata(world, digits_bundle, digits_bundle_v2):
 
 def test_attack_freeze_expired_timestamp(world, digits_bundle, monkeypatch):
     tmp, repo, srv = world
-    import fleet.tuf_repo as tr
+    import edgefleet.fleet.tuf_repo as tr
 
     monkeypatch.setitem(tr.EXPIRY, "timestamp", dt.timedelta(seconds=-60))
     repo.refresh_expiring(margin=10.0)  # re-signs with a timestamp that is already expired
@@ -136,7 +136,7 @@ def test_fleet_down_is_a_fetch_error_to_retry(world, digits_bundle):
 
 def test_a_version_is_never_replaced_in_place(world, digits_bundle_v2):
     tmp, repo, srv = world
-    from fleet.errors import RepositoryError
+    from edgefleet.fleet.errors import RepositoryError
 
     with pytest.raises(RepositoryError, match="already exists with different content"):
         repo.add_target(TARGET, digits_bundle_v2, {})
@@ -145,7 +145,7 @@ def test_a_version_is_never_replaced_in_place(world, digits_bundle_v2):
 def test_repository_refuses_other_keys_on_restart(world):
     tmp, repo, srv = world
     init_keys(tmp / "other-keys")
-    from fleet.errors import RepositoryError
+    from edgefleet.fleet.errors import RepositoryError
 
     with pytest.raises(RepositoryError, match="created with other keys"):
         Repository(tmp / "repo", KeyStore(tmp / "other-keys")).init()
@@ -153,7 +153,7 @@ def test_repository_refuses_other_keys_on_restart(world):
 
 def test_keys_init_refuses_to_overwrite(tmp_path):
     init_keys(tmp_path / "k")
-    from fleet.errors import KeyStoreError
+    from edgefleet.fleet.errors import KeyStoreError
 
     with pytest.raises(KeyStoreError, match="--force"):
         init_keys(tmp_path / "k")

@@ -21,8 +21,8 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from protocol import mqtt as proto
-from protocol.bundle import sha256_file
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import running_agent
 from tests.conftest import Mosquitto, free_port, wait_for
 from tests.fleet_harness import running_fleet

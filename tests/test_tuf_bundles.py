@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from protocol.bundle import extract_bundle, read_manifest, sha256_file, write_bundle
-from protocol.manifest import MANIFEST_FILENAME, FileEntry
+from edgefleet.protocol.bundle import extract_bundle, read_manifest, sha256_file, write_bundle
+from edgefleet.protocol.manifest import MANIFEST_FILENAME, FileEntry
 
 __all__ = ["rebundle", "write_raw_bundle"]
 

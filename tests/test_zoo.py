@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from compiler.graph import check_model
+from edgefleet.compiler.graph import check_model
 from tests.conftest import REPO
 
 ZOO = REPO / "models" / "zoo"

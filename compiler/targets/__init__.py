@@ -3,23 +3,23 @@ only; the engines it builds run through :mod:`engines`)."""
 
 from __future__ import annotations
 
-from compiler.errors import ToolchainError
-from compiler.targets.base import BuildTarget
+from edgefleet.compiler.errors import ToolchainError
+from edgefleet.compiler.targets.base import BuildTarget
 
 __all__ = ["BuildTarget", "get_target"]
 
 
 def get_target(backend: str) -> BuildTarget:
     if backend == "onnxruntime":
-        from compiler.targets.onnxruntime import OnnxRuntimeTarget
+        from edgefleet.compiler.targets.onnxruntime import OnnxRuntimeTarget
 
         return OnnxRuntimeTarget()
     if backend == "tensorrt":
-        from compiler.targets.tensorrt import TensorRTTarget
+        from edgefleet.compiler.targets.tensorrt import TensorRTTarget
 
         return TensorRTTarget()
     if backend == "litert":
-        from compiler.targets.litert import LiteRTTarget
+        from edgefleet.compiler.targets.litert import LiteRTTarget
 
         return LiteRTTarget()
     raise ToolchainError(f"no build target for backend {backend!r}")

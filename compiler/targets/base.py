@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from compiler.data import Dataset
-from compiler.graph import GraphInfo
-from protocol.manifest import QuantizationInfo
-from protocol.profile import HardwareProfile
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.graph import GraphInfo
+from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.profile import HardwareProfile
 
 __all__ = ["BuildTarget"]
 

@@ -27,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from compiler import toolchain
-from compiler.data import Dataset
-from compiler.errors import InputError, ToolchainError
-from compiler.graph import GraphInfo
-from engines.errors import EngineError
-from engines.litert import IO_METADATA, IOMap, Port, interpreter_class
-from protocol.manifest import QuantizationInfo, TensorSpec
-from protocol.profile import HardwareProfile
+from edgefleet.compiler import toolchain
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.errors import InputError, ToolchainError
+from edgefleet.compiler.graph import GraphInfo
+from edgefleet.engines.errors import EngineError
+from edgefleet.engines.litert import IO_METADATA, IOMap, Port, interpreter_class
+from edgefleet.protocol.manifest import QuantizationInfo, TensorSpec
+from edgefleet.protocol.profile import HardwareProfile
 
 __all__ = ["LiteRTTarget"]
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler.data import Dataset
-from compiler.errors import InputError, ToolchainError
-from compiler.graph import GraphInfo
-from engines.onnxruntime import session_options
-from protocol.manifest import QuantizationInfo
-from protocol.profile import HardwareProfile
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.errors import InputError, ToolchainError
+from edgefleet.compiler.graph import GraphInfo
+from edgefleet.engines.onnxruntime import session_options
+from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.profile import HardwareProfile
 
 __all__ = ["OnnxRuntimeTarget"]
 
@@ -87,7 +87,7 @@ def prepare_or_raw(source: Path, out_path: Path) -> tuple[Path, str]:
     """:func:`prepare`, and which path it took: onnxruntime's ``quant_pre_process`` (shape inference and
     fusions), or, when that fails on a graph (it does on some real exports, e.g. "The truth value of an array
     ... is ambiguous"), the raw graph as it is, which ``quantize_static`` can still quantize."""
-    from compiler.sensitivity import name_nodes
+    from edgefleet.compiler.sensitivity import name_nodes
 
     try:
         from onnxruntime.quantization.shape_inference import quant_pre_process

@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from compiler.data import Dataset
-from compiler.errors import CompilerError, InputError, ToolchainError
-from compiler.graph import GraphInfo
-from engines.cuda import Device, DeviceBuffers, one_line, open_device
-from engines.errors import EngineError
-from engines.tensorrt import import_tensorrt, logged_errors, make_logger
-from protocol.fsutil import atomic_write
-from protocol.manifest import QuantizationInfo
-from protocol.profile import HardwareProfile, TensorRTSettings
+from edgefleet.compiler.data import Dataset
+from edgefleet.compiler.errors import CompilerError, InputError, ToolchainError
+from edgefleet.compiler.graph import GraphInfo
+from edgefleet.engines.cuda import Device, DeviceBuffers, one_line, open_device
+from edgefleet.engines.errors import EngineError
+from edgefleet.engines.tensorrt import import_tensorrt, logged_errors, make_logger
+from edgefleet.protocol.fsutil import atomic_write
+from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.profile import HardwareProfile, TensorRTSettings
 
 __all__ = ["TensorRTTarget", "l4t_release"]
 
