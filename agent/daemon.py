@@ -49,25 +49,6 @@ __all__ = ["Agent", "event_loop_factory", "require_trust_anchor", "run_agent", "
 log = logging.getLogger("edgefleet.agent")
 
 
-CRASH_ENV = "EDGEFLEET_TEST_CRASH_AT"
-
-
-def _crash_hook():
-    """Test hook: with EDGEFLEET_TEST_CRASH_AT=<point> the process dies (os._exit, no clean-up, like a
-    power cut) when the model store reaches that point: extracted, moved, before_commit, after_commit."""
-
-    point = os.environ.get(CRASH_ENV)
-    if not point:
-        return None
-
-    def crash(at: str) -> None:
-        if at == point:
-            print(f"{CRASH_ENV}={point}: crashing now", file=sys.stderr, flush=True)
-            os._exit(137)
-
-    return crash
-
-
 def _device_summary(st: DeviceStats | None) -> proto.DeviceSummary | None:
     if st is None:
         return None
@@ -104,7 +85,7 @@ class Agent:
                                             max_queue_size=config.max_queue_size,
                                             inline_max_us=config.inline_max_us), self.metrics,
                               self.cpus[0] if self.cpus else None)
-        self.store = ModelStore(config.data_dir / "store", fault=_crash_hook())
+        self.store = ModelStore(config.data_dir / "store")
         self.spool = Spool(config.data_dir / "spool", config.max_spool_records)
         self.link: MqttLink | None = None
         self.fetcher: BundleFetcher | None = None

@@ -5,11 +5,16 @@ Run against a Mosquitto the test starts on a free port, and again against the fl
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 
 from edgefleet.demo import LocalFleet, infer_images
 from tests.conftest import Mosquitto, wait_for
+
+CRASH_AT = Path(__file__).resolve().parent / "crash_at.py"  # runs the agent dying at one install step
 
 
 def _loop(lf: LocalFleet, bundle, images, labels, devices=("edge-a", "edge-b")) -> None:
@@ -186,7 +191,7 @@ def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mo
         lf.wait_online(["edge-c"])
         assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-c"]).id).status == "succeeded"
         lf.stop_agent("edge-c")
-        doomed = lf.start_agent("edge-c", env={"EDGEFLEET_TEST_CRASH_AT": point})
+        doomed = lf.start_agent("edge-c", launcher=[sys.executable, str(CRASH_AT), point])
         lf.wait_online(["edge-c"])
         rid = lf.client.rollout("digits", "1.1.0", ["edge-c"]).id
         assert doomed.proc.wait(60) == 137
