@@ -3,10 +3,11 @@
 The model: ``x [N, 3] -> (doubled = 2x, plus1 = x + 1)``, made here for each runtime (an ONNX graph for
 onnxruntime, a TFLite flatbuffer written with the TFLite schema for LiteRT, and the same ONNX built by the
 compiler's TensorRT target against the fake ``tensorrt`` of tests/fakes for TensorRT, whose GPU this
-machine lacks). Every engine must give the reference outputs at several batch sizes with the spec's
-dtypes and shapes, refuse every malformed feed with EngineInputError and keep working after it, and be
-safe to close twice. A new runtime is proven by adding its maker to ``MAKERS``: a registry kind without
-one fails ``test_every_registered_engine_is_in_this_suite``.
+machine lacks; OpenVINO loads the very ONNX file onnxruntime loads, and is skipped, saying so, where the
+optional ``edgefleet[openvino]`` is not installed). Every engine must give the reference outputs at several
+batch sizes with the spec's dtypes and shapes, refuse every malformed feed with EngineInputError and keep
+working after it, and be safe to close twice. A new runtime is proven by adding its maker to ``MAKERS``: a
+registered runtime without one fails ``test_every_registered_engine_is_in_this_suite``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.test_engines import IO_MAP, make_tflite
 X = TensorSpec(name="x", datatype="FP32", shape=(-1, 3))
 SPEC = EngineSpec((X,), (X.model_copy(update={"name": "doubled"}), X.model_copy(update={"name": "plus1"})),
                   "fp32", None, "conformance model")
-TOLERANCE = {"onnxruntime": 1e-6, "litert": 1e-6, "tensorrt": 1e-5}
+TOLERANCE = {"onnxruntime": 1e-6, "litert": 1e-6, "tensorrt": 1e-5, "openvino": 1e-6}
 
 
 def make_onnx(path: Path) -> Path:
@@ -64,13 +65,20 @@ def _tensorrt(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, EngineS
     return engine, EngineSpec(SPEC.inputs, SPEC.outputs, "fp16", "jetson-orin-nano", SPEC.label)
 
 
+def _openvino(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, EngineSpec]:
+    if not engines.runtime_installed("openvino"):
+        pytest.skip("openvino is not installed here (the optional edgefleet[openvino]; the dev extra has it)")
+    return make_onnx(tmp / "model.onnx"), SPEC  # the same file as onnxruntime's
+
+
 MAKERS: dict[str, Callable[[Path, pytest.MonkeyPatch], tuple[Path, EngineSpec]]] = {
-    "onnxruntime": _onnxruntime, "litert": _litert, "tensorrt": _tensorrt}
+    "onnxruntime": _onnxruntime, "litert": _litert, "tensorrt": _tensorrt, "openvino": _openvino}
 
 
 def test_every_registered_engine_is_in_this_suite():
     assert set(engines.KINDS) == set(typing.get_args(Backend)), "the registry and the manifest's kinds differ"
-    assert set(MAKERS) == set(engines.KINDS), f"engines without a conformance maker: {set(engines.KINDS) - set(MAKERS)}"
+    assert set(MAKERS) == set(engines.RUNTIMES), \
+        f"runtimes without a conformance maker: {set(engines.RUNTIMES) - set(MAKERS)}"
 
 
 @pytest.fixture(params=sorted(MAKERS))
@@ -82,7 +90,7 @@ def engine(request, tmp_path, monkeypatch) -> Iterator[engines.Engine]:
 
 
 def test_outputs_match_the_reference_at_every_batch_size(engine):
-    assert engine.kind in engines.KINDS and engine.device != "?"
+    assert engine.kind in engines.RUNTIMES and engine.device != "?"
     rng = np.random.default_rng(7)
     for n in (1, 3, 16, 7, 40, 1):  # sizes change back and forth; 40 is above TensorRT's profile (16)
         x = rng.uniform(-4, 4, (n, 3)).astype(np.float32)
@@ -127,6 +135,8 @@ def test_close_twice_is_safe_and_infer_after_close_says_closed(engine):
 
 def test_an_engine_whose_tensors_are_not_the_spec_is_refused_at_load(tmp_path, monkeypatch):
     for kind, make in MAKERS.items():
+        if kind == "openvino" and not engines.runtime_installed(kind):  # the optional extra
+            continue
         (tmp_path / kind).mkdir()
         path, spec = make(tmp_path / kind, monkeypatch)
         wrong = EngineSpec(spec.inputs, (spec.outputs[0].model_copy(update={"name": "tripled"}),), spec.precision,
@@ -136,6 +146,6 @@ def test_an_engine_whose_tensors_are_not_the_spec_is_refused_at_load(tmp_path, m
 
 
 def test_an_unknown_kind_names_the_ones_there_are(tmp_path):
-    with pytest.raises(engines.EngineLoadError, match="no 'openvino' engine here \\(available: litert, onnxruntime, "
-                                                      "tensorrt\\)"):
-        engines.load("openvino", tmp_path / "m.xml", SPEC, threads=1)
+    with pytest.raises(engines.EngineLoadError, match="no 'tflite' engine here \\(available: litert, onnxruntime, "
+                                                      "openvino, tensorrt\\)"):
+        engines.load("tflite", tmp_path / "m.tflite", SPEC, threads=1)
