@@ -13,7 +13,8 @@
     │   ├── RefusedUpdate   the update is verified but not acceptable (downgrade, wrong profile, a CPU
     │   │                   that lacks the instruction sets the bundle needs)
     │   └── SelfTestFailed  the new model loaded but gave wrong answers on its own sample
-    └── BackendError        a runtime could not load an engine
+    ├── BackendError        a runtime could not load an engine
+    └── NotInstalled        a feature asked for needs an extra this box lacks (HTTP 501, naming the extra)
 
 Errors from onnxruntime, python-tuf and paho are translated at the boundary and raised ``from exc``.
 """
@@ -28,6 +29,7 @@ __all__ = [
     "FetchError",
     "InferenceFailed",
     "ModelNotFound",
+    "NotInstalled",
     "PayloadTooLarge",
     "QueueFull",
     "RefusedUpdate",
@@ -89,3 +91,9 @@ class SelfTestFailed(UpdateError):
 
 class BackendError(UpdateError):
     pass
+
+
+class NotInstalled(AgentError):
+    """What was asked for needs an optional part of edgefleet this install lacks: the message names the extra."""
+
+    status_code = 501

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefleet.agent.errors import PayloadTooLarge, RequestError
+from edgefleet.agent.errors import NotInstalled, PayloadTooLarge, RequestError
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.preprocess import Preprocessing
 
@@ -153,9 +153,28 @@ def check_budget(header: ImageHeader, max_decoded_bytes: int) -> None:
                           "image")
 
 
+_decoder: bool | None = None  # OpenCV importable? (looked up once, without importing it on the event loop)
+
+
+def _need_decoder() -> None:
+    global _decoder
+    if _decoder is None:
+        import importlib.util
+
+        try:
+            _decoder = importlib.util.find_spec("cv2") is not None
+        except (ImportError, ValueError):
+            _decoder = False
+    if not _decoder:
+        raise NotInstalled("this agent cannot decode images: the image endpoint needs edgefleet[image] "
+                           "(OpenCV), which is not installed: pip install 'edgefleet[image]'; /infer takes tensors")
+
+
 def check_image(data: bytes, manifest: Manifest, max_decoded_bytes: int) -> ImageHeader:
     """Everything about an upload that can be judged without decoding it: RequestError if the model takes
-    no images, the format or header is wrong, or the image is over the budget."""
+    no images, the format or header is wrong, or the image is over the budget; NotInstalled (501) on a box
+    without edgefleet[image]."""
+    _need_decoder()
     if manifest.preprocessing is None:
         raise RequestError(f"model {manifest.name!r} {manifest.version} records no image preprocessing; send "
                            "tensors to /infer instead")

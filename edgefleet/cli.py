@@ -36,10 +36,13 @@ def _need(extra: str, exc: ImportError) -> int:
 
 
 EXTRAS = {  # what each part imports lazily; checked up front so a missing one is a message, not a traceback
-    "agent": ("onnxruntime", "paho.mqtt", "starlette", "uvicorn", "tuf", "psutil"),
+    # (the runtimes are not here: a box has the one its profile uses, and loading a bundle names a missing one)
+    "agent": ("paho.mqtt", "starlette", "uvicorn", "tuf", "cryptography", "psutil"),
     "compiler": ("onnx", "onnxruntime.quantization", "tuf", "cryptography"),
-    "fleet": ("fastapi", "uvicorn", "sqlalchemy", "paho.mqtt", "amqtt", "tuf", "cryptography"),
+    "fleet": ("fastapi", "uvicorn", "sqlalchemy", "paho.mqtt", "tuf", "cryptography"),
+    "broker": ("amqtt",),  # the fleet's embedded broker
     "keys": ("tuf", "cryptography"),  # in both [compiler] and [fleet]
+    "demo": ("httpx",),  # the demo's load client
 }
 
 
@@ -331,6 +334,13 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
         from edgefleet.fleet.server import FleetConfig, FleetServer
     except ImportError as exc:
         return _need("fleet", exc)
+    if a.mqtt_url is None:
+        try:
+            _require("broker")
+        except ImportError as exc:
+            print(f"error: the embedded MQTT broker needs edgefleet[broker] ({exc.name} is not installed): "
+                  "pip install 'edgefleet[broker]', or give --mqtt-url mqtt://HOST:PORT (Mosquitto)", file=sys.stderr)
+            return EXIT_INPUT
     from edgefleet.protocol.errors import EdgefleetError
 
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
@@ -678,12 +688,10 @@ def cmd_verify(a: argparse.Namespace) -> int:
 # -- demo -------------------------------------------------------------------------------------------
 def cmd_demo(a: argparse.Namespace) -> int:
     try:
-        _require("agent", "compiler", "fleet")
-        import httpx  # noqa: F401  (the demo's client)
-
+        _require("agent", "compiler", "fleet", "demo", *(() if a.mqtt_url else ("broker",)))
         from edgefleet.demo import DemoOptions, run_demo
     except ImportError as exc:
-        return _need("all", exc)
+        return _need("demo", exc)
     return run_demo(DemoOptions(work_dir=a.work_dir, agents=a.agents, mqtt_url=a.mqtt_url, port=a.port,
                                 embedded_mqtt_port=a.embedded_mqtt_port, keep_running=not a.exit,
                                 as_json=a.json))

@@ -87,7 +87,8 @@ class OnnxRuntimeEngine(Engine):
         try:
             import onnxruntime as ort
         except ImportError as exc:
-            raise EngineLoadError("onnxruntime is not installed; install edgefleet[agent]") from exc
+            raise EngineLoadError("this bundle's engine is onnxruntime, which is not installed: "
+                                  "pip install 'edgefleet[onnxruntime]'") from exc
         so = session_options(ort, threads)
         asked = [*self.requested, *([] if CPU in self.requested else [CPU])]
         options = [self._provider_options(p, engine) for p in asked]

@@ -215,7 +215,16 @@ def make_engine(url: str) -> tuple[Engine, sessionmaker]:
     kwargs: dict[str, Any] = {"json_serializer": _json_dumps, "json_deserializer": pydantic_core.from_json}
     if url.startswith("sqlite"):
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
-    engine = create_engine(url, **kwargs)
+    if url.startswith(("postgresql://", "postgres://")):  # SQLAlchemy's default driver is psycopg2: ours is psycopg
+        url = "postgresql+psycopg://" + url.partition("://")[2]
+    try:
+        engine = create_engine(url, **kwargs)
+    except ImportError as exc:  # the URL's DB-API driver (the URL is not repeated: it may hold a password)
+        scheme = url.partition("://")[0]
+        hint = ("pip install 'edgefleet[postgres]'" if scheme in ("postgresql", "postgresql+psycopg")
+                else f"install the driver {scheme} names")
+        raise ConfigError(f"the database URL ({scheme}://...) needs {exc.name or 'its driver'}, which is not "
+                          f"installed: {hint}") from exc
     if url.startswith("sqlite"):
         @event.listens_for(engine, "connect")
         def _pragmas(conn, _record):  # WAL: readers do not block the MQTT writer

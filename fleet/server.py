@@ -9,12 +9,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgefleet.fleet.acl import FLEET_USER, Account, reload_mosquitto, verify_password, write_mosquitto_files
 from edgefleet.fleet.auth import TokenStore
 from edgefleet.fleet.bridge import MqttBridge
-from edgefleet.fleet.broker import EmbeddedBroker
 from edgefleet.fleet.db import make_engine
 from edgefleet.fleet.enroll import Enrollment
 from edgefleet.fleet.ingest import IngestWorker
@@ -23,6 +22,10 @@ from edgefleet.fleet.reconcile import Reconciler
 from edgefleet.fleet.service import FleetService
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.fleet.tuf_store import DirStore, SqlStore
+from edgefleet.protocol.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edgefleet.fleet.broker import EmbeddedBroker
 
 __all__ = ["FleetConfig", "FleetServer"]
 
@@ -103,6 +106,11 @@ class FleetServer:
         mqtt_user, mqtt_password = config.mqtt_username, config.mqtt_password or os.environ.get(
             "EDGEFLEET_MQTT_PASSWORD")
         if config.mqtt_url is None:
+            try:  # amqtt is edgefleet[broker]: a fleet on Mosquitto never imports it
+                from edgefleet.fleet.broker import EmbeddedBroker
+            except ImportError as exc:
+                raise ConfigError(f"the embedded MQTT broker needs edgefleet[broker] ({exc.name} is not installed): "
+                                  "pip install 'edgefleet[broker]', or set mqtt_url to an external broker") from exc
             self.broker = EmbeddedBroker(config.embedded_mqtt_host, config.embedded_mqtt_port, self.accounts)
             self.mqtt_url = self.broker.url
             mqtt_user, mqtt_password = FLEET_USER, secrets.token_urlsafe(24)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-__all__ = ["blocked_modules", "closure", "run_as_installed", "run_without"]
+__all__ = ["CLI", "argv_as_installed", "blocked_modules", "closure", "run_as_installed", "run_without"]
 
 
 def _norm(name: str) -> str:
@@ -96,6 +96,15 @@ class _NotInstalled(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, _NotInstalled())
 """
+
+
+# the edgefleet command line, as code for the functions below
+CLI = "from edgefleet.cli import main\nraise SystemExit(main(sys.argv[1:]))\n"
+
+
+def argv_as_installed(extras: tuple[str, ...], code: str, *argv: str) -> list[str]:
+    """argv of ``python -c code argv...`` as on a box with only ``edgefleet[extras]`` (for Popen)."""
+    return [sys.executable, "-c", _PRELUDE.format(blocked=sorted(blocked_modules(*extras))) + code, *argv]
 
 
 def run_without(modules: Iterable[str], code: str, *argv: str, timeout_s: float = 120,

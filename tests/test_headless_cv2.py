@@ -25,7 +25,7 @@ def test_the_extras_that_decode_images_name_the_headless_build_only():
     assert cv2_reqs, reqs
     assert all(r.lower().startswith("opencv-python-headless") for r in cv2_reqs), cv2_reqs
     extras = {m.group(1) for r in cv2_reqs for m in [re.search(r'extra == "([^"]+)"', r)] if m}
-    assert {"agent", "compiler"} <= extras, cv2_reqs
+    assert {"image", "compiler"} <= extras, cv2_reqs  # the agent's image endpoint: edgefleet[image]
 
 
 def test_this_environment_holds_one_cv2_and_it_is_headless():
