@@ -5,11 +5,25 @@ level. Reading never trusts the archive, and the fleet (before it signs or store
 agent (before it installs one) read it with the same code, :func:`_scan`: every member is a regular
 file with a plain name (no ``/``, no ``..``, no links, no duplicates, ``manifest.json`` once), the
 members are exactly ``manifest.json`` and the files the manifest lists, each with the size the
-manifest says (at most :data:`MAX_BUNDLE_BYTES`), and every file's sha256 matches the manifest.
+manifest says (at most :data:`MAX_BUNDLE_BYTES`), every file's sha256 matches the manifest, and each engine
+and self-test sample is, by its content, what its role needs (:func:`protocol.roles.role_problem`: an .npz as the
+engine is refused). :func:`write_bundle` checks the roles too, so the compiler never writes such a bundle.
 
 Extraction writes each member itself (``extractfile`` → a new file opened with ``O_EXCL`` and
 ``O_NOFOLLOW`` in the empty destination, mode 0644, hashed while written): it never calls
 ``TarFile.extract``, whose ``filter=`` argument Python 3.11.2 and 3.10.11 do not have.
+
+Before ``tarfile`` parses anything, :func:`_walk_headers` walks the archive's 512-byte headers itself, on
+every Python the project admits (3.10 and up): the parser's own fix for CVE-2024-6232 (its pax-header
+regexes are quadratic: a 122 KB archive costs 15-40 s of CPU, holding the GIL) is only in 3.11.10 and
+3.12.6, and Debian 12 and JetPack ship older ones. Every header must have a valid checksum; a member is a
+regular file (``0`` or NUL type) and nothing else (no links, folders, devices, FIFOs, contiguous or sparse
+files, volume labels); before a member come at most one pax extended header (``x``), one pax global header
+(``g``), one GNU long name (``L``) and one GNU long link name (``K``), each at most
+:data:`MAX_EXTENDED_HEADER_BYTES` of well-formed records with no run of more than
+:data:`MAX_PAX_DIGIT_RUN` digits (what makes the regexes slow), no sparse keys and no ``size`` in a
+global header. The walk follows the same offsets ``tarfile`` will (a pax ``size`` included) and costs one
+512-byte read a header.
 """
 
 from __future__ import annotations
@@ -17,18 +31,22 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import tarfile
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
-from protocol.errors import ContractError
-from protocol.manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from edgefleet.protocol.roles import Opener, role_problem
 
 __all__ = [
     "MAX_BUNDLE_BYTES",
+    "MAX_EXTENDED_HEADER_BYTES",
     "MAX_MEMBERS",
+    "MAX_PAX_DIGIT_RUN",
     "BundleError",
     "check_bundle",
     "extract_bundle",
@@ -39,7 +57,22 @@ __all__ = [
 
 MAX_BUNDLE_BYTES = 2 * 1024**3  # a bundle (and so any file in it) bigger than this is refused
 MAX_MEMBERS = 256  # manifest, engine, self-test sample and a few more; a header flood stops here
+# A pax ('x'/'g') or GNU long-name ('L'/'K') header's data. A bundle needs none (its names are plain and
+# short; write_bundle writes none) or a few hundred bytes (GNU tar's and bsdtar's times and extended
+# attributes); 120,000 digits of it are the CVE-2024-6232 shape. At this size and digit run tarfile's
+# regexes cost well under a millisecond on any Python.
+MAX_EXTENDED_HEADER_BYTES = 8 * 1024
+MAX_PAX_DIGIT_RUN = 64  # the longest run of ASCII digits in a pax header's data (a length, a time: <= 30)
 _CHUNK = 1 << 20
+_BLOCK = 512
+_REGULAR = (b"0", b"\0")
+_EXTENDED = {b"x": "pax extended header", b"g": "pax global header", b"L": "GNU long name header",
+             b"K": "GNU long link name header"}
+_NOT_REGULAR = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
+                b"5": "a folder", b"6": "a FIFO", b"7": "a contiguous file", b"S": "a GNU sparse file",
+                b"V": "a GNU volume label", b"M": "a GNU multi-volume continuation", b"N": "a GNU old long name",
+                b"D": "a GNU dump folder", b"X": "a Solaris extended header"}
+_DIGIT_RUN = re.compile(rb"[0-9]{%d}" % (MAX_PAX_DIGIT_RUN + 1))
 
 
 class BundleError(ContractError):
@@ -60,6 +93,8 @@ def write_bundle(manifest: Manifest, src_dir: Path, out_path: Path) -> Path:
         actual = sha256_file(src_dir / name)
         if actual != entry.sha256:
             raise BundleError(f"{src_dir / name}: sha256 {actual} does not match the manifest")
+    _check_roles(manifest, lambda name: (src_dir / name).open("rb"),
+                 {n: (src_dir / n).stat().st_size for n in manifest.files}, str(out_path))
     tmp = out_path.with_name(out_path.name + ".tmp")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         data = manifest.to_json().encode()
@@ -82,16 +117,177 @@ def _plain(name: str) -> bool:
     return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
-def _open(path: Path, label: str) -> tarfile.TarFile:
+@contextmanager
+def _open(path: Path, label: str) -> Iterator[tarfile.TarFile]:
+    """The archive opened once: its headers walked (:func:`_walk_headers`), then handed to ``tarfile``."""
     try:
-        size = path.stat().st_size
-        if size > MAX_BUNDLE_BYTES:
-            raise BundleError(f"{label}: {size} bytes exceeds the {MAX_BUNDLE_BYTES}-byte bundle limit")
-        return tarfile.open(path, "r:")
-    except (tarfile.TarError, EOFError) as exc:
-        raise BundleError(f"{label}: not a bundle archive (an uncompressed tar): {_reason(exc)}") from exc
+        f = path.open("rb")
     except OSError as exc:
         raise BundleError(f"{label}: cannot be read ({exc.strerror or type(exc).__name__})") from exc
+    with f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_BUNDLE_BYTES:
+                raise BundleError(f"{label}: {size} bytes exceeds the {MAX_BUNDLE_BYTES}-byte bundle limit")
+            _walk_headers(f, size, label)
+            f.seek(0)
+            tar = tarfile.open(fileobj=f, mode="r:")
+        except (tarfile.TarError, EOFError) as exc:
+            raise BundleError(f"{label}: not a bundle archive (an uncompressed tar): {_reason(exc)}") from exc
+        except OSError as exc:
+            raise BundleError(f"{label}: cannot be read ({exc.strerror or type(exc).__name__})") from exc
+        with tar:
+            yield tar
+
+
+def _number(field: bytes) -> int:
+    """A header's numeric field as tarfile reads it (octal, or GNU base-256); ValueError if it is neither."""
+    if field[:1] == b"\x80":  # GNU base-256, positive
+        return int.from_bytes(field[1:], "big")
+    if field[:1] == b"\xff":
+        raise ValueError("negative")
+    text = field.split(b"\0", 1)[0].strip()
+    if text and not text.isdigit():
+        raise ValueError("not octal")
+    return int(text or b"0", 8)
+
+
+def _field_text(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _checksum_ok(block: bytes) -> bool:
+    try:
+        want = _number(block[148:156])
+    except ValueError:
+        return False
+    rest = block[:148] + b" " * 8 + block[156:]
+    unsigned = sum(rest)
+    signed = sum(b - 256 if b > 127 else b for b in rest)
+    return want in (unsigned, signed)
+
+
+def _pax_records(data: bytes, what: str) -> dict[bytes, bytes]:
+    """A pax header's ``"%d %s=%s\n"`` records, strictly (trailing NUL padding allowed)."""
+    records: dict[bytes, bytes] = {}
+    pos, end = 0, len(data.rstrip(b"\0"))
+    while pos < end:
+        space = data.find(b" ", pos, pos + 12)
+        if space <= pos or not data[pos:space].isdigit():
+            raise ValueError(f"{what}: byte {pos} does not start a '<length> <key>=<value>\\n' record")
+        length = int(data[pos:space])
+        if length < space - pos + 4 or pos + length > end or data[pos + length - 1:pos + length] != b"\n":
+            raise ValueError(f"{what}: the record at byte {pos} gives length {length}, which does not end at a newline "
+                             "inside the header")
+        key, eq, value = data[space + 1:pos + length - 1].partition(b"=")
+        if not eq or not key:
+            raise ValueError(f"{what}: the record at byte {pos} has no '<key>='")
+        records[key] = value
+        pos += length
+    return records
+
+
+def _walk_headers(f: BinaryIO, size: int, label: str) -> None:
+    """Walk every header ``tarfile`` will parse, in its order and at its offsets, and refuse what a bundle
+    never holds (see the module's docstring) before ``tarfile`` reads a byte of it."""
+    offset, members = 0, 0
+    pending: dict[bytes, int] = {}  # extended headers since the last member: type -> their offset
+    pax_size: int | None = None  # an 'x' header's size for the next member
+    pending_name: str | None = None
+    while True:
+        if offset >= size:
+            block = b""
+        else:
+            f.seek(offset)
+            block = f.read(_BLOCK)
+        if not block.strip(b"\0"):  # the end of the archive, for tarfile too
+            if pending:
+                kind, at = next(iter(pending.items()))
+                raise BundleError(f"{label}: the {_EXTENDED[kind]} at byte {at} is followed by no member")
+            return
+        damaged = f"{label}: not a bundle archive (an uncompressed tar): " if offset == 0 else f"{label}: "
+        if len(block) < _BLOCK:
+            raise BundleError(f"{damaged}truncated archive (a {len(block)}-byte header at byte {offset})")
+        if not _checksum_ok(block):
+            raise BundleError(f"{damaged}the header at byte {offset} is damaged (bad checksum)")
+        kind = block[156:157]
+        try:
+            hsize = _number(block[124:136])
+        except ValueError:
+            raise BundleError(f"{damaged}the header at byte {offset} has an invalid size field") from None
+        raw_name = _field_text(block[0:100])
+        prefix = _field_text(block[345:500]) if block[257:263] == b"ustar\0" else ""
+        name = pending_name or (f"{prefix}/{raw_name}" if prefix else raw_name)
+        if kind in _EXTENDED:
+            what = f"{label}: the {_EXTENDED[kind]} at byte {offset}"
+            if kind in pending:
+                raise BundleError(f"{what} is the second {_EXTENDED[kind]} for one member (the first is at byte "
+                                  f"{pending[kind]}); a bundle needs at most one")
+            if hsize > MAX_EXTENDED_HEADER_BYTES:
+                raise BundleError(f"{what} has {hsize} bytes, over the {MAX_EXTENDED_HEADER_BYTES}-byte limit (a "
+                                  "bundle needs none or a few hundred bytes: this is the CVE-2024-6232 shape that "
+                                  "stalls Python's tarfile)")
+            if offset + _BLOCK + hsize > size:
+                raise BundleError(f"{what} runs past the end of the archive")
+            data = f.read(hsize)
+            if kind in (b"x", b"g"):
+                records = _check_pax(data, kind, what)
+                if kind == b"x":
+                    pax_size = _pax_size(records, what)
+                    if b"path" in records:
+                        pending_name = records[b"path"].decode("utf-8", "replace")
+            elif kind == b"L":
+                pending_name = _field_text(data)
+            pending[kind] = offset
+            offset += _BLOCK + _blocks(hsize)
+            continue
+        if kind not in _REGULAR:
+            what = _NOT_REGULAR.get(kind, f"of tar type {kind!r}")
+            link = f" (to {_field_text(block[157:257])!r})" if kind in (b"1", b"2") else ""
+            raise BundleError(f"{label}: member {name!r} is {what}{link}, not a regular file; a bundle holds "
+                              "regular files only")
+        if kind == b"\0" and raw_name.endswith("/"):  # tarfile reads this old-style 'name/' as a folder: no data
+            raise BundleError(f"{label}: member {name!r} is a folder, not a regular file; a bundle holds regular "
+                              "files only")
+        members += 1
+        if members > MAX_MEMBERS:
+            raise BundleError(f"{label}: more than {MAX_MEMBERS} members")
+        msize = hsize if pax_size is None else pax_size
+        if msize > MAX_BUNDLE_BYTES:
+            raise BundleError(f"{label}: member {name!r} of {msize} bytes exceeds the {MAX_BUNDLE_BYTES}-byte limit")
+        offset += _BLOCK + _blocks(msize)
+        pending, pax_size, pending_name = {}, None, None
+
+
+def _blocks(n: int) -> int:
+    return -(-n // _BLOCK) * _BLOCK
+
+
+def _check_pax(data: bytes, kind: bytes, what: str) -> dict[bytes, bytes]:
+    """A pax header's records, checked: no long digit run, well formed, no sparse keys, no global size."""
+    run = _DIGIT_RUN.search(data)
+    if run is not None:
+        raise BundleError(f"{what} holds a run of more than {MAX_PAX_DIGIT_RUN} digits at byte {run.start()} (the "
+                          "CVE-2024-6232 shape: Python's tarfile scans such runs in quadratic time)")
+    try:
+        records = _pax_records(data, what)
+    except ValueError as exc:
+        raise BundleError(f"{exc} (a malformed pax header)") from None
+    if any(k.startswith(b"GNU.sparse.") for k in records):
+        raise BundleError(f"{what} describes a sparse file; a bundle holds regular files only")
+    if kind == b"g" and b"size" in records:
+        raise BundleError(f"{what} sets 'size' for every later member; a bundle's global header may not")
+    return records
+
+
+def _pax_size(records: dict[bytes, bytes], what: str) -> int | None:
+    """The member size an 'x' header sets (tarfile then finds the next header after that many bytes)."""
+    size = records.get(b"size")
+    if size is None:
+        return None
+    if not size.isdigit() or len(size) > 12:
+        raise BundleError(f"{what} gives an invalid member size {size[:32]!r}")
+    return int(size)
 
 
 def _reason(exc: BaseException) -> str:
@@ -215,7 +411,21 @@ def check_bundle(path: Path, *, profiles: Collection[str] | None = None, label: 
                               f"({', '.join(sorted(profiles)) or 'none'})")
         with _reading(lbl, "reading its files"):
             _read_files(tar, manifest, members, lbl)
+            _check_roles(manifest, lambda name: _member(tar, members[name]),
+                         {n: ti.size for n, ti in members.items()}, lbl)
     return manifest
+
+
+def _check_roles(manifest: Manifest, open_file: Opener, sizes: dict[str, int], label: str) -> None:
+    problem = role_problem(manifest, open_file, sizes)
+    if problem:
+        raise BundleError(f"{label}: {problem}")
+
+
+def _member(tar: tarfile.TarFile, ti: tarfile.TarInfo) -> IO[bytes]:
+    f = tar.extractfile(ti)
+    assert f is not None  # a regular file
+    return f
 
 
 def extract_bundle(path: Path, dest: Path, *, label: str | None = None) -> Manifest:
@@ -250,6 +460,11 @@ def extract_bundle(path: Path, dest: Path, *, label: str | None = None) -> Manif
                 raise
             return os.fdopen(fd, "wb")
 
+        def open_in(name: str) -> IO[bytes]:  # a file this call wrote (name is plain: it stays inside dest)
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(name, flags, dir_fd=dfd) if os.open in os.supports_dir_fd else os.open(dest / name, flags)
+            return os.fdopen(fd, "rb")
+
         try:
             with _open(path, lbl) as tar:
                 with _reading(lbl, "reading its headers"):
@@ -258,6 +473,7 @@ def extract_bundle(path: Path, dest: Path, *, label: str | None = None) -> Manif
                     f.write(raw)
                 with _reading(lbl, "reading its files"):
                     _read_files(tar, manifest, members, lbl, open_out)
+            _check_roles(manifest, open_in, {n: e.size_bytes for n, e in manifest.files.items()}, lbl)
         except BaseException:
             for name in written:
                 try:

@@ -14,11 +14,13 @@ import json
 import os
 import stat
 import tarfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from edgefleet.protocol import bundle as bundle_mod
@@ -265,6 +267,183 @@ def test_extract_refuses_a_destination_with_a_planted_symlink(digits_bundle, tmp
     with pytest.raises(BundleError):
         extract_bundle(digits_bundle, dest)
     assert victim.read_bytes() == b"keep me"
+
+
+# -- headers tarfile would choke on: walked and refused before tarfile parses anything ----------------------
+def _ext(kind: bytes, data: bytes, name: str = "././@PaxHeader") -> bytes:
+    """One extended header (pax 'x'/'g', GNU 'L'/'K', Solaris 'X') with ``data`` as written, padded."""
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.size, ti.mode = kind, len(data), 0o644
+    return ti.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % 512)
+
+
+def _record(key: str, value: bytes) -> bytes:
+    """A pax record, ``"%d %s=%s\\n"``, whose length counts itself."""
+    body = b" " + key.encode() + b"=" + value + b"\n"
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n += 1
+    return str(n).encode() + body
+
+
+def _retype(archive: bytes, kind: bytes) -> bytes:
+    """The archive with its first member's type changed (checksum recomputed as tar writes it)."""
+    block = bytearray(archive[:512])
+    block[156:157] = kind
+    block[148:156] = b" " * 8
+    block[148:155] = b"%06o\0" % sum(block)
+    return bytes(block) + archive[512:]
+
+
+CVE_2024_6232 = _ext(tarfile.XHDTYPE, b"0" * 120_000)  # a pax header of 120,000 digits: 122 KB in all
+
+# (case id, the hostile archive made from a valid one's bytes, words one of which the reason must contain)
+HEADER_CASES: list[tuple[str, Callable[[bytes], bytes], tuple[str, ...]]] = [
+    ("pax-120000-digits", lambda ok: CVE_2024_6232 + ok, ("pax extended header",)),
+    ("pax-global-120000-digits", lambda ok: _ext(tarfile.XGLTYPE, b"0" * 120_000) + ok, ("pax global header",)),
+    ("pax-8000-digit-value", lambda ok: _ext(tarfile.XHDTYPE, _record("comment", b"1" * 8000)) + ok, ("digits",)),
+    ("gnu-long-name-1mib", lambda ok: _ext(tarfile.GNUTYPE_LONGNAME, b"a" * 2**20, "././@LongLink") + ok,
+     ("GNU long name",)),
+    ("pax-chain-2000", lambda ok: _ext(tarfile.XHDTYPE, _record("mtime", b"1")) * 2000 + ok, ("second pax",)),
+    ("pax-malformed", lambda ok: _ext(tarfile.XHDTYPE, b"99 path=x\n") + ok, ("malformed",)),
+    ("solaris-extended", lambda ok: _ext(b"X", _record("path", b"x")) + ok, ("Solaris",)),
+    ("contiguous-file", lambda ok: _retype(ok, tarfile.CONTTYPE), ("contiguous", "regular file")),
+    ("fifo", lambda ok: _retype(ok, tarfile.FIFOTYPE), ("FIFO", "regular file")),
+    ("gnu-sparse", lambda ok: _retype(ok, tarfile.GNUTYPE_SPARSE), ("sparse", "regular file")),
+]
+
+
+@pytest.fixture(scope="module")
+def ok_archive(digits_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], bytes]:
+    """A valid bundle's bytes, for a version of the caller's (each upload is a new target)."""
+    tmp = tmp_path_factory.mktemp("ok-archives")
+    return lambda version: _base(digits_bundle, version).write(tmp / f"{version}.tar").read_bytes()
+
+
+@pytest.mark.trust("an operator uploads an archive whose headers stall or confuse tarfile")
+@pytest.mark.parametrize(("case", "make", "words"), HEADER_CASES, ids=[c[0] for c in HEADER_CASES])
+def test_an_archive_tarfile_would_choke_on_is_refused_at_upload(fleet, ok_archive, case, make, words):
+    fs, url, server_root = fleet
+    bad = make(ok_archive(f"7.{[c[0] for c in HEADER_CASES].index(case)}.0"))
+    before = _published(fs, url)
+    r = api.post(f"{url}/api/v1/bundles", content=bad, headers={"Content-Type": "application/x-tar"})
+    _assert_refused(r, words, server_root)
+    assert _published(fs, url) == before, "a refused bundle changed the signed repository or the stored files"
+
+
+@pytest.mark.parametrize(("case", "make", "words"), HEADER_CASES, ids=[c[0] for c in HEADER_CASES])
+def test_the_agent_refuses_the_same_headers(ok_archive, tmp_path, case, make, words):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(make(ok_archive("1.0.0")))
+    for read in (lambda: extract_bundle(bad, tmp_path / "out"), lambda: bundle_mod.check_bundle(bad)):
+        with pytest.raises(BundleError) as exc:
+            read()
+        assert any(w in str(exc.value) for w in words), str(exc.value)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.trust("an operator uploads the CVE-2024-6232 archive while the fleet is probed")
+def test_the_cve_2024_6232_shape_is_refused_while_health_keeps_answering(fleet, ok_archive):
+    """122 KB whose first member is a pax header of 120,000 digits: tarfile before 3.11.10 / 3.12.6 spends 15-40 s
+    of CPU in one regex, holding the GIL, and then accepts the bundle behind it. The fleet refuses it unparsed, and
+    every health probe sent meanwhile is answered (each waits at most 10 s; before, they waited out the regex)."""
+    fs, url, server_root = fleet
+    replies: list[httpx.Response] = []
+    upload = threading.Thread(target=lambda: replies.append(api.post(
+        f"{url}/api/v1/bundles", content=CVE_2024_6232 + ok_archive("7.99.0"),
+        headers={"Content-Type": "application/x-tar"})))
+    upload.start()
+    probes = []
+    while upload.is_alive() or len(probes) < 3:
+        probes.append(httpx.get(f"{url}/api/v1/health", timeout=10).status_code)
+    upload.join()
+    assert probes and set(probes) == {200}, probes
+    error = _assert_refused(replies[0], ("pax extended header",), server_root)
+    assert "120000 bytes" in error and str(bundle_mod.MAX_EXTENDED_HEADER_BYTES) in error, error
+
+
+def test_small_pax_headers_as_tar_tools_write_them_are_accepted(fleet, digits_bundle, tmp_path):
+    """The control: GNU tar's and bsdtar's pax records (fractional times, extended attributes) on every member,
+    a global header as ``git archive`` writes one, and a long-name header: accepted and readable by the agent."""
+    fs, url, _ = fleet
+    crafted = _base(digits_bundle, "7.98.0")
+    out = tmp_path / "pax.tar"
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT,
+                      pax_headers={"comment": "52fdfc072182654f163f5f0f9a621d729566c74d"}) as tar:
+        for m in [Member(MANIFEST_FILENAME, json.dumps(crafted.manifest).encode()), *crafted.members]:
+            info = tarfile.TarInfo(m.name)
+            info.size, info.mode = len(m.data), 0o644
+            info.pax_headers = {"mtime": "1764140000.123456789", "atime": "1764140000.5",
+                                "SCHILY.xattr.user.origin": "ci-runner-7"}
+            tar.addfile(info, io.BytesIO(m.data))
+    raw = out.read_bytes()
+    assert raw[156:157] == tarfile.XGLTYPE and raw.count(b"SCHILY.xattr") == len(crafted.members) + 1
+    long_named = _ext(tarfile.GNUTYPE_LONGNAME, MANIFEST_FILENAME.encode() + b"\0") + raw[512 * 2:]
+    assert bundle_mod.check_bundle(out).version == "7.98.0"
+    r = api.post(f"{url}/api/v1/bundles", content=raw, headers={"Content-Type": "application/x-tar"})
+    assert r.status_code == 201, r.text
+    (tmp_path / "long.tar").write_bytes(long_named)
+    assert bundle_mod.check_bundle(tmp_path / "long.tar").version == "7.98.0"
+
+
+# -- roles by content: what each file is, not what the manifest calls it ------------------------------------
+def _swap_variant(c: Crafted) -> None:
+    """The v4 manifest's fp32 variant names its .npz sample as its engine and its ONNX engine as its sample."""
+    v = c.manifest["variants"][0]
+    v["engine"], v["selftest"] = v["selftest"], v["engine"]
+
+
+def _swap_own(c: Crafted) -> None:
+    c.manifest["engine"], c.manifest["selftest"] = c.manifest["selftest"], c.manifest["engine"]
+
+
+def _sample_without_expected(c: Crafted) -> None:
+    """The self-test sample is an .npz, but of something else (no expected:<output>)."""
+    buf = io.BytesIO()
+    import numpy as np
+
+    np.savez(buf, **{"input:input": np.zeros((1, 1, 8, 8), np.float32)})
+    m = _member(c, c.manifest["selftest"])
+    m.data = buf.getvalue()
+    c.manifest["files"][m.name] = {"sha256": hashlib.sha256(m.data).hexdigest(), "size_bytes": len(m.data)}
+
+
+ROLE_CASES = [
+    ("v4-variant-roles-swapped", _swap_variant, ("fp32 engine 'selftest-fp32.npz'", "zip archive")),
+    ("own-roles-swapped", _swap_own, ("engine 'selftest-fp32.npz'", "engine 'selftest.npz'")),
+    ("sample-without-expected", _sample_without_expected, ("expected:",)),
+]
+
+
+@pytest.mark.trust("an operator uploads a v4 bundle whose engine and self-test roles are swapped")
+@pytest.mark.parametrize(("case", "spoil", "words"), ROLE_CASES, ids=[c[0] for c in ROLE_CASES])
+def test_a_bundle_whose_files_do_not_fit_their_roles_is_refused(fleet, two_precision_bundle, tmp_path, case, spoil,
+                                                                 words):
+    fs, url, server_root = fleet
+    crafted = _base(two_precision_bundle, f"6.{[c[0] for c in ROLE_CASES].index(case)}.0")
+    spoil(crafted)
+    bad = crafted.write(tmp_path / f"{case}.tar")
+    before = _published(fs, url)
+    r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes(), headers={"Content-Type": "application/x-tar"})
+    _assert_refused(r, words, server_root)
+    assert _published(fs, url) == before
+    # the agent's verify (extract) and the signing side (fleet.keys.sign_bundle checks with check_bundle)
+    with pytest.raises(BundleError) as exc:
+        extract_bundle(bad, tmp_path / "out")
+    assert any(w in str(exc.value) for w in words), str(exc.value)
+    assert not any((tmp_path / "out").iterdir()), "a refused bundle left files behind"
+
+
+def test_the_compiler_does_not_write_a_bundle_whose_roles_are_swapped(two_precision_bundle, tmp_path):
+    from edgefleet.protocol.bundle import write_bundle
+
+    m = extract_bundle(two_precision_bundle, tmp_path / "files")
+    v = m.variants[0]
+    swapped = m.model_copy(update={"variants": (v.model_copy(update={"engine": v.selftest, "selftest": v.engine}),)})
+    with pytest.raises(BundleError, match=r"fp32 engine 'selftest-fp32.npz' is a zip archive"):
+        write_bundle(swapped, tmp_path / "files", tmp_path / "swapped.tar")
+    assert not (tmp_path / "swapped.tar").exists()
+    assert bundle_mod.check_bundle(write_bundle(m, tmp_path / "files", tmp_path / "ok.tar")).variants  # the control
 
 
 # -- delegated layout: CI signed the target, the fleet still checks the file ---------------------------
