@@ -79,6 +79,9 @@ class AgentConfig(StrictModel):
     # Images never take more than max_concurrent_image_decodes x max_image_decoded_bytes at once.
     max_image_decoded_bytes: int = Field(default=96 * 1024 * 1024, ge=64 * 1024)  # 96 MiB: a 16 MP photo
     max_concurrent_image_decodes: int = Field(default=2, ge=1, le=64)
+    # and the work: a JPEG of more scans than this is refused with 413 before it decodes (each scan is a pass over
+    # every block of the image, however few bytes it has; an encoder's progressive JPEG has about 10)
+    max_image_scans: int = Field(default=100, ge=1, le=1000)
     intra_op_threads: int = Field(default=2, ge=1, le=256)
     shadow_sample_rate: float = Field(default=0.1, gt=0.0, le=1.0)  # live requests mirrored to a shadow candidate
     instances: int = Field(default=1, ge=1, le=16)  # backend instances per model, one inference thread each

@@ -133,7 +133,8 @@ class Agent:
         app = create_app(self.host, self.config.max_body_bytes, self.config.device_id,
                          self.config.max_inflight_body_bytes, ImageLimits(
                              self.config.max_image_decoded_bytes, self.config.max_concurrent_image_decodes,
-                             self.config.queue_timeout_ms / 1000), self.shm if self.shm.enabled else None)
+                             self.config.queue_timeout_ms / 1000, self.config.max_image_scans),
+                         self.shm if self.shm.enabled else None)
         # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
         # batchers close only after it returns), then waits for the connections for at most the grace period
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

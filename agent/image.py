@@ -9,6 +9,18 @@ upload cannot make the agent allocate gigabytes (a decompression bomb). Other fo
 unreadable header 400. The server lets at most ``max_concurrent_image_decodes`` decode at once, so images
 never hold more than ``max_concurrent_image_decodes x max_image_decoded_bytes`` at a time.
 
+Work is bounded too, not only memory: a decode's cost is not its byte count. A progressive JPEG's every scan is a
+pass over every block of the image, however few bytes it has (a 436 KB file of 30,000 14-byte scans of a
+2000x2000 image took 24 s of CPU), and a PNG's zlib stream may go on far past the image's own rows (1 MB that
+inflates to 1 GiB after a 100x100 image took 2.2 s). So before OpenCV sees an image (:func:`image_bytes`, on the
+decode thread): a JPEG's marker stream is walked and more than ``max_scans`` scans (``max_image_scans``, 100 by
+default: an encoder's progressive JPEG has about 10, a baseline one 1-4; NVIDIA's nvImageCodec refuses more than
+256) or more than ``_jpeg_max_segments`` marker segments are refused with 413; a PNG's chunks are walked (at most
+``MAX_PNG_CHUNKS``), its image data inflated at most to the size its header gives (more is refused with 413), and
+OpenCV gets only its critical chunks (IHDR, PLTE, tRNS, IDAT, IEND): text, ICC, EXIF and animation chunks, which
+OpenCV does not use for an 8-bit BGR image, can then cost nothing (a compressed text chunk is a zlib bomb of its
+own). A refused image holds a decode slot only while its bytes are walked (a few milliseconds for 16 MB).
+
 OpenCV decodes to 8-bit BGR whatever the source (a 16-bit PNG is never held at 16 bits per sample, nor as
 float64) and ignores EXIF orientation, as the compiler's ``decode_image`` does. OpenCV is imported only
 when an image is decoded.
@@ -17,6 +29,7 @@ when an image is decoded.
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +38,18 @@ from edgefleet.agent.errors import NotInstalled, PayloadTooLarge, RequestError
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.preprocess import Preprocessing
 
-__all__ = ["DEFAULT_MAX_DECODED_BYTES", "ImageHeader", "ImageLimits", "UnsupportedImage", "check_budget",
-           "check_image", "decode_feeds", "image_header", "preprocess_image"]
+__all__ = ["DEFAULT_MAX_DECODED_BYTES", "DEFAULT_MAX_SCANS", "MAX_PNG_CHUNKS", "ImageHeader", "ImageLimits",
+           "UnsupportedImage", "check_budget", "check_image", "decode_feeds", "image_bytes", "image_header",
+           "preprocess_image"]
 
 DEFAULT_MAX_DECODED_BYTES = 96 * 1024 * 1024
+DEFAULT_MAX_SCANS = 100  # JPEG scans: libjpeg's progressive script writes 10 (6 for grey), a baseline JPEG 1-4
+MAX_PNG_CHUNKS = 16_384  # a PNG's chunks, all kinds: 1 KiB a chunk on average at a 16 MiB body
+# what OpenCV's 8-bit BGR decode of a PNG reads; every other chunk is dropped before it (image_bytes)
+_PNG_KEEP = {b"IHDR", b"PLTE", b"tRNS", b"IDAT", b"IEND"}
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel as stored
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+_INFLATE_STEP = 1 << 20  # bytes of inflated PNG data held at once while it is measured
 _PNG = b"\x89PNG\r\n\x1a\n"
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _JPEG_PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
@@ -78,6 +99,7 @@ class ImageLimits:
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES
     max_concurrent: int = 2
     wait_s: float = 5.0
+    max_scans: int = DEFAULT_MAX_SCANS  # of a JPEG: each is a pass over every block of the image
 
     @property
     def ceiling_bytes(self) -> int:
@@ -186,13 +208,166 @@ def check_image(data: bytes, manifest: Manifest, max_decoded_bytes: int) -> Imag
     return header
 
 
-def decode_feeds(data: bytes, manifest: Manifest, header: ImageHeader) -> dict[str, np.ndarray]:
-    """Decode an upload :func:`check_image` passed -> the model's feeds (a batch of one)."""
+def _jpeg_max_segments(max_scans: int) -> int:
+    """Marker segments a JPEG may have: its scans, a table or two before each, and 1024 others (APPn, COM; an ICC
+    profile takes at most 255 APP2 segments)."""
+    return 1024 + 4 * max_scans
+
+
+def _jpeg_next_marker(data: bytes, a: np.ndarray, i: int) -> int:
+    """Where the next marker at or after byte ``i`` starts (0xFF, then a byte that is not a stuffed 0x00, a
+    restart marker D0-D7 or more 0xFF fill); -1: none. ``a``: ``data`` as uint8. The first few 0xFF bytes are
+    looked at one by one (a segment's next marker is usually right after it); past them, in windows that double
+    from 4 KiB to 1 MiB, vectorised: linear in the bytes skipped (entropy-coded data, fill or garbage alike,
+    about 1-2 ms a MiB), however many 0xFF bytes they hold."""
+    n = len(data)
+    for _ in range(8):
+        j = data.find(b"\xff", i, n - 1)
+        if j < 0:
+            return -1
+        b = data[j + 1]
+        if b != 0 and b != 0xFF and not 0xD0 <= b <= 0xD7:
+            return j
+        i = j + 1
+    step = 4096
+    one, rst = np.uint8(1), np.uint8(0xD0)
+    while i < n - 1:
+        end = min(n, i + step + 1)
+        nxt = a[i + 1:end]
+        hit = a[i:end - 1] == 0xFF
+        hit &= (nxt - one) < np.uint8(0xFE)  # not 0x00, not 0xFF (uint8 arithmetic wraps)
+        hit &= (nxt - rst) > np.uint8(7)  # not D0-D7
+        found = np.flatnonzero(hit)
+        if found.size:
+            return i + int(found[0])
+        i = end - 1
+        step = min(step * 2, 1 << 20)
+    return -1
+
+
+def _jpeg_scans(data: bytes, max_scans: int) -> int:
+    """The scans of a JPEG, walked as libjpeg walks them (a segment's length, then the next marker after whatever
+    bytes follow: entropy-coded data, or garbage it would skip); PayloadTooLarge past ``max_scans`` scans or
+    ``_jpeg_max_segments`` segments. Stops at EOI, where libjpeg stops."""
+    max_segments = _jpeg_max_segments(max_scans)
+    scans = segments = 0
+    i, n = 2, len(data)
+    a = np.frombuffer(data, np.uint8)
+    while True:
+        i = _jpeg_next_marker(data, a, i)
+        if i < 0:  # the end without EOI: libjpeg ends the image there too
+            return scans
+        marker = data[i + 1]
+        segments += 1
+        if segments > max_segments:
+            raise PayloadTooLarge(f"the JPEG image has more than {max_segments:,} marker segments; the most taken is "
+                                  f"{max_segments:,} (1024 + 4 x max_image_scans {max_scans})")
+        if marker == 0xD9:  # EOI
+            return scans
+        if marker in (0xD8, 0x01):  # no length
+            i += 2
+            continue
+        if i + 4 > n:
+            return scans
+        length = data[i + 2] << 8 | data[i + 3]
+        if length < 2:
+            raise RequestError(f"corrupt JPEG: segment length {length} at byte {i}")
+        if marker == 0xDA:
+            scans += 1
+            if scans > max_scans:
+                raise PayloadTooLarge(
+                    f"the JPEG image has more than {max_scans} scans; the most taken is {max_scans} "
+                    f"(max_image_scans): each scan is a pass over every block of the image, however few bytes it "
+                    f"has (an encoder's progressive JPEG has about 10). Re-encode it (e.g. as a baseline JPEG)")
+        i += 2 + length
+
+
+def _png_raw_bytes(data: bytes) -> int:
+    """The bytes a PNG's image data inflates to, from its IHDR: each row's filter byte and packed samples, over
+    the seven Adam7 passes if it is interlaced."""
+    w, h, depth, ctype, _c, _f, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    bits = _PNG_SAMPLES[ctype] * depth
+
+    def rows(pw: int, ph: int) -> int:
+        return ph * (1 + (pw * bits + 7) // 8) if pw and ph else 0
+
+    if not interlace:
+        return rows(w, h)
+    return sum(rows((w - x0 + dx - 1) // dx if w > x0 else 0, (h - y0 + dy - 1) // dy if h > y0 else 0)
+               for x0, y0, dx, dy in _ADAM7)
+
+
+def _png_critical(data: bytes) -> bytes:
+    """The PNG with only the chunks OpenCV decodes it from, after checking its image data inflates to no more
+    than its header says (PayloadTooLarge otherwise: a zlib stream that goes on past the image's rows costs
+    the decoder its whole length). Bounded: at most MAX_PNG_CHUNKS chunks are walked, and at most the image's
+    own size (+1 MiB) is inflated, a MiB at a time."""
+    view = memoryview(data)
+    keep = [view[:8]]
+    idat: list[memoryview] = []
+    pos, n, chunks = 8, len(data), 0
+    while pos < n:
+        if pos + 12 > n:
+            raise RequestError(f"corrupt PNG: a chunk cut short at byte {pos} (truncated?)")
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        end = pos + 12 + length
+        if end > n:
+            raise RequestError(f"corrupt PNG: chunk {kind!r} at byte {pos} says {length:,} bytes, past the end of "
+                               "the file (truncated?)")
+        chunks += 1
+        if chunks > MAX_PNG_CHUNKS:
+            raise PayloadTooLarge(f"the PNG image has more than {MAX_PNG_CHUNKS:,} chunks, the most taken (write "
+                                  "its image data in fewer, larger IDAT chunks)")
+        if kind in _PNG_KEEP:
+            keep.append(view[pos:end])
+            if kind == b"IDAT":
+                idat.append(view[pos + 8:end - 4])
+            elif kind == b"IEND":
+                break
+        elif not kind[0] & 0x20:  # an unknown critical chunk: no decoder may skip it
+            raise RequestError(f"corrupt PNG: unknown critical chunk {kind!r} at byte {pos}")
+        pos = end
+    expected = _png_raw_bytes(data)
+    z = zlib.decompressobj()
+    total = 0
+    try:
+        for piece in idat:
+            while piece and not z.eof:
+                total += len(z.decompress(piece, _INFLATE_STEP))
+                if total > expected:
+                    raise PayloadTooLarge(f"the PNG image's data inflates to more than the {expected:,} bytes its "
+                                          "header says (a zlib stream that goes on past the image's rows); "
+                                          "re-encode it")
+                piece = z.unconsumed_tail
+            if z.eof:
+                break
+    except zlib.error as exc:
+        raise RequestError(f"corrupt PNG: its image data is not a zlib stream ({exc})") from None
+    return b"".join(keep)
+
+
+def image_bytes(data: bytes, header: ImageHeader, max_scans: int = DEFAULT_MAX_SCANS) -> bytes:
+    """The bytes to hand OpenCV for an upload :func:`check_image` passed, after the work its decode would take is
+    bounded: a JPEG's scans counted (at most ``max_scans``), a PNG's chunks walked, its image data measured and
+    its ancillary chunks dropped. PayloadTooLarge (413) naming the limit, RequestError (400) for a corrupt
+    file. Linear in the bytes; run it where the decode runs (it may take milliseconds for a large body)."""
+    if header.format == "jpeg":
+        _jpeg_scans(data, max_scans)
+        return data
+    return _png_critical(data)
+
+
+def decode_feeds(data: bytes, manifest: Manifest, header: ImageHeader,
+                 max_scans: int = DEFAULT_MAX_SCANS) -> dict[str, np.ndarray]:
+    """Decode an upload :func:`check_image` passed -> the model's feeds (a batch of one); its work is bounded
+    first (:func:`image_bytes`)."""
     import cv2
 
     prep: Preprocessing | None = manifest.preprocessing
     assert prep is not None
+    data = image_bytes(data, header, max_scans)
     img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+    del data
     if img is None:
         raise RequestError(f"the uploaded {header.format.upper()} image: not a readable image (corrupt or "
                            "truncated?)")
@@ -207,7 +382,7 @@ def decode_feeds(data: bytes, manifest: Manifest, header: ImageHeader) -> dict[s
     return {spec.name: np.expand_dims(sample, spec.batch_axis)}
 
 
-def preprocess_image(data: bytes, manifest: Manifest,
-                     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> dict[str, np.ndarray]:
+def preprocess_image(data: bytes, manifest: Manifest, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                     max_scans: int = DEFAULT_MAX_SCANS) -> dict[str, np.ndarray]:
     """An uploaded image -> the model's feeds (a batch of one), or RequestError naming what is wrong."""
-    return decode_feeds(data, manifest, check_image(data, manifest, max_decoded_bytes))
+    return decode_feeds(data, manifest, check_image(data, manifest, max_decoded_bytes), max_scans)

@@ -460,7 +460,8 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                 raise Unavailable(f"{images.max_concurrent} images are decoding (max_concurrent_image_decodes) and "
                                   f"this one waited {images.wait_s:g} s for its turn; retry") from None
             try:  # the thread is never abandoned (anyio waits for it), so the slot is given back after it
-                feeds = await run_in_threadpool(decode_feeds, body, m, header)  # OpenCV releases the GIL
+                # its work bounded first (scans, chunks), then OpenCV, which releases the GIL
+                feeds = await run_in_threadpool(decode_feeds, body, m, header, images.max_scans)
             finally:
                 image_decodes.release()
             del body
