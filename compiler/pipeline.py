@@ -24,22 +24,22 @@ from typing import Any
 
 import numpy as np
 
-import protocol
-from compiler.cache import BuildCache
-from compiler.data import Dataset, load_dataset
-from compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
-from compiler.evaluate import Runner, benchmark_pair, predict_all
-from compiler.gate import GateSettings, evaluate_gate, uses_labels
-from compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
-from compiler.targets import get_target
-from compiler.targets.base import BuildTarget
-from compiler.tasks import TaskSpec, canonical_task, parse_task_args, resolve_task
-from engines import Engine, EngineError, EngineInputError, EngineSpec
-from engines import load as load_engine
-from engines.onnxruntime import CPU
-from protocol.bundle import sha256_file, write_bundle
-from protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
-from protocol.manifest import (
+from edgefleet import protocol
+from edgefleet.compiler.cache import BuildCache
+from edgefleet.compiler.data import Dataset, load_dataset
+from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
+from edgefleet.compiler.evaluate import Runner, benchmark_pair, predict_all
+from edgefleet.compiler.gate import GateSettings, evaluate_gate, uses_labels
+from edgefleet.compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
+from edgefleet.compiler.targets import get_target
+from edgefleet.compiler.targets.base import BuildTarget
+from edgefleet.compiler.tasks import TaskSpec, canonical_task, infer_task, parse_task_args, resolve_task
+from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec
+from edgefleet.engines import load as load_engine
+from edgefleet.engines.onnxruntime import CPU
+from edgefleet.protocol.bundle import sha256_file, write_bundle
+from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
+from edgefleet.protocol.manifest import (
     MANIFEST_VERSION,
     NAME_RE,
     TASK_GATE_VERSION,
@@ -57,8 +57,8 @@ from protocol.manifest import (
     QuantizationInfo,
     SelfTestSummary,
 )
-from protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
-from protocol.profile import HardwareProfile, load_profile, resolve_profile_path
+from edgefleet.protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
+from edgefleet.protocol.profile import HardwareProfile, load_profile, resolve_profile_path
 
 __all__ = ["CompileOptions", "CompileResult", "Measured", "choose_precision", "compile_model"]
 
@@ -264,7 +264,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     info = _fit_layout(opts.model, info, eval_set, progress, total)
     eval_set = Dataset(eval_set.inputs, eval_set.labels, info.sample_axes(), info.per_sample)
     task = resolve_task(opts.task, opts.task_args, opts.model, info.outputs).with_min_agreement(opts.min_agreement)
-    if not uses_labels(gate, eval_set.labels, task):
+    if not uses_labels(gate, eval_set.labels, task) and task.source != "inferred":
         progress(2, total, f"note: {task.note}")
     # the profile's default precision first: it wins when nothing is benchmarked
     order: list[str] = [profile.default_precision, *[p for p in profile.precisions if p != profile.default_precision]]
@@ -299,6 +299,17 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         reference = engines.open("onnxruntime", opts.model, "fp32", "the fp32 reference (source model)", (CPU,))
         out_axes = [o.batch_axis for o in info.outputs]
         ref_out = predict_all(reference, eval_set, output_axes=out_axes)
+        if task.source == "inferred":  # the shape and fp32's values on the evaluation data decide, or say unsure
+            task = infer_task(info.outputs, ref_out[0]).with_min_agreement(opts.min_agreement)
+            if not uses_labels(gate, eval_set.labels, task):
+                progress(2, total, f"note: {task.note}")
+                if not task.sure and "int8" in wanted:
+                    why = (f"the task is not known for sure ({task.note}), and a guessed task cannot judge an int8 "
+                           "engine")
+                    if not auto or len(wanted) == 1:
+                        raise AccuracyGateFailed(f"no int8 engine was gated: {why}")
+                    wanted.remove("int8")
+                    notes["int8"] = f"not built: {why}"
         source = opts.model
         if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
             try:
@@ -342,7 +353,10 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         if decided is None:
             failed = "; ".join(_gate_note(b.accuracy) for b in built.values())
             raise AccuracyGateFailed(
-                f"accuracy gate failed: {failed}; {_gate_advice(next(iter(built.values())).accuracy)}"
+                f"accuracy gate failed: {failed}; "
+                + _gate_advice(built["int8"].accuracy if "int8" in built else next(iter(built.values())).accuracy,
+                               task, calib, "n/a" if profile.backend != "onnxruntime" or "int8" not in built
+                               else "tried" if opts.fallback else "off", profile)
                 + _per_output_report(built))
         chosen, reason = decided
         # the build host cannot time this profile's CPUs: every passing precision ships, the device times them
@@ -559,15 +573,13 @@ def _gate_note(acc: AccuracyReport) -> str:
             f"drop {acc.drop:.4f} {rel} {acc.max_drop:.4f} on {acc.eval_samples} samples{ci}")
 
 
-def _gate_advice(acc: AccuracyReport) -> str:
-    if acc.task is not None:
-        arg = _bound_arg(acc.task)
-        return (f"loosen the task's bounds (--task {acc.task.task} --task-args"
-                + (f" '{arg}'" if arg else "") + "), give a more representative --calibration set, or compile with "
-                "--precision fp32 (or auto)")
-    budget = "--max-accuracy-drop" if acc.metric == "top1" else "--min-agreement"
-    return (f"loosen {budget}, give a more representative --calibration set, or compile with --precision fp32 "
-            "(or auto)")
+def _gate_advice(acc: AccuracyReport, task: TaskSpec | None = None, calib: Dataset | None = None,
+                 fallback: str = "n/a", profile: HardwareProfile | None = None) -> str:
+    from edgefleet.compiler.gate import advice
+
+    n = None if calib is None else min(len(calib), profile.quantization.max_calibration_samples) \
+        if profile is not None else len(calib)
+    return advice(acc, task, n, fallback, profile is None or profile.quantization.per_channel)
 
 
 def _per_output_report(built: dict[str, _Built]) -> str:
@@ -582,21 +594,6 @@ def _per_output_report(built: dict[str, _Built]) -> str:
     return "".join(lines)
 
 
-def _bound_arg(task: Any) -> str:
-    """The --task-args that would admit the worst criterion (for the advice)."""
-    from compiler.tasks import TASKS
-
-    worst = min(task.criteria, key=lambda c: (c.value - c.bound) if c.kind == "min" else (c.bound - c.value))
-    key = {"top1_agreement": "min_top1", "box_recall": "min_recall", "box_precision": "min_precision",
-           "mean_iou": "min_iou", "exact_string_agreement": "min_exact", "char_error_rate": "max_cer",
-           "mask_iou": "min_iou", "decision_agreement": "min_decision", "within_tolerance": "min_within",
-           "worst_cosine": "min_cosine"}.get(worst.name, "")
-    if key not in TASKS.get(task.task, {}):
-        return ""
-    value = max(0.0, worst.value - 0.005) if worst.kind == "min" else min(1.0, worst.value + 0.005)
-    return f"{key}={value:.3f}"
-
-
 def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precision: str,
                     calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[Any],
                     gate: GateSettings, task: TaskSpec) -> _Built:
@@ -605,7 +602,12 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precisi
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
     # fixes the dynamic dimensions other than the batch (a detector's H and W) at their size
     data = calib if precision == "int8" else eval_set.head(1) if profile.backend == "tensorrt" else None
-    quant = target.build(model, info, precision, profile, data, engine)
+    if precision == "int8" and profile.backend == "onnxruntime" and task.name == "detection" and data is not None:
+        from edgefleet.compiler.sensitivity import quantize_keeping_head  # boxes and scores keep their own ranges
+
+        quant = quantize_keeping_head(model, profile, data, engine, task.output)
+    else:
+        quant = target.build(model, info, precision, profile, data, engine)
     runner = engines.open(target.backend, engine, precision, f"the {precision} {target.backend} candidate")
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate, task)
@@ -619,8 +621,8 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
     compute layers) until the gate passes; return the first build that passes, else the full one."""
     import onnx
 
-    from compiler.sensitivity import rank_sensitive_nodes
-    from compiler.targets.onnxruntime import prepare, quantize
+    from edgefleet.compiler.sensitivity import rank_sensitive_nodes
+    from edgefleet.compiler.targets.onnxruntime import prepare, quantize
 
     info, profile = engines.info, engines.profile
     prepared = prepare(source, work / "prepared.onnx")
@@ -636,8 +638,9 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
     layers = len(onnx.load(str(prepared)).graph.node)
     limit = max(4, layers // 4)
     tried: set[tuple[str, ...]] = set()
+    base = full.quantization.float_nodes if full.quantization is not None else ()  # a detector's decode head
     for k in (1, 2, 4, 8, 16, 32, 64):
-        keep = tuple(dict.fromkeys(n for group, _ in ranked[:k] for n in group))
+        keep = tuple(dict.fromkeys([*base, *(n for group, _ in ranked[:k] for n in group)]))
         if len(keep) > limit or not keep or keep in tried:
             break
         tried.add(keep)

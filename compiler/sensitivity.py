@@ -10,10 +10,11 @@ lose the most are kept in float first.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["COMPUTE_OPS", "name_nodes", "rank_sensitive_nodes"]
+__all__ = ["COMPUTE_OPS", "head_nodes", "name_nodes", "quantize_keeping_head", "rank_sensitive_nodes"]
 
 COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 MAX_SQNR_DB = 100.0
@@ -31,6 +32,35 @@ def name_nodes(path: Path, out: Path) -> Path:
         seen.add(node.name)
     onnx.save(model, str(out))
     return out
+
+
+def head_nodes(path: Path, output: str, last_layers: bool = False, max_nodes: int = 2000) -> tuple[str, ...]:
+    """The nodes between the last compute layers (Conv, MatMul, Gemm) and ``output``: a detector's decode head
+    (split into boxes and scores, sigmoid, anchor grid and stride arithmetic, the final Concat). Quantized, they
+    put box coordinates (0..image size) and class scores (0..1) under one 8-bit range, which zeroes every score;
+    kept in float they cost a few element-wise ops. With ``last_layers``, the compute layers that feed the head
+    too: their outputs are the scores' logits and the boxes' distances, whose 8-bit steps become coarse steps of
+    every score (0.80, 0.84, 0.87, ...) and box edge. Walks at most ``max_nodes`` nodes (named as by
+    :func:`name_nodes`)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    producer = {t: n for n in graph.node for t in n.output}
+    out: list[str] = []
+    seen: set[str] = set()
+    todo = [output]
+    while todo and len(out) < max_nodes:
+        node = producer.get(todo.pop())
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        if node.op_type in COMPUTE_OPS:
+            if last_layers:
+                out.append(node.name)
+            continue
+        out.append(node.name)
+        todo.extend(t for t in node.input if t)
+    return tuple(out)
 
 
 def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
@@ -120,3 +150,22 @@ def rank_sensitive_nodes(float_model: Path, qdq_model: Path,
             keep += consumers.get(e, [])
         ranked.append((tuple(dict.fromkeys(keep)), round(s_in - s_out, 3)))
     return sorted(ranked, key=lambda x: -x[1])
+
+
+def quantize_keeping_head(source: Path, profile: Any, calibration: Any, out_path: Path,
+                          output: str) -> Any:
+    """Static INT8 of ``source`` (as the onnxruntime target builds it) with the decode head of ``output`` kept in
+    float (:func:`head_nodes`): a detector's boxes and scores keep their own ranges. The result's ``float_nodes``
+    name the head, so the float fallback keeps it float too."""
+    import tempfile
+
+    from edgefleet.compiler.targets.onnxruntime import check_quantized, prepare_or_raw, quantize
+
+    with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
+        prepared, how = prepare_or_raw(source, Path(tmp) / "prepared.onnx")
+        head = head_nodes(prepared, output)
+        quant = quantize(prepared, profile, calibration, out_path, keep_float=head)
+    ops = check_quantized(out_path)
+    return quant.model_copy(update={"reason": f"{quant.reason}; {how}; {ops} quantize/dequantize ops; the decode "
+                                              f"head of {output!r} ({len(head)} nodes) kept in float so boxes and "
+                                              "scores keep their own ranges"})

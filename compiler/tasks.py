@@ -44,14 +44,20 @@ ALIASES = {"sequence": "ctc", "probabilities": "regression", "mask": "segmentati
 # task -> its arguments and their defaults (None: chosen from the data or from --min-agreement)
 TASKS: dict[str, dict[str, Any]] = {
     "classification": {"min_top1": None},
-    "detection": {"format": "yolov8", "score": 0.25, "iou": 0.5, "nms": 0.7, "min_recall": 0.9,
-                  "min_precision": 0.9, "min_iou": 0.8},
+    "detection": {"format": "yolov8", "score": 0.25, "iou": 0.5, "nms": 0.7, "min_recall": 0.98,
+                  "min_precision": 0.98, "min_iou": 0.8, "input_h": None, "input_w": None},
     "ctc": {"blank": 0, "min_exact": 0.95, "max_cer": 0.02},
     "segmentation": {"threshold": None, "min_iou": 0.9},
     "regression": {"threshold": None, "min_decision": None, "tol": None, "min_within": 0.99},
     "embedding": {"min_cosine": None},
 }
-DETECTION_FORMATS = ("yolov8", "yolov5")
+# yolov8: [4+C, A] decoded boxes (cx, cy, w, h) and class scores; yolov5: [A, 5+C] decoded boxes, objectness and
+# class scores; yolox: [A, 5+C] raw grid cells (x, y offsets and log w, log h per cell of the stride-8, 16 and 32
+# grids, objectness and class scores), decoded here against the grid of an input_h x input_w image (default: the
+# square image whose three grids hold A cells)
+DETECTION_FORMATS = ("yolov8", "yolov5", "yolox")
+YOLOX_STRIDES = (8, 16, 32)
+MAX_ANCHORS = 1 << 20  # work bound on one sample's candidate boxes
 # the bound --min-agreement sets, per task, when --task-args does not set it
 PRIMARY_BOUND = {"classification": "min_top1", "detection": "min_recall", "ctc": "min_exact",
                  "segmentation": "min_iou", "regression": "min_decision", "embedding": "min_cosine"}
@@ -64,6 +70,7 @@ class TaskSpec:
     args: dict[str, Any] = field(default_factory=dict)  # as given (validated), defaults not filled in
     source: str = "declared"  # declared | file | inferred
     note: str = ""  # how it was decided, for the progress output and the manifest
+    sure: bool = True  # an inferred task whose evidence is not conclusive is not sure: it never gates int8
 
     def arg(self, key: str) -> Any:
         return self.args.get(key, TASKS[self.name][key])
@@ -80,7 +87,7 @@ class TaskSpec:
         if value is None or key in self.args:
             return self
         extra = {"min_within": value} if self.name == "regression" and "min_within" not in self.args else {}
-        return TaskSpec(self.name, self.output, {**self.args, key: value, **extra}, self.source, self.note)
+        return TaskSpec(self.name, self.output, {**self.args, key: value, **extra}, self.source, self.note, self.sure)
 
 
 def canonical_task(name: str, where: str) -> str:
@@ -100,7 +107,7 @@ def _coerce(task: str, key: str, value: Any, where: str) -> Any:
     if key == "format":
         if str(value) not in DETECTION_FORMATS:
             raise InputError(f"{where}: detection format {value!r} is not one of {', '.join(DETECTION_FORMATS)} "
-                             "([N, 4+C, A] or [N, A, 5+C])")
+                             "([N, 4+C, A] decoded, [N, A, 5+C] decoded, or [N, A, 5+C] raw grid cells)")
         return str(value)
     try:
         number = float(value)
@@ -108,6 +115,11 @@ def _coerce(task: str, key: str, value: Any, where: str) -> Any:
         raise InputError(f"{where}: {task} argument {key}={value!r} must be a number") from None
     if not math.isfinite(number) or number < 0:
         raise InputError(f"{where}: {task} argument {key}={value!r} must be a finite number >= 0")
+    if key in ("input_h", "input_w"):
+        if number != int(number) or not 32 <= number <= 16384 or int(number) % 32:
+            raise InputError(f"{where}: detection {key}={value!r} must be the input's size in pixels, a multiple "
+                             "of 32 between 32 and 16384")
+        return int(number)
     if key == "blank":
         if number != int(number):
             raise InputError(f"{where}: ctc blank={value!r} must be a class index")
@@ -162,27 +174,113 @@ def _shape(spec: TensorSpec) -> str:
                            for i, d in enumerate(spec.shape)) + "]"
 
 
-def infer_task(outputs: tuple[TensorSpec, ...]) -> TaskSpec:
-    """The task most models with this first output are trained for (stated, so a user can correct it)."""
+def _rows_are_distributions(v: np.ndarray) -> bool:
+    """Every row along the last axis a probability distribution (softmax), or its log (log-softmax)."""
+    if v.size == 0 or v.shape[-1] < 2:
+        return False
+    if v.min() >= -1e-6 and v.max() <= 1 + 1e-6:
+        return bool(np.allclose(v.sum(axis=-1), 1.0, atol=1e-3))
+    if v.max() <= 1e-6:
+        return bool(np.allclose(np.exp(v).sum(axis=-1), 1.0, atol=1e-3))
+    return False
+
+
+def _in_unit(v: np.ndarray) -> bool:
+    return bool(v.size and v.min() >= 0 and v.max() <= 1)
+
+
+def _looks_like_boxes(xywh: np.ndarray, scores: np.ndarray) -> bool:
+    """[A, 4] decoded (cx, cy, w, h) in pixels and [A, C] scores in [0, 1]: the boxes whose scores stand out have
+    positive sizes and lie within a few image sizes of the origin."""
+    if not _in_unit(scores) or xywh.shape[1] != 4 or not len(xywh):
+        return False
+    best = scores.max(axis=1) >= min(0.25, float(scores.max()))
+    box = xywh[best]
+    return bool((box[:, 2:] > 0).all() and xywh.max() > 2.0 and np.abs(box[:, :2]).max() < 1e5)
+
+
+def _detection_layout(dims: list[int], v: list[np.ndarray] | None) -> tuple[str, bool, str] | None:
+    """(format, sure, what) when a sample of shape ``dims`` can be a detector's boxes, else None."""
+    a, b = dims
+    if 5 <= a <= 1024 and (b == -1 or b > 2 * a):  # [4+C, A]
+        if v is None:
+            return "yolov8", False, f"[4+C, anchors] by its shape alone{' (anchors symbolic)' if b == -1 else ''}"
+        ok = all(_looks_like_boxes(x[:4].T, x[4:].T) for x in v)
+        return ("yolov8", True, "[4+C, anchors]: 4 box coordinates in pixels and class scores in [0, 1] per anchor"
+                ) if ok else None
+    if 6 <= b <= 1024 and (a == -1 or a > 2 * b):  # [A, 5+C]
+        if v is None:
+            return "yolov5", False, "[anchors, 5+C] by its shape alone"
+        if not all(_in_unit(x[:, 4:]) for x in v):
+            return None
+        if all(_looks_like_boxes(x[:, :4], x[:, 4:]) for x in v) and all(x[:, 2:4].min() >= 0 for x in v):
+            return "yolov5", True, "[anchors, 5+C]: decoded boxes in pixels, objectness and class scores in [0, 1]"
+        if yolox_grid(len(v[0])) is not None:
+            return "yolox", True, ("[cells, 5+C] raw grid cells of a YOLOX head (offsets and log sizes, objectness "
+                                   f"and class scores in [0, 1]; {len(v[0])} cells = the stride-8/16/32 grids)")
+    return None
+
+
+def infer_task(outputs: tuple[TensorSpec, ...], values: Outputs | None = None) -> TaskSpec:
+    """The task the first output serves, read from its shape (symbolic dimensions included) and, given ``values``
+    (the FP32 outputs on the evaluation data), from what it holds. The result says how sure it is: ``sure`` only
+    when shape and values agree (softmax rows, boxes with scores in [0, 1], ...); a guess never gates int8."""
     spec = outputs[0]
     dims = list(spec.shape)
-    if spec.batch_axis == 0 or (dims and dims[0] == 1):
+    v = [np.asarray(x, np.float64) for x in samples(values)][:64] if values is not None else None
+    whole = v is not None and len({x.shape for x in v}) == 1 and v[0].ndim == len(dims) and (
+        spec.batch_axis is None or dims[spec.batch_axis] != -1 or v[0].shape[spec.batch_axis] != 1)
+    if whole:  # each sample holds the whole declared shape (a [T, 1, C] recognizer run one sample per call)
+        pass
+    elif spec.batch_axis is not None and spec.batch_axis < len(dims):
+        dims.pop(spec.batch_axis)
+    elif dims and dims[0] == 1:
         dims = dims[1:]
-    why = f"inferred from output {spec.name!r} {_shape(spec)}"
-    if len(dims) <= 1 and (not dims or dims[0] == 1):
+    if v is not None and len({x.shape for x in v}) == 1 and v[0].ndim == len(dims):
+        dims = [d if d != -1 else n for d, n in zip(dims, v[0].shape, strict=True)]
+    core = [d for d in dims if d != 1]  # [T, 1, C] is a sequence, [1, 1, 96] a vector
+    keep = [i for i, d in enumerate(dims) if d != 1]
+    if v is not None:
+        v = [x.reshape([x.shape[i] for i in keep]) if x.ndim == len(dims) else x for x in v]
+        if any(x.ndim != len(core) for x in v):
+            v = None
+    why = f"output {spec.name!r} {_shape(spec)}"
+    seen = " and its fp32 values" if v is not None else ""
+    sure = v is not None
+    args: dict[str, Any] = {}
+    if len(dims) == 3 and dims[0] == 1 and all(d == -1 or d >= 8 for d in dims[1:]):
+        task, what = "segmentation", "a one-channel map per pixel (a mask or text-region probability)"
+    elif not core:
         task, what = "regression", "one value per sample: probabilities / regression"
-    elif len(dims) == 1:
-        task, what = "classification", "class scores"
-    elif len(dims) == 2 and dims[0] != -1 and dims[1] != -1 and 5 <= dims[0] and dims[1] > 2 * dims[0]:
-        task, what = "detection", "yolov8-style boxes [4+C, anchors]"
-    elif len(dims) == 2 and dims[1] != -1:
-        task, what = "ctc", "a sequence of class scores per step"
-    elif len(dims) == 3:
+    elif len(core) == 1:
+        if v is not None and all(_rows_are_distributions(x) for x in v):
+            task, what = "classification", "class probabilities (each sample's scores sum to 1)"
+        elif v is not None and all(_in_unit(x) for x in v):
+            task, what = "regression", "independent probabilities in [0, 1] (multi-label): decisions at 0.5"
+        else:
+            task, what, sure = ("classification" if core[0] != -1 and core[0] <= 1000 else "embedding",
+                                "unnormalised scores: class logits or an embedding, which the values cannot tell "
+                                "apart", False)
+    elif len(core) == 2 and (det := _detection_layout(core, v)) is not None:
+        task, (fmt, sure, what) = "detection", det
+        args = {"format": fmt}
+    elif len(core) == 2 and v is not None and all(_rows_are_distributions(x) for x in v) and core[1] >= 3:
+        task, what = "ctc", "a class distribution per step (each step's scores sum to 1)"
+        if len(dims) != len(core):
+            what += f"; the size-1 axis of {_shape(spec)} is dropped"
+    elif len(core) == 2 and v is not None and all(_in_unit(x) for x in v):
+        task, what = "regression", "independent probabilities in [0, 1] per step (multi-label frames): decisions at 0.5"
+    elif len(core) == 2:
+        task, what, sure = "ctc", "a sequence of scores per step, not distributions", False
+    elif len(core) == 3 and all(d == -1 or d >= 8 for d in core[1:]):
         task, what = "segmentation", "a dense map per pixel"
+        sure = v is not None and (all(_in_unit(x) for x in v) or core[0] > 1)
     else:
-        task, what = "embedding", "a tensor compared by cosine"
-    note = f"task {task} ({what}), {why}; declare another with --task"
-    return TaskSpec(task, spec.name, {}, "inferred", note)
+        task, what, sure = "embedding", "a tensor compared by cosine", False
+    how = "sure" if sure else "UNSURE: a guess never gates int8"
+    note = (f"task {task} ({what}), inferred from {why}{seen} [{how}]; "
+            + ("declare another with --task" if sure else f"declare it with --task (e.g. --task {task})"))
+    return TaskSpec(task, spec.name, args, "inferred", note, sure)
 
 
 def resolve_task(declared: str | None, task_args: str | None, model: Path,
@@ -246,12 +344,51 @@ def _classification(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray
     return [crit], {}
 
 
-def _boxes(x: np.ndarray, fmt: str, score: float, nms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def yolox_grid(anchors: int, input_h: int | None = None,
+               input_w: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cell offsets [A, 2] (x, y) and strides [A] of YOLOX's stride-8/16/32 grids holding ``anchors`` cells for
+    an input_h x input_w image (default: the square image that fits), or None when no such image exists."""
+    if input_h is None or input_w is None:
+        # a square image of side S holds S*S * (1/64 + 1/256 + 1/1024) = S*S * 21/1024 cells
+        side = math.isqrt(anchors * 1024 // 21) if anchors > 0 else 0
+        if side < 32 or side % 32:
+            return None
+        input_h = input_w = side
+    levels = [(input_h // s, input_w // s, s) for s in YOLOX_STRIDES]
+    if sum(h * w for h, w, _ in levels) != anchors:
+        return None
+    xy, st = [], []
+    for h, w, s in levels:
+        gy, gx = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        xy.append(np.stack([gx.reshape(-1), gy.reshape(-1)], axis=1))
+        st.append(np.full(h * w, s))
+    return np.concatenate(xy).astype(np.float64), np.concatenate(st).astype(np.float64)
+
+
+def _probabilities(v: np.ndarray) -> np.ndarray:
+    """Scores as probabilities: logits (any value outside [0, 1]) through a sigmoid."""
+    return v if v.size == 0 or (v.min() >= 0 and v.max() <= 1) else 1 / (1 + np.exp(-np.clip(v, -60, 60)))
+
+
+def _boxes(x: np.ndarray, fmt: str, score: float, nms: float, input_h: int | None = None,
+           input_w: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(xyxy [K, 4], scores [K], classes [K]) after the score threshold and per-class NMS."""
     x = x.astype(np.float64)
+    if x.ndim != 2 or x.shape[0] * x.shape[1] > MAX_ANCHORS * 64:
+        raise InputError(f"detection ({fmt}) needs one [4+C, A] or [A, 5+C] array per sample of at most "
+                         f"{MAX_ANCHORS} boxes; a sample here has shape {list(x.shape)}")
     if fmt == "yolov8":  # [4+C, A]
         rows = x.T
         cls_scores = rows[:, 4:]
+    elif fmt == "yolox":  # [A, 5+C] raw cells: decode against the grid
+        grid = yolox_grid(len(x), input_h, input_w)
+        if grid is None:
+            raise InputError(f"detection format yolox: {len(x)} cells are not the stride-8/16/32 grids of a square "
+                             "image; give the input size (--task-args 'input_h=H,input_w=W')")
+        cells, strides = grid
+        rows = np.concatenate([(x[:, :2] + cells) * strides[:, None],
+                               np.exp(np.clip(x[:, 2:4], -20, 20)) * strides[:, None], x[:, 4:]], axis=1)
+        cls_scores = _probabilities(rows[:, 5:]) * _probabilities(rows[:, 4:5])
     else:  # yolov5: [A, 5+C], objectness times class score
         rows = x
         cls_scores = rows[:, 5:] * rows[:, 4:5]
@@ -296,10 +433,11 @@ def _detection(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
     ious: list[float] = []
     for r, c in zip(ref, cand, strict=True):
         if r.ndim != 2:
-            raise InputError(f"detection ({fmt}) needs an output of [N, 4+C, A] (yolov8) or [N, A, 5+C] (yolov5); "
+            raise InputError(f"detection ({fmt}) needs an output of [N, 4+C, A] (yolov8) or [N, A, 5+C] (yolov5, "
+                             "yolox); "
                              f"a sample here has shape {list(r.shape)}: declare another task with --task")
-        rb, _, rc = _boxes(r, fmt, score, nms)
-        cb, _, cc = _boxes(c, fmt, score, nms)
+        rb, _, rc = _boxes(r, fmt, score, nms, task.arg("input_h"), task.arg("input_w"))
+        cb, _, cc = _boxes(c, fmt, score, nms, task.arg("input_h"), task.arg("input_w"))
         used = np.zeros(len(cb), bool)
         for box, k in zip(rb, rc, strict=True):  # reference boxes in order of score
             cand_iou = np.where(~used & (cc == k), _iou(box, cb), 0.0)

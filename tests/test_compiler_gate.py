@@ -271,7 +271,8 @@ def _outlier_mlp(d):
 def test_float_fallback_keeps_the_damaging_layers_in_float(tmp_path):
     model = _outlier_mlp(tmp_path)
     args = ["compile", str(model), "--profile", "x86-cpu", "--calibration", str(tmp_path / "calib.npz"), "--eval",
-            str(tmp_path / "eval.npz"), "--precision", "int8", "--name", "mlp", "--min-agreement", "0.85", "--json"]
+            str(tmp_path / "eval.npz"), "--precision", "int8", "--name", "mlp", "--min-agreement", "0.85", "--json",
+            "--task", "classification"]  # logits [N, 10]: unsure whether class scores or an embedding, so declared
     r = run_cli(*args, "--out", str(tmp_path / "a"))
     assert r.returncode == 0, r.stdout + r.stderr
     m = json.loads(r.stdout)["manifest"]
