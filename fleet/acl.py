@@ -36,10 +36,19 @@ from typing import Literal
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.fsutil import atomic_write
 
-__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "Account", "allowed", "client_id_allowed", "hash_password",
-           "mosquitto_conf", "reload_mosquitto", "verify_password", "write_mosquitto_files"]
+__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "MAX_PACKET_BYTES", "MAX_PAYLOAD_BYTES", "Account", "allowed",
+           "client_id_allowed", "hash_password", "mosquitto_conf", "reload_mosquitto", "verify_password",
+           "write_mosquitto_files"]
 
 FLEET_USER = "edgefleet-fleet"
+# One message's size on the broker, from the protocol's: every receiver (fleet and agent) refuses a payload over
+# proto.MAX_MESSAGE_BYTES (256 KiB) unread, so a broker has no reason to store or forward a bigger one. What the
+# parts send is far below it (an ack of 1,000 seqs is about 20 KB; a report with every timing the protocol allows,
+# a few KB). A packet adds to its payload a fixed header (5 bytes at most), the topic (2 + up to 90 bytes), a
+# packet id (2) and MQTT 5 properties: MAX_PACKET_BYTES leaves 1 KiB for them. Both brokers disconnect a client
+# that sends a bigger packet before they read its body (Mosquitto's max_packet_size; FleetBroker's reader).
+MAX_PAYLOAD_BYTES = proto.MAX_MESSAGE_BYTES
+MAX_PACKET_BYTES = MAX_PAYLOAD_BYTES + 1024
 DEVICE_WRITES = ("reported", "telemetry", "status")
 DEVICE_READS = ("desired", "ack")
 LEGACY_AGENT_PREFIX = "edgefleet-agent-"  # agents before 2026-11 connected as edgefleet-agent-<device id>
@@ -155,14 +164,20 @@ def mosquitto_conf(password_file: Path, acl_file: Path, fleet_password_file: Pat
     device's client id is its username whatever it sends: a device (or anyone) can never replace
     another device's session. ``fleet_listener`` is the fleet's: any client id (its replicas share one
     account), and a password file with the fleet's account alone, so no device can use it. Write
-    the password files with :func:`write_mosquitto_files` (``fleet_password_file`` too)."""
+    the password files with :func:`write_mosquitto_files` (``fleet_password_file`` too).
+
+    Message size: ``max_packet_size`` (:data:`MAX_PACKET_BYTES`) disconnects a client that sends a bigger packet
+    before its body is read, and ``message_size_limit`` (:data:`MAX_PAYLOAD_BYTES`) keeps any payload over the
+    protocol's limit from being stored or forwarded. Without them Mosquitto takes 256 MB a message, retained
+    on every topic a device may write."""
     def block(listener: str, passwords: Path, more: str) -> str:
         return (f"listener {listener}\nallow_anonymous false\npassword_file {passwords}\nacl_file {acl_file}\n"
                 + more)
 
     blocks = [block(d, password_file, "use_username_as_clientid true\n") for d in device_listeners]
     blocks.append(block(fleet_listener, fleet_password_file, ""))
-    return "per_listener_settings true\n" + "".join(blocks)
+    return (f"per_listener_settings true\nmax_packet_size {MAX_PACKET_BYTES}\nmessage_size_limit {MAX_PAYLOAD_BYTES}\n"
+            + "".join(blocks))
 
 
 def reload_mosquitto(pid: int) -> None:

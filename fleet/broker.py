@@ -22,6 +22,12 @@ amqtt (0.12) alone is not a security boundary, so :class:`FleetBroker` overrides
 - retained messages sent for a subscription skip the topic check (only live messages are checked):
   here each one must pass the same ``RECEIVE`` check.
 
+A fourth guard is for size: amqtt reads any packet whole (up to MQTT's 256 MB), so a device could park 50 MB
+retained messages on each of its topics. :class:`_BoundedReader` reads each packet's fixed header as amqtt does
+and closes the connection when the packet it announces is over :data:`fleet.acl.MAX_PACKET_BYTES` (the
+protocol's message limit plus headers), before a byte of its body is read: what Mosquitto's
+``max_packet_size`` does.
+
 Mosquitto needs none of this (see :func:`fleet.acl.mosquitto_conf`). tests/test_broker_identity.py
 tries each hole on both brokers.
 """
@@ -35,6 +41,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
@@ -42,7 +49,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.utils import gen_client_id
 
-from edgefleet.fleet.acl import allowed, client_id_allowed
+from edgefleet.fleet.acl import MAX_PACKET_BYTES, allowed, client_id_allowed
 from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["Authorizer", "EmbeddedBroker", "FleetBroker"]
@@ -101,9 +108,59 @@ class AclTopicPlugin(BaseTopicPlugin):
                                                                                  _ACTIONS[action])
 
 
+class PacketTooLarge(Exception):  # amqtt's reader loop ends a connection on any Exception but its own
+    """A client announced a packet over the limit: its connection ends before the body is read."""
+
+
+class _BoundedReader(StreamReaderAdapter):
+    """amqtt's reader for one connection, which follows the MQTT framing as amqtt 0.12 reads it (the fixed
+    header a byte at a time, then the body in reads that add up to its remaining length) and refuses a packet
+    whose remaining length is over ``limit`` as soon as that length is read."""
+
+    def __init__(self, reader: asyncio.StreamReader, peer: str, limit: int = MAX_PACKET_BYTES):
+        super().__init__(reader)
+        self.peer, self.limit = peer, limit
+        self._left = 0  # body bytes of the current packet still to come; 0: a fixed header comes next
+        self._header: list[int] = []  # the fixed header's bytes read so far
+
+    async def read(self, n: int = -1) -> bytes:
+        if n < 0:  # amqtt's MQTT parser never reads to the end of the stream
+            raise PacketTooLarge(f"{self.peer}: an unbounded read")
+        if self._left:
+            if n > self._left:
+                raise PacketTooLarge(f"{self.peer}: a read of {n} bytes past the packet's end")
+            data = await super().read(n)
+            self._left -= len(data)
+            return data
+        data = await super().read(n)
+        for byte in data:
+            self._header_byte(byte)
+        return data
+
+    def _header_byte(self, byte: int) -> None:
+        self._header.append(byte)
+        if len(self._header) == 1 or byte & 0x80:
+            if len(self._header) > 5:
+                raise PacketTooLarge(f"{self.peer}: a remaining length of more than 4 bytes")
+            return
+        length = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._header[1:]))
+        self._header = []
+        if length > self.limit:
+            log.warning("MQTT client %s announced a %d-byte packet, over the %d-byte limit: disconnected", self.peer,
+                        length, self.limit)
+            raise PacketTooLarge(f"{self.peer}: a {length}-byte packet, over the {self.limit}-byte limit")
+        self._left = length
+
+
 class FleetBroker(Broker):
     """amqtt's broker, authenticating before it touches a session and checking every retained message
     it sends (see the module's docstring)."""
+
+    async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               listener_name: str) -> None:
+        peer = writer.get_extra_info("peername")
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
+        await self._client_connected(listener_name, _BoundedReader(reader, where), StreamWriterAdapter(writer))
 
     async def _initialize_client_session(self, reader: Any, writer: Any, remote_address: str,
                                          remote_port: int) -> tuple[Any, Any]:

@@ -16,6 +16,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,7 @@ class Env:
     enroll: Enrollment
     ready: object  # (username, password) -> None: wait (bounded) until the broker knows the account
     conns: list[Conn]
+    broker_pid: int  # the broker's process (the embedded one runs in this one, as in the fleet)
 
     def conn(self, port: int, username: str | None, password: str | None, client_id: str,
              clean: bool = True) -> Conn:
@@ -163,7 +165,7 @@ class Env:
         return c
 
 
-def _mosquitto(tmp_path: Path, enroll: Enrollment) -> Iterator[tuple[int, int]]:
+def _mosquitto(tmp_path: Path, enroll: Enrollment) -> Iterator[tuple[int, int, int]]:
     """Mosquitto configured as fleet.acl.mosquitto_conf says (what the README tells operators)."""
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     passwd, acl, fleet_passwd = tmp_path / "passwd", tmp_path / "acl", tmp_path / "fleet.passwd"
@@ -182,7 +184,7 @@ def _mosquitto(tmp_path: Path, enroll: Enrollment) -> Iterator[tuple[int, int]]:
     try:
         wait_port(port)
         wait_port(fleet_port)
-        yield port, fleet_port
+        yield port, fleet_port, proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
@@ -204,7 +206,7 @@ def env(request, tmp_path) -> Iterator[Env]:
 
     if request.param == "mosquitto":
         gen = _mosquitto(tmp_path, enroll)
-        device_port, fleet_port = next(gen)
+        device_port, fleet_port, broker_pid = next(gen)
     else:
         accounts = Accounts()
         enroll.on_change = accounts.update
@@ -212,8 +214,9 @@ def env(request, tmp_path) -> Iterator[Env]:
         device_port = fleet_port = free_port()
         broker = EmbeddedBroker("127.0.0.1", device_port, accounts)
         broker.start()
+        broker_pid = os.getpid()
     try:
-        yield Env(request.param, device_port, fleet_port, enroll, ready, conns)
+        yield Env(request.param, device_port, fleet_port, enroll, ready, conns, broker_pid)
     finally:
         for c in conns:
             c.close()
@@ -308,6 +311,73 @@ def test_a_device_cannot_take_another_devices_client_id(env: Env, clean: bool):
     # a dropped edge-b would not get it (it does not reconnect), nor would one whose subscription was wiped
     assert b.next() == (proto.topic("edge-b", "ack"), b"ack for b"), "edge-b stopped getting acks"
     assert not b.dropped
+
+
+# -- (d) one device's 50 MB retained messages ----------------------------------------------------------
+HOSTILE_DEVICE = """
+import sys, threading
+import paho.mqtt.client as mqtt
+port, user, password, topic, size = sys.argv[1:6]
+done, how = threading.Event(), []
+c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=user, protocol=mqtt.MQTTv311, reconnect_on_failure=False)
+c.username_pw_set(user, password)
+c.on_publish = lambda *a: (how.append("acknowledged"), done.set())
+c.on_disconnect = lambda *a: (how.append("disconnected"), done.set())
+c.connect("127.0.0.1", int(port), keepalive=60)
+c.loop_start()
+c.publish(topic, b"x" * int(size), qos=1, retain=True)
+done.wait(60)
+print(how[0] if how else "no answer")
+"""
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def _reset_peak_rss(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak becomes the current RSS (Linux 4.0+)
+
+
+@pytest.mark.trust("a device publishes 50 MB retained messages on its own topics")
+def test_a_message_over_the_protocols_limit_is_refused_by_the_broker(env: Env):
+    from edgefleet.fleet.acl import MAX_PACKET_BYTES
+
+    pw = env.enrolled("edge-a")
+    fleet = env.fleet("edgefleet-fleet-one")
+    fleet.subscribe(*(proto.subscription(k) for k in ("status", "reported", "telemetry")))  # as fleet/bridge.py
+    peaks = {}
+    for pid in {env.broker_pid, os.getpid()}:  # the broker's process and the fleet's (one, when embedded)
+        _reset_peak_rss(pid)
+        peaks[pid] = _peak_rss_kib(pid)
+    size = 50 * 1024 * 1024
+    out = subprocess.run([sys.executable, "-c", HOSTILE_DEVICE, str(env.device_port), "edge-a", pw,
+                          proto.topic("edge-a", "reported"), str(size)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "disconnected", (out.stdout, out.stderr[-2000:])
+    grown = {pid: _peak_rss_kib(pid) - before for pid, before in peaks.items()}
+    print(f"{env.kind}: peak RSS growth (KiB) while a {size}-byte publish was refused: {grown}")
+    assert all(g < size // 1024 // 4 for g in grown.values()), f"the {size}-byte message was read: {grown} KiB"
+
+    # nothing of it was forwarded or retained: the device's next, small message is the first the fleet gets,
+    # and a later subscriber gets no retained 'reported' before the 'status' it subscribed to after it
+    a = env.device("edge-a", pw)
+    a.publish(proto.topic("edge-a", "status"), b"small", retain=True)
+    assert fleet.next() == (proto.topic("edge-a", "status"), b"small")
+    witness = env.fleet("edgefleet-fleet-witness")
+    witness.subscribe(proto.topic("edge-a", "reported"))
+    witness.subscribe(proto.topic("edge-a", "status"))
+    assert witness.next() == (proto.topic("edge-a", "status"), b"small")
+    # the largest message the protocol allows still passes, both ways
+    big = b"y" * proto.MAX_MESSAGE_BYTES
+    assert len(big) + 100 < MAX_PACKET_BYTES
+    a.publish(proto.topic("edge-a", "telemetry"), big)
+    assert fleet.next() == (proto.topic("edge-a", "telemetry"), big)
+    a.subscribe(proto.topic("edge-a", "desired"))
+    fleet.publish(proto.topic("edge-a", "desired"), big)
+    assert a.next() == (proto.topic("edge-a", "desired"), big) and not a.dropped and not fleet.dropped
 
 
 # -- what must keep working ------------------------------------------------------------------------
