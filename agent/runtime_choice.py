@@ -1,0 +1,146 @@
+"""The runtime chosen on the device. An ``onnxruntime`` bundle's ONNX/QDQ file runs on onnxruntime and, where
+``edgefleet[openvino]`` is installed, on OpenVINO too (engines.runtimes_for); which is faster depends on the CPU
+(OpenVINO ran the compiler's QDQ INT8 models 1.1-1.9x faster on an AVX-512 EPYC, issue 35). At install, and again
+at each start, after the precision is chosen (agent/precision.py), the agent loads the bundle on each runtime
+installed here that can run its precision, runs each one's self-test (the bundle's own sample and expected answers,
+the same check whatever runs it), times them in alternation on its own cores (each call in its turn with the
+version serving: ``turn``) and serves the fastest. The bundle's own runtime (its backend) is kept unless another is
+more than :data:`TIE` faster, so noise does not flip a choice between equals.
+
+``runtime`` in the agent's config: ``auto`` (time them), or a runtime, which is served untimed; a pinned runtime
+that is not installed, or cannot run the bundle, fails the install with the reason and the extra to install (the
+version serving keeps serving). A bf16 bundle runs on OpenVINO only: there is nothing to choose.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edgefleet.agent.errors import BackendError, SelfTestFailed
+from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import EXTRAS, Engine, runtime_installed, runtimes_for
+
+__all__ = ["ROUNDS", "TIE", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime"]
+
+log = logging.getLogger("edgefleet.agent")
+
+TIE = 0.03  # another runtime must be this much faster than the bundle's own to replace it
+ROUNDS = 3  # each runtime is timed this many times, in alternation; the best figure per batch size counts
+ROUND_BUDGET_S = 0.3  # seconds of calls per runtime per round
+MAX_BATCH_TIMED = 8  # batch 1 (a lone request) and the largest batch formed, up to this
+
+
+@dataclass(frozen=True)
+class RuntimeTiming:
+    runtime: str
+    items_per_s: float  # geometric mean over the batch sizes timed: what the choice compares
+    timings: tuple[tuple[int, float], ...]  # (batch size, items/s)
+
+
+@dataclass(frozen=True)
+class RuntimePick:
+    runtime: str
+    source: str  # only (one runtime here can run it) | device (timed here) | operator (the agent's config)
+    timings: tuple[RuntimeTiming, ...] = ()
+    note: str = ""  # why, in a sentence (logged)
+
+
+def candidates(backend: str, precision: str, setting: str,
+               installed: Callable[[str], bool] = runtime_installed) -> tuple[tuple[str, ...], str]:
+    """The runtimes to consider for a ``backend`` bundle of ``precision`` under the config's ``runtime``
+    ``setting``, and the source of the choice (``operator`` when pinned). Raises BackendError when the pinned
+    runtime, or every runtime that could run the bundle, is missing here."""
+    able = runtimes_for(backend, precision)
+    here = tuple(r for r in able if installed(r))
+    if setting != "auto":
+        if setting not in able:
+            raise BackendError(f"runtime: {setting} is set in the agent's config, and {setting} cannot run this "
+                               f"{backend} {precision} bundle (what can: {', '.join(able) or 'nothing known'}); "
+                               "set runtime: auto")
+        if setting not in here:
+            raise BackendError(f"runtime: {setting} is set in the agent's config, and {setting} is not installed "
+                               f"here; install {EXTRAS.get(setting, setting)} or set runtime: auto")
+        return (setting,), "operator"
+    if not here:
+        raise BackendError(f"no runtime installed here runs this {backend} {precision} bundle; install "
+                           + " or ".join(EXTRAS.get(r, r) for r in able))
+    return here, "only" if len(here) == 1 else "device"
+
+
+def timing_sizes(batchable: bool, max_batch_size: int) -> tuple[int, ...]:
+    """Batch 1 (a lone request) and the largest batch the agent forms, up to 8 (enough to see the batched rate)."""
+    if not batchable or max_batch_size <= 1:
+        return (1,)
+    return (1, min(MAX_BATCH_TIMED, max_batch_size))
+
+
+def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine], max_batch_size: int,
+                 turn: Turn = now, installed: Callable[[str], bool] = runtime_installed) -> RuntimePick:
+    """The runtime to serve ``staged`` (already the chosen precision's manifest) on. ``load`` makes one engine of
+    the bundle on a runtime (closed here). A runtime whose engine does not load, fails its self-test or fails while
+    timed is not a candidate; if every one fails, the first failure is raised."""
+    m = staged.manifest
+    names, source = candidates(m.backend, m.precision, setting, installed)
+    if len(names) == 1:
+        note = (f"{names[0]}: set in the agent's config" if source == "operator" else
+                f"{names[0]}: the only runtime here that runs this {m.backend} {m.precision} bundle")
+        return RuntimePick(names[0], source, note=note)
+    sizes = timing_sizes(m.batchable, max_batch_size)
+    engines: dict[str, Engine] = {}
+    failures: list[Exception] = []
+    try:
+        for r in names:
+            try:
+                engine = load(r)
+            except BackendError as exc:
+                log.warning("%s %s: the %s runtime does not load it here, not a candidate: %s", m.name, m.version, r,
+                            exc)
+                failures.append(exc)
+                continue
+            try:
+                self_test(engine, staged, turn)
+            except SelfTestFailed as exc:
+                engine.close()
+                log.warning("%s %s: on %s it fails its self-test, not a candidate: %s", m.name, m.version, r, exc)
+                failures.append(SelfTestFailed(f"on {r}: {exc}"))
+                continue
+            engines[r] = engine
+        if not engines:
+            raise failures[0]
+        best: dict[str, dict[int, float]] = {r: {} for r in engines}
+        for _ in range(ROUNDS):  # in alternation: a slow spell of the box lands on every candidate alike
+            for r, engine in list(engines.items()):
+                try:
+                    measured = measure_batch_sizes(engine, staged, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2)
+                except SelfTestFailed as exc:  # fails at a batch size its self-test did not run
+                    del engines[r], best[r]
+                    engine.close()
+                    log.warning("%s %s: on %s it fails while timed, not a candidate: %s", m.name, m.version, r, exc)
+                    failures.append(exc)
+                    continue
+                for n, v in measured:
+                    best[r][n] = max(best[r].get(n, 0.0), v)
+        if not engines:
+            raise failures[0]
+    finally:
+        for engine in engines.values():
+            engine.close()
+    timings = tuple(RuntimeTiming(r, round(_geomean(list(figs.values())), 1), tuple(sorted(figs.items())))
+                    for r, figs in best.items())
+    by_r = {t.runtime: t.items_per_s for t in timings}
+    fastest = max(by_r, key=lambda r: by_r[r])
+    own = m.backend
+    chosen = own if own in by_r and by_r[own] * (1 + TIE) >= by_r[fastest] else fastest
+    figures = ", ".join(f"{t.runtime} {t.items_per_s:g}/s" for t in timings)
+    note = (f"{chosen}: timed here ({figures}, geometric mean over batch sizes {sizes})"
+            + ("" if chosen != own or fastest == own else f"; {fastest} is within {TIE:.0%}, {own} kept"))
+    return RuntimePick(chosen, "device", timings, note)
+
+
+def _geomean(values: list[float]) -> float:
+    vals = [max(v, 1e-9) for v in values]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0
