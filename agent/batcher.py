@@ -54,9 +54,9 @@ from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Una
 from edgefleet.agent.metrics import Metrics, ModelMetrics
 from edgefleet.engines import Engine
 
-__all__ = ["BATCH_TOLERANCE", "DEAD_MAX", "HIGH", "LAYOUT_LATENCY_WEIGHT", "LAYOUT_MIN_GAIN", "NORMAL", "BatchSettings",
+__all__ = ["BATCH_TOLERANCE", "DEAD_MAX", "HIGH", "LAYOUT_TIE", "NORMAL", "BatchSettings",
            "BatchTuning", "Batcher", "ComputeGate", "LayoutFigures", "Outputs", "batch_ladder", "choose_batch_size",
-           "choose_layout", "layout_candidates", "pin_thread"]
+           "choose_layout", "in_the_running", "layout_candidates", "pin_thread"]
 
 log = logging.getLogger("edgefleet.agent.batcher")
 
@@ -139,11 +139,9 @@ class LayoutFigures:
         return max((v for _, v in self.images_per_s), default=0.0)
 
 
-# a layout slower for a lone request than the fastest one is chosen only if it serves at least this much more under
-# load (images/s at its best batch size), plus this weight times the lone request's extra time: a layout that makes
-# a lone request take twice as long must serve 15% more to be chosen
-LAYOUT_MIN_GAIN = 0.05
-LAYOUT_LATENCY_WEIGHT = 0.10
+# layouts within this fraction of the most images/s are equals: of those, the one whose lone batch-1 call is fastest
+# serves (a lone request waits less; what is given up under load is at most this)
+LAYOUT_TIE = 0.03
 
 
 def layout_candidates(cores: int) -> tuple[tuple[int, int], ...]:
@@ -152,16 +150,21 @@ def layout_candidates(cores: int) -> tuple[tuple[int, int], ...]:
     return tuple((i, cores // i) for i in range(1, cores + 1) if cores % i == 0 and i <= 16)
 
 
+def in_the_running(f: LayoutFigures, top: float) -> bool:
+    """``f`` may still be chosen when the most images/s measured so far is ``top``: it is within ``LAYOUT_TIE``
+    of it (a layout out of the running stays out whatever is measured next: the top only rises)."""
+    return f.best >= (1 - LAYOUT_TIE) * top
+
+
 def choose_layout(measured: Sequence[LayoutFigures]) -> LayoutFigures:
-    """The layout to serve with: the one whose lone batch-1 call is fastest, unless another serves at least
-    ``LAYOUT_MIN_GAIN`` + ``LAYOUT_LATENCY_WEIGHT`` x (its lone call's extra time, as a fraction) more images/s;
-    of those, the one that serves the most."""
+    """The layout to serve with: the one that serves the most images/s at its best batch size with all its
+    instances driven at once (the figure ``bench/serve.py`` calls the runtime's limit, measured the same way:
+    agent.bench.drive_together); of the layouts within ``LAYOUT_TIE`` of it, the one whose lone batch-1 call is
+    fastest."""
     if not measured:
         raise ValueError("no layout was measured")
-    base = min(measured, key=lambda f: (f.lone_ms, -f.best))
-    better = [f for f in measured if f.best >= base.best * (
-        1 + LAYOUT_MIN_GAIN + LAYOUT_LATENCY_WEIGHT * max(0.0, f.lone_ms / max(base.lone_ms, 1e-9) - 1))]
-    return max(better, key=lambda f: f.best) if better else base
+    top = max(f.best for f in measured)
+    return min((f for f in measured if in_the_running(f, top)), key=lambda f: (f.lone_ms, -f.best))
 
 
 def batch_ladder(limit: int) -> tuple[int, ...]:

@@ -1,26 +1,153 @@
-"""``edgefleet bench BUNDLE``: the compiler's benchmark, run again on the box the bundle is for.
+"""The agent's benchmarks on its own box.
 
-The compiler measured the engine on the build host (latency p50/p99 per batch size, in the
-manifest). This runs the same engine through the agent's own backend, on the bundle's self-test
-inputs repeated to each batch size, a fixed number of times, and prints both side by side. Only the
-agent's dependencies are needed.
+``edgefleet bench BUNDLE`` (:func:`bench_bundle`): the compiler's benchmark, run again on the box the bundle is
+for. The compiler measured the engine on the build host (latency p50/p99 per batch size, in the manifest). This
+runs the same engine through the agent's own backend, on the bundle's self-test inputs repeated to each batch size,
+a fixed number of times, and prints both side by side. Only the agent's dependencies are needed.
+
+The layout trial at install (:func:`drive_together`, :func:`measure_layout`): what ``bench/serve.py`` calls the
+runtime's limit, measured the same way. Every instance of a layout runs in its own thread, on the CPUs the serving
+inference threads run on (``cpus``), all at once, each calling back to back for a time slice after a common
+start; the figure is the sum of each thread's images/s (calls x batch / its own time in the runtime). A lock-step
+trial (every instance starts a call together and the next round waits for the slowest) put 8 one-thread sessions
+of MobileNetV2 FP32 on a 16-core Xeon at 618 images/s where the limit measured 845, and the agent chose 1x8.
 """
 
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from edgefleet.engines import load_bundle_engine
+from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.selftest import Turn, now
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import Engine, load_bundle_engine
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.cpu import cpu_features
 from edgefleet.protocol.manifest import Manifest
 
-__all__ = ["BenchPoint", "bench_bundle"]
+__all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "lone_call_ms",
+           "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]
+
+LAYOUT_BUDGET_S = 4.0  # seconds of timed calls for every layout and batch size together (MobileNetV2: <= 10 s)
+SLICE_S = (0.05, 0.5)  # the time slice of one layout at one batch size: at least, at most
+LADDER_STOP = 0.85  # a layout's ladder stops at a batch size this much below its best so far (bigger is slower)
+
+
+@dataclass(frozen=True)
+class Driven:
+    """One time slice of :func:`drive_together`: the summed images/s, and each instance's timed calls."""
+
+    images_per_s: float
+    calls: tuple[int, ...]
+
+
+def slice_seconds(layouts: int, sizes: int, budget_s: float | None = None) -> float:
+    """The time slice of one layout at one batch size when ``layouts`` x ``sizes`` share ``budget_s`` (default:
+    :data:`LAYOUT_BUDGET_S`)."""
+    budget = LAYOUT_BUDGET_S if budget_s is None else budget_s
+    return min(SLICE_S[1], max(SLICE_S[0], budget / max(1, layouts * sizes)))
+
+
+def drive_together(engines: Sequence[Engine], feeds: dict[str, np.ndarray], batch: int, seconds: float,
+                   cpus: Collection[int] | None = None, turn: Turn = now, min_calls: int = 2,
+                   start_timeout_s: float = 60.0) -> Driven:
+    """Every engine in its own thread (on ``cpus``, as the serving threads are pinned; None: where the scheduler
+    puts them), all at once: one untimed call each, a common start, then calls back to back on ``feeds`` (``batch``
+    samples) until ``seconds`` have passed and each made ``min_calls``. -> the sum of each thread's ``batch`` x calls
+    / its time in the runtime (each call in ``turn``: the wait for a turn is not timed). A failing call fails the
+    whole trial (SelfTestFailed)."""
+    from edgefleet.agent.batcher import pin_thread
+
+    n = len(engines)
+    start = threading.Barrier(n)
+    times: list[list[float]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def timed(engine: Engine) -> float:
+        t0 = time.perf_counter()
+        engine.infer(feeds)
+        return time.perf_counter() - t0
+
+    def run(i: int) -> None:
+        try:
+            pin_thread(cpus)
+            turn(timed, engines[i])
+            start.wait(start_timeout_s)
+            end = time.perf_counter() + seconds
+            mine = times[i]
+            while len(mine) < min_calls or time.perf_counter() < end:
+                mine.append(turn(timed, engines[i]))
+                if errors:
+                    return
+        except threading.BrokenBarrierError:
+            return  # another thread failed (its error is the one raised)
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"layout-trial-{i}", daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise SelfTestFailed(f"layout trial at batch size {batch}: the engine failed: {errors[0]}") from errors[0]
+    if any(not t for t in times):
+        raise SelfTestFailed(f"layout trial at batch size {batch}: the instances did not start together")
+    return Driven(round(sum(batch * len(t) / max(sum(t), 1e-9) for t in times), 1), tuple(len(t) for t in times))
+
+
+def lone_call_ms(engine: Engine, feeds: dict[str, np.ndarray], cpus: Collection[int] | None = None,
+                 turn: Turn = now, calls: int = 5) -> float:
+    """The fastest of ``calls`` calls of ``engine`` alone on ``feeds`` (after one untimed), on a thread on ``cpus``
+    as a serving instance's: what a lone request costs."""
+    from edgefleet.agent.batcher import pin_thread
+
+    got: list[float] = []
+    errors: list[BaseException] = []
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        engine.infer(feeds)
+        return time.perf_counter() - t0
+
+    def run() -> None:
+        try:
+            pin_thread(cpus)
+            turn(timed)
+            got.extend(turn(timed) for _ in range(calls))
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run, name="layout-trial-lone", daemon=True)
+    t.start()
+    t.join()
+    if errors:
+        raise SelfTestFailed(f"layout trial, a lone call: the engine failed: {errors[0]}") from errors[0]
+    return round(1000 * min(got), 3)
+
+
+def measure_layout(engines: Sequence[Engine], fill: Callable[[int], dict[str, np.ndarray]],
+                   sizes: tuple[int, ...], seconds: float, cpus: Collection[int] | None = None,
+                   turn: Turn = now) -> tuple[tuple[int, float], ...]:
+    """Images/s of a layout (``engines``, all driven at once: :func:`drive_together`) at each batch size of
+    ``sizes`` (ascending; ``fill(n)``: the feeds of a batch of ``n``). The
+    ladder stops at a size that serves :data:`LADDER_STOP` of this layout's best so far or less: larger batches are
+    then slower per image too (the sizes not reached are left out)."""
+    out: list[tuple[int, float]] = []
+    for n in sizes:
+        got = drive_together(engines, fill(n), n, seconds, cpus, turn)
+        out.append((n, got.images_per_s))
+        if got.images_per_s <= LADDER_STOP * max(v for _, v in out):
+            break
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -35,6 +162,37 @@ class BenchPoint:
         return {"batch_size": self.batch_size, "ms_p50": self.ms_p50, "ms_p99": self.ms_p99,
                 "items_per_s": self.items_per_s, "build_ms_p50": self.build_ms_p50,
                 "vs_build": None if not self.build_ms_p50 else round(self.build_ms_p50 / self.ms_p50, 3)}
+
+
+def trial_feeds(staged: StagedModel) -> Callable[[int], dict[str, np.ndarray]]:
+    """-> ``fill(n)``: the bundle's self-test sample repeated to a batch of ``n`` along each input's batch axis (as it
+    is for a model without one)."""
+    path = staged.directory / staged.manifest.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            sample = {s.name: npz[f"input:{s.name}"] for s in staged.manifest.inputs}
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"layout trial: self-test sample {path.name} is unreadable: {exc}") from exc
+    axes = {s.name: s.batch_axis if staged.manifest.batchable else None for s in staged.manifest.inputs}
+    return lambda n: {k: _repeat(v, axes[k], n) for k, v in sample.items()}
+
+
+def release_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): closed trial sessions free their
+    arenas into the allocator, which keeps them mapped otherwise. -> whether it could (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return False
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _recorded_p50(manifest: Manifest) -> dict[int, float]:

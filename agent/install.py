@@ -21,12 +21,14 @@ from edgefleet.agent.batcher import (
     batch_ladder,
     choose_batch_size,
     choose_layout,
+    in_the_running,
     layout_candidates,
 )
+from edgefleet.agent.bench import lone_call_ms, measure_layout, release_memory, slice_seconds, trial_feeds
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from edgefleet.agent.precision import PrecisionPick, pick_precision
-from edgefleet.agent.selftest import RunTogether, Turn, lone_call_ms, measure_batch_sizes, now, self_test, warm_up
+from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from edgefleet.agent.server import IndexEntry, ModelHost
 from edgefleet.agent.shadow import ShadowMirror
 from edgefleet.agent.store import ModelStore, StagedModel
@@ -266,38 +268,55 @@ class Installer:
 
     def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine]) -> list[Engine]:
         """Each layout of this box's inference CPUs (agent.batcher.layout_candidates: 1x2 and 2x1 on two, 1x1 alone
-        on one) loaded and timed at the batch sizes the batcher may form, all its instances at once, and a lone
-        batch-1 call; each call in turn with the version serving the model. -> the chosen layout's engines
-        (agent.batcher.choose_layout); the others are closed. ``loaded``: the configured layout, reused if it is
-        a candidate."""
+        on one) loaded and timed as bench/serve.py times the runtime's limit (agent.bench.measure_layout: all its
+        instances driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the
+        batcher may form), and a lone batch-1 call; each call in turn with the version serving the model, if one
+        does. -> the chosen layout's engines (agent.batcher.choose_layout). A layout out of the running is closed
+        as soon as it is (at most the layouts still in the running are loaded at once), the rest at the end, and
+        their memory handed back. ``loaded``: the configured layout, reused if it is a candidate."""
         staged = StagedModel(manifest, directory, "")
         cpus = self.config.inference_cpus
         cores = len(cpus) if cpus else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         served = self.host.models.get(manifest.name)
-        turn = self.turn(manifest.name, served.batcher.gate.permits if served else len(loaded))
+        # nothing serves the model: the cores are the trial's alone (a turn would add an event-loop round trip)
+        turn = self.turn(manifest.name, served.batcher.gate.permits) if served else now
         sizes = batch_ladder(self.host.settings.max_batch_size) if manifest.batchable else (1,)
+        candidates = layout_candidates(cores)
+        seconds = slice_seconds(len(candidates), len(sizes))
+        fill = trial_feeds(staged)
         figures: list[LayoutFigures] = []
-        engines: dict[tuple[int, int], list[Engine]] = {}
+        kept: dict[tuple[int, int], list[Engine]] = {}
+        mine = (len(loaded), self.config.intra_op_threads)
+
+        def close(engines: list[Engine]) -> None:
+            for b in engines:
+                b.close()
+
+        if mine not in candidates:
+            close(loaded)
         try:
-            for i, t in layout_candidates(cores):
-                engines[(i, t)] = loaded if (i, t) == (len(loaded), self.config.intra_op_threads) else \
+            for i, t in candidates:
+                engines = kept[(i, t)] = loaded if (i, t) == mine else \
                     self.load_instances(manifest, directory, count=i, threads=t)
-                figures.append(LayoutFigures(i, t, measure_batch_sizes(RunTogether(engines[(i, t)]), staged, sizes,
-                                                                       turn),
-                                             lone_call_ms(engines[(i, t)][0], staged, turn)))
+                figures.append(LayoutFigures(i, t, measure_layout(engines, fill, sizes, seconds, cpus, turn),
+                                             lone_call_ms(engines[0], fill(1), cpus, turn)))
+                top = max(f.best for f in figures)
+                for f in figures:
+                    if (f.instances, f.threads) in kept and not in_the_running(f, top):
+                        close(kept.pop((f.instances, f.threads)))
             chosen = choose_layout(figures)
         except BaseException:
-            for e in engines.values():
-                if e is not loaded:
-                    for b in e:
-                        b.close()
+            for e in kept.values():
+                close(e)
+            if mine in candidates:
+                close(loaded)
             raise
-        out = engines[(chosen.instances, chosen.threads)]
-        for e in [*engines.values(), loaded]:
+        out = kept.pop((chosen.instances, chosen.threads))
+        for e in [*kept.values(), loaded]:
             if e is not out:
-                for b in e:
-                    b.close()
+                close(e)
+        release_memory()
         # for tune_batches, which gets the first instance: the chosen layout's figures (the latest install's only)
         with self._layouts_lock:  # installs, rollbacks and start-up loads run on different threads
             self.measured_layouts = {k: v for k, v in self.measured_layouts.items() if not v[0].closed}  # failed ones
