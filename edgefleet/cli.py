@@ -312,7 +312,7 @@ def cmd_keys_rotate(a: argparse.Namespace) -> int:
     def run() -> tuple[dict[str, Any], str]:
         from edgefleet.fleet.keys import rotate_key
 
-        out = rotate_key(a.dir, a.role)
+        out = rotate_key(a.dir, a.role, a.key_uri)
         return {"role": a.role, "signed": str(out)}, f"new {a.role} key; signed {out}; {_publish_signed(a, out)}"
     return _keys_call(a, run)
 
@@ -842,6 +842,10 @@ def build_parser() -> argparse.ArgumentParser:
         kr.add_argument("role", choices=("root", "targets", "snapshot", "timestamp", "bundles"))
         if name == "revoke":
             kr.add_argument("keyid", help="the key's id (hex), as in root.json or targets.json")
+        else:
+            kr.add_argument("--key-uri", help="the new key is not a file here but at this URI: hsm:2?label=TOKEN "
+                            "(PKCS#11; PYKCS11LIB, $EDGEFLEET_HSM_PIN), encfile:PATH (an encrypted PKCS#8 PEM; "
+                            "$EDGEFLEET_KEY_PASSPHRASE), file2:PATH")
         kr.add_argument("--publish-to", type=Path, help="a fleet's TUF folder (DATA_DIR/tuf) to publish in at once")
         kr.add_argument("--json", action="store_true", help="JSON output")
         kr.set_defaults(fn=fn)

@@ -19,6 +19,12 @@ The fleet is started with ``--keys DIR/fleet``. A compromised fleet server has o
 and timestamp keys: it can withhold updates (until the timestamp expires) but cannot make a device
 install a bundle the CI key did not sign.
 
+A key need not be a file: ``edgefleet keys rotate DIR ROLE --key-uri URI`` puts the role's new key wherever
+securesystemslib can sign from (``hsm:2?label=TOKEN``: a PKCS#11 token, an HSM, a YubiKey, with ``PYKCS11LIB``
+naming its module and ``$EDGEFLEET_HSM_PIN`` its PIN; ``encfile:PATH``: a PKCS#8 PEM file encrypted with the
+passphrase in ``$EDGEFLEET_KEY_PASSPHRASE``; ``file2:PATH``; the cloud KMS schemes). Only the URI and the public
+key are written, as ``ROLE.uri.json`` beside where ``ROLE.key`` would be; files stay the default.
+
 ``rotate`` and ``revoke`` write newly signed ``root.json`` (a new version, signed by the old and the
 new root keys, kept as ``roots/N.root.json``) or ``targets.json`` into the fleet folder, where the
 fleet publishes them (on start, or at once with ``--publish-to``); agents that were offline walk
@@ -47,8 +53,10 @@ __all__ = [
     "create_keys",
     "init_keys",
     "revoke_key",
+    "role_signer",
     "rotate_key",
     "sign_bundle",
+    "signer_from_uri",
 ]
 
 ROLES = ("root", "targets", "snapshot", "timestamp")
@@ -82,6 +90,139 @@ def _new_key(path: Path) -> Any:
     return CryptoSigner(priv)
 
 
+ENV_PASSPHRASE = "EDGEFLEET_KEY_PASSPHRASE"  # an encfile: key's passphrase
+ENV_PIN = "EDGEFLEET_HSM_PIN"  # a PKCS#11 token's user PIN
+URI_SUFFIX = ".uri.json"
+
+
+def _secret(name: str) -> str:
+    """securesystemslib's secrets handler: a PIN or passphrase from the environment, never a prompt (the fleet and
+    CI run unattended)."""
+    var = ENV_PIN if name.lower() == "pin" else ENV_PASSPHRASE
+    value = os.environ.get(var)
+    if not value:
+        raise KeyStoreError(f"the key needs its {name}: set ${var}")
+    return value
+
+
+def _encfile_signer_class() -> type:
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+    from securesystemslib.signer import CryptoSigner
+
+    class EncryptedFileSigner(CryptoSigner):
+        """``encfile:PATH``: a PKCS#8 PEM private key encrypted with a passphrase (securesystemslib's ``file2:``
+        reads unencrypted files only)."""
+
+        SCHEME = "encfile"
+
+        @classmethod
+        def from_priv_key_uri(cls, priv_key_uri: str, public_key: Any, secrets_handler: Any = None) -> Any:
+            path = Path(priv_key_uri.partition(":")[2])
+            passphrase = (secrets_handler or _secret)("passphrase")
+            priv = load_pem_private_key(path.read_bytes(), password=passphrase.encode())
+            return CryptoSigner(priv, public_key)  # type: ignore[arg-type]
+
+    return EncryptedFileSigner
+
+
+def _signer_table() -> dict[str, type]:
+    from securesystemslib.signer import SIGNER_FOR_URI_SCHEME
+
+    return {**SIGNER_FOR_URI_SCHEME, "encfile": _encfile_signer_class()}
+
+
+def _public_key_of(uri: str) -> Any:
+    """The public key behind a key URI (read from the token or file: nothing is written)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from securesystemslib.signer import SSlibKey
+
+    scheme = uri.partition(":")[0]
+    try:
+        if scheme == "hsm":
+            from securesystemslib.signer import HSMSigner
+
+            u = urlsplit(uri)
+            label = parse_qs(u.query).get("label", [None])[0]
+            _uri, key = HSMSigner.import_(int(u.path) if u.path else None, label)
+            return key
+        if scheme in ("encfile", "file2"):
+            from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+            password = _secret("passphrase").encode() if scheme == "encfile" else None
+            priv = load_pem_private_key(Path(uri.partition(":")[2]).read_bytes(), password=password)
+            return SSlibKey.from_crypto(priv.public_key())  # type: ignore[arg-type]
+    except KeyStoreError:
+        raise
+    except Exception as exc:  # securesystemslib, pkcs11 and cryptography raise their own types
+        raise KeyStoreError(f"{uri}: cannot read its public key ({type(exc).__name__}: {exc})") from exc
+    raise KeyStoreError(f"{uri}: a new key's public half is read from hsm:, encfile: or file2: URIs; for a KMS "
+                        "key, add its public key to root.json with your KMS tooling")
+
+
+def signer_from_uri(uri: str, public_key: Any, role: str) -> Any:
+    """A securesystemslib signer for the key at ``uri`` (PIN or passphrase from the environment)."""
+    from securesystemslib.signer import Signer
+
+    scheme = uri.partition(":")[0]
+    table = _signer_table()
+    if scheme not in table:
+        raise KeyStoreError(f"the {role} key URI {uri!r}: unknown scheme {scheme!r} (one of "
+                            f"{', '.join(sorted(table))})")
+    try:
+        import securesystemslib.signer as sslib_signer
+
+        saved = dict(sslib_signer.SIGNER_FOR_URI_SCHEME)
+        sslib_signer.SIGNER_FOR_URI_SCHEME.update(table)
+        try:
+            signer = Signer.from_priv_key_uri(uri, public_key, _secret)
+            signer.edgefleet_uri = uri  # named in errors (_sign)
+            return signer
+        finally:
+            sslib_signer.SIGNER_FOR_URI_SCHEME.clear()
+            sslib_signer.SIGNER_FOR_URI_SCHEME.update(saved)
+    except KeyStoreError:
+        raise
+    except Exception as exc:
+        raise KeyStoreError(f"the {role} key at {uri}: {type(exc).__name__}: {exc}") from exc
+
+
+def _write_uri_key(path: Path, uri: str, key: Any) -> None:
+    """``ROLE.uri.json``: where a key lives and its public half (no secret in it)."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"uri": uri, "key": {"keyid": key.keyid, **key.to_dict()}}, indent=2) + "\n")
+
+
+def _uri_signer(path: Path, role: str) -> Any:
+    import json
+
+    from securesystemslib.signer import Key
+
+    try:
+        doc = json.loads(path.read_text())
+        kd = dict(doc["key"])
+        key = Key.from_dict(kd.pop("keyid"), kd)
+        uri = str(doc["uri"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KeyStoreError(f"{path}: not a key URI file ({exc})") from exc
+    return signer_from_uri(uri, key, role)
+
+
+def role_signer(folder: Path, role: str, stem: str | None = None) -> Any:
+    """The signer of ``role`` in ``folder``: ``STEM.key`` (a file, the default) or ``STEM.uri.json`` (a URI)."""
+    stem = stem or role
+    uri_file = folder / f"{stem}{URI_SUFFIX}"
+    if not (folder / f"{stem}.key").exists() and uri_file.exists():
+        return _uri_signer(uri_file, role)
+    return load_signer(folder / f"{stem}.key", role)
+
+
+def _has_key(folder: Path, stem: str) -> bool:
+    return (folder / f"{stem}.key").exists() or (folder / f"{stem}{URI_SUFFIX}").exists()
+
+
 def load_signer(path: Path, role: str) -> Any:
     from cryptography.hazmat.primitives import serialization
     from securesystemslib.signer import CryptoSigner
@@ -94,6 +235,20 @@ def load_signer(path: Path, role: str) -> Any:
     except ValueError as exc:
         raise KeyStoreError(f"{path}: not a readable private key ({exc})") from exc
     return CryptoSigner(priv)  # type: ignore[arg-type]
+
+
+def _sign(md: Any, signer: Any, append: bool = False) -> None:
+    """``md.sign``, with a signer that fails (a wrong PIN, a token unplugged, a KMS refusing) as a KeyStoreError
+    naming the key rather than python-tuf's bare "Problem signing the metadata"."""
+    from tuf.api.exceptions import UnsignedMetadataError
+
+    try:
+        md.sign(signer, append=append)
+    except UnsignedMetadataError as exc:
+        cause = exc.__cause__ or exc
+        where = getattr(signer, "edgefleet_uri", None) or "its file"
+        raise KeyStoreError(f"the key at {where} could not sign ({type(cause).__name__}: "
+                            f"{' '.join(str(cause).split()) or 'no detail'}); a wrong PIN or passphrase?") from exc
 
 
 def _dump(md: Any) -> bytes:
@@ -179,26 +334,45 @@ def _save_root(fleet: Path, md: Any) -> Path:
 
 
 def _retire(path: Path, keyid: str) -> None:
-    """Keep an old private key beside the new one, renamed, for the operator to destroy."""
+    """Keep an old private key beside the new one, renamed, for the operator to destroy (a key URI's record too:
+    the key itself stays in its token)."""
     if path.exists():
         path.rename(path.with_name(f"{path.stem}.{keyid[:12]}.retired"))
+    uri_file = path.with_name(path.name.removesuffix(".key") + URI_SUFFIX)
+    if uri_file.exists():
+        uri_file.rename(uri_file.with_name(f"{uri_file.name}.{keyid[:12]}.retired"))
 
 
-def rotate_key(directory: Path, role: str) -> Path:
-    """Replace ``role``'s key by a new one; returns the newly signed metadata (root.json, or
-    targets.json for the CI's ``bundles`` key). Needs the offline folder (root; targets for bundles)."""
+def _next_key(key_path: Path, uri: str | None, old_keyids: list[str]) -> Any:
+    """Retire the old keys and return the new one: a new file at ``key_path``, or the key at ``uri`` (recorded in
+    ``key_path``'s ``.uri.json``), which is read first, so a wrong URI, PIN or passphrase leaves the old key as is."""
+    stem = key_path.name.removesuffix(".key")
+    signer = None
+    if uri is not None:
+        key = _public_key_of(uri)
+        signer = signer_from_uri(uri, key, stem)
+    for keyid in old_keyids:
+        _retire(key_path, keyid)
+    if uri is None:
+        return _new_key(key_path)
+    _write_uri_key(key_path.with_name(stem + URI_SUFFIX), uri, key)
+    return signer
+
+
+def rotate_key(directory: Path, role: str, uri: str | None = None) -> Path:
+    """Replace ``role``'s key by a new one (a new file, or the key at ``uri``: an HSM, an encrypted file...);
+    returns the newly signed metadata (root.json, or targets.json for the CI's ``bundles`` key). Needs the offline
+    folder (root; targets for bundles)."""
     from tuf.api.metadata import Metadata, Targets
 
     offline, fleet = directory / "offline", directory / "fleet"
     if role == BUNDLES_ROLE:
-        targets_signer = load_signer(offline / "targets.key", "targets")
+        targets_signer = role_signer(offline, "targets")
         md = Metadata[Targets].from_bytes((fleet / "targets.json").read_bytes())
         assert md.signed.delegations is not None and md.signed.delegations.roles is not None
         old = list(md.signed.delegations.roles[BUNDLES_ROLE].keyids)
         key_path = directory / "ci" / f"{BUNDLES_ROLE}.key"
-        for keyid in old:
-            _retire(key_path, keyid)
-        new = _new_key(key_path)
+        new = _next_key(key_path, uri, old)
         md.signed.add_key(new.public_key, BUNDLES_ROLE)
         for keyid in old:
             md.signed.revoke_key(keyid, BUNDLES_ROLE)
@@ -206,21 +380,19 @@ def rotate_key(directory: Path, role: str) -> Path:
     if role not in ROLES:
         raise KeyStoreError(f"unknown role {role!r}: one of {', '.join((*ROLES, BUNDLES_ROLE))}")
     root_md = _latest_root(fleet)
-    old_root_signer = load_signer(offline / "root.key", "root")
+    old_root_signer = role_signer(offline, "root")
     old = list(root_md.signed.roles[role].keyids)
     key_path = (offline if WHERE[role] == "offline" else fleet) / f"{role}.key"
-    for keyid in old:
-        _retire(key_path, keyid)
-    new = _new_key(key_path)
+    new = _next_key(key_path, uri, old)
     root_md.signed.add_key(new.public_key, role)
     for keyid in old:
         root_md.signed.revoke_key(keyid, role)
     root_md.signed.version += 1
     root_md.signed.expires = _now() + dt.timedelta(days=ROOT_EXPIRY_DAYS)
     root_md.signatures.clear()
-    root_md.sign(old_root_signer, append=True)  # the old root vouches for the new one ...
+    _sign(root_md, old_root_signer, append=True)  # the old root vouches for the new one ...
     if role == "root":
-        root_md.sign(new, append=True)  # ... and the new root key signs it too, as TUF requires
+        _sign(root_md, new, append=True)  # ... and the new root key signs it too, as TUF requires
     return _save_root(fleet, root_md)
 
 
@@ -241,7 +413,7 @@ def revoke_key(directory: Path, role: str, keyid: str) -> Path:
             raise KeyStoreError(f"revoking {keyid[:12]}… would leave {role} without enough keys; "
                                 f"use 'edgefleet keys rotate {role}' to replace it")
         md.signed.revoke_key(keyid, BUNDLES_ROLE)
-        return _resign_targets(fleet, md, load_signer(offline / "targets.key", "targets"))
+        return _resign_targets(fleet, md, role_signer(offline, "targets"))
     if role not in ROLES:
         raise KeyStoreError(f"unknown role {role!r}: one of {', '.join((*ROLES, BUNDLES_ROLE))}")
     root_md = _latest_root(fleet)
@@ -254,7 +426,7 @@ def revoke_key(directory: Path, role: str, keyid: str) -> Path:
     root_md.signed.revoke_key(keyid, role)
     root_md.signed.version += 1
     root_md.signatures.clear()
-    root_md.sign(load_signer(offline / "root.key", "root"))
+    _sign(root_md, role_signer(offline, "root"))
     return _save_root(fleet, root_md)
 
 
@@ -268,7 +440,7 @@ def add_key(directory: Path, role: str) -> tuple[Path, str]:
     n = len(list((directory / "ci").glob(f"{BUNDLES_ROLE}*.key")))
     new = _new_key(directory / "ci" / f"{BUNDLES_ROLE}-{n + 1}.key")
     md.signed.add_key(new.public_key, BUNDLES_ROLE)
-    return _resign_targets(directory / "fleet", md, load_signer(directory / "offline" / "targets.key", "targets")), \
+    return _resign_targets(directory / "fleet", md, role_signer(directory / "offline", "targets")), \
         new.public_key.keyid
 
 
@@ -276,7 +448,7 @@ def _resign_targets(fleet: Path, md: Any, signer: Any) -> Path:
     md.signed.version += 1
     md.signed.expires = _now() + dt.timedelta(days=TARGETS_EXPIRY_DAYS)
     md.signatures.clear()
-    md.sign(signer)
+    _sign(md, signer)
     out = fleet / "targets.json"
     out.write_bytes(_dump(md))
     return out
@@ -295,7 +467,7 @@ def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custo
 
     from edgefleet.protocol.bundle import check_bundle
 
-    signer = load_signer(key, BUNDLES_ROLE)
+    signer = _uri_signer(key, BUNDLES_ROLE) if key.name.endswith(URI_SUFFIX) else load_signer(key, BUNDLES_ROLE)
     check_bundle(bundle)  # never sign an archive the agent would refuse (BundleError names the problem)
     md = Metadata[Targets].from_bytes(current)
     if target_path in md.signed.targets:
@@ -306,7 +478,7 @@ def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custo
     md.signed.version += 1
     md.signed.expires = _now() + dt.timedelta(days=BUNDLES_EXPIRY_DAYS)
     md.signatures.clear()
-    md.sign(signer)
+    _sign(md, signer)
     return bytes(_dump(md))
 
 
@@ -318,13 +490,13 @@ class KeyStore:
 
     def signer(self, role: str) -> Any:
         path = self.directory / f"{role}.key"
-        if not path.exists():
+        if not _has_key(self.directory, role):
             raise KeyStoreError(f"{path}: no {role} key; run 'edgefleet keys init {self.directory}' "
                                 f"(or, with 'keys create', the {role} key lives {WHERE.get(role, '?')})")
-        return load_signer(path, role)
+        return role_signer(self.directory, role)
 
     def has(self, role: str) -> bool:
-        return (self.directory / f"{role}.key").exists()
+        return _has_key(self.directory, role)
 
     @property
     def root_json(self) -> Path:
