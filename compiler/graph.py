@@ -225,9 +225,14 @@ def ensure_opset(path: Path, opset: int, out_path: Path, sample: Dataset) -> Pat
                          f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); "
                          f"re-export the model with opset {opset} or newer, or compile with --precision fp32") from exc
 
+    # a model that takes one sample per call (a fixed batch of 1) is checked on its first samples one at a time
+    feeds = [sample.take(i, i + 1) for i in range(min(len(sample), 4))] if sample.per_sample else [sample.inputs]
+
     def run(p: Path) -> tuple[list[str], list[np.ndarray]]:
         sess = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
-        return [o.name for o in sess.get_outputs()], list(sess.run(None, sample.inputs))
+        outs = [sess.run(None, f) for f in feeds]
+        return [o.name for o in sess.get_outputs()], [np.concatenate([np.asarray(o[j]).reshape(-1) for o in outs])
+                                                      for j in range(len(outs[0]))]
 
     try:
         (names, before), (_, after) = run(path), run(out_path)

@@ -15,6 +15,7 @@ import json
 import math
 import platform
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class CompileOptions:
     fallback: bool = True  # int8 over budget: keep the most sensitive layers in float until it passes (onnxruntime)
     task: str | None = None  # what the model is for (compiler.tasks); None: MODEL.task.yaml, else inferred
     task_args: str | None = None  # 'k=v,...' for the task (e.g. 'format=yolov8,score=0.25')
+    keep_engines: Path | None = None  # copy every candidate engine built (passed or not) here: bench/corpus.py
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,8 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     if opts.cache_dir is not None:
         cache = BuildCache(opts.cache_dir)
         params = {k: v for k, v in vars(opts).items() if k not in ("model", "calibration", "eval", "out_dir",
-                                                                   "cache_dir", "profile", "preprocess")}
+                                                                   "cache_dir", "profile", "preprocess",
+                                                                   "keep_engines")}
         cache_key = cache.key([opts.model, resolve_profile_path(opts.profile), opts.preprocess,
                                *_data_files(opts.calibration), *_data_files(opts.eval)], {
             **params, "edgefleet": protocol.__version__, "manifest_version": MANIFEST_VERSION,
@@ -312,22 +315,30 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                     notes["int8"] = f"not built: {why}"
         source = opts.model
         if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
-            try:
+            try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
                 source = ensure_opset(opts.model, QDQ_MIN_OPSET, work / "source-opset13.onnx", eval_set.head(16))
             except CompilerError as exc:  # with auto, the float build still ships
                 if not auto or len(wanted) == 1:
                     raise
-                drop("int8", f"opset {info.opset} could not be converted for QDQ: {exc}")
+                drop("int8", f"opset {info.opset} could not be converted for QDQ: {_one_line(exc)}")
         progress(4, total, f"building and gating {profile.backend} {' and '.join(wanted)}")
         built: dict[str, _Built] = {}
         for precision in list(wanted):
             try:
                 built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
                                                    precision, calib, work, eval_set, ref_out, gate, task)
-            except CompilerError as exc:
-                if precision == "fp32" or not auto or len(wanted) == 1:
+            except (CompilerError, EngineError) as exc:
+                # the fp32 reference ran, so a quantized build that fails (the quantizer crashes, onnxruntime cannot
+                # load or run what it wrote) is this model's limit with this quantizer, not a broken toolchain
+                if precision == "fp32" or _toolchain_missing(exc) or (
+                        profile.backend != "onnxruntime" and (not auto or len(wanted) == 1)):
                     raise
-                drop(precision, f"its build failed: {exc}")  # auto: another precision may still ship
+                why = _one_line(exc)
+                if not auto or len(wanted) == 1:
+                    raise InputError(f"cannot build {precision} for this model: {why}; the fp32 model runs, so "
+                                     "--precision auto ships fp32 and says why (or compile with --precision fp32)"
+                                     ) from exc
+                drop(precision, f"its build failed: {why}")  # auto: fp32 still ships
 
         int8 = built.get("int8")
         if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
@@ -335,6 +346,10 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
             built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate, task,
                                             opts.benchmark and profile.accelerator == "cpu")
+        if opts.keep_engines is not None:  # for a caller that measures the candidates itself (bench/corpus.py)
+            opts.keep_engines.mkdir(parents=True, exist_ok=True)
+            for b in built.values():
+                shutil.copyfile(b.engine, opts.keep_engines / f"{b.precision}{target.engine_suffix}")
         cannot_time = _host_cannot_time(profile)
         benchmarked = opts.benchmark and profile.accelerator == "cpu" and cannot_time is None
         fp32_runner = built["fp32"].runner if "fp32" in built else reference
@@ -594,6 +609,25 @@ def _per_output_report(built: dict[str, _Built]) -> str:
     return "".join(lines)
 
 
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An error as one line for a reason or a note: its type when the text does not say it (a KeyError's text is
+    only the key), whitespace folded, at most ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, (KeyError, IndexError, AssertionError)) or not text:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _toolchain_missing(exc: BaseException) -> bool:
+    """A build that failed because a toolchain is not installed here (a missing module), not because of the model."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ImportError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precision: str,
                     calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[Any],
                     gate: GateSettings, task: TaskSpec) -> _Built:
@@ -645,11 +679,16 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
             break
         tried.add(keep)
         engine = work / f"model-int8-float{k}.onnx"
-        quant = quantize(prepared, profile, calib, engine, keep_float=keep)
-        runner = engines.open("onnxruntime", engine, "int8", f"the int8 candidate with {len(keep)} float layers")
-        report = evaluate_gate([o.name for o in info.outputs], ref_out,
-                               predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
-                               eval_set.labels, "int8", gate, task)
+        try:
+            quant = quantize(prepared, profile, calib, engine, keep_float=keep)
+            runner = engines.open("onnxruntime", engine, "int8", f"the int8 candidate with {len(keep)} float layers")
+            report = evaluate_gate([o.name for o in info.outputs], ref_out,
+                                   predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
+                                   eval_set.labels, "int8", gate, task)
+        except (CompilerError, EngineError) as exc:  # this step's build failed: the next keeps more in float
+            steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float: the build failed "
+                         f"({_one_line(exc, 200)})")
+            continue
         steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float ({', '.join(keep)}): "
                      f"{_gate_note(report)}")
         if report.passed:

@@ -485,9 +485,12 @@ def _ctc(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
     exact = edits = chars = 0
     cers: list[float] = []
     for r, c in zip(ref, cand, strict=True):
+        if r.ndim == 3 and 1 in r.shape[:2] and c.shape == r.shape:  # batch 1: [1, T, C] or time-major [T, 1, C]
+            r, c = r.reshape(-1, r.shape[-1]), c.reshape(-1, c.shape[-1])
         if r.ndim != 2:
-            raise InputError(f"ctc needs an output of [N, T, C] (class scores per step); a sample here has shape "
-                             f"{list(r.shape)}: declare another task with --task")
+            raise InputError(f"ctc needs class scores per step: an output of [N, T, C], or time-major [T, N, C] "
+                             f"([1, T, C] or [T, 1, C] for a model that takes one sample per call); a sample here has "
+                             f"shape {list(r.shape)}, neither: declare the task this output is for with --task")
         if not 0 <= blank < r.shape[-1]:
             raise InputError(f"ctc blank={blank} is outside the {r.shape[-1]} classes of the output")
         a, b = ctc_decode(r, blank), ctc_decode(c, blank)

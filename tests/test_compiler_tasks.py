@@ -225,7 +225,8 @@ def test_an_int8_build_with_no_quantized_op_is_never_called_int8(tmp_path):
     reason = m["precision_choice"]["reason"]
     assert "no quantized op" in reason and "inside If/Loop/Scan" in reason
     forced = run_cli(*args, "--precision", "int8")
-    assert forced.returncode == 5 and "Traceback" not in forced.stderr and "--precision fp32" in forced.stderr
+    # the fp32 model runs: not a toolchain failure (exit 5) but this model's limit, exit 4 with the way out
+    assert forced.returncode == 4 and "Traceback" not in forced.stderr and "--precision fp32" in forced.stderr
     assert count_quantized_ops(model) == (0, 2, 4)  # (quantized, inside subgraphs: a MatMul per branch, all)
 
 

@@ -162,7 +162,7 @@ def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out
     weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
     activation_type = QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8
     calib = calibration.head(q.max_calibration_samples)
-    try:  # the quantizer prints progress to stdout (percentile calibration): keep stdout clean for --json
+    def run(extra: dict[str, object]) -> None:  # the quantizer prints progress to stdout: keep it clean for --json
         with contextlib.redirect_stdout(sys.stderr):
             quantize_static(
                 str(prepared), str(out_path), _Reader(calib),
@@ -170,15 +170,28 @@ def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out
                 activation_type=activation_type, weight_type=weight_type,
                 reduce_range=scheme == "u8s8_reduced",
                 calibrate_method=method, nodes_to_exclude=list(keep_float),
-                extra_options={"CalibTensorRangeSymmetric": False},
+                extra_options={"CalibTensorRangeSymmetric": False, **extra},
             )
-    except Exception as exc:
-        raise ToolchainError(f"onnxruntime static quantization failed: {exc}") from exc
+
+    retried = ""
+    try:
+        run({})
+    except Exception as first:  # onnxruntime raises assorted types
+        # the quantizer's weight adjustment for int32 biases crashes on some real graphs ("The truth value of an
+        # array with more than one element is ambiguous"); without it the same graph quantizes
+        try:
+            run({"QDQDisableWeightAdjustForInt32Bias": True})
+        except Exception:
+            first_line = " ".join(str(first).split())[:240] or type(first).__name__
+            raise ToolchainError(f"onnxruntime static quantization failed ({type(first).__name__}: {first_line}), "
+                                 "also with QDQDisableWeightAdjustForInt32Bias") from first
+        retried = (f"; quantized with QDQDisableWeightAdjustForInt32Bias (the default failed: "
+                   f"{' '.join(str(first).split())[:120] or type(first).__name__})")
     return QuantizationInfo(
         scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8",
         weight_type="uint8" if scheme == "u8u8" else "int8",
         weight_bits=7 if scheme == "u8s8_reduced" else 8, per_channel=q.per_channel,
-        calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why,
+        calibration_method=q.calibration_method, calibration_samples=len(calib), reason=why + retried,
         float_nodes=keep_float)
 
 
