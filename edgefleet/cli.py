@@ -59,9 +59,19 @@ def _require(*extras: str) -> None:
                 raise ImportError(f"No module named {mod!r}", name=mod)
 
 
+_last_progress: list[str] = [""]  # the last plain line written (not on a terminal: one line per step, no repeats)
+
+
 def _progress_bar(step: int, total: int, what: str) -> None:
     width = 24
     filled = int(width * step / total)
+    if not sys.stderr.isatty():  # a log file or a CI pipe: plain lines, never a \r redraw
+        line = what if what.startswith("note: ") or "] note: " in what else f"[{step}/{total}] {what}"
+        if line != _last_progress[0]:
+            _last_progress[0] = line
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        return
     if what.startswith("note: ") or "] note: " in what:  # a finding to keep on screen, e.g. the inferred task
         sys.stderr.write(f"\r{' ' * (width + 70)}\r{what}\n")
         sys.stderr.flush()
