@@ -65,7 +65,13 @@ class AgentConfig(StrictModel):
     # auto: at install (and each start) the agent times them on its own cores and serves the faster
     # (agent/precision.py); bundle: serve the bundle's own engine untimed; fp32/fp16/int8: that one, if the bundle
     # has it
-    precision: Literal["auto", "bundle", "fp32", "fp16", "int8"] = "auto"
+    precision: Literal["auto", "bundle", "fp32", "fp16", "int8", "bf16"] = "auto"
+    # the runtime that executes an onnxruntime bundle's ONNX/QDQ file (agent/runtime_choice.py). auto: at install
+    # (and each start) the agent times those installed here (onnxruntime, and OpenVINO with edgefleet[openvino]) on
+    # its own cores and serves the fastest that passes the bundle's self-test; onnxruntime / openvino: that one for
+    # the bundles it runs (an install fails, naming the extra, where it is not installed); LiteRT, TensorRT and bf16
+    # bundles run on the runtimes that run them (bf16: OpenVINO only)
+    runtime: Literal["auto", "onnxruntime", "openvino"] = "auto"
     max_queue_delay_us: int = Field(default=0, ge=0, le=1_000_000)
     # a lone request of a CPU model whose lone calls take less than this runs on the event loop itself, not on the
     # inference thread (two thread hand-offs cost more: digits, pinned, 1 client: +36% req/s); 0: never
@@ -104,6 +110,11 @@ class AgentConfig(StrictModel):
     # local_max_inflight requests in flight on each
     local_socket: Path | None = None
     local_max_connections: int = Field(default=32, ge=1, le=4096)
+    # of them, at most this many one user's (None: half of local_max_connections), so one user's connections, idle
+    # ones too, never lock the others out; a connection with nothing in flight and no byte from its client for
+    # local_idle_timeout_s is closed (ERROR 408)
+    local_max_connections_per_user: int | None = Field(default=None, ge=1, le=4096)
+    local_idle_timeout_s: float = Field(default=300.0, gt=0, le=86400)
     local_max_inflight: int = Field(default=256, ge=1, le=65536)
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)

@@ -7,9 +7,9 @@ the same check whatever runs it), times them in alternation on its own cores (ea
 version serving: ``turn``) and serves the fastest. The bundle's own runtime (its backend) is kept unless another is
 more than :data:`TIE` faster, so noise does not flip a choice between equals.
 
-``runtime`` in the agent's config: ``auto`` (time them), or a runtime, which is served untimed; a pinned runtime
-that is not installed, or cannot run the bundle, fails the install with the reason and the extra to install (the
-version serving keeps serving). A bf16 bundle runs on OpenVINO only: there is nothing to choose.
+``runtime`` in the agent's config: ``auto`` (time them), or a runtime, which serves the bundles it can run untimed
+(a pinned runtime that is not installed fails their install with the extra to install, and the version serving
+keeps serving); a bundle it cannot run (LiteRT, TensorRT, bf16 for onnxruntime) goes to the runtimes that can.
 """
 
 from __future__ import annotations
@@ -56,11 +56,7 @@ def candidates(backend: str, precision: str, setting: str,
     runtime, or every runtime that could run the bundle, is missing here."""
     able = runtimes_for(backend, precision)
     here = tuple(r for r in able if installed(r))
-    if setting != "auto":
-        if setting not in able:
-            raise BackendError(f"runtime: {setting} is set in the agent's config, and {setting} cannot run this "
-                               f"{backend} {precision} bundle (what can: {', '.join(able) or 'nothing known'}); "
-                               "set runtime: auto")
+    if setting != "auto" and setting in able:
         if setting not in here:
             raise BackendError(f"runtime: {setting} is set in the agent's config, and {setting} is not installed "
                                f"here; install {EXTRAS.get(setting, setting)} or set runtime: auto")
@@ -68,6 +64,8 @@ def candidates(backend: str, precision: str, setting: str,
     if not here:
         raise BackendError(f"no runtime installed here runs this {backend} {precision} bundle; install "
                            + " or ".join(EXTRAS.get(r, r) for r in able))
+    # a runtime pinned for what it can run (an onnxruntime bundle) leaves other bundles (LiteRT, TensorRT, bf16) to
+    # the runtimes that run them
     return here, "only" if len(here) == 1 else "device"
 
 

@@ -30,7 +30,10 @@ def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
     # tests that give no root trust the (fake or unreachable) fleet's on first use, as the agent's flag says
     tofu = "trusted_root" not in overrides
     cfg = AgentConfig(**{"device_id": "dev-1", "fleet_url": "http://127.0.0.1:9", "data_dir": data_dir,
-                         "http_port": 0, "telemetry_interval_s": 0.5, "trust_on_first_use": tofu, **overrides})
+                         "http_port": 0, "telemetry_interval_s": 0.5, "trust_on_first_use": tofu,
+                         # onnxruntime's answers, which the tests compare with, unless a test asks for the runtime
+                         # chosen on the device (runtime="auto": tests/test_agent_runtime_choice.py)
+                         "runtime": "onnxruntime", **overrides})
     agent = Agent(cfg)
     errors: list[BaseException] = []
 

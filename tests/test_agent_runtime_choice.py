@@ -81,14 +81,14 @@ def test_openvino_pinned_serves_it_untimed_with_the_same_answers(tmp_path, digit
         ort.close()
 
 
-def test_a_bf16_bundle_has_one_runtime_and_onnxruntime_pinned_for_it_is_refused():
-    assert candidates("onnxruntime", "bf16", "auto", installed=lambda r: True) == (("openvino",), "only")
-    with pytest.raises(BackendError, match="runtime: onnxruntime is set in the agent's config, and onnxruntime "
-                                           "cannot run this onnxruntime bf16 bundle \\(what can: openvino\\)"):
-        candidates("onnxruntime", "bf16", "onnxruntime", installed=lambda r: True)
-    assert candidates("litert", "int8", "auto", installed=lambda r: True) == (("litert",), "only")
-    with pytest.raises(BackendError, match="openvino cannot run this litert int8 bundle"):
-        candidates("litert", "int8", "openvino", installed=lambda r: True)
+def test_a_pin_applies_to_the_bundles_that_runtime_runs_and_leaves_the_others_to_theirs():
+    every = lambda r: True  # noqa: E731
+    assert candidates("onnxruntime", "int8", "openvino", installed=every) == (("openvino",), "operator")
+    assert candidates("onnxruntime", "int8", "auto", installed=every) == (("onnxruntime", "openvino"), "device")
+    # a bf16 bundle runs on OpenVINO only, pinned onnxruntime or not; a LiteRT bundle on LiteRT, pinned OpenVINO or not
+    assert candidates("onnxruntime", "bf16", "auto", installed=every) == (("openvino",), "only")
+    assert candidates("onnxruntime", "bf16", "onnxruntime", installed=every) == (("openvino",), "only")
+    assert candidates("litert", "int8", "openvino", installed=every) == (("litert",), "only")
 
 
 def test_a_box_without_the_extra_serves_on_onnxruntime_and_a_pin_to_openvino_names_the_extra():
@@ -107,3 +107,32 @@ def test_a_box_without_the_extra_serves_on_onnxruntime_and_a_pin_to_openvino_nam
         "runtime: openvino is set in the agent's config, and openvino is not installed here; install "
         "edgefleet[openvino] or set runtime: auto",
         "no runtime installed here runs this onnxruntime bf16 bundle; install edgefleet[openvino]"]
+
+
+@needs_ov
+@pytest.mark.timeout(300)
+def test_a_running_agent_reports_the_runtime_it_chose_and_serves_its_answers(tmp_path, digits_bundle, test_images):
+    import httpx
+
+    from tests.agent_harness import preinstall, running_agent
+
+    x = np.ascontiguousarray(test_images[0][:4], dtype=np.float32)
+    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist()}]}
+    for setting in ("auto", "openvino"):
+        preinstall(tmp_path / setting, digits_bundle)
+        with running_agent(tmp_path / setting, runtime=setting) as (agent, url):
+            cfg = httpx.get(f"{url}/v2/models/digits/config", timeout=30).json()
+            rc = cfg["runtime_choice"]
+            if setting == "auto":
+                assert rc["source"] == "device" and set(rc["items_per_second"]) == {"onnxruntime", "openvino"}, rc
+            else:
+                assert rc == {"runtime": "openvino", "source": "operator", "items_per_second": {}}, rc
+            r = httpx.post(f"{url}/v2/models/digits/infer", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(4, -1)
+            served = Loads(StagedModel(extract_bundle(digits_bundle, tmp_path / f"x-{setting}"),
+                                       tmp_path / f"x-{setting}", ""))(rc["runtime"])
+            try:  # the runtime it names is the one whose answers it serves
+                np.testing.assert_allclose(out, served.infer({"input": x})[0], atol=1e-5)
+            finally:
+                served.close()
