@@ -4,7 +4,10 @@ A bundle is compiled once and runs on many CPUs. This loads it through the agent
 runs the agent's self-test on the bundle's sample (the figure an install report carries) and, given
 a labelled evaluation set, measures top-1 on this CPU against the figure the compiler recorded. Without
 labels, it reruns the gate's own metric (the task's, e.g. decoded-string agreement for CTC, or output
-agreement) on this CPU against the fp32 reference outputs the bundle carries in its self-test sample.
+agreement) on every sample of that set (up to MAX_EVAL_SAMPLES), this CPU's engine against an fp32 reference
+computed on the same samples: the bundle's fp32 engine (its own when it is fp32, or its fp32 variant), else the
+fp32 source model given with ``reference`` (checked against the fp32 outputs the bundle recorded); with
+neither it refuses, saying why, rather than judge on anything but the data it was given.
 Run it on a target box, or under emulation (``as-cpu Haswell edgefleet verify ...``) to see what an
 AVX2-only CPU computes. Nothing is installed and nothing leaves the machine.
 """
@@ -29,7 +32,9 @@ from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.evaluation import label_axis, top1_hits
 from edgefleet.protocol.manifest import AccuracyReport, Manifest
 
-__all__ = ["VerifyResult", "verify_bundle"]
+__all__ = ["MAX_EVAL_SAMPLES", "VerifyResult", "verify_bundle"]
+
+MAX_EVAL_SAMPLES = 4096  # samples of a label-free --eval set judged (the rest are left out, and the result says so)
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,9 @@ class VerifyResult:
     selftest_error: str | None
     top1: float | None  # on --eval, this CPU
     eval_samples: int | None
-    gate: AccuracyReport | None = None  # --eval without labels: the gate's metric here vs the bundle's fp32 outputs
+    gate: AccuracyReport | None = None  # --eval without labels: the gate's metric on it here vs an fp32 reference
+    gate_reference: str | None = None  # what the gate compared with, e.g. "the bundle's fp32 engine"
+    gate_note: str | None = None  # e.g. how many samples of the set were left out
 
     @property
     def recorded_top1(self) -> float:
@@ -84,6 +91,7 @@ class VerifyResult:
             "recorded_top1": self.recorded_top1, "fp32_top1": self.manifest.accuracy.reference,
             "drop_vs_fp32": self.drop_vs_fp32, "max_drop": self.manifest.accuracy.max_drop,
             "gate": None if self.gate is None else self.gate.model_dump(mode="json"),
+            "gate_reference": self.gate_reference, "gate_note": self.gate_note,
         }
 
 
@@ -94,7 +102,7 @@ def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], n
         raise ConfigError(f"{path}: not a readable .npz file ({exc})") from exc
     with npz:
         keys = set(npz.files)
-        if "labels" not in keys:
+        if "labels" not in keys:  # judged by agreement with fp32 on these inputs (_gate_on_data loads them)
             return {}, None
         feeds = {}
         for spec in manifest.inputs:
@@ -132,13 +140,15 @@ def _top1(backend: Engine, manifest: Manifest, feeds: dict[str, np.ndarray], lab
 
 
 def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
-                  batch: int = 64, skip_cpu_check: bool = False, precision: str | None = None) -> VerifyResult:
+                  batch: int = 64, skip_cpu_check: bool = False, precision: str | None = None,
+                  reference: Path | None = None) -> VerifyResult:
     """``skip_cpu_check`` runs the bundle even on a CPU its profile does not admit (diagnostics: what
     would such a CPU compute?); the result still says the CPU check failed. ``precision``: which of the
-    bundle's engines (its own, or a variant the device may choose) to verify; None: its own."""
+    bundle's engines (its own, or a variant the device may choose) to verify; None: its own. ``reference``: the
+    fp32 source model, to judge a label-free ``eval_path`` against when the bundle carries no fp32 engine."""
     feats = cpu_features()
     with tempfile.TemporaryDirectory(prefix="edgefleet-verify-") as tmp:
-        manifest = extract_bundle(bundle, Path(tmp))
+        manifest = whole = extract_bundle(bundle, Path(tmp))
         if precision is not None:
             try:
                 manifest = manifest.as_variant(precision)
@@ -155,6 +165,7 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
             return result()
         backend = load_bundle_engine(manifest, Path(tmp) / manifest.engine, threads)
         gate: AccuracyReport | None = None
+        against = note = None
         try:
             try:
                 st, st_err = self_test(backend, StagedModel(manifest, Path(tmp), sha256_file(bundle))), None
@@ -165,50 +176,110 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
             if eval_path is not None:
                 feeds, labels = _load_eval(eval_path, manifest)
                 if labels is None:
-                    gate = _gate_on_reference(backend, manifest, Path(tmp) / manifest.selftest)
+                    gate, against, note = _gate_on_data(backend, manifest, whole, Path(tmp), eval_path, reference,
+                                                        threads)
                 else:
                     top1, n = _top1(backend, manifest, feeds, labels, batch)
         finally:
             backend.close()
     return VerifyResult(manifest, cpu_arch(), tuple(sorted(feats)), cpu.action != "refuse", cpu.reason, st, st_err,
-                        top1, n, gate)
+                        top1, n, gate, against, note)
 
 
-def _gate_on_reference(backend: Engine, manifest: Manifest, selftest: Path) -> AccuracyReport:
-    """The gate's own metric on this CPU: the engine's outputs on the bundle's self-test inputs against the fp32
-    source model's outputs recorded beside them (``reference:NAME``), judged by the recorded task, or by
-    output agreement with the recorded budget. Numpy only: compiler.gate and compiler.tasks import no toolchain."""
-    from edgefleet.compiler.errors import CompilerError
-    from edgefleet.compiler.gate import GateSettings, evaluate_gate
-    from edgefleet.compiler.tasks import TaskSpec
-
+def _recorded_reference(manifest: Manifest, selftest: Path) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """The self-test sample's inputs and the fp32 source model's outputs on them (``reference:NAME``)."""
     try:
         with np.load(selftest, allow_pickle=False) as npz:
             if not all(f"reference:{s.name}" in npz.files for s in manifest.outputs):
                 raise ConfigError(f"{manifest.name} {manifest.version}: the bundle carries no fp32 reference outputs "
-                                  "(built by an older compiler); give --eval an .npz with a 'labels' array, or "
-                                  "rebuild the bundle")
-            feeds = {s.name: npz[f"input:{s.name}"] for s in manifest.inputs}
-            ref = [npz[f"reference:{s.name}"] for s in manifest.outputs]
+                                  "(built by an older compiler), so --reference cannot be checked against it; give "
+                                  "--eval an .npz with a 'labels' array, or rebuild the bundle")
+            return ({s.name: npz[f"input:{s.name}"] for s in manifest.inputs},
+                    [npz[f"reference:{s.name}"] for s in manifest.outputs])
     except (KeyError, ValueError, OSError) as exc:
         raise ConfigError(f"self-test sample {selftest.name} is unreadable: {exc}") from exc
+
+
+def _fp32_reference(manifest: Manifest, whole: Manifest, folder: Path, reference: Path | None,
+                    threads: int) -> tuple[Engine | None, str]:
+    """The fp32 engine to judge ``engine`` against, and what it is: the engine itself when it is fp32 (None), the
+    bundle's fp32 variant, or the source model ``reference`` once it reproduces the fp32 outputs the bundle
+    recorded. Refuses (ConfigError) when there is none."""
+    from edgefleet.engines import EngineError, EngineSpec
+    from edgefleet.engines import load as load_engine
+
+    if manifest.precision == "fp32":
+        return None, "itself (the engine is fp32: the fp32 reference)"
+    if "fp32" in whole.precisions and reference is None:
+        fp32 = whole.as_variant("fp32")
+        return load_bundle_engine(fp32, folder / fp32.engine, threads), "the bundle's fp32 engine"
+    if reference is None:
+        raise ConfigError(f"--eval has no 'labels' array, and the bundle ({manifest.precision}) carries no fp32 engine "
+                          "to judge it against on those inputs: give --reference MODEL.onnx (the fp32 model it was "
+                          "compiled from), or an --eval .npz with labels")
+    if not reference.is_file():
+        raise ConfigError(f"--reference {reference}: no such model file")
+    spec = EngineSpec(manifest.inputs, manifest.outputs, "fp32", manifest.profile, f"the fp32 reference {reference}")
     try:
-        got = backend.infer(feeds)
-    except Exception as exc:  # the runtime's own error types
-        raise ConfigError(f"the engine failed on its own sample: {exc}") from exc
+        ref = load_engine("onnxruntime", reference, spec, threads)
+    except EngineError as exc:
+        raise ConfigError(f"--reference {reference}: {exc}") from exc
+    feeds, recorded = _recorded_reference(manifest, folder / manifest.selftest)
+    try:
+        got = ref.infer(feeds)
+    except EngineError as exc:
+        ref.close()
+        raise ConfigError(f"--reference {reference} does not take the bundle's inputs: {exc}") from exc
+    for spec_out, a, b in zip(manifest.outputs, recorded, got, strict=True):
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        tol = 1e-3 * (1.0 + float(np.abs(a64).max(initial=0.0)))
+        if a.shape != b.shape or float(np.abs(a64 - b64).max(initial=0.0)) > tol:
+            ref.close()
+            raise ConfigError(f"--reference {reference} is not the model {manifest.name} {manifest.version} was "
+                              f"compiled from: its output {spec_out.name!r} differs from the fp32 outputs the bundle "
+                              "recorded on its self-test sample")
+    return ref, f"the fp32 source model {reference.name}"
+
+
+def _gate_on_data(engine: Engine, manifest: Manifest, whole: Manifest, folder: Path, eval_path: Path,
+                  reference: Path | None, threads: int) -> tuple[AccuracyReport, str, str | None]:
+    """The gate's own metric on the samples of ``eval_path``: this CPU's engine against an fp32 reference computed on
+    the same samples (:func:`_fp32_reference`), judged by the recorded task, or by output agreement with the recorded
+    budget. The compiler's data loader and gate are numpy only: they import no toolchain."""
+    from edgefleet.compiler.data import load_dataset
+    from edgefleet.compiler.errors import CompilerError
+    from edgefleet.compiler.evaluate import predict_all
+    from edgefleet.compiler.gate import GateSettings, evaluate_gate
+    from edgefleet.compiler.tasks import TaskSpec
+    from edgefleet.engines import EngineError
+
+    per_sample = not manifest.batchable
+    axes = {s.name: 0 if per_sample else s.batch_axis for s in manifest.inputs}
+    try:
+        data = load_dataset(eval_path, manifest.inputs, need_labels=False, what="--eval set",
+                            preprocessing=manifest.preprocessing, axes=axes, per_sample=per_sample)
+    except CompilerError as exc:
+        raise ConfigError(str(exc)) from exc
+    note = None
+    if len(data) > MAX_EVAL_SAMPLES:
+        note = f"the first {MAX_EVAL_SAMPLES} of its {len(data)} samples judged"
+        data = data.head(MAX_EVAL_SAMPLES)
+    ref, against = _fp32_reference(manifest, whole, folder, reference, threads)
+    out_axes = [o.batch_axis for o in manifest.outputs]
+    try:
+        try:
+            got = predict_all(engine.infer, data, output_axes=out_axes)
+            want = got if ref is None else predict_all(ref.infer, data, output_axes=out_axes)
+        except EngineError as exc:
+            raise ConfigError(f"the engines refused the --eval set: {exc}") from exc
+    finally:
+        if ref is not None:
+            ref.close()
     acc = manifest.accuracy
     task = TaskSpec.from_report(acc.task) if acc.task is not None else None
-
-    def rows(x: np.ndarray, spec) -> np.ndarray | list[np.ndarray]:  # the samples on axis 0, as the gate had them
-        if spec.batch_axis is not None:
-            return np.moveaxis(x, spec.batch_axis, 0)
-        return x if manifest.batchable is False and x.ndim and x.shape[0] == 1 else [x]
-
-    ref_rows = [rows(r, s) for r, s in zip(ref, manifest.outputs, strict=True)]
-    got_rows = [rows(g, s) for g, s in zip(got, manifest.outputs, strict=True)]
     settings = GateSettings(kind="agreement", min_agreement=1.0 - acc.max_drop if acc.metric == "agreement" else 0.99)
     try:
-        return evaluate_gate([s.name for s in manifest.outputs], ref_rows, got_rows, None, manifest.precision, settings,
-                             task)
+        report = evaluate_gate([s.name for s in manifest.outputs], want, got, None, manifest.precision, settings, task)
     except CompilerError as exc:
         raise ConfigError(f"cannot judge the engine's outputs here: {exc}") from exc
+    return report, against, note

@@ -655,7 +655,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         return EXIT_INPUT
     try:
         r = verify_bundle(a.bundle, a.eval, threads=a.threads, skip_cpu_check=a.skip_cpu_check,
-                          precision=a.precision)
+                          precision=a.precision, reference=a.reference)
     except (AgentError, EdgefleetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if a.json:
@@ -684,8 +684,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
         g = r.gate
         what = (f"{g.task.task}: {', '.join(f'{c.name} {c.value:.4f}' for c in g.task.criteria)}" if g.task
                 else f"agreement {g.candidate:.4f} (needs {1 - g.max_drop:.4f})")
-        lines.append(f"gate      {what} on the bundle's {g.eval_samples} fp32 reference sample(s), this CPU "
-                     f"(--eval has no labels): {'holds' if g.passed else 'FAILS'}")
+        note = f"; {r.gate_note}" if r.gate_note else ""
+        lines.append(f"gate      {what} on {g.eval_samples} samples of {a.eval} (no labels), this CPU against "
+                     f"{r.gate_reference}{note}: {'holds' if g.passed else 'FAILS'}")
     if r.selftest is not None or r.selftest_error:
         lines.append("computes  " + ("as gated: the same answers the compiler measured" if r.computes_as_gated
                                      else "NOT as gated: this CPU gives other answers than the ones gated"))
@@ -794,13 +795,19 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", formatter_class=_Formatter, help="run a bundle on this CPU as an agent would",
                        description="Load a bundle through the agent's backend on this machine's CPU, run its "
                                    "self-test and, with --eval, measure top-1 against the figure the compiler "
-                                   "recorded (without labels in --eval: the gate's own metric against the fp32 "
-                                   "reference outputs the bundle carries). Exit 0 if it holds, 3 if this CPU "
-                                   "computes something else, 4 if "
-                                   "this CPU lacks the instruction sets the bundle needs. Try it on an emulated "
+                                   "recorded (without labels in --eval: the gate's own metric on those inputs "
+                                   "against an fp32 engine run on the same inputs: the bundle's own, or "
+                                   "--reference; refused when there is none). Exit 0 if it holds, 3 if this CPU "
+                                   "computes something else, 4 if this CPU lacks the instruction sets the bundle "
+                                   "needs or the data cannot be judged. Try it on an emulated "
                                    "AVX2-only CPU: qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
     v.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
-    v.add_argument("--eval", type=Path, help=".npz with input(s) and 'labels' (e.g. models/digits/test.npz)")
+    v.add_argument("--eval", type=Path, help=".npz with input(s) and 'labels' (e.g. models/digits/test.npz); "
+                   "without labels, the gate's own metric on its inputs against fp32 (the bundle's fp32 engine, or "
+                   "--reference)")
+    v.add_argument("--reference", type=Path, metavar="MODEL.onnx",
+                   help="the fp32 model the bundle was compiled from: what a label-free --eval set is judged against "
+                        "when the bundle carries no fp32 engine (checked against the fp32 outputs the bundle recorded)")
     v.add_argument("--threads", type=int, default=2, help="inference threads")
     v.add_argument("--precision", metavar="P",
                    help="verify this precision's engine: a bundle compiled where its devices' CPU could not be timed "

@@ -133,10 +133,10 @@ def test_fixed_batch_1_with_dynamic_width_compiles_sample_by_sample_and_verifies
                                                                                 "char_error_rate"}
     assert "quantize/dequantize ops" in m["quantization"]["reason"]
     bundle = tmp_path / "ctc-1.0.0-x86-cpu.tar"
-    v = run_cli("verify", str(bundle), "--eval", str(tmp_path / "d.npz"), "--json")
+    v = run_cli("verify", str(bundle), "--eval", str(tmp_path / "d.npz"), "--reference", str(model), "--json")
     assert v.returncode == 0, v.stderr
     gate = json.loads(v.stdout)["gate"]
-    assert gate["passed"] and gate["task"]["task"] == "ctc"
+    assert gate["passed"] and gate["task"]["task"] == "ctc" and gate["eval_samples"] == 32  # every sample of d.npz
 
 
 def test_predict_all_keeps_samples_of_different_shapes_apart():
