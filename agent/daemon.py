@@ -33,7 +33,7 @@ from edgefleet.agent.image import ImageLimits
 from edgefleet.agent.install import Installer
 from edgefleet.agent.link import MqttLink
 from edgefleet.agent.metrics import Metrics
-from edgefleet.agent.server import ModelHost, create_app
+from edgefleet.agent.server import ModelHost, create_app, peer_tagging
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.agent.spool import Spool
 from edgefleet.agent.store import ModelStore
@@ -137,7 +137,11 @@ class Agent:
                          self.shm if self.shm.enabled else None)
         # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
         # batchers close only after it returns), then waits for the connections for at most the grace period
+        # http: uvicorn's own protocol, each connection's client told once (agent/server.py: peer_tagging)
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                               http=peer_tagging(AutoHTTPProtocol),
                                                timeout_graceful_shutdown=math.ceil(self.config.shutdown_grace_s)))
         self._server = server
         grpc_server = None
@@ -154,7 +158,9 @@ class Agent:
 
             local_server = LocalServer(self.host, self.shm if self.shm.enabled else None, self.config.max_body_bytes,
                                        self.config.local_max_connections, self.config.local_max_inflight,
-                                       self.config.max_inflight_body_bytes)
+                                       self.config.max_inflight_body_bytes,
+                                       max_connections_per_user=self.config.local_max_connections_per_user,
+                                       idle_timeout_s=self.config.local_idle_timeout_s)
             self.local_socket = await local_server.start(self.config.data_dir / self.config.local_socket)
         sweeper = self._loop.create_task(self._sweep_shm())
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),

@@ -31,7 +31,7 @@ import numpy as np
 from edgefleet import protocol
 from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.kserve import InferRequest, decode_request, ordered_outputs
-from edgefleet.agent.peer import tcp_peer
+from edgefleet.agent.peer import PeerCell, tcp_peer
 from edgefleet.agent.server import EXTENSIONS, ModelHost, Served, model_config
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.engines import NP_DTYPES
@@ -91,8 +91,8 @@ def request_doc(request: Any) -> tuple[dict[str, Any], dict[str, memoryview]]:
     return doc, raw
 
 
-_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED",
-          503: "UNAVAILABLE"}
+_CODES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+          429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
 GRPC_MIN_CONCURRENCY, GRPC_MAX_CONCURRENCY = 64, 1024
@@ -112,6 +112,7 @@ class GrpcServer:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._server: Any = None
         self.port = 0
+        self.bind_host: str | None = None
 
     async def start(self, bind_host: str, port: int) -> int:
         """Listen on ``bind_host:port`` (0: a free port) -> the port. On the event loop that serves."""
@@ -134,6 +135,7 @@ class GrpcServer:
             raise OSError(f"gRPC could not listen on {addr}")
         await server.start()
         self._server = server
+        self.bind_host = bind_host
         return self.port
 
     async def stop(self, grace_s: float) -> None:
@@ -143,6 +145,14 @@ class GrpcServer:
             self._server = None
 
     # -- helpers ------------------------------------------------------------------------------------
+
+    def caller_shm(self, context: Any) -> tuple[SharedMemory | None, PeerCell]:
+        """The shared-memory registry as this call's client may use it, and the client's cell (agent/peer.py).
+        gRPC shows no connection, only its peer address, and an address and port may be another user's once the
+        connection closes: the user is told per call, and only when the call uses a region (about 25-50 us)."""
+        host, port = _peer_address(context.peer())
+        cell = PeerCell(lambda: tcp_peer(host, port, self.port, self.bind_host))
+        return (None if self.shm is None else self.shm.as_caller(cell)), cell
 
     def served(self, name: str, version: str) -> Served:
         return self.host.get(name, version or None)
@@ -163,9 +173,10 @@ class GrpcServer:
             served = self.served(request.model_name, request.model_version)
             m = served.manifest
             doc, raw = request_doc(request)
-            req = decode_request(doc, m.inputs, m.outputs, raw=raw, shm=self.shm)
+            shm = self.caller_shm(context)[0] if self.shm is not None else None
+            req = decode_request(doc, m.inputs, m.outputs, raw=raw, shm=shm)
             outs = await self.host.infer(served, req)
-            response = self._response(m.name, m.version, outs, m.outputs, req)
+            response = self._response(m.name, m.version, outs, m.outputs, req, shm)
             status = 200
             return response
         except asyncio.CancelledError:
@@ -185,16 +196,17 @@ class GrpcServer:
             else:
                 self.host.metrics.rejected(dt, status, None)
 
-    def _response(self, model: str, version: str, outputs: list[np.ndarray], specs: Any, req: InferRequest) -> Any:
+    def _response(self, model: str, version: str, outputs: list[np.ndarray], specs: Any, req: InferRequest,
+                  shm: SharedMemory | None) -> Any:
         pb = self._pb
         resp = pb.ModelInferResponse(model_name=model, model_version=version, id=req.id or "")
         for name, arr, spec in ordered_outputs(outputs, specs, req):
             data = np.ascontiguousarray(arr, dtype=np.dtype(NP_DTYPES[spec.datatype]).newbyteorder("<"))
             t = resp.outputs.add(name=name, datatype=spec.datatype, shape=list(arr.shape))
             if name in req.shm_outputs:
-                assert self.shm is not None
+                assert shm is not None
                 region, off, size = req.shm_outputs[name]
-                n = self.shm.write(region, off, size, data, f"output {name!r}")
+                n = shm.write(region, off, size, data, f"output {name!r}")
                 t.parameters["shared_memory_region"].string_param = region
                 t.parameters["shared_memory_byte_size"].int64_param = n
                 if off:
@@ -264,7 +276,9 @@ class _Servicer:
                     await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return resp
                 try:
-                    regions = srv.shm.status(request.name or None)
+                    view = srv.caller_shm(context)[0]
+                    assert view is not None
+                    regions = view.status(request.name or None)
                 except AgentError as exc:
                     await srv.abort(context, exc)
                 for r in regions:
@@ -276,17 +290,22 @@ class _Servicer:
                     await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return None
                 try:
-                    peer = context.peer()
-                    host, port = _peer_address(peer)
-                    srv.shm.register(request.name, request.key, request.offset, request.byte_size, host or peer,
-                                     tcp_peer(host, port, srv.port))
+                    host = _peer_address(context.peer())[0]
+                    peer = srv.caller_shm(context)[1].get()
+                    # max_shm_regions_per_client counts each local user apart
+                    srv.shm.register(request.name, request.key, request.offset, request.byte_size,
+                                     f"{host or context.peer()} uid {peer.uid}", peer)
                 except AgentError as exc:
                     await srv.abort(context, exc)
                 return pb.SystemSharedMemoryRegisterResponse()
 
             async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-                if srv.shm is not None:
-                    srv.shm.unregister(request.name or None)
+                view = srv.caller_shm(context)[0]
+                if view is not None:
+                    try:
+                        view.unregister(request.name or None)
+                    except AgentError as exc:
+                        await srv.abort(context, exc)
                 return pb.SystemSharedMemoryUnregisterResponse()
 
         return Servicer()

@@ -331,7 +331,8 @@ def _png_critical(data: bytes) -> bytes:
     z = zlib.decompressobj()
     total = 0
     try:
-        for piece in idat:
+        for chunk_data in idat:
+            piece: bytes | memoryview = chunk_data
             while piece and not z.eof:
                 total += len(z.decompress(piece, _INFLATE_STEP))
                 if total > expected:

@@ -17,7 +17,11 @@ data dir). The socket file is made mode 0660 before the agent listens (so no one
 agent's user and group may connect, nobody else -- stricter than the loopback HTTP port any local user reaches.
 A stale socket at the path is replaced; any other file there is refused.
 
-Bounds: ``max_connections`` connections (one more is answered ERROR 503 and closed), ``max_inflight``
+Bounds: ``max_connections`` connections (one more is answered ERROR 503 and closed), at most
+``max_connections_per_user`` of them one user's (told by SO_PEERCRED; one more is answered ERROR 503 naming the
+limit and closed), so one user's connections -- idle ones too -- never lock the others out; a connection with
+nothing in flight and no byte from its client for ``idle_timeout_s`` is answered ERROR 408 and closed (checked
+every ``idle_timeout_s`` / 4, at most every 5 s). ``max_inflight``
 requests in flight per connection (reading pauses beyond it, and while the client does not read its answers),
 ``max_inflight_bytes`` of request bodies in flight over all connections, frames still being read included
 (beyond it: 503), a frame at most
@@ -44,7 +48,7 @@ import orjson
 
 from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
-from edgefleet.agent.peer import Peer, unix_peer
+from edgefleet.agent.peer import Peer, PeerCell, unix_peer
 from edgefleet.agent.server import LARGE_BODY, ModelHost, Served
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.protocol import local as wire
@@ -63,12 +67,18 @@ TEMPLATES_PER_CONNECTION, TEMPLATE_MAX_HEADER = 64, 4096
 class LocalServer:
     def __init__(self, host: ModelHost, shm: SharedMemory | None, max_body_bytes: int, max_connections: int = 32,
                  max_inflight: int = 256, max_inflight_bytes: int = 256 * 1024 * 1024,
-                 frame_timeout_s: float = wire.FRAME_TIMEOUT_S):
+                 frame_timeout_s: float = wire.FRAME_TIMEOUT_S, max_connections_per_user: int | None = None,
+                 idle_timeout_s: float = 300.0):
         self.host, self.shm = host, shm
         self.max_body_bytes, self.max_connections, self.max_inflight = max_body_bytes, max_connections, max_inflight
         self.max_inflight_bytes, self.frame_timeout_s = max_inflight_bytes, frame_timeout_s
+        # None: half the connections (at least 1), so one user leaves the other half to everyone else
+        self.max_connections_per_user = max_connections_per_user or max(1, max_connections // 2)
+        self.idle_timeout_s = idle_timeout_s
         self.inflight_bytes = 0
         self.connections: set[_Connection] = set()
+        self.per_user: dict[int | None, int] = {}  # open connections by the client's uid (None: not told)
+        self._reaper: asyncio.Task | None = None
         self.path: Path | None = None
         self._server: asyncio.AbstractServer | None = None
         self._numbers = itertools.count(1)
@@ -93,13 +103,26 @@ class LocalServer:
             sock.close()
             raise
         self.path = path
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
         return path
+
+    async def _reap_idle(self) -> None:
+        """Close the connections idle for ``idle_timeout_s``: nothing in flight, no byte from the client."""
+        every = min(5.0, self.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for c in [c for c in self.connections if not c.inflight and now - c.active > self.idle_timeout_s]:
+                c._fatal(408, f"no request for {self.idle_timeout_s:g} s (local_idle_timeout_s); closing this idle "
+                              "connection")
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; requests in flight get ``grace_s`` to finish; then every connection is closed."""
         if self._server is None:
             return
         self._server.close()
+        if self._reaper is not None:
+            self._reaper.cancel()
         deadline = time.monotonic() + grace_s
         while any(c.inflight for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -117,7 +140,11 @@ class _Connection(asyncio.Protocol):
         self.number = next(srv._numbers)
         self.client = f"local#{self.number}"
         self.cred: tuple[int, int] | None = None  # its uid and gid, from SO_PEERCRED (connection_made)
-        self.shm = srv.shm.scoped(f"L{self.number}") if srv.shm is not None else None
+        self.counted = False  # in srv.connections and srv.per_user
+        self.active = time.monotonic()  # the last byte from the client
+        # its user, with groups, looked up when first needed (REGISTER, or a use of another user's region)
+        self.peer = PeerCell(lambda: Peer(None) if self.cred is None else unix_peer(*self.cred))
+        self.shm = srv.shm.scoped(f"L{self.number}").as_caller(self.peer) if srv.shm is not None else None
         self.buf = bytearray()
         self.held_bytes = 0  # of buf, counted in srv.inflight_bytes (_hold)
         self.waiting = False  # buf holds whole frames waiting for room (max_inflight), not a partial one
@@ -143,17 +170,37 @@ class _Connection(asyncio.Protocol):
             pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.client = f"local#{self.number} (pid {pid}, uid {uid})"
             self.cred = (uid, gid)  # whose objects it may use as regions (agent/peer.py, looked up at REGISTER)
-        if len(self.srv.connections) >= self.srv.max_connections:
-            transport.write(_error(0, 503, f"{len(self.srv.connections)} local connections are open, the most "
-                                           f"allowed (local_max_connections {self.srv.max_connections}); retry"))
+        srv = self.srv
+        uid = None if self.cred is None else self.cred[0]
+        mine = srv.per_user.get(uid, 0)
+        refusal = None
+        if len(srv.connections) >= srv.max_connections:
+            refusal = (f"{len(srv.connections)} local connections are open, the most allowed (local_max_connections "
+                       f"{srv.max_connections}); retry")
+        elif mine >= srv.max_connections_per_user:
+            who = f"this user (uid {uid}) holds" if uid is not None else "clients whose user cannot be told hold"
+            refusal = (f"{who} {mine} local connections, the most one user may (local_max_connections_per_user "
+                       f"{srv.max_connections_per_user}); close one, or retry")
+        if refusal is not None:
+            transport.write(_error(0, 503, refusal))
             transport.close()
             self.closed = True
             return
-        self.srv.connections.add(self)
+        srv.connections.add(self)
+        srv.per_user[uid] = mine + 1
+        self.counted = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.srv.connections.discard(self)
+        if self.counted:
+            self.counted = False
+            uid = None if self.cred is None else self.cred[0]
+            left = self.srv.per_user.get(uid, 1) - 1
+            if left > 0:
+                self.srv.per_user[uid] = left
+            else:
+                self.srv.per_user.pop(uid, None)
         self._release()
         if self.stall is not None:
             self.stall.cancel()
@@ -198,6 +245,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self.active = time.monotonic()
         self.buf += data
         self._frames()
 
@@ -321,8 +369,9 @@ class _Connection(asyncio.Protocol):
                     or not {"name", "key", "byte_size"} <= set(doc):
                 raise RequestError('REGISTER takes a JSON object {"name": ..., "key": "/object", "offset": 0, '
                                    '"byte_size": N}')
-            peer = Peer(None) if self.cred is None else unix_peer(*self.cred)  # untold: no shared-memory regions
-            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client, peer)
+            # its user (untold: no shared-memory regions)
+            self.shm.register(doc["name"], doc["key"], doc.get("offset", 0), doc["byte_size"], self.client,
+                              self.peer.get())
         else:
             if not isinstance(doc, dict) or set(doc) - {"name"} or not isinstance(doc.get("name", ""), str):
                 raise RequestError('UNREGISTER takes a JSON object {"name": "region"}, or {} for every region of '

@@ -50,7 +50,7 @@ from edgefleet.agent.image import ImageLimits, check_image, decode_feeds
 from edgefleet.agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from edgefleet.agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
 from edgefleet.agent.openapi import openapi
-from edgefleet.agent.peer import tcp_peer
+from edgefleet.agent.peer import PeerCell, tcp_peer
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
@@ -393,9 +393,20 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             name = request.path_params["name"]
             metrics.rejected(dt, status, name if name in host.models else None)
 
+    def caller_shm(scope: Scope) -> SharedMemory | None:
+        """The shared-memory registry as this request's client may use it (its connection's view)."""
+        if shm is None:
+            return None
+        cell = connection_peer(scope)
+        view = cell.shm_view
+        if view is None:
+            view = cell.shm_view = shm.as_caller(cell)
+        return view
+
     async def infer_core(name: str, version: str | None, header: Callable[[str], str | None],
-                         receive: Receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                         receive: Receive, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """One infer request, from its path parameters, headers and body -> (status, headers, body)."""
+        view = caller_shm(scope)
         t0 = time.perf_counter()
         status = 500
         served: Served | None = None
@@ -411,12 +422,12 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             m = served.manifest
             if header_length is None and len(body) > LARGE_BODY:
                 async with large_decodes:
-                    req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs, shm)
+                    req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs, view)
             else:
-                req = parse_body(body, header_length, m.inputs, m.outputs, shm)
+                req = parse_body(body, header_length, m.inputs, m.outputs, view)
             del body
             outs = await host.infer(served, req)
-            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req, shm)
+            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req, view)
             status = 200
             if json_length is None:
                 return 200, [(b"content-type", b"application/json")], content
@@ -439,7 +450,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
 
     async def infer(request: Request) -> Response:
         status, headers, content = await infer_core(request.path_params["name"], request.path_params.get("version"),
-                                                    request.headers.get, request.receive)
+                                                    request.headers.get, request.receive, request.scope)
         return Response(content, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
     async def infer_image(request: Request) -> Response:
@@ -487,10 +498,11 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         return _error(400, "system shared memory is off on this agent")
 
     async def shm_status(request: Request) -> Response:
-        if shm is None:
+        view = caller_shm(request.scope)
+        if view is None:
             return no_shm()
         try:
-            return JSONResponse(shm.status(request.path_params.get("region")))
+            return JSONResponse(view.status(request.path_params.get("region")))
         except AgentError as exc:
             return _agent_error(exc)
 
@@ -510,9 +522,9 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         if not isinstance(doc, dict) or set(doc) - {"key", "offset", "byte_size"} or "key" not in doc \
                 or "byte_size" not in doc:
             return _error(400, "the body must be a JSON object {\"key\": \"/name\", \"offset\": 0, \"byte_size\": N}")
-        host, port = request.client if request.client else (None, None)
-        client = host or "?"
-        peer = tcp_peer(host, port, (request.scope.get("server") or (None, None))[1])
+        host = request.client.host if request.client else None
+        peer = connection_peer(request.scope).get()
+        client = f"{host or '?'} uid {peer.uid}"  # max_shm_regions_per_client counts each local user apart
         try:
             shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"], client,
                          peer)
@@ -521,9 +533,13 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         return JSONResponse({})
 
     async def shm_unregister(request: Request) -> Response:
-        if shm is None:
+        view = caller_shm(request.scope)
+        if view is None:
             return no_shm()
-        shm.unregister(request.path_params.get("region"))
+        try:
+            view.unregister(request.path_params.get("region"))
+        except AgentError as exc:
+            return _agent_error(exc)
         return JSONResponse({})
 
     async def prometheus(request: Request) -> Response:
@@ -590,7 +606,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                     return None if v is None else v.decode("latin-1")
 
                 status, out_headers, content = await infer_core(parts[3], parts[5] if n == 7 else None, header,
-                                                                receive)
+                                                                receive, scope)
                 await send({"type": "http.response.start", "status": status,
                             "headers": [*out_headers, (b"content-length", str(len(content)).encode())]})
                 await send({"type": "http.response.body", "body": content})
@@ -601,6 +617,47 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
 
 
 SMALL_BODY = 64 * 1024  # bytes: the most a small JSON request (register, repository index) may have
+
+# the ASGI scope key under which a connection's PeerCell travels (peer_tagging); without it, one per request
+CONNECTION_PEER = "edgefleet.peer"
+
+
+def connection_peer(scope: Scope) -> PeerCell:
+    """The user of the client of this request's connection (agent/peer.py): the connection's own cell where the
+    server tags its connections (:func:`peer_tagging`), looked up at most once per connection; otherwise a cell
+    for this request alone."""
+    cell = scope.get(CONNECTION_PEER)
+    if cell is None:
+        host, port = scope.get("client") or (None, None)
+        server_host, server_port = scope.get("server") or (None, None)
+        cell = scope[CONNECTION_PEER] = PeerCell(lambda: tcp_peer(host, port, server_port, server_host))
+    return cell
+
+
+def peer_tagging(base: type) -> type:
+    """uvicorn's HTTP protocol class ``base`` (one instance per connection), its requests' scopes carrying that
+    connection's PeerCell: a keep-alive connection's client is told once, however many requests it sends. The
+    cell lives and dies with the connection object, so a later connection from the same address and port (a
+    reused port, perhaps another user's) never inherits it."""
+
+    class PeerTagged(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            inner = getattr(self, "app", None)
+            if inner is None:  # not the uvicorn this was written for: a cell per request instead
+                return
+            host, port = getattr(self, "client", None) or (None, None)
+            server_host, server_port = getattr(self, "server", None) or (None, None)
+            cell = PeerCell(lambda: tcp_peer(host, port, server_port, server_host))
+
+            async def app(scope: Scope, receive: Receive, send: Send) -> None:
+                scope[CONNECTION_PEER] = cell
+                await inner(scope, receive, send)
+
+            self.app = app
+
+    PeerTagged.__name__ = PeerTagged.__qualname__ = f"PeerTagged{base.__name__}"
+    return PeerTagged
 
 
 async def _small_body(request: Request) -> bytes | None:

@@ -5,8 +5,16 @@ A client creates a POSIX shared-memory object (``shm_open``; ``tritonclient.util
 which bytes), then names the region in an infer request's input or output parameters
 (``shared_memory_region``, ``shared_memory_byte_size``, ``shared_memory_offset``) instead of sending the bytes.
 
-Bounded like every other input: at most ``max_per_client`` regions per client (a client is one peer address:
-on the box, every local process is the same client, 127.0.0.1), ``max_regions`` in all and ``max_bytes`` registered
+Every region answers to its owner. A region is registered by a user (agent/peer.py tells the client's); a
+caller (a view, :meth:`SharedMemory.as_caller`, one per connection or call) sees it in a listing, names it in an
+infer request as an input, has outputs written into it, or unregisters it only if it is that user, or a user
+the kernel's owner/group/mode rules let use the object for that use (read: list and inputs; write: outputs),
+or, to unregister, the object's owner or root. Anything else is refused with 403 by name; a listing leaves out
+what the caller may not read, and "unregister all" removes only the caller's own. Without this, another local
+user listed a region over HTTP, ran inference on its bytes, wrote outputs into its 0600 object and removed it.
+
+Bounded like every other input: at most ``max_per_client`` regions per client (HTTP and gRPC: one user on one
+peer address; the local socket: one connection), ``max_regions`` in all and ``max_bytes`` registered
 in all; a region not used for ``idle_timeout_s`` is unregistered (checked at every shared-memory call and infer
 that names a region, and by :meth:`SharedMemory.sweep`), and every region is closed at shutdown. Names and keys
 are validated (a key is one file name under /dev/shm: no path, no ``..``, no symlink followed); an object is
@@ -37,9 +45,15 @@ from pathlib import Path
 import numpy as np
 
 from edgefleet.agent.errors import PayloadTooLarge, RequestError
-from edgefleet.agent.peer import Peer
+from edgefleet.agent.peer import Peer, PeerCell
 
-__all__ = ["Region", "SharedMemory"]
+__all__ = ["NotPermitted", "Region", "SharedMemory"]
+
+
+class NotPermitted(RequestError):
+    """A caller used a region it may not (another user's, beyond what the kernel would let it do)."""
+
+    status_code = 403
 
 _SWEEP_EVERY_S = 1.0
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -57,6 +71,8 @@ class Region:
     fd: int  # the object, opened read-write when the agent's user may, else read-only
     writable: bool  # outputs may be written into it: the agent's user and the client may both write it
     read_only_why: str = ""  # why not, when not
+    uid: int | None = None  # the user who registered it (None: the agent itself)
+    rw: bool = False  # the agent holds it read-write
     last_used: float = field(default_factory=time.monotonic)
 
     def status(self) -> dict[str, object]:
@@ -76,7 +92,15 @@ class SharedMemory:
         self._regions: dict[str, Region] = {}  # by name, or "scope:name" for a scoped region
         self._lock = threading.Lock()
         self.scope: str | None = None
+        self.caller: PeerCell | None = None  # who uses this view; None: the agent itself (no check)
         self._swept_at = 0.0
+
+    def as_caller(self, caller: PeerCell) -> SharedMemory:
+        """A view of the same registry (and scope) for one client: each use of a region through it is checked
+        against ``caller``'s user (module docstring)."""
+        view = copy.copy(self)
+        view.caller = caller
+        return view
 
     def scoped(self, scope: str) -> SharedMemory:
         """A view of the same registry whose regions only it sees (one local-socket connection, agent/local.py):
@@ -91,6 +115,33 @@ class SharedMemory:
     def _get(self, name: str) -> Region | None:
         r = self._regions.get(self._key(name))
         return r if r is not None and r.scope == self.scope else None
+
+    def _refusal(self, r: Region, use: str) -> str | None:
+        """Why this view's caller may not ``use`` ("read", "write" or "remove") region ``r``; None: it may."""
+        if self.caller is None:
+            return None
+        peer = self.caller.get()
+        if peer.uid is None:
+            return "this client's user cannot be told (a process on this box, over the local socket or loopback)"
+        if peer.uid == r.uid:
+            return None  # its own (outputs: r.writable says, _writable)
+        st = os.fstat(r.fd)
+        if use == "remove":
+            if peer.uid in (0, r.uid, st.st_uid):
+                return None
+            return (f"only the user who registered it (uid {r.uid}), the object's owner (uid {st.st_uid}) or root "
+                    "may unregister it")
+        may_read, may_write = peer.may(st)
+        if (may_read if use == "read" else may_write and r.rw):  # write: and the agent holds it read-write
+            return None
+        return (f"this client (uid {peer.uid}) may not {use} {r.key!r} (owner uid {st.st_uid}, group {st.st_gid}, "
+                f"mode {stat.S_IMODE(st.st_mode):o})")
+
+    def _check(self, r: Region, use: str, what: str) -> None:
+        why = self._refusal(r, use)
+        if why is not None:
+            raise NotPermitted(f"{what}: shared-memory region {r.name!r} was registered by another user (uid {r.uid}); "
+                               f"{why}")
 
     @property
     def enabled(self) -> bool:
@@ -175,25 +226,34 @@ class SharedMemory:
             raise
         why = "" if rw and may_write else "the agent's user may not write it" if not rw else \
             f"this client (uid {peer.uid}) may not write it"
-        return Region(name, key, offset, byte_size, client, self.scope, fd, rw and may_write, why)
+        return Region(name, key, offset, byte_size, client, self.scope, fd, rw and may_write, why, uid=peer.uid,
+                      rw=rw)
 
     def unregister(self, name: str | None = None) -> None:
-        """One region, or every region of this scope (``name`` None). An unknown name is not an error (as in
-        Triton)."""
+        """One region, or every region of this scope the caller may unregister (``name`` None). An unknown name is
+        not an error (as in Triton); another user's region is (NotPermitted)."""
         with self._lock:
-            keys = [k for k, r in self._regions.items() if r.scope == self.scope] if name is None else \
-                [self._key(name)] if self._get(name) is not None else []
+            if name is None:
+                keys = [k for k, r in self._regions.items() if r.scope == self.scope and
+                        self._refusal(r, "remove") is None]
+            else:
+                r = self._get(name)
+                if r is not None:
+                    self._check(r, "remove", "unregister")
+                keys = [] if r is None else [self._key(name)]
             for k in keys:
                 _close(self._regions.pop(k))
 
     def status(self, name: str | None = None) -> list[dict[str, object]]:
         with self._lock:
             self._sweep_locked(time.monotonic())
-            if name is None:
-                return [r.status() for _, r in sorted(self._regions.items()) if r.scope == self.scope]
+            if name is None:  # what this caller may read
+                return [r.status() for _, r in sorted(self._regions.items()) if r.scope == self.scope and
+                        self._refusal(r, "read") is None]
             r = self._get(name)
             if r is None:
                 raise RequestError(f"no shared-memory region {name!r} is registered")
+            self._check(r, "read", "status")
             return [r.status()]
 
     def sweep(self) -> int:
@@ -221,7 +281,7 @@ class SharedMemory:
             self._regions.clear()
 
     # -- tensors ---------------------------------------------------------------------------------
-    def _use(self, name: object, offset: object, size: int, what: str) -> Region:
+    def _use(self, name: object, offset: object, size: int, what: str, use: str) -> Region:
         """The region ``name`` for ``size`` bytes at ``offset``, checked. Every other region idle too long is swept
         at most every ``_SWEEP_EVERY_S`` here (a use is a hot path); this one is checked each time."""
         if not isinstance(name, str):
@@ -230,10 +290,11 @@ class SharedMemory:
             raise RequestError(f"{what}: shared_memory_offset must be a byte count, got {offset!r}")
         now = time.monotonic()
         self._sweep_due(now)
-        return self._live(name, offset, size, what, now)
+        return self._live(name, offset, size, what, now, use)
 
-    def _live(self, name: str, offset: int, size: int, what: str, now: float) -> Region:
-        """The registered, not idle-expired region ``name`` holding ``size`` bytes at ``offset`` (marked used)."""
+    def _live(self, name: str, offset: int, size: int, what: str, now: float, use: str) -> Region:
+        """The registered, not idle-expired region ``name`` holding ``size`` bytes at ``offset``, which this view's
+        caller may ``use`` ("read": inputs; "write": outputs) (marked used)."""
         r = self._get(name)
         if r is not None and now - r.last_used > self.idle_timeout_s:
             _close(self._regions.pop(self._key(name)))
@@ -241,6 +302,8 @@ class SharedMemory:
         if r is None:
             raise RequestError(f"{what}: no shared-memory region {name!r} is registered"
                                + ("" if self.scope is None else " on this connection"))
+        if self.caller is not None:
+            self._check(r, use, what)
         if offset + size > r.byte_size:
             raise RequestError(f"{what}: bytes {offset}..{offset + size} are beyond shared-memory region {name!r} "
                                f"({r.byte_size} bytes)")
@@ -267,7 +330,7 @@ class SharedMemory:
              what: str) -> np.ndarray:
         """A copy of ``size`` bytes at ``offset`` in region ``name`` as an array (the client owns the region)."""
         with self._lock:
-            r = self._use(name, offset, size, what)
+            r = self._use(name, offset, size, what, "read")
             assert isinstance(name, str) and isinstance(offset, int)
             return self._pread(r, name, offset, size, dtype, shape, what)
 
@@ -280,14 +343,15 @@ class SharedMemory:
         now = time.monotonic()
         with self._lock:
             self._sweep_due(now)
-            got = [self._pread(self._live(name, offset, size, what, now), name, offset, size, dtype, shape, what)
-                   for name, offset, size, dtype, shape, what in reads]
+            got = [self._pread(self._live(name, offset, size, what, now, "read"), name, offset, size, dtype, shape,
+                               what) for name, offset, size, dtype, shape, what in reads]
             for name, offset, size, what in outputs:
-                self._writable(self._live(name, offset, size, what, now), what)
+                self._writable(self._live(name, offset, size, what, now, "write"), what)
         return got
 
-    @staticmethod
-    def _writable(r: Region, what: str) -> None:
+    def _writable(self, r: Region, what: str) -> None:
+        if self.caller is not None and self.caller.get().uid != r.uid:
+            return  # another user's region, which _live let it write (_refusal): the kernel's rule for that user
         if not r.writable:
             raise RequestError(f"{what}: outputs cannot be written into shared-memory object {r.key!r}: "
                                f"{r.read_only_why}; give outputs a region both may write")
@@ -297,7 +361,7 @@ class SharedMemory:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise RequestError(f"{what}: shared_memory_byte_size must be a positive byte count, got {size!r}")
         with self._lock:
-            self._writable(self._use(name, offset, size, what), what)  # scatter() checks the object's size
+            self._writable(self._use(name, offset, size, what, "write"), what)  # scatter() checks the object's size
         assert isinstance(name, str) and isinstance(offset, int)
         return name, offset, size
 
@@ -320,7 +384,7 @@ class SharedMemory:
             sizes: dict[int, int] = {}
             for name, offset, _, data, what in writes:
                 n = data.nbytes
-                r = self._live(name, offset, n, what, now)
+                r = self._live(name, offset, n, what, now, "write")
                 self._writable(r, what)
                 st = sizes.get(r.fd)
                 if st is None:

@@ -29,7 +29,8 @@ def agent(tmp_path_factory, digits_bundle):
     data = tmp_path_factory.mktemp("agent")
     preinstall(data, digits_bundle)
     with running_agent(data, local_socket="local.sock", max_shm_regions_per_client=3, max_shm_regions=4,
-                       max_shm_bytes=1024 * 1024, local_max_connections=6, max_body_bytes=64 * 1024) as (a, url):
+                       max_shm_bytes=1024 * 1024, local_max_connections=6, max_body_bytes=64 * 1024,
+                       local_max_connections_per_user=6) as (a, url):  # one user here: the total's limit
         yield a, url
 
 
