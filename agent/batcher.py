@@ -543,17 +543,33 @@ class Batcher:
             p.dispatched = p.waiting_on_thread = False
             self._queued_samples += p.n
 
+    def _idle_others(self, staged: bool) -> bool:
+        """Another instance could take a batch now besides the one this batch is formed for."""
+        if staged:
+            return sum(1 for i in self._instances if i.inflight == 1 and i.slot is None) > 1
+        return len(self._idle) > 1
+
+    def _share(self, staged: bool) -> int:
+        """The samples one batch may take when several instances can take a batch now (free ones; or, for a batch
+        queued behind a running one, busy ones with none queued): the queue split evenly between them, so each
+        starts on its share at once instead of one taking everything while the others idle."""
+        takers = sum(1 for i in self._instances if i.inflight == 1 and i.slot is None) if staged else len(self._idle)
+        return -(-self._queued_samples // takers) if takers > 1 else self._queued_samples
+
     async def _form(self, staged: bool = False) -> list[_Pending]:
         s = self.settings
         first = self._peek()
         if first is None:
             return []
+        share = self._share(staged)
         self._take(first)
         batch, n = [first], first.n
         self._forming = batch
         deadline = first.enqueued + s.max_queue_delay_us / 1e6
         concurrent = self._arrived_while_running > 1
         cap = self._open_cap if staged and self._open else s.max_batch_size
+        if self._idle_others(staged):
+            cap = max(1, min(cap, share))
         while n < cap:
             nxt = self._peek()
             if nxt is not None:
@@ -611,10 +627,12 @@ class Batcher:
         while True:
             staged: _Instance | None = None
             while not (self._idle and self._peek() is not None):
-                self._top_up()
+                if self._idle and self._steal():
+                    continue  # a free instance takes the batch waiting behind a busy one
                 staged = self._stageable()
                 if staged is not None:
                     break
+                self._top_up()
                 if self._closing and self._peek() is None and not self._running:
                     return
                 self._wake.clear()
@@ -640,28 +658,42 @@ class Batcher:
             self._dispatch(self._idle.pop(), batch)
 
     def _top_up(self) -> None:
-        """Requests queued while an open batch waits on a busy thread join it (copied into its next rows), oldest
-        first, while they fit and stack with it, until its thread takes it."""
+        """Requests queued while open batches wait on busy threads join them (copied into their next rows), oldest
+        first, each into the open batch with the fewest samples that it fits and stacks with, until their threads
+        take them."""
         if not self._open or self._closing or self.gate.waiting:
             return
-        for inst in self._instances:
-            st = inst.slot
-            if st is None or st.buffers is None:
-                continue
-            while st.n < self._open_cap:
-                p = self._peek()
-                if p is None or st.n + p.n > self._open_cap or not p.stackable_with(st.batch[0], self._in_axes):
-                    return  # first in, first out: nothing jumps the request at the head of the queue
-                with inst.lock:
-                    if inst.slot is not st:  # its thread took it meanwhile
-                        break
-                    for k, b in st.buffers.items():
-                        b[st.n:st.n + p.n] = p.feeds[k]
-                    self._take(p)
-                    p.dispatched = p.waiting_on_thread = True
-                    st.batch.append(p)
-                    st.n += p.n
-                    self._staged_samples += p.n
+        while True:
+            p = self._peek()
+            if p is None:
+                return
+            fits = [i for i in self._instances if (st := i.slot) is not None and st.buffers is not None
+                    and st.n + p.n <= self._open_cap and p.stackable_with(st.batch[0], self._in_axes)]
+            if not fits:
+                return  # first in, first out: nothing jumps the request at the head of the queue
+            inst = min(fits, key=lambda i: i.slot.n if i.slot is not None else 0)
+            with inst.lock:
+                st = inst.slot
+                if st is None or st.buffers is None or st.n + p.n > self._open_cap:
+                    continue  # its thread took it meanwhile: look again
+                for k, b in st.buffers.items():
+                    b[st.n:st.n + p.n] = p.feeds[k]
+                self._take(p)
+                p.dispatched = p.waiting_on_thread = True
+                st.batch.append(p)
+                st.n += p.n
+                self._staged_samples += p.n
+
+    def _steal(self) -> bool:
+        """An instance is free and nothing is queued, but a batch waits behind a busy instance and has not started:
+        it goes back to the front of the queue (its requests keep their order), for the free instance to take now.
+        -> whether one did."""
+        waiting = [i for i in self._instances if i.slot is not None and i.slot.batch[0].waiting_on_thread]
+        if not waiting:
+            return False
+        before = self._queued_samples
+        self._unstage(max(waiting, key=lambda i: i.slot.n if i.slot is not None else 0))
+        return self._queued_samples > before
 
     def _buffers(self, inst: _Instance, first: _Pending, rows: int) -> dict[str, np.ndarray]:
         """A batch buffer of at least ``rows`` rows for ``first``'s input shapes, reused when one of ``inst`` is

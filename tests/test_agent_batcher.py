@@ -746,3 +746,62 @@ def test_the_timeout_queue_does_not_keep_answered_requests_inputs():
 
     alive, _ = run(main())
     assert alive <= DEAD_MAX  # the queues drop cancelled requests lazily, or compact when there are many
+
+
+def test_requests_queued_while_instances_are_free_are_shared_among_them():
+    """Four free instances and eight requests queued at once: each instance takes a batch of its share at once (one
+    instance taking all eight, the other three idle, is the defect)."""
+    async def main():
+        bes = [FakeBackend() for _ in range(4)]
+        for be in bes:
+            be.gate.clear()
+        b = Batcher(bes, BatchSettings(max_batch_size=8))
+        b.start()
+        futs = [b.enqueue(x(1, start=10 * i)).future for i in range(8)]  # queued before the loop looks
+        try:
+            await _until(lambda: all(be.started.is_set() for be in bes), "every instance running a batch")
+        finally:
+            for be in bes:
+                be.gate.set()
+        outs = await asyncio.gather(*futs)
+        await b.close()
+        return bes, outs
+
+    bes, outs = run(main())
+    assert sorted(be.batches[0] for be in bes) == [2, 2, 2, 2]
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+
+
+def test_a_free_instance_takes_the_batch_waiting_behind_a_busy_one():
+    """Two instances, both running a batch held in the runtime; requests arrive and wait behind them. The second
+    instance's batch ends while the first's is still held: every waiting request then runs on the second, none waits
+    behind the held one while an instance is idle."""
+    async def main():
+        a, c = FakeBackend(), FakeBackend()
+        a.gate.clear()
+        c.gate.clear()
+        b = Batcher([a, c], BatchSettings(max_batch_size=4))
+        b.start()
+        first = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
+        await _until(lambda: a.started.is_set() and c.started.is_set(), "both instances running")
+        waiting = []
+        for i in range(2, 8):  # one by one, as clients send them
+            waiting.append(asyncio.ensure_future(b.submit(x(1, start=10 * i))))
+            await _until(lambda i=i: b.queued_samples == i - 1, f"request {i} queued")
+        held = a if any(f.done() for f in first) else None
+        c.gate.set()  # the second instance's batch ends; the first stays held
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=4)  # the held one lets go after 5 s (FakeBackend)
+        finally:
+            a.gate.set()
+        outs = await asyncio.gather(*first, *waiting)
+        await b.close()
+        return a, c, held, len(done), outs
+
+    a, c, held, done, outs = run(main())
+    assert held is None
+    assert done == 6, f"{6 - done} requests waited behind a held instance while the other was free"
+    assert a.batches[0] == 1 and sum(a.batches) + sum(c.batches) == 8
+    for i, o in enumerate(outs):
+        np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
