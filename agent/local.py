@@ -142,9 +142,10 @@ class _Connection(asyncio.Protocol):
         self.cred: tuple[int, int] | None = None  # its uid and gid, from SO_PEERCRED (connection_made)
         self.counted = False  # in srv.connections and srv.per_user
         self.active = time.monotonic()  # the last byte from the client
-        # its user, with groups, looked up when first needed (REGISTER, or a use of another user's region)
+        # its user, with groups, looked up at REGISTER. Its regions are its own: only this connection names them
+        # (a scoped view), so each use needs no check of its user
         self.peer = PeerCell(lambda: Peer(None) if self.cred is None else unix_peer(*self.cred))
-        self.shm = srv.shm.scoped(f"L{self.number}").as_caller(self.peer) if srv.shm is not None else None
+        self.shm = srv.shm.scoped(f"L{self.number}") if srv.shm is not None else None
         self.buf = bytearray()
         self.held_bytes = 0  # of buf, counted in srv.inflight_bytes (_hold)
         self.waiting = False  # buf holds whole frames waiting for room (max_inflight), not a partial one
