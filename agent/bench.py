@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.batcher import LayoutFigures, in_the_running, pin_thread
+from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.selftest import Turn, now
 from edgefleet.agent.store import StagedModel
 from edgefleet.engines import Engine, load_bundle_engine
@@ -32,11 +33,12 @@ from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.cpu import cpu_features
 from edgefleet.protocol.manifest import Manifest
 
-__all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "lone_call_ms",
-           "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]
+__all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "layout_trial",
+           "layout_trial_in_child", "lone_call_ms", "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]
 
 LAYOUT_BUDGET_S = 4.0  # seconds of timed calls for every layout and batch size together (MobileNetV2: <= 10 s)
 SLICE_S = (0.05, 0.5)  # the time slice of one layout at one batch size: at least, at most
+TRIAL_TIMEOUT_S = 120.0  # a layout trial in its child process is killed after this
 LADDER_STOP = 0.85  # a layout's ladder stops at a batch size this much below its best so far (bigger is slower)
 
 
@@ -63,8 +65,6 @@ def drive_together(engines: Sequence[Engine], feeds: dict[str, np.ndarray], batc
     samples) until ``seconds`` have passed and each made ``min_calls``. -> the sum of each thread's ``batch`` x calls
     / its time in the runtime (each call in ``turn``: the wait for a turn is not timed). A failing call fails the
     whole trial (SelfTestFailed)."""
-    from edgefleet.agent.batcher import pin_thread
-
     n = len(engines)
     start = threading.Barrier(n)
     times: list[list[float]] = [[] for _ in range(n)]
@@ -108,8 +108,6 @@ def lone_call_ms(engine: Engine, feeds: dict[str, np.ndarray], cpus: Collection[
                  turn: Turn = now, calls: int = 5) -> float:
     """The fastest of ``calls`` calls of ``engine`` alone on ``feeds`` (after one untimed), on a thread on ``cpus``
     as a serving instance's: what a lone request costs."""
-    from edgefleet.agent.batcher import pin_thread
-
     got: list[float] = []
     errors: list[BaseException] = []
 
@@ -195,6 +193,106 @@ def release_memory() -> bool:
     return True
 
 
+def layout_trial(manifest: Manifest, directory: Path, candidates: Sequence[tuple[int, int]], sizes: tuple[int, ...],
+                 seconds: float, cpus: Collection[int] | None = None, providers: tuple[str, ...] | None = None,
+                 turn: Turn = now, load: Callable[[int, int], list[Engine]] | None = None) -> list[LayoutFigures]:
+    """Each of ``candidates`` ((instances, threads)) loaded (``load``; default: the bundle's engine with
+    ``providers``), measured (:func:`measure_layout`, ``seconds`` a slice, and :func:`lone_call_ms`) and closed as
+    soon as it is out of the running (agent.batcher.in_the_running: at most the layouts still in the running are
+    loaded at once); every one is closed at the end. -> their figures, in the order measured."""
+    staged = StagedModel(manifest, directory, "")
+    fill = trial_feeds(staged)
+
+    def default_load(instances: int, threads: int) -> list[Engine]:
+        out: list[Engine] = []
+        try:
+            for _ in range(instances):
+                out.append(load_bundle_engine(manifest, directory / manifest.engine, threads, providers))
+        except BaseException:
+            for b in out:
+                b.close()
+            raise
+        return out
+
+    figures: list[LayoutFigures] = []
+    kept: dict[tuple[int, int], list[Engine]] = {}
+    try:
+        for i, t in candidates:
+            engines = kept[(i, t)] = (load or default_load)(i, t)
+            figures.append(LayoutFigures(i, t, measure_layout(engines, fill, sizes, seconds, cpus, turn),
+                                         lone_call_ms(engines[0], fill(1), cpus, turn)))
+            top = max(f.best for f in figures)
+            for f in figures:
+                if (f.instances, f.threads) in kept and not in_the_running(f, top):
+                    for b in kept.pop((f.instances, f.threads)):
+                        b.close()
+    finally:
+        for engines in kept.values():
+            for b in engines:
+                b.close()
+    return figures
+
+
+def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Sequence[tuple[int, int]],
+                          sizes: tuple[int, ...], seconds: float, cpus: Collection[int] | None = None,
+                          providers: tuple[str, ...] | None = None,
+                          timeout_s: float = TRIAL_TIMEOUT_S) -> list[LayoutFigures]:
+    """:func:`layout_trial` in a child process (``python -m edgefleet.agent.bench --layout-trial``, started from
+    the calling thread: on its CPUs): the trial sessions' arenas, grown to the largest batch timed, die with it, and
+    the agent's own memory (its peak included) holds only the sessions it serves (measured, MobileNetV2 FP32 on 2
+    cores: in-process trials left the agent's peak at 3.4x that of the served sessions alone). An engine that fails
+    in the trial is a SelfTestFailed as in-process; a trial that outlives ``timeout_s`` is killed and is one too."""
+    import json
+    import subprocess
+    import sys
+
+    doc = {"manifest": manifest.model_dump(mode="json"), "directory": str(directory),
+           "candidates": [list(c) for c in candidates], "sizes": list(sizes), "seconds": seconds,
+           "cpus": sorted(cpus) if cpus else None, "providers": list(providers) if providers else None}
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.bench", "--layout-trial"],
+                              input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SelfTestFailed(f"layout trial: not done in {timeout_s:g} s (killed)") from exc
+    try:
+        out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
+    except ValueError:
+        out = None
+    if not isinstance(out, dict) or done.returncode not in (0, 3):
+        tail = " ".join(done.stderr.decode(errors="replace").split())[-500:]
+        raise SelfTestFailed(f"layout trial: the child process failed (exit {done.returncode}): {tail}")
+    if "error" in out:
+        raise (BackendError if out.get("kind") == "backend" else SelfTestFailed)(str(out["error"]))
+    return [LayoutFigures(int(f["instances"]), int(f["threads"]),
+                          tuple((int(n), float(v)) for n, v in f["images_per_s"]), float(f["lone_ms"]))
+            for f in out["figures"]]
+
+
+def _layout_trial_main() -> int:
+    """The child of :func:`layout_trial_in_child`: a trial described on stdin -> its figures on stdout (JSON)."""
+    import json
+    import sys
+
+    from edgefleet.engines import EngineError
+    from edgefleet.protocol.manifest import parse_manifest
+
+    doc = json.loads(sys.stdin.buffer.read(1 << 22))
+    try:
+        figures = layout_trial(parse_manifest(doc["manifest"]), Path(doc["directory"]),
+                               [(int(i), int(t)) for i, t in doc["candidates"]], tuple(doc["sizes"]),
+                               float(doc["seconds"]), doc["cpus"],
+                               tuple(doc["providers"]) if doc["providers"] else None)
+    except (EngineError, BackendError) as exc:
+        print(json.dumps({"error": str(exc), "kind": "backend"}))
+        return 3
+    except SelfTestFailed as exc:
+        print(json.dumps({"error": str(exc), "kind": "selftest"}))
+        return 3
+    print(json.dumps({"figures": [{"instances": f.instances, "threads": f.threads, "images_per_s": f.images_per_s,
+                                   "lone_ms": f.lone_ms} for f in figures]}))
+    return 0
+
+
 def _recorded_p50(manifest: Manifest) -> dict[int, float]:
     """The build host's p50 per batch size for the precision that was shipped (with --precision auto
     the compiler benchmarks both and may ship the reference)."""
@@ -239,3 +337,11 @@ def bench_bundle(bundle: Path, batch_sizes: tuple[int, ...] | None = None, itera
         finally:
             backend.close()
     return manifest, points, tuple(sorted(cpu_features()))
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--layout-trial"]:
+        sys.exit("usage: python -m edgefleet.agent.bench --layout-trial < trial.json (the agent runs it at install)")
+    sys.exit(_layout_trial_main())

@@ -21,13 +21,13 @@ from edgefleet.agent.batcher import (
     batch_ladder,
     choose_batch_size,
     choose_layout,
-    in_the_running,
     layout_candidates,
 )
-from edgefleet.agent.bench import lone_call_ms, measure_layout, release_memory, slice_seconds, trial_feeds
+from edgefleet.agent.bench import layout_trial_in_child, release_memory, slice_seconds
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from edgefleet.agent.precision import PrecisionPick, pick_precision
+from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime
 from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from edgefleet.agent.server import IndexEntry, ModelHost
 from edgefleet.agent.shadow import ShadowMirror
@@ -36,6 +36,7 @@ from edgefleet.agent.trusted import Decision, check_cpu, decide
 from edgefleet.agent.updater import BundleFetcher
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.backoff import Backoff
 from edgefleet.protocol.cpu import cpu_features
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import Manifest
@@ -69,6 +70,8 @@ class Installer:
         # the layout load_instances measured for a set of engines, by its first engine, until tune_batches takes it
         self.measured_layouts: dict[int, tuple[Engine, LayoutFigures, tuple[LayoutFigures, ...]]] = {}
         self._layouts_lock = threading.Lock()
+        # the runtime each model's version serves on (agent.runtime_choice), by model: (version, precision, pick)
+        self.runtimes: dict[str, tuple[str, str, RuntimePick]] = {}
 
     async def load_installed(self) -> None:
         """Serve every model on disk, the one installed last last (it is "current" for the fleet): its active
@@ -238,7 +241,7 @@ class Installer:
 
     # -- model lifecycle ------------------------------------------------------------------------
     def load_instances(self, manifest: Manifest, directory: Path, count: int | None = None,
-                       threads: int | None = None) -> list[Engine]:
+                       threads: int | None = None, runtime: str | None = None) -> list[Engine]:
         """``instances`` (or ``count``) loaded engines of one model version (each its own runtime session of
         ``intra_op_threads``, or ``threads``). The serving instances (no ``count``) of a CPU engine, with
         ``batch_tuning: auto`` and neither instances nor intra_op_threads set by the operator: the layout measured
@@ -248,7 +251,8 @@ class Installer:
             for _ in range(self.config.instances if count is None else count):
                 out.append(load_bundle_engine(manifest, directory / manifest.engine,
                                               threads or self.config.intra_op_threads,
-                                              self.config.onnxruntime_providers))
+                                              self.config.onnxruntime_providers,
+                                              runtime or self.runtime_for(manifest)))
         except BaseException as exc:
             for b in out:
                 b.close()
@@ -268,61 +272,42 @@ class Installer:
 
     def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine]) -> list[Engine]:
         """Each layout of this box's inference CPUs (agent.batcher.layout_candidates: 1x2 and 2x1 on two, 1x1 alone
-        on one) loaded and timed as bench/serve.py times the runtime's limit (agent.bench.measure_layout: all its
-        instances driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the
-        batcher may form), and a lone batch-1 call; each call in turn with the version serving the model, if one
-        does. -> the chosen layout's engines (agent.batcher.choose_layout). A layout out of the running is closed
-        as soon as it is (at most the layouts still in the running are loaded at once), the rest at the end, and
-        their memory handed back. ``loaded``: the configured layout, reused if it is a candidate."""
-        staged = StagedModel(manifest, directory, "")
+        on one) timed as bench/serve.py times the runtime's limit (agent.bench.layout_trial: all its instances
+        driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the batcher may
+        form; and a lone batch-1 call), in a child process whose memory goes with it
+        (agent.bench.layout_trial_in_child). -> the chosen layout's engines (agent.batcher.choose_layout), loaded
+        here; ``loaded`` (the configured layout) is reused if chosen, else closed first. While another version
+        serves the model, the trial shares its cores with it for the trial's few seconds (no turns: a turn per call
+        cannot run several instances at once)."""
         cpus = self.config.inference_cpus
         cores = len(cpus) if cpus else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
-        served = self.host.models.get(manifest.name)
-        # nothing serves the model: the cores are the trial's alone (a turn would add an event-loop round trip)
-        turn = self.turn(manifest.name, served.batcher.gate.permits) if served else now
         sizes = batch_ladder(self.host.settings.max_batch_size) if manifest.batchable else (1,)
         candidates = layout_candidates(cores)
-        seconds = slice_seconds(len(candidates), len(sizes))
-        fill = trial_feeds(staged)
-        figures: list[LayoutFigures] = []
-        kept: dict[tuple[int, int], list[Engine]] = {}
-        mine = (len(loaded), self.config.intra_op_threads)
-
-        def close(engines: list[Engine]) -> None:
-            for b in engines:
-                b.close()
-
-        if mine not in candidates:
-            close(loaded)
+        t0 = time.monotonic()
         try:
-            for i, t in candidates:
-                engines = kept[(i, t)] = loaded if (i, t) == mine else \
-                    self.load_instances(manifest, directory, count=i, threads=t)
-                figures.append(LayoutFigures(i, t, measure_layout(engines, fill, sizes, seconds, cpus, turn),
-                                             lone_call_ms(engines[0], fill(1), cpus, turn)))
-                top = max(f.best for f in figures)
-                for f in figures:
-                    if (f.instances, f.threads) in kept and not in_the_running(f, top):
-                        close(kept.pop((f.instances, f.threads)))
-            chosen = choose_layout(figures)
+            figures = layout_trial_in_child(manifest, directory, candidates, sizes,
+                                            slice_seconds(len(candidates), len(sizes)), cpus,
+                                            self.config.onnxruntime_providers)
         except BaseException:
-            for e in kept.values():
-                close(e)
-            if mine in candidates:
-                close(loaded)
+            for b in loaded:
+                b.close()
             raise
-        out = kept.pop((chosen.instances, chosen.threads))
-        for e in [*kept.values(), loaded]:
-            if e is not out:
-                close(e)
-        release_memory()
+        chosen = choose_layout(figures)
+        if (chosen.instances, chosen.threads) == (len(loaded), self.config.intra_op_threads):
+            out = loaded
+        else:
+            for b in loaded:
+                b.close()
+            release_memory()
+            out = self.load_instances(manifest, directory, count=chosen.instances, threads=chosen.threads)
         # for tune_batches, which gets the first instance: the chosen layout's figures (the latest install's only)
         with self._layouts_lock:  # installs, rollbacks and start-up loads run on different threads
             self.measured_layouts = {k: v for k, v in self.measured_layouts.items() if not v[0].closed}  # failed ones
             self.measured_layouts[id(out[0])] = (out[0], chosen, tuple(figures))
-        log.info("%s %s: layout %s (%s)", manifest.name, manifest.version, chosen.name, "; ".join(
-            f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms" for f in figures))
+        log.info("%s %s: layout %s, timed in %.1f s (%s)", manifest.name, manifest.version, chosen.name,
+                 time.monotonic() - t0, "; ".join(f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms"
+                                                   for f in figures))
         return out
 
     def turn(self, name: str, instances: int) -> Turn:
@@ -349,7 +334,27 @@ class Installer:
                               self.turn(m.name, self.config.instances))
         if pick.note:
             log.info("%s %s: precision %s", m.name, m.version, pick.note)
+        self.pick_runtime(pick.staged)  # then the runtime for that precision
         return pick
+
+    def pick_runtime(self, staged: StagedModel) -> RuntimePick:
+        """The runtime to serve a bundle (as its chosen precision's) on (agent.runtime_choice), remembered for
+        load_instances; each call in turn with the version serving the model."""
+        m = staged.manifest
+
+        def load_one(runtime: str) -> Engine:
+            return self.load_instances(m, staged.directory, count=1, runtime=runtime)[0]
+
+        pick = pick_runtime(staged, self.config.runtime, load_one, self.host.settings.max_batch_size,
+                            self.turn(m.name, self.config.instances))
+        log.info("%s %s: runtime %s", m.name, m.version, pick.note)
+        self.runtimes[m.name] = (m.version, m.precision, pick)
+        return pick
+
+    def runtime_for(self, manifest: Manifest) -> str | None:
+        """The runtime chosen for this version and precision (None: not chosen, the bundle's default)."""
+        got = self.runtimes.get(manifest.name)
+        return got[2].runtime if got is not None and got[:2] == (manifest.version, manifest.precision) else None
 
     def serving_choice(self, pick: PrecisionPick, settings: BatchSettings | None, tuning: BatchTuning | None,
                        instances: int) -> proto.ServingChoice:
@@ -365,7 +370,19 @@ class Installer:
             instances=instances,
             threads=tuning.layout[1] if tuning is not None and tuning.layout else self.config.intra_op_threads,
             layout_source=tuning.layout_source if tuning is not None and tuning.layout else  # type: ignore[arg-type]
-            "operator" if {"instances", "intra_op_threads"} & self.config.model_fields_set else "default")
+            "operator" if {"instances", "intra_op_threads"} & self.config.model_fields_set else "default",
+            runtime=self.runtime_choice(pick.staged.manifest))
+
+    def runtime_choice(self, manifest: Manifest) -> proto.RuntimeChoice | None:
+        got = self.runtimes.get(manifest.name)
+        if got is None or got[:2] != (manifest.version, manifest.precision):
+            return None
+        pick = got[2]
+        return proto.RuntimeChoice(
+            runtime=pick.runtime, source=pick.source,  # type: ignore[arg-type]
+            runtimes=tuple(proto.RuntimeTiming(runtime=t.runtime, items_per_s=t.items_per_s,  # type: ignore[arg-type]
+                                               timings=tuple(proto.Timing(batch_size=n, items_per_s=v)
+                                                             for n, v in t.timings)) for t in pick.timings))
 
     def tune_batches(self, backend: Engine, staged: StagedModel, turn: Turn) -> tuple[BatchSettings, BatchTuning]:
         """The batch settings a version serves with: the host's, unless ``batch_tuning: auto`` and the operator
@@ -461,7 +478,10 @@ class Installer:
             raise RefusedUpdate(decision.reason)
 
     def fetch_with_retries(self, desired: proto.DesiredState, profile: str):
-        delay = 1.0
+        """Fetch, retrying a failed download ``install_retries`` times, each wait a full-jitter draw
+        (``protocol.backoff``: uniform in [0, min(30 s, 1 s * 2**retry)]): boxes a fleet-wide outage failed
+        together do not all come back at the same moment."""
+        backoff = Backoff(1.0, 30.0)
         attempt = 0
         while True:
             fetcher = self.fetcher()
@@ -475,7 +495,7 @@ class Installer:
                 attempt += 1
                 if attempt > self.config.install_retries:
                     raise
-                log.warning("fetch attempt %d failed (%s); retrying in %.0fs", attempt, exc, delay)
+                delay = backoff.next_s()
+                log.warning("fetch attempt %d failed (%s); retrying in %.1fs", attempt, exc, delay)
                 if self.stop.wait(delay) or self.desired_pending():
                     return None
-                delay = min(delay * 2, 30.0)

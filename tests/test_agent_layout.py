@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import threading
 from pathlib import Path
 
@@ -18,16 +19,12 @@ import pytest
 from edgefleet.agent import bench as agent_bench
 from edgefleet.agent.batcher import (
     LAYOUT_TIE,
-    BatchSettings,
     LayoutFigures,
     choose_layout,
     in_the_running,
     layout_candidates,
 )
-from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.install import Installer
-from edgefleet.agent.metrics import Metrics
-from edgefleet.agent.server import ModelHost
+from edgefleet.agent.errors import BackendError
 from edgefleet.agent.store import ModelStore, StagedModel
 from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import preinstall, running_agent
@@ -121,30 +118,25 @@ def test_the_trial_drives_every_instance_at_once_on_the_serving_cpus(tmp_path, s
     monkeypatch.setattr(agent_bench, "LAYOUT_BUDGET_S", 0.0)  # the shortest slices: the figures are not the point
     layouts: dict[str, dict] = {}
 
-    class Trial(Installer):
-        def load_instances(self, manifest, directory, count=None, threads=None):
-            sh = layouts[f"{count}x{threads}"] = {"lock": threading.Lock(), "calls": [0] * count, "now": 0,
-                                                  "overlap": 0, "cpus": set(), "second_went_on": threading.Event(),
-                                                  "starved": False}
-            sh["engines"] = [Paired(staged, i, sh) for i in range(count)]
-            return sh["engines"]
+    def load(count, threads):
+        sh = layouts[f"{count}x{threads}"] = {"lock": threading.Lock(), "calls": [0] * count, "now": 0, "overlap": 0,
+                                              "cpus": set(), "second_went_on": threading.Event(), "starved": False}
+        sh["engines"] = [Paired(staged, i, sh) for i in range(count)]
+        return sh["engines"]
 
-    cfg = AgentConfig(device_id="dev-1", fleet_url="http://127.0.0.1:9", data_dir=tmp_path, inference_cpus=(0, 1))
-    inst = Trial(cfg, None, ModelHost(BatchSettings(max_batch_size=4), Metrics()),  # type: ignore[arg-type]
-                 lambda *a, **k: None, lambda: None, threading.Event(), lambda: False)
-    loaded = inst.load_instances(staged.manifest, staged.directory, 1, 2)
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {0})  # the installing thread on one CPU: the trial's threads go where serving ones do
+    os.sched_setaffinity(0, {0})  # the calling thread on one CPU: the trial's threads go where serving ones do
     try:
-        out = inst.measure_layouts(staged.manifest, staged.directory, loaded)
+        figures = agent_bench.layout_trial(staged.manifest, staged.directory, ((1, 2), (2, 1)), (1, 2, 4),
+                                           agent_bench.slice_seconds(2, 3), cpus=(0, 1), load=load)
     finally:
         os.sched_setaffinity(0, before)
     two = layouts["2x1"]
     assert not two["starved"], "one instance waited for the other: the trial ran them in lock-step"
     assert two["overlap"] == 2 and two["calls"][1] >= 4
     assert two["cpus"] == {frozenset({0, 1})} and layouts["1x2"]["cpus"] == {frozenset({0, 1})}
-    assert not any(b.closed for b in out)  # the chosen layout serves; every other session is closed
-    assert all(b.closed for sh in layouts.values() for b in sh["engines"] if b not in out)
+    assert [f.name for f in figures] == ["1x2", "2x1"] and all(f.images_per_s for f in figures)
+    assert all(b.closed for sh in layouts.values() for b in sh["engines"])  # the trial leaves no session open
 
 
 def infer(url: str, images: np.ndarray) -> list[bytes]:
@@ -201,3 +193,12 @@ def test_the_device_measures_its_layouts_and_an_operators_layout_wins(tmp_path, 
         untuned = infer(url, images)
     assert cfg["batch_tuning"]["layout"]["source"] == "default" and cfg["instance_group"][0]["count"] == 1
     assert auto == untuned  # bit for bit
+
+
+def test_the_trial_runs_in_a_child_and_an_engine_that_does_not_load_is_a_backend_error(tmp_path, staged):
+    figures = agent_bench.layout_trial_in_child(staged.manifest, staged.directory, ((1, 1),), (1, 2), 0.05)
+    assert [f.name for f in figures] == ["1x1"] and [n for n, _ in figures[0].images_per_s][:1] == [1]
+    (tmp_path / "empty").mkdir()  # the bundle's sample, no engine
+    shutil.copy(staged.directory / staged.manifest.selftest, tmp_path / "empty")
+    with pytest.raises(BackendError, match=staged.manifest.engine):
+        agent_bench.layout_trial_in_child(staged.manifest, tmp_path / "empty", ((1, 1),), (1,), 0.05)
