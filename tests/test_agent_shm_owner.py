@@ -413,3 +413,20 @@ def test_another_users_region_is_refused_over_grpc(tmp_path, digits_bundle, obje
             finally:
                 c.close()
         assert [s["name"] for s in a.shm.status()] == ["private"]
+
+
+def test_a_closed_connection_is_nobodys():
+    """A connection closed on both sides leaves its client end in TIME_WAIT, which the kernel lists with uid 0:
+    it must not be taken for root's (a client that closes right after its request would be told as root)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    with srv:
+        c = socket.create_connection(srv.getsockname(), timeout=5)
+        conn, addr = srv.accept()
+        c.close()  # the client closes first: its end goes to TIME_WAIT once the server closes too
+        assert conn.recv(1) == b""
+        conn.close()
+        port = srv.getsockname()[1]
+        assert tcp_peer(addr[0], addr[1], port, "127.0.0.1").uid is None
+        assert tcp_peer(addr[0], addr[1], port).uid is None  # the server address not given
