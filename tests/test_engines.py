@@ -56,8 +56,8 @@ def reference():
 
 
 def test_importing_the_agent_loads_no_runtime_it_does_not_need():
-    code = ("import sys, edgefleet.engines, edgefleet.agent.daemon, edgefleet.engines.litert, edgefleet.engines.tensorrt, "
-            "edgefleet.engines.cuda; "
+    code = ("import sys, edgefleet.engines, edgefleet.agent.daemon, edgefleet.engines.litert, "
+            "edgefleet.engines.tensorrt, edgefleet.engines.cuda; "
             "print(sorted(m for m in ('tensorrt', 'ai_edge_litert', 'tflite_runtime', 'cuda', 'pycuda', "
             "'edgefleet.compiler', 'onnx', 'edgefleet.fleet') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -14,7 +14,8 @@ def test_agent_imports_nothing_of_the_compiler_or_the_fleet():
 
 
 def test_importing_the_packages_has_no_side_effects():
-    code = "import logging, edgefleet.protocol, edgefleet.compiler, edgefleet.fleet, edgefleet.agent, edgefleet; print(len(logging.getLogger().handlers))"
+    code = ("import logging, edgefleet.protocol, edgefleet.compiler, edgefleet.fleet, edgefleet.agent, edgefleet; "
+            "print(len(logging.getLogger().handlers))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "0"
 
