@@ -302,6 +302,10 @@ def model_config(served: Served) -> dict[str, Any]:
             "source": served.serving.precision_source if served.serving else "bundle",
             "items_per_second": {pt.precision: pt.items_per_s for pt in served.serving.precisions}
             if served.serving else {}},
+        # the runtime serving the bundle's file (onnxruntime, OpenVINO) and how this device chose it (issue 35)
+        "runtime_choice": None if served.serving is None or served.serving.runtime is None else {
+            "runtime": served.serving.runtime.runtime, "source": served.serving.runtime.source,
+            "items_per_second": {rt.runtime: rt.items_per_s for rt in served.serving.runtime.runtimes}},
     }
 
 
