@@ -20,15 +20,16 @@ from fastapi.responses import (
     Response,
     StreamingResponse,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgefleet.fleet import console
 from edgefleet.fleet import schemas as out
+from edgefleet.fleet import service as svc
 from edgefleet.fleet.auth import ROLES, Caller, TokenStore
 from edgefleet.fleet.enroll import Enrollment
 from edgefleet.fleet.errors import BadRequest, FleetError, Forbidden, NotFound, RepositoryError, Unauthorized
-from edgefleet.fleet.rollout import Gates, RolloutSpec, ShadowGate
+from edgefleet.fleet.rollout import MAX_GRACE_S, Gates, RolloutSpec, ShadowGate
 from edgefleet.fleet.service import FleetService
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol import jsonlimits
@@ -40,24 +41,32 @@ COOKIE = "edgefleet_token"
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number finite (1e400 is refused)
 
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 RolloutId = Annotated[int, PathParam(ge=1, lt=2**62, description="a rollout's id")]  # fits BIGINT
+# label keys and values and tags have a length (fleet.service.check_labels says the same for the console and CLI)
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=svc.MAX_LABEL_KEY_CHARS)]
+LabelValue = Annotated[str, StringConstraints(max_length=svc.MAX_LABEL_VALUE_CHARS)]
+Tag = Annotated[str, StringConstraints(min_length=1, max_length=svc.MAX_TAG_CHARS)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=svc.MAX_LABELS)]
+Tags = Annotated[list[Tag], Field(max_length=svc.MAX_TAGS)]
+# a query's offset: a row count no table reaches, far below a database's 64-bit limit
+Offset = Annotated[int, Query(ge=0, le=out.MAX_OFFSET)]
 
 
 class DeviceIn(_Body):
     device_id: str = Field(min_length=1, max_length=64)
-    labels: dict[str, str] | None = None
+    labels: Labels | None = None
     group: str | None = Field(default=None, pattern=_NAME)
-    tags: list[str] | None = Field(default=None, max_length=32)
+    tags: Tags | None = None
     profile: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
 class DevicePatch(_Body):
     group: str | None = Field(default=None, pattern=r"^$|" + _NAME)  # "" clears it
-    tags: list[str] | None = Field(default=None, max_length=32)
+    tags: Tags | None = None
     profile: str | None = Field(default=None, pattern=r"^$|^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
@@ -65,20 +74,23 @@ class RolloutIn(_Body):
     """Target: ``devices``, or a ``group``, ``tags`` (all of them) and/or a hardware ``profile``. With a device
     list, ``profile`` also says which build devices of unknown profile get."""
 
-    model: str
-    version: str
-    devices: list[str] | None = Field(default=None, min_length=1, max_length=100_000)
-    group: str | None = None
-    tags: list[str] | None = Field(default=None, max_length=32)
-    profile: str | None = None
-    waves: list[str] = Field(default=["100%"], min_length=1, max_length=20,
-                             description="cumulative ends: counts ('5') or percentages ('10%')")
-    soak_s: list[float] = Field(default=[0.0], min_length=1, max_length=20, description="per wave; the last repeats")
+    model: str = Field(max_length=64)
+    version: str = Field(max_length=32)
+    devices: list[Annotated[str, StringConstraints(max_length=64)]] | None = Field(default=None, min_length=1,
+                                                                                   max_length=100_000)
+    group: str | None = Field(default=None, max_length=64)
+    tags: Tags | None = None
+    profile: str | None = Field(default=None, max_length=64)
+    waves: list[Annotated[str, StringConstraints(max_length=16)]] = Field(
+        default=["100%"], min_length=1, max_length=20,
+        description="cumulative ends: counts ('5') or percentages ('10%')")
+    soak_s: list[Annotated[float, Field(ge=0, le=7 * 86400)]] = Field(
+        default=[0.0], min_length=1, max_length=20, description="per wave, 0-604800 s; the last repeats")
     gates: Gates = Gates()
     shadow: ShadowGate | None = Field(default=None, description="run each wave's candidate in shadow first")
     on_failure: Literal["pause", "abort"] = "abort"
     rollback_on_failure: bool = False
-    offline_grace_s: float = Field(default=300.0, ge=0)
+    offline_grace_s: float = Field(default=300.0, ge=0, le=MAX_GRACE_S)
     require_telemetry: bool = False
 
 
@@ -184,7 +196,10 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         """422 with one line per problem, counted like every other rejected input."""
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:10])
+        def where(e: Any) -> str:  # a location names keys the caller sent: each cut to 40 characters
+            return ".".join(f"{str(p)[:40]}..." if len(str(p)) > 40 else str(p) for p in e.get("loc", ()))
+
+        problems = "; ".join(f"{where(e)}: {str(e.get('msg'))[:200]}" for e in exc.errors()[:10])
         service.rejections.add("api_invalid_request", request.client.host if request.client else "?",
                                f"{request.method} {request.url.path}: {problems}")
         return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
@@ -216,7 +231,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
 
     @app.get("/api/v1/devices", response_model=list[out.Device])
     def list_devices(response: Response, limit: int | None = Query(default=None, ge=0, le=out.MAX_PAGE),
-                     offset: int = Query(default=0, ge=0), group: str | None = Query(default=None, max_length=64),
+                     offset: Offset = 0, group: str | None = Query(default=None, max_length=64),
                      state: str | None = Query(default=None, max_length=32),
                      q: str | None = Query(default=None, max_length=64),
                      _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
@@ -288,7 +303,8 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return doc
 
     @app.get("/api/v1/devices/{device_id}/telemetry", response_model=list[out.TelemetryRecord])
-    def get_telemetry(device_id: str, limit: int = 50, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def get_telemetry(device_id: str, limit: int = Query(default=50, ge=1, le=1000),
+                      _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.device_telemetry(device_id, limit)
 
     @app.get("/api/v1/groups", response_model=list[out.Group])
@@ -353,7 +369,8 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return {"published": True}
 
     @app.get("/api/v1/rollouts", response_model=list[out.Rollout], response_model_exclude_unset=True)
-    def list_rollouts(limit: int = 100, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def list_rollouts(limit: int = Query(default=100, ge=1, le=1000),
+                      _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         """Newest first, at most ``limit`` (up to 1000), without their target lists."""
         return service.list_rollouts(limit)
 
@@ -371,7 +388,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     @app.get("/api/v1/rollouts/{rollout_id}", response_model=out.Rollout, response_model_exclude_unset=True)
     def get_rollout(rollout_id: RolloutId, targets: bool = True,
                     targets_limit: int | None = Query(default=None, ge=0, le=out.MAX_PAGE),
-                    targets_offset: int = Query(default=0, ge=0),
+                    targets_offset: Offset = 0,
                     targets_state: str | None = Query(default=None, max_length=32),
                     _: Caller = Depends(viewer)) -> dict[str, Any]:
         """With ``targets_limit`` (or ``targets_state``/``targets_offset``): one page of targets and their total."""
@@ -397,7 +414,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         return service.audit_log(rollout_id)
 
     @app.get("/api/v1/audit", response_model=list[out.AuditEntry])
-    def audit_log(limit: int = 200, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def audit_log(limit: int = Query(default=200, ge=1, le=5000), _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.audit_log(None, limit)
 
     @app.get("/api/v1/tokens", response_model=list[out.Token])
@@ -540,7 +557,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
                                rollback_on_failure=f.get("rollback_on_failure") == "1")
             r = service.create_rollout(name, version, split("devices") or None, f.get("profile") or None,
                                        f.get("group") or None, split("tags") or None, spec, c.name)
-        except (ValueError, FleetError) as exc:
+        except (ValueError, OverflowError, FleetError) as exc:  # a number past its range too (int of 1e400)
             return HTMLResponse(render_index(request, True, f"rollout not started: {exc}"), status_code=400)
         return RedirectResponse(f"/rollouts/{r['id']}", status_code=303)
 

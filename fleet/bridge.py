@@ -22,11 +22,10 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from fleet.audit import Rejections
-from fleet.ingest import IngestWorker
-from protocol import jsonlimits
-from protocol import mqtt as proto
-from protocol.errors import ContractError
+from edgefleet.fleet.audit import Rejections
+from edgefleet.fleet.ingest import IngestWorker
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.errors import ContractError
 
 __all__ = ["MqttBridge"]
 
@@ -196,10 +195,12 @@ class MqttBridge:
                 self._client.publish(proto.topic(device_id, "ack"), proto.encode(ack), qos=0)
 
     @staticmethod
-    def _reject_telemetry(client, device_id: str, payload: bytes, reason: str) -> None:
-        """Tell the agent a record it will keep resending cannot be stored, if it is identifiable."""
+    def _reject_telemetry(client, device_id: str, doc: dict[str, Any] | None, reason: str) -> None:
+        """Tell the agent a record it will keep resending cannot be stored, if it is identifiable (``doc``: the
+        record as decode parsed it, never parsed again)."""
         try:
-            doc = jsonlimits.loads(payload, source="telemetry", max_bytes=proto.MAX_MESSAGE_BYTES)
+            if doc is None:
+                return
             stream, seq = doc["stream"], doc["seq"]
             if doc.get("device_id") != device_id or not isinstance(seq, int) or isinstance(seq, bool):
                 return
@@ -248,4 +249,4 @@ class MqttBridge:
             else:
                 log.warning("dropped a malformed message: %s", exc)
             if kind == "telemetry":
-                self._reject_telemetry(client, device_id, bytes(message.payload), str(exc)[:1000])
+                self._reject_telemetry(client, device_id, getattr(exc, "document", None), str(exc)[:1000])

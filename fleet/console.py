@@ -164,6 +164,13 @@ DEVICE_STATES = ("online", "offline", "downloading", "installing", "installed", 
 TARGET_STATES = tuple(str(t) for t in TargetState)
 
 
+def _engine_error(r: dict[str, Any]) -> str:
+    """A rollout the engine cannot evaluate, marked in the list (its page says why in full)."""
+    if not r.get("engine_error"):
+        return ""
+    return f'<br><small class="sub engine-error">not evaluated: {escape(r["engine_error"][:120])}</small>'
+
+
 def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts: list[dict[str, Any]],
            can_operate: bool = False, message: str | None = None, fleet: dict[str, int] | None = None,
            matching: int | None = None, filters: dict[str, str] | None = None, offset: int = 0) -> str:
@@ -205,8 +212,8 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
         total = sum(w["size"] for w in r["waves"])
         rrows.append(f'<tr><td><a href="/rollouts/{r["id"]}">#{r["id"]}</a> {_bar(done, bad, total)}</td>'
                      f'<td>{escape(r["model"])} {escape(r["version"])}</td>'
-                     f'<td>{escape(r["profile"])}</td><td>{_pill(r["status"])}</td><td>{counts}</td>'
-                     f'<td>{_ts(r["created_at"])}</td></tr>')
+                     f'<td>{escape(r["profile"])}</td><td>{_pill(r["status"])}{_engine_error(r)}</td>'
+                     f'<td>{counts}</td><td>{_ts(r["created_at"])}</td></tr>')
     empty = '<tr><td colspan="10" class="sub">none yet</td></tr>'
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
 <title>edgefleet console</title><style>{CSS}</style></head><body>
@@ -325,6 +332,9 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
     msg = f'<p class="pill bad">{escape(message)}</p>' if message else ""
     tone = "bad" if r["status"] in ("failed", "aborted") else "wait"
     reason = f'<div class="pill {tone}">{escape(r["reason"])}</div>' if r.get("reason") else ""
+    if r.get("engine_error"):
+        reason += (f'<div class="pill bad engine-error">the engine cannot evaluate this rollout (it retries; the '
+                   f'others go on), since {_ts(r.get("engine_error_at"))}: {escape(r["engine_error"])}</div>')
     body = f"""<h1>Rollout #{r["id"]}: {escape(r["model"])} {escape(r["version"])} {_pill(r["status"])}</h1>
 <div class="sub summary"><span>{_bar(installed, failed, total)} <b>{installed}</b> of {total} installed</span>
 <span><b>{failed}</b> failed</span>

@@ -65,6 +65,9 @@ class Device(Base):
     group_name: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
     tags: Mapped[list[str] | None] = mapped_column(JSON, default=None)
     profile: Mapped[str | None] = mapped_column(String(64), default=None)  # hardware profile (hw-profiles/*.yaml)
+    # schema 4: the ``ts`` of the newest report stored (at most a little ahead of the fleet's clock): an older one
+    # is dropped, not applied
+    last_report_ts: Mapped[float | None] = mapped_column(Float, default=None)
 
 
 class Model(Base):
@@ -102,6 +105,9 @@ class Rollout(Base):
     reason: Mapped[str | None] = mapped_column(Text, default=None)  # why it paused, failed or stopped
     lease_owner: Mapped[str | None] = mapped_column(String(64), default=None)  # the replica advancing it
     lease_until: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # schema 4: why the engine could not evaluate it last time (it retries; cleared once it advances or changes state)
+    engine_error: Mapped[str | None] = mapped_column(Text, default=None)
+    engine_error_at: Mapped[dt.datetime | None] = mapped_column(default=None)
 
 
 class RolloutWave(Base):
@@ -194,9 +200,9 @@ class TelemetryRow(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-SCHEMA_VERSION = 3  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+SCHEMA_VERSION = 4  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004"}
 
 
 class Meta(Base):

@@ -7,7 +7,8 @@ itself (logged, counted); telemetry is acked only after its batch committed, so 
 anything a failure lost. If something escapes even that, the thread starts its loop again (counted in
 ``restarts``; the fleet's health then says degraded). The queue is bounded: when the database falls
 that far behind, ``put`` makes paho's thread wait (the broker holds the rest), and past ``put_timeout_s``
-the message is dropped and counted (unacked telemetry is sent again by the agent).
+the message is dropped and counted (unacked telemetry is sent again by the agent). A handler that drops some
+messages on purpose (a report older than the one stored) returns them as :class:`NotStored`: they are not acked.
 """
 
 from __future__ import annotations
@@ -17,13 +18,29 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from edgefleet.fleet.audit import Rejections
 
-__all__ = ["IngestWorker"]
+__all__ = ["IngestWorker", "NotStored"]
 
 log = logging.getLogger("edgefleet.fleet.ingest")
+
+
+@dataclass(frozen=True)
+class NotStored:
+    """What a batch handler returns when it dropped some of its messages on purpose: those are not acked as
+    stored (any other return value: all of them were stored)."""
+
+    msgs: tuple[Any, ...]
+
+
+def _stored(msgs: list[Any], result: object) -> list[Any]:
+    if not isinstance(result, NotStored) or not result.msgs:
+        return msgs
+    dropped = {id(m) for m in result.msgs}
+    return [m for m in msgs if id(m) not in dropped]
 
 
 class IngestWorker:
@@ -103,14 +120,13 @@ class IngestWorker:
             if not msgs:
                 continue
             try:
-                handler(msgs)
+                msgs = _stored(msgs, handler(msgs))
             except Exception:
                 log.exception("storing a batch of %d %s messages failed; storing them one by one", len(msgs), kind)
                 ok = []
                 for m in msgs:
                     try:
-                        handler([m])
-                        ok.append(m)
+                        ok.extend(_stored([m], handler([m])))
                     except Exception as exc:
                         self.rejections.add(f"ingest_failed_{kind}", getattr(m, "device_id", "?"),
                                             f"could not store a {kind} message of {getattr(m, 'device_id', '?')}: "

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import Float, Table, and_, bindparam, case, func, insert, or_, select, tuple_, update
+from sqlalchemy import BigInteger, Float, Table, and_, bindparam, case, cast, func, insert, or_, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -89,34 +89,40 @@ class Publisher(Protocol):
 
 
 # -- the spec an operator gives ------------------------------------------------------------------
+# every threshold and duration an operator gives is finite and within these limits (refused with a 422 naming it)
+MAX_P99_RATIO = 1000.0
+MAX_GRACE_S = 30 * 86400.0
+MAX_ABS_ERROR = 1e30
+
+
 class Gates(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     install_success_min: float | None = Field(default=1.0, ge=0.0, le=1.0)  # installed / (installed + failed)
     error_rate_max: float | None = Field(default=None, ge=0.0, le=1.0)  # errors / requests on the new model
-    p99_ratio_max: float | None = Field(default=None, gt=0.0)  # p99 new / p99 previous, same devices
+    p99_ratio_max: float | None = Field(default=None, gt=0.0, le=MAX_P99_RATIO)  # p99 new / p99 previous, same devices
 
 
 class ShadowGate(BaseModel):
     """Run each wave's candidate in shadow first: devices keep serving their model, mirror a sample of live
     requests to the candidate and report agreement; the wave installs only once enough samples agree."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     agreement_min: float = Field(default=0.99, ge=0.0, le=1.0)  # top-1 agreement over the wave's samples
     min_samples: int = Field(default=100, ge=1, le=10_000_000)  # mirrored requests, summed over the wave
-    max_abs_error: float | None = Field(default=None, ge=0.0)  # optional: the worst difference allowed
+    max_abs_error: float | None = Field(default=None, ge=0.0, le=MAX_ABS_ERROR)  # optional: the worst difference
 
 
 class RolloutSpec(BaseModel):
     """How a rollout proceeds; stored with it. Defaults: one wave, no soak, every install must succeed."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     waves: tuple[str, ...] = Field(default=("100%",), min_length=1, max_length=20)  # cumulative: "1%", "10", "100%"
     soak_s: tuple[float, ...] = Field(default=(0.0,), min_length=1, max_length=20)  # per wave; the last repeats
     gates: Gates = Gates()
     shadow: ShadowGate | None = None  # None: no shadow phase
     on_failure: Literal["pause", "abort"] = "abort"
     rollback_on_failure: bool = False
-    offline_grace_s: float = Field(default=300.0, ge=0.0)  # then a wave stops waiting for offline devices
+    offline_grace_s: float = Field(default=300.0, ge=0.0, le=MAX_GRACE_S)  # then a wave stops waiting for offline ones
     # True: a wave whose telemetry gates have no figures yet keeps soaking until they do
     require_telemetry: bool = False
 
@@ -124,6 +130,8 @@ class RolloutSpec(BaseModel):
     @classmethod
     def _waves(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for w in v:
+            if len(w) > 16:
+                raise ValueError(f"wave {w[:20]!r}...: at most 16 characters, a device count or a percentage")
             m = _WAVE_RE.match(w.strip())
             if m is None:
                 raise ValueError(f"wave {w!r} must be a device count like '5' or a percentage like '10%'")
@@ -278,6 +286,9 @@ WAVE_ACTIONS: dict[WaveState, str] = {  # the audit action of entering each stat
     WaveState.SOAKING: "wave_soaking", WaveState.PASSED: "wave_passed", WaveState.FAILED: "wave_failed"}
 AUDIT_DEVICES_PER_ROW = 1000  # a bulk move names every device, in audit rows of at most this many (~15 KB)
 AUDIT_ERROR_CHARS = 200  # of each device's error, in an audit row (the target row keeps all of it)
+# a target's telemetry counters stop here (exact in a double; protocol.mqtt.MAX_COUNT per record, so ~8,000 records
+# of the largest counts a device may send): adding to them never overflows a BIGINT, whatever the device sends
+TELE_COUNT_CAP = 2**53
 REPORT_ACTOR = "devices"  # the actor of moves the devices' own reports make
 # a rollback sends back the targets that were sent something (pending ones only if their desired state went out)
 ROLLBACK_FROM = frozenset({TargetState.PENDING, TargetState.DOWNLOADING, TargetState.INSTALLING, TargetState.INSTALLED,
@@ -367,8 +378,23 @@ def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str
                   **{"from": dict(Counter(m.old.value for m in chunk))}, **said, **detail)
 
 
+def _failure(exc: BaseException) -> str:
+    """An exception as one line an operator can read (a database error without its SQL)."""
+    orig = getattr(exc, "orig", None)  # SQLAlchemy's DBAPIError wraps the driver's
+    text = f"{type(orig).__name__}: {orig}" if orig is not None else f"{type(exc).__name__}: {exc}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(
+        ("For further information", "[SQL:", "[parameters:", "(Background on"))]
+    return "; ".join(lines or [type(exc).__name__])[:500]
+
+
 class RolloutEngine:
+    """Fault isolation: a rollout whose evaluation raises is marked (``Rollout.engine_error``, with its time and an
+    audit row, shown by the API and the console), retried with a growing pause (``RETRY_MAX_S`` at most), and
+    never stops the others; the mark clears when it advances again or changes state."""
+
     LEASE_S = 15.0  # a replica that stops renewing loses its rollouts to another after this
+    RETRY_MIN_S = 0.5  # a rollout whose evaluation failed is tried again after this, doubling per failure
+    RETRY_MAX_S = 60.0
 
     def __init__(self, sessions: sessionmaker, publisher: Publisher, owner: str | None = None):
         self.sessions = sessions
@@ -376,6 +402,7 @@ class RolloutEngine:
         self.owner = owner or f"fleet-{uuid.uuid4().hex[:12]}"
         self._models: dict[int, ModelInfo] = {}
         self._lock = threading.Lock()
+        self._failing: dict[int, tuple[int, float]] = {}  # rollout -> (failures in a row, monotonic next try)
 
     # -- models (immutable rows, cached) ---------------------------------------------------------
     def model(self, s: Session, model_id: int | None) -> ModelInfo | None:
@@ -401,6 +428,7 @@ class RolloutEngine:
             raise Conflict(f"rollout {r.id} is {old}; it cannot become {new}")
         r.status = new.value
         r.reason = reason
+        r.engine_error = r.engine_error_at = None  # whatever failed before, the rollout has moved on
         if new not in (RolloutStatus.IN_PROGRESS, RolloutStatus.PAUSED):
             r.finished_at = utcnow()
         audit(s, actor, f"rollout_{new}", r.id, from_state=old.value, reason=reason, **detail)
@@ -457,7 +485,8 @@ class RolloutEngine:
             s.add(r)
             s.flush()
             rid = r.id
-            self._supersede(s, {d.id for d, _ in chosen}, rid, actor)
+            superseded_msgs: list[tuple[str, bytes]] = []
+            self._supersede(s, {d.id for d, _ in chosen}, rid, actor, superseded_msgs)
             rows, i = [], 0
             for w, size in enumerate(sizes):
                 s.add(RolloutWave(rollout_id=rid, idx=w, size=size, soak_s=spec.soak_for(w),
@@ -474,7 +503,8 @@ class RolloutEngine:
                   cpu_fallback={p: {"bundle": cpu_fallback(p), "count": len(ids),
                                     "devices": ids[:AUDIT_DEVICES_PER_ROW]}
                                 for p, ids in sorted(by_fallback.items())} or None)
-        self.advance(rid)  # the first wave goes out now, not at the next tick
+        self._publish(superseded_msgs)
+        self.advance_isolated(rid)  # the first wave goes out now, not at the next tick
         return rid
 
     @staticmethod
@@ -509,8 +539,11 @@ class RolloutEngine:
                 f"{k}={v}" for k, v in asdict(sel).items() if v) + ")", 422)
         return devs
 
-    def _supersede(self, s: Session, devices: set[str], new_rollout: int, actor: str) -> None:
-        """A device has one desired state: its unfinished targets in older rollouts fail as superseded."""
+    def _supersede(self, s: Session, devices: set[str], new_rollout: int, actor: str,
+                   msgs: list[tuple[str, bytes]]) -> None:
+        """A device has one desired state: its unfinished targets in older rollouts fail as superseded. Each older
+        rollout then advances (its desired states go into ``msgs``, published after the commit), in a savepoint:
+        one that cannot be evaluated is marked, not a reason to refuse the new rollout."""
         t = RolloutTarget
         why = f"superseded by rollout {new_rollout}"
         stale = [TargetMove(rid, dev, wave, TargetState(state), TargetState.FAILED, why)
@@ -521,7 +554,14 @@ class RolloutEngine:
         move_targets(s, stale, actor, "superseded", by_rollout=new_rollout)
         s.flush()
         for rid in sorted({m.rollout_id for m in stale}):
-            self._advance_in(s, rid, [])
+            out: list[tuple[str, bytes]] = []
+            try:
+                with s.begin_nested():
+                    self._advance_in(s, rid, out)
+            except Exception as exc:
+                self._mark_failed(s, rid, exc)
+            else:
+                msgs.extend(out)
 
     # -- ingest ----------------------------------------------------------------------------------
     def on_report(self, s: Session, msg: proto.ReportedState) -> None:
@@ -626,14 +666,19 @@ class RolloutEngine:
             if info is None or (info.name, info.version) != (m.model, m.version):
                 continue
             a = acc.setdefault(key, {"b_r": key[0], "b_d": key[1], "dr": 0, "de": 0, "p99": None})
-            a["dr"] += m.requests
-            a["de"] += m.errors
+            a["dr"] = min(a["dr"] + m.requests, TELE_COUNT_CAP)
+            a["de"] = min(a["de"] + m.errors, TELE_COUNT_CAP)
             if m.latency.p99_ms is not None:
                 a["p99"] = m.latency.p99_ms
+
+        def saturating(col: Any, delta: str) -> Any:  # col + delta, at most TELE_COUNT_CAP, never overflowing
+            d = bindparam(delta, type_=BigInteger)
+            return case((col > TELE_COUNT_CAP - d, TELE_COUNT_CAP), else_=col + d)
+
         if acc:
             s.connection().execute(
                 update(t).where(t.c.rollout_id == bindparam("b_r"), t.c.device_id == bindparam("b_d")).values(
-                    tele_requests=t.c.tele_requests + bindparam("dr"), tele_errors=t.c.tele_errors + bindparam("de"),
+                    tele_requests=saturating(t.c.tele_requests, "dr"), tele_errors=saturating(t.c.tele_errors, "de"),
                     p99_after=func.coalesce(bindparam("p99", type_=Float), t.c.p99_after)), list(acc.values()))
 
     # -- the tick ----------------------------------------------------------------------------------
@@ -642,17 +687,51 @@ class RolloutEngine:
         now = utcnow()
         with self.sessions() as s:
             ids = list(s.scalars(select(Rollout.id).where(Rollout.status == RolloutStatus.IN_PROGRESS.value)))
+        for gone in self._failing.keys() - set(ids):
+            self._failing.pop(gone, None)
         n = 0
         for rid in ids:
+            failing = self._failing.get(rid)
+            if failing is not None and time.monotonic() < failing[1]:
+                continue  # its last evaluation failed: it waits its turn, the others go on
             with self.sessions.begin() as s:
                 got = s.execute(update(Rollout).where(
                     Rollout.id == rid, Rollout.status == RolloutStatus.IN_PROGRESS.value,
                     or_(Rollout.lease_owner.is_(None), Rollout.lease_owner == self.owner, Rollout.lease_until < now))
                     .values(lease_owner=self.owner, lease_until=now + dt.timedelta(seconds=self.LEASE_S)))
-            if got.rowcount == 1:  # type: ignore[attr-defined]
-                self.advance(rid)
+            if got.rowcount == 1 and self.advance_isolated(rid):  # type: ignore[attr-defined]
                 n += 1
         return n
+
+    def advance_isolated(self, rollout_id: int) -> bool:
+        """``advance``, but a failure marks this rollout (stored, audited, retried later) instead of raising:
+        whatever one rollout's figures or rows hold, the caller (the tick, the others) goes on. False if it failed."""
+        try:
+            self.advance(rollout_id)
+        except Exception as exc:
+            n = self._failing.get(rollout_id, (0, 0.0))[0] + 1
+            self._failing[rollout_id] = (n, time.monotonic() + min(self.RETRY_MIN_S * 2 ** min(n - 1, 16),
+                                                                    self.RETRY_MAX_S))
+            if n == 1:
+                log.exception("rollout %d could not be evaluated; it is marked and tried again later", rollout_id)
+            try:
+                with self.sessions.begin() as s:
+                    self._mark_failed(s, rollout_id, exc)
+            except Exception:
+                log.exception("could not mark rollout %d as failing to evaluate", rollout_id)
+            return False
+        self._failing.pop(rollout_id, None)
+        return True
+
+    @staticmethod
+    def _mark_failed(s: Session, rollout_id: int, exc: BaseException) -> None:
+        """Store why the rollout could not be evaluated (audited once per distinct reason)."""
+        r = s.get(Rollout, rollout_id, with_for_update=True)
+        why = _failure(exc)
+        if r is None or r.engine_error == why:
+            return
+        r.engine_error, r.engine_error_at = why, utcnow()
+        audit(s, ENGINE_ACTOR, "rollout_engine_error", rollout_id, error=why)
 
     def release_leases(self) -> None:
         with self.sessions.begin() as s:
@@ -673,6 +752,9 @@ class RolloutEngine:
         r = s.get(Rollout, rollout_id, with_for_update=True)
         if r is None or r.status != RolloutStatus.IN_PROGRESS:
             return
+        if r.engine_error is not None:  # it was failing; this time it is evaluated (or this raises again)
+            audit(s, ENGINE_ACTOR, "rollout_engine_recovered", r.id, error=r.engine_error)
+            r.engine_error = r.engine_error_at = None
         spec = RolloutSpec.model_validate(r.spec or {})
         for _ in range(64):  # bounded: each pass moves one wave one step or returns
             w = s.get(RolloutWave, (r.id, r.current_wave))
@@ -794,10 +876,11 @@ class RolloutEngine:
     @staticmethod
     def _shadow_figures(s: Session, w: RolloutWave) -> ShadowWaveFigures:
         sh, t = RolloutShadow, RolloutTarget
+        samples = cast(sh.samples, Float)  # summed as doubles: see _figures
         row = s.execute(select(
-            func.count(), func.coalesce(func.sum(sh.samples), 0),
-            func.sum(case((sh.agreement.is_not(None), sh.samples * sh.agreement))),
-            func.sum(case((sh.agreement.is_not(None), sh.samples))), func.max(sh.max_abs_error))
+            func.count(), func.coalesce(func.sum(samples), 0.0),
+            func.sum(case((sh.agreement.is_not(None), samples * sh.agreement))),
+            func.sum(case((sh.agreement.is_not(None), samples))), func.max(sh.max_abs_error))
             .join(t, and_(t.rollout_id == sh.rollout_id, t.device_id == sh.device_id))
             .where(sh.rollout_id == w.rollout_id, t.wave == w.idx)).one()
         judged = float(row[3] or 0)
@@ -829,11 +912,14 @@ class RolloutEngine:
 
     @staticmethod
     def _figures(s: Session, w: RolloutWave) -> WaveFigures:
+        """The wave's gate figures. Counters are summed as doubles: an integer sum() overflows on SQLite (and
+        becomes NUMERIC on PostgreSQL) once a few targets hold counts near 2**62, which rows stored before the
+        counters were bounded may; a double sums any number of them (exactly up to 2**53)."""
         both = and_(RolloutTarget.p99_before.is_not(None), RolloutTarget.p99_after.is_not(None),
                     RolloutTarget.p99_before > 0)
         row = s.execute(select(
-            func.coalesce(func.sum(RolloutTarget.tele_requests), 0),
-            func.coalesce(func.sum(RolloutTarget.tele_errors), 0),
+            func.coalesce(func.sum(cast(RolloutTarget.tele_requests, Float)), 0.0),
+            func.coalesce(func.sum(cast(RolloutTarget.tele_errors, Float)), 0.0),
             func.sum(case((both, RolloutTarget.p99_before))), func.sum(case((both, RolloutTarget.p99_after))),
             func.sum(case((both, 1), else_=0))).where(RolloutTarget.rollout_id == w.rollout_id,
                                                       RolloutTarget.wave == w.idx)).one()
@@ -906,7 +992,7 @@ class RolloutEngine:
                 raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback")
         self._publish(msgs)
         if action == "resume":
-            self.advance(rollout_id)
+            self.advance_isolated(rollout_id)
 
     # -- reading ---------------------------------------------------------------------------------
     def status(self, rollout_id: int, with_targets: bool = True) -> dict[str, Any]:
@@ -928,27 +1014,37 @@ class RolloutEngine:
                 "id": r.id, "model": r.model_name or first.name, "version": r.model_version or first.version,
                 "profile": first.profile, "profiles": profiles, "status": r.status, "reason": r.reason,
                 "created_by": r.created_by, "created_at": _iso(r.created_at), "finished_at": _iso(r.finished_at),
-                "current_wave": r.current_wave, "spec": r.spec, "counts": counts,
+                "current_wave": r.current_wave, "spec": r.spec if isinstance(r.spec, dict) else {},
+                "counts": counts, "engine_error": r.engine_error, "engine_error_at": _iso(r.engine_error_at),
                 "waves": [{"index": w.idx, "size": w.size, "soak_s": w.soak_s, "state": w.state,
                            "installed": w.n_installed, "failed": w.n_failed, "started_at": _iso(w.started_at),
                            "soak_until": _iso(w.soak_until), "gates": w.gates} for w in waves],
             }
-            spec = RolloutSpec.model_validate(r.spec or {})
-            for wj, w in zip(out["waves"], waves, strict=True):  # gates not judged yet: their values so far
-                if w.state == WaveState.SHADOWING and spec.shadow is not None:
-                    f = self._shadow_figures(s, w)
-                    g = evaluate_shadow(f, spec.shadow) or GateResult(
-                        "shadow_agreement", f.agreement, spec.shadow.agreement_min, False,
-                        f"{f.samples} of {spec.shadow.min_samples} mirrored requests so far")
-                    wj["gates_live"] = [g.as_json()]
-                elif w.state in (WaveState.INSTALLING, WaveState.SOAKING) and not any(
-                        g["name"] != "shadow_agreement" for g in (w.gates or [])):
-                    wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
             if with_targets:
                 out["targets"] = [target_json(t, p) for t, p in s.execute(
                     select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
                     .where(RolloutTarget.rollout_id == r.id).order_by(RolloutTarget.device_id))]
+            try:  # last: a failure here leaves the rest of the answer (and the listing) standing
+                self._live_gates(s, r, waves, out["waves"])
+            except Exception as exc:  # shown (while it runs) as the engine's own failure would be
+                log.debug("rollout %d: its live gate figures could not be read: %s", r.id, _failure(exc))
+                if r.status == RolloutStatus.IN_PROGRESS:
+                    out["engine_error"] = out["engine_error"] or _failure(exc)
             return out
+
+    def _live_gates(self, s: Session, r: Rollout, waves: list[RolloutWave], out: list[dict[str, Any]]) -> None:
+        """Gates not judged yet: their values so far, into each wave's ``gates_live``."""
+        spec = RolloutSpec.model_validate(r.spec or {})
+        for wj, w in zip(out, waves, strict=True):
+            if w.state == WaveState.SHADOWING and spec.shadow is not None:
+                f = self._shadow_figures(s, w)
+                g = evaluate_shadow(f, spec.shadow) or GateResult(
+                    "shadow_agreement", f.agreement, spec.shadow.agreement_min, False,
+                    f"{f.samples} of {spec.shadow.min_samples} mirrored requests so far")
+                wj["gates_live"] = [g.as_json()]
+            elif w.state in (WaveState.INSTALLING, WaveState.SOAKING) and not any(
+                    g["name"] != "shadow_agreement" for g in (w.gates or [])):
+                wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
 
 
 def target_json(t: RolloutTarget, bundle_profile: str | None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from edgefleet.protocol import manifest as pm
 from edgefleet.protocol import mqtt as proto
 
 __all__ = [
+    "MAX_OFFSET",
     "MAX_PAGE",
     "AuditEntry",
     "Bootstrap",
@@ -229,6 +230,11 @@ class Rollout(ApiModel):
     spec: dict[str, Any]  # waves, soak, gates, shadow, on_failure... as created
     counts: dict[str, int]  # devices by state
     waves: list[Wave]
+    # set while the engine cannot evaluate this rollout (e.g. its stored figures or spec cannot be read): why, and
+    # since when (ISO 8601, UTC). The engine retries it with a growing pause; the other rollouts go on. Cleared once
+    # it advances again or an operator changes its state (pause, abort, rollback)
+    engine_error: str | None = None
+    engine_error_at: str | None = None
     targets: list[RolloutTarget] | None = None  # left out by lists and with ?targets=false
     # with ?targets_limit= (and targets_offset=, targets_state=): ``targets`` is that page (by device id)
     # and this is how many targets match the state filter in all; unset when every target is sent
@@ -237,11 +243,12 @@ class Rollout(ApiModel):
 
 # -- paging (query parameters, not bodies) ----------------------------------------------------------
 # GET /api/v1/devices?limit=&offset=&group=&state=&q=: a list of Device, by id. Without ``limit`` every
-# matching device (today's answer); ``limit`` is 0..MAX_PAGE, ``offset`` >= 0; ``group`` exact, ``state`` a
+# matching device (today's answer); ``limit`` is 0..MAX_PAGE, ``offset`` 0..MAX_OFFSET; ``group`` exact, ``state`` a
 # last report's state or "online"/"offline", ``q`` a substring of the device id. The answer's
 # ``X-Total-Count`` header says how many devices match in all.
 # GET /api/v1/rollouts/{id}?targets_limit=&targets_offset=&targets_state=: one page of its targets (above).
 MAX_PAGE = 1000
+MAX_OFFSET = 10**9  # any ``offset``/``targets_offset`` above is refused (422)
 
 
 class AuditEntry(ApiModel):

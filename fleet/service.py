@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from edgefleet.fleet.audit import Rejections, audit
 from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, TelemetryRow, utcnow
 from edgefleet.fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
+from edgefleet.fleet.ingest import NotStored
 from edgefleet.fleet.keys import bundle_target
 from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
 from edgefleet.fleet.tuf_repo import Repository
@@ -26,10 +27,45 @@ from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import version_key
 from edgefleet.protocol.profile import list_profiles
 
-__all__ = ["FleetService", "Publisher"]
+__all__ = ["MAX_LABELS", "MAX_LABEL_KEY_CHARS", "MAX_LABEL_VALUE_CHARS", "MAX_TAGS", "MAX_TAG_CHARS",
+           "REPORT_CLOCK_AHEAD_S", "FleetService", "Publisher", "check_labels"]
 
 log = logging.getLogger("edgefleet.fleet")
 DECOMMISSIONED = "decommissioned"  # a device's last_state once decommissioned, until it enrolls again
+# a device's labels and tags are shown in every listing: bounded in number and length
+MAX_LABELS = 32
+MAX_LABEL_KEY_CHARS = 64
+MAX_LABEL_VALUE_CHARS = 256
+MAX_TAGS = 32
+MAX_TAG_CHARS = 64
+# reports are ordered by their ``ts`` (the device's clock): one older than the newest stored is dropped. A ts
+# further ahead of the fleet's clock than this orders as if it were this far ahead, so a device whose clock ran
+# ahead and was set back is heard again after at most this long, not after its clock catches up
+REPORT_CLOCK_AHEAD_S = 300.0
+
+
+def check_labels(labels: dict[str, str] | None = None, tags: list[str] | None = None) -> None:
+    """Labels and tags within their bounds, else BadRequest (422) naming the first that is not."""
+    if labels is not None:
+        if len(labels) > MAX_LABELS:
+            raise BadRequest(f"{len(labels)} labels: a device has at most {MAX_LABELS}", 422)
+        for k, v in labels.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise BadRequest("labels map names to strings", 422)
+            if not 1 <= len(k) <= MAX_LABEL_KEY_CHARS:
+                raise BadRequest(f"label name {k[:40]!r}{'...' if len(k) > 40 else ''} has {len(k)} characters: "
+                                 f"1 to {MAX_LABEL_KEY_CHARS}", 422)
+            if len(v) > MAX_LABEL_VALUE_CHARS:
+                raise BadRequest(f"label {k!r} has a value of {len(v)} characters: at most {MAX_LABEL_VALUE_CHARS}",
+                                 422)
+    if tags is not None:
+        if len(tags) > MAX_TAGS:
+            raise BadRequest(f"{len(tags)} tags: at most {MAX_TAGS}", 422)
+        for t in tags:
+            if not isinstance(t, str) or not 1 <= len(t) <= MAX_TAG_CHARS:
+                shown = f"{t[:40]!r}{'...' if len(t) > 40 else ''} has {len(t)} characters" if isinstance(t, str) \
+                    else "is not a string"
+                raise BadRequest(f"tag {shown}: 1 to {MAX_TAG_CHARS} characters", 422)
 
 
 class Publisher(Protocol):
@@ -60,6 +96,7 @@ class FleetService:
         problem = proto.device_id_problem(device_id)
         if problem is not None:
             raise BadRequest(problem)
+        check_labels(labels, tags)
         with self.sessions.begin() as s:
             dev = s.get(Device, device_id)
             if dev is None:
@@ -111,6 +148,7 @@ class FleetService:
 
     def update_device(self, device_id: str, group: str | None = None, tags: list[str] | None = None,
                       profile: str | None = None, actor: str = "api") -> dict[str, Any]:
+        check_labels(None, tags)
         with self.sessions.begin() as s:
             dev = s.get(Device, device_id)
             if dev is None:
@@ -265,6 +303,7 @@ class FleetService:
     def create_rollout(self, name: str, version: str, devices: list[str] | None = None, profile: str | None = None,
                        group: str | None = None, tags: list[str] | None = None, spec: RolloutSpec | None = None,
                        actor: str = "api") -> dict[str, Any]:
+        check_labels(None, tags)
         sel = Selector(devices=tuple(devices or ()), group=group, tags=tuple(tags or ()), profile=profile)
         rid = self.rollouts.create(name, version, sel, spec or RolloutSpec(), actor)
         return self.get_rollout(rid)
@@ -390,21 +429,49 @@ class FleetService:
                     values["profile"] = m.profile
                 s.connection().execute(update(dev).where(dev.c.id == m.device_id).values(**values))
 
-    def handle_reported(self, msg: proto.ReportedState) -> None:
-        self.handle_reports([msg])
+    def handle_reported(self, msg: proto.ReportedState) -> bool:
+        """Store one report; False if it was dropped as older than the one stored."""
+        return not isinstance(self.handle_reports([msg]), NotStored)
 
-    def handle_reports(self, msgs: list[proto.ReportedState]) -> None:
+    def _in_order(self, s: Session, msgs: list[proto.ReportedState]) -> tuple[list[proto.ReportedState],
+                                                                          list[proto.ReportedState], dict[str, float]]:
+        """(reports to apply, in arrival order; reports older than the newest stored or seen before them; each
+        device's new ordering ts). Locks the devices' rows, so replicas order one device's reports alike."""
+        dev: Table = Device.__table__  # type: ignore[assignment]
+        newest: dict[str, float | None] = {i: ts for i, ts in s.execute(
+            select(dev.c.id, dev.c.last_report_ts).where(dev.c.id.in_({m.device_id for m in msgs})).with_for_update())}
+        ahead = time.time() + REPORT_CLOCK_AHEAD_S
+        kept, stale, order = [], [], {}
+        for m in msgs:
+            seen = newest.get(m.device_id)
+            if seen is not None and m.ts < seen:
+                stale.append(m)
+                self.rejections.add("stale_report", m.device_id, f"dropped a report of {m.device_id} (state {m.state}, "
+                                    f"ts {m.ts:.3f}) older than the one stored (ts {seen:.3f}); not acked")
+                continue
+            newest[m.device_id] = order[m.device_id] = max(seen or 0.0, min(m.ts, ahead))
+            kept.append(m)
+        return kept, stale, order
+
+    def handle_reports(self, msgs: list[proto.ReportedState]) -> NotStored | None:
+        """Store a batch of reports in arrival order; one older (by ``ts``) than the newest stored for its device is
+        dropped and returned as NotStored: not applied (it would roll the device's recorded state back) and not
+        acked as stored."""
         msgs = [m for m in msgs if self._ensure_device(m.device_id)]
         if not msgs:
-            return
+            return None
         now = utcnow()
         dev: Table = Device.__table__  # type: ignore[assignment]
         with self.sessions.begin() as s:
             msgs = self._without_decommissioned(s, msgs)
             if not msgs:
-                return
+                return None
+            msgs, stale, order = self._in_order(s, msgs)
+            if not msgs:
+                return NotStored(tuple(stale))
             rows = {m.device_id: {"b_id": m.device_id, "last_seen": now, "last_state": m.state, "last_error": m.error,
-                                  "running_model": m.running_model, "running_version": m.running_version}
+                                  "running_model": m.running_model, "running_version": m.running_version,
+                                  "last_report_ts": order[m.device_id]}
                     for m in msgs}  # the newest report of a device wins
             s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), list(rows.values()))
             rejected = self.rollouts.on_reports(s, [m for m in msgs if m.rollout_id is not None])
@@ -414,6 +481,7 @@ class FleetService:
                         selftest=self._selftest_json(s, m)))
         for exc, m in rejected:
             self.rejections.add(exc.kind, m.device_id, str(exc))
+        return NotStored(tuple(stale)) if stale else None
 
     @staticmethod
     def _selftest_json(s: Session, msg: proto.ReportedState) -> dict[str, Any]:

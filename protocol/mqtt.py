@@ -15,20 +15,27 @@ on every reconnect, so whichever side reconnects last still sees the current sta
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+import pydantic_core
+from pydantic import BaseModel, Field, ValidationError
 
-from protocol import jsonlimits
-from protocol._strict import StrictModel, parse_document
-from protocol.errors import UnsupportedVersionError
+from edgefleet.protocol._strict import StrictModel
+from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
 
 __all__ = [
+    "MAX_COUNT",
+    "MAX_LATENCY_MS",
     "MAX_MESSAGE_BYTES",
+    "MAX_OBJECT_KEYS",
+    "MAX_TS",
     "MESSAGE_VERSION",
     "DesiredState",
+    "MessageError",
+    "MessageVersionError",
     "PrecisionTiming",
     "ReportedState",
     "SelfTestResult",
@@ -50,6 +57,7 @@ MESSAGE_VERSION = 1
 PREFIX = "edgefleet/v1/devices"
 MAX_MESSAGE_BYTES = 256 * 1024  # any message bigger than this is refused unread
 MAX_MESSAGE_DEPTH = 16  # nesting levels of a message (its models need at most 5)
+MAX_OBJECT_KEYS = 64  # keys of any one object in a message (its models have at most 22)
 DEVICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch
 Kind = Literal["desired", "reported", "telemetry", "status", "ack"]
 KINDS: tuple[str, ...] = ("desired", "reported", "telemetry", "status", "ack")
@@ -99,14 +107,24 @@ def parse_topic(t: str) -> tuple[str, str] | None:
     return parts[3], parts[4]
 
 
-# integers fit a database's BIGINT (SQLite's INTEGER): a bigger one is refused here, not at the insert
+# -- every number in a message has a finite range, refused here if outside it, not at an insert or in a sum -----
+# (floats: NaN and infinities are refused by StrictModel). Integers that name things (ids, seqs, sizes) fit a
+# database's BIGINT (SQLite's INTEGER). Counters are per record, and small enough that the fleet can add up
+# millions of them in a 64-bit integer or a double without overflow or loss.
 MAX_INT = 2**62
+MAX_COUNT = 2**40  # requests, errors, batches, samples in one record: > 300 million a second over an hour
+MAX_TS = 2.0**34  # unix seconds (the year 2514); a box without a clock sends small ones, never negative
+MAX_DURATION_S = 30 * 86400.0  # an interval, an install
+MAX_LATENCY_MS = 86_400_000.0  # one day
+MAX_PERCENT = 100.0 * 4096  # a process's CPU: 100 per core
+MAX_MB = 2.0**40  # memory figures in MiB
+MAX_RATE = 1e12  # items per second
 
 
 class _Message(StrictModel):
     v: int = MESSAGE_VERSION
     device_id: str
-    ts: float  # unix seconds
+    ts: float = Field(ge=0.0, le=MAX_TS)  # unix seconds
 
 
 class DesiredState(_Message):
@@ -128,24 +146,24 @@ class SelfTestResult(StrictModel):
     """The bundle's self-test as the device ran it on its own CPU (compare with the manifest's
     ``selftest_summary`` and accuracy, measured on the build host)."""
 
-    samples: int = Field(gt=0, lt=MAX_INT)
+    samples: int = Field(gt=0, lt=MAX_COUNT)
     top1: float | None = Field(default=None, ge=0.0, le=1.0)  # against the sample's labels
     top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)  # argmax equal to the build's outputs
-    drift: float = Field(ge=0.0)  # worst |device - build| / tolerance over the outputs; above 1 fails
+    drift: float = Field(ge=0.0, le=1e9)  # worst |device - build| / tolerance over the outputs; above 1 fails
 
 
 class Timing(StrictModel):
     """Items per second the device measured at one batch size (on its own cores, in turns with serving)."""
 
-    batch_size: int = Field(gt=0, lt=MAX_INT)
-    items_per_s: float = Field(ge=0.0)
+    batch_size: int = Field(gt=0, lt=MAX_COUNT)
+    items_per_s: float = Field(ge=0.0, le=MAX_RATE)
 
 
 class PrecisionTiming(StrictModel):
     """One precision of the bundle, timed on the device at install."""
 
     precision: Literal["fp32", "fp16", "int8"]
-    items_per_s: float = Field(ge=0.0)  # geometric mean over ``timings``: what the choice compares
+    items_per_s: float = Field(ge=0.0, le=MAX_RATE)  # geometric mean over ``timings``: what the choice compares
     timings: tuple[Timing, ...] = Field(default=(), max_length=32)
 
 
@@ -158,7 +176,7 @@ class ServingChoice(StrictModel):
     precision: Literal["fp32", "fp16", "int8"]
     precision_source: Literal["bundle", "device", "operator"]
     precisions: tuple[PrecisionTiming, ...] = Field(default=(), max_length=8)
-    max_batch_size: int = Field(gt=0, lt=MAX_INT)
+    max_batch_size: int = Field(gt=0, lt=MAX_COUNT)
     batch_source: Literal["measured", "operator", "off"]
     batch_timings: tuple[Timing, ...] = Field(default=(), max_length=32)
     instances: int = Field(gt=0, le=1024)
@@ -170,12 +188,12 @@ class ReportedState(_Message):
     kind: Literal["reported"] = "reported"
     state: Literal["downloading", "installing", "installed", "failed", "rolled_back", "shadowing"]
     rollout_id: int | None = Field(ge=1, lt=MAX_INT)
-    model: str | None
-    version: str | None
-    running_model: str | None
-    running_version: str | None
+    model: str | None = Field(max_length=64)
+    version: str | None = Field(max_length=32)
+    running_model: str | None = Field(max_length=64)
+    running_version: str | None = Field(max_length=32)
     error: str | None = None
-    install_s: float | None = None
+    install_s: float | None = Field(default=None, ge=0.0, le=MAX_DURATION_S)
     selftest: SelfTestResult | None = None  # with state "installed", for the model just installed
     # with state "installed": how the device serves it (precision, batch sizes and layout, chosen on its own CPU).
     # Left out when unset, so a fleet of the previous release, which forbids unknown keys, reads the rest
@@ -183,18 +201,18 @@ class ReportedState(_Message):
 
 
 class LatencySummary(StrictModel):
-    p50_ms: float | None
-    p95_ms: float | None
-    p99_ms: float | None
-    max_ms: float | None
+    p50_ms: float | None = Field(ge=0.0, le=MAX_LATENCY_MS)
+    p95_ms: float | None = Field(ge=0.0, le=MAX_LATENCY_MS)
+    p99_ms: float | None = Field(ge=0.0, le=MAX_LATENCY_MS)
+    max_ms: float | None = Field(ge=0.0, le=MAX_LATENCY_MS)
 
 
 class DeviceSummary(StrictModel):
     """The box itself, not the agent process: whole-box CPU, memory, hottest thermal zone."""
 
-    cpu_percent: float | None = Field(default=None, ge=0.0)
-    memory_used_mb: float | None = Field(default=None, ge=0.0)
-    memory_total_mb: float | None = Field(default=None, ge=0.0)
+    cpu_percent: float | None = Field(default=None, ge=0.0, le=MAX_PERCENT)
+    memory_used_mb: float | None = Field(default=None, ge=0.0, le=MAX_MB)
+    memory_total_mb: float | None = Field(default=None, ge=0.0, le=MAX_MB)
     temperature_c: float | None = Field(default=None, ge=-273.15, le=1000.0)
 
 
@@ -204,10 +222,10 @@ class ShadowFigures(StrictModel):
 
     model: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
     version: str = Field(pattern=r"^[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}$")
-    samples: int = Field(ge=0, lt=MAX_INT)
+    samples: int = Field(ge=0, lt=MAX_COUNT)  # summed over a wave by the fleet
     top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
-    max_abs_error: float | None = Field(default=None, ge=0.0)
-    p99_ms: float | None = Field(default=None, ge=0.0)
+    max_abs_error: float | None = Field(default=None, ge=0.0)  # any finite float: compared, never summed
+    p99_ms: float | None = Field(default=None, ge=0.0, le=MAX_LATENCY_MS)
 
 
 class Telemetry(_Message):
@@ -216,17 +234,17 @@ class Telemetry(_Message):
     # one), seq counts up within it and survives restarts; the fleet drops duplicates by the pair
     stream: str = Field(pattern=r"^[0-9a-f]{16}$")
     seq: int = Field(ge=0, lt=MAX_INT)
-    interval_s: float
-    model: str | None
-    version: str | None
-    requests: int = Field(ge=0, lt=MAX_INT)
-    errors: int = Field(ge=0, lt=MAX_INT)
+    interval_s: float = Field(ge=0.0, le=MAX_DURATION_S)
+    model: str | None = Field(max_length=64)
+    version: str | None = Field(max_length=32)
+    requests: int = Field(ge=0, lt=MAX_COUNT)  # counters of this record's interval, summed by the fleet
+    errors: int = Field(ge=0, lt=MAX_COUNT)
     latency: LatencySummary
-    batches: int = Field(ge=0, lt=MAX_INT)
-    batch_size_mean: float | None
-    batch_size_max: int | None = Field(ge=0, lt=MAX_INT)
-    cpu_percent: float
-    rss_mb: float
+    batches: int = Field(ge=0, lt=MAX_COUNT)
+    batch_size_mean: float | None = Field(ge=0.0, le=MAX_COUNT)
+    batch_size_max: int | None = Field(ge=0, lt=MAX_COUNT)
+    cpu_percent: float = Field(ge=0.0, le=MAX_PERCENT)
+    rss_mb: float = Field(ge=0.0, le=MAX_MB)
     dropped: int | None = Field(default=None, ge=0, lt=MAX_INT)  # records this stream's full spool dropped, in total
     device: DeviceSummary | None = None  # the box itself; left out by agents that have no sample yet
     shadow: ShadowFigures | None = None  # while a candidate runs in shadow
@@ -248,15 +266,15 @@ class TelemetryAck(_Message):
     # the ``ts`` of the device's report the fleet stored (an ack of a report, not of telemetry: ``stream`` is
     # then ""); an agent keeps sending its latest report until this acks it. Sent only in report acks, so an
     # older agent, which forbids the key, drops those alone and keeps its telemetry acks
-    report_ts: float | None = None
+    report_ts: float | None = Field(default=None, ge=0.0, le=MAX_TS)
 
 
 class StatusMessage(_Message):
     kind: Literal["status"] = "status"
     state: Literal["online", "offline"]
-    agent_version: str | None = None
-    inference_url: str | None = None
-    arch: str | None = None
+    agent_version: str | None = Field(default=None, max_length=32)
+    inference_url: str | None = Field(default=None, max_length=256)
+    arch: str | None = Field(default=None, max_length=32)
     cpu_features: tuple[str, ...] | None = Field(default=None, max_length=64)  # CPUID, as the runtime sees it
     # the hardware profile (hw-profiles/<name>.yaml) the device runs as; the fleet picks its bundle by it
     profile: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -283,19 +301,106 @@ def encode(msg: BaseModel) -> bytes:
     return json.dumps(_compact(msg), separators=(",", ":")).encode()
 
 
+class MessageError(SchemaError):
+    """A message that breaks its schema. ``document`` is the message as parsed when it was a JSON object (else
+    None), so that a caller can read what identifies it (a telemetry record's stream and seq) without parsing
+    the payload a second time."""
+
+    def __init__(self, source: str, problems: list[str], document: dict[str, Any] | None = None):
+        super().__init__(source, problems)
+        self.document = document
+
+
+class MessageVersionError(UnsupportedVersionError):
+    """A message of a newer protocol version than this code reads; ``document`` as in MessageError."""
+
+    def __init__(self, message: str, document: dict[str, Any]):
+        super().__init__(message)
+        self.document = document
+
+
+MAX_NAMED = 5  # of the unknown keys or other problems of one message, named in its one-line error
+
+
+def _names(keys: list[str], total: int) -> str:
+    """The first few of ``total`` names, each cut to 40 characters."""
+    shown = ", ".join(repr(k[:40]) for k in keys[:MAX_NAMED])
+    return shown + (f" and {total - MAX_NAMED} more" if total > MAX_NAMED else "")
+
+
+def _shape_problem(data: Any) -> str | None:
+    """Nesting past MAX_MESSAGE_DEPTH or an object wider than MAX_OBJECT_KEYS, anywhere: one iterative pass over
+    the parsed message, no recursion, so that validation never meets thousands of keys (each one an error)."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_MESSAGE_DEPTH:
+            return f"nested deeper than {MAX_MESSAGE_DEPTH} levels"
+        if isinstance(value, dict):
+            if len(value) > MAX_OBJECT_KEYS:
+                return (f"the object at '{where or '(document)'}' has {len(value)} keys; a message's objects have "
+                        f"at most {MAX_OBJECT_KEYS}")
+            stack.extend((v, depth + 1, f"{where}.{k[:40]}" if where else k[:40]) for k, v in value.items()
+                         if isinstance(v, (dict, list)))
+        else:  # a list
+            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value) if isinstance(v, (dict, list)))
+    return None
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    """The problems of a message in a few lines whatever their number: unknown keys counted with the first few
+    named, then the first few others."""
+    unknown: list[str] = []
+    other: list[str] = []
+    for err in exc.errors(include_url=False, include_context=False, include_input=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "(document)"
+        if err["type"] == "extra_forbidden":
+            unknown.append(loc)
+        elif len(other) < MAX_NAMED:
+            other.append(f"missing key '{loc}'" if err["type"] == "missing" else f"key '{loc}': {err['msg']}")
+    out = [f"{len(unknown)} unknown key{'s' if len(unknown) > 1 else ''}: {_names(unknown, len(unknown))}"
+           ] if unknown else []
+    rest = exc.error_count() - len(unknown) - len(other)
+    return out + other + ([f"and {rest} more problems"] if rest > 0 else [])
+
+
 def decode(model: type[T], payload: bytes, source: str) -> T:
-    # pydantic-core's parser, bounded in size and depth: the fleet decodes thousands of these a second
-    data: Any = jsonlimits.loads(payload, source=source, max_bytes=MAX_MESSAGE_BYTES, max_depth=MAX_MESSAGE_DEPTH)
-    if isinstance(data, dict) and isinstance(data.get("v"), int) and data["v"] > MESSAGE_VERSION:
-        raise UnsupportedVersionError(f"{source}: message version {data['v']} is newer than {MESSAGE_VERSION}")
-    return parse_document(model, data, source)
+    """One message, bounded in size, nesting, width and work: parsed once (pydantic-core's parser), its shape
+    checked in one pass, then validated; refused with a MessageError (a SchemaError) in one line, or an
+    UnsupportedVersionError. The cost is proportional to the bytes, not to how many problems they hold."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise MessageError(source, [f"{len(payload)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit"])
+    try:
+        # strings not cached: a message of thousands of distinct keys would only churn pydantic-core's cache
+        data: Any = pydantic_core.from_json(payload, cache_strings=False)
+    except ValueError as exc:  # not JSON, not UTF-8, or deeper than pydantic-core's own limit (~200)
+        reason = str(exc)
+        if "recursion limit" in reason:
+            raise MessageError(source, [f"nested deeper than {MAX_MESSAGE_DEPTH} levels"]) from exc
+        raise MessageError(source, [f"not valid JSON: {reason[:200]}"]) from exc
+    if not isinstance(data, dict):
+        raise MessageError(source, [f"expected a mapping at the top level, got {type(data).__name__}"])
+    if isinstance(data.get("v"), int) and data["v"] > MESSAGE_VERSION:
+        raise MessageVersionError(f"{source}: message version {data['v']} is newer than {MESSAGE_VERSION}", data)
+    unknown = data.keys() - model.model_fields.keys()
+    if unknown:  # checked first: a wide message is refused without walking or validating it
+        first = list(itertools.islice((k for k in data if k in unknown), MAX_NAMED))
+        raise MessageError(source, [f"{len(unknown)} unknown key{'s' if len(unknown) > 1 else ''}: "
+                                    f"{_names(first, len(unknown))}"], data)
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise MessageError(source, [problem], data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise MessageError(source, _problems(exc), data) from exc
 
 
 def parse_mqtt_url(url: str) -> tuple[str, int]:
     """``mqtt://host[:1883]`` or ``mqtts://host[:8883]`` (TLS) -> (host, port)."""
     from urllib.parse import urlsplit
 
-    from protocol.errors import ConfigError
+    from edgefleet.protocol.errors import ConfigError
 
     parts = urlsplit(url)
     if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
