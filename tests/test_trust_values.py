@@ -228,7 +228,8 @@ def test_labels_and_tags_are_bounded(fleet):
     r = api.patch(f"{url}/api/v1/devices/edge-l", json={"tags": [big]})
     assert r.status_code == 422, r.text[:300]
     assert api.get(f"{url}/api/v1/devices/edge-l").json()["tags"] == ["t" * 64]
-    with pytest.raises(BadRequest, match="has 200000 characters: 1 to 64"):  # the service itself (the console and CLI call it)
+    # the service itself (the console and the CLI call it)
+    with pytest.raises(BadRequest, match="has 200000 characters: 1 to 64"):
         fs.service.create_rollout("digits", "1.0.0", tags=[big])
 
 
@@ -256,3 +257,20 @@ def test_a_stale_report_is_dropped_and_not_acked(fleet, mosquitto):
     got = acks.get(timeout=20)
     assert got.report_ts == pytest.approx(now + 1), f"the stale report (ts {now - 60}) was acked: {got}"
     watcher.c.loop_stop()
+
+
+def test_a_device_clock_that_ran_ahead_does_not_silence_it(fleet, monkeypatch):
+    """Report order trusts the device's clock only up to the fleet's own (``REPORT_CLOCK_AHEAD_S``, 0 here): a
+    device whose clock ran a day ahead and was set back is heard again at once, not a day later."""
+    from edgefleet.fleet import service as svc
+
+    monkeypatch.setattr(svc, "REPORT_CLOCK_AHEAD_S", 0.0)
+    fs, url, dev = fleet
+    now = time.time()
+    dev.publish(proto.topic("edge-c", "reported"), _reported("edge-c", None, state="downloading", ts=now + 86400))
+    wait_for(lambda: api.get(f"{url}/api/v1/devices/edge-c").json().get("last_state") == "downloading", 20,
+             "the report from the future stored")
+    dev.publish(proto.topic("edge-c", "reported"), _reported("edge-c", None, ts=time.time() + 1))  # clock set right
+    wait_for(lambda: api.get(f"{url}/api/v1/devices/edge-c").json().get("last_state") == "installed", 20,
+             "the next report stored")
+    assert "stale_report" not in _rejected(url)
