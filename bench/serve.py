@@ -102,18 +102,25 @@ def prepare(name: str, work: Path) -> dict[str, Any]:
         model, calib, evalp, model_name = d / "model.onnx", d / "calibration.npz", d / "eval.npz", "mobilenetv2"
         with np.load(evalp) as npz:
             images, labels = npz["input"][:16].astype(np.float32), npz["labels"][:16].astype(np.int64)
-    result = compile_model(CompileOptions(model=model, profile="x86-cpu", calibration=calib, eval=evalp,
-                                          out_dir=work / name / "dist", name=model_name, version="1.0.0",
-                                          benchmark=False, precision=precision, max_accuracy_drop=1.0))
     data_dir = work / name / "agent"
-    store = ModelStore(data_dir / "store")
-    store.recover()
-    staged = store.stage(result.bundle, sha256_file(result.bundle))
-    store.commit(staged, None)
+    done = work / name / "prepared.json"  # a --work-dir used before: compiled and installed already
+    if done.exists() and Path(json.loads(done.read_text())["engine"]).exists():
+        engine, shipped = Path(json.loads(done.read_text())["engine"]), json.loads(done.read_text())["precision"]
+        _say(f"{name}: compiled and installed in {work} before; reused")
+    else:
+        result = compile_model(CompileOptions(model=model, profile="x86-cpu", calibration=calib, eval=evalp,
+                                              out_dir=work / name / "dist", name=model_name, version="1.0.0",
+                                              benchmark=False, precision=precision, max_accuracy_drop=1.0))
+        store = ModelStore(data_dir / "store")
+        store.recover()
+        staged = store.stage(result.bundle, sha256_file(result.bundle))
+        store.commit(staged, None)
+        engine, shipped = staged.engine, result.manifest.precision
+        done.write_text(json.dumps({"engine": str(engine), "precision": shipped}))
     if name != "digits":  # labels for a random-weight model: what this engine itself says
-        labels = _session(staged.engine, 2).run(None, {"input": images})[0].argmax(1)
-    return {"name": name, "model": model_name, "data_dir": data_dir, "engine": staged.engine,
-            "images": images, "labels": [int(v) for v in labels], "precision": result.manifest.precision}
+        labels = _session(engine, 2).run(None, {"input": images})[0].argmax(1)
+    return {"name": name, "model": model_name, "data_dir": data_dir, "engine": engine,
+            "images": images, "labels": [int(v) for v in labels], "precision": shipped}
 
 
 def _session(engine: Path, threads: int) -> Any:
@@ -144,9 +151,10 @@ def _rate(sess: Any, x: np.ndarray, seconds: float, start: Any = None) -> tuple[
 
 
 def the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float) -> dict[str, Any]:
-    """Images/s of InferenceSession.run at batch 1..16 in two layouts: one session of ``threads`` intra-op threads,
-    and ``threads`` sessions of one thread each, called from as many Python threads at once (on CPUs the second
-    often does more per second); the limit is the best of all. Also each layout's batch-1 median call time."""
+    """Images/s of InferenceSession.run at batch 1..16 in every layout of ``threads`` CPUs the agent may choose (one
+    session of ``threads`` intra-op threads, ..., ``threads`` sessions of one thread each), the sessions called from
+    as many Python threads at once (on CPUs one-thread sessions often do more per second); the limit is the best of
+    all. Also each layout's batch-1 median call time."""
     with _pinned(PIN[0] if PIN else None):
         return _the_limit(engine, images, threads, seconds_each)
 
@@ -154,7 +162,9 @@ def the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: floa
 def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float) -> dict[str, Any]:
     import threading
 
-    layouts = [(1, threads)] + ([(threads, 1)] if threads > 1 else [])
+    from edgefleet.agent.batcher import layout_candidates
+
+    layouts = list(layout_candidates(threads))  # every layout the agent may choose: 1xT, ..., Tx1
     out: dict[str, Any] = {"by_layout": {}, "batch1_ms": {}}
     best = (0.0, "", 0)
     for instances, per in layouts:
@@ -739,11 +749,39 @@ def _batch1_compute(stats_url: str) -> tuple[int, int]:
     return 0, 0
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory now (``VmRSS``) or at its peak (``VmHWM``), in MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def bare_sessions(engine: str, instances: int, threads: int, batch: int, seconds: float) -> None:
+    """In a process of its own (``--bare-sessions``): ``instances`` sessions of ``threads`` threads (the agent's
+    session options) loaded and run at once at ``batch`` for ``seconds``; prints its RSS and peak RSS (JSON)."""
+    import threading
+
+    sessions = [_session(Path(engine), threads) for _ in range(instances)]
+    shape = [d if isinstance(d, int) else 1 for d in sessions[0].get_inputs()[0].shape][1:]
+    x = np.random.default_rng(0).random((batch, *shape), dtype=np.float32)
+    loaded = _rss_mb(os.getpid())
+    workers = [threading.Thread(target=_rate, args=(s, x, seconds)) for s in sessions]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    print(json.dumps({"loaded_mb": loaded, "rss_mb": _rss_mb(os.getpid()), "peak_mb": _rss_mb(os.getpid(), "VmHWM")}))
+
+
+def bare_rss(engine: Path, layout: str, batch: int, seconds: float = 2.0) -> dict[str, float]:
+    """RSS of a bare process (numpy and onnxruntime only) holding ``layout``'s sessions, run at ``batch``: what the
+    agent's memory is held against (after the run, and its peak)."""
+    instances, threads = (int(v) for v in layout.split("x"))
+    done = subprocess.run([sys.executable, __file__, "--bare-sessions", str(engine), str(instances), str(threads),
+                           str(batch), str(seconds)], capture_output=True, timeout=300, check=True, cwd=REPO,
+                          preexec_fn=_naive_child)
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
 # -- one model ---------------------------------------------------------------------------------------
@@ -766,7 +804,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
               "binary": args.requests if small else args.requests_big,
               "json": args.requests if small else max(20, args.requests_big // 5),
               "grpc": args.requests, "shm": args.requests, "local": args.requests, "local-inline": args.requests}
-    _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, 1x{args.threads} and {args.threads}x1)")
+    _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, every layout of {args.threads} CPU(s))")
     limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
     layout = {"auto": limit_before["layout"], "default": f"1x{args.threads}"}.get(args.agent_layout, args.agent_layout)
     # "agent": no --instances/--threads, the agent measures and chooses its layout (read back from its config)
@@ -788,7 +826,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     sock = m["data_dir"] / "local.sock"  # the on-box socket (agent/local.py), for digits
     agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, args.max_batch_size, per, 120,
                          instances=instances,
-                         extra_args=(*pin_args, *(("--grpc-port", str(grpc_port)) if local else ()),
+                         extra_args=(*pin_args, *_runtime_args(args, work),
+                                     *(("--grpc-port", str(grpc_port)) if local else ()),
                                      *(("--local-socket", str(sock)) if small else ())))
     rows: list[dict[str, Any]] = []
     with agent:
@@ -797,6 +836,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         time.sleep(1.0)
         idle_rss = _rss_mb(agent.proc.pid)
         chosen, chosen_layout = agent_choice(agent.url, m["model"])
+        agent_cfg = agent_config(agent.url, m["model"])
         layout = chosen_layout if layout == "agent" else layout
         instances, per = (int(v) for v in layout.split("x"))
         _say(f"{name}: the agent serves {chosen}")
@@ -806,6 +846,8 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                 variants += [("grpc", f"http://127.0.0.1:{grpc_port}"), ("shm", agent.url)]
             if small:
                 variants += [("local", str(sock)), ("local-inline", str(sock))]
+            if args.variants:
+                variants = [v for v in variants if v[0] in args.variants]
             for clients in args.clients:
                 order = variants if clients % 2 == 0 else list(reversed(variants))  # interleave, alternating order
                 for kind, url in order:
@@ -818,7 +860,14 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                     _say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
                          f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
                          f"wrong {r['wrong']}" + (f"  first error {r['first_error']}" if r["first_error"] else ""))
+        load_rss, peak_rss = _rss_mb(agent.proc.pid), _rss_mb(agent.proc.pid, "VmHWM")
     limit_after = the_limit(m["engine"], images, args.threads, args.limit_seconds)
+    tuning = agent_cfg.get("batch_tuning") or {}
+    chosen_batch = int(tuning.get("max_formed_batch_size") or args.max_batch_size or 16)
+    bare = bare_rss(m["engine"], layout, chosen_batch)
+    memory = {"agent_after_install_mb": idle_rss, "agent_after_load_mb": load_rss, "agent_peak_mb": peak_rss,
+              "bare_layout": layout, "bare_batch": chosen_batch, **{f"bare_{k}": v for k, v in bare.items()}}
+    agent_layouts = {n: f["images_per_second"] for n, f in ((tuning.get("layout") or {}).get("measured") or {}).items()}
     limit = (limit_before["images_per_s"] + limit_after["images_per_s"]) / 2
     # a request at one client costs one batch-1 call of the server's own session: the agent's layout, or the
     # naive server's single session of all the threads
@@ -843,7 +892,33 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
             "transport_floor_ms": floor_ms, "asgi_floor_ms": asgi_floor_ms,
             "json_decode_orjson_ms": decode_ms_orjson, "json_target_req_s": json_target,
             "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss,
-            "rows": rows, "agent_layout": layout, "agent_choice": chosen}
+            "rows": rows, "agent_layout": layout, "agent_choice": chosen, "memory": memory,
+            "agent_layouts_img_s": agent_layouts, "limit_by_layout_best": _layout_bests(limit_before, limit_after)}
+
+
+def _layout_bests(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[float, int]]:
+    """Each layout the limit measured -> (its best images/s, the mean of before and after; the batch it was best at
+    after)."""
+    out = {}
+    for name, rates in after["by_layout"].items():
+        b = max(rates, key=lambda k: rates[k])
+        both = [max(r[name].values()) for r in (before["by_layout"], after["by_layout"]) if name in r]
+        out[name] = (sum(both) / len(both), int(b))
+    return out
+
+
+def agent_config(url: str, model: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/v2/models/{model}/config", timeout=30) as r:  # loopback: the agent under test
+        return json.loads(r.read())
+
+
+def _runtime_args(args: argparse.Namespace, work: Path) -> tuple[str, ...]:
+    """``--agent-runtime``: the agent's ``runtime`` setting, in a config file of its own (no flag sets it)."""
+    if not args.agent_runtime:
+        return ()
+    cfg = work / f"agent-runtime-{args.agent_runtime}.yaml"
+    cfg.write_text(f"runtime: {args.agent_runtime}\n")
+    return ("--config", str(cfg))
 
 
 def agent_choice(url: str, model: str) -> tuple[str, str]:
@@ -863,6 +938,34 @@ def agent_choice(url: str, model: str) -> tuple[str, str]:
     return out, f"{cfg['instance_group'][0]['count']}x{layout.get('threads', '?')}"
 
 
+def print_layouts_and_memory(res: dict[str, Any]) -> None:
+    """The layout-vs-limit line, the agent's layout table beside the limit's, and the agent's RSS beside a bare
+    process's with the chosen layout's sessions."""
+    limit_bests: dict[str, tuple[float, int]] = res.get("limit_by_layout_best") or {}
+    if limit_bests:
+        best_name = max(limit_bests, key=lambda k: limit_bests[k][0])
+        best = limit_bests[best_name][0]
+        mine = limit_bests.get(res["agent_layout"])
+        print(f"layout vs limit: the agent serves {res['agent_layout']}; the limit's best layout is {best_name} "
+              f"({best:.1f} img/s at batch {limit_bests[best_name][1]})"
+              + (f"; the limit measured {res['agent_layout']} at {mine[0]:.1f} img/s = {mine[0] / best:.1%} of its best"
+                 if mine else "; the limit did not measure the agent's layout"))
+        trial = res.get("agent_layouts_img_s") or {}
+        print(f"{'layout':>8} {'limit img/s':>12} {'(batch)':>7} {'agent trial img/s':>18} {'trial / limit':>13}")
+        for name, (v, b) in limit_bests.items():
+            t = trial.get(name)
+            print(f"{name:>8} {v:>12.1f} {b:>7} {t if t is not None else '':>18} "
+                  f"{f'{t / v:.1%}' if t is not None and v else '':>13}")
+    mem = res.get("memory")
+    if mem:
+        bare, peak = mem["bare_rss_mb"], mem["bare_peak_mb"]
+        print(f"memory: the agent's RSS after install {mem['agent_after_install_mb']:.0f} MB "
+              f"({mem['agent_after_install_mb'] / bare:.2f}x), after the load {mem['agent_after_load_mb']:.0f} MB "
+              f"({mem['agent_after_load_mb'] / bare:.2f}x), peak {mem['agent_peak_mb']:.0f} MB "
+              f"({mem['agent_peak_mb'] / peak:.2f}x); a bare process with {mem['bare_layout']}'s sessions run at batch "
+              f"{mem['bare_batch']}: RSS {bare:.0f} MB, peak {peak:.0f} MB (goal: each ratio <= 1.3x)")
+
+
 def print_report(doc: dict[str, Any]) -> None:
     pin = doc["config"].get("pin_cpus")
     pinned = f" (pinned: inference on {pin[0]}, the rest on {pin[1]})" if pin else ""
@@ -878,6 +981,7 @@ def print_report(doc: dict[str, Any]) -> None:
               f"start to ready "
               f"{res['cold_start_s']:.2f} s, idle RSS {res['idle_rss_mb']:.0f} MB; JSON decode of one request "
               f"{res['json_decode_ms']:.2f} ms (json), {res['json_decode_orjson_ms']:.2f} ms (orjson, the agent's)")
+        print_layouts_and_memory(res)
         print(f"{'variant':>12} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
               f"{'added ms':>8} {'errors':>6} {'wrong':>5} | cores: {'load':>5} {'main':>5} {'other':>5} "
               f"| {'vs limit on CPU left':>20}")
@@ -925,6 +1029,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--naive-server"]:
         naive_server(argv[1], int(argv[2]), int(argv[3]))
         return 0
+    if argv[:1] == ["--bare-sessions"]:
+        bare_sessions(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]))
+        return 0
     p = argparse.ArgumentParser(prog="serve.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests (a rough look, about 2 minutes)")
@@ -934,6 +1041,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-big", type=int, help="timed requests per level, MobileNetV2 binary and naive (JSON: "
                                                     "a fifth) (default 600, quick 200)")
     p.add_argument("--warmup", type=int, default=5, help="untimed requests per client first")
+    p.add_argument("--agent-runtime", choices=("auto", "onnxruntime", "openvino"),
+                   help="the agent's runtime setting (default: its own, auto: it times the runtimes installed)")
+    p.add_argument("--variants", help="only these variants, comma-separated (e.g. naive,binary); default: all")
     p.add_argument("--threads", type=int, default=2, help="threads for inference, everywhere (the naive server: one "
                                                          "session of this many; the limit: both layouts)")
     p.add_argument("--agent-layout", default="agent",
@@ -953,6 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, help="keep bundles and logs here (default: a temp dir)")
     args = p.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     if args.pin:
         global PIN
         allowed = sorted(os.sched_getaffinity(0))
@@ -976,18 +1087,18 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = args.work_dir.resolve() if args.work_dir else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="edgefleet-serve-")))
-        results = []
+        results: list[dict[str, Any]] = []
+        doc = {"benchmark": "edgefleet bench/serve.py", "models": results,
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "onnxruntime": ort.__version__, "platform": platform.platform()},
+               "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                          "pin_cpus": [sorted(PIN[0]), sorted(PIN[1])] if PIN else None}}
         for n in names:
             _say(f"{n}: compiling for x86-cpu and installing")
             results.append(bench_model(prepare(n, work), args, work))
-    doc = {"benchmark": "edgefleet bench/serve.py", "models": results,
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": ort.__version__,
-                       "platform": platform.platform()},
-           "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                      "pin_cpus": [sorted(PIN[0]), sorted(PIN[1])] if PIN else None}}
+            if args.json:  # after each model: a run cut short keeps what it measured
+                args.json.write_text(json.dumps(doc, indent=2, default=str))
     print_report(doc)
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2, default=str))
     return 0
 
 
