@@ -180,6 +180,18 @@ def sim_live(work: Path) -> dict[str, int]:
     return total
 
 
+def register(client: httpx.Client, n: int, per_request: int = 5000) -> float:
+    """Register the simulator's devices (sim-00000, ...) up front, as an operator enrolls a fleet, through
+    POST /api/v1/devices/batch; returns the seconds it took. A registered device whose first status the broker
+    drops is read back by the fleet (fleet.reconcile); an unknown one would stay invisible until it spoke again."""
+    t = time.monotonic()
+    for i in range(0, n, per_request):
+        body = {"devices": [{"device_id": f"sim-{j:05d}", "profile": "x86-cpu"}
+                            for j in range(i, min(n, i + per_request))]}
+        client.post("/api/v1/devices/batch", json=body).raise_for_status()
+    return time.monotonic() - t
+
+
 def stats(client: httpx.Client) -> dict:
     return client.get("/api/v1/stats").json()
 
@@ -225,12 +237,16 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
         clients = [fleets.enter_context(fleet(work, mq, bundle if i == 0 else None, *extra, name=f"fleet-{i}"))
                    for i in range(replicas)]
         client = clients[0]
+        register_s = register(client, n)
         with simulator(work, mq, n, "--install-s", "0.05", procs=sim_procs):
             t = time.monotonic()
-            wait(lambda: stats(client)["online"] == n, 900, f"{n} devices online", 0.5)
+            wait(lambda: sim_live(work).get("connected", 0) >= n, 900, f"{n} devices connected", 0.2)
+            connect_s = time.monotonic() - t
+            wait(lambda: stats(client)["online"] == n, 900, f"{n} devices online", 0.2)
             online_s = time.monotonic() - t
             cpu0 = sum(_cpu_s(c.pid) for c in clients)  # type: ignore[attr-defined]
             handled0 = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients)
+            reread0 = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients)
             t0 = time.monotonic()
             r = client.post("/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "profile": "x86-cpu"})
             r.raise_for_status()
@@ -238,14 +254,24 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             rid = r.json()["id"]
 
             desired_at: list[float] = []
+            # the phases after the POST: when the devices had received their desired states, when the fleet had
+            # counted half / 90% / 99% of them installed (the first burst of reports vs the ones read back)
+            marks = {0.5: None, 0.9: None, 0.99: None}
+            timeline: list[tuple[float, int]] = []
 
             def done() -> dict | None:
+                now = time.monotonic() - t0
                 if not desired_at and sim_live(work).get("desired", 0) >= n:
-                    desired_at.append(time.monotonic() - t0)
+                    desired_at.append(now)
                 s = client.get(f"/api/v1/rollouts/{rid}?targets=false").json()
+                got = int(s["counts"].get("installed", 0))
+                timeline.append((round(now, 1), got))
+                for share in marks:
+                    if marks[share] is None and got >= share * n:
+                        marks[share] = round(now, 1)
                 return s if s["status"] != "in_progress" else None
 
-            final = wait(done, 1800, f"rollout to {n} devices", 0.2)
+            final = wait(done, 1800, f"rollout to {n} devices", 0.5)
             took = time.monotonic() - t0
             if not desired_at:
                 wait(lambda: sim_live(work).get("desired", 0) >= n, 60, "every desired state received", 0.2)
@@ -253,9 +279,13 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             cpu = sum(_cpu_s(c.pid) for c in clients) - cpu0  # type: ignore[attr-defined]
             handled = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients) - handled0
             rejected = stats(client)["rejected"]
+            reread = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients) - reread0
         db_bytes = _db_bytes(work, db_url)
     return {"devices": n, "broker": "tuned" if tuned else "stock", "db": "postgresql" if db_url else "sqlite",
-            "replicas": replicas, "online_s": round(online_s, 1), "create_s": round(created_s, 2),
+            "replicas": replicas, "register_s": round(register_s, 1), "connect_s": round(connect_s, 1),
+            "online_s": round(online_s, 1),
+            "create_s": round(created_s, 2), "installed_at": {f"{int(k * 100)}%": v for k, v in marks.items()},
+            "reports_reread": reread, "timeline": timeline[:: max(1, len(timeline) // 40)],
             "desired_s": round(desired_at[0], 1), "rollout_s": round(took, 1), "status": final["status"],
             "counts": final["counts"],
             "reports_handled": handled, "fleet_cpu_s": round(cpu, 1),
@@ -377,8 +407,11 @@ def main() -> int:
                       f"every desired state received after {res['desired_s']} s, all installed after "
                       f"{res['rollout_s']:>6.1f} s ({res['status']}, {res['counts']}); fleet CPU "
                       f"{res['fleet_cpu_ms_per_report']} ms per report ({res['reports_handled']} handled); database "
-                      f"{res['db_mb']} MB; devices online after {res['online_s']} s, POST took {res['create_s']} s",
-                      flush=True)
+                      f"{res['db_mb']} MB; registered in {res['register_s']} s; devices connected after "
+                      f"{res['connect_s']} s, online in the fleet after "
+                      f"{res['online_s']} s, POST took {res['create_s']} s; installed 50/90/99%: "
+                      f"{'/'.join(str(v) for v in res['installed_at'].values())} s; reports read back from retained "
+                      f"copies: {res['reports_reread']}", flush=True)
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:

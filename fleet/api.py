@@ -64,6 +64,13 @@ class DeviceIn(_Body):
     profile: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
+MAX_BATCH_DEVICES = 5000  # devices per bulk registration (a request body stays well under MAX_BODY_BYTES)
+
+
+class DeviceBatchIn(_Body):
+    devices: list[DeviceIn] = Field(min_length=1, max_length=MAX_BATCH_DEVICES)
+
+
 class DevicePatch(_Body):
     group: str | None = Field(default=None, pattern=r"^$|" + _NAME)  # "" clears it
     tags: Tags | None = None
@@ -243,6 +250,11 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     @app.post("/api/v1/devices", status_code=201, response_model=out.Device)
     def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
         return service.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
+
+    @app.post("/api/v1/devices/batch", status_code=201)
+    def register_devices(body: DeviceBatchIn, c: Caller = Depends(operator)) -> dict[str, int]:
+        """Register up to MAX_BATCH_DEVICES devices at once (all or none): {"registered": new, "updated": known}."""
+        return service.register_devices([d.model_dump() for d in body.devices], c.name)
 
     @app.patch("/api/v1/devices/{device_id}", response_model=out.Device)
     def update_device(device_id: str, body: DevicePatch, c: Caller = Depends(operator)) -> dict[str, Any]:

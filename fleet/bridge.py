@@ -148,10 +148,18 @@ class MqttBridge:
                 log.exception("on_connected hook failed")
 
     def reread_reported(self, device_ids: list[str]) -> None:
-        """Ask the broker for these devices' retained reports again: subscribe to each device's ``reported``
-        topic (the broker answers a new subscription with the retained message), and unsubscribe once the
+        """Ask the broker for these devices' retained reports again (see :meth:`reread`)."""
+        self.reread(device_ids, "reported")
+
+    def reread_status(self, device_ids: list[str]) -> None:
+        """Ask the broker for these devices' retained status messages again (see :meth:`reread`)."""
+        self.reread(device_ids, "status")
+
+    def reread(self, device_ids: list[str], kind: str) -> None:
+        """Ask the broker for these devices' retained ``kind`` messages again: subscribe to each device's topic
+        (the broker answers a new subscription with the retained message), and unsubscribe once the
         subscription is acknowledged (the retained messages are sent before anything that follows it)."""
-        topics = [proto.topic(d, "reported") for d in device_ids if proto.device_id_ok(d)]
+        topics = [proto.topic(d, kind) for d in device_ids if proto.device_id_ok(d)]  # type: ignore[arg-type]
         if not topics:
             return
         with self._rereads_lock:
@@ -159,7 +167,8 @@ class MqttBridge:
             if rc == mqtt.MQTT_ERR_SUCCESS and mid is not None:
                 self._rereads[mid] = topics
             else:
-                log.warning("could not ask again for %d retained reports: %s", len(topics), mqtt.error_string(rc))
+                log.warning("could not ask again for %d retained %s messages: %s", len(topics), kind,
+                            mqtt.error_string(rc))
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         with self._rereads_lock:

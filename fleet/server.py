@@ -139,7 +139,7 @@ class FleetServer:
         self.bridge.ingest = self.ingest
         self.bridge.on_connected = self.service.republish_desired
         self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
-                                     config.report_reconcile_after_s or 5.0)
+                                     config.report_reconcile_after_s or 5.0, reread_status=self.bridge.reread_status)
         public = config.public_url or f"http://{config.host}:{config.port}"
         self.bootstrap = {
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,
@@ -196,7 +196,7 @@ class FleetServer:
     def _replica_stats(self) -> dict[str, Any]:
         return {"id": self.service.rollouts.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
-                "reports_reread": self.reconciler.requested}
+                "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested}
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):

@@ -103,3 +103,37 @@ def test_a_wave_completes_although_the_fleets_connection_was_cut_in_the_middle(t
         r = until(url, rid, "succeeded", timeout_s=90)
         assert r["counts"] == {"installed": len(ids)}
         assert fs.bridge.restarts == 0  # a lost connection is paho's to handle: no loop died
+
+
+@pytest.mark.parametrize("reconcile", [True, False], ids=["reconciled", "without-reconciliation"])
+def test_devices_are_known_online_although_the_broker_dropped_their_status(tmp_path, dropping_broker, sims,
+                                                                           reconcile):
+    """Issue 33.5: a burst of devices connecting at once overflows the fleet's queue on a stock broker, which drops
+    some of their (retained) online status messages. The fleet reads the status of the devices it holds as offline
+    back from the retained copies: every connected device is known as online."""
+    from edgefleet.fleet.db import Device
+
+    ids = [f"sim-{i:05d}" for i in range(DEVICES)]
+    with running_fleet(tmp_path, dropping_broker.url, report_reconcile_after_s=1.0 if reconcile else 0.0) \
+            as (fs, url):
+        fs.reconciler.status_cycle_s = 1.0
+        r = api.post(f"{url}/api/v1/devices/batch", json={"devices": [{"device_id": d} for d in ids]})
+        assert r.status_code == 201 and r.json() == {"registered": DEVICES, "updated": 0}, r.text
+        sim = sims(mqtt_url=dropping_broker.url, devices=DEVICES, install_s=0.0)
+        wait_for(lambda: sim.stats.connected == DEVICES, 60, "every simulated device connected")
+
+        def online() -> int:
+            with fs.sessions() as s:
+                return sum(1 for d in s.query(Device).filter(Device.id.in_(ids)) if d.online)
+
+        if not reconcile:  # the control: the broker dropped status messages and nothing brings them back
+            _barrier(dropping_broker.port, url)
+            assert online() < DEVICES
+            return
+        wait_for(lambda: online() == DEVICES, 60, "every connected device known as online")
+        assert fs.reconciler.status_requested > 0
+        sim.kill([0])  # its will says offline: read back or not, it stays offline
+        wait_for(lambda: online() == DEVICES - 1, 60, "the device that left known as offline")
+        asked = fs.reconciler.status_requested
+        wait_for(lambda: fs.reconciler.status_requested > asked, 60, "the next walk over the offline devices")
+        assert online() == DEVICES - 1
