@@ -24,6 +24,7 @@ import pydantic_core
 from pydantic import BaseModel, Field, ValidationError
 
 from edgefleet.protocol._strict import StrictModel
+from edgefleet.protocol.drift import DriftCounts
 from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
 
 __all__ = [
@@ -251,6 +252,9 @@ class Telemetry(_Message):
     # how the model it serves now runs: precision, batch sizes and layout as the device chose them (at install,
     # and again at each start: a restart may choose differently, and sends no install report)
     serving: ServingChoice | None = None
+    # this interval's answers of the model it serves, counted in its manifest's drift bins (protocol.drift); left
+    # out when the model has no drift reference, so a fleet of the previous release reads the rest
+    drift: DriftCounts | None = None
 
 
 class TelemetryAck(_Message):
