@@ -22,6 +22,11 @@ passed the gate, each with its own engine, self-test sample and gate report; the
 is the first of them in the profile's order (what an agent that does not time serves), and
 ``precision_choice.mode`` is ``device``. The agent times them on its own cores at install and serves
 the fastest (:meth:`Manifest.as_variant` gives the manifest as that precision's).
+
+Version 6 adds the drift reference (``drift``, protocol/drift.py): the fp32 model's answers on the evaluation set as
+a few binned features of its task (class shares, score deciles, boxes per image, string lengths, speech share, a
+value sketch), which agents count their live answers into and the fleet scores them against. A manifest without it
+stays at its lower version.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from pydantic import Field, field_validator, model_validator
 
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol._strict import StrictModel, parse_document
+from edgefleet.protocol.drift import DriftReference
 from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
 from edgefleet.protocol.preprocess import Preprocessing
 
 __all__ = [
+    "DRIFT_VERSION",
     "MANIFEST_FILENAME",
     "MANIFEST_VERSION",
     "MAX_MANIFEST_BYTES",
@@ -60,9 +67,10 @@ __all__ = [
     "parse_manifest",
 ]
 
-MANIFEST_VERSION = 4
+MANIFEST_VERSION = 6
 TASK_GATE_VERSION = 3  # the first version with accuracy.task
 VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the device)
+DRIFT_VERSION = 6  # the first version with drift (the reference of the model's answers)
 MANIFEST_FILENAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
@@ -298,6 +306,8 @@ class Manifest(StrictModel):
     preprocessing: Preprocessing | None = None
     # version 4: the other precisions that passed the gate, for the device to time (precision_choice.mode device)
     variants: tuple[EngineVariant, ...] = Field(default=(), max_length=4)
+    # version 6: how the model's answers on the evaluation set look (None: not recorded; the fleet shows no drift)
+    drift: DriftReference | None = None
 
     @field_validator("name", "profile")
     @classmethod
@@ -329,6 +339,12 @@ class Manifest(StrictModel):
     def _version_carries_content(self) -> Manifest:
         if self.accuracy.task is not None and self.manifest_version < TASK_GATE_VERSION:
             raise ValueError(f"accuracy.task needs manifest_version {TASK_GATE_VERSION} or newer")
+        if self.drift is not None:
+            if self.manifest_version < DRIFT_VERSION:
+                raise ValueError(f"drift needs manifest_version {DRIFT_VERSION} or newer")
+            if self.drift.output not in [o.name for o in self.outputs]:
+                raise ValueError(f"drift.output {self.drift.output!r} is not one of the outputs "
+                                 f"{[o.name for o in self.outputs]}")
         if self.variants:
             if self.manifest_version < VARIANTS_VERSION:
                 raise ValueError(f"variants need manifest_version {VARIANTS_VERSION} or newer")
@@ -384,6 +400,8 @@ class Manifest(StrictModel):
                 acc.pop("task", None)
         if not data.get("variants"):
             data.pop("variants", None)
+        if data.get("drift") is None:
+            data.pop("drift", None)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
