@@ -40,7 +40,9 @@ from edgefleet.engines import load as load_engine
 from edgefleet.engines.onnxruntime import CPU
 from edgefleet.protocol.bundle import sha256_file, write_bundle
 from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
+from edgefleet.protocol.drift import build_reference, reference_args
 from edgefleet.protocol.manifest import (
+    DRIFT_VERSION,
     MANIFEST_VERSION,
     NAME_RE,
     TASK_GATE_VERSION,
@@ -443,6 +445,13 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             preprocessing=prep,
             variants=tuple(variant_entries),
         )
+        try:  # how the fp32 answers look, for the agents' sketches and the fleet's drift score (protocol.drift)
+            drift = build_reference(task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)],
+                                    sure=task.sure, **reference_args(task.name, task.arg))
+            manifest = Manifest.model_validate({**manifest.model_dump(), "drift": drift,
+                                                "manifest_version": max(manifest.manifest_version, DRIFT_VERSION)})
+        except (ValueError, IndexError) as exc:  # answers its task cannot read: the bundle ships without drift
+            progress(7, total, f"note: no drift reference: {_one_line(exc)}")
         write_bundle(manifest, work, out)
     if cache is not None and cache_key is not None:
         cache.put(cache_key, out)

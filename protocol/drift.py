@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,6 +68,7 @@ __all__ = [
     "feature_values",
     "level",
     "psi",
+    "reference_args",
     "score",
 ]
 
@@ -141,6 +142,9 @@ class DriftReference(StrictModel):
     task: Task
     output: str = Field(min_length=1, max_length=256)  # the output it reads
     source: Literal["fp32"] = "fp32"
+    # False: the task was inferred and not for sure (protocol's TaskReport note says why); the answers are read as
+    # that task's all the same, and the fleet says the score rests on a guessed task
+    sure: bool = True
     samples: int = Field(gt=0, lt=MAX_COUNT)  # answers it was made from
     # how answers are read (each only where its task uses it)
     blank: int | None = Field(default=None, ge=0, lt=2**31)  # ctc
@@ -326,9 +330,21 @@ def _edges(values: np.ndarray, name: str) -> tuple[float, ...]:
     return tuple(edges)
 
 
+def reference_args(task: str, arg: Callable[[str], Any]) -> dict[str, Any]:
+    """How ``task``'s answers are read, from its arguments (``arg(name)``: the compiler's TaskSpec.arg)."""
+    if task == "ctc":
+        return {"blank": int(arg("blank"))}
+    if task == "detection":
+        return {"score_threshold": float(arg("score")), "detection_format": str(arg("format"))}
+    if task in ("regression", "segmentation"):
+        thr = arg("threshold")
+        return {"threshold": None if thr is None else float(thr)}
+    return {}
+
+
 def build_reference(task: str, output: str, batch: Batch, *, blank: int | None = None,
                     score_threshold: float | None = None, detection_format: str | None = None,
-                    threshold: float | None = None) -> DriftReference:
+                    threshold: float | None = None, sure: bool = True) -> DriftReference:
     """The reference of ``task`` from the answers ``batch`` (samples on axis 0) of output ``output``."""
     kw = {"blank": blank, "score_threshold": score_threshold, "detection_format": detection_format,
           "threshold": threshold}
@@ -354,7 +370,7 @@ def build_reference(task: str, output: str, batch: Batch, *, blank: int | None =
         shares = _shares(c)
         feats.append(f.model_copy(update={"shares": shares}))
     return DriftReference(task=task, output=output, samples=max(n, 1), features=tuple(feats),  # type: ignore[arg-type]
-                          **kw)
+                          sure=sure, **kw)
 
 
 def _shares(c: np.ndarray) -> tuple[float, ...]:
