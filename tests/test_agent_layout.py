@@ -1,7 +1,8 @@
 """A device chooses its layout (instances x intra-op threads over its inference CPUs) at install: each candidate
-timed in the compute gate's turns, the choice kept unless an operator set instances or intra_op_threads, shown in
-/v2/models/{name}/config and in the serving choice of the install report; answers bit-identical to the untuned
-agent's. The rule is tested on given figures, never on timing thresholds."""
+timed as bench/serve.py times the runtime's limit (all its instances at once, on the serving CPUs, in a child
+process), the layout serving the most chosen, the choice kept unless an operator set instances or intra_op_threads,
+shown in /v2/models/{name}/config and in the serving choice of the install report; answers bit-identical to the
+untuned agent's. The rule is tested on given figures, never on timing thresholds."""
 
 from __future__ import annotations
 
