@@ -26,7 +26,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from edgefleet.protocol.errors import ConfigError
 
-__all__ = ["ApiToken", "AuditRow", "Base", "Device", "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow",
+__all__ = ["ApiToken", "AuditRow", "Base", "Device", "DriftScoreRow",
+           "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow",
            "make_engine", "utcnow"]
 
 log = logging.getLogger("edgefleet.fleet.db")
@@ -200,9 +201,34 @@ class TelemetryRow(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-SCHEMA_VERSION = 4  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+class DriftScoreRow(Base):
+    """Schema 5: a device's drift score at one telemetry record (fleet.drift): the record's answer counts in its model
+    version's drift bins, and the score of the device's recent answers against the reference."""
+
+    __tablename__ = "drift_scores"
+    __table_args__ = (Index("ix_drift_scores_device", "device_id", "id"),
+                      Index("ix_drift_scores_version", "model", "version", "received_at"))
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    device_id: Mapped[str] = mapped_column(String(64))
+    received_at: Mapped[dt.datetime] = mapped_column(default=utcnow)  # the fleet's clock: windows are read by it
+    ts: Mapped[float] = mapped_column(Float)  # the device's
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(32))
+    samples: Mapped[int] = mapped_column(BigInteger)  # answers of this record
+    skipped: Mapped[int] = mapped_column(BigInteger, default=0)
+    scored_samples: Mapped[int] = mapped_column(BigInteger)  # answers the score rests on (this record and earlier)
+    psi: Mapped[float | None] = mapped_column(Float, default=None)
+    feature: Mapped[str | None] = mapped_column(String(32), default=None)
+    level: Mapped[str] = mapped_column(String(16))
+    noise: Mapped[float] = mapped_column(Float, default=0.0)
+    counts: Mapped[dict[str, Any]] = mapped_column(JSON)  # feature -> counts per bin
+    features: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # feature -> PSI
+
+
+SCHEMA_VERSION = 5  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005"}
 
 
 class Meta(Base):

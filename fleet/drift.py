@@ -1,0 +1,215 @@
+"""The fleet's drift scores: each device's live answers against its model's compile-time reference, each wave's, and a
+wave's new version against the version its devices ran before (the rollout gate ``max_drift_psi``).
+
+Scores are protocol.drift's: PSI per feature against the reference, the largest one the score, levels stable (below
+0.1), watch (below 0.25), drift, or insufficient under 200 answers. A device's telemetry record carries the counts of
+its interval (``Telemetry.drift``); each is stored as one ``drift_scores`` row with the device's score at that time:
+the record's own counts when they hold 200 answers, else added to the device's previous records of the same version
+(at most ``WINDOW_RECORDS`` of the last ``WINDOW_S``) until they do, so a quiet device still gets a verdict and a
+busy one shows a change within one telemetry interval.
+
+A wave's drift gate compares, on the wave's devices, the counts of the new version since the wave started with those
+of the version each device ran before, in the ``BEFORE_S`` before it started (rows of each side at most
+``MAX_ROWS``; protocol.drift.compare puts them on common bins). Either side under 200 answers: not judged.
+
+Everything here is a pure function of rows, called by the ingest (service.store_telemetry) and the rollout engine
+inside their own transactions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from edgefleet.fleet.db import DriftScoreRow, Model, RolloutTarget, utcnow
+from edgefleet.protocol import drift as D
+from edgefleet.protocol import mqtt as proto
+
+__all__ = ["BEFORE_S", "MAX_ROWS", "WINDOW_RECORDS", "WINDOW_S", "DriftBook", "WaveDrift", "add_counts"]
+
+log = logging.getLogger("edgefleet.fleet.drift")
+
+WINDOW_S = 600.0  # a device's records added together for its score reach back at most this far
+WINDOW_RECORDS = 30  # and at most this many records
+BEFORE_S = 3600.0  # the previous version's answers a wave is compared with: this long before the wave started
+MAX_ROWS = 20_000  # rows read for one side of a comparison (newest first)
+MAX_LIST = 1000  # rows one API call lists
+
+
+def add_counts(into: dict[str, list[int]], counts: dict[str, Sequence[int]]) -> None:
+    """Add ``counts`` (feature -> bins) into ``into``; a feature whose bins differ is left out of both."""
+    for name, c in counts.items():
+        have = into.get(name)
+        if have is None:
+            into[name] = [int(x) for x in c]
+        elif len(have) == len(c):
+            for i, x in enumerate(c):
+                have[i] += int(x)
+        else:
+            into.pop(name)
+
+
+class WaveDrift:
+    """What a rollout's wave shows: its new version against the reference and against the previous version."""
+
+    def __init__(self, vs_reference: D.DriftScore | None, vs_previous: D.DriftScore | None, detail: str):
+        self.vs_reference, self.vs_previous, self.detail = vs_reference, vs_previous, detail
+
+    def as_json(self) -> dict[str, Any]:
+        return {"vs_reference": self.vs_reference.as_json() if self.vs_reference else None,
+                "vs_previous": self.vs_previous.as_json() if self.vs_previous else None, "detail": self.detail}
+
+
+class DriftBook:
+    """Stores and reads drift scores; caches the references of model versions (immutable rows)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[str, str], D.DriftReference] = {}
+        self._lock = threading.Lock()
+
+    def reference(self, s: Session, name: str, version: str) -> D.DriftReference | None:
+        key = (name, version)
+        with self._lock:
+            if key in self._refs:
+                return self._refs[key]
+        ref = None
+        for manifest in s.scalars(select(Model.manifest).where(Model.name == name, Model.version == version)):
+            raw = (manifest or {}).get("drift") if isinstance(manifest, dict) else None
+            if raw is not None:
+                try:
+                    ref = D.DriftReference.model_validate(raw)
+                    break
+                except ValueError as exc:  # stored by a fleet that checked it: log, never fail the ingest
+                    log.warning("model %s %s: its drift reference does not parse: %s", name, version, exc)
+        if ref is not None:  # a version without one is looked up again (it may be uploaded later)
+            with self._lock:
+                if len(self._refs) > 4096:
+                    self._refs.clear()
+                self._refs[key] = ref
+        return ref
+
+    # -- ingest ------------------------------------------------------------------------------------------------------
+    def on_telemetry(self, s: Session, msgs: list[proto.Telemetry]) -> list[tuple[str, str]]:
+        """One row per record with drift counts, with the device's score then. Returns (device, why) for records whose
+        counts do not fit their model version's reference (left out, never an error for the others)."""
+        refused: list[tuple[str, str]] = []
+        now = utcnow()
+        for m in sorted((m for m in msgs if m.drift is not None), key=lambda m: (m.device_id, m.ts)):
+            dc = m.drift
+            assert dc is not None
+            ref = self.reference(s, dc.model, dc.version)
+            if ref is None:
+                refused.append((m.device_id, f"drift counts for {dc.model} {dc.version}, which has no drift reference"))
+                continue
+            why = dc.matches(ref)
+            if why is not None:
+                refused.append((m.device_id, f"drift counts for {dc.model} {dc.version}: {why}"))
+                continue
+            counts = {f.name: list(f.counts) for f in dc.features}
+            total, n = self._window(s, m.device_id, dc.model, dc.version, counts, dc.samples, now)
+            sc = D.score(ref, total, n)
+            s.add(DriftScoreRow(device_id=m.device_id, received_at=now, ts=m.ts, model=dc.model, version=dc.version,
+                                samples=dc.samples, skipped=dc.skipped, scored_samples=n, psi=sc.psi,
+                                feature=sc.feature, level=sc.level, noise=sc.noise, counts=counts,
+                                features=sc.features))
+            s.flush()  # the next record of the same device sees this one
+        return refused
+
+    @staticmethod
+    def _window(s: Session, device_id: str, model: str, version: str, counts: dict[str, list[int]], samples: int,
+                now: dt.datetime) -> tuple[dict[str, list[int]], int]:
+        total = {k: list(v) for k, v in counts.items()}
+        n = samples
+        if n >= D.MIN_SAMPLES:
+            return total, n
+        r = DriftScoreRow
+        for c, k in s.execute(select(r.counts, r.samples).where(
+                r.device_id == device_id, r.model == model, r.version == version,
+                r.received_at >= now - dt.timedelta(seconds=WINDOW_S)).order_by(r.id.desc()).limit(WINDOW_RECORDS)):
+            if isinstance(c, dict):
+                add_counts(total, c)
+                n += int(k or 0)
+            if n >= D.MIN_SAMPLES:
+                break
+        return total, n
+
+    # -- reading -------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def device_rows(s: Session, device_id: str, limit: int = 200) -> list[dict[str, Any]]:
+        r = DriftScoreRow
+        rows = s.scalars(select(r).where(r.device_id == device_id).order_by(r.id.desc())
+                         .limit(max(1, min(limit, MAX_LIST))))
+        return [row_json(x) for x in rows]
+
+    def wave(self, s: Session, rollout_id: int, wave: int, name: str, version: str,
+             started_at: dt.datetime | None) -> WaveDrift:
+        """The wave's new version against its reference and against what its devices ran before."""
+        t = RolloutTarget
+        targets = list(s.execute(select(t.device_id, t.previous_model_id).where(t.rollout_id == rollout_id,
+                                                                                  t.wave == wave)))
+        if not targets or started_at is None:
+            return WaveDrift(None, None, "the wave has not started")
+        devices = [d for d, _ in targets]
+        new_ref = self.reference(s, name, version)
+        if new_ref is None:
+            return WaveDrift(None, None, f"{name} {version} has no drift reference (a bundle from before manifest "
+                                         "version 6): not judged")
+        new_counts, new_n = self._sum(s, devices, name, version, started_at, None)
+        vs_ref = D.score(new_ref, new_counts, new_n) if new_n else None
+        prev_ids = Counter(p for _, p in targets if p is not None)
+        prev_versions: Counter[str] = Counter()
+        for pid, k in prev_ids.items():
+            row = s.get(Model, pid)
+            if row is not None and row.name == name:
+                prev_versions[row.version] += k
+        if not prev_versions:
+            return WaveDrift(vs_ref, None, "no device of the wave ran an earlier version of the model: nothing to "
+                                           "compare with")
+        old_version = prev_versions.most_common(1)[0][0]
+        old_ref = self.reference(s, name, old_version)
+        if old_ref is None:
+            return WaveDrift(vs_ref, None, f"the previous version {old_version} has no drift reference: not judged")
+        old_counts, old_n = self._sum(s, devices, name, old_version, started_at - dt.timedelta(seconds=BEFORE_S),
+                                      started_at)
+        vs_prev = D.compare(old_ref, old_counts, new_ref, new_counts, old_n, new_n)
+        detail = (f"{new_n} answers of {version} since the wave started vs {old_n} of {old_version} in the "
+                  f"{BEFORE_S / 3600:g} h before, on the wave's {len(devices)} devices")
+        if vs_prev.level == "insufficient":
+            detail += f"; fewer than {D.MIN_SAMPLES} answers on a side: not judged"
+        elif vs_prev.feature is not None:
+            detail += f"; most moved: {vs_prev.feature}"
+        if not new_ref.sure or not old_ref.sure:
+            detail += "; the answers are read as a task the compiler inferred without being sure"
+        return WaveDrift(vs_ref, vs_prev, detail)
+
+    @staticmethod
+    def _sum(s: Session, devices: list[str], name: str, version: str, since: dt.datetime,
+             until: dt.datetime | None) -> tuple[dict[str, list[int]], int]:
+        r = DriftScoreRow
+        total: dict[str, list[int]] = {}
+        n = 0
+        for i in range(0, len(devices), 500):
+            q = select(r.counts, r.samples).where(r.device_id.in_(devices[i:i + 500]), r.model == name,
+                                                   r.version == version, r.received_at >= since)
+            if until is not None:
+                q = q.where(r.received_at <= until)
+            for c, k in s.execute(q.order_by(r.id.desc()).limit(MAX_ROWS)):
+                if isinstance(c, dict):
+                    add_counts(total, c)
+                    n += int(k or 0)
+        return total, n
+
+
+def row_json(x: DriftScoreRow) -> dict[str, Any]:
+    return {"ts": x.ts, "received_at": None if x.received_at is None else x.received_at.replace(
+        tzinfo=dt.UTC).isoformat(), "model": x.model, "version": x.version, "samples": x.samples,
+        "skipped": x.skipped, "scored_samples": x.scored_samples, "psi": x.psi, "feature": x.feature,
+        "level": x.level, "noise": x.noise, "features": x.features}
+
