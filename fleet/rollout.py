@@ -47,6 +47,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from edgefleet.fleet.audit import ENGINE_ACTOR, audit
 from edgefleet.fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
+from edgefleet.fleet.drift import DriftBook
 from edgefleet.fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
 from edgefleet.fleet.states import (
     TARGET_DONE,
@@ -93,6 +94,7 @@ class Publisher(Protocol):
 MAX_P99_RATIO = 1000.0
 MAX_GRACE_S = 30 * 86400.0
 MAX_ABS_ERROR = 1e30
+MAX_DRIFT_PSI = 20.0  # PSI with protocol.drift's epsilon never exceeds 18.5 (every share swapped between two bins)
 
 
 class Gates(BaseModel):
@@ -100,6 +102,9 @@ class Gates(BaseModel):
     install_success_min: float | None = Field(default=1.0, ge=0.0, le=1.0)  # installed / (installed + failed)
     error_rate_max: float | None = Field(default=None, ge=0.0, le=1.0)  # errors / requests on the new model
     p99_ratio_max: float | None = Field(default=None, gt=0.0, le=MAX_P99_RATIO)  # p99 new / p99 previous, same devices
+    # PSI of the new version's answers against the previous version's on the same devices (fleet.drift; 0.1 watch,
+    # 0.25 drift; a side with fewer than 200 answers is not judged); halts a wave whose model answers differently
+    max_drift_psi: float | None = Field(default=None, gt=0.0, le=MAX_DRIFT_PSI)
 
 
 class ShadowGate(BaseModel):
@@ -179,6 +184,8 @@ class WaveFigures:
     p99_before_ms: float | None  # mean over the devices that have both figures
     p99_after_ms: float | None
     p99_devices: int
+    drift_psi: float | None = None  # new version vs previous on the wave's devices (None: not judged)
+    drift_detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,13 @@ def evaluate_gates(f: WaveFigures, gates: Gates) -> list[GateResult]:
         else:
             out.append(GateResult("p99_latency_ratio", None, gates.p99_ratio_max, True,
                                   "no device has p99 figures on both models yet: not judged"))
+    if gates.max_drift_psi is not None:
+        if f.drift_psi is not None:
+            out.append(GateResult("drift_psi", f.drift_psi, gates.max_drift_psi, f.drift_psi <= gates.max_drift_psi,
+                                  f"answers of the new version vs the previous one: {f.drift_detail}"))
+        else:
+            out.append(GateResult("drift_psi", None, gates.max_drift_psi, True,
+                                  f.drift_detail or "no drift figures yet: not judged"))
     return out
 
 
@@ -403,6 +417,7 @@ class RolloutEngine:
         self._models: dict[int, ModelInfo] = {}
         self._lock = threading.Lock()
         self._failing: dict[int, tuple[int, float]] = {}  # rollout -> (failures in a row, monotonic next try)
+        self.drift = DriftBook()  # drift scores: stored from telemetry, read by the max_drift_psi gate
 
     # -- models (immutable rows, cached) ---------------------------------------------------------
     def model(self, s: Session, model_id: int | None) -> ModelInfo | None:
@@ -910,8 +925,7 @@ class RolloutEngine:
         self.transition(s, r, RolloutStatus.PAUSED if spec.on_failure == "pause" else RolloutStatus.FAILED,
                         ENGINE_ACTOR, reason)
 
-    @staticmethod
-    def _figures(s: Session, w: RolloutWave) -> WaveFigures:
+    def _figures(self, s: Session, w: RolloutWave) -> WaveFigures:
         """The wave's gate figures. Counters are summed as doubles: an integer sum() overflows on SQLite (and
         becomes NUMERIC on PostgreSQL) once a few targets hold counts near 2**62, which rows stored before the
         counters were bounded may; a double sums any number of them (exactly up to 2**53)."""
@@ -924,8 +938,21 @@ class RolloutEngine:
             func.sum(case((both, 1), else_=0))).where(RolloutTarget.rollout_id == w.rollout_id,
                                                       RolloutTarget.wave == w.idx)).one()
         n = int(row[4] or 0)
+        drift_psi, drift_detail = self._drift_figure(s, w)
         return WaveFigures(w.size, w.n_installed, w.n_failed, int(row[0]), int(row[1]),
-                           float(row[2]) / n if n else None, float(row[3]) / n if n else None, n)
+                           float(row[2]) / n if n else None, float(row[3]) / n if n else None, n, drift_psi,
+                           drift_detail)
+
+    def _drift_figure(self, s: Session, w: RolloutWave) -> tuple[float | None, str]:
+        """The wave's drift against the previous version, when its rollout gates on it (None: not judged)."""
+        r = s.get(Rollout, w.rollout_id)
+        if r is None or not r.model_name or not r.model_version:
+            return None, ""
+        if RolloutSpec.model_validate(r.spec or {}).gates.max_drift_psi is None:
+            return None, ""
+        wd = self.drift.wave(s, r.id, w.idx, r.model_name, r.model_version, w.started_at)
+        vs = wd.vs_previous
+        return (vs.psi if vs is not None and vs.level != "insufficient" else None), wd.detail
 
     def _fail_wave(self, s: Session, r: Rollout, w: RolloutWave, spec: RolloutSpec, f: WaveFigures,
                    msgs: list[tuple[str, bytes]], results: list[GateResult] | None = None) -> None:

@@ -619,6 +619,8 @@ class FleetService:
                     s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), group)
             self.rollouts.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
             self.rollouts.on_shadow_batch(s, list(fresh.values()))
+            for device_id, why in self.rollouts.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
+                self.rejections.add("drift_counts_refused", device_id, why)
             return len(fresh)
 
     def counts(self) -> dict[str, int]:
