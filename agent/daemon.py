@@ -29,11 +29,12 @@ from edgefleet.agent.batcher import BatchSettings, pin_thread
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.enroll import mqtt_security
 from edgefleet.agent.errors import TrustError
+from edgefleet.agent.host import ModelHost
 from edgefleet.agent.image import ImageLimits
 from edgefleet.agent.install import Installer
 from edgefleet.agent.link import MqttLink
 from edgefleet.agent.metrics import Metrics
-from edgefleet.agent.server import ModelHost, create_app, peer_tagging
+from edgefleet.agent.server import create_app, peer_tagging
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.agent.spool import Spool
 from edgefleet.agent.store import ModelStore
@@ -119,7 +120,7 @@ class Agent:
             self._loop.set_default_executor(ThreadPoolExecutor(max_workers=4, thread_name_prefix="agent-pinned",
                                                                initializer=pin_thread, initargs=(self.cpus[0],)))
         self.store.recover()
-        self.host.index = self.installer.index
+        self.host.set_index(self.installer.index)
         self.installer.loop = self._loop
         await self.installer.load_installed()
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the

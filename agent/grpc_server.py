@@ -30,9 +30,9 @@ import numpy as np
 
 from edgefleet import protocol
 from edgefleet.agent.errors import AgentError, RequestError
+from edgefleet.agent.host import EXTENSIONS, ModelHost, Served, model_config
 from edgefleet.agent.kserve import InferRequest, decode_request, ordered_outputs
 from edgefleet.agent.peer import PeerCell, tcp_peer
-from edgefleet.agent.server import EXTENSIONS, ModelHost, Served, model_config
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.engines import NP_DTYPES
 from edgefleet.protocol.errors import ConfigError
@@ -190,11 +190,7 @@ class GrpcServer:
                 raise
             await self.abort(context, exc)
         finally:
-            dt = time.perf_counter() - t0
-            if served is not None:
-                served.metrics.request(dt, status)
-            else:
-                self.host.metrics.rejected(dt, status, None)
+            self.host.record(served, None, time.perf_counter() - t0, status)
 
     def _response(self, model: str, version: str, outputs: list[np.ndarray], specs: Any, req: InferRequest,
                   shm: SharedMemory | None) -> Any:
@@ -229,7 +225,7 @@ class _Servicer:
                 return pb.ServerLiveResponse(live=True)
 
             async def ServerReady(self, request: Any, context: Any) -> Any:
-                return pb.ServerReadyResponse(ready=bool(srv.host.models))
+                return pb.ServerReadyResponse(ready=srv.host.ready())
 
             async def ServerMetadata(self, request: Any, context: Any) -> Any:
                 return pb.ServerMetadataResponse(name="edgefleet-agent", version=protocol.__version__,

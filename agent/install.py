@@ -26,10 +26,10 @@ from edgefleet.agent.batcher import (
 from edgefleet.agent.bench import layout_trial_in_child, release_memory, slice_seconds
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from edgefleet.agent.host import IndexEntry, ModelHost
 from edgefleet.agent.precision import PrecisionPick, pick_precision
 from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime
 from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
-from edgefleet.agent.server import IndexEntry, ModelHost
 from edgefleet.agent.shadow import ShadowMirror
 from edgefleet.agent.store import ModelStore, StagedModel
 from edgefleet.agent.trusted import Decision, check_cpu, decide
@@ -120,7 +120,7 @@ class Installer:
             self.max_rollout = self.store.current.rollout_id
 
     def drop_shadow(self) -> None:
-        sh, self.host.shadow = self.host.shadow, None
+        sh = self.host.end_shadow()
         if sh is not None:
             sh.close()
             if sh.staged is not None:
@@ -197,7 +197,7 @@ class Installer:
             if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
                 for extra in loaded[1:]:
                     extra.close()
-                self.host.shadow = ShadowMirror(m, backend, self.config.shadow_sample_rate, staged)
+                self.host.start_shadow(ShadowMirror(m, backend, self.config.shadow_sample_rate, staged))
                 loaded, backend, staged = [], None, None
                 self.report("shadowing", desired, selftest=measured)
                 log.info("shadowing %s %s on %.0f%% of live requests", m.name, m.version,

@@ -47,9 +47,9 @@ from typing import Any
 import orjson
 
 from edgefleet.agent.errors import AgentError, RequestError
+from edgefleet.agent.host import LARGE_BODY, ModelHost, Served
 from edgefleet.agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
 from edgefleet.agent.peer import Peer, PeerCell, unix_peer
-from edgefleet.agent.server import LARGE_BODY, ModelHost, Served
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.protocol import local as wire
 from edgefleet.protocol.manifest import TensorSpec
@@ -406,10 +406,7 @@ class _Connection(asyncio.Protocol):
             status = getattr(exc, "status_code", 500)
             self._send(_error(rid, status, str(exc)))
             self.srv.inflight_bytes -= n
-            if served is not None:
-                served.metrics.request(time.perf_counter() - t0, status)
-            else:
-                self.srv.host.metrics.rejected(time.perf_counter() - t0, status, None)
+            self.srv.host.record(served, None, time.perf_counter() - t0, status)
             return True
         except Exception:  # nothing was queued: _infer decodes it afresh and answers exactly
             log.warning("local client %s: the cached decode failed unexpectedly; decoding afresh", self.client,
@@ -499,11 +496,7 @@ class _Connection(asyncio.Protocol):
             status = self._refuse(rid, exc)
         finally:
             srv.inflight_bytes -= len(body)
-            dt = time.perf_counter() - t0
-            if served is not None:
-                served.metrics.request(dt, status)
-            else:
-                host.metrics.rejected(dt, status, model if model in host.models else None)
+            host.record(served, model, time.perf_counter() - t0, status)
 
     def _result(self, rid: int, served: Served, req: InferRequest, outs: list, answers: dict | None = None) -> None:
         """Send the RESULT frame of ``outs`` (``answers``: the request's template's, encode_response's memo)."""

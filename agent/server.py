@@ -30,8 +30,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -44,186 +43,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from edgefleet import protocol
-from edgefleet.agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
-from edgefleet.agent.errors import AgentError, ModelNotFound, PayloadTooLarge, RequestError, Unavailable
+from edgefleet.agent.errors import AgentError, PayloadTooLarge, RequestError, Unavailable
+from edgefleet.agent.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
 from edgefleet.agent.image import ImageLimits, check_image, decode_feeds
 from edgefleet.agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
-from edgefleet.agent.metrics import CONTENT_TYPE, Metrics, ModelMetrics
+from edgefleet.agent.metrics import CONTENT_TYPE
 from edgefleet.agent.openapi import openapi
 from edgefleet.agent.peer import PeerCell, tcp_peer
 from edgefleet.agent.shm import SharedMemory
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.manifest import Manifest
 
-__all__ = ["IndexEntry", "ModelHost", "Served", "create_app", "model_config"]
+__all__ = ["connection_peer", "create_app", "peer_tagging"]
 
 log = logging.getLogger("edgefleet.agent.http")
-
-TRITON_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT8": "TYPE_INT8", "UINT8": "TYPE_UINT8",
-                "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL"}
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository_index", "image_infer",
-              "system_shared_memory"]
-
-
-@dataclass
-class Served:
-    manifest: Manifest
-    backends: tuple[Engine, ...]
-    batcher: Batcher
-    settings: BatchSettings
-    metrics: ModelMetrics
-    loaded_at: float = field(default_factory=time.time)
-    tuning: BatchTuning | None = None  # how its batch sizes were chosen (None: the host's defaults, untold)
-    serving: proto.ServingChoice | None = None  # precision, batch sizes and layout as chosen here (install report)
-
-    @property
-    def backend(self) -> Engine:
-        """The first instance (every instance describes the same model)."""
-        return self.backends[0]
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    """A model the agent knows of, for ``/v2/repository/index`` (state: READY, UNAVAILABLE, LOADING)."""
-
-    name: str
-    version: str
-    state: str
-    reason: str = ""
-
-
-class ModelHost:
-    """The models being served, one version each; swaps a new version in without dropping requests.
-
-    ``swap`` starts serving a model version (with one or more backend instances, one inference thread
-    each) and retires the version of the same name it replaces once its queue is empty; other models
-    keep serving. ``index``, if the lifecycle code sets it, lists the versions on disk for the repository
-    index (served versions are always listed as READY). Every version of a model shares one
-    :class:`ComputeGate` (``gate``): the old version's last batch, the new one's self-test and warm-up calls
-    and its first batch take turns on the cores.
-    """
-
-    def __init__(self, settings: BatchSettings, metrics: Metrics, inference_cpus: Collection[int] | None = None):
-        self.settings = settings  # the default for models swapped in without their own
-        self.metrics = metrics
-        self.inference_cpus = inference_cpus  # where every batcher's inference threads run (None: anywhere)
-        self.models: dict[str, Served] = {}
-        self.current: Served | None = None  # the version swapped in last
-        self.index: Callable[[], Sequence[IndexEntry]] | None = None
-        self.shadow: Any = None  # agent.shadow.ShadowMirror of a candidate in shadow, if any
-        self._swap_lock = asyncio.Lock()
-        self._gates: dict[str, ComputeGate] = {}
-
-    def gate(self, name: str, permits: int) -> ComputeGate:
-        """Model ``name``'s compute gate (``permits``: its instance count; a new count starts a new gate)."""
-        g = self._gates.get(name)
-        if g is None or g.permits != permits:
-            g = self._gates[name] = ComputeGate(permits)
-        return g
-
-    async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
-                   settings: BatchSettings | None = None, tuning: BatchTuning | None = None,
-                   serving: proto.ServingChoice | None = None) -> None:
-        """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
-        host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
-        server loop."""
-        instances = (backends,) if isinstance(backends, Engine) else tuple(backends)
-        s = settings or self.settings
-        if not manifest.batchable and s.request_limit != 1:  # an unbatched input: one request at a time
-            s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": (),
-                                 "max_request_batch_size": None})
-            tuning = None
-        async with self._swap_lock:
-            mm = self.metrics.for_model(manifest.name, manifest.version)
-            batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
-            batcher.start()
-            served = Served(manifest, instances, batcher, s, mm, tuning=tuning, serving=serving)
-            old = self.models.get(manifest.name)
-            self.models[manifest.name] = served
-            self.current = served
-            self.metrics.model_event(manifest.name, manifest.version, "swap" if old is not None else "load")
-            if old is not None:
-                await self._retire(old)
-        log.info("now serving %s %s (%d instance%s)", manifest.name, manifest.version, len(instances),
-                 "" if len(instances) == 1 else "s")
-
-    async def remove(self, name: str) -> None:
-        """Stop serving model ``name`` (its queued requests are answered first)."""
-        async with self._swap_lock:
-            old = self.models.pop(name, None)
-            if old is None:
-                return
-            if self.current is old:
-                self.current = next(reversed(self.models.values()), None)
-            await self._retire(old)
-
-    async def _retire(self, old: Served) -> None:
-        now = self.models.get(old.manifest.name)
-        if now is None or now.manifest.version != old.manifest.version:
-            self.metrics.model_event(old.manifest.name, old.manifest.version, "unload")
-        try:  # best effort: whatever serves now already does, whatever happens here
-            await old.batcher.close()
-            loop = asyncio.get_running_loop()
-            for b in old.backends:
-                await loop.run_in_executor(None, b.close)
-        except Exception:
-            log.exception("retiring %s %s failed", old.manifest.name, old.manifest.version)
-
-    async def close(self) -> None:
-        async with self._swap_lock:  # an install racing shutdown finishes its swap first
-            for served in list(self.models.values()):
-                await served.batcher.close()
-                for b in served.backends:
-                    b.close()
-            self.models.clear()
-            self.current = None
-
-    def get(self, name: str, version: str | None = None) -> Served:
-        served = self.models.get(name)
-        if served is None:
-            if not self.models:
-                raise Unavailable("no model is loaded yet; the agent is waiting for its first install")
-            raise ModelNotFound(f"unknown model {name!r}; this agent serves {_names(self.models)}")
-        if version is not None and version != served.manifest.version:
-            raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {served.manifest.version}")
-        return served
-
-    async def infer(self, served: Served, req: InferRequest) -> list[np.ndarray]:
-        """Queue a decoded request in ``served``'s batcher and wait for its outputs (and offer it to a shadow
-        candidate): what every transport does with a request once decoded (HTTP, gRPC, the local socket)."""
-        pending = self.enqueue(served, req)
-        try:
-            outs = await pending.future
-        finally:
-            served.batcher.settle(pending)
-        self.offer_shadow(served, req, outs)
-        return outs
-
-    @staticmethod
-    def enqueue(served: Served, req: InferRequest) -> Any:
-        """``infer`` without a coroutine (the local socket's fast path): queue ``req`` -> its batcher entry, whose
-        ``future`` gets the outputs; then ``served.batcher.settle(entry)`` and ``offer_shadow`` are the caller's."""
-        return served.batcher.enqueue(req.feeds, HIGH if req.priority == 1 else NORMAL,
-                                      None if req.timeout_us is None else req.timeout_us / 1e6)
-
-    def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:
-        if self.shadow is not None:
-            self.shadow.offer(served.manifest.name, req.feeds, outs)
-
-    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        entries: dict[tuple[str, str], IndexEntry] = {}
-        if self.index is not None:
-            for e in self.index():
-                entries[(e.name, e.version)] = e
-        for s in self.models.values():
-            entries[(s.manifest.name, s.manifest.version)] = IndexEntry(s.manifest.name, s.manifest.version, "READY")
-        return [{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
-                for _, e in sorted(entries.items()) if not ready_only or e.state == "READY"]
-
-
-def _names(models: dict[str, Served]) -> str:
-    return ", ".join(repr(n) for n in sorted(models))
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -251,63 +82,6 @@ class _ByteBudget:
         self.used -= n
 
 
-LARGE_BODY = 256 * 1024  # JSON bodies above this are decoded off the event loop
-
-
-def model_config(served: Served) -> dict[str, Any]:
-    """Triton's model configuration layout (what ``tritonclient`` get_model_config returns). ``max_batch_size``
-    is the largest request accepted; ``batch_tuning`` (edgefleet's) says how the batches formed were sized."""
-    m, s, t = served.manifest, served.settings, served.tuning
-    batched = m.batchable and s.request_limit > 1
-
-    def dims(spec: Any) -> list[int]:
-        shape = list(spec.shape)
-        if batched and spec.batch_axis == 0:
-            return shape[1:]
-        return shape
-
-    return {
-        "name": m.name, "version": m.version, "platform": m.backend, "backend": m.backend,
-        "max_batch_size": s.request_limit if batched else 0,
-        "input": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
-                  for t in m.inputs],
-        "output": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
-                   for t in m.outputs],
-        "dynamic_batching": {
-            "preferred_batch_size": list(s.preferred_batch_sizes),
-            "max_queue_delay_microseconds": s.max_queue_delay_us,
-            "priority_levels": 2, "default_priority_level": 2,
-            "default_queue_policy": {"timeout_action": "REJECT",
-                                     "default_timeout_microseconds": int(s.queue_timeout_s * 1e6),
-                                     "allow_timeout_override": True, "max_queue_size": s.max_queue_size},
-        },
-        "instance_group": [{"name": f"{m.name}_0", "kind": "KIND_GPU" if any(
-            "CUDA" in b.device or "TensorRT" in b.device for b in served.backends if hasattr(b, "device"))
-            else "KIND_CPU", "count": len(served.backends)}],
-        "version_policy": {"specific": {"versions": [m.version]}},
-        "parameters": {"precision": {"string_value": m.precision}, "profile": {"string_value": m.profile}},
-        "image_preprocessing": m.preprocessing.model_dump() if m.preprocessing else None,
-        "batch_tuning": None if t is None else {
-            "mode": t.mode, "max_formed_batch_size": s.max_batch_size,
-            "images_per_second": {str(n): v for n, v in t.images_per_s},
-            "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None,
-            # instances x intra-op threads each: measured here (each candidate's best images/s and lone batch-1
-            # call), set by the operator, or the default
-            "layout": None if t.layout is None else {
-                "instances": t.layout[0], "threads": t.layout[1], "source": t.layout_source,
-                "measured": {f.name: {"images_per_second": f.best, "lone_call_ms": f.lone_ms} for f in t.layouts}}},
-        # edgefleet's: the precisions this bundle carries and how this device chose among them (timed here, or not)
-        "precision_choice": {
-            "precision": m.precision, "available": list(m.precisions),
-            "source": served.serving.precision_source if served.serving else "bundle",
-            "items_per_second": {pt.precision: pt.items_per_s for pt in served.serving.precisions}
-            if served.serving else {}},
-        # the runtime serving the bundle's file (onnxruntime, OpenVINO) and how this device chose it (issue 35)
-        "runtime_choice": None if served.serving is None or served.serving.runtime is None else {
-            "runtime": served.serving.runtime.runtime, "source": served.serving.runtime.source,
-            "items_per_second": {rt.runtime: rt.items_per_s for rt in served.serving.runtime.runtimes}},
-    }
-
 
 def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                max_inflight_body_bytes: int = 256 * 1024 * 1024, image_limits: ImageLimits | None = None,
@@ -328,7 +102,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         return JSONResponse({"live": True})
 
     async def ready(request: Request) -> Response:
-        ok = bool(host.models)
+        ok = host.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def server_meta(request: Request) -> Response:
@@ -389,14 +163,6 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
         return JSONResponse(host.repository_index(ready_only=doc.get("ready", False)))
 
-    def finish(request: Request, served: Served | None, t0: float, status: int) -> None:
-        dt = time.perf_counter() - t0
-        if served is not None:
-            served.metrics.request(dt, status)
-        else:  # label values from the URL only when they name a served model: bounded label sets
-            name = request.path_params["name"]
-            metrics.rejected(dt, status, name if name in host.models else None)
-
     def caller_shm(scope: Scope) -> SharedMemory | None:
         """The shared-memory registry as this request's client may use it (its connection's view)."""
         if shm is None:
@@ -446,11 +212,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return 500, [(b"content-type", b"application/json")], _error_body(f"internal error: {exc}")
         finally:
             budget.give(held[0])
-            dt = time.perf_counter() - t0
-            if served is not None:
-                served.metrics.request(dt, status)
-            else:  # label values from the URL only when they name a served model: bounded label sets
-                metrics.rejected(dt, status, name if name in host.models else None)
+            host.record(served, name, time.perf_counter() - t0, status)
 
     async def infer(request: Request) -> Response:
         status, headers, content = await infer_core(request.path_params["name"], request.path_params.get("version"),
@@ -480,11 +242,9 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             finally:
                 image_decodes.release()
             del body
-            outs = await served.batcher.submit(feeds)
-            if host.shadow is not None:
-                host.shadow.offer(m.name, feeds, outs)
-            content, _ = encode_response(m.name, m.version, outs, m.outputs,
-                                         InferRequest(feeds, None, frozenset()))
+            req = InferRequest(feeds, None, frozenset())
+            outs = await host.infer(served, req)
+            content, _ = encode_response(m.name, m.version, outs, m.outputs, req)
             status = 200
             return Response(content, media_type="application/json")
         except AgentError as exc:
@@ -495,7 +255,7 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _error(500, f"internal error: {exc}")
         finally:
             budget.give(held[0])
-            finish(request, served, t0, status)
+            host.record(served, request.path_params["name"], time.perf_counter() - t0, status)
 
     # -- system shared memory (Triton's extension; agent/shm.py) ------------------------------------------
     def no_shm() -> Response:

@@ -1,0 +1,299 @@
+"""The agent's core: the models it serves and how a request reaches them, apart from every transport.
+
+:class:`ModelHost` owns the served model versions (:class:`Served`: loaded engine instances, their batcher,
+settings and metrics), swaps a new version in without dropping requests, runs a decoded request through a
+model's batcher, mirrors it to a shadow candidate, and lists the repository index. The transports (HTTP in
+:mod:`agent.server`, gRPC in :mod:`agent.grpc_server`, the local socket in :mod:`agent.local`) only decode a
+request, call the host and encode its answer; the installer (:mod:`agent.install`) asks it by verbs
+(``swap``, ``remove``, ``start_shadow``, ``end_shadow``, ``set_index``). This module imports no web framework
+(tests/test_agent_core.py checks): a new transport needs nothing from another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgefleet.agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
+from edgefleet.agent.errors import ModelNotFound, Unavailable
+from edgefleet.agent.kserve import InferRequest
+from edgefleet.agent.metrics import Metrics, ModelMetrics
+from edgefleet.engines import Engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.manifest import Manifest
+
+if TYPE_CHECKING:
+    from edgefleet.agent.shadow import ShadowMirror
+
+__all__ = ["EXTENSIONS", "LARGE_BODY", "IndexEntry", "ModelHost", "Served", "model_config"]
+
+log = logging.getLogger("edgefleet.agent.host")
+
+TRITON_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT8": "TYPE_INT8", "UINT8": "TYPE_UINT8",
+                "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL"}
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository_index", "image_infer",
+              "system_shared_memory"]
+
+
+@dataclass
+class Served:
+    manifest: Manifest
+    backends: tuple[Engine, ...]
+    batcher: Batcher
+    settings: BatchSettings
+    metrics: ModelMetrics
+    loaded_at: float = field(default_factory=time.time)
+    tuning: BatchTuning | None = None  # how its batch sizes were chosen (None: the host's defaults, untold)
+    serving: proto.ServingChoice | None = None  # precision, batch sizes and layout as chosen here (install report)
+
+    @property
+    def backend(self) -> Engine:
+        """The first instance (every instance describes the same model)."""
+        return self.backends[0]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """A model the agent knows of, for ``/v2/repository/index`` (state: READY, UNAVAILABLE, LOADING)."""
+
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+
+
+class ModelHost:
+    """The models being served, one version each; swaps a new version in without dropping requests.
+
+    ``swap`` starts serving a model version (with one or more backend instances, one inference thread
+    each) and retires the version of the same name it replaces once its queue is empty; other models
+    keep serving. The index source given to ``set_index`` lists the versions on disk for the repository
+    index (served versions are always listed as READY). ``start_shadow`` / ``end_shadow`` mirror live
+    requests to a candidate and stop. Every version of a model shares one :class:`ComputeGate` (``gate``):
+    the old version's last batch, the new one's self-test and warm-up calls and its first batch take turns
+    on the cores. Other parts read ``models``, ``current``, ``shadow``, ``settings`` and ``metrics`` and change
+    them only through these verbs.
+    """
+
+    def __init__(self, settings: BatchSettings, metrics: Metrics, inference_cpus: Collection[int] | None = None):
+        self.settings = settings  # the default for models swapped in without their own
+        self.metrics = metrics
+        self.inference_cpus = inference_cpus  # where every batcher's inference threads run (None: anywhere)
+        self.models: dict[str, Served] = {}
+        self._current: Served | None = None  # the version swapped in last
+        self._index: Callable[[], Sequence[IndexEntry]] | None = None
+        self._shadow: ShadowMirror | None = None  # a candidate in shadow, if any
+        self._swap_lock = asyncio.Lock()
+        self._gates: dict[str, ComputeGate] = {}
+
+    @property
+    def current(self) -> Served | None:
+        """The version swapped in last (what the fleet is told this device serves)."""
+        return self._current
+
+    @property
+    def shadow(self) -> ShadowMirror | None:
+        """The candidate live requests are mirrored to, if any."""
+        return self._shadow
+
+    def set_index(self, index: Callable[[], Sequence[IndexEntry]] | None) -> None:
+        """Where the repository index learns of versions not serving (on disk, failed): ``index()`` -> entries."""
+        self._index = index
+
+    def start_shadow(self, mirror: ShadowMirror) -> None:
+        """Mirror live requests to ``mirror`` (a candidate loaded beside the served version; it serves nothing).
+        One at a time: a running shadow is ended first (:meth:`end_shadow`), never replaced unseen."""
+        if self._shadow is not None:
+            raise RuntimeError(f"already shadowing {self._shadow.manifest.name} {self._shadow.manifest.version}; "
+                               "end_shadow() first")
+        self._shadow = mirror
+
+    def end_shadow(self) -> ShadowMirror | None:
+        """Stop mirroring -> the candidate that was mirrored to (the caller closes it and discards its files)."""
+        old, self._shadow = self._shadow, None
+        return old
+
+    def ready(self) -> bool:
+        """At least one model is serving."""
+        return bool(self.models)
+
+    def record(self, served: Served | None, name: str | None, duration_s: float, status: int) -> None:
+        """Count one answered request: on ``served``'s metrics, or, answered before any model took it, as rejected,
+        labelled with ``name`` (the client's) only when it names a served model, so the label sets stay bounded."""
+        if served is not None:
+            served.metrics.request(duration_s, status)
+        else:
+            self.metrics.rejected(duration_s, status, name if name is not None and name in self.models else None)
+
+    def gate(self, name: str, permits: int) -> ComputeGate:
+        """Model ``name``'s compute gate (``permits``: its instance count; a new count starts a new gate)."""
+        g = self._gates.get(name)
+        if g is None or g.permits != permits:
+            g = self._gates[name] = ComputeGate(permits)
+        return g
+
+    async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
+                   settings: BatchSettings | None = None, tuning: BatchTuning | None = None,
+                   serving: proto.ServingChoice | None = None) -> None:
+        """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
+        host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
+        server loop."""
+        instances = (backends,) if isinstance(backends, Engine) else tuple(backends)
+        s = settings or self.settings
+        if not manifest.batchable and s.request_limit != 1:  # an unbatched input: one request at a time
+            s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": (),
+                                 "max_request_batch_size": None})
+            tuning = None
+        async with self._swap_lock:
+            mm = self.metrics.for_model(manifest.name, manifest.version)
+            batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
+            batcher.start()
+            served = Served(manifest, instances, batcher, s, mm, tuning=tuning, serving=serving)
+            old = self.models.get(manifest.name)
+            self.models[manifest.name] = served
+            self._current = served
+            self.metrics.model_event(manifest.name, manifest.version, "swap" if old is not None else "load")
+            if old is not None:
+                await self._retire(old)
+        log.info("now serving %s %s (%d instance%s)", manifest.name, manifest.version, len(instances),
+                 "" if len(instances) == 1 else "s")
+
+    async def remove(self, name: str) -> None:
+        """Stop serving model ``name`` (its queued requests are answered first)."""
+        async with self._swap_lock:
+            old = self.models.pop(name, None)
+            if old is None:
+                return
+            if self._current is old:
+                self._current = next(reversed(self.models.values()), None)
+            await self._retire(old)
+
+    async def _retire(self, old: Served) -> None:
+        now = self.models.get(old.manifest.name)
+        if now is None or now.manifest.version != old.manifest.version:
+            self.metrics.model_event(old.manifest.name, old.manifest.version, "unload")
+        try:  # best effort: whatever serves now already does, whatever happens here
+            await old.batcher.close()
+            loop = asyncio.get_running_loop()
+            for b in old.backends:
+                await loop.run_in_executor(None, b.close)
+        except Exception:
+            log.exception("retiring %s %s failed", old.manifest.name, old.manifest.version)
+
+    async def close(self) -> None:
+        async with self._swap_lock:  # an install racing shutdown finishes its swap first
+            for served in list(self.models.values()):
+                await served.batcher.close()
+                for b in served.backends:
+                    b.close()
+            self.models.clear()
+            self._current = None
+
+    def get(self, name: str, version: str | None = None) -> Served:
+        served = self.models.get(name)
+        if served is None:
+            if not self.models:
+                raise Unavailable("no model is loaded yet; the agent is waiting for its first install")
+            raise ModelNotFound(f"unknown model {name!r}; this agent serves {_names(self.models)}")
+        if version is not None and version != served.manifest.version:
+            raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {served.manifest.version}")
+        return served
+
+    async def infer(self, served: Served, req: InferRequest) -> list[np.ndarray]:
+        """Queue a decoded request in ``served``'s batcher and wait for its outputs (and offer it to a shadow
+        candidate): what every transport does with a request once decoded (HTTP, gRPC, the local socket)."""
+        pending = self.enqueue(served, req)
+        try:
+            outs = await pending.future
+        finally:
+            served.batcher.settle(pending)
+        self.offer_shadow(served, req, outs)
+        return outs
+
+    @staticmethod
+    def enqueue(served: Served, req: InferRequest) -> Any:
+        """``infer`` without a coroutine (the local socket's fast path): queue ``req`` -> its batcher entry, whose
+        ``future`` gets the outputs; then ``served.batcher.settle(entry)`` and ``offer_shadow`` are the caller's."""
+        return served.batcher.enqueue(req.feeds, HIGH if req.priority == 1 else NORMAL,
+                                      None if req.timeout_us is None else req.timeout_us / 1e6)
+
+    def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:
+        if self._shadow is not None:
+            self._shadow.offer(served.manifest.name, req.feeds, outs)
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        entries: dict[tuple[str, str], IndexEntry] = {}
+        if self._index is not None:
+            for e in self._index():
+                entries[(e.name, e.version)] = e
+        for s in self.models.values():
+            entries[(s.manifest.name, s.manifest.version)] = IndexEntry(s.manifest.name, s.manifest.version, "READY")
+        return [{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+                for _, e in sorted(entries.items()) if not ready_only or e.state == "READY"]
+
+
+def _names(models: dict[str, Served]) -> str:
+    return ", ".join(repr(n) for n in sorted(models))
+
+LARGE_BODY = 256 * 1024  # JSON bodies above this are decoded off the event loop
+
+def model_config(served: Served) -> dict[str, Any]:
+    """Triton's model configuration layout (what ``tritonclient`` get_model_config returns). ``max_batch_size``
+    is the largest request accepted; ``batch_tuning`` (edgefleet's) says how the batches formed were sized."""
+    m, s, t = served.manifest, served.settings, served.tuning
+    batched = m.batchable and s.request_limit > 1
+
+    def dims(spec: Any) -> list[int]:
+        shape = list(spec.shape)
+        if batched and spec.batch_axis == 0:
+            return shape[1:]
+        return shape
+
+    return {
+        "name": m.name, "version": m.version, "platform": m.backend, "backend": m.backend,
+        "max_batch_size": s.request_limit if batched else 0,
+        "input": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
+                  for t in m.inputs],
+        "output": [{"name": t.name, "data_type": TRITON_TYPES.get(t.datatype, t.datatype), "dims": dims(t)}
+                   for t in m.outputs],
+        "dynamic_batching": {
+            "preferred_batch_size": list(s.preferred_batch_sizes),
+            "max_queue_delay_microseconds": s.max_queue_delay_us,
+            "priority_levels": 2, "default_priority_level": 2,
+            "default_queue_policy": {"timeout_action": "REJECT",
+                                     "default_timeout_microseconds": int(s.queue_timeout_s * 1e6),
+                                     "allow_timeout_override": True, "max_queue_size": s.max_queue_size},
+        },
+        "instance_group": [{"name": f"{m.name}_0", "kind": "KIND_GPU" if any(
+            "CUDA" in b.device or "TensorRT" in b.device for b in served.backends if hasattr(b, "device"))
+            else "KIND_CPU", "count": len(served.backends)}],
+        "version_policy": {"specific": {"versions": [m.version]}},
+        "parameters": {"precision": {"string_value": m.precision}, "profile": {"string_value": m.profile}},
+        "image_preprocessing": m.preprocessing.model_dump() if m.preprocessing else None,
+        "batch_tuning": None if t is None else {
+            "mode": t.mode, "max_formed_batch_size": s.max_batch_size,
+            "images_per_second": {str(n): v for n, v in t.images_per_s},
+            "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None,
+            # instances x intra-op threads each: measured here (each candidate's best images/s and lone batch-1
+            # call), set by the operator, or the default
+            "layout": None if t.layout is None else {
+                "instances": t.layout[0], "threads": t.layout[1], "source": t.layout_source,
+                "measured": {f.name: {"images_per_second": f.best, "lone_call_ms": f.lone_ms} for f in t.layouts}}},
+        # edgefleet's: the precisions this bundle carries and how this device chose among them (timed here, or not)
+        "precision_choice": {
+            "precision": m.precision, "available": list(m.precisions),
+            "source": served.serving.precision_source if served.serving else "bundle",
+            "items_per_second": {pt.precision: pt.items_per_s for pt in served.serving.precisions}
+            if served.serving else {}},
+        # the runtime serving the bundle's file (onnxruntime, OpenVINO) and how this device chose it (issue 35)
+        "runtime_choice": None if served.serving is None or served.serving.runtime is None else {
+            "runtime": served.serving.runtime.runtime, "source": served.serving.runtime.source,
+            "items_per_second": {rt.runtime: rt.items_per_s for rt in served.serving.runtime.runtimes}},
+    }
+
