@@ -7,6 +7,9 @@ is kept unless another is more than :data:`TIE` faster, so noise does not flip a
 
 ``precision`` in the agent's config: ``auto`` (time them), ``bundle`` (serve the bundle's own engine, never
 time), or a precision (serve it when the bundle has it; otherwise time them, and say so).
+
+A bf16 variant is a candidate only on a CPU that computes bf16 (avx512_bf16 or amx_bf16: :func:`cannot_run`),
+whatever the setting: elsewhere OpenVINO would run it in f32, answers its gate never judged.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test
 from edgefleet.agent.store import StagedModel
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.cpu import BF16_FEATURES, bf16_feature
 from edgefleet.protocol.manifest import Manifest
 
-__all__ = ["ROUNDS", "TIE", "PrecisionPick", "pick_precision", "timing_sizes"]
+__all__ = ["ROUNDS", "TIE", "PrecisionPick", "cannot_run", "pick_precision", "timing_sizes"]
 
 log = logging.getLogger("edgefleet.agent")
 
@@ -47,25 +51,38 @@ def timing_sizes(manifest: Manifest, max_batch_size: int) -> tuple[int, ...]:
     return (1, min(8, max_batch_size))
 
 
+def cannot_run(precision: str, have: frozenset[str] | None = None) -> str | None:
+    """Why this CPU (or one with the features ``have``) cannot serve a ``precision`` engine; None when it can."""
+    if precision == "bf16" and bf16_feature(have) is None:
+        return f"this CPU has neither {' nor '.join(sorted(BF16_FEATURES))}, so it cannot run bf16"
+    return None
+
+
 def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest], Engine], max_batch_size: int,
-                   turn: Turn = now) -> PrecisionPick:
+                   turn: Turn = now, have: frozenset[str] | None = None) -> PrecisionPick:
     """The precision to serve ``staged`` in. ``load`` makes one engine of a manifest (closed here). A precision
-    whose self-test fails on this CPU (or whose engine fails while timed) is not a candidate; if every one fails, the
-    first failure is raised."""
+    whose self-test fails on this CPU (or whose engine fails while timed), or that this CPU cannot run at all
+    (:func:`cannot_run`; ``have``: the CPU's features, default CPUID's), is not a candidate; if every one fails,
+    the first failure is raised."""
     m = staged.manifest
     if not m.variants:
         return PrecisionPick(staged, "bundle")
     if setting == "bundle":
         return PrecisionPick(staged, "bundle", note=f"{m.precision}: the bundle's own engine (precision: bundle)")
-    if setting in m.precisions:
+    why_not = cannot_run(setting, have)
+    if setting in m.precisions and why_not is None:
         return PrecisionPick(_as(staged, setting), "operator", note=f"{setting}: set in the agent's config")
-    asked = "" if setting == "auto" else (f"precision {setting} is not in this bundle "
-                                          f"({', '.join(m.precisions)}); ")
+    asked = "" if setting == "auto" else (f"precision {setting}: {why_not}; " if setting in m.precisions else
+                                          f"precision {setting} is not in this bundle ({', '.join(m.precisions)}); ")
     sizes = timing_sizes(m, max_batch_size)
     candidates: dict[str, tuple[StagedModel, Engine]] = {}
     failures: list[SelfTestFailed] = []
     try:
         for p in m.precisions:
+            if (why := cannot_run(p, have)) is not None:
+                log.warning("%s %s: the %s engine is not a candidate: %s", m.name, m.version, p, why)
+                failures.append(SelfTestFailed(f"the {p} engine cannot run on this device: {why}"))
+                continue
             view = _as(staged, p)
             try:
                 engine = load(view.manifest)

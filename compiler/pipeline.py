@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgefleet import protocol
+from edgefleet.compiler import bf16 as _bf16
 from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.data import Dataset, load_dataset
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
@@ -255,7 +256,8 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         cache_key = cache.key([opts.model, resolve_profile_path(opts.profile), opts.preprocess,
                                *_data_files(opts.calibration), *_data_files(opts.eval)], {
             **params, "edgefleet": protocol.__version__, "manifest_version": MANIFEST_VERSION,
-            "toolchain": target.toolchain_versions(), "host": sorted(cpu_features())})
+            "toolchain": target.toolchain_versions(), "host": sorted(cpu_features()),
+            **_bf16.cache_key(profile)})
         opts.out_dir.mkdir(parents=True, exist_ok=True)
         hit = cache.get(cache_key, out)
         if hit is not None:
@@ -284,6 +286,8 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
 
     if "int8" in wanted and (why_not := _host_cannot_gate_int8(profile)):
         drop("int8", why_not)
+    if "bf16" in wanted and (why_not := _bf16.host_cannot_run_bf16(profile)):
+        drop("bf16", why_not)  # auto: not considered, and the manifest says why
     calib: Dataset | None = None
     if "int8" in wanted:
         if opts.calibration is None:
@@ -308,13 +312,13 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             task = infer_task(info.outputs, ref_out[0]).with_min_agreement(opts.min_agreement)
             if not uses_labels(gate, eval_set.labels, task):
                 progress(2, total, f"note: {task.note}")
-                if not task.sure and "int8" in wanted:
-                    why = (f"the task is not known for sure ({task.note}), and a guessed task cannot judge an int8 "
-                           "engine")
+                for guessed in [q for q in ("int8", "bf16") if q in wanted and not task.sure]:
+                    why = (f"the task is not known for sure ({task.note}), and a guessed task cannot judge an "
+                           f"{guessed} engine")
                     if not auto or len(wanted) == 1:
-                        raise AccuracyGateFailed(f"no int8 engine was gated: {why}")
-                    wanted.remove("int8")
-                    notes["int8"] = f"not built: {why}"
+                        raise AccuracyGateFailed(f"no {guessed} engine was gated: {why}")
+                    wanted.remove(guessed)
+                    notes[guessed] = f"not built: {why}"
         source = opts.model
         if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
             try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
@@ -426,8 +430,9 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size) for p in shipped}
         labels = info.metadata.get("edgefleet.labels")
         manifest = Manifest(
-            manifest_version=VARIANTS_VERSION if variants else TASK_GATE_VERSION  # the lowest that carries it
-            if best.accuracy.task is not None else 2,
+            manifest_version=_bf16.manifest_version(  # the lowest that carries it
+                VARIANTS_VERSION if variants else TASK_GATE_VERSION if best.accuracy.task is not None else 2,
+                [chosen, *(b.precision for b in variants)]),
             name=opts.name, version=opts.version, profile=profile.name,
             backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
             created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -435,7 +440,8 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             files=files, accuracy=best.accuracy, benchmark=bench,
             toolchain={"edgefleet": protocol.__version__, "python": sys.version.split()[0],
                        "platform": platform.machine(), "source_opset": str(info.opset),
-                       **target.toolchain_versions()},
+                       **target.toolchain_versions(),
+                       **_bf16.toolchain_versions([chosen, *(b.precision for b in variants)])},
             labels=tuple(json.loads(labels)) if labels else None,
             cpu_features=profile.cpu_features, quantization=best.quantization,
             build_host=BuildHost(arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features()))),
@@ -640,6 +646,8 @@ def _toolchain_missing(exc: BaseException) -> bool:
 def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precision: str,
                     calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[Any],
                     gate: GateSettings, task: TaskSpec) -> _Built:
+    if precision == "bf16":
+        return _build_and_gate_bf16(target, model, engines, work, eval_set, ref_out, gate, task)
     info, profile = engines.info, engines.profile
     engine = work / f"model-{precision}{target.engine_suffix}"
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
@@ -655,6 +663,19 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precisi
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate, task)
     return _Built(precision, engine, runner, quant, report)
+
+
+def _build_and_gate_bf16(target: BuildTarget, model: Path, engines: _Engines, work: Path, eval_set: Dataset,
+                         ref_out: list[Any], gate: GateSettings, task: TaskSpec | None) -> _Built:
+    """bf16 (compiler.bf16): the fp32 build's ONNX file, run by OpenVINO with its bf16 hint and judged by the same
+    gate as int8 against the fp32 reference; tagged bf16 wherever it goes, never fp32."""
+    info = engines.info
+    engine = work / f"model-bf16{target.engine_suffix}"
+    target.build(model, info, "fp32", engines.profile, None, engine)
+    runner = engines.open(_bf16.RUNTIME, engine, "bf16", f"the bf16 {_bf16.RUNTIME} candidate")
+    cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
+    report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, "bf16", gate, task)
+    return _Built("bf16", engine, runner, None, report)
 
 
 def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Dataset,

@@ -743,9 +743,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it is output agreement with fp32")
     c.add_argument("--name", help="model name in the registry (default: the model's folder name)")
     c.add_argument("--version", default="1.0.0", help="model version, MAJOR.MINOR.PATCH")
-    c.add_argument("--precision", choices=["auto", "int8", "fp32", "fp16"], default="auto",
-                   help="auto: build the profile's quantized precision and fp32, keep the fastest that passes the "
-                        "accuracy gate on the profile's benchmark, and record both")
+    c.add_argument("--precision", choices=["auto", "int8", "bf16", "fp32", "fp16"], default="auto",
+                   help="auto: build every precision the profile allows and this host can gate (bf16: a CPU with "
+                        "avx512_bf16 or amx_bf16 and edgefleet[openvino]), keep the fastest that passes the "
+                        "accuracy gate on the profile's benchmark, and record each")
     c.add_argument("--max-accuracy-drop", type=float,
                    help="largest allowed top-1 drop versus FP32, absolute (default: the profile's accuracy.max_drop)")
     c.add_argument("--gate", choices=["auto", "accuracy", "agreement"], default="auto",
@@ -961,7 +962,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="backend instances per model, each with its own inference thread (default 1); on CPUs, "
                          "N instances of 1 thread often serve more under load than 1 of N threads, while 1 of N "
                          "answers a lone request sooner: bench/serve.py measures both")
-    ag.add_argument("--precision", choices=("auto", "bundle", "fp32", "fp16", "int8"),
+    ag.add_argument("--precision", choices=("auto", "bundle", "fp32", "fp16", "int8", "bf16"),
                     help="for a bundle that carries several precisions (compiled where its devices' CPU could not be "
                          "timed): auto times them here at install and serves the faster; bundle serves its own engine "
                          "untimed; or name one (default auto; key precision in --config)")

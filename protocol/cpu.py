@@ -19,8 +19,10 @@ import functools
 import platform
 
 __all__ = [
+    "BF16_FEATURES",
     "KNOWN_FEATURES",
     "VNNI_FEATURES",
+    "bf16_feature",
     "cpu_arch",
     "cpu_features",
     "missing_features",
@@ -34,11 +36,16 @@ _NUMPY_TO_LINUX = {
     "AVX512F": "avx512f", "AVX512CD": "avx512cd", "AVX512BW": "avx512bw", "AVX512DQ": "avx512dq",
     "AVX512VL": "avx512vl", "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16",
     "AVX512FP16": "avx512_fp16", "AVX512VBMI": "avx512vbmi",
+    # no numpy carries AMX (its tiles need the kernel's permission too, which /proc/cpuinfo's flag reflects)
+    "AMX_BF16": "amx_bf16", "AMX_TILE": "amx_tile", "AMX_INT8": "amx_int8",
     "NEON": "neon", "ASIMD": "asimd", "ASIMDDP": "asimddp", "ASIMDHP": "asimdhp", "SVE": "sve",
 }
 KNOWN_FEATURES: frozenset[str] = frozenset(_NUMPY_TO_LINUX.values())
 # with any of these, onnxruntime's u8s8 kernels accumulate in 32 bits and cannot saturate
 VNNI_FEATURES: frozenset[str] = frozenset({"avx512_vnni"})
+# with any of these, a CPU computes bf16 products natively (OpenVINO's CPU plugin runs bf16 there, and only there:
+# on other CPUs it would emulate nothing and run f32); Zen 4 and Cooper Lake have avx512_bf16, Sapphire Rapids both
+BF16_FEATURES: frozenset[str] = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def cpu_arch() -> str:
@@ -78,6 +85,12 @@ def _proc_cpuinfo_flags() -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split()) & KNOWN_FEATURES
     return frozenset()
+
+
+def bf16_feature(have: frozenset[str] | tuple[str, ...] | None = None) -> str | None:
+    """The bf16 instruction set this CPU (or ``have``) has, AMX first; None when it has neither."""
+    have = cpu_features() if have is None else frozenset(have)
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in have), None)
 
 
 def missing_features(required: tuple[str, ...] | list[str] | frozenset[str],

@@ -23,6 +23,12 @@ is the first of them in the profile's order (what an agent that does not time se
 ``precision_choice.mode`` is ``device``. The agent times them on its own cores at install and serves
 the fastest (:meth:`Manifest.as_variant` gives the manifest as that precision's).
 
+Version 5 adds bf16 (the same ONNX file as fp32, run by OpenVINO with its bf16 inference precision on CPUs with
+avx512_bf16 or amx_bf16), as the manifest's precision or a variant's. A bf16 engine is gated like int8, and the
+manifest proves it: its accuracy report judged bf16 against fp32 and passed, ``precision_choice`` lists bf16 with
+its gate figures, and ``cpu_features`` promises a bf16 instruction set, so an agent without one refuses the bundle
+before downloading it. A manifest without bf16 stays at its lower version.
+
 Version 6 adds the drift reference (``drift``, protocol/drift.py): the fp32 model's answers on the evaluation set as
 a few binned features of its task (class shares, score deciles, boxes per image, string lengths, speech share, a
 value sketch), which agents count their live answers into and the fleet scores them against. A manifest without it
@@ -44,6 +50,7 @@ from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
 from edgefleet.protocol.preprocess import Preprocessing
 
 __all__ = [
+    "BF16_VERSION",
     "DRIFT_VERSION",
     "MANIFEST_FILENAME",
     "MANIFEST_VERSION",
@@ -71,11 +78,14 @@ MANIFEST_VERSION = 6
 TASK_GATE_VERSION = 3  # the first version with accuracy.task
 VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the device)
 DRIFT_VERSION = 6  # the first version with drift (the reference of the model's answers)
+BF16_VERSION = 5  # the first version with bf16 engines
 MANIFEST_FILENAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
 Backend = Literal["onnxruntime", "litert", "tensorrt"]
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "fp16", "int8", "bf16"]
+# bf16 engines need one of these (protocol.cpu.BF16_FEATURES; repeated here: the manifest imports no cpu probing)
+_BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 # onnxruntime's x86 layouts (see protocol.profile.QuantizationSettings); s8s8: TFLite / TensorRT int8
 Int8Scheme = Literal["u8s8", "u8s8_reduced", "u8u8", "s8s8"]
 DType = Literal["FP32", "FP16", "INT8", "UINT8", "INT32", "INT64", "BOOL"]
@@ -363,6 +373,33 @@ class Manifest(StrictModel):
                 raise ValueError("a manifest with variants has precision_choice.mode 'device'")
         elif self.precision_choice is not None and self.precision_choice.mode == "device":
             raise ValueError("precision_choice.mode 'device' needs variants to choose among")
+        return self
+
+    @model_validator(mode="after")
+    def _bf16_gated(self) -> Manifest:
+        """No bf16 answer without a gate that judged it: see the module docstring (version 5)."""
+        engines = [(self.precision, self.accuracy), *((v.precision, v.accuracy) for v in self.variants)]
+        bf16 = [acc for p, acc in engines if p == "bf16"]
+        if not bf16:
+            return self
+        if self.manifest_version < BF16_VERSION:
+            raise ValueError(f"a bf16 engine needs manifest_version {BF16_VERSION} or newer")
+        if self.backend != "onnxruntime":
+            raise ValueError(f"bf16 engines are ONNX files run by OpenVINO (backend onnxruntime), not {self.backend}")
+        acc = bf16[0]
+        if acc.candidate_precision != "bf16" or acc.reference_precision != "fp32":
+            raise ValueError(f"the bf16 engine's accuracy report judged {acc.candidate_precision} against "
+                             f"{acc.reference_precision}, not bf16 against fp32: no gate judged bf16")
+        if not acc.passed:
+            raise ValueError("the bf16 engine did not pass the accuracy gate")
+        cand = next((c for c in self.precision_choice.candidates if c.precision == "bf16"), None) \
+            if self.precision_choice is not None else None
+        if cand is None or cand.passed is not True or cand.top1 is None or cand.metric is None:
+            raise ValueError("precision_choice lists no passing bf16 candidate with its gate figures (top1, metric, "
+                             "passed): a bf16 engine ships only with the figures of the gate that judged it")
+        if not set(self.cpu_features) & set(_BF16_FEATURES):
+            raise ValueError(f"a bf16 engine runs only on CPUs with {' or '.join(_BF16_FEATURES)}, and cpu_features "
+                             f"{list(self.cpu_features)} promise neither")
         return self
 
     @property

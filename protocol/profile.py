@@ -10,7 +10,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.cpu import KNOWN_FEATURES, VNNI_FEATURES
+from edgefleet.protocol.cpu import BF16_FEATURES, KNOWN_FEATURES, VNNI_FEATURES
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.manifest import Backend, Int8Scheme, Precision
 
@@ -99,11 +99,26 @@ class HardwareProfile(StrictModel):
         if self.backend == "tensorrt" and self.accelerator != "gpu":
             raise ValueError("backend 'tensorrt' needs accelerator 'gpu'")
         if "fp16" in self.precisions and self.accelerator == "cpu":
-            raise ValueError("fp16 is for GPU targets; CPU profiles use int8 or fp32")
+            raise ValueError("fp16 is for GPU targets; CPU profiles use int8 or fp32 (bf16 where they promise it)")
+        if "bf16" in self.precisions:
+            self._check_bf16()
         if self.cpu_fallback is not None and self.cpu_fallback == self.name:
             raise ValueError(f"cpu_fallback {self.cpu_fallback!r} names this profile itself; name another, CPU "
                              "profile of the same arch")
         return self
+
+    def _check_bf16(self) -> None:
+        """bf16 is allowed only where every CPU the profile admits computes it natively: an x86 CPU profile that
+        promises avx512_bf16 or amx_bf16 (a profile admits every CPU with at least its features, so one that
+        does not promise them admits CPUs where a bf16 engine cannot run), served by OpenVINO on onnxruntime's
+        ONNX files."""
+        if self.accelerator != "cpu" or self.arch != "x86_64" or self.backend != "onnxruntime":
+            raise ValueError(f"bf16 is for x86_64 CPU profiles with backend onnxruntime (OpenVINO runs their ONNX "
+                             f"files in bf16), not {self.arch} {self.accelerator} {self.backend}")
+        if not set(self.cpu_features) & BF16_FEATURES:
+            raise ValueError(f"bf16 needs CPUs with {' or '.join(sorted(BF16_FEATURES))}, and this profile promises "
+                             f"only {list(self.cpu_features)}: a device it admits could not run a bf16 engine; add "
+                             "avx512_bf16 to cpu_features (or use a profile that promises it, e.g. x86-cpu-bf16)")
 
     def _saturates_full_range(self) -> bool:
         """A profile admits every CPU with at least its features, so on x86 full-range u8s8 is safe

@@ -5,7 +5,7 @@ import pytest
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.profile import load_profile, profile_dir
 
-NAMES = ["x86-cpu", "x86-cpu-vnni", "jetson-orin-nano", "jetson-agx-orin", "arm64-cpu"]
+NAMES = ["x86-cpu", "x86-cpu-vnni", "x86-cpu-bf16", "jetson-orin-nano", "jetson-agx-orin", "arm64-cpu"]
 
 
 @pytest.mark.parametrize("name", NAMES)
