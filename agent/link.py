@@ -1,6 +1,8 @@
 """The agent's MQTT link: status with a last will, desired state in, reports and telemetry out.
 
-paho-mqtt runs the network loop in its own thread and reconnects by itself. Telemetry goes
+paho-mqtt runs the network loop in its own thread and reconnects by itself, each wait a full-jitter draw
+(``protocol.backoff``: uniform in [0, min(15 s, 1 s * 2**attempt)]), so a fleet's boxes that lost the broker
+together do not come back in one burst. Telemetry goes
 through the on-disk spool: a record is deleted only when the fleet acks its seq (see
 ``protocol.mqtt``), and unacked records are sent again, so nothing made while the broker or the
 fleet is away is lost. The last report is retained, kept on disk (``<spool>/report.json``), sent
@@ -28,6 +30,7 @@ import paho.mqtt.client as mqtt
 from edgefleet import protocol
 from edgefleet.agent.spool import Spool
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, paho_next_delay
 from edgefleet.protocol.cpu import cpu_arch, cpu_features
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.fsutil import atomic_write
@@ -80,7 +83,9 @@ class MqttLink:
                                    protocol=mqtt.MQTTv311, clean_session=True)
         will = proto.StatusMessage(device_id=device_id, ts=0.0, state="offline")
         self._client.will_set(proto.topic(device_id, "status"), proto.encode(will), qos=1, retain=True)
-        self._client.reconnect_delay_set(min_delay=1, max_delay=15)
+        # paho's wait before each reconnect: a fresh draw from on_disconnect / on_connect_fail (paho_next_delay)
+        self.reconnects = Backoff(MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S)
+        self._client.reconnect_delay_set(min_delay=1, max_delay=int(MQTT_RECONNECT_CAP_S))
         sec = security or MqttSecurity()
         if sec.username is not None:
             self._client.username_pw_set(sec.username, sec.password)
@@ -91,6 +96,7 @@ class MqttLink:
                                  tls_version=ssl.PROTOCOL_TLS_CLIENT)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
+        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_message = self._on_message
         self._sender = threading.Thread(target=self._send_spool, name="telemetry-sender", daemon=True)
 
@@ -148,6 +154,7 @@ class MqttLink:
             log.error("the broker refused the agent: %s", reason_code)
             return
         log.info("connected to MQTT %s:%s", self.host, self.port)
+        self.reconnects.reset()
         status = proto.StatusMessage(device_id=self.device_id, ts=time.time(), state="online",
                                      agent_version=protocol.__version__, inference_url=self.inference_url,
                                      arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features())))
@@ -162,9 +169,14 @@ class MqttLink:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
+        delay = paho_next_delay(client, self.reconnects)
         if not self._stop.is_set():
-            log.warning("lost MQTT %s:%s (%s); reconnecting, telemetry is spooled on disk",
-                        self.host, self.port, reason_code)
+            log.warning("lost MQTT %s:%s (%s); reconnecting in %.1fs, telemetry is spooled on disk",
+                        self.host, self.port, reason_code, delay)
+
+    def _on_connect_fail(self, client, userdata) -> None:
+        delay = paho_next_delay(client, self.reconnects)
+        log.info("MQTT %s:%s not reachable; trying again in %.1fs", self.host, self.port, delay)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         if message.topic == proto.topic(self.device_id, "ack"):

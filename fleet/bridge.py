@@ -1,6 +1,7 @@
 """The fleet's MQTT link: ingests status, reports and telemetry; publishes desired state.
 
-paho-mqtt's network loop runs in its thread (supervised, below) and reconnects by itself; on every
+paho-mqtt's network loop runs in its thread (supervised, below) and reconnects by itself, each wait a
+full-jitter draw (``protocol.backoff``: uniform in [0, min(10 s, 1 s * 2**attempt)]); on every
 (re)connect the bridge subscribes again and republishes desired state. Nothing a device sends can raise
 out of that thread: every payload is read by the bounded parsers of ``protocol`` (size and nesting depth
 checked before any JSON library recurses), and each message's handling is guarded. If the loop dies
@@ -25,6 +26,7 @@ import paho.mqtt.client as mqtt
 from edgefleet.fleet.audit import Rejections
 from edgefleet.fleet.ingest import IngestWorker
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.backoff import Backoff, full_jitter, paho_next_delay
 from edgefleet.protocol.errors import ContractError
 
 __all__ = ["MqttBridge"]
@@ -84,6 +86,8 @@ class MqttBridge:
         self._client = _SupervisedClient(self._loop_died, mqtt.CallbackAPIVersion.VERSION2,
                                    client_id=client_id or f"edgefleet-fleet-{uuid.uuid4().hex[:8]}",
                                    protocol=mqtt.MQTTv311, clean_session=True)
+        # paho's wait before each reconnect: a fresh draw from on_disconnect / on_connect_fail (paho_next_delay)
+        self.reconnects = Backoff(1.0, 10.0)
         self._client.reconnect_delay_set(min_delay=1, max_delay=10)
         if username is not None:
             self._client.username_pw_set(username, password)
@@ -95,6 +99,7 @@ class MqttBridge:
         self._client.max_inflight_messages_set(1000)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
+        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
         self._rereads: dict[int, list[str]] = {}  # subscribe mid -> topics to unsubscribe once acked
@@ -123,7 +128,7 @@ class MqttBridge:
         self.connected.clear()
         self.restarts += 1
         self.last_failure = (time.time(), failure)
-        return not self._stopping.wait(min(0.1 * 2 ** min(self.restarts, 7), 10.0))
+        return not self._stopping.wait(full_jitter(self.restarts, 0.1, 10.0))
 
     def publish(self, topic: str, payload: bytes, retain: bool) -> None:
         """Queue a QoS 1 publish; paho keeps it and sends it once the broker is reachable."""
@@ -136,6 +141,7 @@ class MqttBridge:
             log.error("MQTT broker %s:%s refused the fleet: %s", self.host, self.port, reason_code)
             return
         log.info("connected to MQTT broker %s:%s", self.host, self.port)
+        self.reconnects.reset()
         tele = proto.subscription("telemetry")
         if self.shared_group:
             tele = f"$share/{self.shared_group}/{tele}"
@@ -178,7 +184,13 @@ class MqttBridge:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
-        log.warning("lost the MQTT broker %s:%s (%s); paho will reconnect", self.host, self.port, reason_code)
+        delay = paho_next_delay(client, self.reconnects)
+        log.warning("lost the MQTT broker %s:%s (%s); reconnecting in %.1fs", self.host, self.port, reason_code,
+                    delay)
+
+    def _on_connect_fail(self, client, userdata) -> None:
+        delay = paho_next_delay(client, self.reconnects)
+        log.info("MQTT broker %s:%s not reachable; trying again in %.1fs", self.host, self.port, delay)
 
     def stored(self, kind: str, msgs: list) -> None:
         """Messages are in the database: count them, and ack telemetry (stored, or a duplicate of a stored

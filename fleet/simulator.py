@@ -8,8 +8,10 @@ downloads and runs nothing: it is for rehearsing rollouts, for tests and for ben
 
 The MQTT client is a minimal MQTT 3.1.1 one (CONNECT with will, SUBSCRIBE, PUBLISH QoS 0/1,
 PUBACK, PINGREQ): paho's thread per client does not scale to 10,000 devices on two cores.
-Failures are deterministic: with rate r, device number i fails iff floor((i+1)r) > floor(ir), so
-any run of consecutive devices holds its share of failures, rounded down.
+A device whose connection the broker drops (a broker restart) reconnects as the agent does, each wait
+a full-jitter draw (``protocol.backoff``), and says it is online again. Failures are deterministic:
+with rate r, device number i fails iff floor((i+1)r) > floor(ir), so any run of consecutive devices
+holds its share of failures, rounded down.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import random
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, full_jitter
 
 __all__ = ["SimConfig", "Simulator", "add_parser", "fails"]
 
@@ -61,6 +65,8 @@ class SimConfig:
     progress_reports: bool = False  # also report downloading/installing, as the real agent does
     passwords: dict[str, str] = field(default_factory=dict)  # device id -> MQTT password (from enrollment)
     shadow_agreement_by_version: dict[str, float] = field(default_factory=dict)  # default 1.0
+    reconnect_base_s: float = MQTT_RECONNECT_BASE_S  # after a lost connection: the agent's reconnect windows
+    reconnect_cap_s: float = MQTT_RECONNECT_CAP_S
 
 
 @dataclass
@@ -73,6 +79,7 @@ class SimStats:
     telemetry_acked: int = 0
     telemetry_rejected: int = 0
     errors: int = 0
+    reconnects: int = 0  # connections the broker dropped and the device made again
 
     def as_json(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -218,32 +225,70 @@ class SimDevice:
         self._telemetry: asyncio.Task | None = None
         self.shadow: tuple[str, str] | None = None  # a candidate in shadow (model, version)
         self.shadow_samples = 0
+        self.online = False  # counted in stats.connected
+        self._watch: asyncio.Task | None = None  # reconnects when the broker drops the connection
 
     async def start(self) -> None:
+        await self._connect()
+        self._watch = asyncio.create_task(self._reconnect_when_lost())
+
+    async def _connect(self) -> None:
         host, port = proto.parse_mqtt_url(self.cfg.mqtt_url)
-        self.client = MiniMqtt(host, port, self.id, self.cfg.keepalive_s, self._on_message)
+        client = MiniMqtt(host, port, self.id, self.cfg.keepalive_s, self._on_message)
         will = proto.encode(proto.StatusMessage(device_id=self.id, ts=0, state="offline"))
         password = self.cfg.passwords.get(self.id)
-        await self.client.connect(proto.topic(self.id, "status"), will, username=self.id if password else None,
-                                  password=password)
+        try:
+            await client.connect(proto.topic(self.id, "status"), will, username=self.id if password else None,
+                                 password=password)
+        except BaseException:
+            if client._writer is not None:
+                client._writer.transport.abort()
+            raise
+        self.client = client
+        self.online = True
         self.client.subscribe([proto.topic(self.id, "desired"), proto.topic(self.id, "ack")])
         online = proto.StatusMessage(device_id=self.id, ts=time.time(), state="online", agent_version="sim-0.1",
                                      arch="x86_64", cpu_features=("sse4_2", "avx2"), profile=self.cfg.profile)
         self.client.publish(proto.topic(self.id, "status"), proto.encode(online), retain=True)
         self.sim.stats.connected += 1
-        if self.cfg.telemetry_interval_s > 0:
+        if self.cfg.telemetry_interval_s > 0 and (self._telemetry is None or self._telemetry.done()):
             self._telemetry = asyncio.create_task(self._telemetry_loop())
 
+    async def _reconnect_when_lost(self) -> None:
+        """The broker dropped the connection (``stop()`` cancels this first): connect again, each wait a
+        full-jitter draw, as the agent's link does, so the devices of a restarted broker come back spread."""
+        backoff = Backoff(self.cfg.reconnect_base_s, self.cfg.reconnect_cap_s)
+        while self.client is not None:
+            await self.client.closed.wait()
+            await self.client.disconnect(clean=False)  # its ping task and socket go with it
+            self.online = False
+            self.sim.stats.connected -= 1
+            while True:
+                delay = backoff.next_s()
+                dial_at = time.monotonic() + delay  # when a box of its own would dial (this loop may run late)
+                await asyncio.sleep(delay)
+                try:
+                    await self._connect()
+                    break
+                except (TimeoutError, OSError, EOFError):
+                    continue
+            backoff.reset()
+            self.sim.stats.reconnects += 1
+            self.sim.reconnects_at.append((dial_at, time.monotonic()))
+
     async def stop(self, clean: bool = True) -> None:
-        for t in (self._install, self._telemetry):
+        for t in (self._watch, self._install, self._telemetry):
             if t is not None:
                 t.cancel()
+        self._watch = self._telemetry = None
         if self.client is not None:
-            if clean:
+            if clean and self.online:
                 off = proto.StatusMessage(device_id=self.id, ts=time.time(), state="offline")
                 self.client.publish(proto.topic(self.id, "status"), proto.encode(off), retain=True)
             await self.client.disconnect(clean)
-            self.sim.stats.connected -= 1
+            if self.online:
+                self.sim.stats.connected -= 1
+            self.online = False
             self.client = None
 
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -345,6 +390,8 @@ class Simulator:
         self.devices = [SimDevice(self, config.first_index + i) for i in range(config.devices)]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # each reconnect: (time.monotonic() its successful attempt was drawn for, when the broker had taken it)
+        self.reconnects_at: deque[tuple[float, float]] = deque(maxlen=1_000_000)
 
     @property
     def ids(self) -> list[str]:
@@ -362,7 +409,7 @@ class Simulator:
                     except (OSError, ConnectionError, TimeoutError) as exc:
                         if attempt == 4:
                             raise ConnectionError(f"{d.id} could not connect: {exc}") from exc
-                        await asyncio.sleep(0.2 * (attempt + 1))
+                        await asyncio.sleep(full_jitter(attempt, 0.2, 2.0))
 
         await asyncio.gather(*(one(d) for d in self.devices))
 
