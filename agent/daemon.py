@@ -42,6 +42,7 @@ from edgefleet.agent.systemd import sd_notify
 from edgefleet.agent.telemetry import DeviceSampler, DeviceStats
 from edgefleet.agent.updater import BundleFetcher
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.backoff import Backoff
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.manifest import Manifest
 
@@ -229,7 +230,8 @@ class Agent:
             return json.loads(r.read(1024 * 1024))
 
     def _connect_and_follow(self) -> None:
-        delay = 1.0
+        # every wait a full-jitter draw (protocol.backoff): boxes back from one outage do not ask at once
+        unreachable, misconfigured = Backoff(1.0, 30.0), Backoff(1.0, 300.0)
         while not self._stop.is_set():
             try:
                 boot = self._get_json(f"{self.config.fleet_url}/api/v1/bootstrap")
@@ -247,13 +249,12 @@ class Agent:
                 break
             except ConfigError as exc:  # only a person can fix it (a token, credentials): say so, keep serving
                 log.error("not connecting to the fleet's broker: %s", exc)
-                self._stop.wait(delay)
-                delay = min(delay * 2, 300.0)
+                self._stop.wait(misconfigured.next_s())
                 continue
             except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
-                log.warning("fleet %s not reachable (%s); retrying in %.0fs", self.config.fleet_url, exc, delay)
+                delay = unreachable.next_s()
+                log.warning("fleet %s not reachable (%s); retrying in %.1fs", self.config.fleet_url, exc, delay)
                 self._stop.wait(delay)
-                delay = min(delay * 2, 30.0)
             except TrustError as exc:
                 log.error("%s", exc)
                 return
