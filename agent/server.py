@@ -82,72 +82,60 @@ class _ByteBudget:
         self.used -= n
 
 
+GET, POST = ["GET"], ["POST"]  # route methods
 
-def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
-               max_inflight_body_bytes: int = 256 * 1024 * 1024, image_limits: ImageLimits | None = None,
-               shm: SharedMemory | None = None) -> ASGIApp:
-    """``shm``: the system shared-memory regions (shared with the gRPC server); None: the extension is off."""
-    metrics = host.metrics
-    budget = _ByteBudget(max_inflight_body_bytes)
-    # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
-    large_decodes = asyncio.Semaphore(2)
-    # images: each checked against its decode budget from its header, then at most this many decode at once
-    images = image_limits or ImageLimits()
-    image_decodes = asyncio.Semaphore(images.max_concurrent)
 
-    def resolve(request: Request) -> Served:
-        return host.get(request.path_params["name"], request.path_params.get("version"))
+class _HttpApi:
+    """The HTTP transport: each handler decodes a request, asks the host (agent/host.py) and encodes its answer.
+    The routes come in areas (:meth:`server_routes`, :meth:`model_routes`, :meth:`shm_routes`,
+    :meth:`metrics_routes`); :func:`create_app` puts them behind Starlette and the infer fast path."""
 
-    async def live(request: Request) -> Response:
+    def __init__(self, host: ModelHost, max_body_bytes: int, device_id: str, max_inflight_body_bytes: int,
+                 image_limits: ImageLimits | None, shm: SharedMemory | None):
+        self.host, self.max_body_bytes, self.device_id, self.shm = host, max_body_bytes, device_id, shm
+        self.budget = _ByteBudget(max_inflight_body_bytes)
+        # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
+        self.large_decodes = asyncio.Semaphore(2)
+        # images: each checked against its decode budget from its header, then at most this many decode at once
+        self.images = image_limits or ImageLimits()
+        self.image_decodes = asyncio.Semaphore(self.images.max_concurrent)
+
+    def routes(self) -> list[Route]:
+        # /v2/models/stats before /v2/models/{name}: Starlette takes the first route that matches
+        return [*self.server_routes(), *self.model_routes(), *self.shm_routes(), *self.metrics_routes()]
+
+    def resolve(self, request: Request) -> Served:
+        return self.host.get(request.path_params["name"], request.path_params.get("version"))
+
+    def caller_shm(self, scope: Scope) -> SharedMemory | None:
+        """The shared-memory registry as this request's client may use it (its connection's view)."""
+        if self.shm is None:
+            return None
+        cell = connection_peer(scope)
+        view = cell.shm_view
+        if view is None:
+            view = cell.shm_view = self.shm.as_caller(cell)
+        return view
+
+    # -- the server: health, metadata, the repository index --------------------------------------------------
+    def server_routes(self) -> list[Route]:
+        return [Route("/v2/health/live", self.live, methods=GET), Route("/v2/health/ready", self.ready, methods=GET),
+                Route("/v2", self.server_meta, methods=GET),
+                Route("/v2/repository/index", self.repository_index, methods=POST),
+                Route("/v2/models/stats", self.stats, methods=GET)]
+
+    async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
 
-    async def ready(request: Request) -> Response:
-        ok = host.ready()
+    async def ready(self, request: Request) -> Response:
+        ok = self.host.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
-    async def server_meta(request: Request) -> Response:
-        return JSONResponse({"name": "edgefleet-agent", "version": protocol.__version__, "device_id": device_id,
+    async def server_meta(self, request: Request) -> Response:
+        return JSONResponse({"name": "edgefleet-agent", "version": protocol.__version__, "device_id": self.device_id,
                              "extensions": EXTENSIONS})
 
-    async def model_meta(request: Request) -> Response:
-        try:
-            served = resolve(request)
-        except AgentError as exc:
-            return _agent_error(exc)
-        m = served.manifest
-        return JSONResponse({
-            "name": m.name, "versions": [m.version], "platform": m.backend, "precision": m.precision,
-            "profile": m.profile,
-            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.inputs],
-            "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.outputs],
-            "accuracy": m.accuracy.model_dump(), "labels": list(m.labels) if m.labels else None,
-            "max_batch_size": served.settings.request_limit, "instances": len(served.backends),
-            "devices": [getattr(b, "device", "?") for b in served.backends],
-        })
-
-    async def model_ready(request: Request) -> Response:
-        try:
-            resolve(request)
-        except AgentError as exc:
-            return JSONResponse({"name": request.path_params["name"], "ready": False, "error": str(exc)},
-                                status_code=getattr(exc, "status_code", 503))
-        return JSONResponse({"name": request.path_params["name"], "ready": True})
-
-    async def config(request: Request) -> Response:
-        try:
-            return JSONResponse(model_config(resolve(request)))
-        except AgentError as exc:
-            return _agent_error(exc)
-
-    async def stats(request: Request) -> Response:
-        if "name" not in request.path_params:
-            return JSONResponse({"model_stats": [s.metrics.stats() for _, s in sorted(host.models.items())]})
-        try:
-            return JSONResponse({"model_stats": [resolve(request).metrics.stats()]})
-        except AgentError as exc:
-            return _agent_error(exc)
-
-    async def repository_index(request: Request) -> Response:
+    async def repository_index(self, request: Request) -> Response:
         try:
             raw = await _small_body(request)
         except RequestError as exc:
@@ -161,22 +149,63 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
         if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
             return _error(400, "the body must be empty or a JSON object like {\"ready\": true}")
-        return JSONResponse(host.repository_index(ready_only=doc.get("ready", False)))
+        return JSONResponse(self.host.repository_index(ready_only=doc.get("ready", False)))
 
-    def caller_shm(scope: Scope) -> SharedMemory | None:
-        """The shared-memory registry as this request's client may use it (its connection's view)."""
-        if shm is None:
-            return None
-        cell = connection_peer(scope)
-        view = cell.shm_view
-        if view is None:
-            view = cell.shm_view = shm.as_caller(cell)
-        return view
+    # -- one model: metadata, readiness, configuration, statistics, inference -------------------------------
+    def model_routes(self) -> list[Route]:
+        routes = []
+        for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+            routes += [
+                Route(base, self.model_meta, methods=GET), Route(f"{base}/ready", self.model_ready, methods=GET),
+                Route(f"{base}/config", self.config, methods=GET), Route(f"{base}/stats", self.stats, methods=GET),
+                Route(f"{base}/infer", self.infer, methods=POST),
+                Route(f"{base}/infer/image", self.infer_image, methods=POST),
+            ]
+        return routes
 
-    async def infer_core(name: str, version: str | None, header: Callable[[str], str | None],
+    async def model_meta(self, request: Request) -> Response:
+        try:
+            served = self.resolve(request)
+        except AgentError as exc:
+            return _agent_error(exc)
+        m = served.manifest
+        return JSONResponse({
+            "name": m.name, "versions": [m.version], "platform": m.backend, "precision": m.precision,
+            "profile": m.profile,
+            "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.inputs],
+            "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.outputs],
+            "accuracy": m.accuracy.model_dump(), "labels": list(m.labels) if m.labels else None,
+            "max_batch_size": served.settings.request_limit, "instances": len(served.backends),
+            "devices": [getattr(b, "device", "?") for b in served.backends],
+        })
+
+    async def model_ready(self, request: Request) -> Response:
+        try:
+            self.resolve(request)
+        except AgentError as exc:
+            return JSONResponse({"name": request.path_params["name"], "ready": False, "error": str(exc)},
+                                status_code=getattr(exc, "status_code", 503))
+        return JSONResponse({"name": request.path_params["name"], "ready": True})
+
+    async def config(self, request: Request) -> Response:
+        try:
+            return JSONResponse(model_config(self.resolve(request)))
+        except AgentError as exc:
+            return _agent_error(exc)
+
+    async def stats(self, request: Request) -> Response:
+        if "name" not in request.path_params:
+            return JSONResponse({"model_stats": [s.metrics.stats() for _, s in sorted(self.host.models.items())]})
+        try:
+            return JSONResponse({"model_stats": [self.resolve(request).metrics.stats()]})
+        except AgentError as exc:
+            return _agent_error(exc)
+
+    async def infer_core(self, name: str, version: str | None, header: Callable[[str], str | None],
                          receive: Receive, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """One infer request, from its path parameters, headers and body -> (status, headers, body)."""
-        view = caller_shm(scope)
+        host = self.host
+        view = self.caller_shm(scope)
         t0 = time.perf_counter()
         status = 500
         served: Served | None = None
@@ -186,12 +215,13 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             header_length = header(HEADER_LENGTH)
             # binary tensors: read into a buffer where they start 64-byte aligned, so they need no copy of their own
             align_at = int(header_length) if header_length is not None and header_length.isdigit() else None
-            body = await _receive_body(receive, header("content-length"), max_body_bytes, budget, held, align_at)
+            body = await _receive_body(receive, header("content-length"), self.max_body_bytes, self.budget, held,
+                                       align_at)
             # resolved again after the body arrived: a swap during a slow upload serves the new version
             served = host.get(name, version)
             m = served.manifest
             if header_length is None and len(body) > LARGE_BODY:
-                async with large_decodes:
+                async with self.large_decodes:
                     req = await run_in_threadpool(parse_body, body, header_length, m.inputs, m.outputs, view)
             else:
                 req = parse_body(body, header_length, m.inputs, m.outputs, view)
@@ -211,28 +241,30 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             log.exception("unexpected error in infer")
             return 500, [(b"content-type", b"application/json")], _error_body(f"internal error: {exc}")
         finally:
-            budget.give(held[0])
+            self.budget.give(held[0])
             host.record(served, name, time.perf_counter() - t0, status)
 
-    async def infer(request: Request) -> Response:
-        status, headers, content = await infer_core(request.path_params["name"], request.path_params.get("version"),
-                                                    request.headers.get, request.receive, request.scope)
+    async def infer(self, request: Request) -> Response:
+        status, headers, content = await self.infer_core(request.path_params["name"],
+                                                         request.path_params.get("version"), request.headers.get,
+                                                         request.receive, request.scope)
         return Response(content, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
-    async def infer_image(request: Request) -> Response:
+    async def infer_image(self, request: Request) -> Response:
+        images = self.images
         t0 = time.perf_counter()
         status = 500
         served: Served | None = None
         held = [0]
         try:
-            served = resolve(request)
-            body = await _receive_body(request.receive, request.headers.get("content-length"), max_body_bytes,
-                                       budget, held)
-            served = resolve(request)
+            served = self.resolve(request)
+            body = await _receive_body(request.receive, request.headers.get("content-length"), self.max_body_bytes,
+                                       self.budget, held)
+            served = self.resolve(request)
             m = served.manifest
             header = check_image(body, m, images.max_decoded_bytes)  # before any decoder: 4xx, no slot taken
             try:
-                await asyncio.wait_for(image_decodes.acquire(), images.wait_s)
+                await asyncio.wait_for(self.image_decodes.acquire(), images.wait_s)
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 raise Unavailable(f"{images.max_concurrent} images are decoding (max_concurrent_image_decodes) and "
                                   f"this one waited {images.wait_s:g} s for its turn; retry") from None
@@ -240,10 +272,10 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
                 # its work bounded first (scans, chunks), then OpenCV, which releases the GIL
                 feeds = await run_in_threadpool(decode_feeds, body, m, header, images.max_scans)
             finally:
-                image_decodes.release()
+                self.image_decodes.release()
             del body
             req = InferRequest(feeds, None, frozenset())
-            outs = await host.infer(served, req)
+            outs = await self.host.infer(served, req)
             content, _ = encode_response(m.name, m.version, outs, m.outputs, req)
             status = 200
             return Response(content, media_type="application/json")
@@ -254,25 +286,33 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
             log.exception("unexpected error in infer/image")
             return _error(500, f"internal error: {exc}")
         finally:
-            budget.give(held[0])
-            host.record(served, request.path_params["name"], time.perf_counter() - t0, status)
+            self.budget.give(held[0])
+            self.host.record(served, request.path_params["name"], time.perf_counter() - t0, status)
 
     # -- system shared memory (Triton's extension; agent/shm.py) ------------------------------------------
+    def shm_routes(self) -> list[Route]:
+        return [Route("/v2/systemsharedmemory/status", self.shm_status, methods=GET),
+                Route("/v2/systemsharedmemory/region/{region}/status", self.shm_status, methods=GET),
+                Route("/v2/systemsharedmemory/region/{region}/register", self.shm_register, methods=POST),
+                Route("/v2/systemsharedmemory/region/{region}/unregister", self.shm_unregister, methods=POST),
+                Route("/v2/systemsharedmemory/unregister", self.shm_unregister, methods=POST)]
+
+    @staticmethod
     def no_shm() -> Response:
         return _error(400, "system shared memory is off on this agent")
 
-    async def shm_status(request: Request) -> Response:
-        view = caller_shm(request.scope)
+    async def shm_status(self, request: Request) -> Response:
+        view = self.caller_shm(request.scope)
         if view is None:
-            return no_shm()
+            return self.no_shm()
         try:
             return JSONResponse(view.status(request.path_params.get("region")))
         except AgentError as exc:
             return _agent_error(exc)
 
-    async def shm_register(request: Request) -> Response:
-        if shm is None:
-            return no_shm()
+    async def shm_register(self, request: Request) -> Response:
+        if self.shm is None:
+            return self.no_shm()
         try:
             raw = await _small_body(request)
         except RequestError as exc:
@@ -286,74 +326,69 @@ def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
         if not isinstance(doc, dict) or set(doc) - {"key", "offset", "byte_size"} or "key" not in doc \
                 or "byte_size" not in doc:
             return _error(400, "the body must be a JSON object {\"key\": \"/name\", \"offset\": 0, \"byte_size\": N}")
-        host = request.client.host if request.client else None
+        address = request.client.host if request.client else None
         peer = connection_peer(request.scope).get()
-        client = f"{host or '?'} uid {peer.uid}"  # max_shm_regions_per_client counts each local user apart
+        client = f"{address or '?'} uid {peer.uid}"  # max_shm_regions_per_client counts each local user apart
         try:
-            shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"], client,
-                         peer)
+            self.shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"],
+                              client, peer)
         except AgentError as exc:
             return _agent_error(exc)
         return JSONResponse({})
 
-    async def shm_unregister(request: Request) -> Response:
-        view = caller_shm(request.scope)
+    async def shm_unregister(self, request: Request) -> Response:
+        view = self.caller_shm(request.scope)
         if view is None:
-            return no_shm()
+            return self.no_shm()
         try:
             view.unregister(request.path_params.get("region"))
         except AgentError as exc:
             return _agent_error(exc)
         return JSONResponse({})
 
-    async def prometheus(request: Request) -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+    # -- metrics and the API's description ----------------------------------------------------------------
+    def metrics_routes(self) -> list[Route]:
+        return [Route("/metrics", self.prometheus, methods=GET), Route("/metrics/summary", self.summary, methods=GET),
+                Route("/openapi.json", self.openapi_doc, methods=GET)]
 
-    async def summary(request: Request) -> Response:
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.host.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def summary(self, request: Request) -> Response:
+        host, metrics = self.host, self.host.metrics
         cur = host.current
         return JSONResponse({"requests": metrics.total_requests, "errors": metrics.total_errors,
                              "model": cur.manifest.name if cur else None,
                              "version": cur.manifest.version if cur else None,
                              "models": {n: s.manifest.version for n, s in sorted(host.models.items())}})
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        if exc.status_code == 404:
-            return _error(404, f"no such endpoint: {request.method} {request.url.path}")
-        if exc.status_code == 405:
-            return _error(405, f"{request.method} is not allowed on {request.url.path}",
-                          dict(exc.headers or {}))
-        return _error(exc.status_code, str(exc.detail))
+    async def openapi_doc(self, request: Request) -> Response:
+        return JSONResponse(openapi(protocol.__version__, self.max_body_bytes,
+                                    {n: s.manifest.version for n, s in self.host.models.items()}))
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s: %r", request.url.path, exc)
-        return _error(500, f"internal error: {exc}")
 
-    get, post = ["GET"], ["POST"]
-    routes = [
-        Route("/v2/health/live", live, methods=get), Route("/v2/health/ready", ready, methods=get),
-        Route("/v2", server_meta, methods=get),
-        Route("/v2/repository/index", repository_index, methods=post),
-        Route("/v2/models/stats", stats, methods=get),
-    ]
-    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        routes += [
-            Route(base, model_meta, methods=get), Route(f"{base}/ready", model_ready, methods=get),
-            Route(f"{base}/config", config, methods=get), Route(f"{base}/stats", stats, methods=get),
-            Route(f"{base}/infer", infer, methods=post), Route(f"{base}/infer/image", infer_image, methods=post),
-        ]
-    async def openapi_doc(request: Request) -> Response:
-        return JSONResponse(openapi(protocol.__version__, max_body_bytes,
-                                    {n: s.manifest.version for n, s in host.models.items()}))
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return _error(404, f"no such endpoint: {request.method} {request.url.path}")
+    if exc.status_code == 405:
+        return _error(405, f"{request.method} is not allowed on {request.url.path}",
+                      dict(exc.headers or {}))
+    return _error(exc.status_code, str(exc.detail))
 
-    routes += [Route("/v2/systemsharedmemory/status", shm_status, methods=get),
-               Route("/v2/systemsharedmemory/region/{region}/status", shm_status, methods=get),
-               Route("/v2/systemsharedmemory/region/{region}/register", shm_register, methods=post),
-               Route("/v2/systemsharedmemory/region/{region}/unregister", shm_unregister, methods=post),
-               Route("/v2/systemsharedmemory/unregister", shm_unregister, methods=post)]
-    routes += [Route("/metrics", prometheus, methods=get), Route("/metrics/summary", summary, methods=get),
-               Route("/openapi.json", openapi_doc, methods=get)]
-    slow = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s: %r", request.url.path, exc)
+    return _error(500, f"internal error: {exc}")
+
+
+def create_app(host: ModelHost, max_body_bytes: int, device_id: str,
+               max_inflight_body_bytes: int = 256 * 1024 * 1024, image_limits: ImageLimits | None = None,
+               shm: SharedMemory | None = None) -> ASGIApp:
+    """``shm``: the system shared-memory regions (shared with the gRPC server); None: the extension is off."""
+    api = _HttpApi(host, max_body_bytes, device_id, max_inflight_body_bytes, image_limits, shm)
+    slow = Starlette(routes=api.routes(), exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    infer_core = api.infer_core
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         """The infer routes straight to the handler (Starlette's routing, request objects and middleware cost
