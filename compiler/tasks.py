@@ -535,6 +535,11 @@ def _segmentation(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
             ious.append(float((rm & cm).sum() / union) if union else 1.0)
             rb, cb = _instances(rm, task.arg("min_area")), _instances(cm, task.arg("min_area"))
             n_ref, n_cand, matched = n_ref + len(rb), n_cand + len(cb), matched + _match_boxes(rb, cb, 0.5)
+    if one_channel and all(bool((r > thr).all()) or not bool((r > thr).any()) for r in ref):
+        side = "above" if bool((ref[0] > thr).all()) else "below"
+        raise InputError(f"segmentation: every value of fp32's output is {side} the threshold {thr:g} on every sample, "
+                         "so its masks are empty or whole and say nothing about an engine; declare the task this "
+                         "output is for with --task (or --task-args threshold=T)")
     crits = [_crit("mask_iou", float(np.mean(ious)), task.arg("min_iou"), "min", _mean_ci(ious))]
     details = {"worst_mask_iou": round(min(ious), 6), "threshold": float(thr)}
     if one_channel:  # the objects the map is for (a text detector's lines): FP32's kept, none added

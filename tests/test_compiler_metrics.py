@@ -1,6 +1,6 @@
 """Metrics where the task's answer is (issue 29): a text detector's map is judged by the objects (boxes) it finds,
 not by pixel IoU alone; an embedding by whether each one still finds itself among its neighbours, not by the worst
-sample's cosine; a small evaluation set is grown so one changed sample does not decide."""
+sample's cosine; a map whose fp32 masks say nothing judges nothing."""
 
 from __future__ import annotations
 
@@ -66,3 +66,47 @@ def test_an_embedding_whose_neighbours_are_unchanged_passes_though_its_worst_cos
     swapped[[3, 4]] = cand[[4, 3]]
     bad = _gate("embedding", ref, swapped)
     assert not bad.passed and bad.task.value == pytest.approx(46 / 48)
+
+
+def test_a_map_whose_fp32_masks_are_all_foreground_cannot_judge_an_engine():
+    """A log-mel spectrogram [N, 1, T, 32] (values 60..85) looks like a dense map; at threshold 0 every mask is whole
+    and any engine scored IoU 1.0 (an int8 spectrogram that changed every downstream embedding shipped)."""
+    from edgefleet.compiler.errors import InputError
+
+    rng = np.random.default_rng(4)
+    ref = rng.uniform(60, 85, (8, 1, 97, 32)).astype(np.float32)
+    with pytest.raises(InputError, match="empty or whole"):
+        _gate("segmentation", ref, ref + 3)
+
+
+@pytest.mark.parametrize("precision", ["auto", "int8"])
+def test_a_task_that_cannot_read_fp32s_outputs_gates_no_int8(tmp_path, precision):
+    """Declared segmentation on a spectrogram-like map (every value far above any mask threshold): auto ships fp32
+    and says why; --precision int8 is refused (exit 4) with the same reason, not judged by a metric that says 1.0."""
+    import json
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tests.test_compiler import run_cli
+
+    g = helper.make_graph([helper.make_node("Softplus", ["x"], ["s"]),
+                           helper.make_node("Add", ["s", "c"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 12, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, 12, 16])],
+                          [helper.make_tensor("c", TensorProto.FLOAT, [], [60.0])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 7
+    onnx.save(m, str(tmp_path / "mel.onnx"))
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "d.npz", x=rng.normal(0, 3, (32, 1, 12, 16)).astype(np.float32))
+    r = run_cli("compile", str(tmp_path / "mel.onnx"), "--profile", "x86-cpu", "--calibration", str(tmp_path / "d.npz"),
+                "--eval", str(tmp_path / "d.npz"), "--task", "segmentation", "--precision", precision, "--name", "mel",
+                "--out", str(tmp_path), "--no-benchmark", "--no-cache", "--json")
+    assert "Traceback" not in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    if precision == "auto":
+        assert r.returncode == 0 and doc["manifest"]["precision"] == "fp32"
+        assert "cannot judge" in doc["manifest"]["precision_choice"]["reason"]
+    else:
+        assert r.returncode == 4 and "cannot gate int8" in doc["error"] and "empty or whole" in doc["error"]
