@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgefleet.agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
+from edgefleet.agent.drift import DriftRecorder
 from edgefleet.agent.errors import ModelNotFound, Unavailable
 from edgefleet.agent.kserve import InferRequest
 from edgefleet.agent.metrics import Metrics, ModelMetrics
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.drift import DriftCounts
 from edgefleet.protocol.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -91,6 +93,7 @@ class ModelHost:
         self._shadow: ShadowMirror | None = None  # a candidate in shadow, if any
         self._swap_lock = asyncio.Lock()
         self._gates: dict[str, ComputeGate] = {}
+        self._drift = DriftRecorder()  # each served version's answers, sketched for the fleet's drift score
 
     @property
     def current(self) -> Served | None:
@@ -194,6 +197,7 @@ class ModelHost:
                     b.close()
             self.models.clear()
             self._current = None
+        self._drift.close()
 
     def get(self, name: str, version: str | None = None) -> Served:
         served = self.models.get(name)
@@ -223,7 +227,13 @@ class ModelHost:
         return served.batcher.enqueue(req.feeds, HIGH if req.priority == 1 else NORMAL,
                                       None if req.timeout_us is None else req.timeout_us / 1e6)
 
+    def drift_counts(self, name: str, version: str) -> DriftCounts | None:
+        """The answers of ``name`` ``version`` since the last call, counted in its manifest's drift bins (agent.drift),
+        for the interval's telemetry record; None when the version has no drift reference or answered nothing."""
+        return self._drift.take(name, version)
+
     def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:
+        self._drift.offer(served.manifest, outs)  # a deque append; counted off the request path
         if self._shadow is not None:
             self._shadow.offer(served.manifest.name, req.feeds, outs)
 
