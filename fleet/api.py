@@ -23,7 +23,7 @@ from fastapi.responses import (
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgefleet.fleet import console
+from edgefleet.fleet import console, drift
 from edgefleet.fleet import schemas as out
 from edgefleet.fleet import service as svc
 from edgefleet.fleet.auth import ROLES, Caller, TokenStore
@@ -319,6 +319,13 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
                       _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.device_telemetry(device_id, limit)
 
+    @app.get("/api/v1/devices/{device_id}/drift", response_model=list[drift.DriftRecord])
+    def get_drift(device_id: str, limit: int = Query(default=200, ge=1, le=drift.MAX_LIST),
+                  _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        """The device's drift score over time, newest first: one per telemetry record with answer counts (fleet.drift:
+        PSI against the compile-time reference; 0.1 watch, 0.25 drift; under 200 answers insufficient)."""
+        return drift.device_drift(service.sessions, service.rollouts.drift, device_id, limit)
+
     @app.get("/api/v1/groups", response_model=list[out.Group])
     def list_groups(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         return service.list_groups()
@@ -420,6 +427,12 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
             raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback", 404)
         return service.rollout_action(rollout_id, action, c.name)
 
+    @app.get("/api/v1/rollouts/{rollout_id}/drift", response_model=drift.RolloutDrift)
+    def get_rollout_drift(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
+        """Each wave's new version against its compile-time reference and against the version its devices ran before
+        (what the max_drift_psi gate judges)."""
+        return drift.rollout_drift(service.sessions, service.rollouts.drift, rollout_id)
+
     @app.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
     def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         service.get_rollout(rollout_id, with_targets=False)
@@ -515,7 +528,8 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         c = console_caller(request)
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
-        return console.device_page(service.get_device(device_id), service.device_telemetry(device_id, 200))
+        return console.device_page(service.get_device(device_id), service.device_telemetry(device_id, 200),
+                                   drift.device_drift(service.sessions, service.rollouts.drift, device_id, 200))
 
     def _same_origin(request: Request) -> None:
         """Console forms are signed in by cookie, which a browser also sends with a form another site posts

@@ -6,6 +6,7 @@ from html import escape
 from typing import Any
 from urllib.parse import urlencode
 
+from edgefleet.fleet.charts import device_time_charts
 from edgefleet.fleet.states import TargetState
 
 __all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
@@ -393,8 +394,9 @@ def _chart(title: str, series: dict[str, list[float | None]], unit: str) -> str:
             f'<div class="sub">{" · ".join(legend)}</div></div>')
 
 
-def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]]) -> str:
-    """One device: what it runs, its self-test, and charts of its telemetry by model version."""
+def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[dict[str, Any]] | None = None) -> str:
+    """One device: what it runs, its self-test, and charts of its telemetry by model version; latency, throughput,
+    errors and drift over time with time axes (fleet.charts)."""
     rows = list(reversed(telemetry))  # oldest first
 
     def col(f) -> list[float | None]:
@@ -402,11 +404,7 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]]) -> str:
 
     versions = sorted({f'{t.get("model")} {t.get("version")}' for t in rows if t.get("version")})
     charts = [
-        _chart("throughput", {"req/s": col(lambda t: t["requests"] / t["interval_s"] if t["interval_s"] else None)},
-               "req/s"),
-        _chart("latency", {"p50": col(lambda t: t["latency"]["p50_ms"]), "p99": col(lambda t: t["latency"]["p99_ms"])},
-               "ms"),
-        _chart("errors", {"errors": col(lambda t: float(t["errors"]))}, "per interval"),
+        *device_time_charts(rows, drift or []),
         _chart("cpu", {"agent %": col(lambda t: t["cpu_percent"]),
                        "box %": col(lambda t: (t.get("device") or {}).get("cpu_percent"))}, "%"),
         _chart("memory", {"agent rss MB": col(lambda t: t["rss_mb"]),

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -32,7 +33,8 @@ from edgefleet.fleet.db import DriftScoreRow, Model, RolloutTarget, utcnow
 from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto
 
-__all__ = ["BEFORE_S", "MAX_ROWS", "WINDOW_RECORDS", "WINDOW_S", "DriftBook", "WaveDrift", "add_counts"]
+__all__ = ["BEFORE_S", "MAX_ROWS", "WINDOW_RECORDS", "WINDOW_S", "DriftBook", "DriftRecord", "RolloutDrift",
+           "WaveDrift", "add_counts", "device_drift", "rollout_drift"]
 
 log = logging.getLogger("edgefleet.fleet.drift")
 
@@ -213,3 +215,76 @@ def row_json(x: DriftScoreRow) -> dict[str, Any]:
         "skipped": x.skipped, "scored_samples": x.scored_samples, "psi": x.psi, "feature": x.feature,
         "level": x.level, "noise": x.noise, "features": x.features}
 
+
+
+def device_drift(sessions: Any, book: DriftBook, device_id: str, limit: int = 200) -> list[dict[str, Any]]:
+    """A device's drift rows, newest first (NotFound for an unknown device)."""
+    from edgefleet.fleet.db import Device
+    from edgefleet.fleet.errors import NotFound
+
+    with sessions() as s:
+        if s.get(Device, device_id) is None:
+            raise NotFound(f"no device {device_id!r}")
+        return book.device_rows(s, device_id, limit)
+
+
+def rollout_drift(sessions: Any, book: DriftBook, rollout_id: int) -> dict[str, Any]:
+    """Each wave of a rollout: its new version against the reference and against the previous version."""
+    from edgefleet.fleet.db import Rollout, RolloutWave
+    from edgefleet.fleet.errors import NotFound
+
+    with sessions() as s:
+        r = s.get(Rollout, rollout_id)
+        if r is None:
+            raise NotFound(f"no rollout {rollout_id}")
+        waves = list(s.scalars(select(RolloutWave).where(RolloutWave.rollout_id == r.id).order_by(RolloutWave.idx)))
+        return {"rollout_id": r.id, "model": r.model_name, "version": r.model_version, "waves": [
+            {"index": w.idx, "state": w.state, **book.wave(s, r.id, w.idx, r.model_name or "", r.model_version or "",
+                                                           w.started_at).as_json()} for w in waves]}
+
+
+# -- what the REST API answers (GET /api/v1/devices/{id}/drift, GET /api/v1/rollouts/{id}/drift) --------------------
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class DriftRecord(_Out):
+    """A device's drift score at one telemetry record: ``psi`` the largest feature PSI of its recent answers against
+    the compile-time reference (``scored_samples`` answers), ``level`` stable/watch/drift/insufficient."""
+
+    ts: float
+    received_at: str | None
+    model: str
+    version: str
+    samples: int
+    skipped: int
+    scored_samples: int
+    psi: float | None
+    feature: str | None
+    level: str
+    noise: float
+    features: dict[str, float] | None
+
+
+class DriftFigure(_Out):
+    psi: float | None
+    feature: str | None
+    features: dict[str, float]
+    samples: int
+    noise: float
+    level: str
+
+
+class WaveDriftOut(_Out):
+    index: int
+    state: str
+    vs_reference: DriftFigure | None
+    vs_previous: DriftFigure | None
+    detail: str
+
+
+class RolloutDrift(_Out):
+    rollout_id: int
+    model: str | None
+    version: str | None
+    waves: list[WaveDriftOut]

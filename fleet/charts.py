@@ -1,0 +1,104 @@
+"""Time charts for the console: inline SVG drawn on the server, with a labelled time axis (UTC clock times) and a
+value axis, no script. Pure functions of (unix time, value) points; every label escaped."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Sequence
+from html import escape
+
+__all__ = ["device_time_charts", "time_chart"]
+
+W, H = 360, 150
+LEFT, RIGHT, TOP, BOTTOM = 44, 8, 8, 22
+COLORS = ("#0969da", "#cf222e", "#8250df", "#1a7f37")
+MAX_POINTS = 2000  # per series: the newest
+
+
+def _nice_step(span: float, ticks: int) -> float:
+    raw = span / max(ticks, 1)
+    for step in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400):
+        if step >= raw:
+            return float(step)
+    return 86400.0 * math.ceil(raw / 86400)
+
+
+def _clock(ts: float, step: float) -> str:
+    t = dt.datetime.fromtimestamp(ts, dt.UTC)
+    return t.strftime("%H:%M:%S" if step < 60 else "%H:%M" if step < 86400 else "%m-%d")
+
+
+def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]]], unit: str,
+               lines: dict[str, float] | None = None) -> str:
+    """A line chart of each series over time (points: (unix seconds, value or None for a gap)); ``lines``: labelled
+    horizontal thresholds (e.g. drift's 0.1 watch and 0.25 drift)."""
+    pts = {k: [(t, v) for t, v in list(v)[-MAX_POINTS:] if math.isfinite(t)] for k, v in series.items()}
+    values = [v for s in pts.values() for _, v in s if v is not None and math.isfinite(v)]
+    times = [t for s in pts.values() for t, _ in s]
+    if not values or not times:
+        return f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">no data yet</span></div>'
+    t0, t1 = min(times), max(times)
+    if t1 - t0 < 1:
+        t0, t1 = t0 - 1, t1 + 1
+    top = max([*values, *(lines or {}).values()]) or 1.0
+    top *= 1.05
+    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
+
+    def x(t: float) -> float:
+        return LEFT + pw * (t - t0) / (t1 - t0)
+
+    def y(v: float) -> float:
+        return TOP + ph * (1 - max(min(v / top, 1.0), 0.0))
+
+    out = [f'<line x1="{LEFT}" y1="{TOP + ph}" x2="{LEFT + pw}" y2="{TOP + ph}" stroke="#888"/>',
+           f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{TOP + ph}" stroke="#888"/>']
+    step = _nice_step(t1 - t0, 4)
+    tick = math.ceil(t0 / step) * step
+    while tick <= t1:
+        out.append(f'<line x1="{x(tick):.1f}" y1="{TOP + ph}" x2="{x(tick):.1f}" y2="{TOP + ph + 4}" stroke="#888"/>'
+                   f'<text x="{x(tick):.1f}" y="{H - 6}" font-size="10" text-anchor="middle">'
+                   f'{_clock(tick, step)}</text>')
+        tick += step
+    for frac in (0.0, 0.5, 1.0):
+        v = top * frac
+        out.append(f'<text x="{LEFT - 4}" y="{y(v) + 3:.1f}" font-size="10" text-anchor="end">{v:.3g}</text>')
+    for name, v in (lines or {}).items():
+        out.append(f'<line x1="{LEFT}" y1="{y(v):.1f}" x2="{LEFT + pw}" y2="{y(v):.1f}" stroke="#bf8700" '
+                   f'stroke-dasharray="4 3"/><text x="{LEFT + pw - 2}" y="{y(v) - 2:.1f}" font-size="9" '
+                   f'text-anchor="end" fill="#bf8700">{escape(name)} {v:g}</text>')
+    legend = []
+    for (name, s), color in zip(pts.items(), COLORS, strict=False):
+        seg: list[str] = []
+        for t, v in sorted(s, key=lambda p: p[0]):
+            if v is None or not math.isfinite(v):
+                if len(seg) > 1:
+                    out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(seg)}"/>')
+                seg = []
+                continue
+            seg.append(f"{x(t):.1f},{y(v):.1f}")
+        if len(seg) > 1:
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(seg)}"/>')
+        elif seg:
+            cx, cy = seg[0].split(",")
+            out.append(f'<circle cx="{cx}" cy="{cy}" r="2" fill="{color}"/>')
+        last = next((v for _, v in reversed(s) if v is not None), None)
+        legend.append(f'<span style="color:{color}">{escape(name)} {"–" if last is None else f"{last:.3g}"}</span>')
+    return (f'<div class="chart"><h3>{escape(title)} <small class="sub">{escape(unit)}, time UTC</small></h3>'
+            f'<svg width="{W}" height="{H}" role="img" aria-label="{escape(title)} over time">{"".join(out)}</svg>'
+            f'<div class="sub">{" · ".join(legend)}</div></div>')
+
+
+def device_time_charts(telemetry: Sequence[dict], drift: Sequence[dict]) -> list[str]:
+    """Latency, throughput, errors and drift of one device over time (telemetry records and drift rows, any order)."""
+    tel = sorted((t for t in telemetry if isinstance(t.get("ts"), (int, float))), key=lambda t: t["ts"])
+    lat = [(t["ts"], (t.get("latency") or {}).get("p50_ms")) for t in tel]
+    p99 = [(t["ts"], (t.get("latency") or {}).get("p99_ms")) for t in tel]
+    thr = [(t["ts"], t["requests"] / t["interval_s"] if t.get("interval_s") else None) for t in tel]
+    err = [(t["ts"], float(t.get("errors") or 0)) for t in tel]
+    rows = sorted((r for r in drift if isinstance(r.get("ts"), (int, float))), key=lambda r: r["ts"])
+    psi = [(r["ts"], r.get("psi")) for r in rows]
+    return [time_chart("latency", {"p50": lat, "p99": p99}, "ms"),
+            time_chart("throughput", {"req/s": thr}, "requests/s"),
+            time_chart("errors", {"errors": err}, "per interval"),
+            time_chart("drift (PSI)", {"psi": psi}, "vs the compile-time reference", {"watch": 0.1, "drift": 0.25})]
