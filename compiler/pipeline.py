@@ -673,7 +673,8 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precisi
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
     # fixes the dynamic dimensions other than the batch (a detector's H and W) at their size
     data = calib if precision == "int8" else eval_set.head(1) if profile.backend == "tensorrt" else None
-    if precision == "int8" and profile.backend == "onnxruntime" and task.name == "detection" and data is not None:
+    if precision == "int8" and profile.backend == "onnxruntime" and task is not None and task.name == "detection" \
+            and data is not None:
         from edgefleet.compiler.sensitivity import quantize_keeping_head  # boxes and scores keep their own ranges
 
         quant = quantize_keeping_head(model, profile, data, engine, task.output)
