@@ -8,17 +8,23 @@ metadata says.
 Slow retrieval: python-tuf bounds only the gap between two reads, so a server dribbling a byte now
 and then could hold a download forever. Every download here must also average at least
 ``min_bytes_per_s`` once ``grace_s`` have passed (like curl's --speed-limit), or it is aborted.
+
+Proxies: downloads go through the proxy that ``HTTP_PROXY`` / ``HTTPS_PROXY`` name, except to the hosts
+``NO_PROXY`` lists, read by urllib's own rules, as the agent's bootstrap and enrollment (urllib.request)
+do: an https download is tunnelled (CONNECT), so TLS is still checked against the fleet's name.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import logging
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from tuf.api import exceptions as tuf_exc
 from tuf.ngclient.fetcher import FetcherInterface
@@ -33,8 +39,30 @@ __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 log = logging.getLogger("edgefleet.agent.updater")
 
 
+def proxy_for(scheme: str, host: str, port: int | None) -> tuple[str, int, dict[str, str]] | None:
+    """The proxy urllib.request would use for this URL (``HTTP(S)_PROXY``, less ``NO_PROXY``): (host, port,
+    headers to send it), or None to go direct. Only http:// proxies (or a bare host:port), as urllib."""
+    proxy = urllib.request.getproxies().get(scheme)
+    if not proxy or urllib.request.proxy_bypass(f"{host}:{port}" if port else host):
+        return None
+    p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if p.scheme != "http" or not p.hostname:
+        raise tuf_exc.DownloadError(f"the {scheme} proxy {proxy!r} is not an http:// proxy (host:port) the agent "
+                                    f"can use; fix {scheme.upper()}_PROXY or list the fleet in NO_PROXY")
+    try:
+        proxy_port = p.port or 80
+    except ValueError as exc:
+        raise tuf_exc.DownloadError(f"the {scheme} proxy {proxy!r}: {exc}") from exc
+    headers = {}
+    if p.username is not None:
+        cred = f"{unquote(p.username)}:{unquote(p.password or '')}".encode()
+        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(cred).decode()
+    return p.hostname, proxy_port, headers
+
+
 class GuardedFetcher(FetcherInterface):
-    """A python-tuf fetcher (http.client) that also refuses slow retrieval (see the module docstring)."""
+    """A python-tuf fetcher (http.client) that also refuses slow retrieval (see the module docstring) and goes
+    through the proxy the environment names, as urllib does (``proxy_for``)."""
 
     def __init__(self, grace_s: float = 30.0, min_bytes_per_s: int = 2048, socket_timeout_s: float = 30.0,
                  user_agent: str = "edgefleet-agent"):
@@ -47,11 +75,26 @@ class GuardedFetcher(FetcherInterface):
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise tuf_exc.DownloadError(f"unsupported URL {url!r}")
-        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-        conn = cls(u.hostname, u.port, timeout=self.socket_timeout_s)
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        headers = {"User-Agent": self.user_agent}
         try:
-            conn.request("GET", (u.path or "/") + (f"?{u.query}" if u.query else ""),
-                         headers={"User-Agent": self.user_agent})
+            port = u.port
+        except ValueError as exc:
+            raise tuf_exc.DownloadError(f"unsupported URL {url!r}: {exc}") from exc
+        via = proxy_for(u.scheme, u.hostname, port)
+        conn: http.client.HTTPConnection
+        if via is None:
+            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+            conn = cls(u.hostname, port, timeout=self.socket_timeout_s)
+        elif u.scheme == "https":  # a tunnel through the proxy; TLS end to end with the fleet
+            conn = http.client.HTTPSConnection(via[0], via[1], timeout=self.socket_timeout_s)
+            conn.set_tunnel(u.hostname, port, headers=via[2])
+        else:  # the proxy fetches the absolute URL
+            conn = http.client.HTTPConnection(via[0], via[1], timeout=self.socket_timeout_s)
+            path = f"http://{u.netloc.rpartition('@')[2]}{path}"
+            headers.update(via[2])
+        try:
+            conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
