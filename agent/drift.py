@@ -2,9 +2,11 @@
 
 After a request is answered, :meth:`DriftRecorder.offer` puts a reference to the answer's output array on a
 bounded queue (a lookup and a deque append: nothing is computed on the request path, no input is kept); one
-background thread counts the answers into the model's fixed bins (:class:`protocol.drift.DriftAccumulator`), and the
-telemetry loop :meth:`take`-s the counts of each interval. When the thread falls behind (``max_pending`` answers
-waiting), new answers are skipped and counted as such, so a burst never grows memory or slows the device.
+background thread counts what queued up every ``drain_every_s`` (50 ms) into the model's fixed bins, one numpy pass
+per model version (:class:`protocol.drift.DriftAccumulator`; numpy's per-call overhead, not the answers, is most of
+the cost of counting one small answer alone), and the telemetry loop :meth:`take`-s the counts of each interval.
+When the thread falls behind (``max_pending`` answers or ``max_pending_bytes`` of them waiting), new answers are
+skipped and counted as such, so a burst never grows memory or slows the device.
 A model whose manifest carries no reference (bundles from before version 6) is not sketched.
 """
 
@@ -37,8 +39,11 @@ class _Tracked:
 
 
 class DriftRecorder:
-    def __init__(self, max_pending: int = 256):
+    def __init__(self, max_pending: int = 1024, max_pending_bytes: int = 32 * 2**20, drain_every_s: float = 0.05):
         self.max_pending = max_pending  # answers waiting for the sketch thread, at most
+        self.max_pending_bytes = max_pending_bytes  # and their outputs' bytes (a segmentation map is large)
+        self.drain_every_s = drain_every_s  # the thread counts what queued up this often: one numpy pass per group
+        self._pending_bytes = 0
         self.errors = 0  # answers the sketch could not read (logged once per model version)
         self._tracked: dict[str, _Tracked] = {}  # model name -> its served version's sketch
         self._q: deque[tuple[str, str, np.ndarray]] = deque()
@@ -52,18 +57,28 @@ class DriftRecorder:
     def offer(self, manifest: Manifest, outputs: Sequence[np.ndarray]) -> None:
         """Called after ``manifest``'s model answered with ``outputs``: cheap, never raises."""
         t = self._tracked.get(manifest.name)
-        if t is None or t.version != manifest.version or t.index >= len(outputs):
+        if t is None or t.version != manifest.version:
+            if manifest.drift is None:
+                return
+            self.track(manifest)  # the first answer of a version swapped in: sketch it from now on
+            t = self._tracked.get(manifest.name)
+            if t is None:
+                return
+        if t.index >= len(outputs):
             return
-        if len(self._q) >= self.max_pending:
+        out = outputs[t.index]
+        size = int(getattr(out, "nbytes", 0))
+        if len(self._q) >= self.max_pending or self._pending_bytes + size > self.max_pending_bytes:
             with self._lock:
                 t.acc.skipped += 1
             return
-        self._q.append((manifest.name, manifest.version, outputs[t.index]))
-        self._wake.set()
+        self._pending_bytes += size  # approximate under races (the GIL orders the += and -=); only a bound
+        self._q.append((manifest.name, manifest.version, out))
 
     # -- the served models -----------------------------------------------------------------------------------
     def track(self, manifest: Manifest) -> None:
-        """Sketch ``manifest``'s answers from now on (in place of its name's previous version)."""
+        """Sketch ``manifest``'s answers from now on (in place of its name's previous version; ``offer`` does it at a
+        version's first answer)."""
         with self._lock:
             if manifest.drift is None:
                 self._tracked.pop(manifest.name, None)
@@ -87,36 +102,45 @@ class DriftRecorder:
 
     def close(self) -> None:
         self._stop = True
-        self._wake.set()
+        self._wake.set()  # ends the thread's wait at once
         if self._thread is not None:
             self._thread.join(5)
 
     # -- the sketch thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            self._wake.wait(1.0)
-            self._wake.clear()
+            self._wake.wait(self.drain_every_s)
             while self._q and not self._stop:
-                name, version, out = self._q.popleft()
-                try:
-                    self._count(name, version, out)
-                except Exception as exc:  # an answer the sketch cannot read is a finding, never a crash
-                    self.errors += 1
-                    if (name, version) not in self._warned:
-                        self._warned.add((name, version))
-                        log.warning("drift sketch of %s %s cannot read an answer: %r", name, version, exc)
+                # everything queued at once, grouped by version: one count per group, not per answer (the per-call
+                # overhead of numpy dominates a small answer's cost)
+                groups: dict[tuple[str, str], list[np.ndarray]] = {}
+                for _ in range(min(len(self._q), self.max_pending)):
+                    name, version, out = self._q.popleft()
+                    self._pending_bytes -= int(getattr(out, "nbytes", 0))
+                    groups.setdefault((name, version), []).append(out)
+                for (name, version), outs in groups.items():
+                    try:
+                        self._count(name, version, outs)
+                    except Exception as exc:  # an answer the sketch cannot read is a finding, never a crash
+                        self.errors += len(outs)
+                        if (name, version) not in self._warned:
+                            self._warned.add((name, version))
+                            log.warning("drift sketch of %s %s cannot read an answer: %r", name, version, exc)
 
-    def _count(self, name: str, version: str, out: np.ndarray) -> None:
+    def _count(self, name: str, version: str, outs: list[np.ndarray]) -> None:
         with self._lock:
             t = self._tracked.get(name)
             if t is None or t.version != version:
                 return  # answered by a version swapped out meanwhile
-            arr = np.asarray(out)
-            if t.axis is None:
-                batch: np.ndarray | list[np.ndarray] = [arr]
-            else:
-                batch = np.moveaxis(arr, t.axis, 0) if t.axis else arr
-            t.acc.add(batch)
+            if t.axis is None:  # no batch axis: each output is one answer
+                t.acc.add([np.asarray(o) for o in outs])
+                return
+            rows = [np.moveaxis(np.asarray(o), t.axis, 0) if t.axis else np.asarray(o) for o in outs]
+            if len({r.shape[1:] for r in rows}) == 1:
+                t.acc.add(np.concatenate(rows) if len(rows) > 1 else rows[0])
+            else:  # answers of other shapes (a dynamic axis): one by one
+                for r in rows:
+                    t.acc.add(r)
 
     def wait_idle(self, timeout_s: float = 5.0) -> bool:
         """True once every queued answer is counted (for tests and the bench)."""
