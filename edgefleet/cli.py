@@ -375,10 +375,17 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def fleet_options(p: argparse.ArgumentParser) -> None:
+    """The fleet's URL and API token, the same in every command that talks to a fleet (as 'edgefleet rollout')."""
+    p.add_argument("--fleet", default=os.environ.get("EDGEFLEET_URL", "http://127.0.0.1:8700"),
+                   help="fleet server URL ($EDGEFLEET_URL)")
+    p.add_argument("--token", help="API token (default $EDGEFLEET_TOKEN)")
+
+
 def _client(a: argparse.Namespace):
     from edgefleet.fleet.client import FleetClient
 
-    return FleetClient(a.fleet)
+    return FleetClient(a.fleet, token=a.token)
 
 
 def _fleet_call(fn) -> int:
@@ -907,7 +914,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client_parser(name: str, help_: str, fn) -> argparse.ArgumentParser:
         sp = f.add_parser(name, formatter_class=_Formatter, help=help_, description=help_)
-        sp.add_argument("--fleet", default="http://127.0.0.1:8700", help="fleet server URL")
+        fleet_options(sp)
         sp.add_argument("--json", action="store_true", help="JSON output")
         sp.set_defaults(fn=fn)
         return sp

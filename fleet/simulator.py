@@ -506,7 +506,8 @@ def add_parser(sub: Any, formatter: Any = argparse.HelpFormatter) -> None:
     sp.add_argument("--error-rate", type=float, default=0.0, help="share of requests that fail")
     sp.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
     sp.add_argument("--fleet", help="a fleet whose broker needs device accounts (the embedded one does): enroll "
-                                    "each device there first (an operator token in $EDGEFLEET_TOKEN)")
+                                    "each device there first (not read from $EDGEFLEET_URL: enrolling is asked for)")
+    sp.add_argument("--token", help="with --fleet: an operator's API token (default $EDGEFLEET_TOKEN)")
     sp.add_argument("--json", action="store_true", help="print the final counters as JSON")
     sp.add_argument("--stats-file", help="also write the counters (JSON) to this file four times a second, for a "
                                          "benchmark that watches them")
@@ -547,13 +548,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                     p99_factor_by_version=_pairs(a.slow_version, "--slow-version"), error_rate=a.error_rate)
     if a.fleet:
         import dataclasses
-        import os
 
         from edgefleet.protocol.errors import EdgefleetError
 
         ids = [f"{a.prefix}-{a.first_index + i:05d}" for i in range(a.devices)]
         try:
-            cfg = dataclasses.replace(cfg, passwords=enroll_all(a.fleet, ids, os.environ.get("EDGEFLEET_TOKEN")))
+            cfg = dataclasses.replace(cfg, passwords=enroll_all(a.fleet, ids, a.token))
         except EdgefleetError as exc:
             print(f"error: enrolling the simulated devices failed: {exc}", file=sys.stderr)
             return 6
