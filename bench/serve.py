@@ -697,6 +697,7 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
             if stats_url is not None:
                 b1_before = _batch1_compute(stats_url)
                 sizes_before = _batches(stats_url)
+                phases_before = _phases(stats_url)
     except queue.Empty as exc:
         raise RuntimeError(f"the load generator did not finish in {timeout_s:.0f}s") from exc
     finally:
@@ -728,7 +729,20 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
         formed = {b: v for b, v in formed.items() if v[0] > 0}
         res["batches_formed"] = {b: c for b, (c, _) in sorted(formed.items())}
         res["runtime_busy"] = sum(ns for _, ns in formed.values()) / 1e9 / out["wall"] if out["wall"] > 0 else 0.0
+        # per request, in the agent: from its handler's start to its answer (success), in the queue until its batch
+        # started (queue), in the runtime (compute); means over the timed phase
+        after_ph = _phases(stats_url)
+        res["agent_ms"] = {k: (after_ph[k][1] - phases_before[k][1]) / (after_ph[k][0] - phases_before[k][0]) / 1e6
+                           for k in after_ph if after_ph[k][0] > phases_before[k][0]}
     return res
+
+
+def _phases(stats_url: str) -> dict[str, tuple[int, int]]:
+    """success / queue / compute_infer -> (count, nanoseconds) so far, from the agent's Triton statistics."""
+    with urllib.request.urlopen(stats_url, timeout=30) as r:  # loopback: the agent under test
+        doc = json.loads(r.read())
+    st = doc["model_stats"][0]["inference_stats"]
+    return {k: (int(st[k]["count"]), int(st[k]["ns"])) for k in ("success", "queue", "compute_infer")}
 
 
 def _batches(stats_url: str) -> dict[int, tuple[int, int]]:
@@ -1013,6 +1027,14 @@ def print_report(doc: dict[str, Any]) -> None:
         if own:
             print("added at 1 client over the agent's own runtime calls in the same run (its statistics): "
                   + "; ".join(own))
+        for r in res["rows"]:
+            ph = r.get("agent_ms") or {}
+            if r["clients"] == 1 and {"success", "queue", "compute_infer"} <= set(ph):
+                rest = ph["success"] - ph["queue"] - ph["compute_infer"]
+                print(f"where a lone {r['variant']} request's time goes (means, the agent's statistics): in the agent "
+                      f"{ph['success']:.3f} ms = queued until its batch started {ph['queue']:.3f} + runtime "
+                      f"{ph['compute_infer']:.3f} + the rest (decode, thread hand-offs, encode) {rest:.3f}; outside "
+                      f"it (client, loopback, HTTP before the handler) p50 - that = {r['p50_ms'] - ph['success']:.3f}")
         print(f"transport floor: a binary request's bytes to a loopback server that only reads them and back, "
               f"{res['transport_floor_ms']:.3f} ms; through uvicorn and a Starlette route that reads the body (the "
               f"agent's HTTP stack, nothing decoded) {res['asgi_floor_ms']:.3f} ms: that stack adds "
