@@ -61,12 +61,12 @@ def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]
                    f'{_clock(tick, step)}</text>')
         tick += step
     for frac in (0.0, 0.5, 1.0):
-        v = top * frac
-        out.append(f'<text x="{LEFT - 4}" y="{y(v) + 3:.1f}" font-size="10" text-anchor="end">{v:.3g}</text>')
-    for name, v in (lines or {}).items():
-        out.append(f'<line x1="{LEFT}" y1="{y(v):.1f}" x2="{LEFT + pw}" y2="{y(v):.1f}" stroke="#bf8700" '
-                   f'stroke-dasharray="4 3"/><text x="{LEFT + pw - 2}" y="{y(v) - 2:.1f}" font-size="9" '
-                   f'text-anchor="end" fill="#bf8700">{escape(name)} {v:g}</text>')
+        out.append(f'<text x="{LEFT - 4}" y="{y(top * frac) + 3:.1f}" font-size="10" text-anchor="end">'
+                   f'{top * frac:.3g}</text>')
+    for name, level in (lines or {}).items():
+        out.append(f'<line x1="{LEFT}" y1="{y(level):.1f}" x2="{LEFT + pw}" y2="{y(level):.1f}" stroke="#bf8700" '
+                   f'stroke-dasharray="4 3"/><text x="{LEFT + pw - 2}" y="{y(level) - 2:.1f}" font-size="9" '
+                   f'text-anchor="end" fill="#bf8700">{escape(name)} {level:g}</text>')
     legend = []
     for (name, s), color in zip(pts.items(), COLORS, strict=False):
         seg: list[str] = []

@@ -114,7 +114,7 @@ class DriftBook:
             if why is not None:
                 refused.append((m.device_id, f"drift counts for {dc.model} {dc.version}: {why}"))
                 continue
-            counts = {f.name: list(f.counts) for f in dc.features}
+            counts: dict[str, list[int]] = {f.name: list(f.counts) for f in dc.features}
             total, n = self._window(s, m.device_id, dc.model, dc.version, counts, dc.samples, now)
             sc = D.score(ref, total, n)
             s.add(DriftScoreRow(device_id=m.device_id, received_at=now, ts=m.ts, model=dc.model, version=dc.version,

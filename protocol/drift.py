@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -139,7 +139,7 @@ class FeatureReference(StrictModel):
 class DriftReference(StrictModel):
     """The answers of the fp32 model on the evaluation set, as features (manifest version 5)."""
 
-    task: Task
+    read_as: Task  # the task whose features it holds (the gate's task; not named 'task': that is accuracy.task's)
     output: str = Field(min_length=1, max_length=256)  # the output it reads
     source: Literal["fp32"] = "fp32"
     # False: the task was inferred and not for sure (protocol's TaskReport note says why); the answers are read as
@@ -156,10 +156,10 @@ class DriftReference(StrictModel):
     @model_validator(mode="after")
     def _names(self) -> DriftReference:
         names = [f.name for f in self.features]
-        if len(set(names)) != len(names) or not set(names) <= set(TASK_FEATURES[self.task]):
-            raise ValueError(f"task {self.task} has the features {list(TASK_FEATURES[self.task])}, each once; got "
-                             f"{names}")
-        if self.task == "detection" and (self.score_threshold is None or self.detection_format is None):
+        if len(set(names)) != len(names) or not set(names) <= set(TASK_FEATURES[self.read_as]):
+            raise ValueError(f"task {self.read_as} has the features {list(TASK_FEATURES[self.read_as])}, each "
+                             f"once; got {names}")
+        if self.read_as == "detection" and (self.score_threshold is None or self.detection_format is None):
             raise ValueError("a detection reference names its score_threshold and detection_format")
         return self
 
@@ -346,7 +346,7 @@ def build_reference(task: str, output: str, batch: Batch, *, blank: int | None =
                     score_threshold: float | None = None, detection_format: str | None = None,
                     threshold: float | None = None, sure: bool = True) -> DriftReference:
     """The reference of ``task`` from the answers ``batch`` (samples on axis 0) of output ``output``."""
-    kw = {"blank": blank, "score_threshold": score_threshold, "detection_format": detection_format,
+    kw: dict[str, Any] = {"blank": blank, "score_threshold": score_threshold, "detection_format": detection_format,
           "threshold": threshold}
     if task == "detection":
         kw["score_threshold"] = 0.25 if score_threshold is None else score_threshold
@@ -369,7 +369,7 @@ def build_reference(task: str, output: str, batch: Batch, *, blank: int | None =
         c = bin_counts(f, v)
         shares = _shares(c)
         feats.append(f.model_copy(update={"shares": shares}))
-    return DriftReference(task=task, output=output, samples=max(n, 1), features=tuple(feats),  # type: ignore[arg-type]
+    return DriftReference(read_as=task, output=output, samples=max(n, 1), features=tuple(feats),  # type: ignore[arg-type]
                           sure=sure, **kw)
 
 
@@ -395,7 +395,7 @@ class DriftAccumulator:
 
     def add(self, batch: Batch) -> None:
         """Count the answers ``batch`` (the reference's output, samples on axis 0)."""
-        values = feature_values(self.ref.task, batch, **_kwargs(self.ref))
+        values = feature_values(self.ref.read_as, batch, **_kwargs(self.ref))
         for f in self.ref.features:
             self._counts[f.name] += bin_counts(f, values[f.name])
         self.samples += min(len(batch), MAX_ROWS)
@@ -407,7 +407,7 @@ class DriftAccumulator:
         cap = MAX_COUNT // (MAX_BINS + 1)  # each count and the sum stay in range, whatever one interval holds
         msg = DriftCounts(model=self.model, version=self.version, samples=min(self.samples, cap),
                           skipped=min(self.skipped, cap),
-                          features=tuple(FeatureCounts(name=n, counts=tuple(int(min(x, cap)) for x in c))  # type: ignore[arg-type]
+                          features=tuple(FeatureCounts(name=n, counts=tuple(min(int(x), cap) for x in c))  # type: ignore[arg-type]
                                          for n, c in self._counts.items()))
         for c in self._counts.values():
             c[:] = 0
@@ -458,9 +458,10 @@ def _result(per: dict[str, float], noise: dict[str, float], samples: int) -> Dri
                       round(max(noise.values(), default=0.0), 6), level(value, samples))
 
 
-def score(ref: DriftReference, counts: dict[str, Sequence[int]], samples: int) -> DriftScore:
+def score(ref: DriftReference, counts: Mapping[str, Sequence[int]], samples: int) -> DriftScore:
     """Live ``counts`` (feature -> counts in the reference's bins) against the reference."""
-    per, noise = {}, {}
+    per: dict[str, float] = {}
+    noise: dict[str, float] = {}
     for f in ref.features:
         c = counts.get(f.name)
         if c is None or len(c) != f.bins or sum(c) == 0:
@@ -512,10 +513,11 @@ def align(a: FeatureReference, ca: Sequence[int], b: FeatureReference,
     return _rebin(a, xa, b.edges), xb
 
 
-def compare(old: DriftReference, old_counts: dict[str, Sequence[int]], new: DriftReference,
-            new_counts: dict[str, Sequence[int]], old_samples: int, new_samples: int) -> DriftScore:
+def compare(old: DriftReference, old_counts: Mapping[str, Sequence[int]], new: DriftReference,
+            new_counts: Mapping[str, Sequence[int]], old_samples: int, new_samples: int) -> DriftScore:
     """The new version's answers against the old version's (the expected side), feature by feature on common bins."""
-    per, noise = {}, {}
+    per: dict[str, float] = {}
+    noise: dict[str, float] = {}
     for fn in new.features:
         fo = old.feature(fn.name)
         co, cn = old_counts.get(fn.name), new_counts.get(fn.name)

@@ -153,7 +153,7 @@ def test_a_reference_is_validated():
         with pytest.raises(ValidationError):
             D.FeatureReference.model_validate(good | bad)
     with pytest.raises(ValidationError, match="features"):
-        D.DriftReference.model_validate({"task": "ctc", "output": "x", "samples": 3, "features": [good | {
+        D.DriftReference.model_validate({"read_as": "ctc", "output": "x", "samples": 3, "features": [good | {
             "name": "class"}]})
 
 
@@ -195,3 +195,21 @@ def test_rebinning_keeps_the_mass_and_is_exact_on_the_same_edges():
     pair = D.align(c1, [1, 2, 3, 4], c2, [10, 20, 30, 40])
     assert pair is not None
     assert list(pair[0]) == [2, 3, 5] and list(pair[1]) == [10, 20, 70]  # 2, 5, then everything else
+
+
+def test_the_drift_gate_is_a_pure_function_of_recorded_figures():
+    from edgefleet.fleet.rollout import Gates, WaveFigures, evaluate_gates
+
+    gates = Gates(max_drift_psi=0.25)
+    base = dict(size=2, installed=2, failed=0, requests=10, errors=0, p99_before_ms=None, p99_after_ms=None,
+                p99_devices=0)
+    moved = next(g for g in evaluate_gates(WaveFigures(**base, drift_psi=1.3, drift_detail="class"), gates)
+                 if g.name == "drift_psi")
+    assert not moved.passed and moved.value == 1.3 and "class" in moved.detail
+    held = next(g for g in evaluate_gates(WaveFigures(**base, drift_psi=0.02), gates) if g.name == "drift_psi")
+    assert held.passed
+    unjudged = next(g for g in evaluate_gates(WaveFigures(**base), gates) if g.name == "drift_psi")
+    assert unjudged.value is None and unjudged.passed  # like the other telemetry gates; require_telemetry waits
+    for bad in (0.0, -1.0, 21.0, float("inf"), float("nan")):
+        with pytest.raises(ValidationError):
+            Gates(max_drift_psi=bad)

@@ -14,7 +14,9 @@ def manifest_dict(digits_bundle):
 
 def test_round_trip(manifest_dict):
     m = parse_manifest(json.dumps(manifest_dict))
-    assert m.manifest_version == 2  # gated on labels: no version-3 content, so version-2 agents read it
+    # gated on labels: no version-3 content, but its drift reference (version 6); without it, version-2 agents read it
+    assert m.manifest_version == 6 and m.drift is not None
+    assert parse_manifest({**manifest_dict, "drift": None, "manifest_version": 2}).drift is None
     assert m.inputs[0].shape == (-1, 1, 8, 8)
     assert m.precision == "int8" and m.backend == "onnxruntime"
     assert set(m.files) == {"model.onnx", "selftest.npz"}
@@ -132,6 +134,7 @@ def test_a_task_gate_needs_version_3_and_is_left_out_of_older_manifests(manifest
             "value": 1.0, "criteria": [{"name": "exact_string_agreement", "value": 1.0, "bound": 0.95,
                                         "kind": "min", "passed": True}], "passed": True}
     manifest_dict["accuracy"]["task"] = task
+    manifest_dict.update(drift=None, manifest_version=2)  # its drift reference aside (version 6), a version-2 manifest
     with pytest.raises(SchemaError, match="needs manifest_version 3"):
         parse_manifest(manifest_dict)
     manifest_dict["manifest_version"] = MANIFEST_VERSION
