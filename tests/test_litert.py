@@ -246,7 +246,7 @@ def test_a_build_host_that_cannot_time_arm_cpus_ships_every_passing_precision(tf
                        capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)["manifest"]
-    assert m["manifest_version"] == 4 and m["precision"] == "int8"  # the profile's default first
+    assert m["manifest_version"] == 6 and m["drift"] and m["precision"] == "int8"  # v6: drift; int8 first
     choice = m["precision_choice"]
     assert choice["mode"] == "device" and "x86_64 while arm64-cpu devices are aarch64" in choice["reason"], choice
     assert [v["precision"] for v in m["variants"]] == ["fp32"] and m["variants"][0]["accuracy"]["passed"]
