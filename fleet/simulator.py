@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import random
+import ssl
 import struct
 import threading
 import time
@@ -67,6 +68,7 @@ class SimConfig:
     shadow_agreement_by_version: dict[str, float] = field(default_factory=dict)  # default 1.0
     reconnect_base_s: float = MQTT_RECONNECT_BASE_S  # after a lost connection: the agent's reconnect windows
     reconnect_cap_s: float = MQTT_RECONNECT_CAP_S
+    mqtt_ca_file: str | None = None  # mqtts:// brokers: their CA (None: the system's), as the agent's --mqtt-ca-file
 
 
 @dataclass
@@ -106,8 +108,9 @@ def _packet(kind: int, body: bytes) -> bytes:
 
 class MiniMqtt:
     def __init__(self, host: str, port: int, client_id: str, keepalive_s: int,
-                 on_message: Callable[[str, bytes], None]):
+                 on_message: Callable[[str, bytes], None], tls: ssl.SSLContext | None = None):
         self.host, self.port, self.client_id, self.keepalive_s = host, port, client_id, keepalive_s
+        self.tls = tls  # mqtts://: the broker's certificate checked against this context's CAs and the host
         self.on_message = on_message
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -117,7 +120,8 @@ class MiniMqtt:
 
     async def connect(self, will_topic: str, will: bytes, timeout_s: float = 30.0,
                       username: str | None = None, password: str | None = None) -> None:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout_s)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, ssl=self.tls),
+                                               timeout_s)
         self._reader, self._writer = reader, writer
         flags = 0x02 | 0x04 | 0x08 | 0x20  # clean session, will, will QoS 1, will retain
         creds = b""
@@ -234,7 +238,7 @@ class SimDevice:
 
     async def _connect(self) -> None:
         host, port = proto.parse_mqtt_url(self.cfg.mqtt_url)
-        client = MiniMqtt(host, port, self.id, self.cfg.keepalive_s, self._on_message)
+        client = MiniMqtt(host, port, self.id, self.cfg.keepalive_s, self._on_message, self.sim.tls)
         will = proto.encode(proto.StatusMessage(device_id=self.id, ts=0, state="offline"))
         password = self.cfg.passwords.get(self.id)
         try:
@@ -388,6 +392,9 @@ class Simulator:
         self.config = config
         self.stats = SimStats()
         self.devices = [SimDevice(self, config.first_index + i) for i in range(config.devices)]
+        # TLS for mqtts:// (or a CA given): one context for every device, the broker checked as an agent checks it
+        self.tls = ssl.create_default_context(cafile=config.mqtt_ca_file) \
+            if proto.mqtt_tls(config.mqtt_url) or config.mqtt_ca_file else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # each reconnect: (time.monotonic() its successful attempt was drawn for, when the broker had taken it)
@@ -491,7 +498,9 @@ def add_parser(sub: Any, formatter: Any = argparse.HelpFormatter) -> None:
     sp = sub.add_parser("simulate", formatter_class=formatter, help="run simulated agents against a broker",
                         description=__doc__.split("\n\n")[0] if __doc__ else None)
     sp.add_argument("--devices", type=int, required=True, help="how many simulated devices")
-    sp.add_argument("--mqtt-url", default="mqtt://127.0.0.1:1883", help="the fleet's broker")
+    sp.add_argument("--mqtt-url", default="mqtt://127.0.0.1:1883", help="the fleet's broker (mqtts://: over TLS)")
+    sp.add_argument("--mqtt-ca-file", help="for mqtts:// brokers: the CA of the broker's certificate (default: the "
+                                           "system's CAs)")
     sp.add_argument("--prefix", default="sim", help="device ids are PREFIX-00000, PREFIX-00001, ...")
     sp.add_argument("--first-index", type=int, default=0, help="number of the first device")
     sp.add_argument("--profile", default="x86-cpu", help="hardware profile the devices announce")
@@ -541,7 +550,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 4
-    cfg = SimConfig(mqtt_url=a.mqtt_url, devices=a.devices, prefix=a.prefix, first_index=a.first_index,
+    cfg = SimConfig(mqtt_url=a.mqtt_url, mqtt_ca_file=a.mqtt_ca_file, devices=a.devices, prefix=a.prefix,
+                    first_index=a.first_index,
                     profile=a.profile, install_s=a.install_s, failure_rate=a.failure_rate,
                     failure_rate_by_version=_pairs(a.fail_version, "--fail-version"),
                     telemetry_interval_s=a.telemetry_interval_s, p99_ms=a.p99_ms,
@@ -558,7 +568,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
             print(f"error: enrolling the simulated devices failed: {exc}", file=sys.stderr)
             return 6
         print(f"enrolled {len(ids)} simulated devices at {a.fleet}", file=sys.stderr, flush=True)
-    sim = Simulator(cfg)
+    try:
+        sim = Simulator(cfg)
+    except OSError as exc:  # the CA file: missing, unreadable, not PEM
+        print(f"error: --mqtt-ca-file {a.mqtt_ca_file}: {exc}", file=sys.stderr)
+        return 4
 
     async def main() -> None:
         t0 = time.monotonic()
