@@ -79,17 +79,6 @@ def verify_password(password: str, stored: str) -> bool:
     return hmac.compare_digest(base64.b64encode(got).decode(), digest)
 
 
-def _matches(topic_filter: str, topic: str) -> bool:
-    """MQTT wildcard match of ``topic`` against ``topic_filter`` (+ one level, # the rest)."""
-    f, t = topic_filter.split("/"), topic.split("/")
-    for i, part in enumerate(f):
-        if part == "#":
-            return True
-        if i >= len(t) or (part != "+" and part != t[i]):
-            return False
-    return len(f) == len(t)
-
-
 def allowed(username: str | None, topic: str, action: Literal["publish", "subscribe"]) -> bool:
     """The one rule. ``topic`` is a topic name (publish) or a topic filter (subscribe)."""
     if not username:
