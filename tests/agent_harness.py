@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.daemon import Agent, run_until_stopped
 from edgefleet.agent.store import ModelStore
 from edgefleet.protocol.bundle import sha256_file
+from tests.waiting import wait_for
 
 
 def preinstall(data_dir: Path, bundle: Path) -> None:
@@ -46,14 +46,10 @@ def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     assert agent.ready.wait(30), errors
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # uvicorn needs a moment after the socket is bound
-        try:
-            httpx.get(f"{agent.inference_url}/v2/health/live", timeout=1)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
     try:
+        # uvicorn needs a moment after the socket is bound
+        wait_for(lambda: httpx.get(f"{agent.inference_url}/v2/health/live", timeout=1), 10,
+                 "the agent's HTTP answering", retry_on=(httpx.TransportError,))
         yield agent, agent.inference_url
     finally:
         agent.request_stop()
@@ -82,11 +78,8 @@ def serving_app(app, setup=None) -> Iterator[str]:
 
     t = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
     t.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
     try:
+        wait_for(lambda: server.started, 10, "uvicorn started")
         yield url
     finally:
         server.should_exit = True

@@ -6,12 +6,13 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = REPO / "models" / "digits"
@@ -24,24 +25,12 @@ def free_port() -> int:
 
 
 def wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Until something listens on 127.0.0.1:``port`` (bounded)."""
+    def listening() -> bool:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
+            return s.connect_ex(("127.0.0.1", port)) == 0
 
-
-def wait_for(pred, timeout_s: float = 10.0, what: str = "condition", interval_s: float = 0.05):
-    """Poll ``pred`` until it returns something truthy (bounded); return that value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not met in {timeout_s}s")
+    wait_for(listening, timeout_s, f"something listening on 127.0.0.1:{port}")
 
 
 @dataclass

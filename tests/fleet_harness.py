@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +14,7 @@ import uvicorn
 from edgefleet.fleet.keys import init_keys
 from edgefleet.fleet.server import FleetConfig, FleetServer
 from tests.conftest import free_port
+from tests.waiting import wait_for
 
 
 class Api:
@@ -67,17 +67,9 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/api/v1/health", timeout=1).json()["mqtt_connected"]:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise TimeoutError("fleet did not come up")
     try:
+        wait_for(lambda: httpx.get(f"{url}/api/v1/health", timeout=1).json()["mqtt_connected"], 20,
+                 "the fleet up and connected to its broker", retry_on=(httpx.TransportError,))
         yield fs, url
     finally:
         server.should_exit = True

@@ -1,0 +1,71 @@
+"""Waiting in tests: the one bounded poller, sync and async.
+
+A test waits for the other side on an event the code path sets (threading.Event, asyncio.Event, a future, a
+gated fake) or, where nothing can be awaited, on this poller: it asks ``pred`` until it returns something
+truthy, for at most ``timeout_s``, and fails with an AssertionError naming ``what`` and the last value seen.
+``retry_on`` lists the exceptions that mean "not yet" (e.g. a connection refused while a server starts); the
+last one is named in the error, any other escapes at once.
+
+A sleep in a test is left only where the time itself is under test (idle past a timeout, a request arriving
+late, a generator's pacing); such a sleep is a named constant with a comment saying why it is not a wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+POLL_S = 0.05  # between two asks of a synchronous predicate
+POLL_ASYNC_S = 0.005  # between two asks on the event loop (each ask also lets every ready task run)
+
+
+def _failure(what: str, timeout_s: float, last: object, error: BaseException | None) -> AssertionError:
+    seen = f"last error: {error!r}" if error is not None else f"last value: {last!r}"
+    return AssertionError(f"{what}: not met in {timeout_s}s ({seen})")
+
+
+def wait_for(pred: Callable[[], T], timeout_s: float = 10.0, what: str = "condition", interval_s: float = POLL_S,
+             retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """Ask ``pred`` until it returns something truthy (at most ``timeout_s``); return that value."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    error: BaseException | None = None
+    while True:
+        try:
+            value = pred()
+        except retry_on as exc:
+            error = exc
+        else:
+            if value:
+                return value
+            last, error = value, None
+        if time.monotonic() >= deadline:
+            raise _failure(what, timeout_s, last, error)
+        time.sleep(interval_s)
+
+
+async def until(pred: Callable[[], T | Awaitable[T]], timeout_s: float = 10.0, what: str = "condition",
+                interval_s: float = POLL_ASYNC_S, retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """The event loop's ``wait_for``: ``pred`` may be a plain function or return an awaitable; between two asks
+    the loop runs every other ready task."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    error: BaseException | None = None
+    while True:
+        try:
+            value = pred()
+            if isinstance(value, Awaitable):
+                value = await value
+        except retry_on as exc:
+            error = exc
+        else:
+            if value:
+                return value  # type: ignore[return-value]
+            last, error = value, None
+        if time.monotonic() >= deadline:
+            raise _failure(what, timeout_s, last, error)
+        await asyncio.sleep(interval_s)
