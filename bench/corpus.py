@@ -668,6 +668,30 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{r['task']}, ships {r['shipped']}; {g} (n={r['n']}); truth {t}{m}"
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    """The README's table from a --json document: one line per compile (task inferred, then declared)."""
+    out = ["| model | task | shipped | int8 gate (deciding figure, n) | truth: int8 vs fp32 | match |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for row in doc["rows"]:
+        for how in ("inferred", "declared"):
+            r = row[how]
+            task = f"{r.get('task') or '-'} ({how})"
+            if r["exit"] != 0:
+                out.append(f"| {row['model']} | {task} | exit {r['exit']} | {r['error'][:80]} | | |")
+                continue
+            g = r["gate"]
+            gate = ("not built: " + (r.get("int8_note") or "see reason")) if g is None else \
+                f"{'pass' if g['passed'] else 'refused'} {g['score']:.4f} (n={r['n']})"
+            if g is None:
+                why = r["reason"].split("int8 not built: ", 1)[-1].split(";")[0] if "int8 not built" in r["reason"] \
+                    else r["reason"]
+                gate = f"not built: {why[:110]}"
+            truth = "-" if r.get("truth") is None else f"{r['truth']['changed']:.1%} changed: {r['truth']['detail']}"
+            match = "-" if "match" not in r or g is None else ("yes" if r["match"] else "**NO**")
+            out.append(f"| {row['model']} | {task} | {r['shipped']} | {gate} | {truth} | {match} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--wheels", type=Path, default=Path(os.environ.get("EDGEFLEET_CORPUS_DIR",
@@ -675,7 +699,15 @@ def main() -> int:
     ap.add_argument("--only", help="comma list of model names")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--work", type=Path, help="keep the data, bundles and engines here (default: a temp folder)")
+    ap.add_argument("--markdown", type=Path, metavar="RUN.json", help="print the table of a --json run and exit")
+    ap.add_argument("--jsonl", type=Path, help="also append each model's row to this file as it is measured")
     a = ap.parse_args()
+    if a.markdown is not None:  # a --json document, or the rows of --jsonl files
+        text = a.markdown.read_text()
+        doc = json.loads(text) if text.lstrip().startswith("{\n") else {
+            "rows": [json.loads(line) for line in text.splitlines() if line.strip()]}
+        print(markdown(doc))
+        return 0
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)  # the detectors' declared shapes differ from their outputs: warned per run
@@ -690,6 +722,9 @@ def main() -> int:
         for e in entries:
             row = measure(e, root)
             rows.append(row)
+            if a.jsonl is not None:
+                with a.jsonl.open("a") as f:
+                    f.write(json.dumps(row, default=str) + "\n")
             if not a.json:
                 print(f"{e.name:<20} inferred: {_cell(row['inferred'])}\n{'':<20} declared {e.task}: "
                       f"{_cell(row['declared'])}", flush=True)
