@@ -31,6 +31,9 @@ run() {  # NAME SECONDS CPUS -- ARGS...: one set-up under taskset, its own time 
   timeout -k 10 "$secs" taskset -c "$cpus" $PY bench/serve.py "$@" "${COMMON[@]}" --json "$OUT/$name.json" \
     > "$OUT/$name.txt" 2> "$OUT/$name.err"
   echo "   exit $? after $((SECONDS - t0))s" | tee -a "$OUT/device_run.log"
+  mkdir -p "$OUT/$name-logs" && cp "$WORK"/logs/*.log "$OUT/$name-logs/" 2>/dev/null  # the agents' own logs (layout trial)
+  grep -h "layout .* timed in" "$OUT/$name-logs/"*-agent.log 2>/dev/null | cut -c1-400 | tee -a "$OUT/device_run.log"
+  rm -f "$WORK"/logs/*.log
   sed -n '/^bench\/serve.py:/,$p' "$OUT/$name.txt" | tee -a "$OUT/device_run.log" | cut -c1-300
 }
 
