@@ -12,6 +12,7 @@ from edgefleet.agent.batcher import DEAD_MAX, HIGH, NORMAL, Batcher, BatchSettin
 from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from edgefleet.engines import Engine, EngineSpec
 from edgefleet.protocol.manifest import TensorSpec
+from tests.waiting import begun, until
 
 
 class FakeBackend(Engine):
@@ -44,7 +45,7 @@ class FakeBackend(Engine):
     def _infer_impl(self, feeds):
         self.started.set()
         self.gate.wait(5)
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s)  # the runtime's work, simulated: a cost under test, not a wait for anything
         x = feeds["x"]
         self.batches.append(len(x))
         self.seen.append(float(x[0, 0]))
@@ -145,9 +146,9 @@ def test_requests_that_waited_too_long_expire():
         b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_delay_us=0, queue_timeout_s=0.05))
         b.start()
         first = asyncio.ensure_future(b.submit(x(1)))
-        await asyncio.sleep(0.02)
+        await until(be.started.is_set, 5, "the first batch running")
         second = asyncio.ensure_future(b.submit(x(1)))
-        await asyncio.sleep(0.2)
+        await until(second.done, 5, "the second request answered while the first holds the model")
         be.gate.set()
         r1 = await first
         with pytest.raises(Unavailable, match="waited"):
@@ -165,9 +166,9 @@ def test_queue_full_is_429_not_unbounded_memory():
         b = Batcher(be, BatchSettings(max_batch_size=2, max_queue_delay_us=0, max_queue_size=4))
         b.start()
         futs = [asyncio.ensure_future(b.submit(x(2)))]
-        await asyncio.sleep(0.05)  # the first request is now running (blocked), the queue is empty
+        await until(be.started.is_set, 5, "the first request running (blocked), the queue empty")
         futs += [asyncio.ensure_future(b.submit(x(2))) for _ in range(2)]
-        await asyncio.sleep(0.05)  # 4 samples queued: the limit
+        await until(lambda: b.queued_samples == 4, 5, "4 samples queued: the limit")
         with pytest.raises(QueueFull, match="queue full") as exc:
             await b.submit(x(2))
         assert exc.value.status_code == 429
@@ -184,7 +185,7 @@ def test_close_drains_queued_requests():
         b = Batcher(be, BatchSettings(max_batch_size=2, max_queue_delay_us=0))
         b.start()
         futs = [asyncio.ensure_future(b.submit(x(1))) for _ in range(6)]
-        await asyncio.sleep(0)
+        await until(lambda: all(begun(f) for f in futs), 5, "the six requests submitted")
         await b.close()
         return await asyncio.gather(*futs)
 
@@ -222,7 +223,7 @@ def test_close_after_drain_timeout_answers_everyone():
         b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_delay_us=0))
         b.start()
         futs = [asyncio.ensure_future(b.submit(x(1))) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await until(lambda: be.started.is_set() and b.queued_samples == 2, 5, "one request running, two queued")
         await b.close(drain_timeout_s=0.1)
         res = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 2)
         be.gate.set()
@@ -230,15 +231,6 @@ def test_close_after_drain_timeout_answers_everyone():
 
     res = run(main())
     assert all(isinstance(r, Unavailable) for r in res), res
-
-
-async def _until(pred, what: str) -> None:
-    """Let the loop and the inference threads run until ``pred()`` (bounded: fails after 500 steps)."""
-    for _ in range(500):
-        if pred():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_several_instances_run_batches_at_the_same_time():
@@ -251,7 +243,7 @@ def test_several_instances_run_batches_at_the_same_time():
         assert b.instances == 2
         futs = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
         # both instances hold a batch while neither may finish: two inference threads, not one
-        await _until(lambda: a.started.is_set() and b_.started.is_set(), "both instances running")
+        await until(lambda: a.started.is_set() and b_.started.is_set(), 5, "both instances running")
         a.gate.set()
         b_.gate.set()
         outs = await asyncio.gather(*futs)
@@ -273,11 +265,11 @@ def test_high_priority_requests_run_first():
         b = Batcher(be, BatchSettings(max_batch_size=1))
         b.start()
         first = asyncio.ensure_future(b.submit(x(1, start=0)))
-        await _until(be.started.is_set, "the first batch running")
+        await until(be.started.is_set, 5, "the first batch running")
         normal = [asyncio.ensure_future(b.submit(x(1, start=100 + i), priority=NORMAL)) for i in range(2)]
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 2, 5, "the two normal requests queued")
         high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 3, 5, "the high-priority request queued behind them")
         be.gate.set()
         await asyncio.gather(first, *normal, high)
         await b.close()
@@ -293,9 +285,9 @@ def test_preferred_batch_sizes_split_a_queue():
         b = Batcher(be, BatchSettings(max_batch_size=8, preferred_batch_sizes=(4,)))
         b.start()
         first = asyncio.ensure_future(b.submit(x(1)))
-        await _until(be.started.is_set, "the first batch running")
+        await until(be.started.is_set, 5, "the first batch running")
         rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(6)]
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 6, 5, "the six requests queued")
         be.gate.set()
         outs = await asyncio.gather(first, *rest)
         await b.close()
@@ -314,7 +306,7 @@ async def _held_busy(settings: BatchSettings):
     b = Batcher(be, settings)
     b.start()
     first = asyncio.ensure_future(b.submit(x(1)))
-    await _until(be.started.is_set, "the first batch running")
+    await until(be.started.is_set, 5, "the first batch running")
     return be, b, first
 
 
@@ -388,15 +380,15 @@ def test_a_cancelled_request_leaves_the_queue_count_right():
         b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_size=2))
         b.start()
         first = asyncio.ensure_future(b.submit(x(1)))
-        await _until(be.started.is_set, "the first batch running")
+        await until(be.started.is_set, 5, "the first batch running")
         gone = asyncio.ensure_future(b.submit(x(1)))
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 1, 5, "the request queued")
         gone.cancel()  # the client went away
         with pytest.raises(asyncio.CancelledError):
             await gone
         assert b.queued_samples == 0
         kept = [asyncio.ensure_future(b.submit(x(1))) for _ in range(2)]  # the cancelled one holds no room
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 2, 5, "the two requests queued")
         be.gate.set()
         await asyncio.gather(first, *kept)
         await b.close()
@@ -444,10 +436,10 @@ def test_an_install_call_takes_its_turn_between_the_serving_batches():
             return n
 
         clients = [asyncio.ensure_future(client(k)) for k in range(4)]
-        await _until(lambda: len(log) >= 3, "serving batches")
+        await until(lambda: len(log) >= 3, 5, "serving batches")
         warm = Timed(log, "install")
         done = await loop.run_in_executor(None, lambda: [gate.call(loop, warm.infer, x(1)) for _ in range(3)])
-        await _until(lambda: sum(t == "serving" for *_, t in log[-3:]) == 3, "serving after the install calls")
+        await until(lambda: sum(t == "serving" for *_, t in log[-3:]) == 3, 5, "serving after the install calls")
         stop.set()
         served = await asyncio.gather(*clients)
         await b.close()
@@ -496,7 +488,7 @@ def test_several_permits_let_several_instances_run_and_a_cancelled_waiter_keeps_
         await gate.acquire()
         await gate.acquire()  # both permits held: a third waits
         waiter = asyncio.ensure_future(gate.acquire())
-        await asyncio.sleep(0)
+        await until(lambda: gate.waiting, 5, "the third acquire waiting")
         assert not waiter.done() and gate.busy == 2
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -508,7 +500,7 @@ def test_several_permits_let_several_instances_run_and_a_cancelled_waiter_keeps_
         await gate.acquire()
         await gate.acquire()
         late = asyncio.ensure_future(gate.acquire())
-        await asyncio.sleep(0)
+        await until(lambda: gate.waiting, 5, "the late acquire waiting")
         gate.release()  # hands the permit to ``late``
         late.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -531,7 +523,7 @@ def test_an_install_call_runs_even_when_no_turn_comes():
         out = await loop.run_in_executor(None, lambda: gate.call(loop, lambda: "ran", wait_s=0.2))
         busy_after_call = gate.busy
         gate.release()  # the stuck batch ends: the turn given up on is not left holding a permit
-        await asyncio.sleep(0)
+        await until(lambda: gate.busy == 0, 5, "the permit back from the turn given up on")
         return out, busy_after_call, gate
 
     out, busy_after_call, gate = run(main())
@@ -549,10 +541,12 @@ def test_requests_arriving_while_a_batch_runs_join_the_batch_queued_behind_it():
         b = Batcher(be, BatchSettings(max_batch_size=4))
         b.start()
         futs = [asyncio.ensure_future(b.submit(x(1, start=0)))]
-        await _until(be.started.is_set, "the first batch running")
+        await until(be.started.is_set, 5, "the first batch running")
+        held = 0
         for i, n in enumerate((1, 2, 1, 2), start=1):  # 1 + 2 + 1 fill the open batch; the last 2 do not fit
             futs.append(asyncio.ensure_future(b.submit(x(n, start=100 * i))))
-            await asyncio.sleep(0.01)
+            held += n
+            await until(lambda held=held: b.queued_samples == held, 5, f"request {i} queued ({held} samples)")
         assert b.queued_samples == 6
         be.gate.set()
         outs = await asyncio.gather(*futs)
@@ -574,9 +568,9 @@ def test_closed_batches_queue_only_a_full_batch_behind():
         b = Batcher(be, BatchSettings(max_batch_size=4), open_batches=False)
         b.start()
         futs = [asyncio.ensure_future(b.submit(x(1)))]
-        await _until(be.started.is_set, "the first batch running")
+        await until(be.started.is_set, 5, "the first batch running")
         futs += [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(1, 4)]
-        await asyncio.sleep(0.05)
+        await until(lambda: b.queued_samples == 3, 5, "three requests queued")
         be.gate.set()
         await asyncio.gather(*futs)
         await b.close()
@@ -683,6 +677,9 @@ def test_non_finite_outputs_fail_only_the_requests_whose_rows_hold_them():
     assert all(encode_response("m", "1", o, be.outputs, req)[0] for o in clean)
 
 
+LATER_S = 0.05  # a request arriving this much after another: their deadlines differ (the order under test), not a wait
+
+
 def test_default_timeouts_share_one_timer_in_order_and_keep_nothing_once_answered():
     """Requests with the default timeout are watched by one timer (Batcher._sweep): each still expires while the
     model is busy, oldest first, a cancelled one is not answered twice, and answered requests are not kept."""
@@ -692,7 +689,8 @@ def test_default_timeouts_share_one_timer_in_order_and_keep_nothing_once_answere
         gone = asyncio.ensure_future(b.submit(x(1, start=2)))
         old = asyncio.ensure_future(b.submit(x(1, start=4)))
         old.add_done_callback(lambda f: order.append("old"))
-        await asyncio.sleep(0.05)
+        await until(lambda: b.queued_samples == 2, 5, "both requests queued")
+        await asyncio.sleep(LATER_S)
         gone.cancel()  # its client went away
         new = asyncio.ensure_future(b.submit(x(1, start=6)))
         new.add_done_callback(lambda f: order.append("new"))
@@ -725,14 +723,14 @@ def test_the_timeout_queue_does_not_keep_answered_requests_inputs():
     async def main():
         be, b, first = await _held_busy(BatchSettings(max_batch_size=1, queue_timeout_s=30))
         stuck = asyncio.ensure_future(b.submit(x(1)))  # queued behind the held one, unanswered: the oldest watched
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 1, 5, "the stuck request queued")
         refs = []
         for i in range(300):  # answered one by one while `stuck` is still the oldest the timer watches
             feeds = x(1, start=i)
             refs.append(weakref.ref(feeds["x"]))
             b2 = asyncio.ensure_future(b.submit(feeds, priority=HIGH))
             del feeds
-            await asyncio.sleep(0)
+            await until(lambda b2=b2: begun(b2), 5, "the request submitted")
             b2.cancel()  # their clients went away: answered (cancelled), settled
             with pytest.raises(asyncio.CancelledError):
                 await b2
@@ -759,7 +757,7 @@ def test_requests_queued_while_instances_are_free_are_shared_among_them():
         b.start()
         futs = [b.enqueue(x(1, start=10 * i)).future for i in range(8)]  # queued before the loop looks
         try:
-            await _until(lambda: all(be.started.is_set() for be in bes), "every instance running a batch")
+            await until(lambda: all(be.started.is_set() for be in bes), 5, "every instance running a batch")
         finally:
             for be in bes:
                 be.gate.set()
@@ -784,11 +782,11 @@ def test_a_free_instance_takes_the_batch_waiting_behind_a_busy_one():
         b = Batcher([a, c], BatchSettings(max_batch_size=4))
         b.start()
         first = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
-        await _until(lambda: a.started.is_set() and c.started.is_set(), "both instances running")
+        await until(lambda: a.started.is_set() and c.started.is_set(), 5, "both instances running")
         waiting = []
         for i in range(2, 8):  # one by one, as clients send them
             waiting.append(asyncio.ensure_future(b.submit(x(1, start=10 * i))))
-            await _until(lambda i=i: b.queued_samples == i - 1, f"request {i} queued")
+            await until(lambda i=i: b.queued_samples == i - 1, 5, f"request {i} queued")
         held = a if any(f.done() for f in first) else None
         c.gate.set()  # the second instance's batch ends; the first stays held
         try:

@@ -13,6 +13,7 @@ late, a generator's pacing); such a sleep is a named constant with a comment say
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -51,10 +52,12 @@ def wait_for(pred: Callable[[], T], timeout_s: float = 10.0, what: str = "condit
 async def until(pred: Callable[[], T | Awaitable[T]], timeout_s: float = 10.0, what: str = "condition",
                 interval_s: float = POLL_ASYNC_S, retry_on: tuple[type[BaseException], ...] = ()) -> T:
     """The event loop's ``wait_for``: ``pred`` may be a plain function or return an awaitable; between two asks
-    the loop runs every other ready task."""
+    the loop runs every other ready task (the first time without waiting: a step of another task is often all
+    that was missing)."""
     deadline = time.monotonic() + timeout_s
     last: object = None
     error: BaseException | None = None
+    pause = 0.0
     while True:
         try:
             value = pred()
@@ -68,4 +71,14 @@ async def until(pred: Callable[[], T | Awaitable[T]], timeout_s: float = 10.0, w
             last, error = value, None
         if time.monotonic() >= deadline:
             raise _failure(what, timeout_s, last, error)
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(pause)
+        pause = interval_s
+
+
+def begun(task: asyncio.Future) -> bool:
+    """Whether ``task`` (a Task around a coroutine) has taken its first step, e.g. a submitted request that has
+    reached its queue: its coroutine is past its start, or it is done. For ``until``."""
+    if task.done():
+        return True
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    return coro is not None and inspect.getcoroutinestate(coro) != inspect.CORO_CREATED
