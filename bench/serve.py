@@ -840,7 +840,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     sock = m["data_dir"] / "local.sock"  # the on-box socket (agent/local.py), for digits
     agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, args.max_batch_size, per, 120,
                          instances=instances,
-                         extra_args=(*pin_args, *_runtime_args(args, work),
+                         extra_args=("-v", *pin_args, *_runtime_args(args, work),  # -v: its install log lines
                                      *(("--grpc-port", str(grpc_port)) if local else ()),
                                      *(("--local-socket", str(sock)) if small else ())))
     rows: list[dict[str, Any]] = []
