@@ -23,6 +23,13 @@ Cost per device report is constant: a report updates its target row and adds ±1
 counters; nothing is recounted. The engine's tick (``advance``) reads only the wave's counters, and
 scans a wave's targets only when its offline grace has run out or when its gates are evaluated.
 All state is in the database, so a restarted fleet resumes every rollout where it was.
+
+Lock order (PostgreSQL; SQLite locks the whole database): every transaction takes its row locks in one order,
+so two writers never wait on each other in a circle (``lock_rows``): **rollouts** (by id; the engine and an
+operator's action FOR UPDATE, report ingest FOR KEY SHARE, so replicas' ingest runs side by side but never while
+the engine moves the same rollout), then **devices** (by id), then **targets** (by rollout and device), then
+**waves** (the counters). Report ingest, telemetry, statuses, a rollback and a new rollout's supersede all follow
+it; tests/test_pg_lock_order.py runs ingest and a rollback at once.
 """
 
 from __future__ import annotations
@@ -339,6 +346,35 @@ class TargetMove:
     error: str | None = None
 
 
+def lock_rows(s: Session, rollouts: Sequence[int] = (), devices: Sequence[str] = (),
+              targets: Sequence[tuple[int, str]] = (), rollouts_shared: bool = False) -> None:
+    """Take row locks in the module's one order: rollouts, devices, targets, each sorted by key (FOR UPDATE; the
+    rollouts FOR KEY SHARE when ``rollouts_shared``). A no-op on SQLite (it has no row locks)."""
+    if s.get_bind().dialect.name != "postgresql":
+        return
+    if rollouts:
+        s.execute(select(Rollout.id).where(Rollout.id.in_(sorted(set(rollouts)))).order_by(Rollout.id)
+                  .with_for_update(read=rollouts_shared, key_share=rollouts_shared))
+    if devices:
+        s.execute(select(Device.id).where(Device.id.in_(sorted(set(devices)))).order_by(Device.id).with_for_update())
+    if targets:
+        t = RolloutTarget
+        s.execute(select(t.rollout_id).where(tuple_(t.rollout_id, t.device_id).in_(sorted(set(targets))))
+                  .order_by(t.rollout_id, t.device_id).with_for_update())
+
+
+def lock_wave_rows(s: Session, rollout_id: int, *where: Any) -> None:
+    """``lock_rows`` for the targets of one rollout that match ``where`` (and their devices), however many: the
+    rows are picked by a join, not listed (the caller holds the rollout)."""
+    if s.get_bind().dialect.name != "postgresql":
+        return
+    t = RolloutTarget
+    s.execute(select(Device.id).join(t, t.device_id == Device.id).where(t.rollout_id == rollout_id, *where)
+              .order_by(Device.id).with_for_update(of=Device))
+    s.execute(select(t.device_id).where(t.rollout_id == rollout_id, *where).order_by(t.device_id)
+              .with_for_update())
+
+
 def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str, **detail: Any) -> None:
     """Move any number of targets, in order (one target may move several times), if ``TARGET_TRANSITIONS``
     allows every move (else ``Conflict`` and nothing is written). Costs one executemany UPDATE, one
@@ -358,7 +394,8 @@ def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str
         update(t).where(t.c.rollout_id == bindparam("b_r"), t.c.device_id == bindparam("b_d"),
                         t.c.state == bindparam("b_old")),
         [{"b_r": m.rollout_id, "b_d": m.device_id, "b_old": m.old.value, "state": m.new.value, "error": m.error,
-          "updated_at": now} for m in moves]).rowcount  # type: ignore[attr-defined]
+          "updated_at": now} for m in sorted(moves, key=lambda m: (m.rollout_id, m.device_id))]  # the lock order
+    ).rowcount  # type: ignore[attr-defined]
     if done != len(moves):
         rids = sorted({m.rollout_id for m in moves})
         raise Conflict(f"rollout{'s' if len(rids) > 1 else ''} {', '.join(map(str, rids))}: {len(moves) - done} of "
@@ -374,7 +411,7 @@ def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str
         if obj is not None:  # a row this session holds as an object: keep it in step with the table
             for attr, value in (("state", m.new.value), ("error", m.error), ("updated_at", now)):
                 set_committed_value(obj, attr, value)
-    for (rid, wave), (d_ok, d_bad) in deltas.items():
+    for (rid, wave), (d_ok, d_bad) in sorted(deltas.items()):
         if d_ok or d_bad:
             s.execute(update(RolloutWave).where(RolloutWave.rollout_id == rid, RolloutWave.idx == wave)
                       .values(n_installed=RolloutWave.n_installed + d_ok, n_failed=RolloutWave.n_failed + d_bad))
@@ -561,6 +598,9 @@ class RolloutEngine:
         one that cannot be evaluated is marked, not a reason to refuse the new rollout."""
         t = RolloutTarget
         why = f"superseded by rollout {new_rollout}"
+        open_ = t.state.not_in([x.value for x in TARGET_DONE | TARGET_FINAL])
+        older = set(s.scalars(select(t.rollout_id).where(t.rollout_id != new_rollout, open_).distinct()))
+        lock_rows(s, rollouts=sorted(older))  # the lock order: their rollouts before their targets
         stale = [TargetMove(rid, dev, wave, TargetState(state), TargetState.FAILED, why)
                  for rid, dev, wave, state in s.execute(
                      select(t.rollout_id, t.device_id, t.wave, t.state).where(
@@ -596,6 +636,7 @@ class RolloutEngine:
                for r in s.execute(select(t.c.rollout_id, t.c.device_id, t.c.state, t.c.error, t.c.model_id,
                                          t.c.previous_model_id, t.c.wave)
                                   .where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys))
+                                  .order_by(t.c.rollout_id, t.c.device_id)  # the lock order (lock_rows)
                                   .with_for_update())}  # replicas that both got a report serialize here
         rejected: list[tuple[DeviceInputRejected, proto.ReportedState]] = []
         moves: list[TargetMove] = []
@@ -694,7 +735,8 @@ class RolloutEngine:
             s.connection().execute(
                 update(t).where(t.c.rollout_id == bindparam("b_r"), t.c.device_id == bindparam("b_d")).values(
                     tele_requests=saturating(t.c.tele_requests, "dr"), tele_errors=saturating(t.c.tele_errors, "de"),
-                    p99_after=func.coalesce(bindparam("p99", type_=Float), t.c.p99_after)), list(acc.values()))
+                    p99_after=func.coalesce(bindparam("p99", type_=Float), t.c.p99_after)),
+                [acc[k] for k in sorted(acc)])  # the lock order
 
     # -- the tick ----------------------------------------------------------------------------------
     def tick(self) -> int:
@@ -830,6 +872,7 @@ class RolloutEngine:
     def _start_wave(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]],
                     shadow: bool = False) -> None:
         """Send the wave its desired states: in shadow (the devices keep what they run) or to install."""
+        lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx)  # its devices, then its targets: the lock order
         pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
                                .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
         if shadow:
@@ -975,6 +1018,11 @@ class RolloutEngine:
         q = select(t.device_id, t.state, t.wave, t.previous_model_id, Device).join(
             Device, Device.id == t.device_id).where(t.rollout_id == r.id, t.state.in_([x.value for x in ROLLBACK_FROM]))
         q = q.where(t.wave == wave) if wave is not None else q.where(t.wave <= r.current_wave)
+        # the devices, then the targets, locked before their states are read (the lock order: the rollout is held):
+        # a report ingested meanwhile waits, instead of moving a target under this move (a Conflict) or holding a
+        # device this waits for (a deadlock)
+        lock_wave_rows(s, r.id, t.state.in_([x.value for x in ROLLBACK_FROM]),
+                       t.wave == wave if wave is not None else t.wave <= r.current_wave)
         now = time.time()
         moves: list[TargetMove] = []
         stuck = 0

@@ -19,7 +19,7 @@ from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget, 
 from edgefleet.fleet.errors import BadRequest, Conflict, NotFound, RepositoryError
 from edgefleet.fleet.ingest import NotStored
 from edgefleet.fleet.keys import bundle_target
-from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
+from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, lock_rows, target_json
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import check_bundle
@@ -475,6 +475,7 @@ class FleetService:
             last = {m.device_id: m for m in self._without_decommissioned(s, list(last.values()))}
             if not last:
                 return
+            last = dict(sorted(last.items()))  # devices by id: the lock order (fleet.rollout.lock_rows)
             rows = [{"b_id": m.device_id, "online": m.state == "online", "last_seen": now} for m in last.values()]
             s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), rows)
             details = [m for m in last.values() if m.agent_version or m.inference_url or m.cpu_features is not None
@@ -503,8 +504,12 @@ class FleetService:
         """(reports to apply, in arrival order; reports older than the newest stored or seen before them; each
         device's new ordering ts). Locks the devices' rows, so replicas order one device's reports alike."""
         dev: Table = Device.__table__  # type: ignore[assignment]
+        # the lock order (fleet.rollout.lock_rows): the rollouts reported on (shared: the engine's moves wait), then
+        # the devices by id
+        lock_rows(s, rollouts=[m.rollout_id for m in msgs if m.rollout_id is not None], rollouts_shared=True)
         newest: dict[str, float | None] = {i: ts for i, ts in s.execute(
-            select(dev.c.id, dev.c.last_report_ts).where(dev.c.id.in_({m.device_id for m in msgs})).with_for_update())}
+            select(dev.c.id, dev.c.last_report_ts).where(dev.c.id.in_({m.device_id for m in msgs}))
+            .order_by(dev.c.id).with_for_update())}
         ahead = time.time() + REPORT_CLOCK_AHEAD_S
         kept, stale, order = [], [], {}
         for m in msgs:
@@ -538,7 +543,7 @@ class FleetService:
                                   "running_model": m.running_model, "running_version": m.running_version,
                                   "last_report_ts": order[m.device_id]}
                     for m in msgs}  # the newest report of a device wins
-            s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), list(rows.values()))
+            s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), [rows[d] for d in sorted(rows)])
             rejected = self.rollouts.on_reports(s, [m for m in msgs if m.rollout_id is not None])
             for m in msgs:
                 if m.state == "installed" and m.selftest is not None:
@@ -611,7 +616,7 @@ class FleetService:
                 if last[0] is None or last[0] != p["stream"] or (last[1] if last[1] is not None else -1) < p["seq"]:
                     newest[k[0]] = p
             rows = [{"b_id": d, "last_seen": now, **({"last_telemetry": newest[d]} if d in newest else {})}
-                    for d in devices]
+                    for d in sorted(devices)]  # by id: the lock order (fleet.rollout.lock_rows)
             with_tel = [r for r in rows if "last_telemetry" in r]
             without = [r for r in rows if "last_telemetry" not in r]
             for group in (with_tel, without):
