@@ -8,7 +8,8 @@ import threading
 import numpy as np
 
 from edgefleet.agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
-from tests.test_agent_batcher import FakeBackend, _until, x
+from tests.test_agent_batcher import FakeBackend, x
+from tests.waiting import until
 
 
 def run(coro):
@@ -24,9 +25,9 @@ async def _queued_behind(settings: BatchSettings, first_start: float, starts: li
     b = Batcher(be, settings, gate=gate)
     b.start()
     first = asyncio.ensure_future(b.submit(x(1, start=first_start)))
-    await _until(be.started.is_set, "the first batch running")
+    await until(be.started.is_set, 5, "the first batch running")
     rest = [asyncio.ensure_future(b.submit(x(1, start=v))) for v in starts]
-    await _until(lambda: b._instances[0].slot is not None, "a batch queued on the busy thread")
+    await until(lambda: b._instances[0].slot is not None, 5, "a batch queued on the busy thread")
     return be, b, first, rest
 
 
@@ -58,7 +59,7 @@ def test_an_install_turn_takes_back_the_queued_batch():
                                                   gate)
         loop = asyncio.get_running_loop()
         install = loop.run_in_executor(None, lambda: gate.call(loop, be.seen.append, -1.0))  # marks its turn
-        await _until(lambda: b._instances[0].slot is None, "the queued batch taken back")
+        await until(lambda: b._instances[0].slot is None, 5, "the queued batch taken back")
         be.gate.set()
         await install
         await asyncio.gather(first, *rest)
@@ -72,7 +73,7 @@ def test_a_high_priority_request_goes_before_the_queued_batch():
     async def main():
         be, b, first, normal = await _queued_behind(BatchSettings(max_batch_size=2), 0, [100 + i for i in range(2)])
         high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
-        await asyncio.sleep(0)
+        await until(lambda: b.queued_samples == 3, 5, "the high-priority request queued")
         be.gate.set()
         await asyncio.gather(first, *normal, high)
         await b.close()
