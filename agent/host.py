@@ -40,7 +40,8 @@ log = logging.getLogger("edgefleet.agent.host")
 TRITON_TYPES = {"FP32": "TYPE_FP32", "FP16": "TYPE_FP16", "INT8": "TYPE_INT8", "UINT8": "TYPE_UINT8",
                 "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL"}
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository_index", "image_infer",
-              "system_shared_memory"]
+              "system_shared_memory"]  # what the server metadata lists, on HTTP and gRPC
+LARGE_BODY = 256 * 1024  # bytes: a transport decodes JSON bodies above this off the event loop (HTTP, local socket)
 
 
 @dataclass
@@ -251,7 +252,6 @@ class ModelHost:
 def _names(models: dict[str, Served]) -> str:
     return ", ".join(repr(n) for n in sorted(models))
 
-LARGE_BODY = 256 * 1024  # JSON bodies above this are decoded off the event loop
 
 def model_config(served: Served) -> dict[str, Any]:
     """Triton's model configuration layout (what ``tritonclient`` get_model_config returns). ``max_batch_size``
