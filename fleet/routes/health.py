@@ -1,0 +1,37 @@
+"""Liveness, an agent's bootstrap and the fleet's counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from edgefleet.fleet import schemas as out
+from edgefleet.fleet.auth import Caller
+from edgefleet.fleet.routes.context import Fleet
+
+
+def router(fleet: Fleet) -> APIRouter:
+    r = APIRouter()
+    service, health, bootstrap, replica_stats = fleet.service, fleet.health, fleet.bootstrap, fleet.replica_stats
+    viewer = fleet.roles.viewer
+
+    @r.get("/api/v1/health", response_model=out.Health)
+    def get_health() -> dict[str, Any]:
+        """Liveness (always 200 while the server answers) and whether device messages reach the database:
+        ``status`` is "ok" only then, "degraded" with ``problems`` otherwise."""
+        return health()
+
+    @r.get("/api/v1/bootstrap", response_model=out.Bootstrap)
+    def get_bootstrap() -> dict[str, Any]:
+        """What an agent needs to find the broker and the TUF repository."""
+        return bootstrap
+
+    @r.get("/api/v1/stats", response_model=out.Stats, response_model_exclude_unset=True)
+    def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
+        """Device and telemetry counts (the database's), counters of rejected input by kind, and what this
+        replica handled from MQTT (with several replicas, each answers for itself)."""
+        return {"rejected": service.rejections.snapshot(), **service.counts(),
+                **({"replica": replica_stats()} if replica_stats is not None else {})}
+
+    return r

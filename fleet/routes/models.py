@@ -1,0 +1,94 @@
+"""Models: the builds the fleet holds, bundle upload, delegated signing's metadata, and the TUF repository agents
+download them from (``/tuf``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, Response, StreamingResponse
+
+from edgefleet.fleet import schemas as out
+from edgefleet.fleet.auth import Caller
+from edgefleet.fleet.errors import BadRequest, RepositoryError
+from edgefleet.fleet.routes.context import Fleet
+
+
+def router(fleet: Fleet) -> APIRouter:
+    r = APIRouter()
+    service, repo, max_upload_bytes = fleet.service, fleet.repo, fleet.max_upload_bytes
+    viewer, operator = fleet.roles.viewer, fleet.roles.operator
+
+    @r.get("/api/v1/models", response_model=list[out.ModelBuild])
+    def list_models(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+        return service.list_models()
+
+    @r.post("/api/v1/bundles", status_code=201, response_model=out.ModelBuild)
+    async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
+        """Upload a bundle archive as the raw request body (Content-Type: application/x-tar)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_upload_bytes:
+            raise BadRequest(f"bundle of {declared} bytes exceeds the {max_upload_bytes}-byte limit", 413)
+        repo.upload_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=".tar", dir=repo.upload_dir)
+        try:
+            size = 0
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_upload_bytes:
+                        raise BadRequest(f"bundle exceeds the {max_upload_bytes}-byte limit", 413)
+                    f.write(chunk)
+            if size == 0:
+                raise BadRequest("empty body: send the bundle archive as the request body")
+            from starlette.concurrency import run_in_threadpool
+
+            return await run_in_threadpool(service.upload_bundle, Path(tmp))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    @r.get("/api/v1/bundles/signed-metadata", response_model=out.SignedMetadata)
+    def get_bundles_metadata(_: Caller = Depends(operator)) -> Response:
+        """Delegated signing: the published ``bundles`` TUF metadata, which the compiler's CI extends with a new
+        bundle and signs with its key (``edgefleet fleet upload BUNDLE --sign-key``)."""
+        try:
+            return Response(repo.current_bundles(), media_type="application/json")
+        except RepositoryError as exc:
+            raise BadRequest(f"{exc}; this fleet signs bundles itself: upload them without --sign-key", 409) from exc
+
+    @r.post("/api/v1/bundles/signed-metadata", status_code=201, response_model=out.Published)
+    async def publish_bundles_metadata(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
+        """Publish ``bundles`` metadata signed by a CI key the offline targets metadata delegates to; then the
+        bundles it lists can be uploaded."""
+        body = await request.body()  # at most MAX_METADATA_BYTES: BodyLimit
+        if not body:
+            raise BadRequest("send the signed bundles metadata (JSON, at most 16 MiB) as the request body")
+        try:
+            repo.publish_bundles(body)
+        except RepositoryError as exc:
+            raise BadRequest(str(exc), 422) from exc
+        return {"published": True}
+
+    safe = re.compile(r"^[A-Za-z0-9._/-]+$")
+
+    @r.get("/tuf/{kind}/{rel:path}")
+    def tuf_file(kind: str, rel: str) -> Response:
+        if kind not in ("metadata", "targets") or not safe.match(rel):
+            raise BadRequest("not found", 404)
+        found = repo.serve(kind, rel)
+        if found is None:
+            raise BadRequest(f"{kind}/{rel} not found", 404)
+        media = "application/json" if kind == "metadata" else "application/octet-stream"
+        headers = {"Cache-Control": "no-store"}
+        if isinstance(found, Path):
+            return FileResponse(found, media_type=media, headers=headers)
+        if isinstance(found, bytes):
+            return Response(found, media_type=media, headers=headers)
+        size, chunks = found  # a target kept in the database, streamed a chunk at a time
+        return StreamingResponse(chunks, media_type=media, headers={**headers, "Content-Length": str(size)})
+
+    return r
