@@ -11,6 +11,7 @@ from multiprocessing import shared_memory
 from pathlib import Path
 
 import httpx
+import pytest
 
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.daemon import Agent, run_until_stopped
@@ -116,6 +117,46 @@ def gated(a, hold_s: float = 60.0):
         gate.set()
         for be in patched:
             del be.infer
+
+
+def until_on_loop(a, fn, what: str, timeout_s: float = 30.0):
+    """Ask ``fn()`` on the agent's event loop until it is truthy (bounded, tests.waiting.wait_for) -> that value."""
+    return wait_for(lambda: on_loop(a, fn), timeout_s, what)
+
+
+@contextmanager
+def recording_local_servers() -> Iterator[list]:
+    """The agent's local-socket servers (agent.local.LocalServer), recorded as each starts: a test reads their
+    connections and bytes in flight."""
+    from edgefleet.agent import local as agent_local
+
+    servers: list = []
+    real = agent_local.LocalServer.start
+
+    async def start(self, path):
+        servers.append(self)
+        return await real(self, path)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(agent_local.LocalServer, "start", start)
+    try:
+        yield servers
+    finally:
+        mp.undo()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the agent's /metrics samples called ``name`` with ``labels`` (0 if none), parsed with
+    prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
 
 
 def in_batcher(b) -> int:

@@ -11,7 +11,6 @@ import os
 import socket
 import struct
 import threading
-import time
 import uuid
 from contextlib import contextmanager
 from multiprocessing import shared_memory
@@ -19,12 +18,20 @@ from multiprocessing import shared_memory
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from edgefleet.agent import local as agent_local
 from edgefleet.agent.local_client import LocalClient, LocalError, decode_result, infer_request
 from edgefleet.protocol import local as wire
-from tests.agent_harness import gated, on_loop, preinstall, running_agent
+from tests.agent_harness import (
+    gated,
+    metric,
+    on_loop,
+    preinstall,
+    recording_local_servers,
+    running_agent,
+    until_on_loop,
+)
+from tests.waiting import wait_for
 
 IN_BYTES = 4 * 64 * 4  # 4 digits images, FP32
 OUT_BYTES = 4 * 10 * 4
@@ -36,41 +43,11 @@ OUT_BYTES = 4 * 10 * 4
 @contextmanager
 def probed_agent(data, bundle, **overrides):
     """A real agent with the socket on, and its LocalServer (recorded as it starts) for inspection."""
-    servers: list = []
-    real = agent_local.LocalServer.start
-
-    async def start(self, path):
-        servers.append(self)
-        return await real(self, path)
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(agent_local.LocalServer, "start", start)
-    try:
-        preinstall(data, bundle)
-        with running_agent(data, local_socket="local.sock", inline_max_us=0, **overrides) as (a, url):
-            assert len(servers) == 1
-            yield a, url, servers[0]
-    finally:
-        mp.undo()
-
-
-def until(a, fn, what, tries=600):
-    """Poll ``fn()`` on the agent's loop until true (bounded: about 30 s)."""
-    for _ in range(tries):
-        if on_loop(a, fn):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never: {what}")
-
-
-def metric(url, name, **labels) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    preinstall(data, bundle)
+    with recording_local_servers() as servers, \
+            running_agent(data, local_socket="local.sock", inline_max_us=0, **overrides) as (a, url):
+        assert len(servers) == 1
+        yield a, url, servers[0]
 
 
 def stats(url, model="digits"):
@@ -198,7 +175,7 @@ def test_regions_changed_under_a_cached_request(agent, region, test_images, fast
                 t.close()
                 t.unlink()
         c.unregister_region()
-    until(a, lambda: srv.inflight_bytes == 0, "no request bytes in flight")
+    until_on_loop(a, lambda: srv.inflight_bytes == 0, "no request bytes in flight")
 
 
 def test_object_truncated_and_nan_under_a_cached_request(agent, region, test_images, fast_hits):
@@ -233,7 +210,7 @@ def test_object_truncated_and_nan_under_a_cached_request(agent, region, test_ima
             c.call(wire.INFER, out_body)
         assert e.value.status == 400 and "was truncated below region 'io'" in e.value.message, e.value
         assert decode_result(c.call(wire.INFER, infer_request("digits", {"input": x})))[1]["logits"].shape == (4, 10)
-    until(a, lambda: srv.inflight_bytes == 0, "no request bytes in flight")
+    until_on_loop(a, lambda: srv.inflight_bytes == 0, "no request bytes in flight")
 
 
 # -- (e) a client gone with requests pending ---------------------------------------------------------
@@ -251,15 +228,15 @@ def test_a_client_gone_with_many_fast_requests_pending(agent, test_images, fast_
     hits = fast_hits[0]
     with gated(a) as gate:
         s.sendall(b"".join(wire.pack(wire.INFER, 2 + i, body) for i in range(50)))
-        until(a, lambda: sum(len(c.pending) for c in srv.connections) == 50, "50 requests pending")
+        until_on_loop(a, lambda: sum(len(c.pending) for c in srv.connections) == 50, "50 requests pending")
         assert fast_hits[0] == hits + 50
         s.close()
-        until(a, lambda: not any(c.pending for c in srv.connections) and len(srv.connections) == 0,
-              "the connection and its pending requests gone")
+        until_on_loop(a, lambda: not any(c.pending for c in srv.connections) and len(srv.connections) == 0,
+                      "the connection and its pending requests gone")
         gate.set()
         served = on_loop(a, lambda: a.host.models["digits"])
-        until(a, lambda: served.batcher.queued_samples == 0, "the queue empty")
-    until(a, lambda: srv.inflight_bytes == 0, "no request bytes in flight")
+        until_on_loop(a, lambda: served.batcher.queued_samples == 0, "the queue empty")
+    until_on_loop(a, lambda: srv.inflight_bytes == 0, "no request bytes in flight")
     assert metric(url, "edgefleet_inference_errors_total", model="digits", version="1.0.0", code="499") \
         == before_499 + 50
     assert metric(url, "edgefleet_queue_depth", model="digits", version="1.0.0") == 0
@@ -304,7 +281,7 @@ def test_pipelining_far_beyond_max_inflight(agent, test_images, monkeypatch):
         s.recv(1)
     s.close()
     assert seen["inflight"] <= 64, seen  # local_max_inflight: the requests in flight on one connection
-    until(a, lambda: srv.inflight_bytes == 0 and not srv.connections, "all settled")
+    until_on_loop(a, lambda: srv.inflight_bytes == 0 and not srv.connections, "all settled")
 
 
 # -- (h) metrics exact at once ------------------------------------------------------------------------------------
@@ -353,8 +330,9 @@ def test_queue_full_on_the_fast_path(tmp_path, digits_bundle, test_images, fast_
             s.sendall(b"".join(wire.pack(wire.INFER, 2 + i, body) for i in range(n)))
             # every frame read and dispatched: those the queue took are pending (at most 2 queued, 1 on the thread,
             # 1 staged behind it, per batcher turn), the rest were answered 429 at once
-            until(a, lambda: all(not c.buf for c in srv.connections)
-                  and srv.inflight_bytes == len(body) * sum(len(c.pending) for c in srv.connections), "all dispatched")
+            until_on_loop(a, lambda: all(not c.buf for c in srv.connections)
+                          and srv.inflight_bytes == len(body) * sum(len(c.pending) for c in srv.connections),
+                          "all dispatched")
             k = on_loop(a, lambda: sum(len(c.pending) for c in srv.connections))
             early = frames(s, n - k)
             gate.set()
@@ -373,7 +351,8 @@ def test_queue_full_on_the_fast_path(tmp_path, digits_bundle, test_images, fast_
         assert st["fail"]["count"] == st0["fail"]["count"] + n429
         assert st["success"]["count"] == st0["success"]["count"] + n200
         s.close()
-        until(a, lambda: srv.inflight_bytes == 0 and a.host.models["digits"].batcher.queued_samples == 0, "settled")
+        until_on_loop(a, lambda: srv.inflight_bytes == 0 and a.host.models["digits"].batcher.queued_samples == 0,
+                      "settled")
 
 
 # -- (d) the model hot-swapped under cached requests ---------------------------------------------------------
@@ -439,7 +418,8 @@ def test_partial_frames_count_against_the_inflight_byte_budget(tmp_path, digits_
                 s.sendall(wire.pack(wire.INFER, 1, b"\0" * big)[:-16])
                 held.append(s)
             refused: set[int] = set()  # polled from the client's side: a refused connection has its 503 waiting
-            for _ in range(600):
+
+            def six_refused() -> bool:
                 for k, s in enumerate(held):
                     if k in refused:
                         continue
@@ -452,18 +432,18 @@ def test_partial_frames_count_against_the_inflight_byte_budget(tmp_path, digits_
                     assert (kind, rid, status_of(kind, data[16:])) == (wire.ERROR, 0, 503), data
                     assert b"too many request bytes in flight" in data, data
                     refused.add(k)
-                if len(refused) >= 6:
-                    break
-                time.sleep(0.05)
+                return len(refused) >= 6
+
+            wait_for(six_refused, 30, "six connections refused")
             # four frames' worth fit (4 x 60 KiB of 256 KiB), the other six are refused
             assert len(refused) == 6
-            until(a, lambda: len(srv.connections) == 4 and all(len(c.buf) == big for c in srv.connections),
-                  "four connections holding their partial frames")
+            until_on_loop(a, lambda: len(srv.connections) == 4 and all(len(c.buf) == big for c in srv.connections),
+                          "four connections holding their partial frames")
             assert on_loop(a, lambda: srv.inflight_bytes) == 4 * big <= srv.max_inflight_bytes
         finally:
             for s in held:
                 s.close()
-        until(a, lambda: not srv.connections and srv.inflight_bytes == 0, "the budget released on close")
+        until_on_loop(a, lambda: not srv.connections and srv.inflight_bytes == 0, "the budget released on close")
         with LocalClient(a.local_socket, timeout_s=30) as c:
             assert c.infer("digits", {"input": x4(test_images)})["logits"].shape == (4, 10)
 
@@ -493,4 +473,4 @@ def test_an_unexpected_error_on_the_fast_path_goes_to_the_exact_path(agent, test
         assert calls and got[1]["logits"].tobytes() == want[1]["logits"].tobytes()
         assert c.infer_raw(body)[1]["logits"].tobytes() == want[1]["logits"].tobytes()
         assert fast_hits[0] == hits + 1  # the fourth went by the template again
-    until(a, lambda: srv.inflight_bytes == 0, "no request bytes left in flight")
+    until_on_loop(a, lambda: srv.inflight_bytes == 0, "no request bytes left in flight")
