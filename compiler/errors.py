@@ -5,27 +5,29 @@
     ├── ToolchainError      a build toolchain is missing or failed (exit 5)
     └── AccuracyGateFailed  the quantized model lost more accuracy than allowed (exit 3)
 
-Errors from onnx / onnxruntime are translated at the boundary and re-raised ``from exc``.
+Errors from onnx / onnxruntime are translated at the boundary and re-raised ``from exc``. Each class carries its
+exit code from the one table, ``protocol/exits.py``.
 """
 
 from __future__ import annotations
 
 from edgefleet.protocol.errors import EdgefleetError
+from edgefleet.protocol.exits import ExitCode
 
 __all__ = ["AccuracyGateFailed", "CompilerError", "InputError", "ToolchainError"]
 
 
 class CompilerError(EdgefleetError):
-    exit_code = 1
+    exit_code = ExitCode.INTERNAL
 
 
 class InputError(CompilerError):
-    exit_code = 4
+    exit_code = ExitCode.INPUT
 
 
 class ToolchainError(CompilerError):
-    exit_code = 5
+    exit_code = ExitCode.TOOLCHAIN
 
 
 class AccuracyGateFailed(CompilerError):
-    exit_code = 3
+    exit_code = ExitCode.GATE

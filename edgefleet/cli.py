@@ -1,38 +1,41 @@
 """``edgefleet``: one command line for the compiler, the fleet, the agent and the demo.
 
-Exit codes (stable, for CI):
-  0  success
-  1  unexpected internal error (a bug: please report it with the traceback)
-  2  usage error (bad flags)
-  3  accuracy gate failed
-  4  bad input or configuration (model, data set, profile, config file, keys)
-  5  toolchain missing or failed
-  6  the fleet server is unreachable or answered with an error
-  7  a rollout finished with failed devices, or did not finish in time
+Every command opens and closes the same way (``command`` below): the extras it needs are checked first, and an
+error it raises ends it with one line on stderr and its exit code, from the one table (protocol/exits.py, printed
+by ``edgefleet --help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_GATE, EXIT_INPUT, EXIT_TOOLCHAIN, EXIT_FLEET, EXIT_ROLLOUT = range(8)
+from edgefleet.progress import progress_bar
+from edgefleet.protocol.errors import ConfigError, EdgefleetError
+from edgefleet.protocol.exits import ExitCode, exit_for, table
+
+Command = Callable[[argparse.Namespace], int]
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+class UsageError(Exception):
+    """Flags that parse but do not make sense together (exit 2)."""
+
+    exit_code = ExitCode.USAGE
 
 
 def _need(extra: str, exc: ImportError) -> int:
     print(f"error: this command needs edgefleet[{extra}] ({exc.name} is not installed): "
           f"pip install 'edgefleet[{extra}]'", file=sys.stderr)
-    return EXIT_INPUT
+    return ExitCode.INPUT
 
 
 EXTRAS = {  # what each part imports lazily; checked up front so a missing one is a message, not a traceback
@@ -59,27 +62,46 @@ def _require(*extras: str) -> None:
                 raise ImportError(f"No module named {mod!r}", name=mod)
 
 
-_last_progress: list[str] = [""]  # the last plain line written (not on a terminal: one line per step, no repeats)
+def command(*extras: str, advise: str | None = None, imports: tuple[str, ...] = (),
+            json_error: Callable[[argparse.Namespace, str, ExitCode], dict[str, Any]] | None = None
+            ) -> Callable[[Command], Command]:
+    """A command's one opening and closing.
+
+    Opening: the ``extras`` it needs are installed and its heavy ``imports`` import (else one line naming the
+    extra to install: ``advise``, default the first extra; exit 4). Closing: an error the body raises is one line on
+    stderr and its code (``exit_for``), with ``json_error``'s document on stdout under ``--json``; a bug (exit 1,
+    not an error edgefleet raises on purpose) keeps its traceback.
+    """
+
+    def wrap(fn: Command) -> Command:
+        @functools.wraps(fn)
+        def run(a: argparse.Namespace) -> int:
+            try:
+                _require(*extras)
+                for mod in imports:
+                    importlib.import_module(mod)
+            except ImportError as exc:
+                return _need(advise or (extras[0] if extras else "all"), exc)
+            try:
+                return int(fn(a))
+            except Exception as exc:
+                code, line = exit_for(exc)
+                if code is ExitCode.INTERNAL and not isinstance(exc, EdgefleetError):
+                    raise
+                print(f"error: {line}", file=sys.stderr)
+                if json_error is not None and getattr(a, "json", False):
+                    print(json.dumps(json_error(a, line, code)))
+                return code
+
+        return run
+
+    return wrap
 
 
-def _progress_bar(step: int, total: int, what: str) -> None:
-    width = 24
-    filled = int(width * step / total)
-    if not sys.stderr.isatty():  # a log file or a CI pipe: plain lines, never a \r redraw
-        line = what if what.startswith("note: ") or "] note: " in what else f"[{step}/{total}] {what}"
-        if line != _last_progress[0]:
-            _last_progress[0] = line
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-        return
-    if what.startswith("note: ") or "] note: " in what:  # a finding to keep on screen, e.g. the inferred task
-        sys.stderr.write(f"\r{' ' * (width + 70)}\r{what}\n")
-        sys.stderr.flush()
-        return
-    sys.stderr.write(f"\r[{'#' * filled}{'-' * (width - filled)}] {step}/{total} {what:<60}")
-    if step == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+def _bundle_file(path: Path) -> Path:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such bundle file")
+    return path
 
 
 def _print(doc: Any, as_json: bool, human: str) -> None:
@@ -87,23 +109,18 @@ def _print(doc: Any, as_json: bool, human: str) -> None:
 
 
 # -- compile ----------------------------------------------------------------------------------------
+@command("compiler", imports=("edgefleet.compiler.pipeline", "edgefleet.compiler.fallback"))
 def cmd_compile(a: argparse.Namespace) -> int:
-    try:
-        _require("compiler")
-        import edgefleet.compiler.pipeline  # noqa: F401  (imported here so a missing part is a message, not a traceback)
-        from edgefleet.compiler.fallback import choose as choose_fallback
-    except ImportError as exc:
-        return _need("compiler", exc)
+    from edgefleet.compiler.fallback import choose as choose_fallback
     from edgefleet.protocol.profile import list_profiles
 
     profiles = list_profiles() if a.profile == "all" else [p.strip() for p in a.profile.split(",") if p.strip()]
     if not profiles:
-        print("error: --profile names no profile", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--profile names no profile")
     matrix = len(profiles) > 1
     results: list[dict[str, Any]] = []
     done: dict[str, dict[str, Any]] = {}  # profile built -> its result: a fallback also asked for is built once
-    first_failure = EXIT_OK
+    first_failure = ExitCode.OK
     for i, profile in enumerate(profiles, start=1):
         fallback = None if a.no_cpu_fallback else choose_fallback(profile)
         build = fallback.profile_arg if fallback is not None else profile
@@ -130,7 +147,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
         r.pop("_manifest", None)
         results.append(r)
     if a.json:
-        print(json.dumps({"ok": first_failure == EXIT_OK, "builds": results} if matrix else results[0], indent=2))
+        print(json.dumps({"ok": first_failure == ExitCode.OK, "builds": results} if matrix else results[0], indent=2))
     elif matrix:
         print(_matrix_table(results))
     return first_failure
@@ -139,9 +156,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
 def _compile_one(a: argparse.Namespace, profile: str, label: str) -> dict[str, Any]:
     """One build; a failure is a result (``ok`` false, its exit code), not an exception."""
     from edgefleet.compiler.cache import default_cache_dir
-    from edgefleet.compiler.errors import CompilerError
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
-    from edgefleet.protocol.errors import EdgefleetError
 
     opts = CompileOptions(
         model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
@@ -151,13 +166,13 @@ def _compile_one(a: argparse.Namespace, profile: str, label: str) -> dict[str, A
         cache_dir=None if a.no_cache else default_cache_dir(), preprocess=a.preprocess,
         fallback=not a.no_fallback, task=a.task, task_args=a.task_args)
     progress = (lambda *_: None) if a.json or a.quiet else (
-        lambda step, total, what, label=label: _progress_bar(step, total, label + what))
+        lambda step, total, what, label=label: progress_bar(step, total, label + what))
     t0 = time.monotonic()
     try:
         result = compile_model(opts, progress)
-    except (CompilerError, EdgefleetError) as exc:
-        code = exc.exit_code if isinstance(exc, CompilerError) else EXIT_INPUT
-        return {"ok": False, "profile": profile, "error": str(exc), "kind": type(exc).__name__, "exit_code": code,
+    except EdgefleetError as exc:
+        code, line = exit_for(exc)
+        return {"ok": False, "profile": profile, "error": line, "kind": type(exc).__name__, "exit_code": code,
                 "seconds": round(time.monotonic() - t0, 2)}
     m = result.manifest
     return {"ok": True, "profile": profile, "bundle": str(result.bundle), "cached": result.cached,
@@ -260,38 +275,20 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
 
 
 # -- keys -------------------------------------------------------------------------------------------
+@command("keys", advise="compiler", imports=("edgefleet.fleet.keys",))
 def cmd_keys_init(a: argparse.Namespace) -> int:
-    try:
-        _require("keys")
-        from edgefleet.fleet.errors import KeyStoreError
-        from edgefleet.fleet.keys import init_keys
-    except ImportError as exc:
-        return _need("compiler", exc)
-    try:
-        root = init_keys(a.dir, force=a.force)
-    except KeyStoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    from edgefleet.fleet.keys import init_keys
+
+    root = init_keys(a.dir, force=a.force)
     _print({"ok": True, "keys_dir": str(a.dir), "root": str(root)}, a.json,
            f"wrote TUF keys (root, targets, snapshot, timestamp) to {a.dir}\n"
            f"give agents {root} as --trusted-root; keep root.key offline in production")
-    return EXIT_OK
+    return ExitCode.OK
 
 
-def _keys_call(a: argparse.Namespace, fn) -> int:
-    """Run a key operation; errors are one line (exit 4). ``fn`` returns (json doc, human text)."""
-    try:
-        _require("keys")
-        from edgefleet.fleet.errors import FleetError
-    except ImportError as exc:
-        return _need("compiler", exc)
-    try:
-        doc, human = fn()
-    except (FleetError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+def _keys_answer(a: argparse.Namespace, doc: dict[str, Any], human: str) -> int:
     _print({"ok": True, **doc}, a.json, human)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _publish_signed(a: argparse.Namespace, path: Path) -> str:
@@ -305,54 +302,48 @@ def _publish_signed(a: argparse.Namespace, path: Path) -> str:
     return f"published in {a.publish_to}"
 
 
+@command("keys", advise="compiler")
 def cmd_keys_create(a: argparse.Namespace) -> int:
-    def run() -> tuple[dict[str, Any], str]:
-        from edgefleet.fleet.keys import create_keys
+    from edgefleet.fleet.keys import create_keys
 
-        fleet = create_keys(a.dir, force=a.force)
-        return ({"fleet_keys": str(fleet), "offline": str(a.dir / "offline"), "ci": str(a.dir / "ci")},
-                f"offline (root, targets; keep off any server): {a.dir / 'offline'}\n"
-                f"fleet (snapshot, timestamp; start the fleet with --keys): {fleet}\n"
-                f"ci (bundles: signs each bundle, delegated): {a.dir / 'ci'}\n"
-                f"give agents {fleet / 'root.json'} as --trusted-root")
-    return _keys_call(a, run)
+    fleet = create_keys(a.dir, force=a.force)
+    return _keys_answer(a, {"fleet_keys": str(fleet), "offline": str(a.dir / "offline"), "ci": str(a.dir / "ci")},
+                        f"offline (root, targets; keep off any server): {a.dir / 'offline'}\n"
+                        f"fleet (snapshot, timestamp; start the fleet with --keys): {fleet}\n"
+                        f"ci (bundles: signs each bundle, delegated): {a.dir / 'ci'}\n"
+                        f"give agents {fleet / 'root.json'} as --trusted-root")
 
 
+@command("keys", advise="compiler")
 def cmd_keys_rotate(a: argparse.Namespace) -> int:
-    def run() -> tuple[dict[str, Any], str]:
-        from edgefleet.fleet.keys import rotate_key
+    from edgefleet.fleet.keys import rotate_key
 
-        out = rotate_key(a.dir, a.role, a.key_uri)
-        return {"role": a.role, "signed": str(out)}, f"new {a.role} key; signed {out}; {_publish_signed(a, out)}"
-    return _keys_call(a, run)
+    out = rotate_key(a.dir, a.role, a.key_uri)
+    return _keys_answer(a, {"role": a.role, "signed": str(out)},
+                        f"new {a.role} key; signed {out}; {_publish_signed(a, out)}")
 
 
+@command("keys", advise="compiler")
 def cmd_keys_revoke(a: argparse.Namespace) -> int:
-    def run() -> tuple[dict[str, Any], str]:
-        from edgefleet.fleet.keys import revoke_key
+    from edgefleet.fleet.keys import revoke_key
 
-        out = revoke_key(a.dir, a.role, a.keyid)
-        return ({"role": a.role, "keyid": a.keyid, "signed": str(out)},
-                f"revoked {a.role} key {a.keyid[:12]}…; signed {out}; {_publish_signed(a, out)}")
-    return _keys_call(a, run)
+    out = revoke_key(a.dir, a.role, a.keyid)
+    return _keys_answer(a, {"role": a.role, "keyid": a.keyid, "signed": str(out)},
+                        f"revoked {a.role} key {a.keyid[:12]}…; signed {out}; {_publish_signed(a, out)}")
 
 
 # -- fleet ------------------------------------------------------------------------------------------
+@command("fleet", imports=("edgefleet.fleet.server",))
 def cmd_fleet_serve(a: argparse.Namespace) -> int:
-    try:
-        _require("fleet")
-        from edgefleet.fleet.server import FleetConfig, FleetServer
-    except ImportError as exc:
-        return _need("fleet", exc)
+    from edgefleet.fleet.server import FleetConfig, FleetServer
+
     if a.mqtt_url is None:
         try:
             _require("broker")
         except ImportError as exc:
-            print(f"error: the embedded MQTT broker needs edgefleet[broker] ({exc.name} is not installed): "
-                  "pip install 'edgefleet[broker]', or give --mqtt-url mqtt://HOST:PORT (Mosquitto)", file=sys.stderr)
-            return EXIT_INPUT
-    from edgefleet.protocol.errors import EdgefleetError
-
+            raise ConfigError(f"the embedded MQTT broker needs edgefleet[broker] ({exc.name} is not installed): "
+                              "pip install 'edgefleet[broker]', or give --mqtt-url mqtt://HOST:PORT (Mosquitto)"
+                              ) from exc
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s fleet %(levelname)s %(name)s: %(message)s")
     cfg = FleetConfig(data_dir=a.data_dir, keys_dir=a.keys, host=a.host, port=a.port, db_url=a.db_url,
@@ -364,38 +355,17 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
                       mosquitto_acl_file=a.mosquitto_acl_file, mosquitto_pid_file=a.mosquitto_pid_file,
                       mqtt_ca_file=a.mqtt_ca_file, mqtt_cert_file=a.mqtt_cert_file, mqtt_key_file=a.mqtt_key_file,
                       tuf_store=a.tuf_store)
-    try:
-        server = FleetServer(cfg)
-        print(f"edgefleet fleet on http://{a.host}:{a.port}  (console: http://{a.host}:{a.port}/ , "
-              f"MQTT: {server.mqtt_url})", file=sys.stderr, flush=True)
-        server.serve()
-    except EdgefleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
-    return EXIT_OK
-
-
-def fleet_options(p: argparse.ArgumentParser) -> None:
-    """The fleet's URL and API token, the same in every command that talks to a fleet (as 'edgefleet rollout')."""
-    p.add_argument("--fleet", default=os.environ.get("EDGEFLEET_URL", "http://127.0.0.1:8700"),
-                   help="fleet server URL ($EDGEFLEET_URL)")
-    p.add_argument("--token", help="API token (default $EDGEFLEET_TOKEN)")
+    server = FleetServer(cfg)
+    print(f"edgefleet fleet on http://{a.host}:{a.port}  (console: http://{a.host}:{a.port}/ , "
+          f"MQTT: {server.mqtt_url})", file=sys.stderr, flush=True)
+    server.serve()
+    return ExitCode.OK
 
 
 def _client(a: argparse.Namespace):
     from edgefleet.fleet.client import FleetClient
 
     return FleetClient(a.fleet, token=a.token)
-
-
-def _fleet_call(fn) -> int:
-    from edgefleet.fleet.client import FleetClientError
-
-    try:
-        return fn()
-    except FleetClientError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FLEET
 
 
 def _print_answer(answer: Any, as_json: bool, human: str) -> None:
@@ -405,84 +375,61 @@ def _print_answer(answer: Any, as_json: bool, human: str) -> None:
     _print(TypeAdapter(Any).dump_python(answer, mode="json", exclude_unset=True), as_json, human)
 
 
+@command()
 def cmd_fleet_upload(a: argparse.Namespace) -> int:
-    if not a.bundle.is_file():
-        print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
-        return EXIT_INPUT
-
-    def run() -> int:
-        from edgefleet.fleet.errors import KeyStoreError
-        from edgefleet.protocol.errors import ContractError
-
-        try:
-            m = _client(a).upload(a.bundle, a.sign_key)
-        except (KeyStoreError, ContractError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_INPUT
-        _print_answer(m, a.json, f"uploaded {m.name} {m.version} ({m.profile}) as TUF target {m.target}")
-        return EXIT_OK
-
-    return _fleet_call(run)
+    m = _client(a).upload(_bundle_file(a.bundle), a.sign_key)
+    _print_answer(m, a.json, f"uploaded {m.name} {m.version} ({m.profile}) as TUF target {m.target}")
+    return ExitCode.OK
 
 
+@command()
 def cmd_fleet_register(a: argparse.Namespace) -> int:
-    def run() -> int:
-        out = [_client(a).register(d) for d in a.device_ids]
-        _print_answer(out, a.json, "\n".join(f"registered {d.device_id}" for d in out))
-        return EXIT_OK
-
-    return _fleet_call(run)
+    out = [_client(a).register(d) for d in a.device_ids]
+    _print_answer(out, a.json, "\n".join(f"registered {d.device_id}" for d in out))
+    return ExitCode.OK
 
 
+@command()
 def cmd_fleet_enroll(a: argparse.Namespace) -> int:
-    def run() -> int:
-        c = _client(a)
-        out = [c.enrollment_token(d, a.ttl) for d in a.device_ids]
-        _print_answer(out, a.json, "\n".join(f"{t.device_id}  {t.token}" for t in out)
-                      + f"\n(one-time tokens, valid {a.ttl:.0f}s: edgefleet agent --device-id DEVICE --enroll-token "
-                        "TOKEN)")
-        return EXIT_OK
-
-    return _fleet_call(run)
+    c = _client(a)
+    out = [c.enrollment_token(d, a.ttl) for d in a.device_ids]
+    _print_answer(out, a.json, "\n".join(f"{t.device_id}  {t.token}" for t in out)
+                  + f"\n(one-time tokens, valid {a.ttl:.0f}s: edgefleet agent --device-id DEVICE --enroll-token "
+                    "TOKEN)")
+    return ExitCode.OK
 
 
+@command()
 def cmd_fleet_decommission(a: argparse.Namespace) -> int:
-    def run() -> int:
-        d = _client(a).decommission(a.device_id)
-        _print_answer(d, a.json, f"decommissioned {d.device_id}: its MQTT credentials are revoked")
-        return EXIT_OK
-
-    return _fleet_call(run)
+    d = _client(a).decommission(a.device_id)
+    _print_answer(d, a.json, f"decommissioned {d.device_id}: its MQTT credentials are revoked")
+    return ExitCode.OK
 
 
+@command()
 def cmd_fleet_devices(a: argparse.Namespace) -> int:
-    def run() -> int:
-        devs = _client(a).devices()
-        lines = [f"{'DEVICE':<20} {'STATUS':<8} {'RUNNING':<18} {'LAST REPORT':<12} {'REQ/S':>7} {'P95 MS':>7} "
-                 f"{'CPU%':>5} {'RSS MB':>7}"]
-        for d in devs:
-            running = f"{d.running_model} {d.running_version}" if d.running_model else "-"
-            t = d.telemetry
-            rate = f"{t.requests / t.interval_s:.1f}" if t and t.interval_s else "-"
-            p95 = t.latency.p95_ms if t else None
-            lines.append(f"{d.device_id:<20} {'online' if d.online else 'offline':<8} {running:<18} "
-                         f"{d.last_state or '-':<12} {rate:>7} {'-' if p95 is None else f'{p95:.1f}':>7} "
-                         f"{t.cpu_percent if t else '-':>5} {t.rss_mb if t else '-':>7}")
-        _print_answer(devs, a.json, "\n".join(lines))
-        return EXIT_OK
-
-    return _fleet_call(run)
+    devs = _client(a).devices()
+    lines = [f"{'DEVICE':<20} {'STATUS':<8} {'RUNNING':<18} {'LAST REPORT':<12} {'REQ/S':>7} {'P95 MS':>7} "
+             f"{'CPU%':>5} {'RSS MB':>7}"]
+    for d in devs:
+        running = f"{d.running_model} {d.running_version}" if d.running_model else "-"
+        t = d.telemetry
+        rate = f"{t.requests / t.interval_s:.1f}" if t and t.interval_s else "-"
+        p95 = t.latency.p95_ms if t else None
+        lines.append(f"{d.device_id:<20} {'online' if d.online else 'offline':<8} {running:<18} "
+                     f"{d.last_state or '-':<12} {rate:>7} {'-' if p95 is None else f'{p95:.1f}':>7} "
+                     f"{t.cpu_percent if t else '-':>5} {t.rss_mb if t else '-':>7}")
+    _print_answer(devs, a.json, "\n".join(lines))
+    return ExitCode.OK
 
 
+@command()
 def cmd_fleet_models(a: argparse.Namespace) -> int:
-    def run() -> int:
-        ms = _client(a).models()
-        lines = [f"{m.name} {m.version} {m.profile} {m.backend} {m.precision} top-1 {m.accuracy.candidate:.4f}"
-                 for m in ms]
-        _print_answer(ms, a.json, "\n".join(lines) or "no models uploaded")
-        return EXIT_OK
-
-    return _fleet_call(run)
+    ms = _client(a).models()
+    lines = [f"{m.name} {m.version} {m.profile} {m.backend} {m.precision} top-1 {m.accuracy.candidate:.4f}"
+             for m in ms]
+    _print_answer(ms, a.json, "\n".join(lines) or "no models uploaded")
+    return ExitCode.OK
 
 
 # -- agent ------------------------------------------------------------------------------------------
@@ -498,92 +445,66 @@ def _cpu_list(text: str) -> tuple[int, ...]:
     return tuple(cpus)
 
 
+# the agent's flags that its --config file can set too: flag -> (config key, what no value in either means)
+AGENT_SETTINGS: dict[str, tuple[str, str | None]] = {
+    "device_id": ("device_id", None), "fleet": ("fleet_url", None), "data_dir": ("data_dir", None),
+    "trusted_root": ("trusted_root", "none"), "trust_on_first_use": ("trust_on_first_use", None),
+    "mqtt_url": ("mqtt_url", "the one the fleet advertises"), "http_host": ("http_host", None),
+    "http_port": ("http_port", None), "max_batch_size": ("max_batch_size", None),
+    "max_queue_delay_us": ("max_queue_delay_us", None), "telemetry_interval_s": ("telemetry_interval_s", None),
+    "threads": ("intra_op_threads", None), "instances": ("instances", None), "precision": ("precision", None),
+    "inference_cpus": ("inference_cpus", "no pinning"), "grpc_port": ("grpc_port", "off"),
+    "local_socket": ("local_socket", "off"),
+}
+
+
+@command("agent", imports=("edgefleet.agent.config", "edgefleet.agent.daemon"))
 def cmd_agent(a: argparse.Namespace) -> int:
-    try:
-        _require("agent")
-        from edgefleet.agent.config import load_config
-        from edgefleet.agent.daemon import check_runtime_config, require_trust_anchor, run_agent
-    except ImportError as exc:
-        return _need("agent", exc)
-    from edgefleet.protocol.errors import EdgefleetError
+    from edgefleet.agent.config import load_config
+    from edgefleet.agent.daemon import check_runtime_config, require_trust_anchor, run_agent
 
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format=f"%(asctime)s agent[{a.device_id or '?'}] %(levelname)s %(name)s: %(message)s")
-    overrides: dict[str, object] = {
-        "device_id": a.device_id, "fleet_url": a.fleet, "data_dir": a.data_dir, "trusted_root": a.trusted_root,
-        "trust_on_first_use": a.trust_on_first_use,
-        "mqtt_url": a.mqtt_url, "http_host": a.http_host, "http_port": a.http_port,
-        "max_batch_size": a.max_batch_size, "max_queue_delay_us": a.max_queue_delay_us,
-        "telemetry_interval_s": a.telemetry_interval_s, "intra_op_threads": a.threads, "instances": a.instances,
-        "inference_cpus": a.inference_cpus, "grpc_port": a.grpc_port, "precision": a.precision,
-        "local_socket": a.local_socket,
-        "enroll_token": a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN"),
-    }
-    try:
-        cfg = load_config(a.config, overrides)
-        require_trust_anchor(cfg)
-        check_runtime_config(cfg)
-    except EdgefleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    overrides: dict[str, object] = {key: getattr(a, dest) for dest, (key, _) in AGENT_SETTINGS.items()}
+    overrides["enroll_token"] = a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN")
+    cfg = load_config(a.config, overrides)
+    require_trust_anchor(cfg)
+    check_runtime_config(cfg)
     try:
         run_agent(cfg)
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
-    return EXIT_OK
+    return ExitCode.OK
 
 
+@command("agent", imports=("edgefleet.agent.config", "edgefleet.agent.systemd"))
 def cmd_agent_install_service(a: argparse.Namespace) -> int:
-    try:
-        _require("agent")
-        from edgefleet.agent.config import load_config
-        from edgefleet.agent.systemd import SERVICE_NAME, install_unit, render_unit
-    except ImportError as exc:
-        return _need("agent", exc)
-    from edgefleet.protocol.errors import EdgefleetError
+    from edgefleet.agent.config import load_config
+    from edgefleet.agent.systemd import SERVICE_NAME, install_unit, render_unit
 
     config = a.service_config.resolve()
-    try:
-        unit = render_unit(config, load_config(config, {}), user=a.user)
-        if a.dry_run:
-            print(unit, end="")
-            return EXIT_OK
-        path = install_unit(unit, a.unit_dir)
-    except EdgefleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+    unit = render_unit(config, load_config(config, {}), user=a.user)
+    if a.dry_run:
+        print(unit, end="")
+        return ExitCode.OK
+    path = install_unit(unit, a.unit_dir)
     print(f"wrote {path}\nnext: systemctl daemon-reload && systemctl enable --now {SERVICE_NAME}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 # -- bench ------------------------------------------------------------------------------------------
+@command("agent", imports=("edgefleet.agent.bench",))
 def cmd_bench(a: argparse.Namespace) -> int:
-    try:
-        _require("agent")
-        from edgefleet.agent.bench import bench_bundle
-        from edgefleet.agent.errors import AgentError
-    except ImportError as exc:
-        return _need("agent", exc)
-    from edgefleet.protocol.errors import EdgefleetError
+    from edgefleet.agent.bench import bench_bundle
 
-    if not a.bundle.is_file():
-        print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
-        return EXIT_INPUT
+    _bundle_file(a.bundle)
     try:
         sizes = tuple(int(x) for x in a.batch_sizes.split(",")) if a.batch_sizes else None
         if sizes is not None and (not sizes or min(sizes) < 1):
             raise ValueError("batch sizes must be positive")
     except ValueError as exc:
-        print(f"error: --batch-sizes {a.batch_sizes!r}: {exc} (e.g. --batch-sizes 1,16)", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        m, points, feats = bench_bundle(a.bundle, sizes, a.iterations, threads=a.threads)
-    except (AgentError, EdgefleetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT
+        raise UsageError(f"--batch-sizes {a.batch_sizes!r}: {exc} (e.g. --batch-sizes 1,16)") from None
+    m, points, feats = bench_bundle(a.bundle, sizes, a.iterations, threads=a.threads)
     host = m.build_host
     doc = {"bundle": f"{m.name} {m.version} {m.profile}", "precision": m.precision, "cpu_features": list(feats),
            "build_host_cpu_features": list(host.cpu_features) if host else None,
@@ -599,40 +520,30 @@ def cmd_bench(a: argparse.Namespace) -> int:
         lines.append(f"{p.batch_size:>6} {p.ms_p50:>9.3f} {p.ms_p99:>9.3f} {p.items_per_s:>10.1f} {build:>10} "
                      f"{ratio:>13}")
     _print(doc, a.json, "\n".join(lines))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 # -- toolchain --------------------------------------------------------------------------------------
+@command(json_error=lambda a, line, code: {"ok": False, "name": a.name, "error": line, "exit_code": code})
 def cmd_toolchain_install(a: argparse.Namespace) -> int:
     from edgefleet.compiler import toolchain
-    from edgefleet.compiler.errors import CompilerError
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    try:
-        st = toolchain.install(a.name, say, force=True) if a.force else toolchain.ensure(a.name, say)
-    except CompilerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if a.json:
-            print(json.dumps({"ok": False, "name": a.name, "error": str(exc), "exit_code": exc.exit_code}))
-        return exc.exit_code
+    st = toolchain.install(a.name, say, force=True) if a.force else toolchain.ensure(a.name, say)
     _print({"ok": True, **st.to_json()}, a.json, _toolchain_line(st))
-    return EXIT_OK
+    return ExitCode.OK
 
 
+@command()
 def cmd_toolchain_status(a: argparse.Namespace) -> int:
     from edgefleet.compiler import toolchain
-    from edgefleet.compiler.errors import CompilerError
 
-    try:
-        found = [toolchain.status(n) for n in ([a.name] if a.name else sorted(toolchain.TOOLCHAINS))]
-    except CompilerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    found = [toolchain.status(n) for n in ([a.name] if a.name else sorted(toolchain.TOOLCHAINS))]
     doc: Any = found[0].to_json() if a.name else {"toolchains": [st.to_json() for st in found]}
     _print(doc, a.json, "\n".join(_toolchain_line(st) for st in found))
-    return EXIT_TOOLCHAIN if a.name and not found[0].installed else EXIT_OK
+    return ExitCode.TOOLCHAIN if a.name and not found[0].installed else ExitCode.OK
 
 
 def _toolchain_line(st: Any) -> str:
@@ -648,26 +559,13 @@ def _toolchain_line(st: Any) -> str:
 
 
 # -- verify -----------------------------------------------------------------------------------------
+@command("agent", imports=("edgefleet.agent.verify",), json_error=lambda a, line, code: {"ok": False, "error": line})
 def cmd_verify(a: argparse.Namespace) -> int:
-    try:
-        _require("agent")
-        from edgefleet.agent.errors import AgentError
-        from edgefleet.agent.verify import verify_bundle
-    except ImportError as exc:
-        return _need("agent", exc)
-    from edgefleet.protocol.errors import EdgefleetError
+    from edgefleet.agent.verify import verify_bundle
 
-    if not a.bundle.is_file():
-        print(f"error: {a.bundle}: no such bundle file", file=sys.stderr)
-        return EXIT_INPUT
-    try:
-        r = verify_bundle(a.bundle, a.eval, threads=a.threads, skip_cpu_check=a.skip_cpu_check,
-                          precision=a.precision, reference=a.reference)
-    except (AgentError, EdgefleetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if a.json:
-            print(json.dumps({"ok": False, "error": str(exc)}))
-        return EXIT_INPUT
+    _bundle_file(a.bundle)
+    r = verify_bundle(a.bundle, a.eval, threads=a.threads, skip_cpu_check=a.skip_cpu_check,
+                      precision=a.precision, reference=a.reference)
     m = r.manifest
     lines = [f"bundle    {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
              f"this CPU  {r.arch} with {', '.join(r.cpu_features)}"]
@@ -699,24 +597,70 @@ def cmd_verify(a: argparse.Namespace) -> int:
                                      else "NOT as gated: this CPU gives other answers than the ones gated"))
     _print(r.to_json(), a.json, "\n".join(lines))
     if not r.cpu_ok and not a.skip_cpu_check:
-        return EXIT_INPUT
-    return EXIT_OK if r.computes_as_gated else EXIT_GATE
+        return ExitCode.INPUT
+    return ExitCode.OK if r.computes_as_gated else ExitCode.GATE
 
 
 # -- demo -------------------------------------------------------------------------------------------
+@command("agent", "compiler", "fleet", "demo", advise="demo", imports=("edgefleet.demo",))
 def cmd_demo(a: argparse.Namespace) -> int:
-    try:
-        _require("agent", "compiler", "fleet", "demo", *(() if a.mqtt_url else ("broker",)))
-        from edgefleet.demo import DemoOptions, run_demo
-    except ImportError as exc:
-        return _need("demo", exc)
+    from edgefleet.demo import DemoOptions, run_demo
+
+    if a.mqtt_url is None:
+        try:
+            _require("broker")
+        except ImportError as exc:
+            return _need("demo", exc)
     return run_demo(DemoOptions(work_dir=a.work_dir, agents=a.agents, mqtt_url=a.mqtt_url, port=a.port,
                                 embedded_mqtt_port=a.embedded_mqtt_port, keep_running=not a.exit,
                                 as_json=a.json))
 
 
 # -- parser -----------------------------------------------------------------------------------------
+def _shown(value: Any) -> str:
+    """A default as an operator would type it (a list as its comma list), %-escaped for argparse."""
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    elif isinstance(value, bool):
+        value = "on" if value else "off"
+    return str(value).replace("%", "%%")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default stated once, and only where it says something: not for an
+    option whose help already states it (or what its absence means), a flag, or a default of nothing."""
+
+    settings: dict[str, tuple[str, str | None]] = {}  # flags a config file can set too (the agent's)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.dest in self.settings:
+            return text + self._setting(*self.settings[action.dest], action.dest)
+        default = action.default
+        if ("default" in text.lower() or default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or default in ([], ()) or (not action.option_strings and action.nargs not in ("?", "*"))):
+            return text
+        return f"{text} (default: {_shown(default)})"
+
+    @staticmethod
+    def _setting(key: str, none_means: str | None, dest: str) -> str:
+        from edgefleet.agent.config import AgentConfig  # at --help only; pydantic and PyYAML are base dependencies
+
+        field = AgentConfig.model_fields[key]
+        named = "" if key == dest else f" (key {key} in --config)"
+        if field.is_required():
+            return f"{named} (required: here or in --config)"
+        value = field.get_default(call_default_factory=True)
+        return f"{named} (default: from --config, else {(none_means or 'none') if value is None else _shown(value)})"
+
+
+class _AgentFormatter(_Formatter):
+    settings = AGENT_SETTINGS
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from edgefleet.fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
+
     p = argparse.ArgumentParser(prog="edgefleet", formatter_class=_Formatter, description=(
         "edgefleet: compile models into signed bundles, roll them out to edge devices over MQTT, and serve\n"
         "them on each device with dynamic batching.\n\n"
@@ -724,9 +668,16 @@ def build_parser() -> argparse.ArgumentParser:
         "  edgefleet compile MODEL --profile P  build a quantized, gated, benchmarked bundle\n"
         "  edgefleet keys init DIR              make the TUF signing keys\n"
         "  edgefleet fleet serve ...            run the fleet server (REST, console, TUF repo, MQTT)\n"
-        "  edgefleet agent ...                  run the device daemon"), epilog=__doc__.split("\n\n", 1)[1])
+        "  edgefleet agent ...                  run the device daemon"), epilog=table())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_compile, _add_bench, _add_verify, _add_toolchain, _add_keys, _add_fleet, _add_agent, _add_demo):
+        add(sub)
+    simulator.add_parser(sub, _Formatter)
+    cli_rollout.add_parsers(sub, _Formatter)
+    return p
 
+
+def _add_compile(sub: Any) -> None:
     c = sub.add_parser("compile", formatter_class=_Formatter, help="compile an ONNX model into a bundle",
                        description="Check the graph, quantize (static INT8, QDQ) for the weakest CPU the profile "
                                    "admits (its cpu_features, never the build host), gate on accuracy against FP32, "
@@ -787,6 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_compile)
 
+
+def _add_bench(sub: Any) -> None:
     b = sub.add_parser("bench", formatter_class=_Formatter, help="benchmark a bundle on this box",
                        description="Run a bundle's engine through the agent's backend on this machine at the "
                                    "batch sizes the compiler benchmarked (or --batch-sizes), and print latency "
@@ -800,6 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
     b.set_defaults(fn=cmd_bench)
 
+
+def _add_verify(sub: Any) -> None:
     v = sub.add_parser("verify", formatter_class=_Formatter, help="run a bundle on this CPU as an agent would",
                        description="Load a bundle through the agent's backend on this machine's CPU, run its "
                                    "self-test and, with --eval, measure top-1 against the figure the compiler "
@@ -826,6 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
     v.set_defaults(fn=cmd_verify)
 
+
+def _add_toolchain(sub: Any) -> None:
     tc = sub.add_parser("toolchain", help="install or inspect the isolated build toolchains (tflite: onnx2tf)"
                         ).add_subparsers(dest="toolchain_cmd", required=True)
     ti = tc.add_parser("install", formatter_class=_Formatter, help="create a toolchain's environment",
@@ -844,6 +801,8 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--json", action="store_true", help="JSON output")
     ts.set_defaults(fn=cmd_toolchain_status)
 
+
+def _add_keys(sub: Any) -> None:
     k = sub.add_parser("keys", help="manage the TUF signing keys").add_subparsers(dest="keys_cmd", required=True)
     ki = k.add_parser("init", formatter_class=_Formatter, help="create root/targets/snapshot/timestamp keys",
                       description="Create one Ed25519 key per TUF role and the first signed root.json.")
@@ -874,6 +833,10 @@ def build_parser() -> argparse.ArgumentParser:
         kr.add_argument("--publish-to", type=Path, help="a fleet's TUF folder (DATA_DIR/tuf) to publish in at once")
         kr.add_argument("--json", action="store_true", help="JSON output")
         kr.set_defaults(fn=fn)
+
+
+def _add_fleet(sub: Any) -> None:
+    from edgefleet.fleet.cli_rollout import add_create_parser, fleet_options
 
     f = sub.add_parser("fleet", help="run or talk to the fleet server").add_subparsers(dest="fleet_cmd",
                                                                                        required=True)
@@ -933,12 +896,15 @@ def build_parser() -> argparse.ArgumentParser:
     client_parser("decommission", "revoke a device's MQTT credentials (it can no longer connect); admin role",
                   cmd_fleet_decommission).add_argument("device_id")
     client_parser("models", "list uploaded models", cmd_fleet_models)
-    from edgefleet.fleet import cli_rollout, simulator  # argparse only: nothing heavy is imported here
+    # an older name of 'edgefleet rollout create', kept for the scripts that call it; not listed
+    listed = ",".join(f.choices)
+    add_create_parser(f, "rollout", _Formatter, "the same as 'edgefleet rollout create' (an older name, kept for "
+                                                "scripts)", listed=False)
+    f.metavar = "{" + listed + "}"
 
-    cli_rollout.add_create_parser(f, "rollout", _Formatter, "roll a model version out (the same as 'edgefleet "
-                                                            "rollout create')")
 
-    ag = sub.add_parser("agent", formatter_class=_Formatter, help="run the device agent",
+def _add_agent(sub: Any) -> None:
+    ag = sub.add_parser("agent", formatter_class=_AgentFormatter, help="run the device agent",
                         description="Follow the fleet's desired state (MQTT), install verified bundles (TUF) and "
                                     "serve the Open Inference Protocol (KServe v2) on HTTP with dynamic batching. "
                                     "Flags override the --config YAML file.")
@@ -953,35 +919,34 @@ def build_parser() -> argparse.ArgumentParser:
                     help="without --trusted-root, trust the root.json the fleet serves the first time this device "
                          "connects (whoever answers for the fleet's address then can sign its models); kept in the "
                          "data dir and used from then on")
-    ag.add_argument("--mqtt-url", help="override the broker the fleet advertises")
+    ag.add_argument("--mqtt-url", help="the MQTT broker to connect to, e.g. mqtts://broker.example:8883")
     ag.add_argument("--enroll-token", help="one-time token from 'edgefleet fleet enroll DEVICE', traded once for this "
-                                           "device's MQTT credentials (kept in the data dir); or set "
-                                           "$EDGEFLEET_ENROLL_TOKEN")
-    ag.add_argument("--http-host", help="inference API bind address (default 127.0.0.1)")
-    ag.add_argument("--http-port", type=int, help="inference API port (default 8000; 0 picks a free one)")
-    ag.add_argument("--max-batch-size", type=int, help="largest batch the batcher forms (default 16)")
+                                           "device's MQTT credentials (kept in the data dir) (default: "
+                                           "$EDGEFLEET_ENROLL_TOKEN, else from --config)")
+    ag.add_argument("--http-host", help="inference API bind address")
+    ag.add_argument("--http-port", type=int, help="inference API port (0 picks a free one)")
+    ag.add_argument("--max-batch-size", type=int, help="largest batch the batcher forms")
     ag.add_argument("--max-queue-delay-us", type=int,
-                    help="longest a request may wait for a fuller batch; 0 batches what is already queued "
-                         "(default 0, measured best here: bench/README.md)")
-    ag.add_argument("--telemetry-interval-s", type=float, help="seconds between telemetry records (default 10)")
-    ag.add_argument("--threads", type=int, help="onnxruntime intra-op threads per instance (default 2)")
+                    help="longest a request may wait for a fuller batch; 0 batches what is already queued, which "
+                         "measured best here (bench/README.md)")
+    ag.add_argument("--telemetry-interval-s", type=float, help="seconds between telemetry records")
+    ag.add_argument("--threads", type=int, help="onnxruntime intra-op threads per instance")
     ag.add_argument("--instances", type=int,
-                    help="backend instances per model, each with its own inference thread (default 1); on CPUs, "
-                         "N instances of 1 thread often serve more under load than 1 of N threads, while 1 of N "
-                         "answers a lone request sooner: bench/serve.py measures both")
+                    help="backend instances per model, each with its own inference thread; on CPUs, N instances of "
+                         "1 thread often serve more under load than 1 of N threads, while 1 of N answers a lone "
+                         "request sooner: bench/serve.py measures both")
     ag.add_argument("--precision", choices=("auto", "bundle", "fp32", "fp16", "int8", "bf16"),
                     help="for a bundle that carries several precisions (compiled where its devices' CPU could not be "
                          "timed): auto times them here at install and serves the faster; bundle serves its own engine "
-                         "untimed; or name one (default auto; key precision in --config)")
+                         "untimed; or name one")
     ag.add_argument("--inference-cpus", type=_cpu_list, metavar="CPUS",
                     help="run the inference threads on these CPUs (0-based, as taskset -c counts them: 1 or 2,3 or "
-                         "2-3) and everything else on the rest; key inference_cpus in --config (default: no pinning)")
+                         "2-3) and everything else on the rest")
     ag.add_argument("--grpc-port", type=int,
-                    help="also serve the Open Inference Protocol over gRPC on this port of --http-host (0: a free "
-                         "one; default: off)")
+                    help="also serve the Open Inference Protocol over gRPC on this port of --http-host (0: a free one)")
     ag.add_argument("--local-socket", type=Path, metavar="PATH",
                     help="also serve the Open Inference Protocol on this Unix socket, without HTTP (protocol/local.py; "
-                         "relative: under --data-dir; mode 0660; default: off)")
+                         "relative: under --data-dir; mode 0660)")
     ag.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     ag.set_defaults(fn=cmd_agent)
     ag_sub = ag.add_subparsers(dest="agent_command", metavar="{install-service}")
@@ -996,6 +961,8 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--dry-run", action="store_true", help="print the unit instead of writing it")
     svc.set_defaults(fn=cmd_agent_install_service)
 
+
+def _add_demo(sub: Any) -> None:
     d = sub.add_parser("demo", formatter_class=_Formatter, help="run the whole loop locally",
                        description="Start a fleet (embedded broker), compile the digits model for x86-cpu, start "
                                    "agents as separate processes, roll the model out, send the test images through "
@@ -1008,10 +975,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--exit", action="store_true", help="stop after the summary instead of running until Ctrl-C")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.set_defaults(fn=cmd_demo)
-
-    simulator.add_parser(sub, _Formatter)
-    cli_rollout.add_parsers(sub, _Formatter)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

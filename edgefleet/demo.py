@@ -24,6 +24,8 @@ import numpy as np
 
 from edgefleet.fleet.client import FleetClient, FleetClientError, FleetUnreachable
 from edgefleet.fleet.schemas import Rollout
+from edgefleet.progress import progress_bar
+from edgefleet.protocol.exits import ExitCode, exit_for
 
 __all__ = ["DemoOptions", "LocalFleet", "free_port", "infer_images", "run_demo"]
 
@@ -215,7 +217,6 @@ def _say(msg: str) -> None:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    from edgefleet.cli import EXIT_INTERNAL, EXIT_OK, EXIT_ROLLOUT, _progress_bar
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from edgefleet.protocol.errors import EdgefleetError
 
@@ -224,13 +225,13 @@ def run_demo(opts: DemoOptions) -> int:
         if work.exists():
             if not (work / MARKER).exists() and any(work.iterdir()):
                 _say(f"error: {work} exists and is not a demo folder; pick another --work-dir")
-                return 4
+                return ExitCode.INPUT
             shutil.rmtree(work)
         work.mkdir(parents=True)
         (work / MARKER).write_text("made by edgefleet demo; deleted and rebuilt by the next demo\n")
     except OSError as exc:
         _say(f"error: cannot prepare the demo folder {work}: {exc}; pick another --work-dir")
-        return 4
+        return ExitCode.INPUT
     lf = LocalFleet(work, mqtt_url=opts.mqtt_url, port=opts.port, embedded_mqtt_port=opts.embedded_mqtt_port)
     step = "starting"
     try:
@@ -242,7 +243,7 @@ def run_demo(opts: DemoOptions) -> int:
         _say(step + " (INT8 and FP32, accuracy gate, benchmark, keep the faster that passes)")
         result = compile_model(CompileOptions(
             model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
-            eval=DIGITS / "test.npz", out_dir=work / "dist", name="digits", version="1.0.0"), _progress_bar)
+            eval=DIGITS / "test.npz", out_dir=work / "dist", name="digits", version="1.0.0"), progress_bar)
         m = result.manifest
         acc = m.accuracy
         choice = m.precision_choice
@@ -271,7 +272,7 @@ def run_demo(opts: DemoOptions) -> int:
         if r.status != "succeeded":
             why = "; ".join(f"{t.device_id}: {t.state} {t.error or ''}".strip() for t in r.targets or [])
             _say(f"error: rollout #{r.id} {r.status}: {why} (logs in {work / 'logs'})")
-            return EXIT_ROLLOUT
+            return ExitCode.ROLLOUT
         step = "6/6 sending the 359 test images through every agent"
         _say(step + ", one request per image")
         with np.load(DIGITS / "test.npz") as npz:
@@ -324,19 +325,20 @@ def run_demo(opts: DemoOptions) -> int:
                     and lf.fleet_proc.poll() is None:
                 time.sleep(0.5)
             _say("a process exited; stopping the demo")
-        return EXIT_OK
+        return ExitCode.OK
     except KeyboardInterrupt:
         _say("\nstopping…")
-        return EXIT_OK
-    except EdgefleetError as exc:  # compile gate, bad profile, toolchain: the error says what to do
-        _say(f"\nerror in step {step}: {exc}")
-        return int(getattr(exc, "exit_code", 4))
-    except (RuntimeError, FleetClientError, OSError) as exc:
+        return ExitCode.OK
+    except EdgefleetError as exc:  # compile gate, bad profile, toolchain, the fleet: the error says what to do
+        code, line = exit_for(exc)
+        _say(f"\nerror in step {step}: {line}" + (f" (logs in {work / 'logs'})" if code is ExitCode.FLEET else ""))
+        return code
+    except (RuntimeError, OSError) as exc:
         _say(f"\nerror in step {step}: {exc} (logs in {work / 'logs'})")
-        return EXIT_INTERNAL
+        return ExitCode.INTERNAL
     except Exception as exc:  # never a traceback: one line, the step, and where to look
         _say(f"\nerror in step {step}: unexpected {type(exc).__name__}: {exc} (logs in {work / 'logs'}; "
              "please report this with the logs)")
-        return EXIT_INTERNAL
+        return ExitCode.INTERNAL
     finally:
         lf.stop()

@@ -1,10 +1,11 @@
 """``edgefleet rollout create|list|status|pause|resume|abort|rollback|audit``: the one rollout front end, over
 ``fleet.client`` (stdlib HTTP, so an agent-only install runs it). ``edgefleet fleet rollout`` is the same
-``create`` under its older name.
+``create`` under its older name, kept for scripts and not listed in the help.
 
-The token comes from ``--token`` or ``$EDGEFLEET_TOKEN``; exit codes are the CLI's: 0 ok, 2 usage, 6 the fleet
-is unreachable or refused (the message is the server's), 7 a rollout waited for (``--wait``) did not succeed
-or did not finish in time.
+The fleet is ``--fleet`` or ``$EDGEFLEET_URL``, the token ``--token`` or ``$EDGEFLEET_TOKEN`` (``fleet_options``,
+shared by every command that talks to a fleet). Exit codes are the CLI's one table (``protocol/exits.py``): 0 ok,
+2 usage, 6 the fleet is unreachable or refused (the message is the server's), 7 a rollout waited for (``--wait``)
+did not succeed or did not finish in time.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from edgefleet.protocol.exits import ExitCode, exit_for
+
 if TYPE_CHECKING:
     from edgefleet.fleet.client import FleetClient
     from edgefleet.fleet.schemas import Rollout
 
-__all__ = ["add_create_parser", "add_parsers"]
+__all__ = ["add_create_parser", "add_parsers", "fleet_options"]
 
-EXIT_OK, EXIT_FLEET, EXIT_ROLLOUT = 0, 6, 7  # edgefleet.cli's codes
 Command = Callable[[argparse.Namespace, "FleetClient"], tuple[Any, str, int]]  # -> (answer, human text, exit)
 
 
@@ -62,31 +64,31 @@ def cmd_create(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
                          rollback_on_failure=a.rollback_on_failure, offline_grace_s=a.offline_grace_s,
                          require_telemetry=a.require_telemetry)
     if not a.wait:
-        return r, _human(r), EXIT_OK
+        return r, _human(r), ExitCode.OK
     r = c.wait_rollout(r.id, a.wait_s, targets=False, progress=None if a.json else _progress)
     if not a.json:
         sys.stderr.write("\n")
-    return r, _human(r), EXIT_OK if r.status == "succeeded" else EXIT_ROLLOUT
+    return r, _human(r), ExitCode.OK if r.status == "succeeded" else ExitCode.ROLLOUT
 
 
 def cmd_status(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
     r = c.get_rollout(a.id, targets=a.targets)
     human = _human(r) + "".join(f"\n   {t.device_id:<24} wave {t.wave + 1}  {t.state}"
                                 + (f"  ({t.error})" if t.error else "") for t in r.targets or [])
-    return r, human, EXIT_OK
+    return r, human, ExitCode.OK
 
 
 def cmd_list(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
     rs = c.rollouts()
     human = "\n".join(f"#{r.id:<5} {r.model} {r.version:<10} {r.status:<12} wave "
                       f"{min(r.current_wave + 1, len(r.waves))}/{len(r.waves)}" for r in rs)
-    return rs, human or "no rollouts", EXIT_OK
+    return rs, human or "no rollouts", ExitCode.OK
 
 
 def _action(name: str) -> Command:
     def run(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
         r = c.rollout_action(a.id, name)
-        return r, _human(r), EXIT_OK
+        return r, _human(r), ExitCode.OK
 
     return run
 
@@ -94,23 +96,25 @@ def _action(name: str) -> Command:
 def cmd_audit(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
     rows = c.rollout_audit(a.id)
     return rows, "\n".join(f"{(x.ts or '')[:19]}  {x.actor:<16} {x.action:<22} "
-                           f"{json.dumps(x.detail) if x.detail else ''}" for x in reversed(rows)), EXIT_OK
+                           f"{json.dumps(x.detail) if x.detail else ''}" for x in reversed(rows)), ExitCode.OK
 
 
 def _run(fn: Command) -> Callable[[argparse.Namespace], int]:
     """The command with a client; the answer printed (``--json``: as the fleet sent it); a failed call is one
-    line on stderr and exit 6."""
+    line on stderr and its exit code (6 for the fleet's refusal or silence)."""
 
     def run(a: argparse.Namespace) -> int:
         from pydantic import TypeAdapter
 
-        from edgefleet.fleet.client import FleetClient, FleetClientError
+        from edgefleet.fleet.client import FleetClient
+        from edgefleet.protocol.errors import EdgefleetError
 
         try:
             answer, human, code = fn(a, FleetClient(a.fleet, a.timeout_s, a.token))
-        except FleetClientError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FLEET
+        except EdgefleetError as exc:
+            code, line = exit_for(exc)
+            print(f"error: {line}", file=sys.stderr)
+            return code
         if a.json:
             print(json.dumps(TypeAdapter(Any).dump_python(answer, mode="json", exclude_unset=True), indent=2))
         else:
@@ -131,10 +135,15 @@ def _floats(value: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of seconds") from None
 
 
-def _common(p: argparse.ArgumentParser, fn: Command) -> argparse.ArgumentParser:
+def fleet_options(p: argparse.ArgumentParser) -> None:
+    """The fleet's URL and API token, the same in every command that talks to a fleet's API."""
     p.add_argument("--fleet", default=os.environ.get("EDGEFLEET_URL", "http://127.0.0.1:8700"),
-                   help="fleet server URL ($EDGEFLEET_URL)")
-    p.add_argument("--token", help="API token (default $EDGEFLEET_TOKEN)")
+                   help="fleet server URL (default: $EDGEFLEET_URL, else http://127.0.0.1:8700)")
+    p.add_argument("--token", help="API token (default: $EDGEFLEET_TOKEN)")
+
+
+def _common(p: argparse.ArgumentParser, fn: Command) -> argparse.ArgumentParser:
+    fleet_options(p)
     p.add_argument("--json", action="store_true", help="print the fleet's answer as JSON")
     p.add_argument("--timeout-s", type=float, default=30.0, help="HTTP timeout")
     p.set_defaults(fn=_run(fn))
@@ -142,9 +151,11 @@ def _common(p: argparse.ArgumentParser, fn: Command) -> argparse.ArgumentParser:
 
 
 def add_create_parser(sub: Any, name: str, formatter: Any = argparse.HelpFormatter,
-                      help_: str = "roll a model version out in waves") -> argparse.ArgumentParser:
-    """``edgefleet rollout create``; ``edgefleet fleet rollout`` is this parser under another name."""
-    c = _common(sub.add_parser(name, formatter_class=formatter, help=help_, description=help_), cmd_create)
+                      help_: str = "roll a model version out in waves", listed: bool = True) -> argparse.ArgumentParser:
+    """``edgefleet rollout create``; ``edgefleet fleet rollout`` is this parser under another name (``listed``
+    false: no line in its group's help)."""
+    listing = {"help": help_} if listed else {}
+    c = _common(sub.add_parser(name, formatter_class=formatter, description=help_, **listing), cmd_create)
     c.add_argument("model")
     c.add_argument("version")
     c.add_argument("--devices", type=_split, help="comma-separated device ids")

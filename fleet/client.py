@@ -27,6 +27,7 @@ from pydantic import TypeAdapter, ValidationError
 from edgefleet.fleet import schemas as s
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol.errors import ContractError, EdgefleetError
+from edgefleet.protocol.exits import ExitCode
 
 __all__ = ["FleetBadAnswer", "FleetClient", "FleetClientError", "FleetHTTPError", "FleetUnreachable"]
 
@@ -38,6 +39,8 @@ ROLLOUT_ACTIONS = ("pause", "resume", "abort", "rollback")
 
 class FleetClientError(EdgefleetError):
     """Talking to the fleet failed."""
+
+    exit_code = ExitCode.FLEET
 
 
 class FleetUnreachable(FleetClientError):
