@@ -90,12 +90,45 @@ def mosquitto(work: Path, tuned: bool = False, devices: int = 0):
     _raise_nofile(devices + 1000)
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mosquitto.pids = [proc.pid]  # type: ignore[attr-defined]
     try:
         wait(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 10, "mosquitto up")
         yield f"mqtt://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+PER_EDGE = 18_000  # devices per edge broker: under the 20,000 files a process may open here
+
+
+@contextmanager
+def bridged_cluster(work: Path, devices: int):
+    """Mosquitto edges (one per PER_EDGE devices) bridged to a core, from fleet.cluster. Yields (core URL, edge URLs,
+    the fleet's password on the core). Devices connect anonymously here (tests/test_cluster.py checks the
+    per-device accounts and ACLs on the edges); the fleet and the bridges authenticate on the core."""
+    import secrets
+
+    from edgefleet.fleet.acl import FLEET_USER, Account, hash_password, write_mosquitto_files
+    from edgefleet.fleet.cluster import ClusterPlan, run_cluster, write_cluster
+
+    edges = max(1, -(-devices // PER_EDGE))
+    _raise_nofile(PER_EDGE + 2000)
+    pw = secrets.token_urlsafe(16)
+    write_mosquitto_files([Account(FLEET_USER, hash_password(pw))], work / "d.passwd", work / "d.acl")
+    ports = [free_port() for _ in range(edges + 1)]
+    plan = ClusterPlan(edges=tuple(f"{p} 127.0.0.1" for p in ports[1:]), core=f"{ports[0]} 127.0.0.1")
+    files = write_cluster(work, plan, work / "d.passwd", work / "d.acl", pw, secrets.token_urlsafe(16),
+                          run_as="root" if os.geteuid() == 0 else None)
+    for i in range(edges):
+        f = files[f"edge-{i}.conf"]
+        lines = [ln for ln in f.read_text().splitlines()
+                 if not ln.startswith(("password_file", "acl_file", "use_username_as_clientid"))]
+        f.write_text("\n".join(lines).replace("allow_anonymous false", "allow_anonymous true", 1) + "\n")
+    confs = [files["core.conf"]] + [files[f"edge-{i}.conf"] for i in range(edges)]
+    with run_cluster(confs, ports, work) as procs:
+        bridged_cluster.pids = [p.pid for p in procs]  # type: ignore[attr-defined]
+        yield plan.core_url, [plan.edge_url(i) for i in range(edges)], pw
 
 
 def cli(*args: str, log: Path) -> subprocess.Popen:
@@ -132,19 +165,27 @@ def fleet(work: Path, mqtt_url: str, bundle: Path | None, *extra: str, name: str
         yield client
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # busy in a long transaction: it does not get to hold the run up
+            proc.kill()
+            proc.wait(10)
 
 
 @contextmanager
-def simulator(work: Path, mqtt_url: str, n: int, *extra: str, procs: int = 1):
-    """``edgefleet simulate`` as ``procs`` processes (devices split between them: one asyncio loop each)."""
+def simulator(work: Path, mqtt_url: str | list[str], n: int, *extra: str, procs: int = 1):
+    """``edgefleet simulate`` as ``procs`` processes (devices split between them: one asyncio loop each); a list of
+    URLs: process i connects to URL i mod len."""
     started = []
+    urls = [mqtt_url] if isinstance(mqtt_url, str) else mqtt_url
+    procs = max(procs, len(urls))
     per = -(-n // procs)
     for i in range(procs):
         count = min(per, n - i * per)
         if count <= 0:
             break
-        started.append(cli("simulate", "--devices", str(count), "--first-index", str(i * per), "--mqtt-url", mqtt_url,
+        started.append(cli("simulate", "--devices", str(count), "--first-index", str(i * per), "--mqtt-url",
+                           urls[i % len(urls)],
                            "--json", "--stats-file", str(work / f"sim-{i}.stats.json"), *extra,
                            log=work / ("sim.log" if i == 0 else f"sim-{i}.log")))
     try:
@@ -225,30 +266,42 @@ def _cpu_s(pid: int) -> float:
 
 
 def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url: str | None = None,
-                  replicas: int = 1, sim_procs: int = 1) -> dict:
+                  replicas: int = 1, sim_procs: int = 1, cluster: bool = False) -> dict:
     """One wave to every device: seconds from the POST until the fleet counts every device installed; the
     fleet's CPU seconds per report it handled; the database's size after it."""
-    label = f"rollout-{n}-{'tuned' if tuned else 'stock'}-{'pg' if db_url else 'sqlite'}-{replicas}"
+    kind = "cluster" if cluster else "tuned" if tuned else "stock"
+    label = f"rollout-{n}-{kind}-{'pg' if db_url else 'sqlite'}-{replicas}"
     work = base / label
     work.mkdir()
     extra = ([] if db_url is None else ["--db-url", db_url]) + \
         (["--shared-subscription-group", "fleet"] if replicas > 1 else [])
-    with mosquitto(work, tuned, n) as mq, ExitStack() as fleets:
+    with ExitStack() as fleets:
+        if cluster:
+            mq, device_urls, pw = fleets.enter_context(bridged_cluster(work, n))
+            extra += ["--mqtt-username", "edgefleet-fleet"]
+            os.environ["EDGEFLEET_MQTT_PASSWORD"] = pw
+            broker_pids = bridged_cluster.pids  # type: ignore[attr-defined]
+        else:
+            mq = fleets.enter_context(mosquitto(work, tuned, n))
+            device_urls = [mq]
+            broker_pids = mosquitto.pids  # type: ignore[attr-defined]
         clients = [fleets.enter_context(fleet(work, mq, bundle if i == 0 else None, *extra, name=f"fleet-{i}"))
                    for i in range(replicas)]
         client = clients[0]
         register_s = register(client, n)
-        with simulator(work, mq, n, "--install-s", "0.05", procs=sim_procs):
+        with simulator(work, device_urls, n, "--install-s", "0.05", procs=sim_procs):
             t = time.monotonic()
             wait(lambda: sim_live(work).get("connected", 0) >= n, 900, f"{n} devices connected", 0.2)
             connect_s = time.monotonic() - t
             wait(lambda: stats(client)["online"] == n, 900, f"{n} devices online", 0.2)
             online_s = time.monotonic() - t
             cpu0 = sum(_cpu_s(c.pid) for c in clients)  # type: ignore[attr-defined]
+            broker_cpu0 = sum(_cpu_s(p) for p in broker_pids)
             handled0 = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients)
             reread0 = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients)
             t0 = time.monotonic()
-            r = client.post("/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "profile": "x86-cpu"})
+            r = client.post("/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "profile": "x86-cpu"},
+                            timeout=1200)  # the first wave's desired states go out inside the request
             r.raise_for_status()
             created_s = time.monotonic() - t0
             rid = r.json()["id"]
@@ -277,11 +330,13 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
                 wait(lambda: sim_live(work).get("desired", 0) >= n, 60, "every desired state received", 0.2)
                 desired_at.append(time.monotonic() - t0)
             cpu = sum(_cpu_s(c.pid) for c in clients) - cpu0  # type: ignore[attr-defined]
+            broker_cpu = sum(_cpu_s(p) for p in broker_pids) - broker_cpu0
             handled = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients) - handled0
             rejected = stats(client)["rejected"]
             reread = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients) - reread0
         db_bytes = _db_bytes(work, db_url)
-    return {"devices": n, "broker": "tuned" if tuned else "stock", "db": "postgresql" if db_url else "sqlite",
+    return {"devices": n, "broker": kind, "db": "postgresql" if db_url else "sqlite",
+            "broker_cpu_s": round(broker_cpu, 1),
             "replicas": replicas, "register_s": round(register_s, 1), "connect_s": round(connect_s, 1),
             "online_s": round(online_s, 1),
             "create_s": round(created_s, 2), "installed_at": {f"{int(k * 100)}%": v for k, v in marks.items()},
@@ -376,7 +431,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000,10000", help="devices per rollout run, comma-separated")
     ap.add_argument("--brokers", default="stock,tuned", help="stock (Mosquitto's defaults: the fleet must not "
-                    "lose reports it drops) and/or tuned (no subscriber queue limit)")
+                    "lose reports it drops), tuned (no subscriber queue limit) and/or cluster (fleet.cluster: "
+                    f"Mosquitto edges of at most {PER_EDGE} devices bridged to a core; one simulator process per edge)")
     ap.add_argument("--dbs", default="sqlite", help="sqlite and/or postgresql (127.0.0.1:5432, trust auth)")
     ap.add_argument("--replicas", type=int, default=1, help="fleet replicas per rollout run (PostgreSQL only)")
     ap.add_argument("--devices-per-sim", type=int, default=25_000, help="simulated devices per simulator process")
@@ -401,7 +457,7 @@ def main() -> int:
                 if db_url is not None:
                     db_url = postgres_url(f"edgefleet_bench_rollout_{n}")  # a fresh database for each run
                 res = bench_rollout(base, bundle, n, broker == "tuned", db_url, a.replicas if db_url else 1,
-                                    -(-n // a.devices_per_sim))
+                                    -(-n // a.devices_per_sim), cluster=broker == "cluster")
                 results["rollout"].append(res)
                 print(f"rollout to {n:>6} devices, {broker} broker, {res['db']} x{res['replicas']}: "
                       f"every desired state received after {res['desired_s']} s, all installed after "
@@ -411,7 +467,7 @@ def main() -> int:
                       f"{res['connect_s']} s, online in the fleet after "
                       f"{res['online_s']} s, POST took {res['create_s']} s; installed 50/90/99%: "
                       f"{'/'.join(str(v) for v in res['installed_at'].values())} s; reports read back from retained "
-                      f"copies: {res['reports_reread']}", flush=True)
+                      f"copies: {res['reports_reread']}; brokers' CPU {res['broker_cpu_s']} s", flush=True)
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:
