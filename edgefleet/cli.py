@@ -739,47 +739,49 @@ def _add_compile(sub: Any) -> None:
     c.set_defaults(fn=cmd_compile)
 
 
+def _bundle_command(sub: Any, name: str, fn: Command, help_: str, description: str) -> argparse.ArgumentParser:
+    """A command that runs a bundle on this machine: the bundle, its inference threads, --json."""
+    p = sub.add_parser(name, formatter_class=_Formatter, help=help_, description=description)
+    p.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
+    p.add_argument("--threads", type=int, default=2, help="inference threads")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
+    p.set_defaults(fn=fn)
+    return p
+
+
 def _add_bench(sub: Any) -> None:
-    b = sub.add_parser("bench", formatter_class=_Formatter, help="benchmark a bundle on this box",
-                       description="Run a bundle's engine through the agent's backend on this machine at the "
-                                   "batch sizes the compiler benchmarked (or --batch-sizes), and print latency "
-                                   "p50/p99 and throughput next to the build host's figures from the manifest "
-                                   "(here vs build > 1 means faster here). Fixed iteration counts; nothing leaves "
-                                   "the machine.")
-    b.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
+    b = _bundle_command(sub, "bench", cmd_bench, "benchmark a bundle on this box",
+                        "Run a bundle's engine through the agent's backend on this machine at the "
+                        "batch sizes the compiler benchmarked (or --batch-sizes), and print latency "
+                        "p50/p99 and throughput next to the build host's figures from the manifest "
+                        "(here vs build > 1 means faster here). Fixed iteration counts; nothing leaves "
+                        "the machine.")
     b.add_argument("--batch-sizes", help="comma list, e.g. 1,16 (default: those in the manifest's benchmark)")
     b.add_argument("--iterations", type=int, default=30, help="timed runs per batch size")
-    b.add_argument("--threads", type=int, default=2, help="inference threads")
-    b.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
-    b.set_defaults(fn=cmd_bench)
 
 
 def _add_verify(sub: Any) -> None:
-    v = sub.add_parser("verify", formatter_class=_Formatter, help="run a bundle on this CPU as an agent would",
-                       description="Load a bundle through the agent's backend on this machine's CPU, run its "
-                                   "self-test and, with --eval, measure top-1 against the figure the compiler "
-                                   "recorded (without labels in --eval: the gate's own metric on those inputs "
-                                   "against an fp32 engine run on the same inputs: the bundle's own, or "
-                                   "--reference; refused when there is none). Exit 0 if it holds, 3 if this CPU "
-                                   "computes something else, 4 if this CPU lacks the instruction sets the bundle "
-                                   "needs or the data cannot be judged. Try it on an emulated "
-                                   "AVX2-only CPU: qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
-    v.add_argument("bundle", type=Path, help="bundle archive from 'edgefleet compile'")
+    v = _bundle_command(sub, "verify", cmd_verify, "run a bundle on this CPU as an agent would",
+                        "Load a bundle through the agent's backend on this machine's CPU, run its "
+                        "self-test and, with --eval, measure top-1 against the figure the compiler "
+                        "recorded (without labels in --eval: the gate's own metric on those inputs "
+                        "against an fp32 engine run on the same inputs: the bundle's own, or "
+                        "--reference; refused when there is none). Exit 0 if it holds, 3 if this CPU "
+                        "computes something else, 4 if this CPU lacks the instruction sets the bundle "
+                        "needs or the data cannot be judged. Try it on an emulated "
+                        "AVX2-only CPU: qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
     v.add_argument("--eval", type=Path, help=".npz with input(s) and 'labels' (e.g. models/digits/test.npz); "
                    "without labels, the gate's own metric on its inputs against fp32 (the bundle's fp32 engine, or "
                    "--reference)")
     v.add_argument("--reference", type=Path, metavar="MODEL.onnx",
                    help="the fp32 model the bundle was compiled from: what a label-free --eval set is judged against "
                         "when the bundle carries no fp32 engine (checked against the fp32 outputs the bundle recorded)")
-    v.add_argument("--threads", type=int, default=2, help="inference threads")
     v.add_argument("--precision", metavar="P",
                    help="verify this precision's engine: a bundle compiled where its devices' CPU could not be timed "
                         "carries every precision that passed the gate, and the device picks one (default: the "
                         "bundle's own engine, the one an agent serves before it times them)")
     v.add_argument("--skip-cpu-check", action="store_true",
                    help="run even if this CPU lacks the features the bundle's profile promises (diagnostics)")
-    v.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
-    v.set_defaults(fn=cmd_verify)
 
 
 def _add_toolchain(sub: Any) -> None:
