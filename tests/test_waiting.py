@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
-from tests.waiting import until, wait_for
+from tests.waiting import begun, until, wait_for, watch
 
 
 def test_wait_for_returns_the_first_truthy_value() -> None:
@@ -57,5 +58,31 @@ def test_until_runs_the_other_tasks_and_awaits_an_awaitable_predicate() -> None:
         assert await until(ask, 5, "the other task done") == "yes"
         with pytest.raises(AssertionError, match=r"^never: not met in 0.02s \(last value: 0\)$"):
             await until(lambda: 0, 0.02, "never")
+
+    asyncio.run(main())
+
+
+def test_watch_returns_what_came_at_once_or_the_last_value_after_the_window() -> None:
+    asks = itertools.count(1)
+    assert watch(lambda: next(asks) == 2 and "an error logged", 5, interval_s=0) == "an error logged"
+    t0 = time.monotonic()
+    assert watch(lambda: [], 0.05) == []
+    assert time.monotonic() - t0 >= 0.05  # the whole window was watched
+
+
+def test_begun_tells_a_task_that_has_taken_its_first_step() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def step() -> None:
+            await gate.wait()
+
+        task = asyncio.ensure_future(step())
+        assert not begun(task)
+        await until(lambda: begun(task), 5, "the task begun")
+        assert not task.done()
+        gate.set()
+        await task
+        assert begun(task)
 
     asyncio.run(main())

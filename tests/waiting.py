@@ -49,6 +49,18 @@ def wait_for(pred: Callable[[], T], timeout_s: float = 10.0, what: str = "condit
         time.sleep(interval_s)
 
 
+def watch(pred: Callable[[], T], window_s: float, interval_s: float = POLL_S) -> T:
+    """For an absence (nothing more may come, no error is logged): ask ``pred`` for ``window_s`` -> its first truthy
+    value (what should not have come), or its last falsy one once the window has passed. The window is the time an
+    unwanted event is given to show: a bound the test states, not a wait for the other side."""
+    deadline = time.monotonic() + window_s
+    while True:
+        value = pred()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
 async def until(pred: Callable[[], T | Awaitable[T]], timeout_s: float = 10.0, what: str = "condition",
                 interval_s: float = POLL_ASYNC_S, retry_on: tuple[type[BaseException], ...] = ()) -> T:
     """The event loop's ``wait_for``: ``pred`` may be a plain function or return an awaitable; between two asks
