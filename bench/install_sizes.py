@@ -5,8 +5,9 @@
 Uses ../shared/tools/as-arm64's sysroot (Debian 12's aarch64 Python 3.11.2 under qemu; run ``as-arm64 init`` once),
 builds this checkout's wheel, and in a new venv per argument runs ``pip install --only-binary=:all:
 -c constraints.txt edgefleet[EXTRAS]`` from aarch64 wheels, as a box would. Prints MB per install (every file pip
-recorded, .pyc included; pip itself, which comes with the venv, left out) and the largest distributions. Sizes,
-not speed: emulation changes nothing here.
+recorded, .pyc included; pip itself, which comes with the venv, left out) and the largest distributions, each row
+as soon as its install is done (about 15 minutes each on a busy 2-core box: run it with nohup, output to a file).
+Sizes, not speed: emulation changes nothing here.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(src), "-w", str(work / "whl")],
                        check=True, capture_output=True)
         wheel = next((work / "whl").glob("*.whl"))
-        rows = []
-        for extras in a.extras:
+        base = None
+        print(f"{'install (aarch64)':<34} {'MB':>7} {'vs first':>9}  largest (MB)", flush=True)
+        for extras in a.extras:  # each row as soon as its install is measured (an emulated install takes minutes)
             venv = work / f"venv-{extras.replace(',', '-')}"
             emu = ["qemu-aarch64", "-L", str(root)]
             subprocess.run([*emu, str(py311), "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -76,13 +78,11 @@ def main() -> int:
             sizes = json.loads(subprocess.run([*emu, vpy, "-c", SIZES], capture_output=True, text=True,
                                               check=True).stdout)
             mine = {k: v for k, v in sizes.items() if k.lower() not in VENV_TOOLS}
-            rows.append((extras, sum(mine.values()), sorted(mine.items(), key=lambda kv: -kv[1])[:a.top]))
+            total = sum(mine.values())
+            base = base or total
+            big = ", ".join(f"{n} {v / 1e6:.0f}" for n, v in sorted(mine.items(), key=lambda kv: -kv[1])[:a.top])
+            print(f"{'edgefleet[' + extras + ']':<34} {total / 1e6:7.1f} {total / base:9.2f}  {big}", flush=True)
             shutil.rmtree(venv)
-        base = rows[0][1]
-        print(f"{'install (aarch64)':<34} {'MB':>7} {'vs first':>9}  largest")
-        for extras, total, top in rows:
-            big = ", ".join(f"{n} {s / 1e6:.0f}" for n, s in top)
-            print(f"{'edgefleet[' + extras + ']':<34} {total / 1e6:7.1f} {total / base:9.2f}  {big}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
