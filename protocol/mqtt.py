@@ -39,6 +39,8 @@ __all__ = [
     "MessageVersionError",
     "PrecisionTiming",
     "ReportedState",
+    "RuntimeChoice",
+    "RuntimeTiming",
     "SelfTestResult",
     "ServingChoice",
     "StatusMessage",
@@ -163,9 +165,29 @@ class Timing(StrictModel):
 class PrecisionTiming(StrictModel):
     """One precision of the bundle, timed on the device at install."""
 
-    precision: Literal["fp32", "fp16", "int8"]
+    precision: Literal["fp32", "fp16", "int8", "bf16"]
     items_per_s: float = Field(ge=0.0, le=MAX_RATE)  # geometric mean over ``timings``: what the choice compares
     timings: tuple[Timing, ...] = Field(default=(), max_length=32)
+
+
+RuntimeName = Literal["onnxruntime", "openvino", "litert", "tensorrt"]
+
+
+class RuntimeTiming(StrictModel):
+    """One runtime that can run the bundle's engine file, timed on the device at install (agent/runtime_choice.py)."""
+
+    runtime: RuntimeName
+    items_per_s: float = Field(ge=0.0, le=MAX_RATE)  # geometric mean over ``timings``: what the choice compares
+    timings: tuple[Timing, ...] = Field(default=(), max_length=32)
+
+
+class RuntimeChoice(StrictModel):
+    """The runtime serving the version (``only``: the one installed here that runs it; ``device``: the fastest
+    as timed here; ``operator``: the agent's config), with the figures it was chosen by."""
+
+    runtime: RuntimeName
+    source: Literal["only", "device", "operator"]
+    runtimes: tuple[RuntimeTiming, ...] = Field(default=(), max_length=8)
 
 
 class ServingChoice(StrictModel):
@@ -174,7 +196,7 @@ class ServingChoice(StrictModel):
     bundle's passing precisions as timed here; ``operator``: the agent's config), the largest batch formed
     (``measured`` here, set by the ``operator``, or ``off``) and the layout (instances x threads per instance)."""
 
-    precision: Literal["fp32", "fp16", "int8"]
+    precision: Literal["fp32", "fp16", "int8", "bf16"]
     precision_source: Literal["bundle", "device", "operator"]
     precisions: tuple[PrecisionTiming, ...] = Field(default=(), max_length=8)
     max_batch_size: int = Field(gt=0, lt=MAX_COUNT)
@@ -183,6 +205,8 @@ class ServingChoice(StrictModel):
     instances: int = Field(gt=0, le=1024)
     threads: int = Field(gt=0, le=1024)
     layout_source: Literal["measured", "operator", "default"] = "default"
+    # the runtime serving it (issue 35); left out when unset, so a fleet of the previous release reads the rest
+    runtime: RuntimeChoice | None = None
 
 
 class ReportedState(_Message):
