@@ -5,6 +5,7 @@ serving."""
 
 import os
 import threading
+import time
 import uuid
 
 import httpx
@@ -249,6 +250,9 @@ def test_a_region_the_client_unlinked_or_truncated(http, region, test_images):
         shm.destroy_shared_memory_region(h2)
 
 
+IDLE_S = 0.1  # longer than the registry's idle_timeout_s below: being idle is what is under test, not a wait
+
+
 def test_idle_regions_are_unregistered_and_all_at_close(tmp_path):
     key = f"/edgefleet-test-{uuid.uuid4().hex[:12]}"
     h = shm.create_shared_memory_region(key[1:], key, 4096)
@@ -257,9 +261,7 @@ def test_idle_regions_are_unregistered_and_all_at_close(tmp_path):
         reg.register("a", key, 0, 4096, "127.0.0.1")
         reg.register("b", key, 0, 4096, "127.0.0.1")
         assert len(reg.status()) == 2
-        import time
-
-        time.sleep(0.1)
+        time.sleep(IDLE_S)
         assert reg.sweep() == 2 and reg.status() == []
         reg.register("c", key, 0, 4096, "127.0.0.1")
         reg.close()

@@ -19,6 +19,7 @@ import pytest
 from edgefleet.agent.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
 from edgefleet.protocol import local as wire
 from tests.agent_harness import preinstall, running_agent, shm_object
+from tests.waiting import wait_for
 
 IN_BYTES = 16 * 64 * 4  # 16 digits images, FP32
 OUT_BYTES = 16 * 10 * 4
@@ -203,17 +204,14 @@ def test_hostile_regions(agent, client, region, test_images):
             other.register_region("more", key, 1024)
         assert "4 shared-memory regions are registered" in e.value.message
     # that connection closed: its region is gone, so there is room again
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.call(wire.UNREGISTER, b'{"name": "r3"}')
-            client.register_region("r3", key, 1024)
-            with LocalClient(agent[0].local_socket) as third:
-                third.register_region("mine", key, 1024)
-            break
-        except LocalError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    def room_again() -> bool:
+        client.call(wire.UNREGISTER, b'{"name": "r3"}')
+        client.register_region("r3", key, 1024)
+        with LocalClient(agent[0].local_socket) as third:
+            third.register_region("mine", key, 1024)
+        return True
+
+    wait_for(room_again, 10, "room for a region again", retry_on=(LocalError,))
     client.unregister_region()
     x = np.ascontiguousarray(test_images[0][:1], np.float32)
     assert client.infer("digits", {"input": x})["logits"].shape == (1, 10)
@@ -263,9 +261,11 @@ def test_an_input_from_shared_memory_is_bounded_like_a_body(client, test_images)
     assert client.infer("digits", {"input": x})["logits"].shape == (4, 10)
 
 
-def _flap(path: str, stop_at: float) -> None:
-    """In its own process: truncate a shared-memory object to nothing and regrow it, as fast as it can."""
+def _flap(path: str, stop_at: float, flapping) -> None:
+    """In its own process: truncate a shared-memory object to nothing and regrow it, as fast as it can (``flapping``,
+    a multiprocessing.Event, is set once it does)."""
     fd = os.open(path, os.O_RDWR)
+    flapping.set()
     try:
         while time.monotonic() < stop_at:
             os.ftruncate(fd, 0)
@@ -288,9 +288,12 @@ def test_a_client_that_truncates_its_object_while_the_agent_reads_and_writes_it(
     try:
         with LocalClient(a.local_socket, timeout_s=30) as c:
             c.register_region("flap", "/" + name, 64 * 1024)
-            flapper = multiprocessing.get_context("spawn").Process(
-                target=_flap, args=(f"/dev/shm/{name}", time.monotonic() + 30), daemon=True)
+            ctx = multiprocessing.get_context("spawn")
+            flapping = ctx.Event()
+            flapper = ctx.Process(target=_flap, args=(f"/dev/shm/{name}", time.monotonic() + 30, flapping), daemon=True)
             flapper.start()
+            # a spawned interpreter takes a while to start (seconds on a busy machine): the race starts when it does
+            wait_for(flapping.is_set, 30, "the flapping process at work")
             n = 0
             while n < 3000 and (len(outcomes) < 3 or n < 300):  # bounded: at most 3,000 requests
                 n += 1
@@ -328,9 +331,7 @@ def test_a_client_that_goes_away_mid_request_or_mid_frame(agent, client, region,
         c.register_region("left", key, 1024)
         c.send_raw(wire.pack(wire.INFER, 1, body)[:30])
     assert client.infer("digits", {"input": x})["logits"].shape == (1, 10)
-    deadline = time.monotonic() + 10
-    while agent[0].shm._regions and time.monotonic() < deadline:  # its region went with its connection
-        time.sleep(0.05)
+    wait_for(lambda: not agent[0].shm._regions, 10, "its region gone with its connection")
     assert not agent[0].shm._regions
 
 
@@ -371,8 +372,8 @@ def test_too_many_connections_get_503(agent, client, test_images):
             held.append(c)
             c.sock.setblocking(False)
         refused: set[int] = set()  # the connections beyond the limit, answered 503 (polled: no fixed sleep)
-        deadline = time.monotonic() + 30
-        while len(refused) < 3 and time.monotonic() < deadline:
+
+        def three_refused() -> bool:
             for k, c in enumerate(held):
                 if k in refused:
                     continue
@@ -385,22 +386,18 @@ def test_too_many_connections_get_503(agent, client, test_images):
                     assert kind == wire.ERROR and struct.unpack_from("<H", data, 16)[0] == 503
                     assert b"local_max_connections 6" in data
                     refused.add(k)
-            time.sleep(0.02)
+            return len(refused) >= 3
+
+        wait_for(three_refused, 30, "three connections refused", interval_s=0.02)
         refused_n = len(refused)
         assert refused_n >= 3  # 6 allowed, one held by the fixture
     finally:
         for c in held:
             c.close()
     x = np.ascontiguousarray(test_images[0][:1], np.float32)
-    deadline = time.monotonic() + 30  # the closed connections' slots come back once the agent has seen them go
-    while True:
-        try:
-            assert serves(path, x).shape == (1, 10)
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    # the closed connections' slots come back once the agent has seen them go
+    wait_for(lambda: serves(path, x).shape == (1, 10), 30, "a connection served again", retry_on=(Exception,))
+    assert serves(path, x).shape == (1, 10)
 
 
 def test_a_file_at_the_socket_path_is_refused(tmp_path):
