@@ -119,12 +119,12 @@ def image_header(data: bytes) -> ImageHeader:
 
 def _png_header(data: bytes) -> ImageHeader:
     if len(data) < 29 or data[8:16] != b"\x00\x00\x00\x0dIHDR":
-        raise RequestError("corrupt PNG: no IHDR header")
+        raise RequestError("not a readable image: corrupt PNG: no IHDR header")
     w, h, depth, ctype, compression, filtering, interlace = struct.unpack(">IIBBBBB", data[16:29])
     kind = _PNG_TYPES.get(ctype)
     if kind is None or depth not in kind[1] or compression or filtering or interlace > 1:
-        raise RequestError(f"corrupt PNG: IHDR says colour type {ctype}, bit depth {depth}, compression "
-                           f"{compression}, filter {filtering}, interlace {interlace}")
+        raise RequestError(f"not a readable image: corrupt PNG: IHDR says colour type {ctype}, bit depth {depth}, "
+                           f"compression {compression}, filter {filtering}, interlace {interlace}")
     if w < 1 or h < 1:
         raise RequestError(f"the PNG image is {w}x{h} pixels")
     return ImageHeader("png", w, h, kind[0], 8 if ctype == 3 else depth)
@@ -308,12 +308,12 @@ def _png_critical(data: bytes) -> bytes:
     pos, n, chunks = 8, len(data), 0
     while pos < n:
         if pos + 12 > n:
-            raise RequestError(f"corrupt PNG: a chunk cut short at byte {pos} (truncated?)")
+            raise RequestError(f"not a readable image: corrupt PNG: a chunk cut short at byte {pos} (truncated?)")
         length, kind = struct.unpack_from(">I4s", data, pos)
         end = pos + 12 + length
         if end > n:
-            raise RequestError(f"corrupt PNG: chunk {kind!r} at byte {pos} says {length:,} bytes, past the end of "
-                               "the file (truncated?)")
+            raise RequestError(f"not a readable image: corrupt PNG: chunk {kind!r} at byte {pos} says {length:,} "
+                               "bytes, past the end of the file (truncated?)")
         chunks += 1
         if chunks > MAX_PNG_CHUNKS:
             raise PayloadTooLarge(f"the PNG image has more than {MAX_PNG_CHUNKS:,} chunks, the most taken (write "
@@ -325,7 +325,7 @@ def _png_critical(data: bytes) -> bytes:
             elif kind == b"IEND":
                 break
         elif not kind[0] & 0x20:  # an unknown critical chunk: no decoder may skip it
-            raise RequestError(f"corrupt PNG: unknown critical chunk {kind!r} at byte {pos}")
+            raise RequestError(f"not a readable image: corrupt PNG: unknown critical chunk {kind!r} at byte {pos}")
         pos = end
     expected = _png_raw_bytes(data)
     z = zlib.decompressobj()
@@ -343,7 +343,7 @@ def _png_critical(data: bytes) -> bytes:
             if z.eof:
                 break
     except zlib.error as exc:
-        raise RequestError(f"corrupt PNG: its image data is not a zlib stream ({exc})") from None
+        raise RequestError(f"not a readable image: corrupt PNG: its image data is not a zlib stream ({exc})") from None
     return b"".join(keep)
 
 
