@@ -363,7 +363,7 @@ def test_the_pp_ocrv4_recognizer_is_judged_by_its_decoded_strings(tmp_path):
     spec = resolve_task("ctc", None, model, info.outputs)
     gate = evaluate_gate([info.outputs[0].name], [ref], [cand], None, "int8", GateSettings(), spec)
     assert gate.task is not None and gate.task.value == pytest.approx(measured, abs=1e-6)
-    assert gate.task.criteria[0].passed == (measured >= 0.95)
+    assert gate.task.criteria[0].passed == (measured >= 0.98)
     if r.returncode == 3:  # the CLI refused the int8 build: it measured what this test measured
         assert not gate.passed and f"exact string agreement {measured:.4f}" in json.loads(r.stdout)["error"]
     else:
