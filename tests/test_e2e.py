@@ -296,7 +296,9 @@ def test_a_device_reports_the_precision_it_timed_and_the_fleet_shows_it(tmp_path
         assert served["precision"] == sv["precision"] and served["items_per_second"] == timed
         assert sv["batch_source"] == "measured" and sv["batch_timings"] and sv["max_batch_size"] >= 1, sv
         # telemetry carries how the model it serves now runs (a restart chooses again without an install report)
-        t = _wait(lambda: (lf.client.device("edge-p").telemetry or None), what="telemetry")
+        # (the first record may predate the install: wait for one sent while the model served)
+        t = _wait(lambda: (t if (t := lf.client.device("edge-p").telemetry) is not None and t.model is not None
+                           else None), what="telemetry from the installed model")
         assert t.serving is not None and t.serving.model_dump(mode="json") == sv
         pred, _ = infer_images(lf.agents["edge-p"].url, "digits", images[:60])
         assert (pred == labels[:60]).mean() >= 0.95
