@@ -490,3 +490,25 @@ def test_a_bundle_ci_signed_is_still_checked_before_the_fleet_stores_it(tmp_path
         _assert_refused(r, ("../../x",), tmp_path)
         after = _published(fs, url)
         assert after == before and not any(k.startswith("targets/") for k in after["stored"]), after["stored"]
+
+
+def test_a_self_test_sample_of_outputs_named_with_slashes_fits_its_role():
+    """Paddle's and TensorFlow's exports name tensors with '/' (PP-OCR's angle classifier: save_infer_model/
+    scale_0.tmp_1): its self-test member is 'expected:save_infer_model/scale_0.tmp_1.npy', a name numpy reads,
+    not a path anything extracts. It fits the self-test role; a member that is not an array still does not."""
+    import zipfile
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from edgefleet.protocol.roles import selftest_problem
+
+    m = SimpleNamespace(inputs=[SimpleNamespace(name="x")],
+                        outputs=[SimpleNamespace(name="save_infer_model/scale_0.tmp_1")])
+    buf = io.BytesIO()
+    np.savez(buf, **{"input:x": np.zeros((1, 3), np.float32),
+                     "expected:save_infer_model/scale_0.tmp_1": np.zeros((1, 2), np.float32)})
+    assert selftest_problem(buf, len(buf.getvalue()), m) is None  # type: ignore[arg-type]
+    with zipfile.ZipFile(buf, "a") as z:
+        z.writestr("notes/readme.txt", "hello")
+    assert "not .npy arrays" in (selftest_problem(buf, len(buf.getvalue()), m) or "")  # type: ignore[arg-type]
