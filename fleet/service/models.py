@@ -1,0 +1,79 @@
+"""The builds the fleet holds: a bundle checked with the agent's own reader, signed into the TUF repository, listed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import sessionmaker
+
+from edgefleet.fleet.db import Model
+from edgefleet.fleet.errors import BadRequest, Conflict, RepositoryError
+from edgefleet.fleet.keys import bundle_target
+from edgefleet.fleet.service.common import iso
+from edgefleet.fleet.tuf_repo import Repository
+from edgefleet.protocol.bundle import check_bundle
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import version_key
+from edgefleet.protocol.profile import list_profiles
+
+
+class ModelService:
+    def __init__(self, sessions: sessionmaker, repo: Repository):
+        self.sessions = sessions
+        self.repo = repo
+
+    def upload_bundle(self, path: Path) -> dict[str, Any]:
+        """Check the whole archive with the agent's own reader (protocol.bundle.check_bundle: plain regular
+        files only, exactly the ones the manifest lists with their sizes and sha256, a profile this fleet
+        knows) before anything is signed or stored; a bad one is a 422 naming the problem (never ``path``,
+        the server's temporary file). The delegated layout too: CI's signature says who built it, not that
+        the archive is sound."""
+        try:
+            manifest = check_bundle(path, profiles=list_profiles(), label="upload")
+        except ContractError as exc:  # BundleError, SchemaError, UnsupportedVersionError
+            raise BadRequest(f"not a valid bundle: {exc}", 422) from exc
+        if not manifest.accuracy.passed:
+            raise BadRequest(f"{manifest.name} {manifest.version} failed its accuracy gate at compile time "
+                             f"(drop {manifest.accuracy.drop:.4f} > {manifest.accuracy.max_drop:.4f}); "
+                             "the fleet does not publish it", 422)
+        target_path, custom = bundle_target(manifest)
+        if self.repo.delegated() and not self.repo.is_signed(target_path):
+            raise BadRequest(f"this fleet does not sign bundles (the CI key does): upload with 'edgefleet fleet "
+                             f"upload BUNDLE --sign-key ci/bundles.key', which signs {target_path} first", 422)
+        with self.sessions() as s:
+            existing = s.scalars(select(Model).where(Model.name == manifest.name, Model.version == manifest.version,
+                                                     Model.profile == manifest.profile)).first()
+            if existing is not None:
+                raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} is already uploaded; "
+                               "bump the version to publish a new build")
+        try:
+            info = self.repo.add_target(target_path, path, custom.signed_fields())
+            with self.sessions.begin() as s:
+                m = Model(name=manifest.name, version=manifest.version, profile=manifest.profile,
+                          backend=manifest.backend, precision=manifest.precision, target_path=target_path,
+                          sha256=info["sha256"], size_bytes=info["length"], accuracy=manifest.accuracy.candidate,
+                          manifest=manifest.model_dump(mode="json"))
+                s.add(m)
+                s.flush()
+                return self._model_json(m)
+        except (RepositoryError, IntegrityError) as exc:  # a concurrent upload of the same version won
+            raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} was uploaded concurrently "
+                           f"with other content or is already registered: {exc}") from exc
+
+    @staticmethod
+    def _model_json(m: Model) -> dict[str, Any]:
+        return {"id": m.id, "name": m.name, "version": m.version, "profile": m.profile, "backend": m.backend,
+                "precision": m.precision, "target": m.target_path, "sha256": m.sha256, "size_bytes": m.size_bytes,
+                "accuracy": m.manifest["accuracy"], "uploaded_at": iso(m.uploaded_at),
+                "cpu_features": m.manifest.get("cpu_features", []), "quantization": m.manifest.get("quantization"),
+                "precision_choice": m.manifest.get("precision_choice"),
+                "selftest_summary": m.manifest.get("selftest_summary")}
+
+    def list_models(self) -> list[dict[str, Any]]:
+        with self.sessions() as s:
+            models = list(s.scalars(select(Model)))
+        models.sort(key=lambda m: (m.name, version_key(m.version), m.profile))
+        return [self._model_json(m) for m in models]

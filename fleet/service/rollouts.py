@@ -1,0 +1,72 @@
+"""Rollouts as the API and the console see them; the state machine itself is fleet.rollout's RolloutEngine."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import sessionmaker
+
+from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget
+from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
+from edgefleet.fleet.service.common import Publisher, check_labels, iso
+
+
+class RolloutService:
+    def __init__(self, sessions: sessionmaker, publisher: Publisher, rollouts: RolloutEngine):
+        self.sessions = sessions
+        self.publisher = publisher
+        self.rollouts = rollouts
+
+    def create_rollout(self, name: str, version: str, devices: list[str] | None = None, profile: str | None = None,
+                       group: str | None = None, tags: list[str] | None = None, spec: RolloutSpec | None = None,
+                       actor: str = "api") -> dict[str, Any]:
+        check_labels(None, tags)
+        sel = Selector(devices=tuple(devices or ()), group=group, tags=tuple(tags or ()), profile=profile)
+        rid = self.rollouts.create(name, version, sel, spec or RolloutSpec(), actor)
+        return self.get_rollout(rid)
+
+    def rollout_action(self, rollout_id: int, action: str, actor: str) -> dict[str, Any]:
+        self.rollouts.act(rollout_id, action, actor)
+        return self.get_rollout(rollout_id, with_targets=False)
+
+    def republish_desired(self) -> int:
+        """Publish every device's desired state again (retained), e.g. after a broker restart."""
+        with self.sessions() as s:
+            rows = [(d.id, self.rollouts.model(s, d.desired_model_id), d.desired_rollout_id)
+                    for d in s.scalars(select(Device).where(Device.desired_model_id.is_not(None)))]
+        now = time.time()
+        for dev_id, model, rid in rows:
+            if model is not None:
+                self.publisher.publish(*desired_message(dev_id, model, rid, now), retain=True)
+        return len(rows)
+
+    def list_rollouts(self, limit: int = 100) -> list[dict[str, Any]]:
+        with self.sessions() as s:
+            ids = list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc()).limit(max(1, min(limit, 1000)))))
+        return [self.get_rollout(i, with_targets=False) for i in ids]
+
+    def get_rollout(self, rollout_id: int, with_targets: bool = True) -> dict[str, Any]:
+        return self.rollouts.status(rollout_id, with_targets)
+
+    def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
+                        state: str | None = None) -> tuple[list[dict[str, Any]], int]:
+        """One page of a rollout's targets by device id (``state`` filters), and how many match in all."""
+        where = [RolloutTarget.rollout_id == rollout_id]
+        if state:
+            where.append(RolloutTarget.state == state)
+        with self.sessions() as s:
+            total = int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
+            rows = s.execute(select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
+                             .where(*where).order_by(RolloutTarget.device_id).offset(max(0, offset))
+                             .limit(max(0, limit)))
+            return [target_json(t, p) for t, p in rows], total
+
+    def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        with self.sessions() as s:
+            q = select(AuditRow).order_by(AuditRow.id.desc()).limit(max(1, min(limit, 5000)))
+            if rollout_id is not None:
+                q = q.where(AuditRow.rollout_id == rollout_id)
+            return [{"id": a.id, "ts": iso(a.ts), "actor": a.actor, "action": a.action, "rollout_id": a.rollout_id,
+                     "device_id": a.device_id, "detail": a.detail} for a in s.scalars(q)]
