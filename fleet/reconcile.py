@@ -48,7 +48,7 @@ def _utcnow() -> dt.datetime:
 class Reconciler:
     def __init__(self, sessions: sessionmaker[Session], reread: Callable[[list[str]], object], after_s: float,
                  batch: int = 400, reread_status: Callable[[list[str]], object] | None = None,
-                 status_cycle_s: float = 5.0):
+                 status_cycle_s: float = 5.0, backlog: Callable[[], int] | None = None):
         self.sessions = sessions
         self.reread = reread  # asks the broker for these devices' retained reports (MqttBridge.reread_reported)
         self.reread_status = reread_status  # ... and their retained status (MqttBridge.reread_status); None: not
@@ -57,6 +57,10 @@ class Reconciler:
         self.status_cycle_s = status_cycle_s  # a walk over the offline devices starts at most this often
         self.requested = 0  # devices whose retained report was asked for again
         self.status_requested = 0  # devices whose retained status was asked for again
+        # messages received and not yet stored (IngestWorker.backlog): while more than a batch wait, what looks
+        # missing may only be queued here, and reading it back would add to the queue, not shorten it
+        self.backlog = backlog
+        self.skipped_busy = 0  # ticks skipped for that reason
         self._asked: dict[str, float] = {}  # device -> monotonic time it was last asked for
         self._status_after: str | None = None  # the walk's position (a device id); None: no walk under way
         self._status_walk_at = -1e18  # monotonic time the last walk started
@@ -125,7 +129,11 @@ class Reconciler:
         return len(due)
 
     def tick(self) -> int:
-        """Reports first (a rollout waits on them), then statuses with what is left of ``batch``."""
+        """Reports first (a rollout waits on them), then statuses with what is left of ``batch``; nothing while the
+        fleet's own ingest is more than a batch behind."""
+        if self.backlog is not None and self.backlog() > self.batch:
+            self.skipped_busy += 1
+            return 0
         now = time.monotonic()
         due = [d for d in self.stale_devices() if now - self._asked.get(d, -1e18) >= self.after_s][:self.batch]
         if len(due) < self.batch:

@@ -139,7 +139,8 @@ class FleetServer:
         self.bridge.ingest = self.ingest
         self.bridge.on_connected = self.service.republish_desired
         self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
-                                     config.report_reconcile_after_s or 5.0, reread_status=self.bridge.reread_status)
+                                     config.report_reconcile_after_s or 5.0, reread_status=self.bridge.reread_status,
+                                     backlog=self.ingest.backlog)
         public = config.public_url or f"http://{config.host}:{config.port}"
         self.bootstrap = {
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,

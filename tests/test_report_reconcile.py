@@ -137,3 +137,23 @@ def test_devices_are_known_online_although_the_broker_dropped_their_status(tmp_p
         asked = fs.reconciler.status_requested
         wait_for(lambda: fs.reconciler.status_requested > asked, 60, "the next walk over the offline devices")
         assert online() == DEVICES - 1
+
+
+def test_nothing_is_read_back_while_the_fleets_own_ingest_is_behind(tmp_path):
+    """A report or status that is only queued in the fleet's own ingest is not missing: while more than a batch
+    waits there, the reconciler asks the broker for nothing (reading back would only lengthen the queue)."""
+    from edgefleet.fleet.db import Device, make_engine
+    from edgefleet.fleet.reconcile import Reconciler
+
+    engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
+    with sessions.begin() as s:
+        s.add_all([Device(id=f"d-{i}", labels={}, registered_via="api") for i in range(5)])
+    asked: list[list[str]] = []
+    backlog = [1000]
+    r = Reconciler(sessions, asked.append, after_s=1.0, batch=10, reread_status=asked.append,
+                   backlog=lambda: backlog[0])
+    assert r.tick() == 0 and asked == [] and r.skipped_busy == 1
+    backlog[0] = 3  # caught up
+    r.tick()
+    assert asked == [[f"d-{i}" for i in range(5)]]  # the offline devices' statuses, read back now
+    engine.dispose()
