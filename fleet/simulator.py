@@ -24,6 +24,7 @@ import math
 import random
 import ssl
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +34,7 @@ from typing import Any
 
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, full_jitter
+from edgefleet.protocol.exits import ExitCode
 
 __all__ = ["SimConfig", "Simulator", "add_parser", "fails"]
 
@@ -489,8 +491,9 @@ def _pairs(items: list[str], what: str) -> dict[str, float]:
             out[k] = float(v)
         except ValueError:
             sep = ""
-        if not sep or not k:
-            raise SystemExit(f"error: {what} {it!r} must look like VERSION=NUMBER")
+        if not sep or not k:  # a usage error (exit 2), as argparse's own
+            print(f"error: {what} {it!r} must look like VERSION=NUMBER", file=sys.stderr)
+            raise SystemExit(ExitCode.USAGE)
     return out
 
 
@@ -549,7 +552,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         proto.parse_mqtt_url(a.mqtt_url)
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 4
+        return ExitCode.INPUT
     cfg = SimConfig(mqtt_url=a.mqtt_url, mqtt_ca_file=a.mqtt_ca_file, devices=a.devices, prefix=a.prefix,
                     first_index=a.first_index,
                     profile=a.profile, install_s=a.install_s, failure_rate=a.failure_rate,

@@ -58,6 +58,11 @@ def test_usage_errors_found_after_parsing_are_exit_2(tmp_path):
     assert r.returncode == 2 and "--batch-sizes '0'" in r.stderr, r.stderr
 
 
+def test_a_malformed_flag_value_of_the_simulator_is_a_usage_error_not_a_bug():
+    r = run_cli("simulate", "--devices", "1", "--fail-version", "bad")
+    assert r.returncode == 2 and "--fail-version 'bad' must look like VERSION=NUMBER" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("command", ["verify", "bench"])
 def test_a_missing_bundle_is_exit_4(command, tmp_path):
     r = run_cli(command, str(tmp_path / "nope.tar"))
