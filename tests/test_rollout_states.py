@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, func, select
 
-from edgefleet.fleet import console, rollout
+from edgefleet.fleet import console
 from edgefleet.fleet.audit import ENGINE_ACTOR
 from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, make_engine
 from edgefleet.fleet.errors import Conflict
@@ -30,6 +30,7 @@ from edgefleet.fleet.rollout import (
     move_targets,
     move_wave,
 )
+from edgefleet.fleet.rollout import moves as rollout
 from edgefleet.fleet.states import (
     TARGET_FINAL,
     TARGET_TRANSITIONS,

@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from edgefleet.fleet.audit import Rejections
 from edgefleet.fleet.db import Device, Model, RolloutTarget, TelemetryRow, utcnow
 from edgefleet.fleet.ingest import NotStored
-from edgefleet.fleet.rollout import RolloutEngine, lock_rows
+from edgefleet.fleet.rollout import RolloutEngine
+from edgefleet.fleet.rollout.moves import lock_rows
 from edgefleet.fleet.service.common import DECOMMISSIONED
 from edgefleet.protocol import mqtt as proto
 

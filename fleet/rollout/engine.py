@@ -1,67 +1,52 @@
-"""Rollouts as a persisted state machine: targets, waves, soak times and health gates.
-
-A rollout sends one model version to the devices a selector picks (a device list, a group, tags, a
-hardware profile); each device gets the bundle built for its own profile, or, when the model version has
-none, the bundle of the CPU profile its profile names as ``cpu_fallback`` (a Jetson runs the arm64-cpu build
-on its CPU cores until a TensorRT build is uploaded). The targets are split into
-waves (counts or cumulative percentages, e.g. ``1%,10%,50%,100%``), each with a soak time. A wave
-starts by publishing the devices' desired state; it is *installed* when every target reported (or
-its device has been offline for ``offline_grace_s``); it then soaks; at the end of the soak the
-gates are evaluated against thresholds. A failed gate pauses or fails the rollout and, if asked,
-sends the wave's devices back to the model they ran before.
-
-A rollout, each of its waves and each of its targets (one device) is a state machine whose states and
-allowed transitions are tables in fleet.states. Each changes only through one function here, which
-refuses a transition its table does not list (``Conflict``) and writes the audit row in the same
-transaction: ``RolloutEngine.transition`` (a rollout), ``move_wave`` (a wave) and ``move_targets`` (any
-number of targets at once, as one UPDATE). A bulk move is audited in rows per wave and new state, each
-naming its devices (at most ``AUDIT_DEVICES_PER_ROW``), how many there were, the states they left and
-their errors: an operator reading a rollout's audit log sees which devices did what and why, while
-100,000 targets moving together cost about 100 audit rows, not 100,000.
-
-Cost per device report is constant: a report updates its target row and adds ±1 to its wave's
-counters; nothing is recounted. The engine's tick (``advance``) reads only the wave's counters, and
-scans a wave's targets only when its offline grace has run out or when its gates are evaluated.
-All state is in the database, so a restarted fleet resumes every rollout where it was.
-
-Lock order (PostgreSQL; SQLite locks the whole database): every transaction takes its row locks in one order,
-so two writers never wait on each other in a circle (``lock_rows``): **rollouts** (by id; the engine and an
-operator's action FOR UPDATE, report ingest FOR KEY SHARE, so replicas' ingest runs side by side but never while
-the engine moves the same rollout), then **devices** (by id), then **targets** (by rollout and device), then
-**waves** (the counters). Report ingest, telemetry, statuses, a rollback and a new rollout's supersede all follow
-it; tests/test_pg_lock_order.py runs ingest and a rollback at once.
-"""
+"""The engine: a rollout's life from creation through its waves (shadow, install, soak, gates) to its end,
+driven by device reports and telemetry (``on_reports``, ``on_telemetry_batch``) and by the tick (``advance``);
+leases let several replicas share the rollouts."""
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
 import logging
-import math
 import re
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import BigInteger, Float, Table, and_, bindparam, case, cast, func, insert, or_, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.orm.attributes import set_committed_value
 
 from edgefleet.fleet.audit import ENGINE_ACTOR, audit
 from edgefleet.fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
 from edgefleet.fleet.drift import DriftBook
 from edgefleet.fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
+from edgefleet.fleet.rollout.gates import (
+    GateResult,
+    ShadowWaveFigures,
+    WaveFigures,
+    evaluate_gates,
+    evaluate_shadow,
+    install_gate_lost,
+)
+from edgefleet.fleet.rollout.moves import (
+    AUDIT_DEVICES_PER_ROW,
+    TargetMove,
+    lock_rows,
+    lock_wave_rows,
+    move_targets,
+    move_wave,
+)
+from edgefleet.fleet.rollout.spec import (
+    RolloutSpec,
+    Selector,
+    plan_waves,
+)
 from edgefleet.fleet.states import (
     TARGET_DONE,
     TARGET_FINAL,
     TARGET_TRANSITIONS,
     TRANSITIONS,
-    WAVE_TRANSITIONS,
     RolloutStatus,
     TargetState,
     WaveState,
@@ -70,13 +55,8 @@ from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.errors import EdgefleetError
 from edgefleet.protocol.profile import load_profile
 
-__all__ = ["AUDIT_DEVICES_PER_ROW", "TRANSITIONS", "WAVE_ACTIONS", "GateResult", "Gates", "RolloutEngine",
-           "RolloutSpec", "TargetMove", "WaveFigures", "cpu_fallback", "evaluate_gates", "move_targets", "move_wave",
-           "plan_waves", "target_json"]
-
 log = logging.getLogger("edgefleet.fleet.rollout")
 
-_WAVE_RE = re.compile(r"^(\d+(?:\.\d+)?)%$|^(\d+)$")
 _PROFILE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
@@ -96,180 +76,6 @@ class Publisher(Protocol):
     def publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
 
 
-# -- the spec an operator gives ------------------------------------------------------------------
-# every threshold and duration an operator gives is finite and within these limits (refused with a 422 naming it)
-MAX_P99_RATIO = 1000.0
-MAX_GRACE_S = 30 * 86400.0
-MAX_ABS_ERROR = 1e30
-MAX_DRIFT_PSI = 20.0  # PSI with protocol.drift's epsilon never exceeds 18.5 (every share swapped between two bins)
-
-
-class Gates(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    install_success_min: float | None = Field(default=1.0, ge=0.0, le=1.0)  # installed / (installed + failed)
-    error_rate_max: float | None = Field(default=None, ge=0.0, le=1.0)  # errors / requests on the new model
-    p99_ratio_max: float | None = Field(default=None, gt=0.0, le=MAX_P99_RATIO)  # p99 new / p99 previous, same devices
-    # PSI of the new version's answers against the previous version's on the same devices (fleet.drift; 0.1 watch,
-    # 0.25 drift; a side with fewer than 200 answers is not judged); halts a wave whose model answers differently
-    max_drift_psi: float | None = Field(default=None, gt=0.0, le=MAX_DRIFT_PSI)
-
-
-class ShadowGate(BaseModel):
-    """Run each wave's candidate in shadow first: devices keep serving their model, mirror a sample of live
-    requests to the candidate and report agreement; the wave installs only once enough samples agree."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    agreement_min: float = Field(default=0.99, ge=0.0, le=1.0)  # top-1 agreement over the wave's samples
-    min_samples: int = Field(default=100, ge=1, le=10_000_000)  # mirrored requests, summed over the wave
-    max_abs_error: float | None = Field(default=None, ge=0.0, le=MAX_ABS_ERROR)  # optional: the worst difference
-
-
-class RolloutSpec(BaseModel):
-    """How a rollout proceeds; stored with it. Defaults: one wave, no soak, every install must succeed."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    waves: tuple[str, ...] = Field(default=("100%",), min_length=1, max_length=20)  # cumulative: "1%", "10", "100%"
-    soak_s: tuple[float, ...] = Field(default=(0.0,), min_length=1, max_length=20)  # per wave; the last repeats
-    gates: Gates = Gates()
-    shadow: ShadowGate | None = None  # None: no shadow phase
-    on_failure: Literal["pause", "abort"] = "abort"
-    rollback_on_failure: bool = False
-    offline_grace_s: float = Field(default=300.0, ge=0.0, le=MAX_GRACE_S)  # then a wave stops waiting for offline ones
-    # True: a wave whose telemetry gates have no figures yet keeps soaking until they do
-    require_telemetry: bool = False
-
-    @field_validator("waves")
-    @classmethod
-    def _waves(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for w in v:
-            if len(w) > 16:
-                raise ValueError(f"wave {w[:20]!r}...: at most 16 characters, a device count or a percentage")
-            m = _WAVE_RE.match(w.strip())
-            if m is None:
-                raise ValueError(f"wave {w!r} must be a device count like '5' or a percentage like '10%'")
-            if m.group(1) is not None and not 0 < float(m.group(1)) <= 100:
-                raise ValueError(f"wave {w!r}: a percentage must be in (0, 100]")
-            if m.group(2) is not None and int(m.group(2)) < 1:
-                raise ValueError(f"wave {w!r}: a count must be at least 1")
-        return tuple(w.strip() for w in v)
-
-    @field_validator("soak_s")
-    @classmethod
-    def _soak(cls, v: tuple[float, ...]) -> tuple[float, ...]:
-        if any(not 0 <= s <= 7 * 86400 for s in v):
-            raise ValueError("soak times must be between 0 and 604800 s")
-        return v
-
-    def soak_for(self, idx: int) -> float:
-        return self.soak_s[min(idx, len(self.soak_s) - 1)]
-
-
-def plan_waves(n: int, waves: tuple[str, ...]) -> list[int]:
-    """Sizes of the waves for ``n`` targets. Each entry is a cumulative end (count or percentage,
-    rounded up); ends that add nobody are dropped, and the last wave always reaches every target."""
-    sizes, done = [], 0
-    for w in waves:
-        w = w.strip()
-        end = math.ceil(n * float(w[:-1]) / 100 - 1e-9) if w.endswith("%") else int(w)
-        end = min(max(end, 1), n)
-        if end > done:
-            sizes.append(end - done)
-            done = end
-    if done < n:
-        sizes.append(n - done)
-    return sizes
-
-
-# -- gates: pure functions of recorded figures ---------------------------------------------------
-@dataclass(frozen=True)
-class WaveFigures:
-    size: int
-    installed: int
-    failed: int
-    requests: int  # on the new model, summed over the wave's devices
-    errors: int
-    p99_before_ms: float | None  # mean over the devices that have both figures
-    p99_after_ms: float | None
-    p99_devices: int
-    drift_psi: float | None = None  # new version vs previous on the wave's devices (None: not judged)
-    drift_detail: str = ""
-
-
-@dataclass(frozen=True)
-class GateResult:
-    name: str
-    value: float | None
-    threshold: float
-    passed: bool
-    detail: str
-
-    def as_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ShadowWaveFigures:
-    devices: int  # devices of the wave that reported shadow figures
-    samples: int
-    agreement: float | None  # sample-weighted top-1 agreement
-    max_abs_error: float | None
-
-
-def evaluate_shadow(f: ShadowWaveFigures, gate: ShadowGate) -> GateResult | None:
-    """None until the wave has mirrored enough requests; then the agreement against the threshold."""
-    if f.samples < gate.min_samples:
-        return None
-    ok = f.agreement is not None and f.agreement >= gate.agreement_min
-    detail = (f"{f.samples} live requests mirrored on {f.devices} devices; top-1 agreement with the active model "
-              f"{'n/a' if f.agreement is None else f'{f.agreement:.4f}'}")
-    if gate.max_abs_error is not None:
-        ok = ok and f.max_abs_error is not None and f.max_abs_error <= gate.max_abs_error
-        detail += f"; max abs error {f.max_abs_error}"
-    return GateResult("shadow_agreement", f.agreement, gate.agreement_min, ok, detail)
-
-
-def install_gate_lost(f: WaveFigures, gates: Gates) -> bool:
-    """True once the failures alone make the install-success threshold unreachable."""
-    if gates.install_success_min is None:
-        return False
-    allowed = math.floor((1.0 - gates.install_success_min) * f.size + 1e-9)
-    return f.failed > allowed
-
-
-def evaluate_gates(f: WaveFigures, gates: Gates) -> list[GateResult]:
-    """Each configured gate against its threshold. A telemetry gate without data passes, saying so."""
-    out = []
-    if gates.install_success_min is not None:
-        done = f.installed + f.failed
-        ratio = f.installed / done if done else None
-        ok = ratio is not None and ratio >= gates.install_success_min and not install_gate_lost(f, gates)
-        out.append(GateResult("install_success", ratio, gates.install_success_min, ok,
-                              f"{f.installed} of {done} reported installs succeeded ({f.size} in the wave)"))
-    if gates.error_rate_max is not None:
-        rate = f.errors / f.requests if f.requests else None
-        out.append(GateResult("error_rate", rate, gates.error_rate_max, rate is None or rate <= gates.error_rate_max,
-                              f"{f.errors} errors in {f.requests} requests on the new model"
-                              if f.requests else "no requests on the new model yet: not judged"))
-    if gates.p99_ratio_max is not None:
-        if f.p99_before_ms and f.p99_after_ms is not None:
-            ratio = f.p99_after_ms / f.p99_before_ms
-            out.append(GateResult("p99_latency_ratio", ratio, gates.p99_ratio_max, ratio <= gates.p99_ratio_max,
-                                  f"p99 {f.p99_after_ms:.2f} ms vs {f.p99_before_ms:.2f} ms on the previous model "
-                                  f"(mean over {f.p99_devices} devices)"))
-        else:
-            out.append(GateResult("p99_latency_ratio", None, gates.p99_ratio_max, True,
-                                  "no device has p99 figures on both models yet: not judged"))
-    if gates.max_drift_psi is not None:
-        if f.drift_psi is not None:
-            out.append(GateResult("drift_psi", f.drift_psi, gates.max_drift_psi, f.drift_psi <= gates.max_drift_psi,
-                                  f"answers of the new version vs the previous one: {f.drift_detail}"))
-        else:
-            out.append(GateResult("drift_psi", None, gates.max_drift_psi, True,
-                                  f.drift_detail or "no drift figures yet: not judged"))
-    return out
-
-
-# -- the engine -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelInfo:
     id: int
@@ -293,20 +99,6 @@ def _iso(t: dt.datetime | None) -> str | None:
     return None if t is None else t.replace(tzinfo=dt.UTC).isoformat()
 
 
-@dataclass(frozen=True)
-class Selector:
-    devices: tuple[str, ...] = ()
-    group: str | None = None
-    tags: tuple[str, ...] = ()
-    profile: str | None = None
-
-
-# -- the only ways a wave's or a target's state changes ---------------------------------------------
-WAVE_ACTIONS: dict[WaveState, str] = {  # the audit action of entering each state
-    WaveState.SHADOWING: "wave_shadow_started", WaveState.INSTALLING: "wave_started",
-    WaveState.SOAKING: "wave_soaking", WaveState.PASSED: "wave_passed", WaveState.FAILED: "wave_failed"}
-AUDIT_DEVICES_PER_ROW = 1000  # a bulk move names every device, in audit rows of at most this many (~15 KB)
-AUDIT_ERROR_CHARS = 200  # of each device's error, in an audit row (the target row keeps all of it)
 # a target's telemetry counters stop here (exact in a double; protocol.mqtt.MAX_COUNT per record, so ~8,000 records
 # of the largest counts a device may send): adding to them never overflows a BIGINT, whatever the device sends
 TELE_COUNT_CAP = 2**53
@@ -316,117 +108,6 @@ ROLLBACK_FROM = frozenset({TargetState.PENDING, TargetState.DOWNLOADING, TargetS
                            TargetState.FAILED})
 
 
-def move_wave(s: Session, w: RolloutWave, new: WaveState, actor: str = ENGINE_ACTOR, now: dt.datetime | None = None,
-              **detail: Any) -> None:
-    """Move one wave to ``new`` if ``WAVE_TRANSITIONS`` allows it (else ``Conflict``), set the clock that
-    state starts (started_at, soak_until or finished_at, from ``now``) and write its audit row."""
-    old = WaveState(w.state)
-    if new not in WAVE_TRANSITIONS[old]:
-        raise Conflict(f"wave {w.idx + 1} of rollout {w.rollout_id} is {old}; it cannot become {new}")
-    now = now or utcnow()
-    w.state = new.value
-    if new in (WaveState.SHADOWING, WaveState.INSTALLING):
-        w.started_at = now
-    elif new is WaveState.SOAKING:
-        w.soak_until = now + dt.timedelta(seconds=w.soak_s)
-    else:
-        w.finished_at = now
-    audit(s, actor, WAVE_ACTIONS[new], w.rollout_id, wave=w.idx, from_state=old.value, **detail)
-
-
-@dataclass(frozen=True)
-class TargetMove:
-    """One target from ``old`` (what the caller read, under its lock) to ``new``; ``error`` is stored with it."""
-
-    rollout_id: int
-    device_id: str
-    wave: int
-    old: TargetState
-    new: TargetState
-    error: str | None = None
-
-
-def lock_rows(s: Session, rollouts: Sequence[int] = (), devices: Sequence[str] = (),
-              targets: Sequence[tuple[int, str]] = (), rollouts_shared: bool = False) -> None:
-    """Take row locks in the module's one order: rollouts, devices, targets, each sorted by key (FOR UPDATE; the
-    rollouts FOR KEY SHARE when ``rollouts_shared``). A no-op on SQLite (it has no row locks)."""
-    if s.get_bind().dialect.name != "postgresql":
-        return
-    if rollouts:
-        s.execute(select(Rollout.id).where(Rollout.id.in_(sorted(set(rollouts)))).order_by(Rollout.id)
-                  .with_for_update(read=rollouts_shared, key_share=rollouts_shared))
-    if devices:
-        s.execute(select(Device.id).where(Device.id.in_(sorted(set(devices)))).order_by(Device.id).with_for_update())
-    if targets:
-        t = RolloutTarget
-        s.execute(select(t.rollout_id).where(tuple_(t.rollout_id, t.device_id).in_(sorted(set(targets))))
-                  .order_by(t.rollout_id, t.device_id).with_for_update())
-
-
-def lock_wave_rows(s: Session, rollout_id: int, *where: Any) -> None:
-    """``lock_rows`` for the targets of one rollout that match ``where`` (and their devices), however many: the
-    rows are picked by a join, not listed (the caller holds the rollout)."""
-    if s.get_bind().dialect.name != "postgresql":
-        return
-    t = RolloutTarget
-    s.execute(select(Device.id).join(t, t.device_id == Device.id).where(t.rollout_id == rollout_id, *where)
-              .order_by(Device.id).with_for_update(of=Device))
-    s.execute(select(t.device_id).where(t.rollout_id == rollout_id, *where).order_by(t.device_id)
-              .with_for_update())
-
-
-def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str, **detail: Any) -> None:
-    """Move any number of targets, in order (one target may move several times), if ``TARGET_TRANSITIONS``
-    allows every move (else ``Conflict`` and nothing is written). Costs one executemany UPDATE, one
-    counter UPDATE per wave touched (±1 per move, never a recount) and one audit row per rollout, wave
-    and new state for each ``AUDIT_DEVICES_PER_ROW`` devices. An UPDATE matches a target only in its
-    ``old`` state: a target another writer moved meanwhile fails the whole call (``Conflict``), so the
-    caller's transaction rolls back."""
-    if not moves:
-        return
-    for m in moves:
-        if m.new not in TARGET_TRANSITIONS[m.old]:
-            raise Conflict(f"target {m.device_id} in rollout {m.rollout_id} is {m.old}; it cannot become {m.new}")
-    s.flush()  # pending ORM changes first, so the writes land in the order they were made
-    t: Table = RolloutTarget.__table__  # type: ignore[assignment]
-    now = utcnow()
-    done = s.connection().execute(
-        update(t).where(t.c.rollout_id == bindparam("b_r"), t.c.device_id == bindparam("b_d"),
-                        t.c.state == bindparam("b_old")),
-        [{"b_r": m.rollout_id, "b_d": m.device_id, "b_old": m.old.value, "state": m.new.value, "error": m.error,
-          "updated_at": now} for m in sorted(moves, key=lambda m: (m.rollout_id, m.device_id))]  # the lock order
-    ).rowcount  # type: ignore[attr-defined]
-    if done != len(moves):
-        rids = sorted({m.rollout_id for m in moves})
-        raise Conflict(f"rollout{'s' if len(rids) > 1 else ''} {', '.join(map(str, rids))}: {len(moves) - done} of "
-                       f"{len(moves)} targets were not in the state the move started from; nothing was moved")
-    deltas: dict[tuple[int, int], list[int]] = {}
-    groups: dict[tuple[int, int, TargetState], list[TargetMove]] = {}
-    for m in moves:
-        d = deltas.setdefault((m.rollout_id, m.wave), [0, 0])
-        d[0] += (m.new is TargetState.INSTALLED) - (m.old is TargetState.INSTALLED)
-        d[1] += (m.new is TargetState.FAILED) - (m.old is TargetState.FAILED)
-        groups.setdefault((m.rollout_id, m.wave, m.new), []).append(m)
-        obj = s.identity_map.get(s.identity_key(RolloutTarget, (m.rollout_id, m.device_id)))
-        if obj is not None:  # a row this session holds as an object: keep it in step with the table
-            for attr, value in (("state", m.new.value), ("error", m.error), ("updated_at", now)):
-                set_committed_value(obj, attr, value)
-    for (rid, wave), (d_ok, d_bad) in sorted(deltas.items()):
-        if d_ok or d_bad:
-            s.execute(update(RolloutWave).where(RolloutWave.rollout_id == rid, RolloutWave.idx == wave)
-                      .values(n_installed=RolloutWave.n_installed + d_ok, n_failed=RolloutWave.n_failed + d_bad))
-    for (rid, wave, new), group in groups.items():
-        for i in range(0, len(group), AUDIT_DEVICES_PER_ROW):
-            chunk = group[i:i + AUDIT_DEVICES_PER_ROW]
-            errors = {m.device_id: m.error[:AUDIT_ERROR_CHARS] for m in chunk if m.error}
-            said: dict[str, Any] = {}
-            if errors and len(errors) == len(chunk) and len(set(errors.values())) == 1:
-                said["error"] = next(iter(errors.values()))  # the same for all (e.g. superseded): once
-            elif errors:
-                said["errors"] = errors
-            audit(s, actor, f"targets_{new}", rid, chunk[0].device_id if len(chunk) == 1 else None, wave=wave,
-                  cause=cause, count=len(chunk), devices=[m.device_id for m in chunk],
-                  **{"from": dict(Counter(m.old.value for m in chunk))}, **said, **detail)
 
 
 def _failure(exc: BaseException) -> str:
