@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,10 @@ class BodyLimit:
         self.on_reject = on_reject
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and ("\x00" in scope["path"] or b"\x00" in unquote_to_bytes(
+                scope.get("query_string", b""))):
+            await self._nul(scope, send, "the path or query")
+            return
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS") or scope["path"] in _OWN_LIMIT:
             await self.app(scope, receive, send)
             return
@@ -66,12 +71,18 @@ class BodyLimit:
         ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
         if body and (ctype == b"application/json" or ctype.endswith(b"+json")):
             try:  # parsed once more here, bounded, so no handler's parser meets a body nested too deep
-                jsonlimits.loads(body, source="request body", max_bytes=limit)
+                data = jsonlimits.loads(body, source="request body", max_bytes=limit)
             except ContractError as exc:
                 client = scope.get("client") or ("?",)
                 self.on_reject(str(client[0]), f"{scope['path']}: {exc}")
                 await JSONResponse({"error": str(exc)}, status_code=400)(scope, None, send)  # type: ignore[arg-type]
                 return
+            if b"\\u0000" in body and _holds_nul(data):
+                await self._nul(scope, send, "the request body")
+                return
+        elif body and ctype == b"application/x-www-form-urlencoded" and b"\x00" in unquote_to_bytes(body):
+            await self._nul(scope, send, "the form")
+            return
         sent = False
 
         async def replay() -> dict[str, Any]:
@@ -83,11 +94,34 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
+    async def _nul(self, scope: dict[str, Any], send: Any, where: str) -> None:
+        """A NUL character: no name, label or filter holds one, and PostgreSQL's text cannot (it answered 500)."""
+        client = scope.get("client") or ("?",)
+        self.on_reject(str(client[0]), f"{scope['path']!r}: a NUL character in {where}")
+        await JSONResponse({"error": f"{where} holds a NUL character (%00 or \\u0000), which no name, label or "
+                                     "filter admits"}, status_code=400)(scope, None, send)  # type: ignore[arg-type]
+
     async def _too_large(self, scope: dict[str, Any], send: Any, limit: int) -> None:
         client = scope.get("client") or ("?",)
         self.on_reject(str(client[0]), f"{scope['path']}: request body over {limit} bytes")
         await JSONResponse({"error": f"request body exceeds the {limit}-byte limit of {scope['path']}"},
                            status_code=413)(scope, None, send)  # type: ignore[arg-type]
+
+
+def _holds_nul(data: Any) -> bool:
+    """Whether a parsed JSON document holds a NUL character in a key or a string (one iterative pass)."""
+    stack = [data]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any],

@@ -115,6 +115,7 @@ def parse_topic(t: str) -> tuple[str, str] | None:
 # database's BIGINT (SQLite's INTEGER). Counters are per record, and small enough that the fleet can add up
 # millions of them in a 64-bit integer or a double without overflow or loss.
 MAX_INT = 2**62
+MAX_ID = 2**31  # ids of the fleet's rows (a rollout's): its id columns are 32-bit INTEGERs on PostgreSQL
 MAX_COUNT = 2**40  # requests, errors, batches, samples in one record: > 300 million a second over an hour
 MAX_TS = 2.0**34  # unix seconds (the year 2514); a box without a clock sends small ones, never negative
 MAX_DURATION_S = 30 * 86400.0  # an interval, an install
@@ -134,7 +135,7 @@ class DesiredState(_Message):
     """What the fleet wants a device to run. ``model`` None means: run nothing new."""
 
     kind: Literal["desired"] = "desired"
-    rollout_id: int | None = Field(ge=1, lt=MAX_INT)
+    rollout_id: int | None = Field(ge=1, lt=MAX_ID)
     model: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
     version: str = Field(pattern=r"^[0-9]{1,9}\.[0-9]{1,9}\.[0-9]{1,9}$")
     target: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*/[0-9.]+/[a-z0-9][a-z0-9._-]*\.tar$")  # TUF target path
@@ -212,7 +213,7 @@ class ServingChoice(StrictModel):
 class ReportedState(_Message):
     kind: Literal["reported"] = "reported"
     state: Literal["downloading", "installing", "installed", "failed", "rolled_back", "shadowing"]
-    rollout_id: int | None = Field(ge=1, lt=MAX_INT)
+    rollout_id: int | None = Field(ge=1, lt=MAX_ID)
     model: str | None = Field(max_length=64)
     version: str | None = Field(max_length=32)
     running_model: str | None = Field(max_length=64)
@@ -357,8 +358,10 @@ def _names(keys: list[str], total: int) -> str:
 
 
 def _shape_problem(data: Any) -> str | None:
-    """Nesting past MAX_MESSAGE_DEPTH or an object wider than MAX_OBJECT_KEYS, anywhere: one iterative pass over
-    the parsed message, no recursion, so that validation never meets thousands of keys (each one an error)."""
+    """Nesting past MAX_MESSAGE_DEPTH, an object wider than MAX_OBJECT_KEYS or a NUL character in a string,
+    anywhere: one iterative pass over the parsed message, no recursion, so that validation never meets thousands of
+    keys (each one an error). NUL: no field admits it, and PostgreSQL's text cannot store it (a report that held one
+    failed its whole batch there)."""
     stack: list[tuple[Any, int, str]] = [(data, 1, "")]
     while stack:
         value, depth, where = stack.pop()
@@ -368,9 +371,15 @@ def _shape_problem(data: Any) -> str | None:
             if len(value) > MAX_OBJECT_KEYS:
                 return (f"the object at '{where or '(document)'}' has {len(value)} keys; a message's objects have "
                         f"at most {MAX_OBJECT_KEYS}")
+            for k, v in value.items():
+                if "\x00" in k or (isinstance(v, str) and "\x00" in v):
+                    key = f"{where}.{k[:40]}" if where else k[:40]
+                    return f"the string at {key!r} holds a NUL character (\\u0000), which no field admits"
             stack.extend((v, depth + 1, f"{where}.{k[:40]}" if where else k[:40]) for k, v in value.items()
                          if isinstance(v, (dict, list)))
         else:  # a list
+            if any(isinstance(v, str) and "\x00" in v for v in value):
+                return f"a string in {where or '(document)'!r} holds a NUL character (\\u0000), which no field admits"
             stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value) if isinstance(v, (dict, list)))
     return None
 

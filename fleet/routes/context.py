@@ -25,7 +25,8 @@ class Body(BaseModel):
 
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-RolloutId = Annotated[int, PathParam(ge=1, lt=2**62, description="a rollout's id")]  # fits BIGINT
+# rollouts.id is an INTEGER (32-bit on PostgreSQL: a larger id in a query answered 500)
+RolloutId = Annotated[int, PathParam(ge=1, lt=2**31, description="a rollout's id")]
 Tag = Annotated[str, StringConstraints(min_length=1, max_length=svc.MAX_TAG_CHARS)]
 Tags = Annotated[list[Tag], Field(max_length=svc.MAX_TAGS)]
 # a query's offset: a row count no table reaches, far below a database's 64-bit limit
