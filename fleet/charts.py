@@ -30,14 +30,14 @@ def _clock(ts: float, step: float) -> str:
 
 
 def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]]], unit: str,
-               lines: dict[str, float] | None = None) -> str:
+               lines: dict[str, float] | None = None, empty: str = "no data yet") -> str:
     """A line chart of each series over time (points: (unix seconds, value or None for a gap)); ``lines``: labelled
     horizontal thresholds (e.g. drift's 0.1 watch and 0.25 drift)."""
     pts = {k: [(t, v) for t, v in list(v)[-MAX_POINTS:] if math.isfinite(t)] for k, v in series.items()}
     values = [v for s in pts.values() for _, v in s if v is not None and math.isfinite(v)]
     times = [t for s in pts.values() for t, _ in s]
     if not values or not times:
-        return f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">no data yet</span></div>'
+        return f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">{escape(empty)}</span></div>'
     t0, t1 = min(times), max(times)
     if t1 - t0 < 1:
         t0, t1 = t0 - 1, t1 + 1
@@ -101,4 +101,6 @@ def device_time_charts(telemetry: Sequence[dict], drift: Sequence[dict]) -> list
     return [time_chart("latency", {"p50": lat, "p99": p99}, "ms"),
             time_chart("throughput", {"req/s": thr}, "requests/s"),
             time_chart("errors", {"errors": err}, "per interval"),
-            time_chart("drift (PSI)", {"psi": psi}, "vs the compile-time reference", {"watch": 0.1, "drift": 0.25})]
+            # a score needs the bundle's drift reference and 200 answers (fleet.drift): say so, not "no data"
+            time_chart("drift (PSI)", {"psi": psi}, "vs the compile-time reference", {"watch": 0.1, "drift": 0.25},
+                       empty="no score yet: it needs the bundle's drift reference and 200 answers")]
