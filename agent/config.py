@@ -99,8 +99,9 @@ class AgentConfig(StrictModel):
     # the Open Inference Protocol over gRPC (tritonclient.grpc) on http_host; None: off, 0: a free port
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
     # Triton's system shared-memory extension (clients on the box pass tensors by reference, HTTP and gRPC): a
-    # client (one peer address) may hold this many regions, all clients together max_shm_regions and
-    # max_shm_bytes of mapped memory; a region unused for shm_idle_timeout_s is unregistered. 0 regions: off
+    # client (one local user over HTTP and gRPC together, whatever its source address; one connection of the local
+    # socket) may hold this many regions, all clients together max_shm_regions and max_shm_bytes of mapped memory; a
+    # region unused for shm_idle_timeout_s is unregistered. 0 regions: off
     max_shm_regions_per_client: int = Field(default=16, ge=0, le=4096)
     max_shm_regions: int = Field(default=64, ge=0, le=65536)
     max_shm_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)  # 1 GiB, all regions together

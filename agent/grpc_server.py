@@ -286,11 +286,11 @@ class _Servicer:
                     await srv.abort(context, RequestError("system shared memory is off on this agent"))
                     return None
                 try:
-                    host = _peer_address(context.peer())[0]
                     peer = srv.caller_shm(context)[1].get()
-                    # max_shm_regions_per_client counts each local user apart
+                    # max_shm_regions_per_client counts each local user apart, by its user alone (as over HTTP: not
+                    # by its source address, which a local user picks from 127.0.0.0/8)
                     srv.shm.register(request.name, request.key, request.offset, request.byte_size,
-                                     f"{host or context.peer()} uid {peer.uid}", peer)
+                                     f"uid {peer.uid}", peer)
                 except AgentError as exc:
                     await srv.abort(context, exc)
                 return pb.SystemSharedMemoryRegisterResponse()

@@ -326,9 +326,10 @@ class _HttpApi:
         if not isinstance(doc, dict) or set(doc) - {"key", "offset", "byte_size"} or "key" not in doc \
                 or "byte_size" not in doc:
             return _error(400, "the body must be a JSON object {\"key\": \"/name\", \"offset\": 0, \"byte_size\": N}")
-        address = request.client.host if request.client else None
         peer = connection_peer(request.scope).get()
-        client = f"{address or '?'} uid {peer.uid}"  # max_shm_regions_per_client counts each local user apart
+        # max_shm_regions_per_client counts each local user apart, by its user alone: a user that connects from
+        # 127.0.0.2, .3, ... (each reaches a loopback listener) or ::1 is still one client (it took every region)
+        client = f"uid {peer.uid}"
         try:
             self.shm.register(request.path_params["region"], doc["key"], doc.get("offset", 0), doc["byte_size"],
                               client, peer)

@@ -108,3 +108,65 @@ def test_probe_operator_numbers_past_int32_and_nul_characters(fleet):
             bad.append((method, path, body, r.status_code, r.text[:100]))
     assert bad == [], '\n'.join(map(str, bad))
     assert api.get(f"{url}/api/v1/devices").status_code == 200
+
+
+# -- a second local user on the agent's box ---------------------------------------------------------------------
+def _register_from(uid: int, source: str, port: int, region: str, key: str, out) -> None:
+    """In a child process: drop to ``uid``, register ``region`` over loopback TCP from the source address ``source``
+    (any of 127.0.0.0/8 reaches a listener on 127.0.0.1), put the status."""
+    import os
+    import socket
+    try:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        body = json.dumps({"key": key, "offset": 0, "byte_size": 4096}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=20, source_address=(source, 0)) as s:
+            s.sendall(f"POST /v2/systemsharedmemory/region/{region}/register HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        out.put(int(data.split(b" ", 2)[1]))
+    except BaseException as exc:
+        out.put(repr(exc))
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a client of another user needs root to drop to nobody")
+def test_probe_one_user_cannot_take_every_region_by_changing_its_source_address(tmp_path, digits_bundle):
+    """max_shm_regions_per_client counts a local user's regions apart from another's; a user that connects from
+    127.0.0.2, .3, ... (every one reaches the loopback listener) is still one user, and cannot take every region
+    of the agent's registry from the others."""
+    import multiprocessing
+    import os
+    import uuid
+    from multiprocessing import shared_memory
+
+    from tests.agent_harness import preinstall, running_agent
+
+    nobody = 65534
+    name = f"edgefleet-probe2-{uuid.uuid4().hex[:12]}"
+    obj = shared_memory.SharedMemory(name, create=True, size=4096)
+    try:
+        os.chmod(f"/dev/shm/{name}", 0o644)  # nobody may read it: its registrations are allowed one by one
+        data = tmp_path / "agent"
+        data.mkdir()
+        preinstall(data, digits_bundle)
+        with running_agent(data, max_shm_regions_per_client=2, max_shm_regions=8) as (a, url):
+            port = int(url.rsplit(":", 1)[1])
+            ctx = multiprocessing.get_context("fork")
+            got = []
+            for i in range(8):
+                out = ctx.Queue()
+                p = ctx.Process(target=_register_from, args=(nobody, f"127.0.0.{2 + i // 2}", port, f"n{i}", "/" + name,
+                                                           out))
+                p.start()
+                got.append(out.get(timeout=60))
+                p.join(30)
+            assert got.count(200) <= 2, f"one user (nobody) registered {got.count(200)} regions: {got}"
+            r = __import__("httpx").post(f"{url}/v2/systemsharedmemory/region/mine/register",
+                                         json={"key": "/" + name, "offset": 0, "byte_size": 4096}, timeout=20)
+            assert r.status_code == 200, r.text
+    finally:
+        obj.close()
+        obj.unlink()
