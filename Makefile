@@ -78,13 +78,13 @@ system-deps:
 demo: $(VENV)/.installed
 	$(VENV)/bin/edgefleet demo
 
-# vermin: agent/, engines/, protocol/ (what the agent imports) and compiler/ use nothing newer than Python 3.10
+# vermin: agent/, engines/, judge/, protocol/ (what the agent imports) and compiler/ use nothing newer than Python 3.10
 # (ruff's target there is py310 too, so it never rewrites them into 3.11-only forms)
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(VENV)/bin/vermin --no-tips --violations --eval-annotations --backport typing_extensions -t=3.10- \
-	    $(wildcard agent engines protocol compiler)
+	    $(wildcard agent engines judge protocol compiler)
 
 test: test-native test-haswell test-py310 test-arm64
 

@@ -25,11 +25,11 @@ from edgefleet.agent.selftest import self_test
 from edgefleet.agent.store import StagedModel
 from edgefleet.agent.trusted import check_cpu
 from edgefleet.engines import NP_DTYPES, Engine, load_bundle_engine
+from edgefleet.judge.gate import label_axis, top1_hits
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import extract_bundle, sha256_file
 from edgefleet.protocol.cpu import cpu_arch, cpu_features
 from edgefleet.protocol.errors import ConfigError
-from edgefleet.protocol.evaluation import label_axis, top1_hits
 from edgefleet.protocol.manifest import AccuracyReport, Manifest
 
 __all__ = ["MAX_EVAL_SAMPLES", "VerifyResult", "verify_bundle"]
@@ -245,20 +245,20 @@ def _gate_on_data(engine: Engine, manifest: Manifest, whole: Manifest, folder: P
                   reference: Path | None, threads: int) -> tuple[AccuracyReport, str, str | None]:
     """The gate's own metric on the samples of ``eval_path``: this CPU's engine against an fp32 reference computed on
     the same samples (:func:`_fp32_reference`), judged by the recorded task, or by output agreement with the recorded
-    budget. The compiler's data loader and gate are numpy only: they import no toolchain."""
-    from edgefleet.compiler.data import load_dataset
-    from edgefleet.compiler.errors import CompilerError
-    from edgefleet.compiler.evaluate import predict_all
-    from edgefleet.compiler.gate import GateSettings, evaluate_gate
-    from edgefleet.compiler.tasks import TaskSpec
+    budget. The judge (the compiler's gate too) is numpy only: it imports no toolchain."""
     from edgefleet.engines import EngineError
+    from edgefleet.judge.data import load_dataset
+    from edgefleet.judge.errors import JudgeError
+    from edgefleet.judge.gate import GateSettings, evaluate_gate
+    from edgefleet.judge.predict import predict_all
+    from edgefleet.judge.tasks import TaskSpec
 
     per_sample = not manifest.batchable
     axes = {s.name: 0 if per_sample else s.batch_axis for s in manifest.inputs}
     try:
         data = load_dataset(eval_path, manifest.inputs, need_labels=False, what="--eval set",
                             preprocessing=manifest.preprocessing, axes=axes, per_sample=per_sample)
-    except CompilerError as exc:
+    except JudgeError as exc:
         raise ConfigError(str(exc)) from exc
     note = None
     if len(data) > MAX_EVAL_SAMPLES:
@@ -280,6 +280,6 @@ def _gate_on_data(engine: Engine, manifest: Manifest, whole: Manifest, folder: P
     settings = GateSettings(kind="agreement", min_agreement=1.0 - acc.max_drop if acc.metric == "agreement" else 0.99)
     try:
         report = evaluate_gate([s.name for s in manifest.outputs], want, got, None, manifest.precision, settings, task)
-    except CompilerError as exc:
+    except JudgeError as exc:
         raise ConfigError(f"cannot judge the engine's outputs here: {exc}") from exc
     return report, against, note

@@ -105,8 +105,9 @@ def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manife
 def measure(model_dir: Path, engine: Path, profile_name: str, manifest: Any, sessions: str,
             iterations: dict[int, tuple[int, int]], fp32_engine: Path | None = None) -> dict[str, Any]:
     """FP32 source vs INT8 engine: batch timings (alternating) and top-1 agreement over eval.npz."""
-    from edgefleet.compiler.data import Dataset
-    from edgefleet.compiler.evaluate import benchmark_pair, predict_all
+    from edgefleet.compiler.evaluate import benchmark_pair
+    from edgefleet.judge.data import Dataset
+    from edgefleet.judge.predict import predict_all
     from edgefleet.protocol.profile import load_profile
 
     profile = load_profile(profile_name)

@@ -1,7 +1,9 @@
 """Compiler errors.
 
     CompilerError
-    ├── InputError          the model, data set or flags handed to the compiler are wrong (exit 4)
+    ├── InputError          the model, data set or flags handed to the compiler are wrong (exit 4); also a
+    │                       judge InputError (edgefleet.judge.errors), so one except clause catches a bad input
+    │                       whether the compiler or the judge it gates with found it
     ├── ToolchainError      a build toolchain is missing or failed (exit 5)
     └── AccuracyGateFailed  the quantized model lost more accuracy than allowed (exit 3)
 
@@ -11,6 +13,7 @@ exit code from the one table, ``protocol/exits.py``.
 
 from __future__ import annotations
 
+from edgefleet.judge.errors import InputError as JudgeInputError
 from edgefleet.protocol.errors import EdgefleetError
 from edgefleet.protocol.exits import ExitCode
 
@@ -21,7 +24,7 @@ class CompilerError(EdgefleetError):
     exit_code = ExitCode.INTERNAL
 
 
-class InputError(CompilerError):
+class InputError(CompilerError, JudgeInputError):
     exit_code = ExitCode.INPUT
 
 

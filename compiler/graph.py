@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.compiler.data import Dataset
 from edgefleet.compiler.errors import InputError
+from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import TensorSpec
 
 __all__ = ["GraphInfo", "check_model", "ensure_opset", "probe_batching"]

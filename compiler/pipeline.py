@@ -1,7 +1,7 @@
 """compile: check -> build each candidate precision -> gate -> benchmark -> choose -> bundle.
 
 ``precision="auto"`` (the default) builds every precision the profile allows, gates each against
-FP32 (accuracy with labels, output agreement without; see :mod:`compiler.gate`), benchmarks each
+FP32 (accuracy with labels, output agreement without; see :mod:`judge.gate`), benchmarks each
 against FP32 alternating in one run on the profile's batch sizes (CPU profiles), and keeps the
 fastest that passes the gate. A quantized engine that is slower than FP32 (small models, where
 quantize/dequantize costs more than the integer arithmetic saves) is not shipped by default.
@@ -28,17 +28,21 @@ import numpy as np
 from edgefleet import protocol
 from edgefleet.compiler import bf16 as _bf16
 from edgefleet.compiler.cache import BuildCache
-from edgefleet.compiler.data import Dataset, load_dataset
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
-from edgefleet.compiler.evaluate import Runner, benchmark_pair, predict_all
-from edgefleet.compiler.gate import GateSettings, evaluate_gate, uses_labels
+from edgefleet.compiler.evaluate import benchmark_pair
+from edgefleet.compiler.gate import advice
 from edgefleet.compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
 from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.base import BuildTarget
-from edgefleet.compiler.tasks import TaskSpec, canonical_task, infer_task, judge, parse_task_args, resolve_task
 from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec
 from edgefleet.engines import load as load_engine
 from edgefleet.engines.onnxruntime import CPU
+from edgefleet.judge.data import Dataset, load_dataset
+from edgefleet.judge.errors import InputError as JudgeInputError
+from edgefleet.judge.errors import JudgeError
+from edgefleet.judge.gate import GateSettings, evaluate_gate, uses_labels
+from edgefleet.judge.predict import Runner, predict_all
+from edgefleet.judge.tasks import TaskSpec, canonical_task, infer_task, judge, parse_task_args, resolve_task
 from edgefleet.protocol.bundle import sha256_file, write_bundle
 from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
 from edgefleet.protocol.drift import build_reference, reference_args
@@ -92,7 +96,7 @@ class CompileOptions:
     cache_dir: Path | None = None  # reuse a bundle built from identical inputs (compiler.cache); None: always build
     preprocess: Path | None = None  # preprocess.yaml: how images become the input (default: from the input shape)
     fallback: bool = True  # int8 over budget: keep the most sensitive layers in float until it passes (onnxruntime)
-    task: str | None = None  # what the model is for (compiler.tasks); None: MODEL.task.yaml, else inferred
+    task: str | None = None  # what the model is for (judge.tasks); None: MODEL.task.yaml, else inferred
     task_args: str | None = None  # 'k=v,...' for the task (e.g. 'format=yolov8,score=0.25')
     keep_engines: Path | None = None  # copy every candidate engine built (passed or not) here: bench/corpus.py
 
@@ -194,14 +198,19 @@ def choose_precision(measured: list[Measured], benchmarked: bool) -> tuple[str, 
 
 
 def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
-    """Build, gate, benchmark and bundle; errors of the engines it runs are translated here: a feed the engine
-    refuses is the data's fault (InputError), any other engine failure the toolchain's."""
+    """Build, gate, benchmark and bundle; errors of the engines it runs and of the judge it gates with are
+    translated here: a feed the engine refuses, or data the judge cannot judge, is the data's fault (InputError),
+    any other engine failure the toolchain's."""
     try:
         return _compile(opts, progress)
-    except EngineInputError as exc:
+    except CompilerError:
+        raise
+    except (EngineInputError, JudgeInputError) as exc:
         raise InputError(str(exc)) from exc
     except EngineError as exc:
         raise ToolchainError(str(exc)) from exc
+    except JudgeError as exc:
+        raise CompilerError(str(exc)) from exc
 
 
 def _validate(opts: CompileOptions) -> None:
@@ -342,7 +351,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             try:
                 built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
                                                    precision, calib, work, eval_set, ref_out, gate, gate_task)
-            except (CompilerError, EngineError) as exc:
+            except (CompilerError, JudgeError, EngineError) as exc:
                 # the fp32 reference ran, so a quantized build that fails (the quantizer crashes, onnxruntime cannot
                 # load or run what it wrote) is this model's limit with this quantizer, not a broken toolchain
                 if precision == "fp32" or _toolchain_missing(exc) or (
@@ -614,8 +623,6 @@ def _gate_note(acc: AccuracyReport) -> str:
 
 def _gate_advice(acc: AccuracyReport, task: TaskSpec | None = None, calib: Dataset | None = None,
                  fallback: str = "n/a", profile: HardwareProfile | None = None) -> str:
-    from edgefleet.compiler.gate import advice
-
     n = None if calib is None else min(len(calib), profile.quantization.max_calibration_samples) \
         if profile is not None else len(calib)
     return advice(acc, task, n, fallback, profile is None or profile.quantization.per_channel)
@@ -658,7 +665,7 @@ def _cannot_judge(task: TaskSpec, info: GraphInfo, ref_out: list[Any], gate: Gat
     try:
         judge(task, ref_out[[o.name for o in info.outputs].index(task.output)], ref_out[
             [o.name for o in info.outputs].index(task.output)], gate.min_agreement)
-    except InputError as exc:
+    except JudgeInputError as exc:
         return f"the {task.name} gate cannot judge this model's outputs ({_one_line(exc)})"
     return None
 
@@ -736,7 +743,7 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
             report = evaluate_gate([o.name for o in info.outputs], ref_out,
                                    predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
                                    eval_set.labels, "int8", gate, task)
-        except (CompilerError, EngineError) as exc:  # this step's build failed: the next keeps more in float
+        except (CompilerError, JudgeError, EngineError) as exc:  # this build failed: the next keeps more in float
             steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float: the build failed "
                          f"({_one_line(exc, 200)})")
             continue

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.compiler.pipeline import CompileOptions, compile_model
-from edgefleet.compiler.tasks import infer_task
+from edgefleet.judge.tasks import infer_task
 from edgefleet.protocol.manifest import TensorSpec
 from tests.test_compiler import run_cli
 from tests.test_compiler_tasks import MT

@@ -13,8 +13,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgefleet.compiler.errors import InputError
-from edgefleet.compiler.gate import GateSettings, evaluate_gate, label_axis
+from edgefleet.judge.errors import InputError
+from edgefleet.judge.gate import GateSettings, evaluate_gate, label_axis
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.profile import profile_dir
 from tests.conftest import DIGITS

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgefleet.compiler.gate import GateSettings, evaluate_gate
-from edgefleet.compiler.tasks import TaskSpec
+from edgefleet.judge.gate import GateSettings, evaluate_gate
+from edgefleet.judge.tasks import TaskSpec
 
 
 def _gate(task: str, ref: np.ndarray, cand: np.ndarray, **args):
@@ -71,7 +71,7 @@ def test_an_embedding_whose_neighbours_are_unchanged_passes_though_its_worst_cos
 def test_a_map_whose_fp32_masks_are_all_foreground_cannot_judge_an_engine():
     """A log-mel spectrogram [N, 1, T, 32] (values 60..85) looks like a dense map; at threshold 0 every mask is whole
     and any engine scored IoU 1.0 (an int8 spectrogram that changed every downstream embedding shipped)."""
-    from edgefleet.compiler.errors import InputError
+    from edgefleet.judge.errors import InputError
 
     rng = np.random.default_rng(4)
     ref = rng.uniform(60, 85, (8, 1, 97, 32)).astype(np.float32)

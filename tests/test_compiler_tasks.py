@@ -18,13 +18,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgefleet.compiler.data import Dataset
-from edgefleet.compiler.errors import InputError
-from edgefleet.compiler.evaluate import predict_all
-from edgefleet.compiler.gate import GateSettings, evaluate_gate
 from edgefleet.compiler.graph import check_model
 from edgefleet.compiler.targets.onnxruntime import OnnxRuntimeTarget, count_quantized_ops
-from edgefleet.compiler.tasks import TaskSpec, infer_task, parse_task_args, resolve_task
+from edgefleet.judge.data import Dataset
+from edgefleet.judge.errors import InputError
+from edgefleet.judge.gate import GateSettings, evaluate_gate
+from edgefleet.judge.predict import predict_all
+from edgefleet.judge.tasks import TaskSpec, infer_task, parse_task_args, resolve_task
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.manifest import parse_manifest
 from edgefleet.protocol.profile import load_profile
@@ -335,7 +335,7 @@ def _text_lines(seed: int, n: int) -> np.ndarray:
 def test_the_pp_ocrv4_recognizer_is_judged_by_its_decoded_strings(tmp_path):
     """The gate's ctc verdict on INT8 agrees with the string agreement this test measures itself with the model's
     own dictionary; the compile with the task declared ships what that verdict allows, with no traceback."""
-    from edgefleet.compiler.tasks import ctc_decode
+    from edgefleet.judge.tasks import ctc_decode
 
     model = _ppocr_rec()
     np.savez(tmp_path / "calib.npz", x=_text_lines(1, 16))

@@ -21,13 +21,13 @@ from onnx import TensorProto, helper
 
 from edgefleet.cli import main as cli_main
 from edgefleet.compiler import toolchain
-from edgefleet.compiler.data import Dataset, load_dataset
 from edgefleet.compiler.errors import ToolchainError
 from edgefleet.compiler.graph import GraphInfo, check_model
 from edgefleet.compiler.targets.litert import LiteRTTarget
 from edgefleet.engines import EngineSpec
 from edgefleet.engines import load as load_engine
 from edgefleet.engines.litert import IOMap, interpreter_class, read_io_map
+from edgefleet.judge.data import Dataset, load_dataset
 from edgefleet.protocol.manifest import QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile, load_profile
 from tests.conftest import DIGITS

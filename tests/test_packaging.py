@@ -21,7 +21,7 @@ def test_importing_the_packages_has_no_side_effects():
 
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
-PARTS = ("agent", "compiler", "engines", "fleet", "protocol")
+PARTS = ("agent", "compiler", "engines", "fleet", "judge", "protocol")
 
 
 def _declared() -> tuple[list[str], dict[str, str]]:

@@ -18,7 +18,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from edgefleet.compiler.data import Dataset, load_dataset
 from edgefleet.compiler.errors import InputError, ToolchainError
 from edgefleet.compiler.graph import GraphInfo, check_model
 from edgefleet.compiler.pipeline import CompileOptions, compile_model
@@ -26,6 +25,7 @@ from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.tensorrt import TensorRTTarget, l4t_release
 from edgefleet.engines import EngineInputError, EngineLoadError, EngineSpec
 from edgefleet.engines import load as load_engine
+from edgefleet.judge.data import Dataset, load_dataset
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.manifest import QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile, TensorRTSettings, load_profile

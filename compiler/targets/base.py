@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from edgefleet.compiler.data import Dataset
 from edgefleet.compiler.graph import GraphInfo
+from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile
 

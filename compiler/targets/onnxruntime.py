@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.compiler.data import Dataset
 from edgefleet.compiler.errors import InputError, ToolchainError
 from edgefleet.compiler.graph import GraphInfo
 from edgefleet.engines.onnxruntime import session_options
+from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile
 

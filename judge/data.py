@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.compiler.errors import InputError
+from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TensorSpec
 from edgefleet.protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
 

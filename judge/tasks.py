@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.compiler.errors import InputError
+from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 
 __all__ = ["TASKS", "Outputs", "TaskSpec", "canonical_task", "infer_task", "judge", "load_task_file", "parse_task_args",
