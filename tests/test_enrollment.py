@@ -24,6 +24,7 @@ from edgefleet.protocol.errors import ConfigError
 from tests.conftest import free_port, wait_port
 from tests.fleet_harness import api, running_fleet
 from tests.test_mqtt_acl import MOSQUITTO_USER, Client
+from tests.waiting import wait_for
 
 
 def _token(url: str, device_id: str, ttl_s: float = 60.0) -> str:
@@ -69,10 +70,7 @@ def _barrier(url: str, c: Client, device_id: str) -> None:
     payload = _status(device_id)
     want = proto.decode(proto.StatusMessage, payload, "test").agent_version
     c.publish(proto.topic(device_id, "status"), payload)
-    deadline = time.monotonic() + 20
-    while _device_doc(url, device_id)["agent_version"] != want:
-        assert time.monotonic() < deadline, "the fleet never stored the barrier status"
-        time.sleep(0.05)
+    wait_for(lambda: _device_doc(url, device_id)["agent_version"] == want, 20, "the fleet storing the barrier status")
 
 
 def test_the_embedded_broker_takes_only_enrolled_devices_each_on_its_own_topics(tmp_path):
@@ -188,18 +186,15 @@ def test_the_fleet_keeps_mosquittos_accounts_current(tmp_path):
             assert not Client(port, None, None, "anon").connect()
             creds = _enroll(url, "edge-m")
             assert "edge-m:" in passwd.read_text() and os.stat(passwd).st_mode & 0o777 == 0o640
-            deadline = time.monotonic() + 10  # Mosquitto rereads the files when it handles the SIGHUP
-            while not Client(port, creds["mqtt_username"], creds["mqtt_password"], "edge-m").connect():
-                assert time.monotonic() < deadline, "Mosquitto never accepted the enrolled device"
-                time.sleep(0.1)
+            # Mosquitto rereads the files when it handles the SIGHUP
+            wait_for(lambda: Client(port, creds["mqtt_username"], creds["mqtt_password"], "edge-m").connect(), 10,
+                     "Mosquitto accepting the enrolled device", interval_s=0.1)
             c = _device(port, creds)
             _barrier(url, c, "edge-m")  # the fleet (its own account) hears the device
             c.close()
             assert api.post(f"{url}/api/v1/devices/edge-m/decommission").status_code == 200
-            deadline = time.monotonic() + 10
-            while Client(port, creds["mqtt_username"], creds["mqtt_password"], "edge-m2").connect():
-                assert time.monotonic() < deadline, "a decommissioned device still connects"
-                time.sleep(0.1)
+            wait_for(lambda: not Client(port, creds["mqtt_username"], creds["mqtt_password"], "edge-m2").connect(), 10,
+                     "the decommissioned device refused", interval_s=0.1)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -218,9 +213,7 @@ def test_simulated_devices_enroll_and_connect_to_the_embedded_broker(tmp_path):
                                   passwords=enroll_all(url, ids, api.token)))
         sim.start(timeout_s=30)
         try:
-            deadline = time.monotonic() + 20
-            while not all(_device_doc(url, d)["online"] for d in ids):
-                assert time.monotonic() < deadline, "the enrolled simulated devices never came online"
-                time.sleep(0.1)
+            wait_for(lambda: all(_device_doc(url, d)["online"] for d in ids), 20,
+                     "the enrolled simulated devices online", interval_s=0.1)
         finally:
             sim.stop()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import paho.mqtt.client as mqtt
 import pytest
 
 from edgefleet.protocol import mqtt as proto
-from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
+from tests.waiting import wait_for, watch
 
 
 def device_client(broker_port: int, device_id: str) -> mqtt.Client:
@@ -18,6 +19,19 @@ def device_client(broker_port: int, device_id: str) -> mqtt.Client:
     c.connect("127.0.0.1", broker_port)
     c.loop_start()
     return c
+
+
+def listening(broker_port: int, device_id: str, topic: str, decode=lambda m: m) -> tuple[mqtt.Client, list]:
+    """A client subscribed to ``topic``, its SUBACK received -> (the client, the messages it gets, each through
+    ``decode``)."""
+    c = device_client(broker_port, device_id)
+    got: list = []
+    subscribed = threading.Event()
+    c.on_message = lambda cl, u, m: got.append(decode(m))
+    c.on_subscribe = lambda *a: subscribed.set()
+    c.subscribe(topic, qos=1)
+    assert subscribed.wait(10), f"the broker never acknowledged the subscription to {topic}"
+    return c, got
 
 
 @pytest.fixture
@@ -58,8 +72,10 @@ def test_desired_state_is_retained_for_late_devices(fleet, digits_bundle):
     fs, url, broker = fleet
     api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes())
     api.post(f"{url}/api/v1/devices", json={"device_id": "late"})
+    watcher, seen = listening(broker.port, "late-watcher", proto.topic("late", "desired"))
     api.post(f"{url}/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "devices": ["late"]})
-    time.sleep(0.3)
+    wait_for(lambda: seen, 10, "the desired state published (before the device subscribes)")
+    watcher.loop_stop()
     got = []
     c = device_client(broker.port, "late")
     c.on_message = lambda cl, u, m: got.append(m)
@@ -94,12 +110,8 @@ def telemetry(device_id: str, seq: int, stream: str = "0123456789abcdef") -> pro
 
 def ack_listener(broker_port: int, device_id: str) -> tuple[mqtt.Client, list[proto.TelemetryAck]]:
     """A fake device that collects the fleet's telemetry acks."""
-    c = device_client(broker_port, device_id)
-    acks: list[proto.TelemetryAck] = []
-    c.on_message = lambda cl, u, m: acks.append(proto.decode(proto.TelemetryAck, m.payload, "ack"))
-    c.subscribe(proto.topic(device_id, "ack"), qos=1)
-    time.sleep(0.3)
-    return c, acks
+    return listening(broker_port, device_id, proto.topic(device_id, "ack"),
+                     lambda m: proto.decode(proto.TelemetryAck, m.payload, "ack"))
 
 
 def test_telemetry_is_stored_once_and_acked(fleet):
@@ -321,6 +333,9 @@ def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mo
         c.loop_stop()
 
 
+ANOTHER_ACK_S = 0.3  # the time a second (wrong) ack is given to show: an absence, not a wait
+
+
 def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
     fs, url, broker = fleet
     c, acks = ack_listener(broker.port, "future")
@@ -328,7 +343,7 @@ def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
     c.publish(proto.topic("future", "telemetry"), json.dumps(doc).encode(), qos=1).wait_for_publish(5)
     c.publish(proto.topic("future", "telemetry"), b"garbage", qos=1).wait_for_publish(5)  # not identifiable
     wait_for(lambda: acks)
-    time.sleep(0.3)
+    watch(lambda: len(acks) > 1, ANOTHER_ACK_S)
     assert len(acks) == 1
     assert acks[0].rejected == (7,) and acks[0].seqs == () and "newer" in acks[0].reason
     assert fs.service.telemetry_count("future") == 0
