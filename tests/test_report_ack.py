@@ -11,8 +11,8 @@ import paho.mqtt.client as mqtt
 from edgefleet.agent.link import MqttLink
 from edgefleet.agent.spool import Spool
 from edgefleet.protocol import mqtt as proto
-from tests.conftest import wait_for
 from tests.fleet_harness import api, running_fleet
+from tests.waiting import wait_for, watch
 
 
 def _report(device_id: str, state: str) -> proto.ReportedState:
@@ -28,6 +28,9 @@ def _watch(port: int, topic: str) -> tuple[mqtt.Client, queue.Queue]:
     c.loop_start()
     c.subscribe(topic, 1)
     return c, got
+
+
+RESENDS_S = 1.5  # several resend intervals (ack_timeout_s 0.3): nothing more may come in it (an absence, not a wait)
 
 
 def test_an_unacked_report_is_sent_again_until_the_fleet_acks_it(tmp_path, mosquitto):
@@ -49,7 +52,7 @@ def test_an_unacked_report_is_sent_again_until_the_fleet_acks_it(tmp_path, mosqu
             wait_for(lambda: link._report_sent is None, 30, "the fleet acked the latest report")
             while not seen.empty():
                 seen.get_nowait()
-            time.sleep(1.5)  # several resend intervals: nothing more may come (an absence, bounded)
+            watch(lambda: not seen.empty(), RESENDS_S)
             assert seen.empty(), [r.ts for r in list(seen.queue)]
     finally:
         link.stop()

@@ -9,6 +9,8 @@ time. Tested with a broker that drops for certain: a stock Mosquitto with a tiny
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests.conftest import Mosquitto, free_port, wait_for
@@ -22,8 +24,6 @@ def _barrier(port: int, url: str) -> None:
     """Publish a marker status after the burst until the fleet stored one: the broker forwards messages to the
     fleet in the order it received them, so once a marker arrived, every earlier report was forwarded or
     dropped."""
-    import time
-
     import paho.mqtt.client as mqtt
 
     from edgefleet.protocol import mqtt as proto
@@ -31,14 +31,15 @@ def _barrier(port: int, url: str) -> None:
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="marker")
     c.connect("127.0.0.1", port)
     c.loop_start()
+    tries = itertools.count(1)
+
+    def marker_stored() -> bool:
+        msg = proto.StatusMessage(device_id="marker", ts=float(next(tries)), state="online")
+        c.publish(proto.topic("marker", "status"), proto.encode(msg), qos=1).wait_for_publish(5)
+        return api.get(f"{url}/api/v1/devices/marker").status_code == 200
+
     try:
-        for i in range(60):
-            msg = proto.StatusMessage(device_id="marker", ts=float(i + 1), state="online")
-            c.publish(proto.topic("marker", "status"), proto.encode(msg), qos=1).wait_for_publish(5)
-            if api.get(f"{url}/api/v1/devices/marker").status_code == 200:
-                return
-            time.sleep(0.5)
-        raise AssertionError("no marker reached the fleet in 60 tries")
+        wait_for(marker_stored, 30, "a marker status stored by the fleet", interval_s=0.5)
     finally:
         c.loop_stop()
         c.disconnect()
