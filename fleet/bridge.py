@@ -34,6 +34,11 @@ __all__ = ["MqttBridge"]
 log = logging.getLogger("edgefleet.fleet.mqtt")
 
 ACK_MAX_SEQS = 1000  # seqs per ack message (the protocol allows 10,000)
+# QoS 1 publishes paho may hold unacknowledged: its message ids are 16-bit, and past 65,535 outstanding it refuses
+# a publish whose id is still in use ("Message queue full"). A 100,000-device wave queues its desired states at
+# once: publish() waits for room instead (bounded by PUBLISH_WAIT_S), so none is refused
+MAX_OUTSTANDING = 60_000
+PUBLISH_WAIT_S = 300.0
 
 
 class _SupervisedClient(mqtt.Client):
@@ -131,10 +136,24 @@ class MqttBridge:
         return not self._stopping.wait(full_jitter(self.restarts, 0.1, 10.0))
 
     def publish(self, topic: str, payload: bytes, retain: bool) -> None:
-        """Queue a QoS 1 publish; paho keeps it and sends it once the broker is reachable."""
+        """Queue a QoS 1 publish; paho keeps it and sends it once the broker is reachable. With MAX_OUTSTANDING
+        publishes unacknowledged, wait for room (at most PUBLISH_WAIT_S; never on paho's own thread, which reads
+        the acknowledgements)."""
+        if threading.current_thread() is not self._client._thread:
+            deadline = time.monotonic() + PUBLISH_WAIT_S
+            while self.outstanding() >= MAX_OUTSTANDING:
+                if time.monotonic() > deadline:
+                    log.error("%d publishes wait for the broker's acknowledgement; queueing %s anyway",
+                              self.outstanding(), topic)
+                    break
+                time.sleep(0.02)
         info = self._client.publish(topic, payload, qos=1, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             log.error("could not queue publish to %s: %s", topic, mqtt.error_string(info.rc))
+
+    def outstanding(self) -> int:
+        """QoS 1 messages paho holds unacknowledged (paho has no public count: its queue's length)."""
+        return len(self._client._out_messages)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -148,10 +167,15 @@ class MqttBridge:
         client.subscribe([(proto.subscription("status"), 1), (proto.subscription("reported"), 1), (tele, 1)])
         self.connected.set()
         if self.on_connected:
-            try:
-                self.on_connected()
-            except Exception:
-                log.exception("on_connected hook failed")
+            hook = self.on_connected
+
+            def run() -> None:  # off paho's thread: republishing a fleet's desired states waits for acks it reads
+                try:
+                    hook()
+                except Exception:
+                    log.exception("on_connected hook failed")
+
+            threading.Thread(target=run, name="mqtt-on-connected", daemon=True).start()
 
     def reread_reported(self, device_ids: list[str]) -> None:
         """Ask the broker for these devices' retained reports again (see :meth:`reread`)."""
