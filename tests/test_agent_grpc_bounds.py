@@ -3,8 +3,6 @@ loop is alive beside its agent's while it runs (grpc.aio binds every live loop t
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -14,6 +12,8 @@ grpc = pytest.importorskip("grpc", reason="gRPC needs edgefleet[grpc]")
 pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc]")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
+from tests.waiting import wait_for, watch  # noqa: E402
+
 OUT_BYTES = 4 * 10 * 4
 
 
@@ -22,6 +22,9 @@ def grpc_infer_request(x):
     req.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
     req.raw_input_contents.append(x.tobytes())
     return req
+
+
+MORE_REFUSALS_S = 0.5  # the time more refusals are given to come once the first has: an absence, not a wait
 
 
 def test_grpc_calls_in_progress_are_bounded_by_the_inflight_budget(tmp_path, digits_bundle, test_images):
@@ -39,10 +42,8 @@ def test_grpc_calls_in_progress_are_bounded_by_the_inflight_budget(tmp_path, dig
             x = np.ascontiguousarray(test_images[0][:4], np.float32)
             with gated(a):
                 calls = [st.ModelInfer.future(grpc_infer_request(x), timeout=30) for _ in range(76)]
-                deadline = time.monotonic() + 20
-                while sum(c.done() for c in calls) < 1 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                time.sleep(0.5)  # any more refusals would have come by now
+                wait_for(lambda: any(c.done() for c in calls), 20, "a call refused", interval_s=0.02)
+                watch(lambda: sum(c.done() for c in calls) > 6, MORE_REFUSALS_S)
                 refused = [c for c in calls if c.done()]
                 assert 1 <= len(refused) <= 6, (f"{len(refused)} calls ended while the model was held: "
                                                 f"{sorted(str(c.code()) for c in refused)}")

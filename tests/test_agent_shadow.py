@@ -11,6 +11,7 @@ import numpy as np
 from edgefleet.agent.shadow import ShadowMirror
 from edgefleet.engines import load_bundle_engine
 from edgefleet.protocol.bundle import read_manifest, sha256_file
+from tests.waiting import wait_for, watch
 
 
 def _backend(tmp_path, bundle, name):
@@ -24,9 +25,10 @@ def _backend(tmp_path, bundle, name):
 
 
 def _drain(sh: ShadowMirror, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while sh.samples + sh.errors < n and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: sh.samples + sh.errors >= n, 30, f"{n} samples mirrored", interval_s=0.01)
+
+
+IGNORED_S = 0.05  # the time a sample of another model is given to be (wrongly) counted: an absence, not a wait
 
 
 def test_agreement_between_int8_and_fp32_digits(tmp_path, digits_bundle, digits_bundle_v2, test_images):
@@ -42,7 +44,7 @@ def test_agreement_between_int8_and_fp32_digits(tmp_path, digits_bundle, digits_
     assert (f.samples, sh.compared) == (80, 80) and f.top1_agreement is not None and f.top1_agreement >= 0.95
     assert f.max_abs_error is not None and f.max_abs_error > 0  # int8 vs fp32: close, not equal
     sh.offer("other-model", {"input": images[:1]}, active.infer({"input": images[:1]}))  # not this model: ignored
-    time.sleep(0.05)
+    watch(lambda: sh.figures().samples != 80, IGNORED_S)
     assert sh.figures().samples == 80
     sh.close()
     active.close()

@@ -32,6 +32,7 @@ from edgefleet.fleet.errors import BadRequest
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import free_port, wait_port
 from tests.test_crash_random import record_figures
+from tests.waiting import wait_for
 
 FLEET_PASSWORD = "fleet-secret-for-tests"
 # Mosquitto started as root drops to its own user, which cannot read files the (root) test wrote 0640
@@ -209,14 +210,13 @@ def _device(b: Broker, device_id: str) -> tuple[Client, str]:
 
 def _wait_reload(b: Broker, username: str, password: str, accepted: bool) -> None:
     """SIGHUP is asynchronous: poll (bounded) until Mosquitto has the new files."""
-    for _ in range(100):
+    def probe() -> bool:
         c = Client(b.port, username, password, f"probe-{time.monotonic_ns()}")
         ok = c.connect()
         c.close()
-        if ok == accepted:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"Mosquitto never {'accepted' if accepted else 'refused'} {username}")
+        return ok == accepted
+
+    wait_for(probe, 10, f"Mosquitto {'accepting' if accepted else 'refusing'} {username}")
 
 
 def test_a_device_can_neither_publish_as_nor_read_another(broker: Broker):
