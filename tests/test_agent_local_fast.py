@@ -156,6 +156,9 @@ async def _silent_server(path):
     return await asyncio.start_unix_server(handle, path)
 
 
+STILL_WAITING_S = 0.05  # the time a request without a timeout is given to (wrongly) end: an absence, not a wait
+
+
 def test_async_client_timeouts(tmp_path):
     path = str(tmp_path / "s.sock")
 
@@ -176,7 +179,7 @@ def test_async_client_timeouts(tmp_path):
             assert not long.done()  # its later deadline has not fired with the earlier one
             with pytest.raises(asyncio.TimeoutError):
                 await long
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(STILL_WAITING_S)
             assert not forever.done() and list(c.pending) and not c._deadlines
             assert await c.call(wire.REGISTER, b"{}", timeout_s=5) == b""  # the connection still serves
             c.close()

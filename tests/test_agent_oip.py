@@ -3,7 +3,6 @@ agent on loopback: binary and JSON tensors, metadata, config, statistics, reposi
 endpoint; Prometheus /metrics; and bad input, each of which gets a 4xx naming the problem, is counted, and
 leaves the agent serving."""
 
-import asyncio
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from edgefleet.protocol.bundle import sha256_file
 from edgefleet.protocol.preprocess import decode_image
 from tests.agent_harness import preinstall, running_agent, serving_app
 from tests.conftest import DIGITS
+from tests.waiting import wait_for
 
 MAX_BODY = 64 * 1024
 
@@ -418,10 +418,8 @@ def test_full_queue_is_429_with_retry_after_and_a_timeout_is_503(gated, test_ima
         running = pool.submit(post)
         assert be.started.wait(30)
         queued = [pool.submit(post) for _ in range(2)]  # the queue holds 2 samples
-        for _ in range(500):  # bounded: until both are queued
-            if metric(url, "edgefleet_queue_depth", model="digits", version="1.0.0") == 2:
-                break
-            asyncio.run(asyncio.sleep(0.01))
+        wait_for(lambda: metric(url, "edgefleet_queue_depth", model="digits", version="1.0.0") == 2, 10,
+                 "both requests queued", interval_s=0.01)
         full = post()
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert "queue full" in full.json()["error"]
