@@ -15,25 +15,23 @@ whatever the setting: elsewhere OpenVINO would run it in f32, answers its gate n
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test
+from edgefleet.agent.selftest import Turn, now, self_test
 from edgefleet.agent.store import StagedModel
+from edgefleet.agent.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.cpu import BF16_FEATURES, bf16_feature
 from edgefleet.protocol.manifest import Manifest
 
-__all__ = ["ROUNDS", "TIE", "PrecisionPick", "cannot_run", "pick_precision", "timing_sizes"]
+__all__ = ["TIE", "PrecisionPick", "cannot_run", "pick_precision"]
 
 log = logging.getLogger("edgefleet.agent")
 
 TIE = 0.03  # another precision must be this much faster than the bundle's own to replace it
-ROUNDS = 3  # each precision is timed this many times, in alternation; the best figure per batch size counts
-ROUND_BUDGET_S = 0.3  # seconds of calls per precision per round
 
 
 @dataclass(frozen=True)
@@ -42,13 +40,6 @@ class PrecisionPick:
     source: str  # bundle | device | operator (proto.ServingChoice.precision_source)
     timings: tuple[proto.PrecisionTiming, ...] = ()
     note: str = ""  # why, in a sentence (logged)
-
-
-def timing_sizes(manifest: Manifest, max_batch_size: int) -> tuple[int, ...]:
-    """Batch 1 (a lone request) and the largest batch the agent forms, up to 8 (enough to see the batched rate)."""
-    if not manifest.batchable or max_batch_size <= 1:
-        return (1,)
-    return (1, min(8, max_batch_size))
 
 
 def cannot_run(precision: str, have: frozenset[str] | None = None) -> str | None:
@@ -74,7 +65,7 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
         return PrecisionPick(_as(staged, setting), "operator", note=f"{setting}: set in the agent's config")
     asked = "" if setting == "auto" else (f"precision {setting}: {why_not}; " if setting in m.precisions else
                                           f"precision {setting} is not in this bundle ({', '.join(m.precisions)}); ")
-    sizes = timing_sizes(m, max_batch_size)
+    sizes = timing_sizes(m.batchable, max_batch_size)
     candidates: dict[str, tuple[StagedModel, Engine]] = {}
     failures: list[SelfTestFailed] = []
     try:
@@ -101,33 +92,24 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
             candidates[p] = (view, engine)
         if not candidates:
             raise failures[0]
-        best: dict[str, dict[int, float]] = {p: {} for p in candidates}
-        for _ in range(ROUNDS):  # in alternation: a slow spell of the box lands on every candidate alike
-            for p, (view, engine) in list(candidates.items()):
-                try:
-                    measured = measure_batch_sizes(engine, view, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2)
-                except SelfTestFailed as exc:  # fails at a batch size its self-test did not run: not a candidate
-                    del candidates[p], best[p]
-                    engine.close()
-                    log.warning("%s %s: the %s engine fails while timed on this CPU, not a candidate: %s",
-                                m.name, m.version, p, exc)
-                    failures.append(exc)
-                    continue
-                for n, v in measured:
-                    best[p][n] = max(best[p].get(n, 0.0), v)
+
+        def dropped(p: str, exc: SelfTestFailed) -> None:
+            log.warning("%s %s: the %s engine fails while timed on this CPU, not a candidate: %s",
+                        m.name, m.version, p, exc)
+            failures.append(exc)
+
+        best = time_in_alternation(candidates, sizes, turn, dropped)
         if not candidates:
             raise failures[0]
     finally:
         for _, engine in candidates.values():
             engine.close()
     timings = tuple(proto.PrecisionTiming(
-        precision=p, items_per_s=round(_geomean(list(figs.values())), 1),  # type: ignore[arg-type]
+        precision=p, items_per_s=round(geomean(list(figs.values())), 1),  # type: ignore[arg-type]
         timings=tuple(proto.Timing(batch_size=n, items_per_s=v) for n, v in sorted(figs.items())))
         for p, figs in best.items())
-    by_p = {t.precision: t.items_per_s for t in timings}
-    fastest = max(by_p, key=lambda p: by_p[p])
     own = m.precision
-    chosen = own if own in by_p and by_p[own] * (1 + TIE) >= by_p[fastest] else fastest
+    chosen, fastest = keep_unless_faster(own, {t.precision: t.items_per_s for t in timings}, TIE)
     figures = ", ".join(f"{t.precision} {t.items_per_s:g}/s" for t in timings)
     note = (f"{asked}{chosen}: timed here ({figures}, geometric mean over batch sizes {sizes})"
             + ("" if chosen != own or fastest == own else f"; {fastest} is within {TIE:.0%}, the bundle's own kept"))
@@ -136,8 +118,3 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
 
 def _as(staged: StagedModel, precision: str) -> StagedModel:
     return StagedModel(staged.manifest.as_variant(precision), staged.directory, staged.bundle_sha256)
-
-
-def _geomean(values: list[float]) -> float:
-    vals = [max(v, 1e-9) for v in values]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0

@@ -15,23 +15,20 @@ keeps serving); a bundle it cannot run (LiteRT, TensorRT, bf16 for onnxruntime) 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test
+from edgefleet.agent.selftest import Turn, now, self_test
 from edgefleet.agent.store import StagedModel
+from edgefleet.agent.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
 from edgefleet.engines import EXTRAS, Engine, runtime_installed, runtimes_for
 
-__all__ = ["ROUNDS", "TIE", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime"]
+__all__ = ["TIE", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime"]
 
 log = logging.getLogger("edgefleet.agent")
 
 TIE = 0.03  # another runtime must be this much faster than the bundle's own to replace it
-ROUNDS = 3  # each runtime is timed this many times, in alternation; the best figure per batch size counts
-ROUND_BUDGET_S = 0.3  # seconds of calls per runtime per round
-MAX_BATCH_TIMED = 8  # batch 1 (a lone request) and the largest batch formed, up to this
 
 
 @dataclass(frozen=True)
@@ -69,13 +66,6 @@ def candidates(backend: str, precision: str, setting: str,
     return here, "only" if len(here) == 1 else "device"
 
 
-def timing_sizes(batchable: bool, max_batch_size: int) -> tuple[int, ...]:
-    """Batch 1 (a lone request) and the largest batch the agent forms, up to 8 (enough to see the batched rate)."""
-    if not batchable or max_batch_size <= 1:
-        return (1,)
-    return (1, min(MAX_BATCH_TIMED, max_batch_size))
-
-
 def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine], max_batch_size: int,
                  turn: Turn = now, installed: Callable[[str], bool] = runtime_installed) -> RuntimePick:
     """The runtime to serve ``staged`` (already the chosen precision's manifest) on. ``load`` makes one engine of
@@ -88,7 +78,7 @@ def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine
                 f"{names[0]}: the only runtime here that runs this {m.backend} {m.precision} bundle")
         return RuntimePick(names[0], source, note=note)
     sizes = timing_sizes(m.batchable, max_batch_size)
-    engines: dict[str, Engine] = {}
+    engines: dict[str, tuple[StagedModel, Engine]] = {}
     failures: list[Exception] = []
     try:
         for r in names:
@@ -106,39 +96,25 @@ def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine
                 log.warning("%s %s: on %s it fails its self-test, not a candidate: %s", m.name, m.version, r, exc)
                 failures.append(SelfTestFailed(f"on {r}: {exc}"))
                 continue
-            engines[r] = engine
+            engines[r] = (staged, engine)
         if not engines:
             raise failures[0]
-        best: dict[str, dict[int, float]] = {r: {} for r in engines}
-        for _ in range(ROUNDS):  # in alternation: a slow spell of the box lands on every candidate alike
-            for r, engine in list(engines.items()):
-                try:
-                    measured = measure_batch_sizes(engine, staged, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2)
-                except SelfTestFailed as exc:  # fails at a batch size its self-test did not run
-                    del engines[r], best[r]
-                    engine.close()
-                    log.warning("%s %s: on %s it fails while timed, not a candidate: %s", m.name, m.version, r, exc)
-                    failures.append(exc)
-                    continue
-                for n, v in measured:
-                    best[r][n] = max(best[r].get(n, 0.0), v)
+
+        def dropped(r: str, exc: SelfTestFailed) -> None:
+            log.warning("%s %s: on %s it fails while timed, not a candidate: %s", m.name, m.version, r, exc)
+            failures.append(exc)
+
+        best = time_in_alternation(engines, sizes, turn, dropped)
         if not engines:
             raise failures[0]
     finally:
-        for engine in engines.values():
+        for _, engine in engines.values():
             engine.close()
-    timings = tuple(RuntimeTiming(r, round(_geomean(list(figs.values())), 1), tuple(sorted(figs.items())))
+    timings = tuple(RuntimeTiming(r, round(geomean(list(figs.values())), 1), tuple(sorted(figs.items())))
                     for r, figs in best.items())
-    by_r = {t.runtime: t.items_per_s for t in timings}
-    fastest = max(by_r, key=lambda r: by_r[r])
     own = m.backend
-    chosen = own if own in by_r and by_r[own] * (1 + TIE) >= by_r[fastest] else fastest
+    chosen, fastest = keep_unless_faster(own, {t.runtime: t.items_per_s for t in timings}, TIE)
     figures = ", ".join(f"{t.runtime} {t.items_per_s:g}/s" for t in timings)
     note = (f"{chosen}: timed here ({figures}, geometric mean over batch sizes {sizes})"
             + ("" if chosen != own or fastest == own else f"; {fastest} is within {TIE:.0%}, {own} kept"))
     return RuntimePick(chosen, "device", timings, note)
-
-
-def _geomean(values: list[float]) -> float:
-    vals = [max(v, 1e-9) for v in values]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0

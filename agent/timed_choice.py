@@ -1,0 +1,64 @@
+"""A choice between engines made by timing them on the device: the precision (agent/precision.py) and the
+runtime (agent/runtime_choice.py) are picked the same way. Each candidate is timed at batch 1 and the largest
+batch formed (:func:`timing_sizes`), :data:`ROUNDS` times in alternation (every call in its turn with the version
+serving: ``turn``), the best figure per batch size counting; the candidates are compared by the geometric mean over
+the batch sizes, and the bundle's own is kept unless another is more than a tie faster (:func:`keep_unless_faster`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.selftest import Turn, measure_batch_sizes
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import Engine
+
+__all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "geomean", "keep_unless_faster", "time_in_alternation",
+           "timing_sizes"]
+
+ROUNDS = 3  # each candidate is timed this many times, in alternation; the best figure per batch size counts
+ROUND_BUDGET_S = 0.3  # seconds of calls per candidate per round
+MAX_BATCH_TIMED = 8  # batch 1 (a lone request) and the largest batch formed, up to this
+
+
+def timing_sizes(batchable: bool, max_batch_size: int) -> tuple[int, ...]:
+    """Batch 1 (a lone request) and the largest batch the agent forms, up to 8 (enough to see the batched rate)."""
+    if not batchable or max_batch_size <= 1:
+        return (1,)
+    return (1, min(MAX_BATCH_TIMED, max_batch_size))
+
+
+def time_in_alternation(candidates: dict[str, tuple[StagedModel, Engine]], sizes: tuple[int, ...], turn: Turn,
+                        dropped: Callable[[str, SelfTestFailed], None]) -> dict[str, dict[int, float]]:
+    """Items per second of each candidate (the bundle as it runs it, and its engine) at each of ``sizes``: the best
+    of :data:`ROUNDS` rounds, timed in alternation so that a slow spell of the box lands on every candidate alike.
+    A candidate that fails while timed (at a batch size its self-test did not run) is closed, taken out of
+    ``candidates`` and handed to ``dropped`` with its failure; the others stay open, for the caller to close."""
+    best: dict[str, dict[int, float]] = {k: {} for k in candidates}
+    for _ in range(ROUNDS):
+        for k, (staged, engine) in list(candidates.items()):
+            try:
+                measured = measure_batch_sizes(engine, staged, sizes, turn, budget_s=ROUND_BUDGET_S, calls=2)
+            except SelfTestFailed as exc:
+                del candidates[k], best[k]
+                engine.close()
+                dropped(k, exc)
+                continue
+            for n, v in measured:
+                best[k][n] = max(best[k].get(n, 0.0), v)
+    return best
+
+
+def geomean(values: list[float]) -> float:
+    vals = [max(v, 1e-9) for v in values]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0
+
+
+def keep_unless_faster(own: str, figures: dict[str, float], tie: float) -> tuple[str, str]:
+    """(chosen, fastest) of the candidates' ``figures``: ``own`` unless it is missing or another is more than ``tie``
+    faster."""
+    fastest = max(figures, key=lambda k: figures[k])
+    chosen = own if own in figures and figures[own] * (1 + tie) >= figures[fastest] else fastest
+    return chosen, fastest
