@@ -19,6 +19,9 @@ from edgefleet.agent.store import ModelStore
 from edgefleet.protocol.bundle import sha256_file
 from tests.waiting import wait_for
 
+DIGITS_IN_BYTES = 64 * 4  # one digits image (1x8x8 FP32) in
+DIGITS_OUT_BYTES = 10 * 4  # its ten FP32 logits out
+
 
 def preinstall(data_dir: Path, bundle: Path) -> None:
     store = ModelStore(data_dir / "store")
@@ -57,6 +60,14 @@ def running_agent(data_dir: Path, **overrides) -> Iterator[tuple[Agent, str]]:
         t.join(30)
         assert not t.is_alive(), "the agent did not stop"
         assert not errors, errors
+
+
+@contextmanager
+def installed_agent(data_dir: Path, bundle: Path, **overrides) -> Iterator[tuple[Agent, str]]:
+    """``running_agent`` on ``data_dir`` with ``bundle`` installed first (as a device that had it before a restart)."""
+    preinstall(data_dir, bundle)
+    with running_agent(data_dir, **overrides) as agent_url:
+        yield agent_url
 
 
 @contextmanager

@@ -17,21 +17,18 @@ from tritonclient.utils import InferenceServerException
 
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.shm import SharedMemory
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import DIGITS_IN_BYTES, DIGITS_OUT_BYTES, installed_agent, preinstall, running_agent
 
 tgrpc = pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc] (grpcio, tritonclient[grpc])")
 
-IN_BYTES = 16 * 64 * 4  # 16 digits images, FP32
-OUT_BYTES = 16 * 10 * 4
+IN_BYTES, OUT_BYTES = DIGITS_IN_BYTES * 16, DIGITS_OUT_BYTES * 16  # 16 digits images
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, digits_bundle):
-    data = tmp_path_factory.mktemp("agent")
-    preinstall(data, digits_bundle)
-    with running_agent(data, grpc_port=0, max_shm_regions_per_client=3, max_shm_regions=4,
-                       max_shm_bytes=1024 * 1024) as (a, url):
-        yield a, url
+    with installed_agent(tmp_path_factory.mktemp("agent"), digits_bundle, grpc_port=0, max_shm_regions_per_client=3,
+                         max_shm_regions=4, max_shm_bytes=1024 * 1024) as agent_url:
+        yield agent_url
 
 
 @pytest.fixture

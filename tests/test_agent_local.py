@@ -18,21 +18,19 @@ import pytest
 
 from edgefleet.agent.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
 from edgefleet.protocol import local as wire
-from tests.agent_harness import preinstall, running_agent, shm_object
+from tests.agent_harness import DIGITS_IN_BYTES, DIGITS_OUT_BYTES, installed_agent, shm_object
 from tests.waiting import wait_for
 
-IN_BYTES = 16 * 64 * 4  # 16 digits images, FP32
-OUT_BYTES = 16 * 10 * 4
+IN_BYTES, OUT_BYTES = DIGITS_IN_BYTES * 16, DIGITS_OUT_BYTES * 16  # 16 digits images
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, digits_bundle):
-    data = tmp_path_factory.mktemp("agent")
-    preinstall(data, digits_bundle)
-    with running_agent(data, local_socket="local.sock", max_shm_regions_per_client=3, max_shm_regions=4,
-                       max_shm_bytes=1024 * 1024, local_max_connections=6, max_body_bytes=64 * 1024,
-                       local_max_connections_per_user=6) as (a, url):  # one user here: the total's limit
-        yield a, url
+    with installed_agent(tmp_path_factory.mktemp("agent"), digits_bundle, local_socket="local.sock",
+                         max_shm_regions_per_client=3, max_shm_regions=4, max_shm_bytes=1024 * 1024,
+                         local_max_connections=6, max_body_bytes=64 * 1024,
+                         local_max_connections_per_user=6) as agent_url:  # one user here: the total's limit
+        yield agent_url
 
 
 @pytest.fixture
