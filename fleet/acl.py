@@ -36,7 +36,8 @@ from typing import Literal
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.fsutil import atomic_write
 
-__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "MAX_PACKET_BYTES", "MAX_PAYLOAD_BYTES", "Account", "allowed",
+__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "MAX_PACKET_BYTES", "MAX_PAYLOAD_BYTES", "Account", "ActiveAccounts",
+           "allowed",
            "client_id_allowed", "hash_password", "mosquitto_conf", "reload_mosquitto", "verify_password",
            "write_mosquitto_files"]
 
@@ -77,6 +78,24 @@ def verify_password(password: str, stored: str) -> bool:
     except (ValueError, TypeError):
         return False
     return hmac.compare_digest(base64.b64encode(got).decode(), digest)
+
+
+class ActiveAccounts:
+    """The active MQTT accounts, as the embedded broker checks them (its ``fleet.broker.Authorizer``; the fleet
+    server refreshes it on every change)."""
+
+    def __init__(self) -> None:
+        self._hashes: dict[str, str] = {}
+
+    def update(self, accounts: list[Account]) -> None:
+        self._hashes = {a.username: a.password_hash for a in accounts}
+
+    def is_active(self, username: str | None) -> bool:
+        return (username or "") in self._hashes
+
+    def authenticate(self, username: str | None, password: str | None) -> bool:
+        stored = self._hashes.get(username or "")
+        return stored is not None and password is not None and verify_password(password, stored)
 
 
 def allowed(username: str | None, topic: str, action: Literal["publish", "subscribe"]) -> bool:

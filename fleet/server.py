@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.fleet.acl import FLEET_USER, Account, reload_mosquitto, verify_password, write_mosquitto_files
+from edgefleet.fleet.acl import FLEET_USER, Account, ActiveAccounts, reload_mosquitto, write_mosquitto_files
 from edgefleet.fleet.auth import TokenStore
 from edgefleet.fleet.bridge import MqttBridge
 from edgefleet.fleet.db import make_engine
@@ -71,23 +71,6 @@ class FleetConfig:
     tuf_store: str = "auto"
 
 
-class _Accounts:
-    """The active MQTT accounts, as the embedded broker checks them (refreshed on every change)."""
-
-    def __init__(self) -> None:
-        self._hashes: dict[str, str] = {}
-
-    def update(self, accounts: list[Account]) -> None:
-        self._hashes = {a.username: a.password_hash for a in accounts}
-
-    def is_active(self, username: str | None) -> bool:
-        return (username or "") in self._hashes
-
-    def authenticate(self, username: str | None, password: str | None) -> bool:
-        stored = self._hashes.get(username or "")
-        return stored is not None and password is not None and verify_password(password, stored)
-
-
 class FleetServer:
     def __init__(self, config: FleetConfig):
         self.config = config
@@ -101,7 +84,7 @@ class FleetServer:
         store = SqlStore(self.engine) if tuf_store == "db" else DirStore(config.data_dir / "tuf")
         self.repo = Repository(store, KeyStore(config.keys_dir), upload_dir=config.data_dir / "tuf")
         self.repo.init()
-        self.accounts = _Accounts()
+        self.accounts = ActiveAccounts()
         self.enrollment = Enrollment(self.engine, self._credentials_changed)
         mqtt_user, mqtt_password = config.mqtt_username, config.mqtt_password or os.environ.get(
             "EDGEFLEET_MQTT_PASSWORD")

@@ -31,9 +31,9 @@ from edgefleet.fleet.acl import (
     FLEET_USER,
     LEGACY_AGENT_PREFIX,
     Account,
+    ActiveAccounts,
     mosquitto_conf,
     reload_mosquitto,
-    verify_password,
     write_mosquitto_files,
 )
 from edgefleet.fleet.broker import EmbeddedBroker
@@ -44,23 +44,6 @@ from tests.conftest import free_port, wait_for, wait_port
 FLEET_PASSWORD = "fleet-secret-for-identity-tests"
 MOSQUITTO_USER = "user root\n" if os.geteuid() == 0 else ""
 WAIT_S = 20.0
-
-
-class Accounts:
-    """The embedded broker's authorizer, as fleet/server.py feeds it (refreshed on every change)."""
-
-    def __init__(self) -> None:
-        self.hashes: dict[str, str] = {}
-
-    def update(self, accounts: list[Account]) -> None:
-        self.hashes = {a.username: a.password_hash for a in accounts}
-
-    def is_active(self, username: str | None) -> bool:
-        return (username or "") in self.hashes
-
-    def authenticate(self, username: str | None, password: str | None) -> bool:
-        stored = self.hashes.get(username or "")
-        return stored is not None and password is not None and verify_password(password, stored)
 
 
 class Conn:
@@ -208,7 +191,7 @@ def env(request, tmp_path) -> Iterator[Env]:
         gen = _mosquitto(tmp_path, enroll)
         device_port, fleet_port, broker_pid = next(gen)
     else:
-        accounts = Accounts()
+        accounts = ActiveAccounts()  # the embedded broker's authorizer, as fleet/server.py feeds it
         enroll.on_change = accounts.update
         accounts.update(enroll.accounts())
         device_port = fleet_port = free_port()
