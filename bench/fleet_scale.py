@@ -39,11 +39,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import free_port, postgres_db  # noqa: E402  (a fresh PostgreSQL database, as the tests get)
 
 
 def wait(pred, timeout_s: float, what: str, interval_s: float = 0.2):
@@ -348,20 +344,6 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             "db_mb": round(db_bytes / 2**20, 1), "rejected": rejected}
 
 
-def postgres_url(name: str) -> str | None:
-    """A fresh PostgreSQL database on 127.0.0.1:5432 (user postgres, trust auth), or None if unreachable."""
-    try:
-        import psycopg
-
-        with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
-            conn.autocommit = True
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-            conn.execute(f"CREATE DATABASE {name}")
-        return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    except Exception:
-        return None
-
-
 def bench_telemetry(base: Path, n: int, interval_s: float, duration_s: float, db_url: str | None = None,
                     replicas: int = 1) -> dict:
     """Devices send telemetry at a fixed rate for ``duration_s``; the fleet (``replicas`` servers on one database
@@ -449,13 +431,13 @@ def main() -> int:
     results: dict = {"rollout": []}
     for n in [int(x) for x in a.sizes.split(",") if x]:
         for db in [d for d in a.dbs.split(",") if d]:
-            db_url = None if db == "sqlite" else postgres_url(f"edgefleet_bench_rollout_{n}")
+            db_url = None if db == "sqlite" else postgres_db(f"edgefleet_bench_rollout_{n}")
             if db != "sqlite" and db_url is None:
                 print(f"rollout on {db}: skipped, PostgreSQL is not reachable on 127.0.0.1:5432", flush=True)
                 continue
             for broker in [b for b in a.brokers.split(",") if b]:
                 if db_url is not None:
-                    db_url = postgres_url(f"edgefleet_bench_rollout_{n}")  # a fresh database for each run
+                    db_url = postgres_db(f"edgefleet_bench_rollout_{n}")  # a fresh database for each run
                 res = bench_rollout(base, bundle, n, broker == "tuned", db_url, a.replicas if db_url else 1,
                                     -(-n // a.devices_per_sim), cluster=broker == "cluster")
                 results["rollout"].append(res)
@@ -471,12 +453,12 @@ def main() -> int:
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:
-            pg = postgres_url("edgefleet_bench_scale")
+            pg = postgres_db("edgefleet_bench_scale")
             if pg is None:
                 print("telemetry with replicas: skipped, PostgreSQL is not reachable on 127.0.0.1:5432 (user "
                       "postgres, trust auth); replicas need a shared database", flush=True)
             else:
-                runs += [(pg, 1), (postgres_url("edgefleet_bench_scale2"), 2)]
+                runs += [(pg, 1), (postgres_db("edgefleet_bench_scale2"), 2)]
         results["telemetry"] = []
         for db_url, replicas in runs:
             res = bench_telemetry(base, a.telemetry_devices, a.telemetry_interval_s, a.telemetry_duration_s, db_url,
