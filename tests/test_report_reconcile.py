@@ -118,6 +118,7 @@ def test_devices_are_known_online_although_the_broker_dropped_their_status(tmp_p
     with running_fleet(tmp_path, dropping_broker.url, report_reconcile_after_s=1.0 if reconcile else 0.0) \
             as (fs, url):
         fs.reconciler.status_cycle_s = 1.0
+        fs.reconciler.batch = 5  # read back no more a tick than this broker's queue holds (5 queued, 2 in flight)
         r = api.post(f"{url}/api/v1/devices/batch", json={"devices": [{"device_id": d} for d in ids]})
         assert r.status_code == 201 and r.json() == {"registered": DEVICES, "updated": 0}, r.text
         sim = sims(mqtt_url=dropping_broker.url, devices=DEVICES, install_s=0.0)
