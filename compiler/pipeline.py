@@ -34,7 +34,7 @@ from edgefleet.compiler.gate import advice
 from edgefleet.compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
 from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.base import BuildTarget
-from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec
+from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec, Runtime, record
 from edgefleet.engines import load as load_engine
 from edgefleet.engines.onnxruntime import CPU
 from edgefleet.judge.data import Dataset, load_dataset
@@ -74,7 +74,7 @@ SELFTEST_MAX_SAMPLES = 64
 SELFTEST_MAX_INPUT_BYTES = 1 << 20  # the sample travels in every bundle: keep it small for big inputs
 SELFTEST_MAX_BYTES = 1 << 20  # the compressed self-test file, inputs and expected outputs together
 MIN_CALIBRATION_SAMPLES = 16  # fewer gives activation ranges from a handful of inputs
-QDQ_MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (the axis attribute) needs opset 13
+REFERENCE_RUNTIME = "onnxruntime"  # runs the fp32 source model (ONNX) on the build host's CPU: the reference
 Progress = Callable[[int, int, str], None]
 
 
@@ -125,6 +125,7 @@ class _Engines:
     def __init__(self, info: GraphInfo, profile: HardwareProfile):
         self.info = info
         self.profile = profile
+        self.runtime: Runtime = record(profile.backend)  # what the profile's engines are: name, file suffix
         self.opened: list[Engine] = []
 
     def open(self, kind: str, path: Path, precision: str, label: str,
@@ -293,7 +294,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         wanted.remove(precision)
         notes[precision] = f"not built: {why}"
 
-    if "int8" in wanted and (why_not := _host_cannot_gate_int8(profile)):
+    if "int8" in wanted and (why_not := _host_cannot_gate_int8(profile, target)):
         drop("int8", why_not)
     if "bf16" in wanted and (why_not := _bf16.host_cannot_run_bf16(profile)):
         drop("bf16", why_not)  # auto: not considered, and the manifest says why
@@ -314,7 +315,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             contextlib.closing(engines):
         work = Path(tmp)
         progress(3, total, "running the fp32 reference")
-        reference = engines.open("onnxruntime", opts.model, "fp32", "the fp32 reference (source model)", (CPU,))
+        reference = engines.open(REFERENCE_RUNTIME, opts.model, "fp32", "the fp32 reference (source model)", (CPU,))
         out_axes = [o.batch_axis for o in info.outputs]
         ref_out = predict_all(reference, eval_set, output_axes=out_axes)
         if task.source == "inferred":  # the shape and fp32's values on the evaluation data decide, or say unsure
@@ -338,9 +339,10 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                 notes[p] = f"not built: {why_not}"
             gate_task = None  # fp32 itself is gated by output agreement
         source = opts.model
-        if "int8" in wanted and profile.backend == "onnxruntime" and info.opset < QDQ_MIN_OPSET:
+        min_opset = target.qdq_int8_min_opset
+        if "int8" in wanted and min_opset is not None and info.opset < min_opset:
             try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
-                source = ensure_opset(opts.model, QDQ_MIN_OPSET, work / "source-opset13.onnx", eval_set.head(16))
+                source = ensure_opset(opts.model, min_opset, work / f"source-opset{min_opset}.onnx", eval_set.head(16))
             except CompilerError as exc:  # with auto, the float build still ships
                 if not auto or len(wanted) == 1:
                     raise
@@ -355,7 +357,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                 # the fp32 reference ran, so a quantized build that fails (the quantizer crashes, onnxruntime cannot
                 # load or run what it wrote) is this model's limit with this quantizer, not a broken toolchain
                 if precision == "fp32" or _toolchain_missing(exc) or (
-                        profile.backend != "onnxruntime" and (not auto or len(wanted) == 1)):
+                        not target.builds_with_reference_runtime and (not auto or len(wanted) == 1)):
                     raise
                 why = _one_line(exc)
                 if not auto or len(wanted) == 1:
@@ -366,14 +368,14 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
 
         int8 = built.get("int8")
         if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
-                and profile.backend == "onnxruntime":
+                and target.qdq_int8_min_opset is not None:
             progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
             built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate, task,
                                             opts.benchmark and profile.accelerator == "cpu")
         if opts.keep_engines is not None:  # for a caller that measures the candidates itself (bench/corpus.py)
             opts.keep_engines.mkdir(parents=True, exist_ok=True)
             for b in built.values():
-                shutil.copyfile(b.engine, opts.keep_engines / f"{b.precision}{target.engine_suffix}")
+                shutil.copyfile(b.engine, opts.keep_engines / f"{b.precision}{engines.runtime.suffix}")
         cannot_time = _host_cannot_time(profile)
         benchmarked = opts.benchmark and profile.accelerator == "cpu" and cannot_time is None
         fp32_runner = built["fp32"].runner if "fp32" in built else reference
@@ -394,7 +396,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
             raise AccuracyGateFailed(
                 f"accuracy gate failed: {failed}; "
                 + _gate_advice(built["int8"].accuracy if "int8" in built else next(iter(built.values())).accuracy,
-                               task, calib, "n/a" if profile.backend != "onnxruntime" or "int8" not in built
+                               task, calib, "n/a" if target.qdq_int8_min_opset is None or "int8" not in built
                                else "tried" if opts.fallback else "off", profile)
                 + _per_output_report(built))
         chosen, reason = decided
@@ -433,11 +435,11 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         sample_top1 = _sample_top1(sample, expected)
 
         progress(7, total, "writing bundle")
-        engine = best.engine.rename(work / f"model{target.engine_suffix}")  # a stable name in every bundle
+        engine = best.engine.rename(work / f"model{engines.runtime.suffix}")  # a stable name in every bundle
         shipped = [engine, work / "selftest.npz"]
         variant_entries = []
         for b in variants:  # each with its own engine and self-test sample (its outputs differ from the others')
-            v_engine = b.engine.rename(work / f"model-{b.precision}{target.engine_suffix}")
+            v_engine = b.engine.rename(work / f"model-{b.precision}{engines.runtime.suffix}")
             v_sample, v_expected = _write_selftest(eval_set, b.runner, reference, info,
                                                    work / f"selftest-{b.precision}.npz")
             shipped += [v_engine, work / f"selftest-{b.precision}.npz"]
@@ -576,11 +578,11 @@ def _host_cannot_time(profile: HardwareProfile) -> str | None:
     return None
 
 
-def _host_cannot_gate_int8(profile: HardwareProfile) -> str | None:
+def _host_cannot_gate_int8(profile: HardwareProfile, target: BuildTarget) -> str | None:
     """The gate runs the engine on the build host, so the host must compute what the profile's CPUs
     compute. Reduced-range and u8u8 engines compute exactly everywhere; full-range u8s8 (VNNI
     profiles) saturates on an AVX2 host without VNNI, which would gate numbers no device computes."""
-    if profile.arch != "x86_64" or cpu_arch() != "x86_64" or profile.backend != "onnxruntime":
+    if profile.arch != "x86_64" or cpu_arch() != "x86_64" or target.qdq_int8_min_opset is None:
         return None
     if profile.int8_scheme()[0] in ("u8s8", "s8s8") and u8s8_saturates():
         return (f"the build host has AVX2 without VNNI, where full-range int8 saturates, so the accuracy gate "
@@ -676,18 +678,19 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: _Engines, precisi
     if precision == "bf16":
         return _build_and_gate_bf16(target, model, engines, work, eval_set, ref_out, gate, task)
     info, profile = engines.info, engines.profile
-    engine = work / f"model-{precision}{target.engine_suffix}"
+    engine = work / f"model-{precision}{engines.runtime.suffix}"
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
     # fixes the dynamic dimensions other than the batch (a detector's H and W) at their size
-    data = calib if precision == "int8" else eval_set.head(1) if profile.backend == "tensorrt" else None
-    if precision == "int8" and profile.backend == "onnxruntime" and task is not None and task.name == "detection" \
+    data = calib if precision == "int8" else eval_set.head(1) if target.float_build_needs_samples else None
+    if precision == "int8" and target.qdq_int8_min_opset is not None and task is not None and task.name == "detection" \
             and data is not None:
         from edgefleet.compiler.sensitivity import quantize_keeping_head  # boxes and scores keep their own ranges
 
         quant = quantize_keeping_head(model, profile, data, engine, task.output)
     else:
         quant = target.build(model, info, precision, profile, data, engine)
-    runner = engines.open(target.backend, engine, precision, f"the {precision} {target.backend} candidate")
+    kind = engines.runtime.name
+    runner = engines.open(kind, engine, precision, f"the {precision} {kind} candidate")
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, precision, gate, task)
     return _Built(precision, engine, runner, quant, report)
@@ -698,7 +701,7 @@ def _build_and_gate_bf16(target: BuildTarget, model: Path, engines: _Engines, wo
     """bf16 (compiler.bf16): the fp32 build's ONNX file, run by OpenVINO with its bf16 hint and judged by the same
     gate as int8 against the fp32 reference; tagged bf16 wherever it goes, never fp32."""
     info = engines.info
-    engine = work / f"model-bf16{target.engine_suffix}"
+    engine = work / f"model-bf16{engines.runtime.suffix}"
     target.build(model, info, "fp32", engines.profile, None, engine)
     runner = engines.open(_bf16.RUNTIME, engine, "bf16", f"the bf16 {_bf16.RUNTIME} candidate")
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
@@ -739,7 +742,8 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
         engine = work / f"model-int8-float{k}.onnx"
         try:
             quant = quantize(prepared, profile, calib, engine, keep_float=keep)
-            runner = engines.open("onnxruntime", engine, "int8", f"the int8 candidate with {len(keep)} float layers")
+            runner = engines.open(engines.runtime.name, engine, "int8",
+                                  f"the int8 candidate with {len(keep)} float layers")
             report = evaluate_gate([o.name for o in info.outputs], ref_out,
                                    predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs]),
                                    eval_set.labels, "int8", gate, task)

@@ -2,9 +2,11 @@
 
 The compiler's accuracy gate and benchmark, the agent's batcher, self-test, warm-up and shadow,
 ``edgefleet verify`` and the benchmarks in ``bench/`` all load engines through :func:`load`, so the figure
-the gate signs is produced by the code that serves. A new runtime is one module here (an :class:`Engine`
-subclass) plus one line in ``_REGISTRY``, and its build target in ``compiler/targets/``; the registry's
-kinds are the manifest's (``protocol.manifest.Backend``), which a test keeps equal.
+the gate signs is produced by the code that serves. A new runtime is one module here: an :class:`Engine` subclass
+and its record, ``RUNTIME = Runtime(...)`` (:class:`engines.base.Runtime`: the backend whose files it loads, its
+precisions, the modules that provide it, its file suffix and its build target in ``compiler/targets/``), found by
+this package at import; plus its run of tests/test_engines_conformance.py. The registry's kinds are the manifest's
+(``protocol.manifest.Backend``) and the compiler's targets, which tests/test_runtime_records.py keeps equal.
 
 A runtime may also load another kind's files: OpenVINO runs the same ONNX/QDQ files as onnxruntime, so a bundle's
 backend stays ``onnxruntime`` and the runtime that executes it is a choice on the device (:func:`runtimes_for`
@@ -21,37 +23,49 @@ if __name__ != "edgefleet.engines":  # the folder engines/ is installed as edgef
 
 import importlib
 import importlib.util
+import pkgutil
 from pathlib import Path
 
-from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec
+from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec, Runtime
 from edgefleet.engines.errors import EngineClosed, EngineError, EngineInputError, EngineLoadError, EngineRunError
 from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["EXTRAS", "KINDS", "NP_DTYPES", "RUNTIMES", "Engine", "EngineClosed", "EngineError", "EngineInputError",
-           "EngineLoadError", "EngineRunError", "EngineSpec", "load", "load_bundle_engine", "runtime_installed",
-           "runtimes_for"]
+           "EngineLoadError", "EngineRunError", "EngineSpec", "Runtime", "load", "load_bundle_engine", "record",
+           "runtime_installed", "runtimes_for"]
 
-_GATED = ("fp32", "fp16", "int8")
-# runtime -> (module, class, the manifest backend whose engine files it loads, the precisions it runs, the modules
-# it needs, any of them). bf16 is OpenVINO's alone: onnxruntime would run a bf16 bundle's ONNX file in fp32
-_REGISTRY: dict[str, tuple[str, str, str, tuple[str, ...], tuple[str, ...]]] = {
-    "onnxruntime": ("edgefleet.engines.onnxruntime", "OnnxRuntimeEngine", "onnxruntime", _GATED, ("onnxruntime",)),
-    "litert": ("edgefleet.engines.litert", "LiteRTEngine", "litert", _GATED, ("ai_edge_litert", "tflite_runtime")),
-    "tensorrt": ("edgefleet.engines.tensorrt", "TensorRTEngine", "tensorrt", _GATED, ("tensorrt",)),
-    "openvino": ("edgefleet.engines.openvino", "OpenVINOEngine", "onnxruntime", ("fp32", "int8", "bf16"),
-                 ("openvino",)),
-}
+
+def _records() -> dict[str, Runtime]:
+    """Every runtime, by name, in the records' order: the ``RUNTIME`` record of each module of this package that
+    declares one (the modules import their runtimes lazily, so this imports none)."""
+    found: dict[str, Runtime] = {}
+    for info in pkgutil.iter_modules(__path__):
+        entry = getattr(importlib.import_module(f"{__name__}.{info.name}"), "RUNTIME", None)
+        if isinstance(entry, Runtime):
+            if entry.name in found:
+                raise ImportError(f"two engine modules declare the runtime {entry.name!r}")
+            found[entry.name] = entry
+    return dict(sorted(found.items(), key=lambda item: (item[1].order, item[0])))
+
+
+_REGISTRY = _records()
 RUNTIMES = tuple(_REGISTRY)  # every runtime this package can drive
-KINDS = tuple(k for k, e in _REGISTRY.items() if e[2] == k)  # the manifest's backends: the file formats
-# the extra that installs a runtime, for the error a box without it gets
-EXTRAS = {"onnxruntime": "edgefleet[onnxruntime]", "litert": "edgefleet[agent]", "tensorrt": "JetPack's tensorrt",
-          "openvino": "edgefleet[openvino]"}
+KINDS = tuple(k for k, e in _REGISTRY.items() if e.backend == k)  # the manifest's backends: the file formats
+EXTRAS = {k: e.extra for k, e in _REGISTRY.items()}  # what installs a runtime, for the error a box without it gets
+
+
+def record(runtime: str) -> Runtime:
+    """The record of ``runtime`` (a manifest backend is the runtime of its own name); EngineLoadError if none."""
+    entry = _REGISTRY.get(runtime)
+    if entry is None:
+        raise EngineLoadError(f"no {runtime!r} engine here (available: {', '.join(sorted(_REGISTRY))})")
+    return entry
 
 
 def runtimes_for(backend: str, precision: str | None = None) -> tuple[str, ...]:
     """The runtimes that load a ``backend``'s engine files (in ``precision``, if given), the backend's own first."""
-    return tuple(sorted((k for k, e in _REGISTRY.items() if e[2] == backend and (precision is None
-                                                                                  or precision in e[3])),
+    return tuple(sorted((k for k, e in _REGISTRY.items() if e.backend == backend and (precision is None
+                                                                                       or precision in e.precisions)),
                         key=lambda k: k != backend))
 
 
@@ -60,7 +74,7 @@ def runtime_installed(runtime: str) -> bool:
     entry = _REGISTRY.get(runtime)
     if entry is None:
         return False
-    for module in entry[4]:
+    for module in entry.modules:
         try:
             if importlib.util.find_spec(module) is not None:
                 return True
@@ -74,17 +88,14 @@ def load(kind: str, engine: Path, spec: EngineSpec, threads: int,
     """A loaded engine of ``kind`` from the file ``engine``, with ``threads`` CPU threads. ``providers``: the
     execution providers to ask for, best first, for a runtime that has them (onnxruntime; default: from the
     spec's profile); the others run where their engine was built for."""
-    entry = _REGISTRY.get(kind)
-    if entry is None:
-        raise EngineLoadError(f"no {kind!r} engine here (available: {', '.join(sorted(_REGISTRY))})")
-    if spec.precision not in entry[3]:
-        others = [k for k, e in _REGISTRY.items() if spec.precision in e[3]]
+    entry = record(kind)
+    if spec.precision not in entry.precisions:
+        others = [k for k, e in _REGISTRY.items() if spec.precision in e.precisions]
         missing = [EXTRAS[k] for k in others if not runtime_installed(k)]
         raise EngineLoadError(f"{spec.label}: the {kind} runtime does not run {spec.precision} engines"
                               + (f"; {', '.join(others)} {'does' if len(others) == 1 else 'do'}" if others else "")
                               + (f" (install {', '.join(missing)})" if missing else ""))
-    cls = getattr(importlib.import_module(entry[0]), entry[1])
-    instance: Engine = cls(spec, providers=providers)
+    instance: Engine = entry.engine(spec, providers=providers)
     try:
         instance.load(engine, threads)
     except BaseException:

@@ -19,7 +19,7 @@ import numpy as np
 from edgefleet.engines.errors import EngineClosed, EngineInputError, EngineRunError
 from edgefleet.protocol.manifest import Manifest, TensorSpec
 
-__all__ = ["NP_DTYPES", "Engine", "EngineSpec"]
+__all__ = ["NP_DTYPES", "Engine", "EngineSpec", "Runtime"]
 
 NP_DTYPES: dict[str, type] = {"FP32": np.float32, "FP16": np.float16, "INT8": np.int8, "UINT8": np.uint8,
                               "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_}
@@ -159,3 +159,25 @@ class Engine(ABC):
     @abstractmethod
     def _close_impl(self) -> None:
         """Release the runtime's resources (called once or more; must be idempotent)."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A runtime, declared once, by its own module of this package (``RUNTIME = Runtime(...)``). The registry
+    (:mod:`engines`), the compiler's build targets and its pipeline all read this record, so a new runtime is one
+    module here (its :class:`Engine` and this record), its build target in the compiler (named by ``target``), and
+    its run of tests/test_engines_conformance.py."""
+
+    engine: type[Engine]  # the engine class; the runtime's name is its ``kind``
+    backend: str  # the manifest backend whose engine files it loads: its own name when it builds them
+    precisions: tuple[str, ...]  # the precisions it runs
+    modules: tuple[str, ...]  # the Python modules that provide it (any one of them), looked up, not imported
+    extra: str  # what installs it, for the error a box without it gets
+    accelerators: tuple[str, ...] = ("cpu",)  # the hardware profiles' accelerators it serves
+    suffix: str = ""  # its engine files' suffix ("" when it runs another backend's files)
+    target: str = ""  # its build target in the compiler, "module:Class" ("" when it runs another backend's files)
+    order: int = 100  # where it stands when runtimes are listed (messages, a choice's candidates): lower first
+
+    @property
+    def name(self) -> str:
+        return self.engine.kind

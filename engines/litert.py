@@ -26,13 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import Engine, EngineSpec
+from edgefleet.engines.base import Engine, EngineSpec, Runtime
 from edgefleet.engines.errors import EngineLoadError, EngineRunError
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol.errors import ContractError
 
-__all__ = ["IO_FORMAT", "IO_METADATA", "IOMap", "LiteRTEngine", "Port", "interpreter_class", "read_io_map",
-           "read_tflite_metadata"]
+__all__ = [
+    "IO_FORMAT",
+    "IO_METADATA",
+    "RUNTIME",
+    "IOMap",
+    "LiteRTEngine",
+    "Port",
+    "interpreter_class",
+    "read_io_map",
+    "read_tflite_metadata",
+]
 
 log = logging.getLogger("edgefleet.engines.litert")
 
@@ -276,3 +285,8 @@ class LiteRTEngine(Engine):
     def _close_impl(self) -> None:
         with self._lock:
             self._interp = None
+
+
+RUNTIME = Runtime(LiteRTEngine, backend="litert", precisions=("fp32", "fp16", "int8"),
+                  modules=("ai_edge_litert", "tflite_runtime"), extra="edgefleet[agent]", suffix=".tflite",
+                  target="edgefleet.compiler.targets.litert:LiteRTTarget", order=10)

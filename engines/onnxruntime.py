@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import Engine, EngineSpec
+from edgefleet.engines.base import Engine, EngineSpec, Runtime
 from edgefleet.engines.errors import EngineLoadError, EngineRunError
 
-__all__ = ["CPU", "CUDA", "TENSORRT", "OnnxRuntimeEngine", "providers_for", "session_options"]
+__all__ = ["CPU", "CUDA", "RUNTIME", "TENSORRT", "OnnxRuntimeEngine", "providers_for", "session_options"]
 
 log = logging.getLogger("edgefleet.engines.onnxruntime")
 
@@ -131,3 +131,8 @@ class OnnxRuntimeEngine(Engine):
 
     def _close_impl(self) -> None:
         self._sess = None
+
+
+RUNTIME = Runtime(OnnxRuntimeEngine, backend="onnxruntime", precisions=("fp32", "fp16", "int8"),
+                  modules=("onnxruntime",), extra="edgefleet[onnxruntime]", accelerators=("cpu", "gpu"), suffix=".onnx",
+                  target="edgefleet.compiler.targets.onnxruntime:OnnxRuntimeTarget", order=0)

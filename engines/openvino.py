@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec
+from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec, Runtime
 from edgefleet.engines.errors import EngineLoadError, EngineRunError
 
-__all__ = ["EXTRA", "HINTS", "OpenVINOEngine", "bf16_capable", "installed", "precision_hint"]
+__all__ = ["EXTRA", "HINTS", "RUNTIME", "OpenVINOEngine", "bf16_capable", "installed", "precision_hint"]
 
 log = logging.getLogger("edgefleet.engines.openvino")
 
@@ -156,3 +156,8 @@ class OpenVINOEngine(Engine):
             self._request = None
             self._compiled = None
 
+
+# runs onnxruntime bundles' ONNX/QDQ files (a choice on the device); bf16 is OpenVINO's alone: onnxruntime would run a
+# bf16 bundle's ONNX file in fp32
+RUNTIME = Runtime(OpenVINOEngine, backend="onnxruntime", precisions=("fp32", "int8", "bf16"), modules=("openvino",),
+                  extra=EXTRA, order=30)

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import Engine, EngineSpec
+from edgefleet.engines.base import Engine, EngineSpec, Runtime
 from edgefleet.engines.cuda import Device, DeviceBuffers, one_line, open_device
 from edgefleet.engines.errors import EngineLoadError, EngineRunError
 
-__all__ = ["BindingIO", "TensorIO", "TensorRTEngine", "import_tensorrt", "logged_errors", "make_logger"]
+__all__ = ["RUNTIME", "BindingIO", "TensorIO", "TensorRTEngine", "import_tensorrt", "logged_errors", "make_logger"]
 
 log = logging.getLogger("edgefleet.engines.tensorrt")
 
@@ -237,3 +237,8 @@ class TensorRTEngine(Engine):
             self._context = None
             self._engine = None
             self._release(self._device)
+
+
+RUNTIME = Runtime(TensorRTEngine, backend="tensorrt", precisions=("fp32", "fp16", "int8"),
+                  modules=("tensorrt",), extra="JetPack's tensorrt", accelerators=("gpu",), suffix=".engine",
+                  target="edgefleet.compiler.targets.tensorrt:TensorRTTarget", order=20)

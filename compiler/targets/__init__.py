@@ -1,8 +1,12 @@
 """Build targets: one module per runtime, each implementing :class:`compiler.targets.base.BuildTarget` (building
-only; the engines it builds run through :mod:`engines`)."""
+only; the engines it builds run through :mod:`engines`). Which class builds a backend's engines is that runtime's
+record (``engines.record(backend).target``), declared once by its engine module."""
 
 from __future__ import annotations
 
+import importlib
+
+from edgefleet import engines
 from edgefleet.compiler.errors import ToolchainError
 from edgefleet.compiler.targets.base import BuildTarget
 
@@ -10,16 +14,10 @@ __all__ = ["BuildTarget", "get_target"]
 
 
 def get_target(backend: str) -> BuildTarget:
-    if backend == "onnxruntime":
-        from edgefleet.compiler.targets.onnxruntime import OnnxRuntimeTarget
-
-        return OnnxRuntimeTarget()
-    if backend == "tensorrt":
-        from edgefleet.compiler.targets.tensorrt import TensorRTTarget
-
-        return TensorRTTarget()
-    if backend == "litert":
-        from edgefleet.compiler.targets.litert import LiteRTTarget
-
-        return LiteRTTarget()
-    raise ToolchainError(f"no build target for backend {backend!r}")
+    """A build target for ``backend``'s engine files, as its runtime's record names it."""
+    entry = engines.record(backend) if backend in engines.RUNTIMES else None
+    if entry is None or not entry.target:
+        raise ToolchainError(f"no build target for backend {backend!r} (backends with one: {', '.join(engines.KINDS)})")
+    module, _, name = entry.target.partition(":")
+    target: BuildTarget = getattr(importlib.import_module(module), name)()
+    return target

@@ -15,8 +15,18 @@ __all__ = ["BuildTarget"]
 
 
 class BuildTarget(Protocol):
-    backend: str  # the engines registry's kind of what it builds
-    engine_suffix: str
+    """What it builds (backend, file suffix, precisions) is its runtime's record (:class:`engines.base.Runtime`);
+    what the pipeline must know of how it builds is here."""
+
+    # int8 engines are ONNX QDQ graphs from onnxruntime's quantizer, so the source needs opset >= this (None: the
+    # target quantizes otherwise), chosen layers can stay in float (the float fallback; a detector's box head), and
+    # the build host's int8 kernels must compute what the devices' do (u8s8 saturates on AVX2 without VNNI)
+    qdq_int8_min_opset: int | None
+    # builds with the runtime that ran the fp32 reference: once fp32 ran, a failed quantized build is this model's
+    # limit with the quantizer, not a broken toolchain
+    builds_with_reference_runtime: bool
+    # a float build fixes the dynamic dimensions other than the batch at the sizes of sample inputs (TensorRT)
+    float_build_needs_samples: bool
 
     def build(self, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
               calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:

@@ -57,8 +57,9 @@ _ENGINE_FILE = {"fp32": "{stem}_float32.tflite", "int8": "{stem}_integer_quant.t
 
 
 class LiteRTTarget:
-    backend = "litert"
-    engine_suffix = ".tflite"
+    qdq_int8_min_opset: int | None = None
+    builds_with_reference_runtime = False
+    float_build_needs_samples = False
 
     def __init__(self, keep_dir: Path | None = None):
         """``keep_dir``: an empty (or new) folder to convert in and keep afterwards, with onnx2tf's command,

@@ -48,9 +48,13 @@ class _Reader:
         self._i = 0
 
 
+QDQ_MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (the axis attribute) needs opset 13
+
+
 class OnnxRuntimeTarget:
-    backend = "onnxruntime"
-    engine_suffix = ".onnx"
+    qdq_int8_min_opset: int | None = QDQ_MIN_OPSET
+    builds_with_reference_runtime = True
+    float_build_needs_samples = False
 
     def build(self, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
               calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:

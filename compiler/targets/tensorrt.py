@@ -46,8 +46,9 @@ Shape = tuple[int, ...]
 
 
 class TensorRTTarget:
-    backend = "tensorrt"
-    engine_suffix = ".engine"
+    qdq_int8_min_opset: int | None = None
+    builds_with_reference_runtime = False
+    float_build_needs_samples = True
 
     def __init__(self, tegra_release: Path = NV_TEGRA_RELEASE):
         self._tegra_release = tegra_release
