@@ -433,6 +433,11 @@ def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
 
 
+# a detector's gate judges the boxes fp32 finds: with fewer than this on the evaluation data, "all kept" says nothing
+# (the corpus's YOLOX captcha detector passed at 0 of 0 boxes on data where it finds none)
+MIN_REFERENCE_BOXES = 10
+
+
 def _detection(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
                _min: float) -> tuple[list[TaskCriterion], dict[str, float]]:
     fmt, score, iou_t, nms = task.arg("format"), task.arg("score"), task.arg("iou"), task.arg("nms")
@@ -455,7 +460,12 @@ def _detection(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
                 ious.append(float(cand_iou[j]))
         n_ref += len(rb)
         n_cand += len(cb)
-    recall = tp / n_ref if n_ref else 1.0
+    if n_ref < MIN_REFERENCE_BOXES:  # 0 of 0 boxes kept is not evidence: the eval data show no objects
+        raise InputError(f"detection ({fmt}): the fp32 model finds {n_ref} box(es) on the {len(ref)} evaluation "
+                         f"sample(s) at score >= {score:g}, fewer than the {MIN_REFERENCE_BOXES} a box gate needs to "
+                         "judge anything: give evaluation images with the objects the model detects (or check "
+                         "--task-args format=, score=)")
+    recall = tp / n_ref
     precision = tp / n_cand if n_cand else 1.0
     crits = [_crit("box_recall", recall, task.arg("min_recall"), "min", _wilson(tp, n_ref)),
              _crit("box_precision", precision, task.arg("min_precision"), "min", _wilson(tp, n_cand)),

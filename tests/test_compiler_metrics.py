@@ -110,3 +110,20 @@ def test_a_task_that_cannot_read_fp32s_outputs_gates_no_int8(tmp_path, precision
         assert "cannot judge" in doc["manifest"]["precision_choice"]["reason"]
     else:
         assert r.returncode == 4 and "cannot gate int8" in doc["error"] and "empty or whole" in doc["error"]
+
+
+def test_a_detector_whose_fp32_finds_no_boxes_on_the_eval_data_cannot_judge_an_engine():
+    """The corpus's YOLOX captcha detector shipped int8 on evaluation images where fp32 found 0 boxes: 0 of 0 kept
+    scored recall 1.0. A box gate with fewer than 10 fp32 boxes to keep judges nothing and says so; with enough
+    boxes the same engine is judged."""
+    from edgefleet.judge.errors import InputError
+
+    rng = np.random.default_rng(5)
+    ref = np.zeros((8, 4 + 3, 200), np.float32)
+    ref[:, 0:2] = rng.uniform(0, 320, (8, 2, 200))
+    ref[:, 2:4] = rng.uniform(4, 40, (8, 2, 200))
+    ref[:, 4:] = rng.uniform(0, 0.05, (8, 3, 200))  # every class score under the 0.25 threshold: no boxes
+    with pytest.raises(InputError, match="finds 0 box"):
+        _gate("detection", ref, ref.copy())
+    ref[:, 4, :3] = 0.9  # three confident boxes a sample: 24 to keep
+    assert _gate("detection", ref, ref.copy()).passed
