@@ -144,6 +144,21 @@ def two_precision_bundle(tmp_path_factory: pytest.TempPathFactory, digits_bundle
 
 
 @pytest.fixture(scope="session")
+def image_bundle(tmp_path_factory):
+    """Digits compiled with recorded image preprocessing: 8x8 gray, pixels / 255 (the test set's pixels / 16,
+    stored as 8-bit PNG values pixel * 255 / 16)."""
+    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+
+    d = tmp_path_factory.mktemp("imgbundle")
+    (d / "preprocess.yaml").write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\n"
+                                       "scale: 0.00392156862745098\n")
+    return compile_model(CompileOptions(
+        model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
+        eval=DIGITS / "test.npz", out_dir=d / "dist", name="digits", version="1.0.0", benchmark=False,
+        precision="int8", preprocess=d / "preprocess.yaml")).bundle
+
+
+@pytest.fixture(scope="session")
 def test_images():
     import numpy as np
 

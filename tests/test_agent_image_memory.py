@@ -22,7 +22,6 @@ import pytest
 
 from edgefleet.agent.errors import RequestError
 from tests.agent_harness import preinstall, running_agent
-from tests.conftest import DIGITS
 
 MiB = 1024 * 1024
 # what the measurement itself may add on top of the decodes: the request bodies (about 231 KB each), the
@@ -79,20 +78,6 @@ def post_at_once(url: str, bodies: list[bytes]) -> list[httpx.Response]:
     for r in out:
         assert isinstance(r, httpx.Response), r
     return out  # type: ignore[return-value]
-
-
-@pytest.fixture(scope="module")
-def image_bundle(tmp_path_factory):
-    """Digits with recorded image preprocessing (8x8 gray), as in test_agent_oip."""
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
-
-    d = tmp_path_factory.mktemp("imgbundle")
-    (d / "preprocess.yaml").write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\n"
-                                       "scale: 0.00392156862745098\n")
-    return compile_model(CompileOptions(
-        model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
-        eval=DIGITS / "test.npz", out_dir=d / "dist", name="digits", version="1.0.0", benchmark=False,
-        precision="int8", preprocess=d / "preprocess.yaml")).bundle
 
 
 def small_png(test_images) -> bytes:

@@ -26,7 +26,7 @@ import pytest
 from edgefleet.agent.errors import RequestError
 from edgefleet.agent.image import DEFAULT_MAX_SCANS, MAX_PNG_CHUNKS, image_bytes, image_header
 from tests.agent_harness import preinstall, running_agent
-from tests.test_agent_image_memory import image_bundle, small_png  # noqa: F401  (a fixture)
+from tests.test_agent_image_memory import small_png
 
 
 # -- hostile files ---------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def test_corrupt_pngs_are_refused_by_name(data, message):
 # -- a real agent: hostile images in flight, a healthy one still answered --------------------------------
 @pytest.mark.trust("progressive JPEGs of 30,000 scans and a PNG inflate bomb at the image endpoint, with a "
                    "healthy image among them")
-def test_hostile_images_in_flight_do_not_stop_healthy_ones(tmp_path, image_bundle, test_images):  # noqa: F811
+def test_hostile_images_in_flight_do_not_stop_healthy_ones(tmp_path, image_bundle, test_images):
     """Six hostile uploads at once (four 30,000-scan JPEGs, two inflate-bomb PNGs) beside healthy ones: each
     hostile one refused with 413 naming its limit, every healthy one answered 200. Before, the JPEGs took both
     decode slots for 20 s or more each, and the healthy image got 503 after its 2 s wait."""

@@ -25,25 +25,9 @@ from edgefleet.engines.onnxruntime import OnnxRuntimeEngine
 from edgefleet.protocol.bundle import sha256_file
 from edgefleet.protocol.preprocess import decode_image
 from tests.agent_harness import preinstall, running_agent, serving_app
-from tests.conftest import DIGITS
 from tests.waiting import wait_for
 
 MAX_BODY = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def image_bundle(tmp_path_factory):
-    """Digits compiled with recorded image preprocessing: 8x8 gray, pixels / 255 (the test set's pixels / 16,
-    stored as 8-bit PNG values pixel * 255 / 16)."""
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
-
-    d = tmp_path_factory.mktemp("imgbundle")
-    (d / "preprocess.yaml").write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\n"
-                                       "scale: 0.00392156862745098\n")
-    return compile_model(CompileOptions(
-        model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
-        eval=DIGITS / "test.npz", out_dir=d / "dist", name="digits", version="1.0.0", benchmark=False,
-        precision="int8", preprocess=d / "preprocess.yaml")).bundle
 
 
 @pytest.fixture(scope="module")

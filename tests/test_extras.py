@@ -21,7 +21,6 @@ import pytest
 from tests.agent_harness import preinstall
 from tests.conftest import DIGITS, free_port, postgres_db, wait_for
 from tests.installs import CLI, argv_as_installed, blocked_modules, closure, run_as_installed
-from tests.test_agent_oip import image_bundle  # noqa: F401  (fixture: digits with image preprocessing)
 
 
 def test_the_extras_split_the_heavy_parts_out():
@@ -43,7 +42,7 @@ def _png(pixels: np.ndarray) -> bytes:
     return bytes(png.tobytes())
 
 
-def test_image_endpoint_on_an_agent_without_the_image_extra_is_a_501_naming_it(tmp_path, image_bundle):  # noqa: F811
+def test_image_endpoint_on_an_agent_without_the_image_extra_is_a_501_naming_it(tmp_path, image_bundle):
     data = tmp_path / "device"
     preinstall(data, image_bundle)
     port = free_port()
