@@ -80,11 +80,11 @@ def test_the_daemon_s_loop_runner_on_this_python():
 
 
 def test_the_agent_side_of_the_source_uses_nothing_newer_than_python_3_10():
-    """vermin (a dev dependency; `make lint` runs it too) on agent/, engines/, protocol/ and compiler/."""
+    """vermin (a dev dependency; `make lint` runs it too) on agent/, engines/, judge/, protocol/ and compiler/."""
     vermin = Path(sys.executable).parent / "vermin"
     if not vermin.exists():
         pytest.skip("vermin is not installed in this environment (the dev extra has it; make lint runs it)")
-    dirs = [str(REPO / d) for d in ("agent", "engines", "protocol", "compiler") if (REPO / d).is_dir()]
+    dirs = [str(REPO / d) for d in ("agent", "engines", "judge", "protocol", "compiler") if (REPO / d).is_dir()]
     r = subprocess.run([str(vermin), "--no-tips", "--violations", "--eval-annotations",
                         "--backport", "typing_extensions", "-t=3.10-", *dirs],
                        capture_output=True, text=True, timeout=300)
