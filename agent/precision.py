@@ -67,7 +67,7 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
                                           f"precision {setting} is not in this bundle ({', '.join(m.precisions)}); ")
     sizes = timing_sizes(m.batchable, max_batch_size)
     candidates: dict[str, tuple[StagedModel, Engine]] = {}
-    failures: list[SelfTestFailed] = []
+    failures: list[Exception] = []
     try:
         for p in m.precisions:
             if (why := cannot_run(p, have)) is not None:
@@ -90,17 +90,12 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
                 failures.append(exc)
                 continue
             candidates[p] = (view, engine)
-        if not candidates:
-            raise failures[0]
 
         def dropped(p: str, exc: SelfTestFailed) -> None:
             log.warning("%s %s: the %s engine fails while timed on this CPU, not a candidate: %s",
                         m.name, m.version, p, exc)
-            failures.append(exc)
 
-        best = time_in_alternation(candidates, sizes, turn, dropped)
-        if not candidates:
-            raise failures[0]
+        best = time_in_alternation(candidates, sizes, turn, failures, dropped)
     finally:
         for _, engine in candidates.values():
             engine.close()

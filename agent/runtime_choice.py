@@ -97,16 +97,11 @@ def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine
                 failures.append(SelfTestFailed(f"on {r}: {exc}"))
                 continue
             engines[r] = (staged, engine)
-        if not engines:
-            raise failures[0]
 
         def dropped(r: str, exc: SelfTestFailed) -> None:
             log.warning("%s %s: on %s it fails while timed, not a candidate: %s", m.name, m.version, r, exc)
-            failures.append(exc)
 
-        best = time_in_alternation(engines, sizes, turn, dropped)
-        if not engines:
-            raise failures[0]
+        best = time_in_alternation(engines, sizes, turn, failures, dropped)
     finally:
         for _, engine in engines.values():
             engine.close()

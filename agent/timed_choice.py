@@ -31,11 +31,16 @@ def timing_sizes(batchable: bool, max_batch_size: int) -> tuple[int, ...]:
 
 
 def time_in_alternation(candidates: dict[str, tuple[StagedModel, Engine]], sizes: tuple[int, ...], turn: Turn,
-                        dropped: Callable[[str, SelfTestFailed], None]) -> dict[str, dict[int, float]]:
+                        failures: list[Exception], dropped: Callable[[str, SelfTestFailed], None],
+                        ) -> dict[str, dict[int, float]]:
     """Items per second of each candidate (the bundle as it runs it, and its engine) at each of ``sizes``: the best
     of :data:`ROUNDS` rounds, timed in alternation so that a slow spell of the box lands on every candidate alike.
     A candidate that fails while timed (at a batch size its self-test did not run) is closed, taken out of
-    ``candidates`` and handed to ``dropped`` with its failure; the others stay open, for the caller to close."""
+    ``candidates``, handed to ``dropped`` (which says so) and added to ``failures``; the others stay open, for the
+    caller to close. With no candidate (none given, or every one failed), the first of ``failures`` (those that
+    were never candidates come first) is raised."""
+    if not candidates:
+        raise failures[0]
     best: dict[str, dict[int, float]] = {k: {} for k in candidates}
     for _ in range(ROUNDS):
         for k, (staged, engine) in list(candidates.items()):
@@ -45,9 +50,12 @@ def time_in_alternation(candidates: dict[str, tuple[StagedModel, Engine]], sizes
                 del candidates[k], best[k]
                 engine.close()
                 dropped(k, exc)
+                failures.append(exc)
                 continue
             for n, v in measured:
                 best[k][n] = max(best[k].get(n, 0.0), v)
+    if not candidates:
+        raise failures[0]
     return best
 
 
