@@ -24,20 +24,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
-import json
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
 
 import numpy as np
+from _common import load_zoo, run_and_report, say
 
-REPO = Path(__file__).resolve().parent.parent
-ZOO_SCRIPT = REPO / "models" / "zoo" / "make_zoo.py"
 MODELS = ("mobilenetv2", "resnet18")
 PROFILES = ("x86-cpu", "x86-cpu-vnni", "arm64-cpu")
 LITERT_PROFILES = ("arm64-cpu",)  # LiteRT (XNNPACK) engines, which run on this x86 host too
@@ -50,21 +44,8 @@ QUICK_ITERATIONS = {1: (2, 15), 16: (1, 4)}
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # as compiler.evaluate.Runner
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def load_zoo() -> ModuleType:
-    """models/ is not a package: load the zoo script by path, as the tests do."""
-    spec = importlib.util.spec_from_file_location("make_zoo", ZOO_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _progress(step: int, total: int, what: str) -> None:
-    _say(f"    [{step}/{total}] {what}")
+    say(f"    [{step}/{total}] {what}")
 
 
 def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cache: bool,
@@ -80,7 +61,7 @@ def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cach
     times: list[float] = []
     cached: list[bool] = []
     for attempt in ("first", "second")[:times_]:
-        _say(f"  compile {name} {precision} for {profile} ({attempt})")
+        say(f"  compile {name} {precision} for {profile} ({attempt})")
         t0 = time.perf_counter()
         result = compile_model(opts, _progress)
         times.append(time.perf_counter() - t0)
@@ -154,11 +135,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "the tflite toolchain is not installed: run `edgefleet toolchain install tflite`"}
                for p in args.profiles if p not in profiles]
     for s in skipped:
-        _say(f"skipping {s['profile']}: {s['reason']}")
+        say(f"skipping {s['profile']}: {s['reason']}")
     results: list[dict[str, Any]] = []
     compiles: list[dict[str, Any]] = []
     for name in args.models:
-        _say(f"{name}: making sure models/zoo/build/{name} is current")
+        say(f"{name}: making sure models/zoo/build/{name} is current")
         model_dir = zoo.ensure(name)
         for profile in profiles:
             c = compile_twice(model_dir, name, profile, work / name / profile, not args.no_cache)
@@ -172,7 +153,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 extract_bundle(f["bundle"], work / name / profile / "fp32")
                 fp32_engine = work / name / profile / "fp32" / f["manifest"].engine
             for sessions in (["litert"] if profile in LITERT_PROFILES else args.sessions):
-                _say(f"  timing {name} fp32 vs int8 ({profile}, {scheme}, {sessions} sessions)")
+                say(f"  timing {name} fp32 vs int8 ({profile}, {scheme}, {sessions} sessions)")
                 m = measure(model_dir, engine_dir / manifest.engine, profile, manifest, sessions, iterations,
                             fp32_engine)
                 results.append({"model": name, "profile": profile, "scheme": scheme, **m})
@@ -257,20 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [g for g in given if g not in known]
         if unknown or not given:
             ap.error(f"{opt} takes some of {', '.join(known)}, not {','.join(unknown) or 'nothing'}")
-    try:
-        if args.work_dir is not None:
-            args.work_dir.mkdir(parents=True, exist_ok=True)
-            doc = run(args, args.work_dir.resolve())
-        else:
-            with tempfile.TemporaryDirectory(prefix="edgefleet-compile-bench-") as tmp:
-                doc = run(args, Path(tmp))
-    except KeyboardInterrupt:
-        return 130
-    print_report(doc, sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    _say(f"done in {doc['total_seconds']:.1f}s")
-    return 0
+    return run_and_report(args, run, print_report, "edgefleet-compile-bench-")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from compile_bench import load_zoo  # noqa: E402  (bench/ is not a package)
+from _common import load_zoo, say  # noqa: E402  (bench/ is not a package)
 
 # (label, runtime, which file, precision)
 ENGINES = (
@@ -47,17 +47,13 @@ ENGINES = (
 BASELINE = "onnxruntime FP32"
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def build_int8(model_dir: Path, work: Path) -> tuple[Path, Any]:
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from edgefleet.protocol.bundle import extract_bundle
     from edgefleet.protocol.cpu import VNNI_FEATURES, cpu_features
 
     profile = "x86-cpu-vnni" if cpu_features() & VNNI_FEATURES else "x86-cpu"
-    _say(f"compiling the INT8 engine for {profile}")
+    say(f"compiling the INT8 engine for {profile}")
     result = compile_model(CompileOptions(
         model=model_dir / "model.onnx", profile=profile, calibration=model_dir / "calibration.npz",
         eval=model_dir / "eval.npz", out_dir=work / "dist", name="mobilenetv2", version="1.0.0", precision="int8",
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 loaded[label] = engines.load(runtime, files[which], spec, a.threads)
             except engines.EngineLoadError as exc:
                 skipped[label] = str(exc)
-                _say(f"skipped {label}: {exc}")
+                say(f"skipped {label}: {exc}")
         try:
             ref = loaded[BASELINE].infer({"input": images})[0]
             answers = {}
@@ -126,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                     for label, e in loaded.items():
                         v = rate(e.infer, feed, b, a.seconds)
                         best[label][b] = max(best[label].get(b, 0.0), v)
-                        _say(f"  round {r + 1} batch {b:3d} {label:18s} {v:8.1f} img/s")
+                        say(f"  round {r + 1} batch {b:3d} {label:18s} {v:8.1f} img/s")
         finally:
             for e in loaded.values():
                 e.close()

@@ -42,35 +42,19 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import model_files, say  # noqa: E402
 from serve import _post, _request, bodies  # noqa: E402
 
 MODELS = ("mobilenetv2-fp32", "digits")
 AFTER_SWAP_S = 0.5  # a swap window reaches this far past the switch
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile versions 1.0.0 and 1.1.0 and install both (1.1.0 serves, 1.0.0 is kept for rollback)."""
-    import importlib.util
-
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from tests.agent_harness import preinstall
 
-    if name == "digits":
-        d = REPO / "models" / "digits"
-        model, calib, evalp, precision, model_name = d / "model.onnx", d / "calibration.npz", d / "test.npz", "int8", \
-            "digits"
-    else:
-        spec = importlib.util.spec_from_file_location("make_zoo", REPO / "models" / "zoo" / "make_zoo.py")
-        assert spec is not None and spec.loader is not None
-        zoo = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(zoo)
-        d = zoo.ensure("mobilenetv2")
-        model, calib, evalp, model_name = d / "model.onnx", d / "calibration.npz", d / "eval.npz", "mobilenetv2"
-        precision = name.rsplit("-", 1)[1]
+    model, calib, evalp, precision, model_name = model_files(name)
     with np.load(evalp) as npz:
         images = npz["input"][:64].astype(np.float32)
     data_dir = work / name / "agent"
@@ -154,7 +138,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, clients: int) -> di
                 manifest = asyncio.run_coroutine_threadsafe(agent.rollback(m["model"]), agent._loop).result(300)
                 t1 = time.monotonic()
                 swaps.append((t0, t1, manifest.version))
-                _say(f"  {name}: swap {k + 1}/{args.swaps} to {manifest.version} took {t1 - t0:.2f} s "
+                say(f"  {name}: swap {k + 1}/{args.swaps} to {manifest.version} took {t1 - t0:.2f} s "
                      "(load, self-test, warm-up, switch)")
                 time.sleep(max(0.0, args.swap_every_s - (t1 - t0)))
             log = results.get(timeout=duration_s + 120)
@@ -220,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     with tempfile.TemporaryDirectory(prefix="edgefleet-hot-swap-") as tmp:
         for n in names:
-            _say(f"{n}: compiling 1.0.0 and 1.1.0 for x86-cpu and installing both")
+            say(f"{n}: compiling 1.0.0 and 1.1.0 for x86-cpu and installing both")
             m = prepare(n, Path(tmp))
             for c in client_counts:
                 out.append(bench_model(m, args, c))

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import model_files, say
 from serve_bench import AgentProcess, _die_with_parent, _free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,42 +72,26 @@ NAIVE_DELAY_S = 0.005  # the naive batcher's fixed collection window
 NAIVE_MAX_BATCH = 16
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # -- models ------------------------------------------------------------------------------------------
 
 
 def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile and install one model; -> data dir, engine, images and labels for the load."""
-    import importlib.util
-
     from edgefleet.agent.store import ModelStore
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from edgefleet.protocol.bundle import sha256_file
 
-    if name == "digits":
-        src = REPO / "models" / "digits"
-        model, calib, evalp, precision, model_name = (src / "model.onnx", src / "calibration.npz",
-                                                      src / "test.npz", "int8", "digits")
-        with np.load(evalp) as npz:
+    model, calib, evalp, precision, model_name = model_files(name)
+    with np.load(evalp) as npz:
+        if name == "digits":
             images, labels = npz["input"].astype(np.float32), npz["labels"].astype(np.int64)
-    else:
-        spec = importlib.util.spec_from_file_location("make_zoo", REPO / "models" / "zoo" / "make_zoo.py")
-        assert spec is not None and spec.loader is not None
-        zoo = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(zoo)
-        d = zoo.ensure("mobilenetv2")
-        precision = name.rsplit("-", 1)[1]
-        model, calib, evalp, model_name = d / "model.onnx", d / "calibration.npz", d / "eval.npz", "mobilenetv2"
-        with np.load(evalp) as npz:
+        else:
             images, labels = npz["input"][:16].astype(np.float32), npz["labels"][:16].astype(np.int64)
     data_dir = work / name / "agent"
     done = work / name / "prepared.json"  # a --work-dir used before: compiled and installed already
     if done.exists() and Path(json.loads(done.read_text())["engine"]).exists():
         engine, shipped = Path(json.loads(done.read_text())["engine"]), json.loads(done.read_text())["precision"]
-        _say(f"{name}: compiled and installed in {work} before; reused")
+        say(f"{name}: compiled and installed in {work} before; reused")
     else:
         result = compile_model(CompileOptions(model=model, profile="x86-cpu", calibration=calib, eval=evalp,
                                               out_dir=work / name / "dist", name=model_name, version="1.0.0",
@@ -806,7 +791,7 @@ def _have_grpc() -> bool:
         import grpc  # type: ignore[import-untyped]  # noqa: F401
         import tritonclient.grpc  # type: ignore[import-untyped]  # noqa: F401
     except ImportError:
-        _say("no grpcio / tritonclient[grpc] (edgefleet[grpc]): the gRPC and shared-memory rows are skipped")
+        say("no grpcio / tritonclient[grpc] (edgefleet[grpc]): the gRPC and shared-memory rows are skipped")
         return False
     return True
 
@@ -818,12 +803,12 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
               "binary": args.requests if small else args.requests_big,
               "json": args.requests if small else max(20, args.requests_big // 5),
               "grpc": args.requests, "shm": args.requests, "local": args.requests, "local-inline": args.requests}
-    _say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, every layout of {args.threads} CPU(s))")
+    say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, every layout of {args.threads} CPU(s))")
     limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
     layout = {"auto": limit_before["layout"], "default": f"1x{args.threads}"}.get(args.agent_layout, args.agent_layout)
     # "agent": no --instances/--threads, the agent measures and chooses its layout (read back from its config)
     instances, per = (None, None) if layout == "agent" else (int(v) for v in layout.split("x"))
-    _say(f"{name}: limit {limit_before['images_per_s']:.1f} img/s ({limit_before['by_layout']}); the agent runs "
+    say(f"{name}: limit {limit_before['images_per_s']:.1f} img/s ({limit_before['by_layout']}); the agent runs "
          + ("the layout it chooses" if layout == "agent" else f"{instances} instance(s) of {per} thread(s)"))
     json_body = bodies("json", m["model"], images[:1])[1][0]
     decode_ms = json_decode_ms(json_body)
@@ -853,7 +838,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
         agent_cfg = agent_config(agent.url, m["model"])
         layout = chosen_layout if layout == "agent" else layout
         instances, per = (int(v) for v in layout.split("x"))
-        _say(f"{name}: the agent serves {chosen}")
+        say(f"{name}: the agent serves {chosen}")
         with NaiveProcess(m["engine"], args.threads, work / "logs" / f"{name}-naive.log") as naive:
             variants = [("naive", naive.url), ("binary", agent.url), ("json", agent.url)]
             if local:
@@ -871,7 +856,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                     r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid,
                                   stats_url=stats)
                     rows.append({"variant": kind, "clients": clients, **r})
-                    _say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
+                    say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
                          f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
                          f"wrong {r['wrong']}" + (f"  first error {r['first_error']}" if r["first_error"] else ""))
         load_rss, peak_rss = _rss_mb(agent.proc.pid), _rss_mb(agent.proc.pid, "VmHWM")
@@ -1096,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--inference-cpus {sorted(mine)}: must be CPUs of {allowed}, leaving at least one")
         PIN = (mine, rest)
         args.threads = len(mine)
-        _say(f"pinned: inference on CPU(s) {sorted(mine)}, event loops and the load generator on {sorted(rest)}; "
+        say(f"pinned: inference on CPU(s) {sorted(mine)}, event loops and the load generator on {sorted(rest)}; "
              f"{args.threads} inference thread(s)")
     args.requests = args.requests or (1000 if args.quick else 3000)
     args.requests_big = args.requests_big or (200 if args.quick else 600)
@@ -1116,7 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
                "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                           "pin_cpus": [sorted(PIN[0]), sorted(PIN[1])] if PIN else None}}
         for n in names:
-            _say(f"{n}: compiling for x86-cpu and installing")
+            say(f"{n}: compiling for x86-cpu and installing")
             results.append(bench_model(prepare(n, work), args, work))
             if args.json:  # after each model: a run cut short keeps what it measured
                 args.json.write_text(json.dumps(doc, indent=2, default=str))

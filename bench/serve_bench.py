@@ -30,7 +30,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -39,15 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import run_and_report, say
 
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = REPO / "models" / "digits"
 MODEL = "digits"
 UNREACHABLE_FLEET = "http://127.0.0.1:9"  # discard port: the agent serves its installed model and retries
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- model: compile and install ------------------------------------------------------------------------
@@ -485,12 +481,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ort_iters = args.ort_iters or (5000 if args.quick else 20000)
     t_start = time.monotonic()
 
-    _say("compiling models/digits for x86-cpu (static INT8) and installing it into the agent store")
+    say("compiling models/digits for x86-cpu (static INT8) and installing it into the agent store")
     data_dir, engine, manifest = compile_and_install(work)
     with np.load(DIGITS / "test.npz") as npz:
         images, labels = npz["input"].astype(np.float32), [int(v) for v in npz["labels"]]
 
-    _say(f"raw onnxruntime baseline on {engine.name}: 3 x {ort_iters} x batch 1, 3 x {max(1, ort_iters // 10)} "
+    say(f"raw onnxruntime baseline on {engine.name}: 3 x {ort_iters} x batch 1, 3 x {max(1, ort_iters // 10)} "
          "x batch 16")
     baseline = ort_baseline(engine, images, args.threads, ort_iters, max(1, ort_iters // 10), args.ort_spinning)
     b1 = baseline["batch1"]["images_per_s"]
@@ -503,7 +499,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             log_path = work / "logs" / f"agent-delay{delay}-round{rnd}.log"
             with AgentProcess(data_dir, log_path, delay, args.max_batch_size, args.threads,
                               args.ready_timeout) as agent:
-                _say(f"round {rnd}/{rounds}: agent on {agent.url} (max-queue-delay-us {delay})")
+                say(f"round {rnd}/{rounds}: agent on {agent.url} (max-queue-delay-us {delay})")
                 for clients in args.clients:
                     if clients == 0:
                         continue
@@ -517,7 +513,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                      client_cpu_pct=round(m["client_cpu_pct"], 1),
                                      vs_ort_b1=round(m["req_per_s"] / b1, 5), first_error=m["first_error"])
                     rows.append(row)
-                    _say(f"    {clients:>3} clients: {row.req_per_s:>8,.0f} req/s  p50 {row.p50_ms:.2f} ms  "
+                    say(f"    {clients:>3} clients: {row.req_per_s:>8,.0f} req/s  p50 {row.p50_ms:.2f} ms  "
                          f"p99 {row.p99_ms:.2f} ms  errors {row.errors}")
     return {
         "benchmark": "edgefleet serve_bench",
@@ -538,25 +534,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (args.rounds is not None and args.rounds < 1) or (args.requests is not None and args.requests < 1):
-        _say("error: --rounds and --requests must be at least 1")
+        say("error: --rounds and --requests must be at least 1")
         return 2
     try:
-        if args.work_dir is not None:
-            args.work_dir.mkdir(parents=True, exist_ok=True)
-            doc = run(args, args.work_dir.resolve())
-        else:
-            with tempfile.TemporaryDirectory(prefix="edgefleet-bench-") as tmp:
-                doc = run(args, Path(tmp))
+        return run_and_report(args, run, print_report, "edgefleet-bench-")
     except RuntimeError as exc:
-        _say(f"error: {exc}")
+        say(f"error: {exc}")
         return 1
-    except KeyboardInterrupt:
-        return 130
-    print_report(doc, sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    _say(f"done in {doc['total_seconds']:.1f}s")
-    return 0
 
 
 if __name__ == "__main__":
