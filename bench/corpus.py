@@ -220,27 +220,23 @@ def orientation(seed: int, n: int) -> dict[str, np.ndarray]:
     return {"x": np.stack(out)}
 
 
+def _captchas(seed: int, n: int, chars: str, h: int, gray: bool = False) -> list[np.ndarray]:
+    """``n`` captchas ``h`` x 160 (uint8, HWC): 4-6 characters of ``chars`` each."""
+    rng = np.random.default_rng(seed)
+    return [_text_image(rng, h, 160, "".join(rng.choice(list(chars), int(rng.integers(4, 7)))), scale=0.9, gray=gray)
+            for _ in range(n)]
+
+
 def captcha_gray(seed: int, n: int) -> dict[str, np.ndarray]:
     """ddddocr's input: grey, height 64, (x / 255 - 0.5) / 0.5; a fixed batch of 1 stacked on axis 0."""
-    rng = np.random.default_rng(seed)
-    chars = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
-    out = []
-    for _ in range(n):
-        text = "".join(rng.choice(list(chars), int(rng.integers(4, 7))))
-        img = _text_image(rng, 64, 160, text, scale=0.9, gray=True)
-        out.append(((img.astype(np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1))
-    return {"input1": np.stack(out)}
+    return {"input1": np.stack([((img.astype(np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1)
+                                for img in _captchas(seed, n, "ABCDEFGHJKLMNPQRSTUVWXYZ23456789", 64, gray=True)])}
 
 
 def captcha_bgr(seed: int, n: int) -> dict[str, np.ndarray]:
     """captcha-whisperer's input: BGR 0..255, 60 x 160, no normalisation."""
-    rng = np.random.default_rng(seed)
-    chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-    out = []
-    for _ in range(n):
-        text = "".join(rng.choice(list(chars), int(rng.integers(4, 7))))
-        out.append(_text_image(rng, 60, 160, text, scale=0.9).astype(np.float32).transpose(2, 0, 1))
-    return {"image": np.stack(out)}
+    return {"image": np.stack([img.astype(np.float32).transpose(2, 0, 1)
+                               for img in _captchas(seed, n, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", 60)])}
 
 
 def captcha_det(seed: int, n: int) -> dict[str, np.ndarray]:
