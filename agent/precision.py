@@ -103,12 +103,9 @@ def pick_precision(staged: StagedModel, setting: str, load: Callable[[Manifest],
         precision=p, items_per_s=round(geomean(list(figs.values())), 1),  # type: ignore[arg-type]
         timings=tuple(proto.Timing(batch_size=n, items_per_s=v) for n, v in sorted(figs.items())))
         for p, figs in best.items())
-    own = m.precision
-    chosen, fastest = keep_unless_faster(own, {t.precision: t.items_per_s for t in timings}, TIE)
-    figures = ", ".join(f"{t.precision} {t.items_per_s:g}/s" for t in timings)
-    note = (f"{asked}{chosen}: timed here ({figures}, geometric mean over batch sizes {sizes})"
-            + ("" if chosen != own or fastest == own else f"; {fastest} is within {TIE:.0%}, the bundle's own kept"))
-    return PrecisionPick(candidates[chosen][0], "device", timings, note)
+    chosen, why = keep_unless_faster(m.precision, {t.precision: t.items_per_s for t in timings}, TIE, sizes,
+                                     "the bundle's own")
+    return PrecisionPick(candidates[chosen][0], "device", timings, asked + why)
 
 
 def _as(staged: StagedModel, precision: str) -> StagedModel:

@@ -107,9 +107,5 @@ def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine
             engine.close()
     timings = tuple(RuntimeTiming(r, round(geomean(list(figs.values())), 1), tuple(sorted(figs.items())))
                     for r, figs in best.items())
-    own = m.backend
-    chosen, fastest = keep_unless_faster(own, {t.runtime: t.items_per_s for t in timings}, TIE)
-    figures = ", ".join(f"{t.runtime} {t.items_per_s:g}/s" for t in timings)
-    note = (f"{chosen}: timed here ({figures}, geometric mean over batch sizes {sizes})"
-            + ("" if chosen != own or fastest == own else f"; {fastest} is within {TIE:.0%}, {own} kept"))
-    return RuntimePick(chosen, "device", timings, note)
+    chosen, why = keep_unless_faster(m.backend, {t.runtime: t.items_per_s for t in timings}, TIE, sizes, m.backend)
+    return RuntimePick(chosen, "device", timings, why)

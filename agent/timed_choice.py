@@ -64,9 +64,13 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else 0.0
 
 
-def keep_unless_faster(own: str, figures: dict[str, float], tie: float) -> tuple[str, str]:
-    """(chosen, fastest) of the candidates' ``figures``: ``own`` unless it is missing or another is more than ``tie``
-    faster."""
+def keep_unless_faster(own: str, figures: dict[str, float], tie: float, sizes: tuple[int, ...],
+                       own_kept: str) -> tuple[str, str]:
+    """(chosen, why in a sentence) of the candidates' ``figures`` (items/s, timed at ``sizes``): ``own`` unless it is
+    missing or another is more than ``tie`` faster; ``own_kept`` names ``own`` where a faster one within the tie
+    did not replace it."""
     fastest = max(figures, key=lambda k: figures[k])
     chosen = own if own in figures and figures[own] * (1 + tie) >= figures[fastest] else fastest
-    return chosen, fastest
+    shown = ", ".join(f"{k} {v:g}/s" for k, v in figures.items())
+    return chosen, (f"{chosen}: timed here ({shown}, geometric mean over batch sizes {sizes})"
+                    + ("" if chosen != own or fastest == own else f"; {fastest} is within {tie:.0%}, {own_kept} kept"))
