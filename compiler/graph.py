@@ -17,7 +17,7 @@ from edgefleet.compiler.errors import InputError
 from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import TensorSpec
 
-__all__ = ["GraphInfo", "check_model", "ensure_opset", "probe_batching"]
+__all__ = ["GraphInfo", "check_model", "ensure_opset", "name_nodes", "probe_batching"]
 
 _ONNX_TO_KSERVE = {1: "FP32", 10: "FP16", 3: "INT8", 2: "UINT8", 6: "INT32", 7: "INT64", 9: "BOOL"}
 
@@ -246,3 +246,17 @@ def ensure_opset(path: Path, opset: int, out_path: Path, sample: Dataset) -> Pat
             raise InputError(f"{path}: converting to opset {opset} changed output {name!r} (max abs difference "
                              f"{diff:.3g}); re-export the model with opset {opset} or newer")
     return out_path
+
+
+def name_nodes(path: Path, out: Path) -> Path:
+    """A copy of the model in which every node has a unique name (exclusion goes by node name)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{i}"
+        seen.add(node.name)
+    onnx.save(model, str(out))
+    return out

@@ -14,24 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from edgefleet.compiler.graph import name_nodes  # also the onnxruntime target's: in graph, below both
+
 __all__ = ["COMPUTE_OPS", "head_nodes", "name_nodes", "quantize_keeping_head", "rank_sensitive_nodes"]
 
 COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
 MAX_SQNR_DB = 100.0
-
-
-def name_nodes(path: Path, out: Path) -> Path:
-    """A copy of the model in which every node has a unique name (exclusion goes by node name)."""
-    import onnx
-
-    model = onnx.load(str(path))
-    seen: set[str] = set()
-    for i, node in enumerate(model.graph.node):
-        if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_{i}"
-        seen.add(node.name)
-    onnx.save(model, str(out))
-    return out
 
 
 def head_nodes(path: Path, output: str, last_layers: bool = False, max_nodes: int = 2000) -> tuple[str, ...]:

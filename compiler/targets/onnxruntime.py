@@ -91,7 +91,7 @@ def prepare_or_raw(source: Path, out_path: Path) -> tuple[Path, str]:
     """:func:`prepare`, and which path it took: onnxruntime's ``quant_pre_process`` (shape inference and
     fusions), or, when that fails on a graph (it does on some real exports, e.g. "The truth value of an array
     ... is ambiguous"), the raw graph as it is, which ``quantize_static`` can still quantize."""
-    from edgefleet.compiler.sensitivity import name_nodes
+    from edgefleet.compiler.graph import name_nodes
 
     try:
         from onnxruntime.quantization.shape_inference import quant_pre_process
