@@ -76,3 +76,29 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
         t.join(10)
         fs.stop_background()
         sock.close()
+
+
+class RecordingPublisher:
+    """What the fleet would publish, kept by topic: the publisher a RolloutEngine or FleetService gets in tests
+    that drive them without a broker."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        self.sent.append(topic)
+
+
+@contextmanager
+def fleet_with_digits(tmp: Path, mqtt_url: str, db_url: str | None, bundle: Path, device):
+    """A fleet with digits 1.0.0 uploaded and ``device()``'s MQTT client (anything with a paho ``.c``), closed
+    after: the fixture of the tests that publish as devices."""
+    with running_fleet(tmp, mqtt_url, rollout_tick_s=0.05, db_url=db_url) as (fs, url):
+        assert api.post(f"{url}/api/v1/bundles", content=bundle.read_bytes()).status_code == 201
+        dev = device()
+        try:
+            yield fs, url, dev
+        finally:
+            dev.c.loop_stop()
+            dev.c.disconnect()
+

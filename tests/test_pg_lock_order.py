@@ -20,16 +20,10 @@ from edgefleet.fleet.tuf_repo import KeyStore, Repository
 from edgefleet.fleet.tuf_store import SqlStore
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import postgres_db
+from tests.fleet_harness import RecordingPublisher
 
 DEVICES = 300
 
-
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def publish(self, topic: str, payload: bytes, retain: bool) -> None:
-        self.sent.append(topic)
 
 
 @pytest.fixture
@@ -42,7 +36,7 @@ def pg_service(tmp_path: Path, digits_bundle, digits_bundle_v2):
     init_keys(tmp_path / "keys")
     repo = Repository(SqlStore(engine), KeyStore(tmp_path / "keys"), upload_dir=tmp_path / "up")
     repo.init()
-    svc = FleetService(sessions, repo, Recorder())
+    svc = FleetService(sessions, repo, RecordingPublisher())
     svc.upload_bundle(digits_bundle)
     svc.upload_bundle(digits_bundle_v2)
     yield svc

@@ -15,7 +15,7 @@ import pytest
 
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import postgres_db, wait_for
-from tests.fleet_harness import api, running_fleet
+from tests.fleet_harness import api, fleet_with_digits
 from tests.test_trust_values import _device, _online, _rejected, _reported, _telemetry
 
 
@@ -31,14 +31,8 @@ def probe_db(request) -> str | None:
 
 @pytest.fixture
 def fleet(tmp_path, mosquitto, probe_db, digits_bundle) -> Iterator[tuple[object, str, object]]:
-    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05, db_url=probe_db) as (fs, url):
-        assert api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
-        dev = _device(mosquitto.port)
-        try:
-            yield fs, url, dev
-        finally:
-            dev.c.loop_stop()
-            dev.c.disconnect()
+    with fleet_with_digits(tmp_path, mosquitto.url, probe_db, digits_bundle, lambda: _device(mosquitto.port)) as f:
+        yield f
 
 
 def _failed(url: str) -> dict[str, int]:

@@ -41,16 +41,10 @@ from edgefleet.fleet.states import (
     WaveState,
 )
 from edgefleet.protocol import mqtt as proto
+from tests.fleet_harness import RecordingPublisher
 
 N_DEVICES = 5000
 
-
-class Sink:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def publish(self, topic: str, payload: bytes, retain: bool) -> None:
-        self.sent.append(topic)
 
 
 def seed(sessions, n_devices: int) -> None:
@@ -339,7 +333,7 @@ def _report(rid: int, dev: str, state: str, version: str = "1.0.0", error: str |
 
 def test_reports_move_targets_in_bulk_with_one_audit_row_per_wave_and_state(fresh):
     sessions = fresh
-    eng = RolloutEngine(sessions, Sink())
+    eng = RolloutEngine(sessions, RecordingPublisher())
     rid = make_rollout(sessions, [(WaveState.INSTALLING, [TargetState.PENDING] * 4)])
     with sessions.begin() as s:
         rejected = eng.on_reports(s, [_report(rid, "d00000", "downloading"), _report(rid, "d00000", "installed"),
@@ -368,7 +362,7 @@ def test_reports_move_targets_in_bulk_with_one_audit_row_per_wave_and_state(fres
 
 def test_a_failed_shadow_wave_and_a_rollback_audit_their_targets(fresh):
     sessions = fresh
-    eng = RolloutEngine(sessions, Sink())
+    eng = RolloutEngine(sessions, RecordingPublisher())
     spec = RolloutSpec(waves=("2", "100%"), shadow={"agreement_min": 0.9, "min_samples": 1},  # type: ignore[arg-type]
                        on_failure="pause", rollback_on_failure=True)
     rid = eng.create("m", "1.0.0", Selector(devices=tuple(f"d{i:05d}" for i in range(4))), spec, "tester")
@@ -409,7 +403,7 @@ def test_a_failed_shadow_wave_and_a_rollback_audit_their_targets(fresh):
 
 def test_a_newer_rollout_supersedes_unfinished_targets_with_an_audit_row_on_the_older_one(fresh):
     sessions = fresh
-    eng = RolloutEngine(sessions, Sink())
+    eng = RolloutEngine(sessions, RecordingPublisher())
     devs = tuple(f"d{i:05d}" for i in range(10, 13))
     old = eng.create("m", "1.0.0", Selector(devices=devs), RolloutSpec(), "tester")
     with sessions.begin() as s:
@@ -428,7 +422,7 @@ def test_a_restart_resumes_every_state_from_the_database(tmp_path):
     url = f"sqlite:///{tmp_path / 'fleet.db'}"
     engine, sessions = make_engine(url)
     seed(sessions, 4)
-    eng = RolloutEngine(sessions, Sink())
+    eng = RolloutEngine(sessions, RecordingPublisher())
     rid = eng.create("m", "1.0.0", Selector(devices=tuple(f"d{i:05d}" for i in range(4))),
                      RolloutSpec(waves=("2", "100%"), soak_s=(3600.0,)), "tester")
     with sessions.begin() as s:
@@ -438,7 +432,7 @@ def test_a_restart_resumes_every_state_from_the_database(tmp_path):
     engine.dispose()
 
     engine, sessions = make_engine(url)
-    eng = RolloutEngine(sessions, Sink())
+    eng = RolloutEngine(sessions, RecordingPublisher())
     with sessions.begin() as s:  # the soak is over (as if the fleet had been down for an hour)
         s.get(RolloutWave, (rid, 0)).soak_until = rollout.utcnow()
     eng.advance(rid)

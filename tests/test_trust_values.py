@@ -23,7 +23,7 @@ from sqlalchemy import text
 from edgefleet.fleet.errors import BadRequest
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import wait_for
-from tests.fleet_harness import api, running_fleet
+from tests.fleet_harness import api, fleet_with_digits
 from tests.test_mqtt_acl import Client
 
 STREAM = "0123456789abcdef"
@@ -71,14 +71,8 @@ def _get(url: str, rid: int) -> dict:
 @pytest.fixture
 def fleet(tmp_path, mosquitto, fleet_db, digits_bundle) -> Iterator[tuple[object, str, Client]]:
     """A fleet (SQLite or PostgreSQL) with digits 1.0.0 uploaded and a client that publishes as any device."""
-    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05, db_url=fleet_db) as (fs, url):
-        assert api.post(f"{url}/api/v1/bundles", content=digits_bundle.read_bytes()).status_code == 201
-        dev = _device(mosquitto.port)
-        try:
-            yield fs, url, dev
-        finally:
-            dev.c.loop_stop()
-            dev.c.disconnect()
+    with fleet_with_digits(tmp_path, mosquitto.url, fleet_db, digits_bundle, lambda: _device(mosquitto.port)) as f:
+        yield f
 
 
 def _online(url: str, dev: Client, *devices: str) -> None:
