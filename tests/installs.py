@@ -9,6 +9,7 @@ libraries (securesystemslib's ``cryptography``) take the branch they take on suc
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
 import re
 import subprocess
@@ -119,3 +120,12 @@ def run_as_installed(extras: tuple[str, ...], code: str, *argv: str, timeout_s: 
                      env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -c code argv...`` as on a box with only ``edgefleet[extras]`` installed."""
     return run_without(blocked_modules(*extras), code, *argv, timeout_s=timeout_s, env=env)
+
+
+def loaded_after(imports: str, watched: Iterable[str]) -> list[str]:
+    """Which of ``watched`` modules a fresh interpreter holds after ``import <imports>``: how a test shows that
+    importing one part pulls in nothing of another."""
+    code = f"import sys, {imports}; print([m for m in {tuple(watched)!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return ast.literal_eval(out.strip())  # a list literal our own child printed
+

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.installs import loaded_after
 from tests.test_verify_eval import _inputs, int8_bundle  # noqa: F401  (the fixture: an int8 bundle and its model)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,10 +47,9 @@ def test_verify_judges_a_label_free_set_on_a_box_without_the_compiler(int8_bundl
 
 
 def test_importing_verify_and_the_judge_loads_neither_the_compiler_nor_its_toolchain():
-    code = ("import sys, edgefleet.agent.verify, edgefleet.judge.gate, edgefleet.judge.tasks, edgefleet.judge.data, "
-            f"edgefleet.judge.predict; print([m for m in {HEAVY!r} if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    modules = ("edgefleet.agent.verify, edgefleet.judge.gate, edgefleet.judge.tasks, edgefleet.judge.data, "
+               "edgefleet.judge.predict")
+    assert loaded_after(modules, HEAVY) == []
 
 
 def test_verify_names_no_compiler_module_and_the_judge_imports_neither_side():
