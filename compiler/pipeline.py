@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -234,24 +234,44 @@ def _validate(opts: CompileOptions) -> None:
         raise InputError(f"--out {opts.out_dir}: not a folder")
 
 
+@dataclass
+class _Plan:
+    """What the steps of one compile share: fixed before any build, except ``wanted``, ``notes`` and ``task``, which
+    narrow as candidates are dropped (each with the reason the manifest records) and the task is inferred."""
+
+    opts: CompileOptions
+    progress: Progress
+    profile: HardwareProfile
+    gate: GateSettings
+    target: BuildTarget
+    info: GraphInfo
+    out: Path
+    prep: Preprocessing | None
+    eval_set: Dataset
+    task: TaskSpec
+    wanted: list[str]  # the precisions still to build, the profile's default first
+    notes: dict[str, str] = field(default_factory=dict)  # precision -> why it was not built
+    calib: Dataset | None = None
+    total: int = 7  # progress steps
+
+    @property
+    def auto(self) -> bool:
+        return self.opts.precision == "auto"
+
+    def drop(self, precision: str, why: str) -> None:
+        """Leave ``precision`` out, saying why; an error when it was the one asked for (or the only one left)."""
+        if not self.auto or len(self.wanted) == 1:
+            raise (ToolchainError if "build host" in why else InputError)(f"cannot build {precision}: {why}")
+        self.wanted.remove(precision)
+        self.notes[precision] = f"not built: {why}"
+
+
 def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
     total = 7
     _validate(opts)
     progress(1, total, f"loading profile {opts.profile}")
     profile = load_profile(opts.profile)
-    auto = opts.precision == "auto"
-    if not auto and opts.precision not in profile.precisions:
-        raise InputError(f"profile {profile.name} supports {list(profile.precisions)} or 'auto', "
-                         f"not {opts.precision!r}")
-    gate = GateSettings(
-        kind=opts.gate,  # type: ignore[arg-type]
-        max_accuracy_drop=profile.accuracy.max_drop if opts.max_accuracy_drop is None else opts.max_accuracy_drop,
-        min_agreement=profile.accuracy.min_agreement if opts.min_agreement is None else opts.min_agreement,
-        metric=opts.agreement_metric)  # type: ignore[arg-type]
-    if not 0.0 <= gate.max_accuracy_drop <= 1.0:
-        raise InputError(f"--max-accuracy-drop must be between 0 and 1, got {gate.max_accuracy_drop}")
-    if not 0.0 <= gate.min_agreement <= 1.0:
-        raise InputError(f"--min-agreement must be between 0 and 1, got {gate.min_agreement}")
+    gate = _gate_settings(opts, profile)
     target = get_target(profile.backend)
 
     progress(2, total, f"checking graph {opts.model}")
@@ -273,6 +293,45 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         if hit is not None:
             progress(total, total, f"unchanged inputs: reused the bundle built {hit.created_at}")
             return CompileResult(bundle=out, manifest=hit, cached=True)
+    plan = _plan(opts, progress, profile, gate, target, info, out)
+
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    engines = _Engines(plan.info, profile)
+    with tempfile.TemporaryDirectory(prefix="edgefleet-build-", dir=opts.out_dir) as tmp, \
+            contextlib.closing(engines):
+        work = Path(tmp)
+        progress(3, total, "running the fp32 reference")
+        reference = engines.open(REFERENCE_RUNTIME, opts.model, "fp32", "the fp32 reference (source model)", (CPU,))
+        ref_out = predict_all(reference, plan.eval_set, output_axes=[o.batch_axis for o in plan.info.outputs])
+        built = _build_candidates(plan, engines, work, ref_out)
+        manifest = _bundle(plan, engines, work, built, reference, ref_out)
+    if cache is not None and cache_key is not None:
+        cache.put(cache_key, out)
+    return CompileResult(bundle=out, manifest=manifest)
+
+
+def _gate_settings(opts: CompileOptions, profile: HardwareProfile) -> GateSettings:
+    """The gate's bounds: the flags, else the profile's; and the precision asked for, checked against the profile."""
+    if opts.precision != "auto" and opts.precision not in profile.precisions:
+        raise InputError(f"profile {profile.name} supports {list(profile.precisions)} or 'auto', "
+                         f"not {opts.precision!r}")
+    gate = GateSettings(
+        kind=opts.gate,  # type: ignore[arg-type]
+        max_accuracy_drop=profile.accuracy.max_drop if opts.max_accuracy_drop is None else opts.max_accuracy_drop,
+        min_agreement=profile.accuracy.min_agreement if opts.min_agreement is None else opts.min_agreement,
+        metric=opts.agreement_metric)  # type: ignore[arg-type]
+    if not 0.0 <= gate.max_accuracy_drop <= 1.0:
+        raise InputError(f"--max-accuracy-drop must be between 0 and 1, got {gate.max_accuracy_drop}")
+    if not 0.0 <= gate.min_agreement <= 1.0:
+        raise InputError(f"--min-agreement must be between 0 and 1, got {gate.min_agreement}")
+    return gate
+
+
+def _plan(opts: CompileOptions, progress: Progress, profile: HardwareProfile, gate: GateSettings,
+          target: BuildTarget, info: GraphInfo, out: Path) -> _Plan:
+    """The data, the task and the precisions to build, each left out with its reason when this host cannot build or
+    gate it."""
+    total = 7
     prep = _preprocessing(opts, info)
     class_names = tuple(json.loads(info.metadata["edgefleet.labels"])) if "edgefleet.labels" in info.metadata else None
     eval_set = load_dataset(opts.eval, info.inputs, need_labels=gate.kind == "accuracy", what="evaluation set",
@@ -285,203 +344,219 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
         progress(2, total, f"note: {task.note}")
     # the profile's default precision first: it wins when nothing is benchmarked
     order: list[str] = [profile.default_precision, *[p for p in profile.precisions if p != profile.default_precision]]
-    wanted = order if auto else [opts.precision]
-    notes: dict[str, str] = {}
-
-    def drop(precision: str, why: str) -> None:
-        if not auto or len(wanted) == 1:
-            raise (ToolchainError if "build host" in why else InputError)(f"cannot build {precision}: {why}")
-        wanted.remove(precision)
-        notes[precision] = f"not built: {why}"
-
-    if "int8" in wanted and (why_not := _host_cannot_gate_int8(profile, target)):
-        drop("int8", why_not)
-    if "bf16" in wanted and (why_not := _bf16.host_cannot_run_bf16(profile)):
-        drop("bf16", why_not)  # auto: not considered, and the manifest says why
-    calib: Dataset | None = None
-    if "int8" in wanted:
+    plan = _Plan(opts, progress, profile, gate, target, info, out, prep, eval_set, task,
+                 order if opts.precision == "auto" else [opts.precision])
+    if "int8" in plan.wanted and (why_not := _host_cannot_gate_int8(profile, target)):
+        plan.drop("int8", why_not)
+    if "bf16" in plan.wanted and (why_not := _bf16.host_cannot_run_bf16(profile)):
+        plan.drop("bf16", why_not)  # auto: not considered, and the manifest says why
+    if "int8" in plan.wanted:
         if opts.calibration is None:
-            drop("int8", "no --calibration set given (pass --calibration FILE.npz)")
+            plan.drop("int8", "no --calibration set given (pass --calibration FILE.npz)")
         else:
-            calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set",
-                                 preprocessing=prep, axes=info.sample_axes(), per_sample=info.per_sample)
-            if len(calib) < MIN_CALIBRATION_SAMPLES:
-                raise InputError(f"{opts.calibration}: {len(calib)} calibration samples; int8 needs at least "
+            plan.calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set",
+                                      preprocessing=prep, axes=info.sample_axes(), per_sample=info.per_sample)
+            if len(plan.calib) < MIN_CALIBRATION_SAMPLES:
+                raise InputError(f"{opts.calibration}: {len(plan.calib)} calibration samples; int8 needs at least "
                                  f"{MIN_CALIBRATION_SAMPLES} representative inputs (a few hundred is better)")
+    return plan
 
-    opts.out_dir.mkdir(parents=True, exist_ok=True)
-    engines = _Engines(info, profile)
-    with tempfile.TemporaryDirectory(prefix="edgefleet-build-", dir=opts.out_dir) as tmp, \
-            contextlib.closing(engines):
-        work = Path(tmp)
-        progress(3, total, "running the fp32 reference")
-        reference = engines.open(REFERENCE_RUNTIME, opts.model, "fp32", "the fp32 reference (source model)", (CPU,))
-        out_axes = [o.batch_axis for o in info.outputs]
-        ref_out = predict_all(reference, eval_set, output_axes=out_axes)
-        if task.source == "inferred":  # the shape and fp32's values on the evaluation data decide, or say unsure
-            task = infer_task(info.outputs, ref_out[0]).with_min_agreement(opts.min_agreement)
-            if not uses_labels(gate, eval_set.labels, task):
-                progress(2, total, f"note: {task.note}")
-                for guessed in [q for q in ("int8", "bf16") if q in wanted and not task.sure]:
-                    why = (f"the task is not known for sure ({task.note}), and a guessed task cannot judge an "
-                           f"{guessed} engine")
-                    if not auto or len(wanted) == 1:
-                        raise AccuracyGateFailed(f"no {guessed} engine was gated: {why}")
-                    wanted.remove(guessed)
-                    notes[guessed] = f"not built: {why}"
-        gate_task: TaskSpec | None = task
-        if not uses_labels(gate, eval_set.labels, task) and (why_not := _cannot_judge(task, info, ref_out, gate)):
-            # a judge that cannot read fp32's own outputs cannot judge an engine: no quantized build is gated by it
-            for p in [p for p in wanted if p != "fp32"]:
-                if not auto or "fp32" not in wanted:
-                    raise InputError(f"cannot gate {p}: {why_not}")
-                wanted.remove(p)
-                notes[p] = f"not built: {why_not}"
-            gate_task = None  # fp32 itself is gated by output agreement
-        source = opts.model
-        min_opset = target.qdq_int8_min_opset
-        if "int8" in wanted and min_opset is not None and info.opset < min_opset:
-            try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
-                source = ensure_opset(opts.model, min_opset, work / f"source-opset{min_opset}.onnx", eval_set.head(16))
-            except CompilerError as exc:  # with auto, the float build still ships
-                if not auto or len(wanted) == 1:
-                    raise
-                drop("int8", f"opset {info.opset} could not be converted for QDQ: {_one_line(exc)}")
-        progress(4, total, f"building and gating {profile.backend} {' and '.join(wanted)}")
-        built: dict[str, _Built] = {}
-        for precision in list(wanted):
-            try:
-                built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
-                                                   precision, calib, work, eval_set, ref_out, gate, gate_task)
-            except (CompilerError, JudgeError, EngineError) as exc:
-                # the fp32 reference ran, so a quantized build that fails (the quantizer crashes, onnxruntime cannot
-                # load or run what it wrote) is this model's limit with this quantizer, not a broken toolchain
-                if precision == "fp32" or _toolchain_missing(exc) or (
-                        not target.builds_with_reference_runtime and (not auto or len(wanted) == 1)):
-                    raise
-                why = _one_line(exc)
-                if not auto or len(wanted) == 1:
-                    raise InputError(f"cannot build {precision} for this model: {why}; the fp32 model runs, so "
-                                     "--precision auto ships fp32 and says why (or compile with --precision fp32)"
-                                     ) from exc
-                drop(precision, f"its build failed: {why}")  # auto: fp32 still ships
 
-        int8 = built.get("int8")
-        if int8 is not None and not int8.accuracy.passed and opts.fallback and calib is not None \
-                and target.qdq_int8_min_opset is not None:
-            progress(4, total, "int8 over budget: keeping the most sensitive layers in float")
-            built["int8"] = _float_fallback(int8, source, engines, calib, work, eval_set, ref_out, gate, task,
-                                            opts.benchmark and profile.accelerator == "cpu")
-        if opts.keep_engines is not None:  # for a caller that measures the candidates itself (bench/corpus.py)
-            opts.keep_engines.mkdir(parents=True, exist_ok=True)
-            for b in built.values():
-                shutil.copyfile(b.engine, opts.keep_engines / f"{b.precision}{engines.runtime.suffix}")
-        cannot_time = _host_cannot_time(profile)
-        benchmarked = opts.benchmark and profile.accelerator == "cpu" and cannot_time is None
-        fp32_runner = built["fp32"].runner if "fp32" in built else reference
-        to_bench = [b for b in built.values() if b.precision != "fp32" and (b.accuracy.passed or not auto)]
-        if benchmarked and to_bench:
-            progress(5, total, f"benchmarking fp32 vs {' and '.join(b.precision for b in to_bench)} (alternating)")
-            for b in to_bench:
-                b.points = _benchmark(fp32_runner, b.runner, eval_set, profile)
-        elif cannot_time is not None and opts.benchmark:
-            progress(5, total, f"benchmark skipped: {cannot_time}")
-        else:
-            progress(5, total, "benchmark skipped" if not benchmarked else "fp32 only: nothing to compare")
-        measured = [Measured(p, b.accuracy.passed, _gate_note(b.accuracy), b.points) for p, b in built.items()]
-        decided = choose_precision(measured, benchmarked) if auto else (
-            (wanted[0], f"{wanted[0]}: asked for with --precision") if built[wanted[0]].accuracy.passed else None)
-        if decided is None:
-            failed = "; ".join(_gate_note(b.accuracy) for b in built.values())
-            raise AccuracyGateFailed(
-                f"accuracy gate failed: {failed}; "
-                + _gate_advice(built["int8"].accuracy if "int8" in built else next(iter(built.values())).accuracy,
-                               task, calib, "n/a" if target.qdq_int8_min_opset is None or "int8" not in built
-                               else "tried" if opts.fallback else "off", profile)
-                + _per_output_report(built))
-        chosen, reason = decided
-        # the build host cannot time this profile's CPUs: every passing precision ships, the device times them
-        passing = [b for b in built.values() if b.accuracy.passed]
-        variants = passing[1:] if auto and cannot_time is not None and len(passing) > 1 else []
-        if variants:
-            chosen = passing[0].precision
-            reason = (f"device: {' and '.join(b.precision for b in passing)} pass the gate and {cannot_time}, so "
-                      f"each device times them at install and serves the faster; {chosen} (the profile's "
-                      f"default first) for an agent that does not time them; "
-                      + "; ".join(_gate_note(b.accuracy) for b in passing))
-        if notes:  # precisions the profile allows that could not be built here, and why
-            why_not = "; ".join(f"{p} {n}" for p, n in notes.items())
-            reason = f"{chosen}: {why_not}" if len(built) == 1 else f"{reason}; {why_not}"
-        if info.batching_note:  # how the model is served follows from its layout: say why
-            reason = f"{reason}; {info.batching_note}"
-        best = built[chosen]
-        choice = PrecisionChoice(
-            mode="device" if variants else "auto" if auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
-            candidates=tuple(
-                [PrecisionCandidate(precision=p, top1=b.accuracy.candidate, drop=b.accuracy.drop,  # type: ignore[arg-type]
-                                    passed=b.accuracy.passed, speedup=b.points, metric=b.accuracy.metric,
-                                    note=_fallback_note(b))
-                 for p, b in built.items()]
-                + [PrecisionCandidate(precision=p, note=n) for p, n in notes.items()]))  # type: ignore[arg-type]
+def _gate_task(plan: _Plan, ref_out: list[Any]) -> TaskSpec | None:
+    """The task that gates the candidates, once fp32's outputs are known: an inferred task is inferred again from
+    them (a guess gates no int8 or bf16); None when the task's judge cannot read fp32's own outputs (fp32 is then
+    gated by output agreement and nothing quantized is built)."""
+    opts, gate, eval_set, wanted, notes = plan.opts, plan.gate, plan.eval_set, plan.wanted, plan.notes
+    if plan.task.source == "inferred":  # the shape and fp32's values on the evaluation data decide, or say unsure
+        task = plan.task = infer_task(plan.info.outputs, ref_out[0]).with_min_agreement(opts.min_agreement)
+        if not uses_labels(gate, eval_set.labels, task):
+            plan.progress(2, plan.total, f"note: {task.note}")
+            for guessed in [q for q in ("int8", "bf16") if q in wanted and not task.sure]:
+                why = (f"the task is not known for sure ({task.note}), and a guessed task cannot judge an "
+                       f"{guessed} engine")
+                if not plan.auto or len(wanted) == 1:
+                    raise AccuracyGateFailed(f"no {guessed} engine was gated: {why}")
+                wanted.remove(guessed)
+                notes[guessed] = f"not built: {why}"
+    task = plan.task
+    if not uses_labels(gate, eval_set.labels, task) and (why_not := _cannot_judge(task, plan.info, ref_out, gate)):
+        # a judge that cannot read fp32's own outputs cannot judge an engine: no quantized build is gated by it
+        for p in [p for p in wanted if p != "fp32"]:
+            if not plan.auto or "fp32" not in wanted:
+                raise InputError(f"cannot gate {p}: {why_not}")
+            wanted.remove(p)
+            notes[p] = f"not built: {why_not}"
+        return None  # fp32 itself is gated by output agreement
+    return task
 
-        bench: BenchmarkReport | None = None
-        compared = best if best.points else next((b for b in built.values() if b.points), None)
-        if compared is not None:
-            bench = BenchmarkReport(threads=profile.runtime.intra_op_threads, iterations=profile.benchmark.iterations,
-                                    points=compared.points, candidate_precision=compared.precision)  # type: ignore[arg-type]
 
-        progress(6, total, "writing self-test sample")
-        sample, expected = _write_selftest(eval_set, best.runner, reference, info, work / "selftest.npz")
-        sample_top1 = _sample_top1(sample, expected)
+def _build_candidates(plan: _Plan, engines: _Engines, work: Path, ref_out: list[Any]) -> dict[str, _Built]:
+    """Every wanted precision built and gated against fp32; a quantized build that fails is left out with its
+    reason (auto), and an int8 build over budget tries keeping its most sensitive layers in float."""
+    opts, target, info, wanted = plan.opts, plan.target, plan.info, plan.wanted
+    gate_task = _gate_task(plan, ref_out)
+    source = opts.model
+    min_opset = target.qdq_int8_min_opset
+    if "int8" in wanted and min_opset is not None and info.opset < min_opset:
+        try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
+            source = ensure_opset(opts.model, min_opset, work / f"source-opset{min_opset}.onnx",
+                                  plan.eval_set.head(16))
+        except CompilerError as exc:  # with auto, the float build still ships
+            if not plan.auto or len(wanted) == 1:
+                raise
+            plan.drop("int8", f"opset {info.opset} could not be converted for QDQ: {_one_line(exc)}")
+    plan.progress(4, plan.total, f"building and gating {plan.profile.backend} {' and '.join(wanted)}")
+    built: dict[str, _Built] = {}
+    for precision in list(wanted):
+        try:
+            built[precision] = _build_and_gate(target, source if precision == "int8" else opts.model, engines,
+                                               precision, plan.calib, work, plan.eval_set, ref_out, plan.gate,
+                                               gate_task)
+        except (CompilerError, JudgeError, EngineError) as exc:
+            # the fp32 reference ran, so a quantized build that fails (the quantizer crashes, onnxruntime cannot
+            # load or run what it wrote) is this model's limit with this quantizer, not a broken toolchain
+            if precision == "fp32" or _toolchain_missing(exc) or (
+                    not target.builds_with_reference_runtime and (not plan.auto or len(wanted) == 1)):
+                raise
+            why = _one_line(exc)
+            if not plan.auto or len(wanted) == 1:
+                raise InputError(f"cannot build {precision} for this model: {why}; the fp32 model runs, so "
+                                 "--precision auto ships fp32 and says why (or compile with --precision fp32)"
+                                 ) from exc
+            plan.drop(precision, f"its build failed: {why}")  # auto: fp32 still ships
 
-        progress(7, total, "writing bundle")
-        engine = best.engine.rename(work / f"model{engines.runtime.suffix}")  # a stable name in every bundle
-        shipped = [engine, work / "selftest.npz"]
-        variant_entries = []
-        for b in variants:  # each with its own engine and self-test sample (its outputs differ from the others')
-            v_engine = b.engine.rename(work / f"model-{b.precision}{engines.runtime.suffix}")
-            v_sample, v_expected = _write_selftest(eval_set, b.runner, reference, info,
-                                                   work / f"selftest-{b.precision}.npz")
-            shipped += [v_engine, work / f"selftest-{b.precision}.npz"]
-            variant_entries.append(EngineVariant(
-                precision=b.precision, engine=v_engine.name, selftest=f"selftest-{b.precision}.npz",  # type: ignore[arg-type]
-                accuracy=b.accuracy, quantization=b.quantization,
-                selftest_summary=SelfTestSummary(samples=len(v_sample), top1=_sample_top1(v_sample, v_expected))))
-        files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size) for p in shipped}
-        labels = info.metadata.get("edgefleet.labels")
-        manifest = Manifest(
-            manifest_version=_bf16.manifest_version(  # the lowest that carries it
-                VARIANTS_VERSION if variants else TASK_GATE_VERSION if best.accuracy.task is not None else 2,
-                [chosen, *(b.precision for b in variants)]),
-            name=opts.name, version=opts.version, profile=profile.name,
-            backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
-            created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-            engine=engine.name, selftest="selftest.npz", inputs=info.inputs, outputs=info.outputs,
-            files=files, accuracy=best.accuracy, benchmark=bench,
-            toolchain={"edgefleet": protocol.__version__, "python": sys.version.split()[0],
-                       "platform": platform.machine(), "source_opset": str(info.opset),
-                       **target.toolchain_versions(),
-                       **_bf16.toolchain_versions([chosen, *(b.precision for b in variants)])},
-            labels=tuple(json.loads(labels)) if labels else None,
-            cpu_features=profile.cpu_features, quantization=best.quantization,
-            build_host=BuildHost(arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features()))),
-            precision_choice=choice,
-            selftest_summary=SelfTestSummary(samples=len(sample), top1=sample_top1),
-            engine_compatibility=target.engine_compatibility(),
-            preprocessing=prep,
-            variants=tuple(variant_entries),
-        )
-        try:  # how the fp32 answers look, for the agents' sketches and the fleet's drift score (protocol.drift)
-            drift = build_reference(task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)],
-                                    sure=task.sure, **reference_args(task.name, task.arg))
-            manifest = Manifest.model_validate({**manifest.model_dump(), "drift": drift,
-                                                "manifest_version": max(manifest.manifest_version, DRIFT_VERSION)})
-        except (ValueError, IndexError) as exc:  # answers its task cannot read: the bundle ships without drift
-            progress(7, total, f"note: no drift reference: {_one_line(exc)}")
-        write_bundle(manifest, work, out)
-    if cache is not None and cache_key is not None:
-        cache.put(cache_key, out)
-    return CompileResult(bundle=out, manifest=manifest)
+    int8 = built.get("int8")
+    if int8 is not None and not int8.accuracy.passed and opts.fallback and plan.calib is not None \
+            and min_opset is not None:
+        plan.progress(4, plan.total, "int8 over budget: keeping the most sensitive layers in float")
+        built["int8"] = _float_fallback(int8, source, engines, plan.calib, work, plan.eval_set, ref_out, plan.gate,
+                                        plan.task, opts.benchmark and plan.profile.accelerator == "cpu")
+    if opts.keep_engines is not None:  # for a caller that measures the candidates itself (bench/corpus.py)
+        opts.keep_engines.mkdir(parents=True, exist_ok=True)
+        for b in built.values():
+            shutil.copyfile(b.engine, opts.keep_engines / f"{b.precision}{engines.runtime.suffix}")
+    return built
+
+
+def _choose(plan: _Plan, built: dict[str, _Built], reference: Runner) -> tuple[PrecisionChoice, list[_Built]]:
+    """Benchmark the candidates against fp32 (CPU profiles this host can time) and choose: the precision choice
+    the manifest records, and the passing candidates that ship beside the chosen one for the device to time."""
+    opts, profile, notes = plan.opts, plan.profile, plan.notes
+    cannot_time = _host_cannot_time(profile)
+    benchmarked = opts.benchmark and profile.accelerator == "cpu" and cannot_time is None
+    fp32_runner = built["fp32"].runner if "fp32" in built else reference
+    to_bench = [b for b in built.values() if b.precision != "fp32" and (b.accuracy.passed or not plan.auto)]
+    if benchmarked and to_bench:
+        plan.progress(5, plan.total, f"benchmarking fp32 vs {' and '.join(b.precision for b in to_bench)} "
+                                     "(alternating)")
+        for b in to_bench:
+            b.points = _benchmark(fp32_runner, b.runner, plan.eval_set, profile)
+    elif cannot_time is not None and opts.benchmark:
+        plan.progress(5, plan.total, f"benchmark skipped: {cannot_time}")
+    else:
+        plan.progress(5, plan.total, "benchmark skipped" if not benchmarked else "fp32 only: nothing to compare")
+    measured = [Measured(p, b.accuracy.passed, _gate_note(b.accuracy), b.points) for p, b in built.items()]
+    first = plan.wanted[0]
+    decided = choose_precision(measured, benchmarked) if plan.auto else (
+        (first, f"{first}: asked for with --precision") if built[first].accuracy.passed else None)
+    if decided is None:
+        failed = "; ".join(_gate_note(b.accuracy) for b in built.values())
+        raise AccuracyGateFailed(
+            f"accuracy gate failed: {failed}; "
+            + _gate_advice(built["int8"].accuracy if "int8" in built else next(iter(built.values())).accuracy,
+                           plan.task, plan.calib, "n/a" if plan.target.qdq_int8_min_opset is None
+                           or "int8" not in built else "tried" if opts.fallback else "off", profile)
+            + _per_output_report(built))
+    chosen, reason = decided
+    # the build host cannot time this profile's CPUs: every passing precision ships, the device times them
+    passing = [b for b in built.values() if b.accuracy.passed]
+    variants = passing[1:] if plan.auto and cannot_time is not None and len(passing) > 1 else []
+    if variants:
+        chosen = passing[0].precision
+        reason = (f"device: {' and '.join(b.precision for b in passing)} pass the gate and {cannot_time}, so "
+                  f"each device times them at install and serves the faster; {chosen} (the profile's "
+                  f"default first) for an agent that does not time them; "
+                  + "; ".join(_gate_note(b.accuracy) for b in passing))
+    if notes:  # precisions the profile allows that could not be built here, and why
+        why_not = "; ".join(f"{p} {n}" for p, n in notes.items())
+        reason = f"{chosen}: {why_not}" if len(built) == 1 else f"{reason}; {why_not}"
+    if plan.info.batching_note:  # how the model is served follows from its layout: say why
+        reason = f"{reason}; {plan.info.batching_note}"
+    choice = PrecisionChoice(
+        mode="device" if variants else "auto" if plan.auto else "fixed", chosen=chosen, reason=reason,  # type: ignore[arg-type]
+        candidates=tuple(
+            [PrecisionCandidate(precision=p, top1=b.accuracy.candidate, drop=b.accuracy.drop,  # type: ignore[arg-type]
+                                passed=b.accuracy.passed, speedup=b.points, metric=b.accuracy.metric,
+                                note=_fallback_note(b))
+             for p, b in built.items()]
+            + [PrecisionCandidate(precision=p, note=n) for p, n in notes.items()]))  # type: ignore[arg-type]
+    return choice, variants
+
+
+def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built], reference: Runner,
+            ref_out: list[Any]) -> Manifest:
+    """Choose, write the self-test samples and the manifest, and pack the bundle at ``plan.out``."""
+    opts, profile, info, target, task = plan.opts, plan.profile, plan.info, plan.target, plan.task
+    choice, variants = _choose(plan, built, reference)
+    chosen = choice.chosen
+    best = built[chosen]
+    bench: BenchmarkReport | None = None
+    compared = best if best.points else next((b for b in built.values() if b.points), None)
+    if compared is not None:
+        bench = BenchmarkReport(threads=profile.runtime.intra_op_threads, iterations=profile.benchmark.iterations,
+                                points=compared.points, candidate_precision=compared.precision)  # type: ignore[arg-type]
+
+    plan.progress(6, plan.total, "writing self-test sample")
+    sample, expected = _write_selftest(plan.eval_set, best.runner, reference, info, work / "selftest.npz")
+    sample_top1 = _sample_top1(sample, expected)
+
+    plan.progress(7, plan.total, "writing bundle")
+    suffix = engines.runtime.suffix
+    engine = best.engine.rename(work / f"model{suffix}")  # a stable name in every bundle
+    shipped = [engine, work / "selftest.npz"]
+    variant_entries = []
+    for b in variants:  # each with its own engine and self-test sample (its outputs differ from the others')
+        v_engine = b.engine.rename(work / f"model-{b.precision}{suffix}")
+        v_sample, v_expected = _write_selftest(plan.eval_set, b.runner, reference, info,
+                                               work / f"selftest-{b.precision}.npz")
+        shipped += [v_engine, work / f"selftest-{b.precision}.npz"]
+        variant_entries.append(EngineVariant(
+            precision=b.precision, engine=v_engine.name, selftest=f"selftest-{b.precision}.npz",  # type: ignore[arg-type]
+            accuracy=b.accuracy, quantization=b.quantization,
+            selftest_summary=SelfTestSummary(samples=len(v_sample), top1=_sample_top1(v_sample, v_expected))))
+    files = {p.name: FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size) for p in shipped}
+    labels = info.metadata.get("edgefleet.labels")
+    manifest = Manifest(
+        manifest_version=_bf16.manifest_version(  # the lowest that carries it
+            VARIANTS_VERSION if variants else TASK_GATE_VERSION if best.accuracy.task is not None else 2,
+            [chosen, *(b.precision for b in variants)]),
+        name=opts.name, version=opts.version, profile=profile.name,
+        backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
+        created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        engine=engine.name, selftest="selftest.npz", inputs=info.inputs, outputs=info.outputs,
+        files=files, accuracy=best.accuracy, benchmark=bench,
+        toolchain={"edgefleet": protocol.__version__, "python": sys.version.split()[0],
+                   "platform": platform.machine(), "source_opset": str(info.opset),
+                   **target.toolchain_versions(),
+                   **_bf16.toolchain_versions([chosen, *(b.precision for b in variants)])},
+        labels=tuple(json.loads(labels)) if labels else None,
+        cpu_features=profile.cpu_features, quantization=best.quantization,
+        build_host=BuildHost(arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features()))),
+        precision_choice=choice,
+        selftest_summary=SelfTestSummary(samples=len(sample), top1=sample_top1),
+        engine_compatibility=target.engine_compatibility(),
+        preprocessing=plan.prep,
+        variants=tuple(variant_entries),
+    )
+    try:  # how the fp32 answers look, for the agents' sketches and the fleet's drift score (protocol.drift)
+        drift = build_reference(task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)],
+                                sure=task.sure, **reference_args(task.name, task.arg))
+        manifest = Manifest.model_validate({**manifest.model_dump(), "drift": drift,
+                                            "manifest_version": max(manifest.manifest_version, DRIFT_VERSION)})
+    except (ValueError, IndexError) as exc:  # answers its task cannot read: the bundle ships without drift
+        plan.progress(7, plan.total, f"note: no drift reference: {_one_line(exc)}")
+    write_bundle(manifest, work, plan.out)
+    return manifest
 
 
 def _fit_layout(model: Path, info: GraphInfo, data: Dataset, progress: Progress, total: int) -> GraphInfo:
