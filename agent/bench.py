@@ -306,7 +306,7 @@ def _recorded_p50(manifest: Manifest) -> dict[int, float]:
 def _repeat(arr: np.ndarray, axis: int | None, n: int) -> np.ndarray:
     """``arr``'s samples repeated to a batch of ``n`` along its batch axis (as-is without one)."""
     if axis is None or arr.ndim <= axis or arr.shape[axis] == 0:
-        return np.ascontiguousarray(arr)
+        return np.array(arr, order="C")  # (not ascontiguousarray: it makes a scalar input of shape [] one of [1])
     return np.ascontiguousarray(np.take(arr, np.arange(n) % arr.shape[axis], axis=axis))
 
 

@@ -19,6 +19,7 @@ from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.profile import profile_dir
 from tests.conftest import DIGITS
 from tests.test_compiler import run_cli
+from tests.waiting import concurrently
 
 RNG = np.random.default_rng(7)
 
@@ -420,7 +421,6 @@ def _recurrent(d):
 def test_a_model_with_recurrent_state_and_a_scalar_compiles_and_is_served(tmp_path):
     """The batch axis of each tensor is recorded (h on axis 1, the scalar on none); the agent validates
     requests against it and serves such a model one request at a time, results intact."""
-    import threading
 
     import httpx
     import onnxruntime as ort
@@ -458,11 +458,7 @@ def test_a_model_with_recurrent_state_and_a_scalar_compiles_and_is_served(tmp_pa
             if not (np.allclose(got["y"], want[0], atol=1e-3) and np.allclose(got["h_out"], want[1], atol=1e-3)):
                 errors.append(f"request {i}: wrong result")
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors += [f"request thread: {exc!r}" for exc in concurrently(client, 8, timeout_s=60)]
         assert not errors, errors
         bad, _ = body(3, 1.0)
         bad["inputs"][1]["shape"], bad["inputs"][1]["data"] = [2, 2, 8], bad["inputs"][1]["data"][:32]

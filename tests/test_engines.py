@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,7 @@ from tests.agent_harness import preinstall, running_agent
 from tests.conftest import DIGITS, REPO
 from tests.fakes import install_fake_gpu
 from tests.test_litert import tflite_toolchain  # noqa: F401  (the session fixture that installs onnx2tf)
+from tests.waiting import concurrently
 
 
 def _real_tensorrt_missing() -> str | None:
@@ -256,22 +256,14 @@ def test_litert_several_instances_run_at_once(digits_x86, tmp_path):
     manifest = tiny_manifest(digits_x86[0])
     engine = make_tflite(tmp_path / "m.tflite", metadata=IO_MAP)
     backends = [load_bundle_engine(manifest, engine, 1) for _ in range(3)]
-    errors: list[BaseException] = []
 
     def work(i: int) -> None:
-        try:
-            for n in range(1, 40):
-                x = np.full((1 + (n + i) % 5, 3), float(i), np.float32)
-                doubled, plus1 = backends[i].infer({"x": x})
-                assert np.array_equal(doubled, 2 * x) and np.array_equal(plus1, x + 1)
-        except BaseException as exc:
-            errors.append(exc)
+        for n in range(1, 40):
+            x = np.full((1 + (n + i) % 5, 3), float(i), np.float32)
+            doubled, plus1 = backends[i].infer({"x": x})
+            assert np.array_equal(doubled, 2 * x) and np.array_equal(plus1, x + 1)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = concurrently(work, 3, timeout_s=60)
     assert not errors, errors
     assert len({id(b._interp) for b in backends}) == 3  # type: ignore[attr-defined]
 

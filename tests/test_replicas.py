@@ -14,6 +14,7 @@ from tests.conftest import wait_for
 from tests.fleet_harness import running_fleet
 from tests.test_fleet import _postgres_url
 from tests.test_rollout import actions, online, rollout, status, until, upload
+from tests.waiting import concurrently
 
 
 def test_the_lease_holder_dies_mid_rollout_and_the_other_replica_finishes_it_exactly_once(
@@ -95,7 +96,6 @@ def test_replicas_share_no_disk_a_bundle_uploaded_to_one_installs_from_the_other
 def test_two_replicas_publishing_at_once_lose_no_target(tmp_path, digits_bundle):
     """The repository's read-modify-write of targets, snapshot and timestamp is serialised across replicas
     (PostgreSQL's advisory lock): targets published at once from two processes' repositories all stay."""
-    import threading
 
     from sqlalchemy import create_engine
 
@@ -112,20 +112,12 @@ def test_two_replicas_publishing_at_once_lose_no_target(tmp_path, digits_bundle)
              for i in range(2)]
     repos[0].init()
     repos[1].init()
-    errors: list[BaseException] = []
 
     def publish(i: int) -> None:
-        try:
-            for n in range(6):
-                repos[i].add_target(f"digits/{i}.{n}.0/x86-cpu.tar", digits_bundle, {"replica": i})
-        except BaseException as exc:
-            errors.append(exc)
+        for n in range(6):
+            repos[i].add_target(f"digits/{i}.{n}.0/x86-cpu.tar", digits_bundle, {"replica": i})
 
-    threads = [threading.Thread(target=publish, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = concurrently(publish, 2, timeout_s=120)
     assert not errors, errors
     assert sorted(repos[1].targets()) == sorted(f"digits/{i}.{n}.0/x86-cpu.tar" for i in range(2) for n in range(6))
     _, snap, ts, _ = repos[0]._load_all()

@@ -94,3 +94,28 @@ def begun(task: asyncio.Future) -> bool:
         return True
     coro = task.get_coro() if isinstance(task, asyncio.Task) else None
     return coro is not None and inspect.getcoroutinestate(coro) != inspect.CORO_CREATED
+
+
+def concurrently(fn: Callable[[int], object], n: int, timeout_s: float = 60.0) -> list[BaseException]:
+    """Run ``fn(0) .. fn(n - 1)`` in n threads at once and wait for them (``timeout_s`` in all); every exception a
+    thread raised, and an AssertionError for each thread still running at the end, in thread order."""
+    import threading
+
+    errors: list[list[BaseException]] = [[] for _ in range(n)]
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:
+            errors[i].append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for i, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            errors[i].append(AssertionError(f"thread {i} still running after {timeout_s:g}s"))
+    return [e for per in errors for e in per]
+
