@@ -126,7 +126,8 @@ def test_fixed_batch_1_with_dynamic_width_compiles_sample_by_sample_and_verifies
                 "--name", "ctc", "--out", str(tmp_path), "--no-benchmark", "--no-cache", "--json")
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)["manifest"]
-    assert m["manifest_version"] == 3 and [i["batch_axis"] for i in m["inputs"]] == [None]
+    # v6: the task gate (v3) and, since issue 34, the drift reference every bundle carries
+    assert m["manifest_version"] == 6 and [i["batch_axis"] for i in m["inputs"]] == [None]
     task = m["accuracy"]["task"]
     assert task["task"] == "ctc" and task["metric"] == "exact_string_agreement" and task["value"] == 1.0
     assert task["ci95"][0] < 1.0 and {c["name"] for c in task["criteria"]} == {"exact_string_agreement",

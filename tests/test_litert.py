@@ -273,5 +273,6 @@ def test_a_build_host_that_can_time_the_profile_keeps_choosing_at_compile_time(t
                        capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout)["manifest"]
-    assert m["manifest_version"] == 2 and m["precision_choice"]["mode"] == "auto" and not m["variants"]
+    # v6: every bundle now carries its drift reference (issue 34; was 2 before it)
+    assert m["manifest_version"] == 6 and m["precision_choice"]["mode"] == "auto" and not m["variants"]
     assert m["benchmark"] is not None
