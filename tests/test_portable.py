@@ -75,7 +75,7 @@ def test_vnni_profile_keeps_full_range_weights(vnni_bundle, tmp_path):
 
 def test_manifest_records_the_promise_and_the_build_host(digits_bundle, tmp_path):
     m = extract_bundle(digits_bundle, tmp_path / "m")
-    assert m.manifest_version == 2
+    assert m.manifest_version == 6  # v6: every bundle carries its drift reference (issue 34; was 2)
     assert m.cpu_features == ("avx2", "fma")
     assert m.build_host is not None and set(m.build_host.cpu_features) == set(cpu_features())
     assert m.selftest_summary is not None and m.selftest_summary.samples == 64
@@ -321,7 +321,9 @@ def test_verify_eval_that_does_not_fit_the_model_is_one_line(digits_bundle, tmp_
 def test_verify_eval_of_a_bundle_gated_by_agreement_reports_top1_without_a_drop(tmp_path):
     r = run_cli("compile", str(DIGITS / "model.onnx"), "--profile", "x86-cpu", "--precision", "int8",
                 "--calibration", str(DIGITS / "calibration.npz"), "--eval", str(DIGITS / "calibration.npz"),
-                "--gate", "agreement", "--out", str(tmp_path), "--name", "digits", "--no-benchmark")
+                # logits without labels used: int8 is gated only under a declared task (issue 29)
+                "--gate", "agreement", "--task", "classification", "--out", str(tmp_path), "--name", "digits",
+                "--no-benchmark")
     assert r.returncode == 0, r.stderr
     bundle = next(tmp_path.glob("*.tar"))
     assert extract_bundle(bundle, tmp_path / "x").accuracy.metric == "agreement"
