@@ -100,10 +100,16 @@ class Proxy:
 
 
 @pytest.fixture
-def env(monkeypatch) -> pytest.MonkeyPatch:
+def env(monkeypatch) -> Iterator[pytest.MonkeyPatch]:
+    import urllib.request
+
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
-    return monkeypatch
+    # urlopen builds its opener, proxies included, from the environment at its first call in the process and keeps
+    # it: a test that set *_PROXY after an earlier test's urlopen would not be heard (seen on the 3.10 pass)
+    urllib.request.install_opener(None)
+    yield monkeypatch
+    urllib.request.install_opener(None)
 
 
 @pytest.fixture
