@@ -15,6 +15,7 @@ of MobileNetV2 FP32 on a 16-core Xeon at 618 images/s where the limit measured 8
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import threading
 import time
@@ -35,6 +36,8 @@ from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "layout_trial",
            "layout_trial_in_child", "lone_call_ms", "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]
+
+log = logging.getLogger("edgefleet.agent.bench")
 
 LAYOUT_BUDGET_S = 4.0  # seconds of timed calls for every layout and batch size together (MobileNetV2: <= 10 s)
 SLICE_S = (0.05, 0.5)  # the time slice of one layout at one batch size: at least, at most
@@ -254,6 +257,10 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
                               input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
         raise SelfTestFailed(f"layout trial: not done in {timeout_s:g} s (killed)") from exc
+    except OSError as exc:  # this interpreter cannot start itself (a box without exec rights, or qemu-user
+        # without binfmt, where sys.executable is a foreign binary): the trial runs here, its memory kept
+        log.warning("layout trial: could not start a child process (%s); timing in this process instead", exc)
+        return layout_trial(manifest, directory, candidates, sizes, seconds, cpus, providers)
     try:
         out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
     except ValueError:

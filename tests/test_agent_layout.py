@@ -203,3 +203,20 @@ def test_the_trial_runs_in_a_child_and_an_engine_that_does_not_load_is_a_backend
     shutil.copy(staged.directory / staged.manifest.selftest, tmp_path / "empty")
     with pytest.raises(BackendError, match=staged.manifest.engine):
         agent_bench.layout_trial_in_child(staged.manifest, tmp_path / "empty", ((1, 1),), (1,), 0.05)
+
+
+def test_a_layout_trial_whose_child_cannot_start_runs_in_this_process(monkeypatch, tmp_path):
+    """Where this interpreter cannot start itself (qemu-user without binfmt: sys.executable is a foreign binary,
+    'Exec format error'; a box without exec rights), the trial runs in the agent's own process instead of failing
+    the install (the emulated aarch64 agent never became ready before)."""
+    import sys
+    from types import SimpleNamespace
+
+    from edgefleet.agent import bench
+
+    seen = []
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "not-a-program"))
+    monkeypatch.setattr(bench, "layout_trial", lambda *a, **k: seen.append(a) or ["figures"])
+    manifest = SimpleNamespace(model_dump=lambda mode: {})
+    assert bench.layout_trial_in_child(manifest, tmp_path, [(1, 1)], (1,), 0.1) == ["figures"]  # type: ignore[arg-type]
+    assert len(seen) == 1

@@ -107,7 +107,7 @@ def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(t
              "    except OSError:\n"
              "        gone.append(lib)\n"
              "import cv2, edgefleet.agent.image, edgefleet.agent.server\n"
-             "from protocol.preprocess import decode_image\n"
+             "from edgefleet.protocol.preprocess import decode_image\n"
              "ok, png = cv2.imencode('.png', np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)\n"
              "img = decode_image(png.tobytes(), 'probe')\n"
              "names = sorted(n for n in (d.metadata['Name'].lower() for d in md.distributions()) if 'opencv' in n)\n"
