@@ -25,6 +25,7 @@ __all__ = [
     "AuditEntry",
     "Bootstrap",
     "Device",
+    "DeviceBatchResult",
     "Enrolled",
     "EnrollmentToken",
     "Error",
@@ -78,6 +79,11 @@ class Enrolled(Bootstrap):
     device_id: str
     mqtt_username: str
     mqtt_password: str
+
+
+class DeviceBatchResult(ApiModel):
+    registered: int  # devices new to the fleet
+    updated: int  # devices it already knew
 
 
 class EnrollmentToken(ApiModel):

@@ -71,7 +71,7 @@ def router(fleet: Fleet) -> APIRouter:
     def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
         return service.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
 
-    @r.post("/api/v1/devices/batch", status_code=201)
+    @r.post("/api/v1/devices/batch", status_code=201, response_model=out.DeviceBatchResult)
     def register_devices(body: DeviceBatchIn, c: Caller = Depends(operator)) -> dict[str, int]:
         """Register up to MAX_BATCH_DEVICES devices at once (all or none): {"registered": new, "updated": known}."""
         return service.register_devices([d.model_dump() for d in body.devices], c.name)
