@@ -63,21 +63,7 @@ def objects():
 
 def _post_as(uid: int, port: int, path: str, body: bytes, headers: dict[str, str], out) -> None:
     """In a child process: drop to ``uid`` (and its group), POST over plain loopback TCP, put (status, body)."""
-    try:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n{head}"
-                      f"Connection: close\r\n\r\n".encode() + body)
-            data = b""
-            while chunk := s.recv(65536):
-                data += chunk
-        status = int(data.split(b" ", 2)[1])
-        out.put((status, data.partition(b"\r\n\r\n")[2]))
-    except BaseException as exc:  # surfaced to the test
-        out.put((0, repr(exc).encode()))
+    _request_as(uid, port, "POST", path, body, headers, out)
 
 
 def post_as(uid: int, url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
