@@ -44,9 +44,10 @@ def test_a_thousand_devices_reconnect_spread_over_the_window_after_a_broker_rest
     derived = 2 * BIN_S / BASE_S * DEVICES
     largest = _largest_bin(list(dialled))
     assert largest <= 2 * derived, f"{largest} of {DEVICES} devices dialled within one {BIN_S}s slice"
-    # the broker took them over the window too, not in a burst after it
+    # the broker took them over the window too, not in a burst after it (a quarter of the window: loop lag on a
+    # loaded 2-core box bunched the moments back to 0.7 s of the 2 s; without jitter they are within 6 ms)
     ordered = sorted(back)
-    assert ordered[int(0.9 * DEVICES)] - ordered[int(0.1 * DEVICES)] >= 0.5 * BASE_S
+    assert ordered[int(0.9 * DEVICES)] - ordered[int(0.1 * DEVICES)] >= 0.25 * BASE_S
 
 
 def _links(kind: str, url: str, tmp_path, n: int):
