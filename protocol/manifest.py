@@ -33,6 +33,13 @@ Version 6 adds the drift reference (``drift``, protocol/drift.py): the fp32 mode
 a few binned features of its task (class shares, score deciles, boxes per image, string lengths, speech share, a
 value sketch), which agents count their live answers into and the fleet scores them against. A manifest without it
 stays at its lower version.
+
+Version 7 adds pipelines (``pipeline``, protocol/pipeline.py): two models run as one, a detector then a reader, with
+the steps between them. Each stage has its own manifest inside (gated like a single model, its files listed in the
+bundle's ``files``); the top-level manifest describes the pipeline as a whole: its input is the detector's, its
+outputs are the end answers, its ``accuracy`` is the gate of those answers against the FP32 pipeline (task
+``pipeline``), its ``engine`` is the detector's engine file and its ``precision`` the lowest of the stages'
+(``fp32`` only when every stage is fp32). A manifest without it stays at its lower version.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from edgefleet.protocol import jsonlimits
 from edgefleet.protocol._strict import StrictModel, parse_document
 from edgefleet.protocol.drift import DriftReference
 from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
+from edgefleet.protocol.pipeline import PipelineSpec, end_output_names
 from edgefleet.protocol.preprocess import Preprocessing
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
     "Int8Scheme",
     "Manifest",
     "OutputAgreement",
+    "PipelineManifest",
     "PrecisionCandidate",
     "PrecisionChoice",
     "QuantizationInfo",
@@ -74,7 +83,8 @@ __all__ = [
     "parse_manifest",
 ]
 
-MANIFEST_VERSION = 6
+MANIFEST_VERSION = 7
+PIPELINE_VERSION = 7  # the first version with pipeline (two models run as one)
 TASK_GATE_VERSION = 3  # the first version with accuracy.task
 VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the device)
 DRIFT_VERSION = 6  # the first version with drift (the reference of the model's answers)
@@ -163,7 +173,8 @@ class TaskCriterion(StrictModel):
 class TaskReport(StrictModel):
     """The candidate judged against fp32 by what the model is for (version 3)."""
 
-    task: Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding"]
+    # pipeline (version 7): the end answers of a pipeline against the fp32 pipeline's
+    task: Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding", "pipeline"]
     source: Literal["declared", "file", "inferred"]
     output: str
     args: dict[str, str] = Field(default_factory=dict)
@@ -318,6 +329,8 @@ class Manifest(StrictModel):
     variants: tuple[EngineVariant, ...] = Field(default=(), max_length=4)
     # version 6: how the model's answers on the evaluation set look (None: not recorded; the fleet shows no drift)
     drift: DriftReference | None = None
+    # version 7: the stages and steps when this bundle is a pipeline (None: one model)
+    pipeline: PipelineManifest | None = None
 
     @field_validator("name", "profile")
     @classmethod
@@ -373,6 +386,47 @@ class Manifest(StrictModel):
                 raise ValueError("a manifest with variants has precision_choice.mode 'device'")
         elif self.precision_choice is not None and self.precision_choice.mode == "device":
             raise ValueError("precision_choice.mode 'device' needs variants to choose among")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_whole(self) -> Manifest:
+        """A pipeline's manifest describes the whole: see the module docstring (version 7)."""
+        if self.accuracy.task is not None and self.accuracy.task.task == "pipeline" and self.pipeline is None:
+            raise ValueError("accuracy.task 'pipeline' belongs to a pipeline's manifest")
+        p = self.pipeline
+        if p is None:
+            return self
+        if self.manifest_version < PIPELINE_VERSION:
+            raise ValueError(f"pipeline needs manifest_version {PIPELINE_VERSION} or newer")
+        names = [s.name for s in p.stages]
+        if sorted(names) != sorted([p.spec.detector, p.spec.reader]):
+            raise ValueError(f"the stages {names} are not the spec's detector {p.spec.detector!r} and reader "
+                             f"{p.spec.reader!r}")
+        if p.spec.read.charset_from is not None:
+            raise ValueError("pipeline.spec.read.charset_from is for pipeline.yaml; a manifest holds the charset")
+        if self.variants:
+            raise ValueError("a pipeline has no variants: each stage's precision is chosen when it is built")
+        for st in p.stages:
+            if st.pipeline is not None:
+                raise ValueError(f"stage {st.name!r} is itself a pipeline")
+            if st.backend != self.backend:
+                raise ValueError(f"stage {st.name!r} runs on {st.backend}, the pipeline on {self.backend}")
+            for fname, entry in st.files.items():
+                if self.files.get(fname) != entry:
+                    raise ValueError(f"stage {st.name!r}'s file {fname!r} is not the bundle's file of that name")
+        det = p.stage(p.spec.detector)
+        if self.engine != det.engine:
+            raise ValueError(f"a pipeline's engine is its detector's ({det.engine!r}), not {self.engine!r}")
+        if tuple(self.inputs) != tuple(det.inputs):
+            raise ValueError("a pipeline's inputs are its detector's")
+        want = end_output_names(p.spec)
+        if tuple(o.name for o in self.outputs) != want:
+            raise ValueError(f"a pipeline's outputs are {list(want)}, not {[o.name for o in self.outputs]}")
+        lowest = next(q for q in ("int8", "fp16", "bf16", "fp32") if q in {s.precision for s in p.stages})
+        if self.precision != lowest:
+            raise ValueError(f"a pipeline's precision is its lowest stage's ({lowest}), not {self.precision}")
+        if self.accuracy.task is None or self.accuracy.task.task != "pipeline":
+            raise ValueError("a pipeline's accuracy report judges its end answers (accuracy.task 'pipeline')")
         return self
 
     @model_validator(mode="after")
@@ -439,7 +493,32 @@ class Manifest(StrictModel):
             data.pop("variants", None)
         if data.get("drift") is None:
             data.pop("drift", None)
+        if data.get("pipeline") is None:
+            data.pop("pipeline", None)
+        else:  # each stage's manifest as a stage writes it alone (its unset keys left out)
+            data["pipeline"]["stages"] = [json.loads(st.to_json()) for st in self.pipeline.stages]  # type: ignore[union-attr]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+class PipelineManifest(StrictModel):
+    """The steps (as gated) and each stage's own manifest (version 7)."""
+
+    spec: PipelineSpec
+    stages: tuple[Manifest, ...] = Field(min_length=2, max_length=2)
+
+    def stage(self, name: str) -> Manifest:
+        return next(s for s in self.stages if s.name == name)
+
+    @property
+    def detector(self) -> Manifest:
+        return self.stage(self.spec.detector)
+
+    @property
+    def reader(self) -> Manifest:
+        return self.stage(self.spec.reader)
+
+
+Manifest.model_rebuild()
 
 
 def parse_manifest(raw: bytes | str | dict[str, Any], source: str = MANIFEST_FILENAME) -> Manifest:
