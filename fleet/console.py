@@ -146,7 +146,28 @@ def _serving(st: dict[str, Any] | None) -> SimpleNamespace | None:
     return SimpleNamespace(precision=sv["precision"], detail=how + (f": {figures}" if figures else ""),
                            max_batch_size=sv["max_batch_size"], batch_source=sv["batch_source"],
                            instances=sv["instances"], threads=sv["threads"],
-                           layout_source=sv.get("layout_source", "default"))
+                           layout_source=sv.get("layout_source", "default"), runtime=_runtime(sv.get("runtime")))
+
+
+# how the runtime was chosen, as the console names it: pinned (the agent's config names it), auto (timed here), or
+# one runtime (the only one installed there that runs the bundle: nothing to choose)
+_RUNTIME_SOURCES = {"operator": ("pinned", "set in the agent's config"), "device": ("auto", "timed here"),
+                    "only": ("one runtime", "the only runtime here that runs it")}
+
+
+def _runtime(rc: dict[str, Any] | None) -> SimpleNamespace | None:
+    """The runtime serving the model (issue 35): 'openvino (auto · timed here: openvino 612/s, onnxruntime 402/s)'
+    or 'onnxruntime (pinned · set in the agent's config)'; the figures per batch size as its tooltip. None from an
+    agent that does not say (older releases)."""
+    if not rc:
+        return None
+    mode, how = _RUNTIME_SOURCES.get(rc["source"], (rc["source"], ""))
+    figures = ", ".join(f'{t["runtime"]} {t["items_per_s"]:g}/s' for t in rc.get("runtimes") or [])
+    per_batch = "; ".join(f'{t["runtime"]}: ' + ", ".join(f'batch {b["batch_size"]} {b["items_per_s"]:g}/s'
+                                                          for b in t.get("timings") or [])
+                          for t in rc.get("runtimes") or [] if t.get("timings"))
+    return SimpleNamespace(name=rc["runtime"], mode=mode,
+                           detail=how + (f": {figures}" if figures else ""), tip=per_batch)
 
 
 def _serving_source(d: dict[str, Any]) -> dict[str, Any] | None:
@@ -213,7 +234,8 @@ def render(devices: list[dict[str, Any]], models: list[dict[str, Any]], rollouts
     matching = len(devices) if matching is None else matching
     # records as they are (read by key) with their view values added
     rows = [{**d, "isa": _isa(d.get("hardware")), "telemetry_view": _telemetry(d["telemetry"]),
-             "selftest_view": _selftest(d.get("selftest"), (d["running_model"], d["running_version"]))}
+             "selftest_view": _selftest(d.get("selftest"), (d["running_model"], d["running_version"])),
+             "runtime_view": _runtime(((_serving_source(d) or {}).get("serving") or {}).get("runtime"))}
             for d in devices]
     mrows = [{**m, "accuracy_text": _accuracy(m["accuracy"])} for m in models]
     rrows = []

@@ -21,7 +21,10 @@ def _telemetry(version: str = "1.0.0" + X) -> dict:
             "ts": 1.7e9, "device": {"cpu_percent": 40, "memory_used_mb": 900, "temperature_c": 50},
             "serving": {"precision": "int8" + X, "precision_source": "device" + X, "max_batch_size": 8,
                         "precisions": [{"precision": "int8" + X, "items_per_s": 412.0}], "batch_source": "m" + X,
-                        "instances": 1, "threads": 2, "layout_source": "default" + X}}
+                        "instances": 1, "threads": 2, "layout_source": "default" + X,
+                        "runtime": {"runtime": "openvino" + X, "source": "device" + X, "runtimes": [
+                            {"runtime": "openvino" + X, "items_per_s": 612.0,
+                             "timings": [{"batch_size": 8, "items_per_s": 823.0}]}]}}}
 
 
 def _device() -> dict:

@@ -305,5 +305,7 @@ def test_a_device_reports_the_precision_it_timed_and_the_fleet_shows_it(tmp_path
         html = httpx.get(f"{lf.url}/devices/edge-p", headers={"Authorization": f"Bearer {lf.client.token}"}).text
         assert f"<b>{sv['precision']}</b>" in html and "timed here: " in html, html
         assert f"int8 {timed['int8']:g}/s" in html and f"fp32 {timed['fp32']:g}/s" in html
+        # and the runtime serving it, chosen on the device (runtime: auto; issue 35)
+        assert sv["runtime"] is not None and f'<b class="runtime">{sv["runtime"]["runtime"]}</b>' in html, sv
     finally:
         lf.stop()
