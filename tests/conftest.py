@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,16 +59,26 @@ class Mosquitto:
             self.proc = None
 
 
+@contextmanager
+def running_mosquitto(folder: Path, extra_conf: str = "") -> Iterator[Mosquitto]:
+    """A stock Mosquitto on a free loopback port (anonymous, no persistence), its config in ``folder``;
+    ``extra_conf``: more config lines (e.g. queue limits). Stopped on the way out."""
+    port = free_port()
+    conf = folder / "mosquitto.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n{extra_conf}")
+    m = Mosquitto(port, conf)
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
 @pytest.fixture
 def mosquitto(tmp_path: Path) -> Iterator[Mosquitto]:
     """A Mosquitto broker of the test's own, on a free loopback port."""
-    port = free_port()
-    conf = tmp_path / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    m = Mosquitto(port, conf)
-    m.start()
-    yield m
-    m.stop()
+    with running_mosquitto(tmp_path) as m:
+        yield m
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,7 +27,7 @@ from edgefleet.protocol import bundle as bundle_mod
 from edgefleet.protocol.bundle import BundleError, extract_bundle
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import MANIFEST_FILENAME
-from tests.conftest import Mosquitto, free_port
+from tests.conftest import running_mosquitto
 from tests.fleet_harness import api, running_fleet
 
 
@@ -157,16 +157,8 @@ CASES: list[tuple[str, Callable[[Crafted], None], tuple[str, ...]]] = [
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str, Path]]:
     tmp = tmp_path_factory.mktemp("upload-checks")
-    port = free_port()
-    conf = tmp / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    broker = Mosquitto(port, conf)
-    broker.start()
-    try:
-        with running_fleet(tmp, broker.url) as (fs, url):
-            yield fs, url, tmp
-    finally:
-        broker.stop()
+    with running_mosquitto(tmp) as broker, running_fleet(tmp, broker.url) as (fs, url):
+        yield fs, url, tmp
 
 
 def _published(fs: Any, url: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from tests.conftest import Mosquitto, free_port, wait_for
+from tests.conftest import running_mosquitto, wait_for
 from tests.fleet_harness import api, running_fleet
 from tests.test_rollout import rollout, status, until, upload
 
@@ -47,15 +47,9 @@ def _barrier(port: int, url: str) -> None:
 
 @pytest.fixture
 def dropping_broker(tmp_path):
-    port = free_port()
-    conf = tmp_path / "mosquitto.conf"
     # a stock broker but for the queue: 5 queued and 2 in flight per subscriber instead of 1,000 and 20
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                    "max_queued_messages 5\nmax_inflight_messages 2\n")
-    m = Mosquitto(port, conf)
-    m.start()
-    yield m
-    m.stop()
+    with running_mosquitto(tmp_path, "max_queued_messages 5\nmax_inflight_messages 2\n") as m:
+        yield m
 
 
 @pytest.mark.parametrize("reconcile", [True, False], ids=["reconciled", "without-reconciliation"])

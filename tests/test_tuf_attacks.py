@@ -24,7 +24,7 @@ import pytest
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import running_agent
-from tests.conftest import Mosquitto, free_port, wait_for
+from tests.conftest import free_port, running_mosquitto, wait_for
 from tests.fleet_harness import running_fleet
 from tests.test_crash_random import record_figures
 from tests.test_tuf_bundles import rebundle, write_raw_bundle
@@ -104,40 +104,35 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, digits_bundle, test_images) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("tuf-attacks")
-    port = free_port()
-    conf = tmp / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    broker = Mosquitto(port, conf)
-    broker.start()
-    attacker = Attacker(free_port())
-    srv = attacker.serve()
-    try:
-        with running_fleet(tmp, broker.url, public_url=attacker.url) as (fs, url):
-            attacker.upstream = url
-            fs.service.register_device(DEVICE)
-            fs.service.upload_bundle(digits_bundle)
-            with running_agent(tmp / "agent", device_id=DEVICE, fleet_url=attacker.url,
-                               trusted_root=tmp / "keys" / "root.json", install_retries=0,
-                               download_grace_s=2.0, download_min_bytes_per_s=4096) as (agent, agent_url):
-                wait_for(lambda: fs.service.get_device(DEVICE)["online"], 30, "agent online")
-                rid = fs.service.create_rollout("digits", "1.0.0", [DEVICE])["id"]
-                wait_for(lambda: fs.service.get_rollout(rid)["status"] == "succeeded", 60, "1.0.0 installed")
-                w = World(fs, agent_url, attacker, tmp, digits_bundle, *test_images)
-                sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="report-watcher")
-                sub.on_message = lambda c, u, m: w.reports.append(
-                    proto.decode(proto.ReportedState, bytes(m.payload), source=m.topic))
-                sub.connect("127.0.0.1", broker.port)
-                sub.subscribe(proto.topic(DEVICE, "reported"), qos=1)
-                sub.loop_start()
-                try:
-                    yield w
-                finally:
-                    sub.loop_stop()
-                    sub.disconnect()
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        broker.stop()
+    with running_mosquitto(tmp) as broker:
+        attacker = Attacker(free_port())
+        srv = attacker.serve()
+        try:
+            with running_fleet(tmp, broker.url, public_url=attacker.url) as (fs, url):
+                attacker.upstream = url
+                fs.service.register_device(DEVICE)
+                fs.service.upload_bundle(digits_bundle)
+                with running_agent(tmp / "agent", device_id=DEVICE, fleet_url=attacker.url,
+                                   trusted_root=tmp / "keys" / "root.json", install_retries=0,
+                                   download_grace_s=2.0, download_min_bytes_per_s=4096) as (agent, agent_url):
+                    wait_for(lambda: fs.service.get_device(DEVICE)["online"], 30, "agent online")
+                    rid = fs.service.create_rollout("digits", "1.0.0", [DEVICE])["id"]
+                    wait_for(lambda: fs.service.get_rollout(rid)["status"] == "succeeded", 60, "1.0.0 installed")
+                    w = World(fs, agent_url, attacker, tmp, digits_bundle, *test_images)
+                    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="report-watcher")
+                    sub.on_message = lambda c, u, m: w.reports.append(
+                        proto.decode(proto.ReportedState, bytes(m.payload), source=m.topic))
+                    sub.connect("127.0.0.1", broker.port)
+                    sub.subscribe(proto.topic(DEVICE, "reported"), qos=1)
+                    sub.loop_start()
+                    try:
+                        yield w
+                    finally:
+                        sub.loop_stop()
+                        sub.disconnect()
+        finally:
+            srv.shutdown()
+            srv.server_close()
 
 
 def _refused(w: World, version: str, why: str) -> str:
