@@ -68,7 +68,7 @@ class BoxesStep(StrictModel):
     box_threshold: float = Field(default=0.5, ge=0.0, lt=1.0)
     nms_iou: float = Field(default=0.45, gt=0.0, le=1.0)
     min_size: int = Field(default=3, ge=1, le=4096)
-    unclip: float = Field(default=1.5, ge=1.0, le=4.0)
+    unclip: float = Field(default=1.5, ge=0.0, le=4.0)  # 0: boxes as found
     max_boxes: int = Field(default=32, ge=1, le=256)
 
 
