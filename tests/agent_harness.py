@@ -170,6 +170,38 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def served_version(url: str, model: str = "digits", timeout_s: float = 2.0) -> str | None:
+    """The version of ``model`` the agent at ``url`` serves; None while it does not answer or serves none."""
+    try:
+        r = httpx.get(f"{url}/v2/models/{model}", timeout=timeout_s)
+    except httpx.TransportError:
+        return None
+    return r.json()["versions"][0] if r.status_code == 200 else None
+
+
+def post_at_once(url: str, bodies: list[bytes], timeout_s: float = 60.0) -> list[httpx.Response]:
+    """POST each body from a thread of its own, all released together by a barrier; every reply is a response
+    (a transport error fails the test with it)."""
+    out: list[httpx.Response | BaseException | None] = [None] * len(bodies)
+    start = threading.Barrier(len(bodies))
+
+    def send(i: int) -> None:
+        try:
+            start.wait()
+            out[i] = httpx.post(url, content=bodies[i], timeout=timeout_s)
+        except BaseException as exc:  # surfaced below
+            out[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 60)
+    for r in out:
+        assert isinstance(r, httpx.Response), r
+    return out  # type: ignore[return-value]
+
+
 def in_batcher(b) -> int:
     """Samples a batcher holds: queued, waiting behind a running batch, or running."""
     return b.queued_samples + sum(p.n for batch in b._running.values() for p in batch)

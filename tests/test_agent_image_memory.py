@@ -11,7 +11,6 @@ process's: the kernel's high-water mark (VmHWM) is reset before the requests and
 from __future__ import annotations
 
 import struct
-import threading
 import zlib
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.errors import RequestError
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import post_at_once, preinstall, running_agent
 
 MiB = 1024 * 1024
 # what the measurement itself may add on top of the decodes: the request bodies (about 231 KB each), the
@@ -57,27 +56,6 @@ def reset_peak_rss() -> int:
     except OSError as exc:
         pytest.skip(f"cannot reset the peak RSS here ({exc})")
     return _status("VmRSS")
-
-
-def post_at_once(url: str, bodies: list[bytes]) -> list[httpx.Response]:
-    out: list[httpx.Response | BaseException | None] = [None] * len(bodies)
-    start = threading.Barrier(len(bodies))
-
-    def send(i: int) -> None:
-        try:
-            start.wait()
-            out[i] = httpx.post(url, content=bodies[i], timeout=60)
-        except BaseException as exc:
-            out[i] = exc
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for r in out:
-        assert isinstance(r, httpx.Response), r
-    return out  # type: ignore[return-value]
 
 
 def small_png(test_images) -> bytes:

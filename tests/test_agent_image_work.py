@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import threading
 import zlib
 
 import cv2
@@ -25,7 +24,7 @@ import pytest
 
 from edgefleet.agent.errors import RequestError
 from edgefleet.agent.image import DEFAULT_MAX_SCANS, MAX_PNG_CHUNKS, image_bytes, image_header
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import post_at_once, preinstall, running_agent
 from tests.test_agent_image_memory import small_png
 
 
@@ -201,24 +200,7 @@ def test_hostile_images_in_flight_do_not_stop_healthy_ones(tmp_path, image_bundl
     with running_agent(data, max_concurrent_image_decodes=2, queue_timeout_ms=2000) as (_a, url):
         infer = f"{url}/v2/models/digits/infer/image"
         bodies = [jpeg] * 4 + [bomb] * 2 + [good] * 2
-        out: list[httpx.Response | BaseException | None] = [None] * len(bodies)
-        start = threading.Barrier(len(bodies))
-
-        def send(i: int) -> None:
-            try:
-                start.wait()
-                out[i] = httpx.post(infer, content=bodies[i], timeout=120)
-            except BaseException as exc:  # surfaced below
-                out[i] = exc
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        for r in out:
-            assert isinstance(r, httpx.Response), r
-        responses: list[httpx.Response] = out  # type: ignore[assignment]
+        responses = post_at_once(infer, bodies, timeout_s=120)
         for r in responses[:4]:
             assert r.status_code == 413, r.text
             assert f"more than {DEFAULT_MAX_SCANS} scans" in r.json()["error"]
