@@ -12,6 +12,15 @@
 The lifecycle code reports loads, swaps, failed loads and rollbacks with :meth:`Metrics.model_event`.
 The batcher reports through a :class:`ModelMetrics` bound to one model version, so the request path
 does no label look-ups.
+
+A pipeline (agent/pipeline.py) is one model to every reader: its requests, errors and end-to-end latency are the
+model's (so the telemetry's p99, the rollout gate's figure, is the pipeline's). Each of its stages has a
+:class:`ModelMetrics` of its own (:meth:`Metrics.for_stage`), labelled ``<model>/<stage>`` in Prometheus
+(``ocr/det``, ``ocr/rec``): one "request" is one pipeline request's use of the stage (its time in the stage's
+queue and runtime), its batches are the stage's. A stage's figures stay out of the agent's request totals (each
+pipeline request counts once, as the model's); the entry stage's batches (the detector's: images per batch) are
+the model's batches in telemetry. Each stage keeps its interval's figures for the telemetry's ``stages``
+(:meth:`ModelMetrics.take_interval`), and ``/v2/models/{m}/stats`` lists them under ``stages``.
 """
 
 from __future__ import annotations
@@ -74,11 +83,20 @@ class _Duration:
 
 
 class ModelMetrics:
-    """Counters of one model version, with its Prometheus children bound once."""
+    """Counters of one model version, with its Prometheus children bound once. ``stage``: a pipeline stage's
+    (labelled ``model/stage``; ``entry``: the first stage, whose batches are the model's in telemetry)."""
 
-    def __init__(self, parent: Metrics, model: str, version: str):
+    def __init__(self, parent: Metrics, model: str, version: str, stage: str | None = None, entry: bool = False):
         self.parent = parent
-        self.model, self.version = model, version
+        self.model = model if stage is None else f"{model}/{stage}"
+        self.version = version
+        self.stage = stage
+        self._entry = stage is None or entry  # its batches count as the model's
+        # a stage's figures of the telemetry interval (take_interval): latencies (ms), errors, batch sizes
+        self._iv_lat: list[float] = []
+        self._iv_errors = 0
+        self._iv_batches: list[int] = []
+        self.stages: dict[str, ModelMetrics] = {}  # a pipeline's stages, by name (for stats())
         self._lock = threading.Lock()
         self._requests = parent.requests.labels(model, version)
         self._latency = parent.latency.labels(model, version)
@@ -113,7 +131,11 @@ class ModelMetrics:
             c.inc()
         with self._lock:
             (self.success if ok else self.fail).add(latency_s)
-        self.parent.request_done(latency_s, ok)
+            if self.stage is not None:
+                self._iv_errors += 1
+                self._interval_latencies([latency_s])
+        if self.stage is None:
+            self.parent.request_done(latency_s, ok)
 
     def fold(self) -> None:
         """Count the successful requests not counted yet, in every counter and histogram at once."""
@@ -125,7 +147,33 @@ class ModelMetrics:
         _observe_many(self._latency, ok)
         with self._lock:
             self.success.add(sum(ok), len(ok))
-        self.parent.requests_done(ok)
+            if self.stage is not None:
+                self._interval_latencies(ok)
+        if self.stage is None:
+            self.parent.requests_done(ok)
+
+    def _interval_latencies(self, latencies_s: list[float]) -> None:
+        """(a stage's, under the lock) latencies into the telemetry interval, bounded as the agent's are."""
+        if len(self._iv_lat) + len(latencies_s) > MAX_SAMPLES:
+            self._iv_lat = self._iv_lat[::2]
+        self._iv_lat.extend(v * 1000.0 for v in latencies_s)
+
+    def take_interval(self) -> dict[str, Any]:
+        """A stage's figures since the last call (the telemetry's ``stages`` entry: protocol.mqtt.StageFigures'
+        fields), then starts a new interval: its calls (pipeline requests that used it), errors, latency
+        percentiles (ms, queue and runtime) and batches."""
+        self.fold()
+        with self._lock:
+            lat, errors, batches = self._iv_lat, self._iv_errors, self._iv_batches
+            self._iv_lat, self._iv_errors, self._iv_batches = [], 0, []
+        p = np.percentile(lat, [50, 95, 99]).tolist() if lat else [None, None, None]
+        return {"calls": len(lat), "errors": errors,
+                "latency": {"p50_ms": None if p[0] is None else round(p[0], 3),
+                            "p95_ms": None if p[1] is None else round(p[1], 3),
+                            "p99_ms": None if p[2] is None else round(p[2], 3),
+                            "max_ms": round(max(lat), 3) if lat else None},
+                "batches": len(batches), "batch_size_mean": round(float(np.mean(batches)), 3) if batches else None,
+                "batch_size_max": max(batches) if batches else None}
 
     def batch(self, size: int, queue_s: list[float], compute_s: float) -> None:
         """A batch of ``size`` samples ran: ``queue_s`` is each request's time in the queue."""
@@ -142,12 +190,16 @@ class ModelMetrics:
             if bs is None:
                 bs = self.batch_stats[size] = _Duration()
             bs.add(compute_s)
-        self.parent.batch_done(size)
+            if self.stage is not None and len(self._iv_batches) < MAX_SAMPLES:
+                self._iv_batches.append(size)
+        if self._entry:
+            self.parent.batch_done(size)
 
     def stats(self) -> dict[str, object]:
         """Triton's per-model statistics (``/v2/models/{m}/stats``): counts and nanoseconds since load."""
         zero = {"count": 0, "ns": 0}
         self.fold()
+        stages = [m.stats() for _, m in sorted(self.stages.items())]
         with self._lock:
             return {
                 "name": self.model, "version": self.version, "last_inference": self.last_inference_ms,
@@ -158,6 +210,7 @@ class ModelMetrics:
                 "batch_stats": [{"batch_size": size, "compute_input": {"count": d.count, "ns": 0},
                                  "compute_infer": d.doc(), "compute_output": {"count": d.count, "ns": 0}}
                                 for size, d in sorted(self.batch_stats.items())],
+                **({"stages": stages} if stages else {}),  # a pipeline's: each stage's, named model/stage
             }
 
     def watch_queue(self, depth: Callable[[], float]) -> None:
@@ -206,6 +259,16 @@ class Metrics:
             if m is None:
                 m = self._models[key] = ModelMetrics(self, model, version)
             return m
+
+    def for_stage(self, model: str, stage: str, version: str, entry: bool = False) -> ModelMetrics:
+        """Stage ``stage`` of pipeline ``model`` (labelled ``model/stage``); listed in the model's stats."""
+        key = (f"{model}/{stage}", version)
+        with self._lock:
+            m = self._models.get(key)
+            if m is None:
+                m = self._models[key] = ModelMetrics(self, model, version, stage, entry)
+        self.for_model(model, version).stages[stage] = m
+        return m
 
     def model_event(self, model: str, version: str, kind: str) -> None:
         """Count a lifecycle event; ``load`` and ``swap`` mark the version as serving, ``unload`` clears it."""

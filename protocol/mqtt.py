@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic_core
 from pydantic import BaseModel, Field, ValidationError
@@ -43,6 +43,7 @@ __all__ = [
     "RuntimeTiming",
     "SelfTestResult",
     "ServingChoice",
+    "StageFigures",
     "StatusMessage",
     "Telemetry",
     "TelemetryAck",
@@ -254,6 +255,19 @@ class ShadowFigures(StrictModel):
     p99_ms: float | None = Field(default=None, ge=0.0, le=MAX_LATENCY_MS)
 
 
+class StageFigures(StrictModel):
+    """One stage of a pipeline over a telemetry interval (the agent serves the pipeline as one model; the record's
+    own figures are the whole pipeline's): the pipeline requests that used the stage, those that failed in it,
+    their time in it (its queue and runtime, ms) and the batches it ran (a reader's batch: crops)."""
+
+    calls: int = Field(ge=0, lt=MAX_COUNT)
+    errors: int = Field(ge=0, lt=MAX_COUNT)
+    latency: LatencySummary
+    batches: int = Field(ge=0, lt=MAX_COUNT)
+    batch_size_mean: float | None = Field(default=None, ge=0.0, le=MAX_COUNT)
+    batch_size_max: int | None = Field(default=None, ge=0, lt=MAX_COUNT)
+
+
 class Telemetry(_Message):
     kind: Literal["telemetry"] = "telemetry"
     # (stream, seq) identifies a record: stream is random per spool (a re-imaged device starts a new
@@ -280,6 +294,10 @@ class Telemetry(_Message):
     # this interval's answers of the model it serves, counted in its manifest's drift bins (protocol.drift); left
     # out when the model has no drift reference, so a fleet of the previous release reads the rest
     drift: DriftCounts | None = None
+    # a pipeline's stages by name (manifest version 7), each over this interval; left out for a single model, so a
+    # fleet of the previous release reads the rest
+    stages: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")], StageFigures] | None = Field(
+        default=None, max_length=8)
 
 
 class TelemetryAck(_Message):
