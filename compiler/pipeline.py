@@ -429,8 +429,8 @@ def _build_candidates(plan: _Plan, engines: _Engines, work: Path, ref_out: list[
     if int8 is not None and not int8.accuracy.passed and opts.fallback and plan.calib is not None \
             and min_opset is not None:
         plan.progress(4, plan.total, "int8 over budget: keeping the most sensitive layers in float")
-        built["int8"] = _float_fallback(int8, source, engines, plan.calib, work, plan.eval_set, ref_out, plan.gate,
-                                        plan.task, opts.benchmark and plan.profile.accelerator == "cpu")
+        built["int8"] = _float_fallback(int8, source, target, engines, plan.calib, work, plan.eval_set, ref_out,
+                                        plan.gate, plan.task, opts.benchmark and plan.profile.accelerator == "cpu")
     if opts.keep_engines is not None:  # for a caller that measures the candidates itself (bench/corpus.py)
         opts.keep_engines.mkdir(parents=True, exist_ok=True)
         for b in built.values():
@@ -538,7 +538,7 @@ def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built]
         toolchain={"edgefleet": protocol.__version__, "python": sys.version.split()[0],
                    "platform": platform.machine(), "source_opset": str(info.opset),
                    **target.toolchain_versions(),
-                   **_bf16.toolchain_versions([chosen, *(b.precision for b in variants)])},
+                   **_bf16.toolchain_versions([chosen, *(b.precision for b in variants)], profile)},
         labels=tuple(json.loads(labels)) if labels else None,
         cpu_features=profile.cpu_features, quantization=best.quantization,
         build_host=BuildHost(arch=cpu_arch(), cpu_features=tuple(sorted(cpu_features()))),
@@ -778,24 +778,27 @@ def _build_and_gate_bf16(target: BuildTarget, model: Path, engines: _Engines, wo
     info = engines.info
     engine = work / f"model-bf16{engines.runtime.suffix}"
     target.build(model, info, "fp32", engines.profile, None, engine)
-    runner = engines.open(_bf16.RUNTIME, engine, "bf16", f"the bf16 {_bf16.RUNTIME} candidate")
+    runtime = _bf16.runtime(engines.profile)
+    if runtime is None:  # host_cannot_run_bf16 refused it before: never reached
+        raise ToolchainError(f"no runtime runs {engines.profile.backend} engines in bf16")
+    runner = engines.open(runtime, engine, "bf16", f"the bf16 {runtime} candidate")
     cand_out = predict_all(runner, eval_set, output_axes=[o.batch_axis for o in info.outputs])
     report = evaluate_gate([o.name for o in info.outputs], ref_out, cand_out, eval_set.labels, "bf16", gate, task)
     return _Built("bf16", engine, runner, None, report)
 
 
-def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Dataset,
+def _float_fallback(full: _Built, source: Path, target: BuildTarget, engines: _Engines, calib: Dataset,
                     work: Path, eval_set: Dataset, ref_out: list[Any], gate: GateSettings, task: TaskSpec,
                     benchmark: bool) -> _Built:
     """Keep the 1, 2, 4, ... layers that lose the most to quantization in float (up to a quarter of the
-    compute layers) until the gate passes; return the first build that passes, else the full one."""
+    compute layers) until the gate passes; return the first build that passes, else the full one. The build
+    target prepares and quantizes (a target whose int8 is ONNX QDQ: ``qdq_int8_min_opset``)."""
     import onnx
 
     from edgefleet.compiler.sensitivity import rank_sensitive_nodes
-    from edgefleet.compiler.targets.onnxruntime import prepare, quantize
 
     info, profile = engines.info, engines.profile
-    prepared = prepare(source, work / "prepared.onnx")
+    prepared = target.prepare_float(source, work / "prepared.onnx")
     steps = [f"all layers int8: {_gate_note(full.accuracy)}"]
     try:
         ranked = rank_sensitive_nodes(prepared, full.engine, calib.head(1 if calib.per_sample else 8).inputs)
@@ -816,7 +819,7 @@ def _float_fallback(full: _Built, source: Path, engines: _Engines, calib: Datase
         tried.add(keep)
         engine = work / f"model-int8-float{k}.onnx"
         try:
-            quant = quantize(prepared, profile, calib, engine, keep_float=keep)
+            quant = target.build_int8_keeping_float(prepared, profile, calib, engine, keep)
             runner = engines.open(engines.runtime.name, engine, "int8",
                                   f"the int8 candidate with {len(keep)} float layers")
             report = evaluate_gate([o.name for o in info.outputs], ref_out,

@@ -62,6 +62,12 @@ class Engine(ABC):
         self._closed = threading.Event()
         self._dtypes = {s.name: np.dtype(NP_DTYPES[s.datatype]) for s in spec.inputs}
 
+    @classmethod
+    def cpu_runs(cls, precision: str) -> bool:
+        """Whether this runtime can run ``precision`` on this host's CPU as it is (a runtime whose answers in a
+        precision depend on CPU instructions, e.g. OpenVINO's bf16, asks its plugin); True unless it says not."""
+        return True
+
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
         return self.spec.inputs

@@ -32,7 +32,8 @@ import numpy as np
 from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec, Runtime
 from edgefleet.engines.errors import EngineLoadError, EngineRunError
 
-__all__ = ["EXTRA", "HINTS", "RUNTIME", "OpenVINOEngine", "bf16_capable", "installed", "precision_hint"]
+__all__ = ["EXTRA", "HINTS", "RUNTIME", "OpenVINOEngine", "bf16_capable", "compile_config", "core", "installed",
+           "precision_hint"]
 
 log = logging.getLogger("edgefleet.engines.openvino")
 
@@ -85,6 +86,18 @@ def bf16_capable() -> bool:
     return "BF16" in {str(c) for c in caps}
 
 
+def compile_config(hint: str, threads: int) -> dict[str, Any]:
+    """The CPU plugin's properties an engine of ``threads`` threads compiles with (bench/serve.py times raw OpenVINO
+    with the same): the precision hint, one stream, latency hint, no pinning of its own."""
+    return {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": int(threads), "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
+
+
+def core() -> Any:
+    """The process's ov.Core (EngineLoadError naming the extra where OpenVINO is not installed)."""
+    return _get_core()
+
+
 def _type_name(t: Any) -> str:
     """An ov.Type's short name (f32, bf16, ...) across OpenVINO versions."""
     name = getattr(t, "get_type_name", None)
@@ -103,6 +116,11 @@ class OpenVINOEngine(Engine):
         self._ports: list[Any] = []
         self._out_dtypes = [np.dtype(NP_DTYPES[o.datatype]) for o in spec.outputs]
         self._run_lock = threading.Lock()  # close() from another thread waits for the batch in flight
+
+    @classmethod
+    def cpu_runs(cls, precision: str) -> bool:
+        """bf16 only where OpenVINO's CPU plugin lists BF16 (:func:`bf16_capable`); f32 (fp32, int8) anywhere."""
+        return bf16_capable() if HINTS.get(precision, ("", ""))[0] == "bf16" else precision in HINTS
 
     def load(self, engine: Path, threads: int) -> None:
         ov = _ov()
@@ -124,8 +142,7 @@ class OpenVINOEngine(Engine):
         missing = [o.name for o in self.outputs if o.name not in outs]
         if missing:
             raise EngineLoadError(f"the engine has no output {missing[0]!r} (it has {sorted(outs)})")
-        config = {"INFERENCE_PRECISION_HINT": self.hint, "INFERENCE_NUM_THREADS": int(threads), "NUM_STREAMS": 1,
-                  "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
+        config = compile_config(self.hint, threads)
         try:
             compiled = core.compile_model(model, "CPU", config)
         except Exception as exc:

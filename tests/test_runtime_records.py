@@ -67,3 +67,39 @@ def test_no_backend_name_is_branched_on_outside_its_runtime_modules():
             if branch.search(line):
                 found.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_pipeline_and_bf16_ask_the_build_target_and_the_registry_not_a_runtime_by_name():
+    """The float fallback quantizes through the build target (BuildTarget.prepare_float and
+    build_int8_keeping_float), not by importing one runtime's target module; the runtime that runs and gates bf16 is
+    the registry's (engines.runtimes_for(backend, "bf16")), not a name written in compiler/bf16.py. The one name
+    left is the fp32 reference's runtime, a named constant."""
+    imports = re.compile(rf"compiler\.targets\.({'|'.join(RUNTIME_NAMES)})\b")
+    literal = re.compile(rf"""["']({'|'.join(RUNTIME_NAMES)})["']""")
+    found = []
+    for path in (REPO / "compiler" / "pipeline.py", REPO / "compiler" / "bf16.py"):
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if imports.search(line) or (literal.search(line) and not line.startswith("REFERENCE_RUNTIME = ")):
+                found.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)
+    # what the QDQ target provides for the fallback
+    target = get_target("onnxruntime")
+    assert target.qdq_int8_min_opset is not None
+    assert callable(target.prepare_float) and callable(target.build_int8_keeping_float)
+
+
+def test_the_bf16_runtime_is_the_one_the_registry_lists():
+    from edgefleet.compiler import bf16
+
+    profile = load_profile("x86-cpu-bf16")
+    assert bf16.runtime(profile) == engines.runtimes_for(profile.backend, "bf16")[0]
+    # its version goes in a bf16 bundle's toolchain and the build cache's key, under its distribution's name
+    rt = engines.record(bf16.runtime(profile) or "")
+    if engines.runtime_installed(rt.name):
+        assert set(bf16.toolchain_versions(["bf16"], profile)) <= set(rt.modules)
+        assert bf16.toolchain_versions(["int8"], profile) == {}
+    assert bf16.cache_key(load_profile("x86-cpu")) == {}
+    # a CPU that has the instructions: the build host can gate bf16 exactly when that runtime says it runs bf16 here
+    if engines.runtime_installed(rt.name):
+        able = bf16.host_cannot_run_bf16(profile, have=frozenset({"avx512_bf16"}))
+        assert (able is None) == rt.engine.cpu_runs("bf16"), able

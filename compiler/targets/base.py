@@ -32,6 +32,15 @@ class BuildTarget(Protocol):
               calibration: Dataset | None, out_path: Path) -> QuantizationInfo | None:
         """Write the engine for ``precision`` to ``out_path``; for INT8, say how it was quantized."""
 
+    def prepare_float(self, source: Path, out_path: Path) -> Path:
+        """Targets whose int8 is ONNX QDQ (``qdq_int8_min_opset`` set): the float model their int8 build quantizes,
+        written to ``out_path`` with every node named; the float fallback ranks and keeps layers by these names."""
+
+    def build_int8_keeping_float(self, prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,
+                                 keep_float: tuple[str, ...]) -> QuantizationInfo:
+        """Targets whose int8 is ONNX QDQ: the int8 engine of a model from :meth:`prepare_float`, with
+        the ``keep_float`` nodes left in float (the float fallback's builds)."""
+
     def toolchain_versions(self) -> dict[str, str]:
         """Versions of the tools that made the engine, for the manifest."""
 

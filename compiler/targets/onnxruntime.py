@@ -71,6 +71,13 @@ class OnnxRuntimeTarget:
         ops = check_quantized(out_path)
         return quant.model_copy(update={"reason": f"{quant.reason}; {how}; {ops} quantize/dequantize ops"})
 
+    def prepare_float(self, source: Path, out_path: Path) -> Path:
+        return prepare(source, out_path)
+
+    def build_int8_keeping_float(self, prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,
+                                 keep_float: tuple[str, ...]) -> QuantizationInfo:
+        return quantize(prepared, profile, calibration, out_path, keep_float=keep_float)
+
     def toolchain_versions(self) -> dict[str, str]:
         import onnx
         import onnxruntime
