@@ -198,11 +198,13 @@ def release_memory() -> bool:
 
 def layout_trial(manifest: Manifest, directory: Path, candidates: Sequence[tuple[int, int]], sizes: tuple[int, ...],
                  seconds: float, cpus: Collection[int] | None = None, providers: tuple[str, ...] | None = None,
-                 turn: Turn = now, load: Callable[[int, int], list[Engine]] | None = None) -> list[LayoutFigures]:
+                 turn: Turn = now, load: Callable[[int, int], list[Engine]] | None = None,
+                 runtime: str | None = None) -> list[LayoutFigures]:
     """Each of ``candidates`` ((instances, threads)) loaded (``load``; default: the bundle's engine with
-    ``providers``), measured (:func:`measure_layout`, ``seconds`` a slice, and :func:`lone_call_ms`) and closed as
-    soon as it is out of the running (agent.batcher.in_the_running: at most the layouts still in the running are
-    loaded at once); every one is closed at the end. -> their figures, in the order measured."""
+    ``providers`` on ``runtime``, the one that will serve it; None: the bundle's own), measured
+    (:func:`measure_layout`, ``seconds`` a slice, and :func:`lone_call_ms`) and closed as soon as it is out of the
+    running (agent.batcher.in_the_running: at most the layouts still in the running are loaded at once); every one
+    is closed at the end. -> their figures, in the order measured."""
     staged = StagedModel(manifest, directory, "")
     fill = trial_feeds(staged)
 
@@ -210,7 +212,7 @@ def layout_trial(manifest: Manifest, directory: Path, candidates: Sequence[tuple
         out: list[Engine] = []
         try:
             for _ in range(instances):
-                out.append(load_bundle_engine(manifest, directory / manifest.engine, threads, providers))
+                out.append(load_bundle_engine(manifest, directory / manifest.engine, threads, providers, runtime))
         except BaseException:
             for b in out:
                 b.close()
@@ -239,7 +241,7 @@ def layout_trial(manifest: Manifest, directory: Path, candidates: Sequence[tuple
 def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Sequence[tuple[int, int]],
                           sizes: tuple[int, ...], seconds: float, cpus: Collection[int] | None = None,
                           providers: tuple[str, ...] | None = None,
-                          timeout_s: float = TRIAL_TIMEOUT_S) -> list[LayoutFigures]:
+                          timeout_s: float = TRIAL_TIMEOUT_S, runtime: str | None = None) -> list[LayoutFigures]:
     """:func:`layout_trial` in a child process (``python -m edgefleet.agent.bench --layout-trial``, started from
     the calling thread: on its CPUs): the trial sessions' arenas, grown to the largest batch timed, die with it, and
     the agent's own memory (its peak included) holds only the sessions it serves (measured, MobileNetV2 FP32 on 2
@@ -251,7 +253,8 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
 
     doc = {"manifest": manifest.model_dump(mode="json"), "directory": str(directory),
            "candidates": [list(c) for c in candidates], "sizes": list(sizes), "seconds": seconds,
-           "cpus": sorted(cpus) if cpus else None, "providers": list(providers) if providers else None}
+           "cpus": sorted(cpus) if cpus else None, "providers": list(providers) if providers else None,
+           "runtime": runtime}
     try:
         done = subprocess.run([sys.executable, "-m", "edgefleet.agent.bench", "--layout-trial"],
                               input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
@@ -260,7 +263,7 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
     except OSError as exc:  # this interpreter cannot start itself (a box without exec rights, or qemu-user
         # without binfmt, where sys.executable is a foreign binary): the trial runs here, its memory kept
         log.warning("layout trial: could not start a child process (%s); timing in this process instead", exc)
-        return layout_trial(manifest, directory, candidates, sizes, seconds, cpus, providers)
+        return layout_trial(manifest, directory, candidates, sizes, seconds, cpus, providers, runtime=runtime)
     try:
         out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
     except ValueError:
@@ -288,7 +291,8 @@ def _layout_trial_main() -> int:
         figures = layout_trial(parse_manifest(doc["manifest"]), Path(doc["directory"]),
                                [(int(i), int(t)) for i, t in doc["candidates"]], tuple(doc["sizes"]),
                                float(doc["seconds"]), doc["cpus"],
-                               tuple(doc["providers"]) if doc["providers"] else None)
+                               tuple(doc["providers"]) if doc["providers"] else None,
+                               runtime=doc.get("runtime"))
     except (EngineError, BackendError) as exc:
         print(json.dumps({"error": str(exc), "kind": "backend"}))
         return 3

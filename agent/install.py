@@ -286,9 +286,11 @@ class Installer:
         candidates = layout_candidates(cores)
         t0 = time.monotonic()
         try:
+            # on the runtime that will serve it (chosen before: agent.runtime_choice), whose best layout and
+            # batch size may differ from onnxruntime's
             figures = layout_trial_in_child(manifest, directory, candidates, sizes,
                                             slice_seconds(len(candidates), len(sizes)), cpus,
-                                            self.config.onnxruntime_providers)
+                                            self.config.onnxruntime_providers, runtime=self.runtime_for(manifest))
         except BaseException:
             for b in loaded:
                 b.close()

@@ -205,6 +205,21 @@ def test_the_trial_runs_in_a_child_and_an_engine_that_does_not_load_is_a_backend
         agent_bench.layout_trial_in_child(staged.manifest, tmp_path / "empty", ((1, 1),), (1,), 0.05)
 
 
+def test_the_trial_runs_on_the_runtime_that_will_serve(staged):
+    """The agent serves an onnxruntime bundle on the runtime it chose (agent.runtime_choice: OpenVINO where it is
+    faster): the layout and batch size are timed on that runtime, not on the bundle's own (before, the child always
+    loaded onnxruntime, and an OpenVINO-served model got onnxruntime's layout and batch size)."""
+    from edgefleet import engines
+
+    # a runtime that does not run this bundle: the child loaded it (and said so), it did not fall back
+    with pytest.raises(BackendError, match="litert runtime cannot run a onnxruntime bundle"):
+        agent_bench.layout_trial_in_child(staged.manifest, staged.directory, ((1, 1),), (1,), 0.05, runtime="litert")
+    if engines.runtime_installed("openvino"):
+        figures = agent_bench.layout_trial_in_child(staged.manifest, staged.directory, ((1, 1),), (1, 2), 0.05,
+                                                    runtime="openvino")
+        assert [f.name for f in figures] == ["1x1"] and all(v > 0 for _, v in figures[0].images_per_s)
+
+
 def test_a_layout_trial_whose_child_cannot_start_runs_in_this_process(monkeypatch, tmp_path):
     """Where this interpreter cannot start itself (qemu-user without binfmt: sys.executable is a foreign binary,
     'Exec format error'; a box without exec rights), the trial runs in the agent's own process instead of failing
