@@ -274,6 +274,43 @@ def _matrix_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+# -- compile-pipeline -------------------------------------------------------------------------------
+@command("compiler", imports=("edgefleet.compiler.pipeline_bundle",),
+         json_error=lambda a, line, code: {"ok": False, "pipeline": str(a.pipeline), "profile": a.profile,
+                                           "error": line, "exit_code": int(code)})
+def cmd_compile_pipeline(a: argparse.Namespace) -> int:
+    from edgefleet.compiler.cache import default_cache_dir
+    from edgefleet.compiler.pipeline_bundle import PipelineOptions, compile_pipeline
+
+    out = a.out if a.out is not None else Path("dist") / f"{a.pipeline.parent.name or 'pipeline'}-{a.profile}.bundle"
+    opts = PipelineOptions(pipeline=a.pipeline, profile=a.profile, eval=a.eval, out=out, calibration=a.calibration,
+                           preprocess=a.preprocess, version=a.version, benchmark=not a.no_benchmark,
+                           fallback=not a.no_fallback, cache_dir=None if a.no_cache else default_cache_dir(),
+                           min_answers=a.min_answers, max_cer=a.max_cer)
+    progress = (lambda *_: None) if a.json or a.quiet else progress_bar
+    t0 = time.monotonic()
+    r = compile_pipeline(opts, progress)
+    m = r.manifest
+    seconds = round(time.monotonic() - t0, 2)
+    if a.json:
+        print(json.dumps({"ok": True, "profile": m.profile, "bundle": str(r.bundle), "seconds": seconds,
+                          "stage_seconds": r.stage_seconds, "notes": list(r.notes),
+                          "manifest": m.model_dump(mode="json")}, indent=2))
+        return ExitCode.OK
+    from edgefleet.compiler.pipeline import task_figures
+
+    assert m.pipeline is not None and m.accuracy.task is not None
+    lines = [f"bundle    {r.bundle}",
+             f"pipeline  {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision} (lowest stage)"]
+    for st in m.pipeline.stages:
+        lines.append(f"stage     {st.name}: {st.precision}, engine {st.engine}; "
+                     + (st.precision_choice.reason if st.precision_choice is not None else ""))
+    lines.append(f"end gate  {task_figures(m.accuracy.task)} on {m.accuracy.eval_samples} images")
+    lines.append(f"took      {seconds:.1f} s")
+    print("\n".join(lines))
+    return ExitCode.OK
+
+
 # -- keys -------------------------------------------------------------------------------------------
 @command("keys", advise="compiler", imports=("edgefleet.fleet.keys",))
 def cmd_keys_init(a: argparse.Namespace) -> int:
@@ -666,11 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
         "them on each device with dynamic batching.\n\n"
         "  edgefleet demo                       the whole loop on this machine, in one command\n"
         "  edgefleet compile MODEL --profile P  build a quantized, gated, benchmarked bundle\n"
+        "  edgefleet compile-pipeline P.yaml    build a detector + reader pipeline as one bundle\n"
         "  edgefleet keys init DIR              make the TUF signing keys\n"
         "  edgefleet fleet serve ...            run the fleet server (REST, console, TUF repo, MQTT)\n"
         "  edgefleet agent ...                  run the device daemon"), epilog=table())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_compile, _add_bench, _add_verify, _add_toolchain, _add_keys, _add_fleet, _add_agent, _add_demo):
+    for add in (_add_compile, _add_compile_pipeline, _add_bench, _add_verify, _add_toolchain, _add_keys, _add_fleet,
+                _add_agent, _add_demo):
         add(sub)
     simulator.add_parser(sub, _Formatter)
     cli_rollout.add_parsers(sub, _Formatter)
@@ -737,6 +776,47 @@ def _add_compile(sub: Any) -> None:
     c.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_compile)
+
+
+def _add_compile_pipeline(sub: Any) -> None:
+    c = sub.add_parser(
+        "compile-pipeline", formatter_class=_Formatter, help="compile a detector + reader pipeline into one bundle",
+        description="Build a detect-then-read pipeline (pipeline.yaml: two stages, each an ONNX model, and the steps "
+                    "between them: boxes from the detector, crops, CTC decode or top-k) for one hardware profile as "
+                    "ONE bundle the agent serves as one model. The FP32 pipeline runs once on --eval: its end "
+                    "answers are the reference and its crops become the reader's evaluation and calibration data. "
+                    "Each stage is compiled as 'edgefleet compile' would (its precision from pipeline.yaml, default "
+                    "auto; gated on its own task: segmentation for a probability-map detector, detection for a YOLO "
+                    "head, ctc or classification for the reader), then the whole pipeline is gated on its end "
+                    "answers against the FP32 pipeline (boxes matched at IoU 0.5, strings exact and by character "
+                    "error rate). Signing happens at upload, as for compile (edgefleet fleet upload --sign-key).")
+    c.add_argument("pipeline", type=Path, help="pipeline.yaml (stages' model paths relative to its folder)")
+    c.add_argument("--profile", required=True, help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path")
+    c.add_argument("--eval", required=True, type=Path,
+                   help="the detector's input images: an .npz keyed by its input name (NCHW, normalized as "
+                        "crop.source says), an .npy, or a folder of images (needs --preprocess); at least 10 boxes "
+                        "must be found on them for the end-answer gate to judge")
+    c.add_argument("--calibration", type=Path,
+                   help="images INT8 calibrates on, same forms as --eval (default: the --eval images; the reader "
+                        "calibrates on the FP32 pipeline's crops of them)")
+    c.add_argument("--preprocess", type=Path,
+                   help="preprocess.yaml for the detector's input (its scale/mean/std must be crop.source's): recorded "
+                        "so the agent's /infer/image feeds the pipeline; needed with a folder of images")
+    c.add_argument("-o", "--out", type=Path,
+                   help="the bundle file to write (default dist/<pipeline folder>-<profile>.bundle)")
+    c.add_argument("--version", help="the bundle's version (default: pipeline.yaml's)")
+    c.add_argument("--min-answers", type=float, default=0.98,
+                   help="end-answer gate: the share of the FP32 pipeline's answers (boxes found and read the same) "
+                        "the built pipeline must keep")
+    c.add_argument("--max-cer", type=float, default=0.02,
+                   help="end-answer gate: the largest character error rate against the FP32 pipeline's strings")
+    c.add_argument("--no-fallback", action="store_true",
+                   help="a stage's int8 over its gate is not rescued by keeping its most sensitive layers in float")
+    c.add_argument("--no-cache", action="store_true", help="build each stage even if an identical build is cached")
+    c.add_argument("--no-benchmark", action="store_true", help="skip the stages' latency benchmarks")
+    c.add_argument("--json", action="store_true", help="print the result as JSON on stdout (for CI)")
+    c.add_argument("--quiet", action="store_true", help="no progress")
+    c.set_defaults(fn=cmd_compile_pipeline)
 
 
 def _bundle_command(sub: Any, name: str, fn: Command, help_: str, description: str) -> argparse.ArgumentParser:

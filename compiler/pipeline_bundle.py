@@ -1,0 +1,505 @@
+"""compile-pipeline: two models and the steps between them, built, gated and bundled as one (manifest version 7).
+
+``edgefleet compile-pipeline PIPELINE.yaml --profile P --eval DATA -o OUT.bundle``:
+
+1. ``pipeline.yaml`` (:class:`~edgefleet.protocol.pipeline.PipelineFile`) is read and its reader's charset resolved
+   (``read.charset_from``, see :func:`resolve_charset`); the manifest holds the list itself.
+2. The FP32 pipeline (both source models run by onnxruntime on this CPU, the steps of
+   :class:`~edgefleet.judge.pipeline.Chain`) runs once over the evaluation images (and the calibration images):
+   its end answers are the reference, and its crops are the reader's own evaluation and calibration data.
+3. Each stage is compiled by the single-model compiler (:func:`compiler.pipeline.compile_model`: its precision
+   chosen, quantized, gated on its own task -- ``segmentation`` for a probability-map detector at the map's
+   threshold, ``detection`` for a YOLO head, ``ctc`` or ``classification`` for the reader -- benchmarked): the
+   detector on the evaluation images, the reader on the FP32 pipeline's crops of them.
+4. The pipeline with the stages as built runs over the evaluation images and its end answers are judged against
+   the FP32 pipeline's (:func:`~edgefleet.judge.pipeline.judge_pipeline`: boxes matched at IoU 0.5, strings exact
+   and by CER; by default at most 2% of the end answers may change).
+5. One bundle: each stage's files under its stage name (``det-model.onnx``, ``det-selftest.npz``, ...), each
+   stage's manifest (its files renamed so), the pipeline's own self-test sample ``selftest.npz`` (the images as
+   ``input:<detector input>``, the end answers as ``expected:<end output>`` and the FP32 pipeline's as
+   ``reference:<end output>``) and the top-level manifest describing the whole (see protocol/manifest.py).
+
+Signing is not done here, as for ``edgefleet compile``: ``edgefleet fleet upload --sign-key`` (or the fleet) signs
+the bundle into the TUF repository when it is uploaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
+from edgefleet.compiler.graph import GraphInfo, check_model
+from edgefleet.compiler.pipeline import REFERENCE_RUNTIME, CompileOptions, Progress, compile_model
+from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec, load, load_bundle_engine
+from edgefleet.engines.onnxruntime import CPU
+from edgefleet.judge.data import load_dataset
+from edgefleet.judge.errors import InputError as JudgeInputError
+from edgefleet.judge.errors import JudgeError
+from edgefleet.judge.pipeline import Chain, end_specs, judge_pipeline
+from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import (
+    PIPELINE_VERSION,
+    AccuracyReport,
+    EngineVariant,
+    FileEntry,
+    Manifest,
+    PipelineManifest,
+    PrecisionCandidate,
+    PrecisionChoice,
+    SelfTestSummary,
+    TaskReport,
+)
+from edgefleet.protocol.pipeline import PipelineFile, PipelineSpec, StageSource, load_pipeline_file
+from edgefleet.protocol.preprocess import Preprocessing, load_preprocessing
+from edgefleet.protocol.profile import load_profile
+
+__all__ = ["PipelineOptions", "PipelineResult", "compile_pipeline", "resolve_charset"]
+
+SELFTEST_MAX_IMAGES = 8
+SELFTEST_MAX_BYTES = 1 << 20  # as a single model's sample: halved until the file is at most this
+_STEPS = 18  # progress: 1 load, 2 fp32 pipeline, 3-9 the detector's compile, 10-16 the reader's, 17 gate, 18 write
+_ORDER = ("int8", "fp16", "bf16", "fp32")  # lowest first: the pipeline's precision is its lowest stage's
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    pipeline: Path  # pipeline.yaml
+    profile: str
+    eval: Path  # the detector input's images: .npz / .npy in its layout, or a folder of images (--preprocess)
+    out: Path  # the bundle file
+    calibration: Path | None = None  # the images int8 calibrates on (default: the evaluation images)
+    preprocess: Path | None = None  # how an image becomes the detector's input (recorded for /infer/image)
+    version: str | None = None  # default: pipeline.yaml's
+    benchmark: bool = True
+    fallback: bool = True  # a stage's int8 over budget keeps its most sensitive layers in float (compile's)
+    cache_dir: Path | None = None  # each stage's compile reuses an identical earlier build
+    min_answers: float = 0.98  # the end-answer gate: share of FP32's end answers kept
+    max_cer: float = 0.02
+
+
+@dataclass(frozen=True)
+class StageBuild:
+    """One stage as compiled: its manifest (files not yet renamed) and where its files are."""
+
+    source: StageSource
+    manifest: Manifest
+    folder: Path
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    bundle: Path
+    manifest: Manifest
+    notes: tuple[str, ...] = ()  # what the compile decided and why (the progress lines that matter)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _noop(step: int, total: int, what: str) -> None:
+    pass
+
+
+# -- the charset ---------------------------------------------------------------------------------------------
+def resolve_charset(spec: PipelineSpec, reader: Path, reader_info: GraphInfo, base: Path) -> PipelineSpec:
+    """The spec with ``read.charset`` filled from ``read.charset_from`` (and ``charset_from`` cleared).
+
+    ``model:KEY``: the reader's ONNX metadata entry KEY; ``file:PATH``: a UTF-8 file (relative to the YAML's
+    folder). Either holds one character (or token) per line, split on ``\\n`` only (a charset may hold U+2028 and
+    other characters Python's splitlines would split on), a final empty line dropped. The class count C of the
+    reader's output decides the rest, as PaddleOCR lays its classes out: C == lines + 1 is the blank and the lines;
+    C == lines + 2 is the blank, the lines and a space (PaddleOCR's ``use_space_char``, which its exported
+    metadata leaves out: PP-OCRv4's recognizer has 6,623 lines and 6,625 classes), so ' ' is appended. Any other
+    count is refused: a charset that does not fit the classes decodes wrong strings silently. An output whose class
+    count is not fixed in the graph is taken as the lines say."""
+    read = spec.read
+    if read.op != "ctc" or read.charset_from is None:
+        return spec
+    src = read.charset_from
+    if src.startswith("model:"):
+        import onnx
+
+        key = src[len("model:"):]
+        meta = {p.key: p.value for p in onnx.load(str(reader), load_external_data=False).metadata_props}
+        if key not in meta:
+            raise InputError(f"read.charset_from {src!r}: the reader {reader.name} has no metadata entry {key!r} "
+                             f"(it has {sorted(meta) or 'none'})")
+        text = meta[key]
+    else:
+        path = Path(src[len("file:"):])
+        path = path if path.is_absolute() else base / path
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"read.charset_from {src!r}: cannot read {path}: {exc}") from exc
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+    if not lines:
+        raise InputError(f"read.charset_from {src!r} holds no characters")
+    out = next((o for o in reader_info.outputs if o.name == read.output), reader_info.outputs[0])
+    classes = out.shape[-1] if out.shape else -1
+    if classes == len(lines) + 2:
+        lines.append(" ")
+    elif classes not in (-1, len(lines) + 1):
+        raise InputError(f"read.charset_from {src!r} has {len(lines)} entries, and the reader's output {out.name!r} "
+                         f"has {classes} classes: a CTC reader has the blank and its characters ({len(lines) + 1}), "
+                         f"or those and a space ({len(lines) + 2}); give the charset that fits its classes")
+    try:
+        new_read = read.model_copy(update={"charset": tuple(lines), "charset_from": None})
+        return PipelineSpec.model_validate({**spec.model_dump(), "read": new_read.model_dump()})
+    except ValueError as exc:
+        raise InputError(f"read.charset_from {src!r}: {exc}") from exc
+
+
+# -- running the chain ---------------------------------------------------------------------------------------
+Stage = Callable[[np.ndarray], Sequence[np.ndarray]]
+
+
+def _stage_runner(engine: Engine, input_name: str) -> Stage:
+    return lambda batch: engine.infer({input_name: batch})
+
+
+def run_chain(chain: Chain, images: np.ndarray, detect: Stage, read: Stage,
+              read_batch: int = 32) -> tuple[list[np.ndarray], np.ndarray]:
+    """The chain over any number of images (as many per call as one request may hold): the end outputs, and every
+    crop the reader was fed [M, c, h, w], in order."""
+    ends: list[list[np.ndarray]] = []
+    crops_all: list[np.ndarray] = []
+    step = chain.max_images
+    for s in range(0, len(images), step):
+        x = np.ascontiguousarray(images[s: s + step])
+        found = chain.boxes(detect(x))
+        crops, owners = chain.crops(x, found)
+        crops_all.append(crops)
+        parts = [list(read(crops[i: i + read_batch])) for i in range(0, len(crops), read_batch)]
+        reader_out = [np.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))] if parts else []
+        ends.append(chain.answers(found, owners, reader_out))
+    return [np.concatenate([e[j] for e in ends]) for j in range(len(ends[0]))], np.concatenate(crops_all)
+
+
+# -- the compile -------------------------------------------------------------------------------------------------
+def compile_pipeline(opts: PipelineOptions, progress: Progress = _noop) -> PipelineResult:
+    """Build, gate and bundle a pipeline; engine and judge errors are translated as compile_model translates them."""
+    try:
+        return _compile(opts, progress)
+    except CompilerError:
+        raise
+    except (EngineInputError, JudgeInputError) as exc:
+        raise InputError(str(exc)) from exc
+    except EngineError as exc:
+        raise ToolchainError(str(exc)) from exc
+    except JudgeError as exc:
+        raise CompilerError(str(exc)) from exc
+
+
+@dataclass
+class _Work:
+    opts: PipelineOptions
+    progress: Progress
+    file: PipelineFile
+    spec: PipelineSpec  # charset resolved
+    det: StageSource
+    rec: StageSource
+    det_path: Path
+    rec_path: Path
+    det_info: GraphInfo
+    rec_info: GraphInfo
+    prep: Preprocessing | None
+    version: str
+    notes: list[str] = field(default_factory=list)
+
+    def say(self, step: int, what: str, note: bool = False) -> None:
+        """A progress step; ``note``: a finding the compile keeps (shown as a note, returned in ``notes``)."""
+        self.progress(step, _STEPS, f"note: {what}" if note else what)
+        if note:
+            self.notes.append(what)
+
+
+def _load(opts: PipelineOptions, progress: Progress) -> _Work:
+    progress(1, _STEPS, f"loading {opts.pipeline} and profile {opts.profile}")
+    try:
+        pf = load_pipeline_file(opts.pipeline)
+    except ContractError as exc:
+        raise InputError(str(exc)) from exc
+    load_profile(opts.profile)  # a bad profile fails before any work
+    for flag, path in (("--eval", opts.eval), ("--calibration", opts.calibration), ("--preprocess", opts.preprocess)):
+        if path is not None and not path.exists():
+            raise InputError(f"{path}: {flag} file not found")
+    if opts.out.exists() and opts.out.is_dir():
+        raise InputError(f"-o {opts.out}: a folder; give the bundle's file name (e.g. {opts.out / pf.name}.bundle)")
+    if not 0.0 < opts.min_answers <= 1.0 or not 0.0 <= opts.max_cer <= 1.0:
+        raise InputError(f"--min-answers {opts.min_answers} / --max-cer {opts.max_cer}: fractions in (0, 1]")
+    base = opts.pipeline.parent
+    det, rec = pf.stage(pf.pipeline.detector), pf.stage(pf.pipeline.reader)
+    det_path, rec_path = pf.model_path(det, base), pf.model_path(rec, base)
+    for st, p in ((det, det_path), (rec, rec_path)):
+        if not p.is_file():
+            raise InputError(f"{opts.pipeline}: stage {st.name!r}: model {p} not found")
+    det_info, rec_info = check_model(det_path), check_model(rec_path)
+    if len(det_info.inputs) != 1 or len(rec_info.inputs) != 1:
+        raise InputError(f"a detect_then_read pipeline's stages take one image input each; {det.name} takes "
+                         f"{len(det_info.inputs)}, {rec.name} {len(rec_info.inputs)}")
+    for st, info, name in ((det, det_info, pf.pipeline.boxes.output), (rec, rec_info, pf.pipeline.read.output)):
+        if name is not None and name not in [o.name for o in info.outputs]:
+            raise InputError(f"{opts.pipeline}: stage {st.name!r} has no output {name!r} (its outputs: "
+                             f"{[o.name for o in info.outputs]})")
+    spec = resolve_charset(pf.pipeline, rec_path, rec_info, base)
+    prep = load_preprocessing(opts.preprocess) if opts.preprocess is not None else None
+    if prep is not None:
+        _check_prep(prep, spec, det_info)
+    return _Work(opts, progress, pf, spec, det, rec, det_path, rec_path, det_info, rec_info, prep,
+                 opts.version or pf.version)
+
+
+def _check_prep(prep: Preprocessing, spec: PipelineSpec, det_info: GraphInfo) -> None:
+    """The crop step undoes the input's normalization (``crop.source``): it must be the preprocessing's."""
+    src = spec.crop.source
+    c = prep.channels
+    same = (abs(src.scale - prep.scale) < 1e-9
+            and np.allclose(np.broadcast_to(src.mean, c), np.broadcast_to(prep.mean, c))
+            and np.allclose(np.broadcast_to(src.std, c), np.broadcast_to(prep.std, c)))
+    if not same:
+        raise InputError(f"--preprocess normalizes with scale {prep.scale:g}, mean {list(prep.mean)}, std "
+                         f"{list(prep.std)}, and the pipeline's crop.source says scale {src.scale:g}, mean "
+                         f"{list(src.mean)}, std {list(src.std)}: crops would be cut from wrongly restored pixels; "
+                         "make them the same")
+    if prep.layout != "nchw" or prep.input != det_info.inputs[0].name:
+        raise InputError(f"--preprocess must feed the detector's input {det_info.inputs[0].name!r} in nchw layout "
+                         f"(it feeds {prep.input!r}, {prep.layout})")
+
+
+def _images(w: _Work, path: Path, what: str) -> np.ndarray:
+    spec = w.det_info.inputs[0]
+    data = load_dataset(path, w.det_info.inputs, need_labels=False, what=what, preprocessing=w.prep)
+    x = np.ascontiguousarray(data.inputs[spec.name], dtype=np.float32)
+    if x.ndim != 4:
+        raise InputError(f"{path}: the detector's input is NCHW images; the {what} holds {list(x.shape)}")
+    if len(x) == 0:
+        raise InputError(f"{path}: the {what} holds no images")
+    return x
+
+
+def _compile(opts: PipelineOptions, progress: Progress) -> PipelineResult:
+    w = _load(opts, progress)
+    det_in, rec_in = w.det_info.inputs[0].name, w.rec_info.inputs[0].name
+    eval_x = _images(w, opts.eval, "evaluation set")
+    calib_x = eval_x if opts.calibration is None else _images(w, opts.calibration, "calibration set")
+    profile = load_profile(opts.profile)
+    threads = profile.runtime.intra_op_threads
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="edgefleet-pipeline-", dir=opts.out.parent) as tmp, \
+            contextlib.ExitStack() as opened:
+        work = Path(tmp)
+
+        def open_engine(kind: str, path: Path, spec: EngineSpec, providers: tuple[str, ...] | None) -> Engine:
+            engine = load(kind, path, spec, threads, providers)
+            opened.callback(engine.close)
+            return engine
+
+        w.say(2, "running the fp32 pipeline (both source models, onnxruntime on this CPU)")
+        ref_det = open_engine(REFERENCE_RUNTIME, w.det_path, EngineSpec(
+            w.det_info.inputs, w.det_info.outputs, "fp32", profile.name, f"the fp32 {w.det.name}"), (CPU,))
+        ref_rec = open_engine(REFERENCE_RUNTIME, w.rec_path, EngineSpec(
+            w.rec_info.inputs, w.rec_info.outputs, "fp32", profile.name, f"the fp32 {w.rec.name}"), (CPU,))
+        chain = Chain(w.spec, (int(eval_x.shape[2]), int(eval_x.shape[3])), [o.name for o in w.det_info.outputs],
+                      [o.name for o in w.rec_info.outputs])
+        ref_ends, eval_crops = run_chain(chain, eval_x, _stage_runner(ref_det, det_in), _stage_runner(ref_rec, rec_in))
+        calib_crops = eval_crops if calib_x is eval_x else run_chain(
+            chain, calib_x, _stage_runner(ref_det, det_in), _stage_runner(ref_rec, rec_in))[1]
+        found = int(ref_ends[2].sum())
+        w.say(2, f"the fp32 pipeline found {found} boxes on {len(eval_x)} evaluation images", note=True)
+        if len(eval_crops) == 0 or len(calib_crops) == 0:
+            which = "calibration" if len(eval_crops) else "evaluation"
+            raise InputError(f"the fp32 pipeline found no boxes on the {which} images: the reader has nothing to be "
+                             "compiled on; give images where the detector "
+                             "finds what the pipeline reads")
+
+        data = work / "data"
+        data.mkdir()
+        for fname, key, arr in (("det-eval.npz", det_in, eval_x), ("det-calib.npz", det_in, calib_x),
+                                ("rec-eval.npz", rec_in, eval_crops), ("rec-calib.npz", rec_in, calib_crops)):
+            feed: dict[str, Any] = {key: arr}
+            np.savez(data / fname, **feed)
+        det_task, det_args = _detector_task(w)
+        rec_task, rec_args = _reader_task(w)
+        det = _compile_stage(w, w.det, w.det_path, data / "det-calib.npz", data / "det-eval.npz", det_task, det_args,
+                             opts.preprocess, work / "stage-det", 2)
+        rec = _compile_stage(w, w.rec, w.rec_path, data / "rec-calib.npz", data / "rec-eval.npz", rec_task, rec_args,
+                             None, work / "stage-rec", 9)
+
+        w.say(17, "gating the end answers against the fp32 pipeline")
+        cand_det, cand_rec = _candidate_stages(det, rec, threads, opened)
+        cand_ends = run_chain(chain, eval_x, cand_det, cand_rec)[0]
+        report = judge_pipeline(w.spec, ref_ends, cand_ends, min_answers=opts.min_answers, max_cer=opts.max_cer)
+        stages = {det.source.name: det, rec.source.name: rec}
+        if not report.passed:
+            raise AccuracyGateFailed(
+                f"the pipeline's end answers changed beyond its gate with {_combo(stages)}: {_task_line(report)}; "
+                "compile the stages at fp32 (precision: fp32 in pipeline.yaml) or give more representative "
+                "calibration images")
+        w.say(17, f"end answers with {_combo(stages)}: {_task_line(report)}", note=True)
+
+        w.say(18, f"writing {opts.out}")
+        bundle_dir = work / "bundle"
+        bundle_dir.mkdir()
+        stage_manifests = [_place_stage(s, bundle_dir) for s in (det, rec)]
+        manifest = _manifest(w, stage_manifests, report, len(eval_x), stages, chain, eval_x, ref_ends, bundle_dir,
+                             lambda x: run_chain(chain, x, cand_det, cand_rec)[0])
+        write_bundle(manifest, bundle_dir, opts.out)
+    return PipelineResult(bundle=opts.out, manifest=manifest, notes=tuple(w.notes),
+                          stage_seconds={s.source.name: s.seconds for s in (det, rec)})
+
+
+def _detector_task(w: _Work) -> tuple[str, str | None]:
+    if w.det.task:
+        return w.det.task, w.det.task_args
+    b = w.spec.boxes
+    if b.format == "map":  # the map is judged at the threshold its regions are cut at
+        return "segmentation", f"threshold={b.threshold:g}"
+    return "detection", f"format={b.format},score={b.threshold:g},iou={b.nms_iou:g}"
+
+
+def _reader_task(w: _Work) -> tuple[str, str | None]:
+    if w.rec.task:
+        return w.rec.task, w.rec.task_args
+    if w.spec.read.op == "ctc":
+        return "ctc", f"blank={w.spec.read.blank}"
+    return "classification", None
+
+
+def _compile_stage(w: _Work, st: StageSource, model: Path, calib: Path, eval_: Path, task: str, task_args: str | None,
+                   preprocess: Path | None, out: Path, offset: int, precision: str | None = None) -> StageBuild:
+    import time
+
+    label = f"[{st.name}] "
+    precision = precision or st.precision
+    w.say(offset + 1, f"{label}compiling {model.name} ({precision}, gated as {task})")
+    opts = CompileOptions(model=model, profile=w.opts.profile, calibration=calib, eval=eval_, out_dir=out,
+                          name=st.name, version=w.version, precision=precision, benchmark=w.opts.benchmark,
+                          cache_dir=w.opts.cache_dir, preprocess=preprocess, fallback=w.opts.fallback, task=task,
+                          task_args=task_args)
+    t0 = time.monotonic()
+    try:
+        result = compile_model(opts, lambda step, total, what: w.progress(offset + step, _STEPS, label + what))
+    except CompilerError as exc:
+        raise type(exc)(f"stage {st.name!r}: {exc}") from exc
+    folder = out / "files"
+    manifest = extract_bundle(result.bundle, folder)
+    choice = manifest.precision_choice.reason if manifest.precision_choice is not None else manifest.precision
+    w.say(offset + 7, f"{label}{choice}", note=True)
+    return StageBuild(st, manifest, folder, round(time.monotonic() - t0, 2))
+
+
+def _candidate_stages(det: StageBuild, rec: StageBuild, threads: int,
+                      opened: contextlib.ExitStack) -> tuple[Stage, Stage]:
+    runners = []
+    for s in (det, rec):
+        engine = load_bundle_engine(s.manifest, s.folder / s.manifest.engine, threads)
+        opened.callback(engine.close)
+        runners.append(_stage_runner(engine, s.manifest.inputs[0].name))
+    return runners[0], runners[1]
+
+
+def _combo(stages: dict[str, StageBuild]) -> str:
+    return " and ".join(f"{name} {s.manifest.precision}" for name, s in stages.items())
+
+
+def _task_line(report: TaskReport) -> str:
+    from edgefleet.compiler.pipeline import task_figures
+
+    d = report.details
+    return (f"{task_figures(report)} ({int(d.get('same_answers', 0))} of {int(d.get('fp32_boxes', 0))} fp32 answers "
+            f"kept on {int(d.get('images', 0))} images)")
+
+
+# -- the bundle ------------------------------------------------------------------------------------------------
+def _place_stage(s: StageBuild, bundle_dir: Path) -> Manifest:
+    """The stage's files copied into the bundle's folder under ``<stage>-<name>``; its manifest renamed to match."""
+    prefix = f"{s.source.name}-"
+    for name in s.manifest.files:
+        (s.folder / name).rename(bundle_dir / (prefix + name))
+    m = s.manifest
+    variants = tuple(EngineVariant.model_validate({**v.model_dump(), "engine": prefix + v.engine,
+                                                   "selftest": prefix + v.selftest}) for v in m.variants)
+    return Manifest.model_validate({
+        **m.model_dump(), "engine": prefix + m.engine, "selftest": prefix + m.selftest,
+        "files": {prefix + k: v.model_dump() for k, v in m.files.items()},
+        "variants": [v.model_dump() for v in variants]})
+
+
+def _accuracy(report: TaskReport, n: int, precision: str) -> AccuracyReport:
+    """The end-answer gate as an AccuracyReport: the criterion with the least room decides, each as 'higher is
+    better' in [0, 1] (the single-model task gate's rule, judge.gate)."""
+
+    def score(value: float, kind: str) -> float:
+        return value if kind == "min" else round(1.0 - value, 6)
+
+    deciding = min(report.criteria, key=lambda c: score(c.value, c.kind) - score(c.bound, c.kind))
+    cand = score(deciding.value, deciding.kind)
+    drop, max_drop = round(1.0 - cand, 6), round(1.0 - score(deciding.bound, deciding.kind), 6)
+    return AccuracyReport(metric="agreement", eval_samples=n, reference_precision="fp32", reference=1.0,
+                          candidate_precision=precision, candidate=1.0 - drop, drop=drop,  # type: ignore[arg-type]
+                          max_drop=max_drop, passed=drop <= max_drop + 1e-9, task=report)
+
+
+def _write_selftest(images: np.ndarray, run: Callable[[np.ndarray], list[np.ndarray]], ref_ends: list[np.ndarray],
+                    input_name: str, names: Sequence[str], path: Path, limit: int) -> int:
+    """The pipeline's self-test sample: up to ``limit`` evaluation images with the pipeline's end answers as built
+    (``expected:``) and the FP32 pipeline's (``reference:``), halved until the file is at most SELFTEST_MAX_BYTES
+    (one image is kept even if larger). The expected answers are computed on the sample as one request, as the
+    agent runs it."""
+    n = max(1, min(limit, len(images)))
+    while True:
+        x = np.ascontiguousarray(images[:n])
+        expected = run(x)
+        arrays: dict[str, Any] = {f"input:{input_name}": x}
+        arrays.update({f"expected:{k}": v for k, v in zip(names, expected, strict=True)})
+        arrays.update({f"reference:{k}": v[:n] for k, v in zip(names, ref_ends, strict=True)})
+        np.savez_compressed(path, **arrays)
+        if path.stat().st_size <= SELFTEST_MAX_BYTES or n == 1:
+            return n
+        n = max(1, n // 2)
+
+
+def _manifest(w: _Work, stage_manifests: list[Manifest], report: TaskReport, n_eval: int,
+              stages: dict[str, StageBuild], chain: Chain, eval_x: np.ndarray, ref_ends: list[np.ndarray],
+              bundle_dir: Path, run: Callable[[np.ndarray], list[np.ndarray]]) -> Manifest:
+    det_m = stage_manifests[0]
+    outs = end_specs(w.spec)
+    precisions = {m.precision for m in stage_manifests}
+    lowest = next(q for q in _ORDER if q in precisions)
+    n_sample = _write_selftest(eval_x, run, ref_ends, det_m.inputs[0].name, [o.name for o in outs],
+                               bundle_dir / "selftest.npz", min(SELFTEST_MAX_IMAGES, chain.max_images))
+    files = {name: entry for m in stage_manifests for name, entry in m.files.items()}
+    p = bundle_dir / "selftest.npz"
+    files["selftest.npz"] = FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size)
+    acc = _accuracy(report, n_eval, lowest)
+    auto = all(s.source.precision == "auto" for s in stages.values())
+    reason = "; ".join(f"{name}: {s.manifest.precision_choice.reason}" if s.manifest.precision_choice else
+                       f"{name}: {s.manifest.precision}" for name, s in stages.items())
+    choice = PrecisionChoice(
+        mode="auto" if auto else "fixed", chosen=lowest,  # type: ignore[arg-type]
+        reason=f"{_combo(stages)} (each stage's own choice); end answers {_task_line(report)}; {reason}",
+        candidates=(PrecisionCandidate(precision=lowest, top1=acc.candidate, metric="agreement",  # type: ignore[arg-type]
+                                       drop=acc.drop, passed=acc.passed, note=f"{_combo(stages)}: end answers"),))
+    return Manifest(
+        manifest_version=PIPELINE_VERSION, name=w.file.name, version=w.version, profile=det_m.profile,
+        backend=det_m.backend, precision=lowest,  # type: ignore[arg-type]
+        created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+        engine=det_m.engine, selftest="selftest.npz", inputs=det_m.inputs, outputs=outs, files=files,
+        accuracy=acc, benchmark=None, toolchain={**det_m.toolchain, "pipeline": w.spec.kind},
+        cpu_features=tuple(sorted({f for m in stage_manifests for f in m.cpu_features})),
+        build_host=det_m.build_host, precision_choice=choice,
+        selftest_summary=SelfTestSummary(samples=n_sample), engine_compatibility=det_m.engine_compatibility,
+        preprocessing=det_m.preprocessing,
+        pipeline=PipelineManifest(spec=w.spec, stages=tuple(stage_manifests)))

@@ -1,0 +1,216 @@
+"""edgefleet compile-pipeline (issue 34): the real PP-OCRv4 text detector and recognizer from the rapidocr-onnxruntime
+wheel, built as one bundle for x86-cpu on synthetic pages, through the command line.
+
+What the bundle says the pipeline reads is checked by a decode of this file's own (onnxruntime on the ORIGINAL
+ONNX files, boxes, crops and greedy CTC written here, not judge.pipeline.Chain): the self-test's expected strings
+are what the FP32 models read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefleet.protocol.bundle import check_bundle
+from edgefleet.protocol.pipeline import end_output_names
+from tests.emulation import python_argv
+
+H, W = 256, 320
+WORDS = ["edgefleet", "INVOICE 2026", "total 42.00", "ship it", "v1.0.0", "hello world", "ACME Corp", "Order 7731",
+         "paid", "Room 12B"]
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*python_argv(), "-m", "edgefleet.cli", *args], capture_output=True, text=True,
+                          timeout=900, cwd=cwd)
+
+
+def _models() -> Path:
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    if spec is None or spec.origin is None:
+        pytest.fail("rapidocr-onnxruntime (a dev dependency that ships PP-OCRv4) is not installed: make venv")
+    return Path(spec.origin).parent / "models"
+
+
+def pages(n: int, seed: int) -> np.ndarray:
+    """``n`` pages of three printed lines, [n, 3, H, W], (x / 255 - 0.5) / 0.5 as PP-OCR's detector takes them."""
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        img = np.full((H, W, 3), 240, np.uint8)
+        for k in range(3):
+            cv2.putText(img, str(rng.choice(WORDS)), (int(rng.integers(5, 60)), 50 + 75 * k),
+                        cv2.FONT_HERSHEY_SIMPLEX, float(rng.uniform(0.8, 1.0)), (20, 20, 20), 2)
+        out.append(((img.astype(np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1))
+    return np.stack(out)
+
+
+def write_pipeline(folder: Path, det: Path, rec: Path, precision: str = "fp32", charset: str = "model:character",
+                   max_boxes: int = 8) -> Path:
+    path = folder / "pipeline.yaml"
+    path.write_text(f"""name: ocr
+version: 1.0.0
+stages:
+  - {{name: det, model: {det}, precision: {precision}}}
+  - {{name: rec, model: {rec}, precision: {precision}}}
+pipeline:
+  detector: det
+  reader: rec
+  boxes: {{format: map, threshold: 0.3, box_threshold: 0.5, unclip: 1.6, max_boxes: {max_boxes}}}
+  crop:
+    height: 48
+    width: 320
+    source: {{mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}}
+    target: {{mean: [0.5, 0.5, 0.5], std: [0.5, 0.5, 0.5]}}
+  read: {{op: ctc, charset_from: "{charset}"}}
+""")
+    return path
+
+
+def write_prep(folder: Path) -> Path:
+    p = folder / "preprocess.yaml"
+    p.write_text(f"input: x\nheight: {H}\nwidth: {W}\ncolor: bgr\nmean: [0.5, 0.5, 0.5]\nstd: [0.5, 0.5, 0.5]\n")
+    return p
+
+
+# -- the independent decode --------------------------------------------------------------------------------------
+def independent_read(det: Path, rec: Path, images: np.ndarray) -> list[list[str]]:
+    """Each page's strings as the FP32 models read them: threshold the map at 0.3, 4-connected regions whose mean
+    probability is >= 0.5, each grown by area * 1.6 / perimeter, cut from the page, resized to height 48 (aspect
+    kept, padded with black to 320), greedy CTC (blank 0, the charset from the model's metadata and a space)."""
+    import cv2
+    import onnx
+    import onnxruntime as ort
+
+    meta = {p.key: p.value for p in onnx.load(str(rec), load_external_data=False).metadata_props}
+    charset = [*meta["character"].split("\n"), " "]
+    d = ort.InferenceSession(str(det), providers=["CPUExecutionProvider"])
+    r = ort.InferenceSession(str(rec), providers=["CPUExecutionProvider"])
+    out = []
+    for img in images:
+        prob = d.run(None, {"x": img[None]})[0][0, 0]
+        n, labels, stats, _ = cv2.connectedComponentsWithStats((prob > 0.3).astype(np.uint8), connectivity=4)
+        pixels = ((img * 0.5 + 0.5) * 255).transpose(1, 2, 0)
+        strings = []
+        for k in range(1, n):
+            if prob[labels == k].mean() < 0.5:
+                continue
+            x, y, w, h = (float(v) for v in stats[k, :4])
+            grow = w * h * 1.6 / (2 * (w + h))
+            x0, y0 = max(0.0, x - grow), max(0.0, y - grow)
+            x1, y1 = min(float(W), x + w + grow), min(float(H), y + h + grow)
+            region = pixels[int(np.floor(y0)):int(np.ceil(y1)), int(np.floor(x0)):int(np.ceil(x1))]
+            tw = min(320, max(1, round(48 * region.shape[1] / region.shape[0])))
+            canvas = np.zeros((48, 320, 3), np.float32)
+            canvas[:, :tw] = cv2.resize(region, (tw, 48), interpolation=cv2.INTER_LINEAR)
+            feed = ((canvas / 255 - 0.5) / 0.5).transpose(2, 0, 1)[None].astype(np.float32)
+            best = r.run(None, {"x": feed})[0][0].argmax(-1)
+            text, prev = "", -1
+            for c in best:
+                if c != prev and c != 0:
+                    text += charset[c - 1]
+                prev = c
+            strings.append(text)
+        out.append(sorted(strings))
+    return out
+
+
+def selftest_arrays(bundle: Path) -> dict[str, np.ndarray]:
+    with tarfile.open(bundle) as tar:
+        f = tar.extractfile("selftest.npz")
+        assert f is not None
+        with np.load(io.BytesIO(f.read())) as z:
+            return {k: z[k] for k in z.files}
+
+
+def strings_of(arrays: dict[str, np.ndarray], key: str = "expected") -> list[list[str]]:
+    count, text = arrays[f"{key}:count"], arrays[f"{key}:text"]
+    return [sorted(bytes(row).rstrip(b"\0").decode() for row in text[i, : count[i]]) for i in range(len(count))]
+
+
+# -- the tests -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp32_bundle(tmp_path_factory):
+    models = _models()
+    folder = tmp_path_factory.mktemp("ocr")
+    np.savez(folder / "eval.npz", x=pages(12, seed=0))
+    pipe = write_pipeline(folder, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx")
+    out = folder / "ocr.bundle"
+    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(folder / "eval.npz"),
+                "--preprocess", str(write_prep(folder)), "-o", str(out), "--no-cache", "--json")
+    assert r.returncode == 0, r.stderr
+    return out, json.loads(r.stdout), models
+
+
+def test_a_pipeline_compiles_into_one_bundle_that_describes_the_whole(fp32_bundle):
+    out, doc, _ = fp32_bundle
+    assert doc["ok"] and doc["bundle"] == str(out)
+    m = check_bundle(out)
+    assert m.manifest_version == 7 and m.name == "ocr" and m.profile == "x86-cpu" and m.precision == "fp32"
+    assert m.pipeline is not None
+    assert [s.name for s in m.pipeline.stages] == ["det", "rec"]
+    assert set(m.files) == {"det-model.onnx", "det-selftest.npz", "rec-model.onnx", "rec-selftest.npz",
+                            "selftest.npz"}
+    assert m.engine == "det-model.onnx" and m.selftest == "selftest.npz"
+    assert m.pipeline.detector.engine == "det-model.onnx" and m.pipeline.reader.selftest == "rec-selftest.npz"
+    assert [o.name for o in m.outputs] == list(end_output_names(m.pipeline.spec))
+    assert m.inputs == m.pipeline.detector.inputs
+    # the charset came from the reader's metadata, with PaddleOCR's space: 6,623 lines + blank + space = 6,625
+    charset = m.pipeline.spec.read.charset
+    assert charset is not None and len(charset) == 6624 and charset[-1] == " "
+    assert m.pipeline.spec.read.charset_from is None
+    # the stages were gated on their own tasks, the pipeline on its end answers
+    assert m.pipeline.detector.accuracy.task is not None and m.pipeline.detector.accuracy.task.task == "segmentation"
+    assert m.pipeline.reader.accuracy.task is not None and m.pipeline.reader.accuracy.task.task == "ctc"
+    task = m.accuracy.task
+    assert task is not None and task.task == "pipeline" and task.passed and m.accuracy.passed
+    assert task.details["fp32_boxes"] == 36 and task.details["same_answers"] == 36  # 12 pages of 3 lines
+    # the agent's /infer/image feeds the pipeline as the compiler did
+    assert m.preprocessing is not None and (m.preprocessing.height, m.preprocessing.width) == (H, W)
+
+
+def test_the_self_test_holds_what_the_fp32_models_read(fp32_bundle):
+    out, _, models = fp32_bundle
+    arrays = selftest_arrays(out)
+    images = arrays["input:x"]
+    assert 1 <= len(images) <= 8 and images.shape[1:] == (3, H, W)
+    np.testing.assert_array_equal(images, pages(12, seed=0)[: len(images)])
+    want = independent_read(models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx", images)
+    assert strings_of(arrays) == want
+    assert strings_of(arrays, "reference") == want
+    assert all(len(s) == 3 for s in want) and sum(w in WORDS for s in want for w in s) >= len(images) * 2
+
+
+def test_a_charset_that_does_not_fit_the_readers_classes_is_refused(tmp_path):
+    models = _models()
+    (tmp_path / "chars.txt").write_text("a\nb\nc\n")
+    np.savez(tmp_path / "eval.npz", x=pages(2, seed=1))
+    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
+                          charset="file:chars.txt")
+    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(tmp_path / "eval.npz"),
+                "-o", str(tmp_path / "x.bundle"), "--no-cache")
+    assert r.returncode == 4, r.stderr
+    assert "3 entries" in r.stderr and "6625 classes" in r.stderr
+    assert not (tmp_path / "x.bundle").exists()
+
+
+def test_a_preprocessing_that_is_not_the_crops_source_is_refused(tmp_path):
+    models = _models()
+    np.savez(tmp_path / "eval.npz", x=pages(2, seed=1))
+    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx")
+    prep = tmp_path / "prep.yaml"
+    prep.write_text(f"input: x\nheight: {H}\nwidth: {W}\n")  # [0, 1]: the crops would be cut from wrong pixels
+    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(tmp_path / "eval.npz"),
+                "--preprocess", str(prep), "-o", str(tmp_path / "x.bundle"), "--no-cache", "--json")
+    assert r.returncode == 4, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and "crop.source" in doc["error"]
