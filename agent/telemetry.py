@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgefleet.protocol.processes import stop_processes
+
 __all__ = ["DeviceSampler", "DeviceStats", "GpuStats", "TegraStats", "parse_tegrastats", "read_thermal_zones"]
 
 log = logging.getLogger("edgefleet.agent.telemetry")
@@ -158,13 +160,7 @@ class _TegrastatsReader:
             self.latest = parse_tegrastats(raw.decode("utf-8", errors="replace"))
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
+        stop_processes([self._proc], grace_s=5)
         self._thread.join(5)
 
 

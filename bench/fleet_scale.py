@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +36,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
+
+from edgefleet.protocol.processes import stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -159,13 +162,8 @@ def fleet(work: Path, mqtt_url: str, bundle: Path | None, *extra: str, name: str
         if bundle is not None:
             client.post("/api/v1/bundles", content=bundle.read_bytes()).raise_for_status()
         yield client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:  # busy in a long transaction: it does not get to hold the run up
-            proc.kill()
-            proc.wait(10)
+    finally:  # a fleet busy in a long transaction past 30 s does not get to hold the run up: killed
+        stop_processes([proc], grace_s=30)
 
 
 @contextmanager
@@ -187,13 +185,7 @@ def simulator(work: Path, mqtt_url: str | list[str], n: int, *extra: str, procs:
     try:
         yield started[0]
     finally:
-        for proc in started:
-            proc.send_signal(2)
-        for proc in started:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(started, grace_s=60, sig=signal.SIGINT)
 
 
 def sim_counters(work: Path) -> dict[str, int]:

@@ -38,6 +38,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import psutil
 
+from edgefleet.protocol.processes import stop_processes
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -54,13 +56,7 @@ def procs(cmds: list[tuple[list[str], Path]]):
             started.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT))
         yield started
     finally:
-        for p in started:
-            p.terminate()
-        for p in started:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(started, grace_s=20)
 
 
 def listening(port: int) -> bool:

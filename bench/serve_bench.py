@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 from _common import run_and_report, say
 
+from edgefleet.protocol.processes import stop_processes
+
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = REPO / "models" / "digits"
 MODEL = "digits"
@@ -182,15 +184,8 @@ class AgentProcess:
             return float("nan")
 
     def stop(self) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        if self.proc is not None:
+            stop_processes([self.proc], grace_s=10)
 
 
 # -- the load generator (runs in its own processes) ----------------------------------------------------

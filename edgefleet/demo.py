@@ -26,6 +26,7 @@ from edgefleet.fleet.client import FleetClient, FleetClientError, FleetUnreachab
 from edgefleet.fleet.schemas import Rollout
 from edgefleet.progress import progress_bar
 from edgefleet.protocol.exits import ExitCode, exit_for
+from edgefleet.protocol.processes import stop_processes
 
 __all__ = ["DemoOptions", "LocalFleet", "free_port", "infer_images", "run_demo"]
 
@@ -160,24 +161,14 @@ class LocalFleet:
 
     def stop_agent(self, device_id: str, sig: int = signal.SIGTERM) -> None:
         a = self.agents.pop(device_id)
-        _stop(a.proc, sig)
+        stop_processes([a.proc], sig=sig)
 
     def stop(self) -> None:
         for d in list(self.agents):
             self.stop_agent(d)
         if self.fleet_proc is not None:
-            _stop(self.fleet_proc)
+            stop_processes([self.fleet_proc])
             self.fleet_proc = None
-
-
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def infer_images(url: str, model: str, images: np.ndarray, concurrency: int = 8,

@@ -40,6 +40,7 @@ from pathlib import Path
 from edgefleet.fleet.acl import FLEET_USER, MAX_PACKET_BYTES, MAX_PAYLOAD_BYTES, Account, hash_password
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.fsutil import atomic_write
+from edgefleet.protocol.processes import stop_processes
 
 __all__ = ["BRIDGE_USER", "QUEUE_BYTES", "QUEUE_MESSAGES", "ClusterPlan", "core_conf", "edge_conf", "run_cluster",
            "write_cluster"]
@@ -157,14 +158,7 @@ def run_cluster(confs: Sequence[Path], ports: Sequence[int], log_dir: Path,
                 time.sleep(0.05)
         yield procs
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes(procs, grace_s=10)
 
 
 def main(argv: list[str] | None = None) -> int:
