@@ -170,6 +170,17 @@ def _published(fs: Any, url: str) -> dict[str, Any]:
             "models": api.get(f"{url}/api/v1/models").json()}
 
 
+def _spoiled(bundle: Path, version: str, spoil: Callable[[Crafted], None], out: Path) -> Path:
+    """``bundle`` rebuilt as ``version`` (a new target), spoilt by ``spoil``, written to ``out``."""
+    crafted = _base(bundle, version)
+    spoil(crafted)
+    return crafted.write(out)
+
+
+def _upload(url: str, archive: bytes) -> httpx.Response:
+    return api.post(f"{url}/api/v1/bundles", content=archive, headers={"Content-Type": "application/x-tar"})
+
+
 def _assert_refused(r: Any, words: tuple[str, ...], server_root: Path) -> str:
     assert r.status_code == 422, (r.status_code, r.text[:500])
     assert r.headers["content-type"].startswith("application/json"), r.headers["content-type"]
@@ -184,11 +195,9 @@ def _assert_refused(r: Any, words: tuple[str, ...], server_root: Path) -> str:
 @pytest.mark.parametrize(("case", "spoil", "words"), CASES, ids=[c[0] for c in CASES])
 def test_a_bad_archive_is_refused_before_anything_is_signed(fleet, digits_bundle, tmp_path, case, spoil, words):
     fs, url, server_root = fleet
-    crafted = _base(digits_bundle, f"9.{CASES.index((case, spoil, words))}.0")
-    spoil(crafted)
-    bad = crafted.write(tmp_path / f"{case}.tar")
+    bad = _spoiled(digits_bundle, f"9.{CASES.index((case, spoil, words))}.0", spoil, tmp_path / f"{case}.tar")
     before = _published(fs, url)
-    r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes(), headers={"Content-Type": "application/x-tar"})
+    r = _upload(url, bad.read_bytes())
     _assert_refused(r, words, server_root)
     assert _published(fs, url) == before, "a refused bundle changed the signed repository or the stored files"
 
@@ -197,7 +206,7 @@ def test_the_crafting_helper_makes_an_acceptable_bundle(fleet, digits_bundle, tm
     """The control: unspoilt, the same builder's archive is accepted (the refusals are for the spoiling)."""
     fs, url, _ = fleet
     ok = _base(digits_bundle, "8.0.0").write(tmp_path / "ok.tar")
-    r = api.post(f"{url}/api/v1/bundles", content=ok.read_bytes(), headers={"Content-Type": "application/x-tar"})
+    r = _upload(url, ok.read_bytes())
     assert r.status_code == 201, r.text
     assert "digits/8.0.0/x86-cpu.tar" in fs.repo.targets()
 
@@ -214,9 +223,7 @@ def test_absolute_and_traversal_names_survive_in_the_crafted_tar(digits_bundle, 
 # -- the same reader, without a fleet -------------------------------------------------------------------
 @pytest.mark.parametrize(("case", "spoil", "words"), CASES, ids=[c[0] for c in CASES])
 def test_the_agent_refuses_the_same_archives(digits_bundle, tmp_path, case, spoil, words):
-    crafted = _base(digits_bundle, "1.0.0")
-    spoil(crafted)
-    bad = crafted.write(tmp_path / f"{case}.tar")
+    bad = _spoiled(digits_bundle, "1.0.0", spoil, tmp_path / f"{case}.tar")
     if case != "unknown-profile":  # the agent checks the profile against its CPU, later (agent.daemon)
         with pytest.raises(ContractError) as exc:  # BundleError, or SchemaError for the manifest
             extract_bundle(bad, tmp_path / "out")
@@ -318,7 +325,7 @@ def test_an_archive_tarfile_would_choke_on_is_refused_at_upload(fleet, ok_archiv
     fs, url, server_root = fleet
     bad = make(ok_archive(f"7.{[c[0] for c in HEADER_CASES].index(case)}.0"))
     before = _published(fs, url)
-    r = api.post(f"{url}/api/v1/bundles", content=bad, headers={"Content-Type": "application/x-tar"})
+    r = _upload(url, bad)
     _assert_refused(r, words, server_root)
     assert _published(fs, url) == before, "a refused bundle changed the signed repository or the stored files"
 
@@ -372,7 +379,7 @@ def test_small_pax_headers_as_tar_tools_write_them_are_accepted(fleet, digits_bu
     assert raw[156:157] == tarfile.XGLTYPE and raw.count(b"SCHILY.xattr") == len(crafted.members) + 1
     long_named = _ext(tarfile.GNUTYPE_LONGNAME, MANIFEST_FILENAME.encode() + b"\0") + raw[512 * 2:]
     assert bundle_mod.check_bundle(out).version == "7.98.0"
-    r = api.post(f"{url}/api/v1/bundles", content=raw, headers={"Content-Type": "application/x-tar"})
+    r = _upload(url, raw)
     assert r.status_code == 201, r.text
     (tmp_path / "long.tar").write_bytes(long_named)
     assert bundle_mod.check_bundle(tmp_path / "long.tar").version == "7.98.0"
@@ -412,11 +419,10 @@ ROLE_CASES = [
 def test_a_bundle_whose_files_do_not_fit_their_roles_is_refused(fleet, two_precision_bundle, tmp_path, case, spoil,
                                                                  words):
     fs, url, server_root = fleet
-    crafted = _base(two_precision_bundle, f"6.{[c[0] for c in ROLE_CASES].index(case)}.0")
-    spoil(crafted)
-    bad = crafted.write(tmp_path / f"{case}.tar")
+    bad = _spoiled(two_precision_bundle, f"6.{[c[0] for c in ROLE_CASES].index(case)}.0", spoil,
+                   tmp_path / f"{case}.tar")
     before = _published(fs, url)
-    r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes(), headers={"Content-Type": "application/x-tar"})
+    r = _upload(url, bad.read_bytes())
     _assert_refused(r, words, server_root)
     assert _published(fs, url) == before
     # the agent's verify (extract) and the signing side (fleet.keys.sign_bundle checks with check_bundle)
@@ -465,9 +471,7 @@ def test_a_bundle_ci_signed_is_still_checked_before_the_fleet_stores_it(tmp_path
     create_keys(tmp_path / "split")
     shutil.copytree(tmp_path / "split" / "fleet", tmp_path / "keys")
     ci_key = tmp_path / "split" / "ci" / f"{BUNDLES_ROLE}.key"
-    crafted = _base(digits_bundle, "9.9.9")
-    _traversal(crafted)
-    bad = crafted.write(tmp_path / "bad.tar")
+    bad = _spoiled(digits_bundle, "9.9.9", _traversal, tmp_path / "bad.tar")
     target = "digits/9.9.9/x86-cpu.tar"
     custom = {"name": "digits", "version": "9.9.9", "profile": "x86-cpu"}
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
@@ -478,7 +482,7 @@ def test_a_bundle_ci_signed_is_still_checked_before_the_fleet_stores_it(tmp_path
                      content=_ci_sign_unchecked(ci_key, current, target, bad, custom))
         assert r.status_code == 201, r.text
         before = _published(fs, url)
-        r = api.post(f"{url}/api/v1/bundles", content=bad.read_bytes(), headers={"Content-Type": "application/x-tar"})
+        r = _upload(url, bad.read_bytes())
         _assert_refused(r, ("../../x",), tmp_path)
         after = _published(fs, url)
         assert after == before and not any(k.startswith("targets/") for k in after["stored"]), after["stored"]
