@@ -246,6 +246,19 @@ def _infer_doc(x: np.ndarray, in_region: str | None, out_region: str | None) -> 
     return head, {"Content-Type": "application/json"}
 
 
+def _images_in(region, test_images) -> np.ndarray:
+    """Four test images written at the start of ``region`` (a SharedMemory): -> them."""
+    x = np.ascontiguousarray(test_images[0][:4], np.float32)
+    region.buf[:x.nbytes] = x.tobytes()
+    return x
+
+
+def _register(url: str, name: str, key: str) -> int:
+    """This process (root) registers the object ``key`` as region ``name`` over HTTP: -> the status code."""
+    return httpx.post(f"{url}/v2/systemsharedmemory/region/{name}/register",
+                      json={"key": key, "offset": 0, "byte_size": 64 * 1024}).status_code
+
+
 @as_root
 def test_another_users_region_is_refused_for_every_use_over_http(agent, objects, test_images):
     """root registers its private (0600) object; nobody, over plain loopback HTTP, may not see it in a listing,
@@ -253,10 +266,8 @@ def test_another_users_region_is_refused_for_every_use_over_http(agent, objects,
     each refused with 403 by name, the object and the registration untouched. root's own use still works."""
     a, url = agent
     key, r = objects(owner=0, mode=0o600)
-    x = np.ascontiguousarray(test_images[0][:4], np.float32)
-    r.buf[:x.nbytes] = x.tobytes()
-    assert httpx.post(f"{url}/v2/systemsharedmemory/region/private/register",
-                      json={"key": key, "offset": 0, "byte_size": 64 * 1024}).status_code == 200
+    x = _images_in(r, test_images)
+    assert _register(url, "private", key) == 200
     try:
         before = bytes(r.buf)
         status, body = request_as(NOBODY, url, "GET", "/v2/systemsharedmemory/status")
@@ -298,10 +309,8 @@ def test_a_region_others_may_read_is_theirs_to_read_not_to_write(agent, objects,
     unregister."""
     a, url = agent
     key, r = objects(owner=0, mode=0o644)
-    x = np.ascontiguousarray(test_images[0][:4], np.float32)
-    r.buf[:x.nbytes] = x.tobytes()
-    assert httpx.post(f"{url}/v2/systemsharedmemory/region/shared/register",
-                      json={"key": key, "offset": 0, "byte_size": 64 * 1024}).status_code == 200
+    x = _images_in(r, test_images)
+    assert _register(url, "shared", key) == 200
     try:
         status, body = request_as(NOBODY, url, "GET", "/v2/systemsharedmemory/status")
         assert status == 200 and '"shared"' in body
@@ -381,8 +390,7 @@ def test_another_users_region_is_refused_over_grpc(tmp_path, digits_bundle, obje
     preinstall(data, digits_bundle)
     key, _r = objects(owner=0, mode=0o600)
     with running_agent(data, grpc_port=0) as (a, url):
-        assert httpx.post(f"{url}/v2/systemsharedmemory/region/private/register",
-                          json={"key": key, "offset": 0, "byte_size": 64 * 1024}).status_code == 200
+        assert _register(url, "private", key) == 200
         with relay_as(NOBODY, a.grpc_port) as port:
             c = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
             try:
