@@ -67,6 +67,14 @@ def x(n, start=0.0):
     return {"x": np.arange(start, start + 2 * n, dtype=np.float32).reshape(n, 2)}
 
 
+async def release(be: FakeBackend, b: Batcher, *pending) -> list:
+    """Open the fake engine's gate, await every pending request and close the batcher: -> their answers."""
+    be.gate.set()
+    outs = await asyncio.gather(*pending)
+    await b.close()
+    return list(outs)
+
+
 def test_concurrent_requests_are_batched_and_answered_in_order():
     async def main():
         be = FakeBackend()
@@ -172,9 +180,7 @@ def test_queue_full_is_429_not_unbounded_memory():
         with pytest.raises(QueueFull, match="queue full") as exc:
             await b.submit(x(2))
         assert exc.value.status_code == 429
-        be.gate.set()
-        await asyncio.gather(*futs)
-        await b.close()
+        await release(be, b, *futs)
 
     run(main())
 
@@ -270,9 +276,7 @@ def test_high_priority_requests_run_first():
         await until(lambda: b.queued_samples == 2, 5, "the two normal requests queued")
         high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
         await until(lambda: b.queued_samples == 3, 5, "the high-priority request queued behind them")
-        be.gate.set()
-        await asyncio.gather(first, *normal, high)
-        await b.close()
+        await release(be, b, first, *normal, high)
         return be.seen
 
     assert run(main()) == [0.0, 200.0, 100.0, 101.0]
@@ -288,9 +292,7 @@ def test_preferred_batch_sizes_split_a_queue():
         await until(be.started.is_set, 5, "the first batch running")
         rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(6)]
         await until(lambda: b.queued_samples == 6, 5, "the six requests queued")
-        be.gate.set()
-        outs = await asyncio.gather(first, *rest)
-        await b.close()
+        outs = await release(be, b, first, *rest)
         return be.batches, outs
 
     batches, outs = run(main())
@@ -389,9 +391,7 @@ def test_a_cancelled_request_leaves_the_queue_count_right():
         assert b.queued_samples == 0
         kept = [asyncio.ensure_future(b.submit(x(1))) for _ in range(2)]  # the cancelled one holds no room
         await until(lambda: b.queued_samples == 2, 5, "the two requests queued")
-        be.gate.set()
-        await asyncio.gather(first, *kept)
-        await b.close()
+        await release(be, b, first, *kept)
         return be.batches
 
     assert run(main()) == [1, 1, 1]
@@ -571,9 +571,7 @@ def test_closed_batches_queue_only_a_full_batch_behind():
         await until(be.started.is_set, 5, "the first batch running")
         futs += [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(1, 4)]
         await until(lambda: b.queued_samples == 3, 5, "three requests queued")
-        be.gate.set()
-        await asyncio.gather(*futs)
-        await b.close()
+        await release(be, b, *futs)
         return be
 
     assert run(main()).batches == [1, 3]

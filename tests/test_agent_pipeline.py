@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from edgefleet.agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
-from tests.test_agent_batcher import FakeBackend, x
+from tests.test_agent_batcher import FakeBackend, release, x
 from tests.waiting import until
 
 
@@ -38,9 +38,7 @@ def test_a_full_batch_waits_on_the_busy_thread_and_every_request_gets_its_own_an
         assert b.queued_samples == 8  # still counted as waiting
         staged = b._instances[0].slot
         assert staged is not None and staged.n == 4
-        be.gate.set()
-        outs = await asyncio.gather(first, *rest)
-        await b.close()
+        outs = await release(be, b, first, *rest)
         return be, outs
 
     be, outs = run(main())
@@ -74,9 +72,7 @@ def test_a_high_priority_request_goes_before_the_queued_batch():
         be, b, first, normal = await _queued_behind(BatchSettings(max_batch_size=2), 0, [100 + i for i in range(2)])
         high = asyncio.ensure_future(b.submit(x(1, start=200), priority=HIGH))
         await until(lambda: b.queued_samples == 3, 5, "the high-priority request queued")
-        be.gate.set()
-        await asyncio.gather(first, *normal, high)
-        await b.close()
+        await release(be, b, first, *normal, high)
         return be.seen
 
     seen = run(main())
