@@ -341,9 +341,11 @@ class Agent:
             rss = proc.memory_info().rss / 2**20
             interval = now - last
             drift = self.host.drift_counts(cur.manifest.name, cur.manifest.version) if cur else None
+            stages = self.host.stage_figures(cur.manifest.name, cur.manifest.version) if cur else None
             last = now
 
-            def make(seq: int, snap=snap, cur=cur, cpu=cpu, rss=rss, interval=interval, drift=drift) -> bytes:
+            def make(seq: int, snap=snap, cur=cur, cpu=cpu, rss=rss, interval=interval, drift=drift,
+                     stages=stages) -> bytes:
                 return proto.encode(proto.Telemetry(
                     device_id=self.config.device_id, ts=time.time(), stream=self.spool.stream, seq=seq,
                     interval_s=round(interval, 3),
@@ -355,7 +357,7 @@ class Agent:
                     cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None,
                     device=_device_summary(self.device_stats),
                     shadow=self.host.shadow.figures() if self.host.shadow is not None else None,
-                    serving=cur.serving if cur else None, drift=drift))
+                    serving=cur.serving if cur else None, drift=drift, stages=stages))
 
             try:
                 self.spool.append(make)

@@ -22,7 +22,7 @@ import numpy as np
 
 from edgefleet.agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
 from edgefleet.agent.drift import DriftRecorder
-from edgefleet.agent.errors import ModelNotFound, Unavailable
+from edgefleet.agent.errors import ModelNotFound, RequestError, Unavailable
 from edgefleet.agent.kserve import InferRequest
 from edgefleet.agent.metrics import Metrics, ModelMetrics
 from edgefleet.engines import Engine
@@ -31,6 +31,7 @@ from edgefleet.protocol.drift import DriftCounts
 from edgefleet.protocol.manifest import Manifest
 
 if TYPE_CHECKING:
+    from edgefleet.agent.pipeline import PipelineRunner, PipelineStages
     from edgefleet.agent.shadow import ShadowMirror
 
 __all__ = ["EXTENSIONS", "LARGE_BODY", "IndexEntry", "ModelHost", "Served", "model_config"]
@@ -54,11 +55,19 @@ class Served:
     loaded_at: float = field(default_factory=time.time)
     tuning: BatchTuning | None = None  # how its batch sizes were chosen (None: the host's defaults, untold)
     serving: proto.ServingChoice | None = None  # precision, batch sizes and layout as chosen here (install report)
+    # a pipeline (manifest version 7, agent/pipeline.py): its stages and steps; ``backends``, ``batcher`` and
+    # ``settings`` are then its detector's (its entry stage), and a request goes through ``pipeline.infer``
+    pipeline: PipelineRunner | None = None
 
     @property
     def backend(self) -> Engine:
         """The first instance (every instance describes the same model)."""
         return self.backends[0]
+
+    @property
+    def engines(self) -> list[Engine]:
+        """Every engine this version holds (a pipeline's: both stages')."""
+        return self.pipeline.engines if self.pipeline is not None else list(self.backends)
 
 
 @dataclass(frozen=True)
@@ -144,10 +153,16 @@ class ModelHost:
 
     async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
                    settings: BatchSettings | None = None, tuning: BatchTuning | None = None,
-                   serving: proto.ServingChoice | None = None) -> None:
+                   serving: proto.ServingChoice | None = None, stages: PipelineStages | None = None) -> None:
         """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
         host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
-        server loop."""
+        server loop. A pipeline (``manifest.pipeline``) comes as ``stages`` (agent.pipeline.prepare; ``backends``
+        is ignored): both stages swap in as one unit."""
+        if manifest.pipeline is not None:
+            if stages is None:
+                raise ValueError(f"{manifest.name} {manifest.version} is a pipeline: swap it in with its stages")
+            await self._swap_pipeline(manifest, stages, serving)
+            return
         instances = (backends,) if isinstance(backends, Engine) else tuple(backends)
         s = settings or self.settings
         if not manifest.batchable and s.request_limit != 1:  # an unbatched input: one request at a time
@@ -168,6 +183,27 @@ class ModelHost:
         log.info("now serving %s %s (%d instance%s)", manifest.name, manifest.version, len(instances),
                  "" if len(instances) == 1 else "s")
 
+    async def _swap_pipeline(self, manifest: Manifest, stages: PipelineStages,
+                             serving: proto.ServingChoice | None) -> None:
+        from edgefleet.agent.pipeline import PipelineRunner
+
+        async with self._swap_lock:
+            mm = self.metrics.for_model(manifest.name, manifest.version)
+            runner = PipelineRunner(manifest, stages, self.metrics, self.gate(manifest.name, stages.permits),
+                                    self.inference_cpus)
+            runner.start()
+            det = stages.detector
+            served = Served(manifest, det.backends, runner.detector, det.settings, mm, serving=serving,
+                            pipeline=runner)
+            old = self.models.get(manifest.name)
+            self.models[manifest.name] = served
+            self._current = served
+            self.metrics.model_event(manifest.name, manifest.version, "swap" if old is not None else "load")
+            if old is not None:
+                await self._retire(old)
+        log.info("now serving the pipeline %s %s (%s then %s)", manifest.name, manifest.version,
+                 stages.detector.manifest.name, stages.reader.manifest.name)
+
     async def remove(self, name: str) -> None:
         """Stop serving model ``name`` (its queued requests are answered first)."""
         async with self._swap_lock:
@@ -183,9 +219,12 @@ class ModelHost:
         if now is None or now.manifest.version != old.manifest.version:
             self.metrics.model_event(old.manifest.name, old.manifest.version, "unload")
         try:  # best effort: whatever serves now already does, whatever happens here
-            await old.batcher.close()
+            if old.pipeline is not None:  # its requests finish on both of its stages first
+                await old.pipeline.close()
+            else:
+                await old.batcher.close()
             loop = asyncio.get_running_loop()
-            for b in old.backends:
+            for b in old.engines:
                 await loop.run_in_executor(None, b.close)
         except Exception:
             log.exception("retiring %s %s failed", old.manifest.name, old.manifest.version)
@@ -193,8 +232,11 @@ class ModelHost:
     async def close(self) -> None:
         async with self._swap_lock:  # an install racing shutdown finishes its swap first
             for served in list(self.models.values()):
-                await served.batcher.close()
-                for b in served.backends:
+                if served.pipeline is not None:
+                    await served.pipeline.close()
+                else:
+                    await served.batcher.close()
+                for b in served.engines:
                     b.close()
             self.models.clear()
             self._current = None
@@ -213,6 +255,10 @@ class ModelHost:
     async def infer(self, served: Served, req: InferRequest) -> list[np.ndarray]:
         """Queue a decoded request in ``served``'s batcher and wait for its outputs (and offer it to a shadow
         candidate): what every transport does with a request once decoded (HTTP, gRPC, the local socket)."""
+        if served.pipeline is not None:  # both stages, as one model
+            outs: list[np.ndarray] = await served.pipeline.infer(req)
+            self.offer_shadow(served, req, outs)
+            return outs
         pending = self.enqueue(served, req)
         try:
             outs = await pending.future
@@ -224,9 +270,20 @@ class ModelHost:
     @staticmethod
     def enqueue(served: Served, req: InferRequest) -> Any:
         """``infer`` without a coroutine (the local socket's fast path): queue ``req`` -> its batcher entry, whose
-        ``future`` gets the outputs; then ``served.batcher.settle(entry)`` and ``offer_shadow`` are the caller's."""
+        ``future`` gets the outputs; then ``served.batcher.settle(entry)`` and ``offer_shadow`` are the caller's.
+        A pipeline has no one queue: RequestError, and the caller takes its slow path (``infer``)."""
+        if served.pipeline is not None:
+            raise RequestError(f"{served.manifest.name} is a pipeline: it runs through ModelHost.infer")
         return served.batcher.enqueue(req.feeds, HIGH if req.priority == 1 else NORMAL,
                                       None if req.timeout_us is None else req.timeout_us / 1e6)
+
+    def stage_figures(self, name: str, version: str) -> dict[str, proto.StageFigures] | None:
+        """Each stage's figures since the last call when ``name`` ``version`` is a pipeline serving here (the
+        interval's telemetry ``stages``); None for a single model."""
+        served = self.models.get(name)
+        if served is None or served.pipeline is None or served.manifest.version != version:
+            return None
+        return served.pipeline.stage_figures()
 
     def drift_counts(self, name: str, version: str) -> DriftCounts | None:
         """The answers of ``name`` ``version`` since the last call, counted in its manifest's drift bins (agent.drift),
@@ -305,5 +362,20 @@ def model_config(served: Served) -> dict[str, Any]:
         "runtime_choice": None if served.serving is None or served.serving.runtime is None else {
             "runtime": served.serving.runtime.runtime, "source": served.serving.runtime.source,
             "items_per_second": {rt.runtime: rt.items_per_s for rt in served.serving.runtime.runtimes}},
+        # edgefleet's: a pipeline's stages as they serve here (each its own precision, runtime and batches)
+        **({"pipeline": _pipeline_config(served.pipeline)} if served.pipeline is not None else {}),
     }
+
+
+def _pipeline_config(runner: PipelineRunner) -> dict[str, Any]:
+    spec = runner.spec
+    stages = []
+    for role, st in (("detector", runner.stages.detector), ("reader", runner.stages.reader)):
+        stages.append({"name": st.manifest.name, "role": role, "precision": st.manifest.precision,
+                       "backend": st.manifest.backend, "runtime": st.runtime.runtime if st.runtime else None,
+                       "runtime_source": st.runtime.source if st.runtime else None,
+                       "max_batch_size": st.settings.max_batch_size, "instances": len(st.backends),
+                       "devices": [getattr(b, "device", "?") for b in st.backends]})
+    return {"kind": spec.kind, "stages": stages, "image_size": list(runner.size), "max_crops": spec.max_crops,
+            "max_boxes_per_image": spec.boxes.max_boxes, "max_images_per_request": runner.chain.max_images}
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgefleet.agent.batcher import (
     BatchSettings,
@@ -28,7 +28,7 @@ from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from edgefleet.agent.host import IndexEntry, ModelHost
 from edgefleet.agent.precision import PrecisionPick, pick_precision
-from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime
+from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime_in_child
 from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from edgefleet.agent.shadow import ShadowMirror
 from edgefleet.agent.store import ModelStore, StagedModel
@@ -41,6 +41,9 @@ from edgefleet.protocol.cpu import cpu_features
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.profile import load_profile
+
+if TYPE_CHECKING:
+    from edgefleet.agent.pipeline import PipelineStages
 
 __all__ = ["Installer", "Report"]
 
@@ -84,31 +87,40 @@ class Installer:
             for which, entry in zip(("current", "previous"), slots[name], strict=True):
                 if entry is None:
                     continue
+                stages: PipelineStages | None = None
                 try:
                     manifest = self.store.load_manifest(entry, verify=False)
                     self.require_cpu(manifest.profile, manifest.cpu_features)  # the disk may have moved boxes
                     directory = self.store.models_dir / entry.directory
-                    pick = await asyncio.get_running_loop().run_in_executor(  # timed again: this box, today
-                        None, self.pick_precision, StagedModel(manifest, directory, entry.installed.sha256))
-                    manifest = pick.staged.manifest
-                    backends = await asyncio.get_running_loop().run_in_executor(
-                        None, self.load_instances, manifest, directory)
+                    if manifest.pipeline is not None:  # its stages loaded and checked again: this box, today
+                        stages = await asyncio.get_running_loop().run_in_executor(
+                            None, self.prepare_pipeline, StagedModel(manifest, directory, entry.installed.sha256))
+                    else:
+                        pick = await asyncio.get_running_loop().run_in_executor(  # timed again: this box, today
+                            None, self.pick_precision, StagedModel(manifest, directory, entry.installed.sha256))
+                        manifest = pick.staged.manifest
+                        backends = await asyncio.get_running_loop().run_in_executor(
+                            None, self.load_instances, manifest, directory)
                 except (UpdateError, ContractError) as exc:
                     log.error("could not load the %s model %s: %s", which, entry.directory, exc)
                     self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
                     continue
-                try:  # measured again at each start: the figures are this box's, today
-                    settings, tuning = await asyncio.get_running_loop().run_in_executor(
-                        None, self.tune_batches, backends[0], StagedModel(manifest, directory, entry.installed.sha256),
-                        self.turn(manifest.name, len(backends)))
-                except UpdateError as exc:
-                    for b in backends:
-                        b.close()
-                    log.error("could not load the %s model %s: %s", which, entry.directory, exc)
-                    self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
-                    continue
-                await self.host.swap(manifest, backends, settings, tuning,
-                                     self.serving_choice(pick, settings, tuning, len(backends)))
+                if stages is not None:
+                    await self.host.swap(manifest, (), serving=self.pipeline_serving(manifest, stages), stages=stages)
+                else:
+                    try:  # measured again at each start: the figures are this box's, today
+                        settings, tuning = await asyncio.get_running_loop().run_in_executor(
+                            None, self.tune_batches, backends[0],
+                            StagedModel(manifest, directory, entry.installed.sha256),
+                            self.turn(manifest.name, len(backends)))
+                    except UpdateError as exc:
+                        for b in backends:
+                            b.close()
+                        log.error("could not load the %s model %s: %s", which, entry.directory, exc)
+                        self.unavailable[(entry.installed.name, entry.installed.version)] = str(exc)
+                        continue
+                    await self.host.swap(manifest, backends, settings, tuning,
+                                         self.serving_choice(pick, settings, tuning, len(backends)))
                 if which == "previous":
                     log.error("serving the previous model %s; the committed one would not load", entry.directory)
                     if name == primary:
@@ -182,17 +194,29 @@ class Installer:
                 raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
                                  f"expected {desired.model} {desired.version} {profile}")
             self.require_cpu(profile, m.cpu_features)
-            pick = self.pick_precision(staged)  # a bundle with several precisions: the faster on this CPU
-            staged, m = pick.staged, pick.staged.manifest
-            loaded = self.load_instances(m, staged.directory)
-            backend = loaded[0]
-            # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
-            # turns with the old one's batches
-            turn = self.turn(m.name, len(loaded))
-            measured = self_test(backend, staged, turn)
-            warm_up(loaded, staged, self.warm_batch_sizes(), turn)
-            settings, tuning = (None, None) if shadow else self.tune_batches(backend, staged, turn)
-            serving = self.serving_choice(pick, settings, tuning, len(loaded))
+            stages: PipelineStages | None = None
+            if m.pipeline is not None:  # both stages loaded, each self-tested, then the end-to-end self-test
+                if shadow:
+                    raise RefusedUpdate(f"{m.name} {m.version} is a pipeline; this agent does not run a pipeline in "
+                                        "shadow yet (install it, or shadow a single model)")
+                stages = self.prepare_pipeline(staged)
+                loaded = stages.engines
+                backend = loaded[0]
+                measured = stages.selftest
+                settings, tuning = None, None
+                serving = self.pipeline_serving(m, stages)
+            else:
+                pick = self.pick_precision(staged)  # a bundle with several precisions: the faster on this CPU
+                staged, m = pick.staged, pick.staged.manifest
+                loaded = self.load_instances(m, staged.directory)
+                backend = loaded[0]
+                # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
+                # turns with the old one's batches
+                turn = self.turn(m.name, len(loaded))
+                measured = self_test(backend, staged, turn)
+                warm_up(loaded, staged, self.warm_batch_sizes(), turn)
+                settings, tuning = (None, None) if shadow else self.tune_batches(backend, staged, turn)
+                serving = self.serving_choice(pick, settings, tuning, len(loaded))
             bundle_fault = False
             if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
                 for extra in loaded[1:]:
@@ -210,7 +234,7 @@ class Installer:
             backend = None  # from here the host may own it; never close a backend that might be serving
             loaded_now, loaded = loaded, []
             try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now, settings, tuning, serving),
+                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now, settings, tuning, serving, stages),
                                                  self.loop).result(timeout=120)
             except Exception as exc:
                 current = self.host.current
@@ -320,6 +344,28 @@ class Installer:
         gate = self.host.gate(name, instances)
         return lambda fn, *args: gate.call(loop, fn, *args)
 
+    def prepare_pipeline(self, staged: StagedModel) -> PipelineStages:
+        """A pipeline bundle's stages loaded, self-tested (each stage, then end to end) and warmed up
+        (agent.pipeline.prepare), each call in turn with the version serving the model."""
+        from edgefleet.agent.pipeline import prepare
+
+        m = staged.manifest
+        return prepare(staged, self.config, self.host.settings, self.turn(m.name, self.config.instances))
+
+    def pipeline_serving(self, m: Manifest, stages: PipelineStages) -> proto.ServingChoice:
+        """How a pipeline serves, for the install report: the lowest stage precision (the bundle's), the reader's
+        largest batch, the operator's layout per stage, and the detector's runtime (both stages' in
+        /v2/models/{name}/config)."""
+        det = stages.detector
+        operator = {"instances", "intra_op_threads"} & self.config.model_fields_set
+        return proto.ServingChoice(
+            precision=m.precision, precision_source="bundle",
+            max_batch_size=stages.reader.settings.max_batch_size,
+            batch_source="operator" if "max_batch_size" in self.config.model_fields_set else "off",
+            instances=len(det.backends), threads=self.config.intra_op_threads,
+            layout_source="operator" if operator else "default",
+            runtime=None if det.runtime is None else _runtime_record(det.runtime))
+
     def warm_batch_sizes(self) -> tuple[int, ...]:
         s = self.host.settings
         return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
@@ -343,12 +389,10 @@ class Installer:
         """The runtime to serve a bundle (as its chosen precision's) on (agent.runtime_choice), remembered for
         load_instances; each call in turn with the version serving the model."""
         m = staged.manifest
-
-        def load_one(runtime: str) -> Engine:
-            return self.load_instances(m, staged.directory, count=1, runtime=runtime)[0]
-
-        pick = pick_runtime(staged, self.config.runtime, load_one, self.host.settings.max_batch_size,
-                            self.turn(m.name, self.config.instances))
+        # timed in a child process (agent.runtime_choice.pick_runtime_in_child): a runtime not chosen leaves its
+        # libraries and memory there, not here
+        pick = pick_runtime_in_child(staged, self.config.runtime, self.host.settings.max_batch_size,
+                                     self.config.intra_op_threads, self.config.onnxruntime_providers)
         log.info("%s %s: runtime %s", m.name, m.version, pick.note)
         self.runtimes[m.name] = (m.version, m.precision, pick)
         return pick
@@ -379,12 +423,7 @@ class Installer:
         got = self.runtimes.get(manifest.name)
         if got is None or got[:2] != (manifest.version, manifest.precision):
             return None
-        pick = got[2]
-        return proto.RuntimeChoice(
-            runtime=pick.runtime, source=pick.source,  # type: ignore[arg-type]
-            runtimes=tuple(proto.RuntimeTiming(runtime=t.runtime, items_per_s=t.items_per_s,  # type: ignore[arg-type]
-                                               timings=tuple(proto.Timing(batch_size=n, items_per_s=v)
-                                                             for n, v in t.timings)) for t in pick.timings))
+        return _runtime_record(got[2])
 
     def tune_batches(self, backend: Engine, staged: StagedModel, turn: Turn) -> tuple[BatchSettings, BatchTuning]:
         """The batch settings a version serves with: the host's, unless ``batch_tuning: auto`` and the operator
@@ -442,6 +481,20 @@ class Installer:
         assert prev is not None
         directory = self.store.models_dir / prev.directory
         manifest = self.store.load_manifest(prev)
+        if manifest.pipeline is not None:  # both stages loaded and checked while the active version serves
+            try:
+                stages = await loop.run_in_executor(None, self.prepare_pipeline,
+                                                    StagedModel(manifest, directory, prev.installed.sha256))
+            except BaseException as exc:
+                self.unavailable[(manifest.name, manifest.version)] = str(exc)
+                log.error("rollback of %s to %s failed; %s keeps serving: %s", name, manifest.version,
+                          slots[name][0].installed.version, exc)
+                raise
+            await loop.run_in_executor(None, self.store.rollback, name)
+            await self.host.swap(manifest, (), serving=self.pipeline_serving(manifest, stages), stages=stages)
+            self.unavailable.pop((manifest.name, manifest.version), None)
+            log.warning("rolled %s back to %s", name, manifest.version)
+            return manifest
         pick = await loop.run_in_executor(None, self.pick_precision,
                                           StagedModel(manifest, directory, prev.installed.sha256))
         staged, manifest = pick.staged, pick.staged.manifest
@@ -501,3 +554,12 @@ class Installer:
                 log.warning("fetch attempt %d failed (%s); retrying in %.1fs", attempt, exc, delay)
                 if self.stop.wait(delay) or self.desired_pending():
                     return None
+
+
+def _runtime_record(pick: RuntimePick) -> proto.RuntimeChoice:
+    """A runtime choice as the install report and telemetry carry it."""
+    return proto.RuntimeChoice(
+        runtime=pick.runtime, source=pick.source,  # type: ignore[arg-type]
+        runtimes=tuple(proto.RuntimeTiming(runtime=t.runtime, items_per_s=t.items_per_s,  # type: ignore[arg-type]
+                                           timings=tuple(proto.Timing(batch_size=n, items_per_s=v)
+                                                         for n, v in t.timings)) for t in pick.timings))

@@ -98,11 +98,11 @@ class ModelMetrics:
         self._iv_batches: list[int] = []
         self.stages: dict[str, ModelMetrics] = {}  # a pipeline's stages, by name (for stats())
         self._lock = threading.Lock()
-        self._requests = parent.requests.labels(model, version)
-        self._latency = parent.latency.labels(model, version)
-        self._queue = parent.queue_time.labels(model, version)
-        self._compute = parent.compute_time.labels(model, version)
-        self._batch = parent.batch_size.labels(model, version)
+        self._requests = parent.requests.labels(self.model, version)
+        self._latency = parent.latency.labels(self.model, version)
+        self._queue = parent.queue_time.labels(self.model, version)
+        self._compute = parent.compute_time.labels(self.model, version)
+        self._batch = parent.batch_size.labels(self.model, version)
         self._errors: dict[int, Counter] = {}
         self.success, self.fail, self.queue, self.compute = _Duration(), _Duration(), _Duration(), _Duration()
         self.inference_count = 0  # samples

@@ -50,6 +50,7 @@ from edgefleet.agent.kserve import HEADER_LENGTH, InferRequest, encode_response,
 from edgefleet.agent.metrics import CONTENT_TYPE
 from edgefleet.agent.openapi import openapi
 from edgefleet.agent.peer import PeerCell, tcp_peer
+from edgefleet.agent.pipeline import image_answer
 from edgefleet.agent.shm import SharedMemory
 
 __all__ = ["connection_peer", "create_app", "peer_tagging"]
@@ -276,6 +277,9 @@ class _HttpApi:
             del body
             req = InferRequest(feeds, None, frozenset())
             outs = await self.host.infer(served, req)
+            if served.pipeline is not None:  # its boxes and what it read in each, decoded (agent.pipeline)
+                status = 200
+                return JSONResponse(image_answer(m, outs))
             content, _ = encode_response(m.name, m.version, outs, m.outputs, req)
             status = 200
             return Response(content, media_type="application/json")

@@ -1,0 +1,478 @@
+"""A pipeline bundle (manifest version 7) installed and served as one model.
+
+A detect-then-read pipeline (protocol/pipeline.py) is two engines and the steps between them (judge/pipeline.py's
+:class:`~edgefleet.judge.pipeline.Chain`, the same code the compiler gated the pipeline with). To its clients it is
+one model: one request in (KServe v2 over HTTP or gRPC, the local socket, ``/infer/image``), the end outputs out;
+the detector's map, the boxes and the crops never leave the process.
+
+**Install** (:func:`prepare`; the installer calls it where a single model is loaded, self-tested and warmed up).
+The bundle was verified as a whole when it was staged (every file's hash, the top-level manifest's checks and the
+roles of its engine and self-test sample); here each stage's own files are checked for their roles too
+(protocol.roles: an ONNX engine, an .npz sample with the stage's tensors). Each stage is loaded from its own
+manifest, in its own precision, on the runtime the agent picks for a single model (agent.runtime_choice: pinned by
+``runtime:`` in the config, the only one installed, or timed here on the stage's own sample), ``instances`` engines
+of ``intra_op_threads`` each (the operator's layout; no layout trial per stage). Then, in turns with the version
+serving (the model's ComputeGate): each stage's own self-test (its sample, its recorded outputs), the pipeline's
+end-to-end self-test (:func:`end_to_end_self_test`) and each stage's warm-up. Any failure leaves the old version
+serving.
+
+The end-to-end self-test runs the bundle's ``selftest`` sample (``input:<detector input>``) through both engines
+and the steps and compares with its ``expected:<end output>``: per image the same number of boxes; each expected
+box matched to a box found here, every coordinate within :data:`BOX_TOL_PX` pixels plus :data:`BOX_TOL_REL` of
+the box's longer side (a CPU whose map differs in a pixel's rounding moves a box by about a pixel); on matched
+boxes the decoded strings byte for byte (CTC), or the top class (top-k); box and text scores within
+:data:`SCORE_TOL`; every output finite. Strings are compared exactly because a string is the pipeline's answer:
+a CPU that reads one character differently from the build answers differently.
+
+**Serving** (:class:`PipelineRunner`). Each stage has its own :class:`~edgefleet.agent.batcher.Batcher`, both on
+the model's one ComputeGate (a stage's batch holds a permit while it runs: the detector and the reader take turns
+on the cores, as two versions of one model do). A request's images go to the detector's batcher (images of
+concurrent requests stacked in one batch); its boxes and crops are cut on a small thread pool (off the event loop);
+its crops go to the reader's batcher in pieces of at most the reader's ``max_batch_size`` (crops of many images
+and requests stacked in one batch, a request's crops split across batches when they are more); the answers are
+put together on the same pool. :meth:`~edgefleet.judge.pipeline.Chain.check` refuses a request whose images could
+need more than ``max_crops`` crops before any work (400), as does an image of another size than the pipeline's
+(the size it was gated and self-tested at: the top-level input's fixed dimensions, else its image preprocessing,
+else its self-test sample's). Images waiting anywhere in the pipeline are bounded by the agent's
+``max_queue_size`` (429 beyond it).
+
+**Hot swap**: a new version is a new runner (its own batchers and engines). A request resolves the served version
+once and runs both stages of it; the old runner takes no new request once replaced and closes its batchers only
+after its last request is answered, so no request sees a detector of one version and a reader of another.
+
+**Metrics**: the pipeline is the model (requests, errors, end-to-end latency: the telemetry's p99); each stage has
+metrics of its own labelled ``<model>/<stage>`` (agent.metrics.Metrics.for_stage), sent per interval in the
+telemetry's ``stages``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgefleet.agent.batcher import HIGH, NORMAL, Batcher, BatchSettings, ComputeGate, Outputs
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.errors import (
+    AgentError,
+    BackendError,
+    InferenceFailed,
+    QueueFull,
+    RequestError,
+    SelfTestFailed,
+    TrustError,
+    Unavailable,
+)
+from edgefleet.agent.kserve import InferRequest
+from edgefleet.agent.metrics import Metrics, ModelMetrics
+from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime
+from edgefleet.agent.selftest import Turn, now, self_test, warm_up
+from edgefleet.agent.store import StagedModel
+from edgefleet.engines import Engine, EngineError, load_bundle_engine
+from edgefleet.judge.errors import InputError
+from edgefleet.judge.pipeline import Chain
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.manifest import Manifest
+from edgefleet.protocol.roles import role_problem
+
+__all__ = ["BOX_TOL_PX", "BOX_TOL_REL", "SCORE_TOL", "PipelineRunner", "PipelineStages", "Stage",
+           "end_to_end_self_test", "image_answer", "prepare"]
+
+log = logging.getLogger("edgefleet.agent.pipeline")
+
+BOX_TOL_PX = 2.0  # a box's coordinate may move this many pixels ...
+BOX_TOL_REL = 0.02  # ... plus this fraction of the box's longer side, on another CPU
+SCORE_TOL = 0.05  # box and text scores (probabilities), absolute
+STEP_THREADS = 2  # threads that cut boxes and crops and decode answers (OpenCV and numpy release the GIL)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage as served: its own manifest, its loaded engines and its batch settings."""
+
+    manifest: Manifest
+    backends: tuple[Engine, ...]
+    settings: BatchSettings
+    runtime: RuntimePick | None = None
+
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """A pipeline version loaded and checked, ready to swap in (:func:`prepare`)."""
+
+    detector: Stage
+    reader: Stage
+    size: tuple[int, int]  # the images it reads (height, width)
+    selftest: proto.SelfTestResult  # the end-to-end self-test's figures (for the install report)
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [*self.detector.backends, *self.reader.backends]
+
+    @property
+    def permits(self) -> int:
+        """Turns on the model's cores at once: one per instance of its larger stage."""
+        return max(len(self.detector.backends), len(self.reader.backends))
+
+
+# -- install -------------------------------------------------------------------------------------------------------
+def check_stage_files(staged: StagedModel) -> None:
+    """Each stage's engine and self-test sample are what their roles need (the bundle reader checked the top-level
+    manifest's; the files' hashes were checked when the bundle was staged). TrustError naming the stage."""
+    p = staged.manifest.pipeline
+    assert p is not None
+    sizes = {n: e.size_bytes for n, e in staged.manifest.files.items()}
+    for st in p.stages:
+        problem = role_problem(st, lambda name: open(staged.directory / name, "rb"), sizes)
+        if problem:
+            raise TrustError(f"pipeline stage {st.name!r}: {problem}")
+        if len(st.inputs) != 1 or st.inputs[0].batch_axis != 0:
+            raise TrustError(f"pipeline stage {st.name!r} takes {len(st.inputs)} inputs "
+                             f"({[i.name for i in st.inputs]}); a stage of a detect-then-read pipeline takes one "
+                             "image batch, batched on its first axis")
+
+
+def pipeline_size(manifest: Manifest) -> tuple[int, int] | None:
+    """The images a pipeline reads (height, width) as its manifest says: the input's fixed dimensions, else its
+    image preprocessing; None when neither says (then its self-test sample's size)."""
+    shape = manifest.inputs[0].shape
+    if len(shape) != 4:
+        raise TrustError(f"a pipeline's input is an NCHW image batch; {manifest.inputs[0].name!r} is {list(shape)}")
+    if shape[2] > 0 and shape[3] > 0:
+        return int(shape[2]), int(shape[3])
+    pp = manifest.preprocessing
+    return (pp.height, pp.width) if pp is not None else None
+
+
+def _stage_settings(base: BatchSettings, largest: int, queue: int) -> BatchSettings:
+    """``base`` with batches of at most ``largest`` (requests up to it accepted) and ``queue`` items waiting."""
+    n = max(1, min(base.max_batch_size, largest))
+    return BatchSettings(**{**base.__dict__, "max_batch_size": n,
+                            "preferred_batch_sizes": tuple(p for p in base.preferred_batch_sizes if p <= n),
+                            "max_request_batch_size": max(n, largest), "max_queue_size": max(queue, largest)})
+
+
+def prepare(staged: StagedModel, config: AgentConfig, base: BatchSettings, turn: Turn = now) -> PipelineStages:
+    """Load both stages of a staged pipeline bundle, each from its own manifest, and check them: each stage's own
+    self-test, the end-to-end self-test, a warm-up at the batch sizes each stage forms; each call in ``turn`` (with
+    the version serving). ``base``: the agent's batch settings. Raises an UpdateError (the old version serves on)."""
+    m = staged.manifest
+    p = m.pipeline
+    assert p is not None
+    check_stage_files(staged)
+    det_m, rec_m = p.detector, p.reader
+    spec = p.spec
+    max_images = max(1, spec.max_crops // spec.boxes.max_boxes)
+    loaded: list[Engine] = []
+
+    def stage_staged(sm: Manifest) -> StagedModel:
+        return StagedModel(sm, staged.directory, staged.bundle_sha256)
+
+    def load_stage(sm: Manifest) -> tuple[tuple[Engine, ...], RuntimePick]:
+        def one(runtime: str) -> Engine:
+            try:
+                return load_bundle_engine(sm, staged.directory / sm.engine, config.intra_op_threads,
+                                          config.onnxruntime_providers, runtime)
+            except EngineError as exc:
+                raise BackendError(f"pipeline stage {sm.name!r}: {exc}") from exc
+
+        pick = pick_runtime(stage_staged(sm), config.runtime, one, base.max_batch_size, turn)
+        log.info("%s %s, stage %s: runtime %s", m.name, m.version, sm.name, pick.note)
+        engines = []
+        for _ in range(config.instances):
+            engines.append(one(pick.runtime))
+            loaded.append(engines[-1])
+        return tuple(engines), pick
+
+    try:
+        det_engines, det_pick = load_stage(det_m)
+        rec_engines, rec_pick = load_stage(rec_m)
+        for sm, engines in ((det_m, det_engines), (rec_m, rec_engines)):
+            try:
+                self_test(engines[0], stage_staged(sm), turn)
+            except SelfTestFailed as exc:
+                raise SelfTestFailed(f"pipeline stage {sm.name!r}: {exc}") from exc
+        size = pipeline_size(m)
+        result, sample_size = end_to_end_self_test(staged, det_engines[0], rec_engines[0], turn, rec_batch=min(
+            base.max_batch_size, max(1, spec.max_crops)))
+        if size is None:
+            size = sample_size
+        elif size != sample_size:
+            raise SelfTestFailed(f"the pipeline's self-test sample holds {sample_size[0]}x{sample_size[1]} images; "
+                                 f"its manifest says it reads {size[0]}x{size[1]}")
+        det = Stage(det_m, det_engines, _stage_settings(base, max_images, base.max_queue_size), det_pick)
+        # crops: as many as the images waiting could give (the runner bounds the images), in batches of at most
+        # the agent's max_batch_size
+        rec = Stage(rec_m, rec_engines, _stage_settings(base, base.max_batch_size,
+                                                        base.max_queue_size * spec.boxes.max_boxes), rec_pick)
+        for st in (det, rec):
+            sizes = tuple(sorted({1, st.settings.max_batch_size}))
+            try:
+                warm_up(list(st.backends), stage_staged(st.manifest), sizes, turn)
+            except SelfTestFailed as exc:
+                raise SelfTestFailed(f"pipeline stage {st.manifest.name!r}: {exc}") from exc
+    except BaseException:
+        for e in loaded:
+            e.close()
+        raise
+    return PipelineStages(det, rec, size, result)
+
+
+def end_to_end_self_test(staged: StagedModel, detector: Engine, reader: Engine, turn: Turn = now,
+                         rec_batch: int = 16) -> tuple[proto.SelfTestResult, tuple[int, int]]:
+    """The bundle's own sample through both engines and the steps, against the end outputs it records (see the
+    module docstring for what is compared and how closely) -> the figures and the sample's image size."""
+    m = staged.manifest
+    p = m.pipeline
+    assert p is not None
+    path = staged.directory / m.selftest
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            images = npz[f"input:{m.inputs[0].name}"]
+            expected = [npz[f"expected:{o.name}"] for o in m.outputs]
+    except (KeyError, ValueError, OSError) as exc:
+        raise SelfTestFailed(f"the pipeline's self-test sample {path.name} is unreadable: {exc}") from exc
+    if images.ndim != 4 or images.dtype != np.float32:
+        raise SelfTestFailed(f"the pipeline's self-test input is {images.dtype} {list(images.shape)}; an NCHW FP32 "
+                             "image batch was expected")
+    size = (int(images.shape[2]), int(images.shape[3]))
+    det_in, rec_in = p.detector.inputs[0].name, p.reader.inputs[0].name
+    chain = Chain(p.spec, size, [o.name for o in p.detector.outputs], [o.name for o in p.reader.outputs])
+    try:
+        got = chain.run(images, lambda b: turn(detector.infer, {det_in: b}),
+                        lambda b: turn(reader.infer, {rec_in: np.ascontiguousarray(b)}), rec_batch)
+    except InputError as exc:
+        raise SelfTestFailed(f"the pipeline failed on its own sample: {exc}") from exc
+    except Exception as exc:  # the runtimes' own error types
+        raise SelfTestFailed(f"the pipeline's engines failed on its own sample: {exc}") from exc
+    return compare_ends(p.spec.read.op, m, got, expected), size
+
+
+def compare_ends(op: str, m: Manifest, got: Sequence[np.ndarray], expected: Sequence[np.ndarray]
+                 ) -> proto.SelfTestResult:
+    """End outputs found here against the recorded ones (SelfTestFailed naming the image and box that differ)."""
+    names = [o.name for o in m.outputs]
+    for name, g, e in zip(names, got, expected, strict=True):
+        if g.shape != e.shape:
+            raise SelfTestFailed(f"self-test: output {name!r} has shape {list(g.shape)}, expected {list(e.shape)}")
+        if g.dtype.kind == "f" and not np.isfinite(g).all():
+            raise SelfTestFailed(f"self-test: output {name!r} has NaN or infinite values on this device")
+    boxes, scores, count, answer, answer_scores = got
+    e_boxes, e_scores, e_count, e_answer, e_answer_scores = expected
+    worst = 0.0  # the largest box move, as a fraction of its tolerance
+    same = total = 0
+    for i in range(len(e_count)):
+        k = int(e_count[i])
+        if int(count[i]) != k:
+            raise SelfTestFailed(f"self-test: image {i}: {int(count[i])} boxes found on this device, {k} at build")
+        free = list(range(k))
+        for j in range(k):
+            want = e_boxes[i, j]
+            tol = BOX_TOL_PX + BOX_TOL_REL * float(max(want[2] - want[0], want[3] - want[1]))
+            diffs = [float(np.abs(boxes[i, c] - want).max()) for c in free]
+            best = int(np.argmin(diffs))
+            c, d = free.pop(best), diffs[best]
+            if d > tol:
+                raise SelfTestFailed(f"self-test: image {i}: box {j} {np.round(want, 1).tolist()} moved by {d:.3g} "
+                                     f"px on this device (tolerance {tol:.3g})")
+            worst = max(worst, d / tol)
+            if abs(float(scores[i, c]) - float(e_scores[i, j])) > SCORE_TOL:
+                raise SelfTestFailed(f"self-test: image {i}: box {j}'s score is {float(scores[i, c]):.4f} on this "
+                                     f"device, {float(e_scores[i, j]):.4f} at build (tolerance {SCORE_TOL})")
+            if op == "ctc":
+                a, b = bytes(answer[i, c]).rstrip(b"\0"), bytes(e_answer[i, j]).rstrip(b"\0")
+                if a != b:
+                    raise SelfTestFailed(f"self-test: image {i}: box {j} reads {a.decode('utf-8', 'replace')!r} on "
+                                         f"this device, {b.decode('utf-8', 'replace')!r} at build")
+                s_got, s_want = float(answer_scores[i, c]), float(e_answer_scores[i, j])
+            else:
+                if int(answer[i, c, 0]) != int(e_answer[i, j, 0]):
+                    raise SelfTestFailed(f"self-test: image {i}: box {j} is class {int(answer[i, c, 0])} on this "
+                                         f"device, {int(e_answer[i, j, 0])} at build")
+                s_got, s_want = float(answer_scores[i, c, 0]), float(e_answer_scores[i, j, 0])
+            if abs(s_got - s_want) > SCORE_TOL:
+                raise SelfTestFailed(f"self-test: image {i}: box {j}'s answer scores {s_got:.4f} on this device, "
+                                     f"{s_want:.4f} at build (tolerance {SCORE_TOL})")
+            same += 1
+            total += 1
+    return proto.SelfTestResult(samples=len(e_count), top1=None,
+                                top1_agreement=round(same / total, 6) if total else None, drift=round(worst, 4))
+
+
+# -- serving -------------------------------------------------------------------------------------------------------
+class PipelineRunner:
+    """Serves one pipeline version: its two stages' batchers on the model's gate, and the steps between them."""
+
+    def __init__(self, manifest: Manifest, stages: PipelineStages, metrics: Metrics, gate: ComputeGate,
+                 cpus: Collection[int] | None = None):
+        p = manifest.pipeline
+        assert p is not None
+        self.manifest = manifest
+        self.stages = stages
+        self.spec = p.spec
+        det_m, rec_m = stages.detector.manifest, stages.reader.manifest
+        self.input = manifest.inputs[0].name
+        self.det_input, self.rec_input = det_m.inputs[0].name, rec_m.inputs[0].name
+        self.size = stages.size
+        self.chain = Chain(p.spec, stages.size, [o.name for o in det_m.outputs], [o.name for o in rec_m.outputs])
+        self.rec_axes = [o.batch_axis or 0 for o in rec_m.outputs]
+        self.det_metrics: ModelMetrics = metrics.for_stage(manifest.name, p.spec.detector, manifest.version,
+                                                           entry=True)
+        self.rec_metrics: ModelMetrics = metrics.for_stage(manifest.name, p.spec.reader, manifest.version)
+        self.detector = Batcher(list(stages.detector.backends), stages.detector.settings, self.det_metrics, gate, cpus)
+        self.reader = Batcher(list(stages.reader.backends), stages.reader.settings, self.rec_metrics, gate, cpus)
+        self.rec_batch = stages.reader.settings.max_batch_size
+        self.max_images = stages.detector.settings.max_queue_size  # images in the pipeline at once
+        self._steps = ThreadPoolExecutor(max_workers=STEP_THREADS, thread_name_prefix="pipeline-steps")
+        self._images = 0  # images of the requests in the pipeline now
+        self._inflight = 0
+        self._closing = False
+        self._drained: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.stages.engines
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._drained = asyncio.Event()
+        self.detector.start()
+        self.reader.start()
+
+    def stage_figures(self) -> dict[str, proto.StageFigures]:
+        """Each stage's figures since the last call (the telemetry's ``stages``)."""
+        return {self.spec.detector: proto.StageFigures.model_validate(self.det_metrics.take_interval()),
+                self.spec.reader: proto.StageFigures.model_validate(self.rec_metrics.take_interval())}
+
+    async def infer(self, req: InferRequest) -> Outputs:
+        """One request's images through both stages -> the end outputs. RequestError (400) for a request the
+        pipeline cannot take, QueueFull (429) when too many images are in the pipeline, a stage's own error
+        otherwise."""
+        if self._closing:
+            raise Unavailable("the pipeline is being replaced; retry")
+        x = req.feeds[self.input]
+        n = int(x.shape[0])
+        if n < 1:
+            raise RequestError(f"input {self.input!r} holds no image")
+        try:
+            self.chain.check(n)
+        except InputError as exc:
+            raise RequestError(str(exc)) from None
+        if (int(x.shape[2]), int(x.shape[3])) != self.size:
+            raise RequestError(f"input {self.input!r} holds {x.shape[2]}x{x.shape[3]} images; this pipeline reads "
+                               f"{self.size[0]}x{self.size[1]} (height x width, the size it was gated at): resize "
+                               "them first, or send each image to /infer/image")
+        if self._images + n > self.max_images:
+            raise QueueFull(f"{self._images} images are in the pipeline (limit {self.max_images}, max_queue_size); "
+                            "retry later")
+        self._images += n
+        self._inflight += 1
+        try:
+            return await self._run(x, req)
+        finally:
+            self._images -= n
+            self._inflight -= 1
+            if self._inflight == 0 and self._drained is not None:
+                self._drained.set()
+
+    async def _run(self, x: np.ndarray, req: InferRequest) -> Outputs:
+        loop = self._loop or asyncio.get_running_loop()
+        priority = HIGH if req.priority == 1 else NORMAL
+        timeout = None if req.timeout_us is None else req.timeout_us / 1e6
+        det_out = await _timed_stage(self.det_metrics, self.detector.submit({self.det_input: x}, priority, timeout))
+        found, crops, owners = await loop.run_in_executor(self._steps, self._cut, x, det_out)
+        reader_out: list[np.ndarray] = []
+        if owners:
+            b = self.rec_batch
+            reader_out = await _timed_stage(self.rec_metrics, self._read(crops, b, priority, timeout))
+        try:
+            ends = await loop.run_in_executor(self._steps, self.chain.answers, found, owners, reader_out)
+        except Exception as exc:  # the reader's answer is not what read.op decodes: the bundle's fault
+            raise InferenceFailed(f"pipeline step 'read' failed: {exc}") from exc
+        return Outputs(ends)
+
+    def _cut(self, x: np.ndarray, det_out: Sequence[np.ndarray]) -> tuple[Any, np.ndarray, list[int]]:
+        """(on a step thread) the detector's answer -> each image's boxes, the crops and each crop's image."""
+        try:
+            found = self.chain.boxes(det_out)
+        except Exception as exc:  # the detector's answer is not what boxes.format decodes: the bundle's fault
+            raise InferenceFailed(f"pipeline step 'boxes' failed: {exc}") from exc
+        try:
+            crops, owners = self.chain.crops(x, found)
+        except InputError as exc:  # max_crops (check() keeps it unreachable)
+            raise RequestError(str(exc)) from None
+        except Exception as exc:
+            raise InferenceFailed(f"pipeline step 'crop' failed: {exc}") from exc
+        return found, crops, owners
+
+    async def _read(self, crops: np.ndarray, b: int, priority: int, timeout: float | None) -> list[np.ndarray]:
+        """The crops through the reader's batcher in pieces of at most ``b`` (each may share a batch with other
+        requests' crops) -> the reader's outputs for all of them, in order."""
+        parts = await asyncio.gather(*(self.reader.submit({self.rec_input: crops[i:i + b]}, priority, timeout)
+                                       for i in range(0, len(crops), b)), return_exceptions=True)
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        if len(parts) == 1:
+            return list(parts[0])  # type: ignore[arg-type]
+        return [np.concatenate([pt[j] for pt in parts], axis=a)  # type: ignore[index]
+                for j, a in enumerate(self.rec_axes)]
+
+    async def close(self, drain_timeout_s: float = 30.0) -> None:
+        """Take no new request, answer those in the pipeline (both stages stay up for them), then close both
+        batchers (the caller closes the engines)."""
+        self._closing = True
+        if self._inflight and self._drained is not None:
+            self._drained.clear()
+            try:
+                await asyncio.wait_for(self._drained.wait(), drain_timeout_s)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+                log.error("%s %s: %d requests still in the pipeline after %.0fs; closing it", self.manifest.name,
+                          self.manifest.version, self._inflight, drain_timeout_s)
+        await self.detector.close()
+        await self.reader.close()
+        self._steps.shutdown(wait=False)
+
+
+async def _timed_stage(metrics: ModelMetrics, work: Any) -> Any:
+    """Await a stage's work, counted on the stage's metrics (its time and outcome)."""
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        out = await work
+        status = 200
+        return out
+    except AgentError as exc:
+        status = getattr(exc, "status_code", 500)
+        raise
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    finally:
+        metrics.request(time.perf_counter() - t0, status)
+
+
+def image_answer(manifest: Manifest, outs: Sequence[np.ndarray]) -> dict[str, Any]:
+    """``/infer/image``'s answer for a pipeline (one image): its boxes (x0, y0, x1, y1 in the pipeline input's
+    pixels, in reading order) and their scores, and what was read in each: ``texts`` (decoded UTF-8) and
+    ``text_scores`` (ctc), or ``classes`` and ``class_scores`` (top-k)."""
+    p = manifest.pipeline
+    assert p is not None
+    k = int(outs[2][0])
+    doc: dict[str, Any] = {"model_name": manifest.name, "model_version": manifest.version, "count": k,
+                           "boxes": np.round(outs[0][0, :k].astype(np.float64), 2).tolist(),
+                           "scores": np.round(outs[1][0, :k].astype(np.float64), 5).tolist()}
+    if p.spec.read.op == "ctc":
+        doc["texts"] = [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in outs[3][0, :k]]
+        doc["text_scores"] = np.round(outs[4][0, :k].astype(np.float64), 5).tolist()
+    else:
+        doc["classes"] = outs[3][0, :k].tolist()
+        doc["class_scores"] = np.round(outs[4][0, :k].astype(np.float64), 5).tolist()
+    return doc

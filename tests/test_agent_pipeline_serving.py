@@ -1,0 +1,278 @@
+"""A detect-then-read pipeline (manifest version 7) served as one model by a real agent on loopback (issue 34.2 and
+34.3): the PP-OCRv4 detector and recognizer from rapidocr-onnxruntime, FP32, in a bundle assembled by
+tests/ocr_pipeline.py. Images in over KServe v2 HTTP (binary tensors), gRPC, the local socket and /infer/image;
+strings out, matching an independent FP32 run of the same two ONNX files. Crops of concurrent requests share the
+reader's batches (seen in the stage's batch sizes, not in timings); a request that could need more crops than the
+pipeline's bound, a wrong size, a NaN are refused with a 4xx and the agent serves on; a hot swap under load fails
+no request and every answer is one version's; latency, errors and batches are counted per stage and sent in
+telemetry, with the pipeline's own p99 as the model's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from edgefleet.protocol import mqtt as proto
+from tests.agent_harness import metric, preinstall, running_agent
+from tests.waiting import concurrently, wait_for
+
+pytest.importorskip("cv2", reason="pipelines crop with OpenCV (the [image] extra)")
+pytest.importorskip("onnx", reason="the charset is read from the recognizer's ONNX metadata")
+ocr = pytest.importorskip("tests.ocr_pipeline")
+try:
+    ocr.models_dir()
+except FileNotFoundError as exc:  # pragma: no cover - the venv installs it
+    pytest.skip(str(exc), allow_module_level=True)
+
+MAX_CROPS = 64  # 16 boxes an image: at most 4 images a request
+
+
+def spec(upper: bool = False):
+    return ocr.ocr_spec(upper=upper, max_crops=MAX_CROPS)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("ocr-bundles")
+    return {"1.0.0": ocr.ocr_bundle(d / "ocr-1.0.0.tar", "1.0.0", spec=spec()),
+            "1.1.0": ocr.ocr_bundle(d / "ocr-1.1.0.tar", "1.1.0", spec=spec(upper=True))}
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, bundles):
+    data = tmp_path_factory.mktemp("agent")
+    preinstall(data, bundles["1.0.0"])
+    with running_agent(data, grpc_port=0, local_socket="local.sock") as (a, url):
+        yield a, url
+
+
+def body(images: np.ndarray, outputs: tuple[str, ...] = ("count", "text")) -> tuple[bytes, dict[str, str]]:
+    """A KServe v2 binary-tensor request for ``images`` (FP32 NCHW), its ``outputs`` answered as JSON."""
+    x = np.ascontiguousarray(images, np.float32)
+    head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": n} for n in outputs]}).encode()
+    return head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
+
+
+def texts(doc: dict) -> list[list[str]]:
+    """Each image's strings from a JSON answer holding 'count' and 'text'."""
+    outs = {o["name"]: o for o in doc["outputs"]}
+    count = outs["count"]["data"]
+    t = np.asarray(outs["text"]["data"], np.uint8).reshape(outs["text"]["shape"])
+    return [[bytes(row).rstrip(b"\0").decode() for row in t[i, :count[i]]] for i in range(len(count))]
+
+
+def infer(url: str, images: np.ndarray, client: httpx.Client | None = None) -> httpx.Response:
+    content, headers = body(images)
+    c = client or httpx
+    return c.post(f"{url}/v2/models/ocr/infer", content=content, headers=headers, timeout=60)
+
+
+def expected(images: np.ndarray, upper: bool = False) -> list[list[str]]:
+    ends = ocr.fp32_run(spec(upper), images)
+    return [ocr.strings(ends, i) for i in range(len(images))]
+
+
+def test_images_in_strings_out_on_every_transport_matching_an_independent_fp32_run(agent):
+    a, url = agent
+    images = ocr.pages(3, seed=11)
+    want = expected(images)
+    assert sum(len(w) for w in want) >= 9 and all(w for w in want)  # the pages are read, or this proves nothing
+
+    r = infer(url, images)  # HTTP, binary tensors in, JSON out
+    assert r.status_code == 200, r.text
+    assert r.json()["model_name"] == "ocr" and r.json()["model_version"] == "1.0.0"
+    assert texts(r.json()) == want
+
+    import tritonclient.grpc as grpcclient  # gRPC, the official client
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{a.grpc_port}") as c:
+        inp = grpcclient.InferInput("x", list(images.shape), "FP32")
+        inp.set_data_from_numpy(images)
+        res = c.infer("ocr", [inp], outputs=[grpcclient.InferRequestedOutput(n) for n in ("count", "text", "boxes")])
+        count, text = res.as_numpy("count"), res.as_numpy("text")
+        assert [[bytes(t).rstrip(b"\0").decode() for t in text[i, :count[i]]] for i in range(3)] == want
+        assert res.as_numpy("boxes").shape == (3, 16, 4)
+
+    from edgefleet.agent.local_client import LocalClient  # the local socket
+
+    with LocalClient(a.local_socket, timeout_s=60) as c:
+        outs = c.infer("ocr", {"x": images})
+        got = [[bytes(t).rstrip(b"\0").decode() for t in outs["text"][i, :outs["count"][i]]] for i in range(3)]
+        assert got == want
+
+    import cv2  # /infer/image: one PNG page, the pipeline's preprocessing, boxes and strings as JSON
+
+    page = ((images[0].transpose(1, 2, 0) * 0.5 + 0.5) * 255).round().astype(np.uint8)[:, :, ::-1]  # RGB -> BGR
+    ok, png = cv2.imencode(".png", page)
+    assert ok
+    r = httpx.post(f"{url}/v2/models/ocr/infer/image", content=png.tobytes(), timeout=60)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["texts"] == want[0] and doc["count"] == len(want[0])
+    assert len(doc["boxes"]) == len(doc["scores"]) == len(doc["text_scores"]) == len(want[0])
+    assert all(0 <= x0 < x1 <= ocr.WIDTH and 0 <= y0 < y1 <= ocr.HEIGHT for x0, y0, x1, y1 in doc["boxes"])
+
+    cfg = httpx.get(f"{url}/v2/models/ocr/config", timeout=10).json()
+    assert [(s["name"], s["role"], s["precision"]) for s in cfg["pipeline"]["stages"]] == [
+        ("det", "detector", "fp32"), ("rec", "reader", "fp32")]
+    assert cfg["pipeline"]["max_images_per_request"] == MAX_CROPS // 16
+
+
+def test_crops_of_concurrent_requests_share_a_reader_batch(agent):
+    """Each request is one page of 4 lines (4 crops); a reader batch of more than 4 crops holds crops of several
+    requests. Rounds of 8 concurrent requests until one is seen (bounded), read from the stage's batch sizes."""
+    _, url = agent
+    pages = [ocr.pages(1, seed=100 + i) for i in range(8)]
+
+    def rec_batches() -> dict[int, int]:
+        stats = httpx.get(f"{url}/v2/models/ocr/stats", timeout=10).json()["model_stats"][0]
+        rec = next(s for s in stats["stages"] if s["name"] == "ocr/rec")
+        return {b["batch_size"]: b["compute_infer"]["count"] for b in rec["batch_stats"]}
+
+    most = 0
+    counts = [0] * 8  # crops (lines read) of each request of the latest round
+
+    def one(i: int) -> None:
+        r = infer(url, pages[i])
+        assert r.status_code == 200, r.text
+        counts[i] = len(texts(r.json())[0])
+
+    for _ in range(10):
+        assert concurrently(one, 8, timeout_s=240) == []
+        most = max(counts)
+        if max(rec_batches()) > most:
+            break
+    assert max(rec_batches()) > most, (rec_batches(), most)
+    # the detector stacked images of concurrent requests too
+    det = next(s for s in httpx.get(f"{url}/v2/models/ocr/stats", timeout=10).json()["model_stats"][0]["stages"]
+               if s["name"] == "ocr/det")
+    assert max(b["batch_size"] for b in det["batch_stats"]) > 1
+
+
+def test_hostile_requests_get_a_precise_4xx_and_the_agent_serves_on(agent):
+    _, url = agent
+    before = metric(url, "edgefleet_batch_size_count", model="ocr/det")
+    r = infer(url, ocr.pages(5))  # 5 images x 16 boxes could need 80 crops: over max_crops, refused unrun
+    assert r.status_code == 400 and "64 crops per request" in r.json()["error"] and "at most 4 images" in \
+        r.json()["error"], r.text
+    assert metric(url, "edgefleet_batch_size_count", model="ocr/det") == before  # no detector batch ran for it
+
+    r = infer(url, np.zeros((1, 3, 64, 64), np.float32))  # another size than the pipeline reads
+    assert r.status_code == 400 and "320x480" in r.json()["error"], r.text
+    x = ocr.pages(1)
+    x[0, 0, 5, 5] = np.nan
+    r = infer(url, x)
+    assert r.status_code == 400 and "NaN" in r.json()["error"], r.text
+    r = infer(url, np.zeros((1, 1, 320, 480), np.float32))  # one channel where the detector takes three
+    assert r.status_code == 400 and "x" in r.json()["error"], r.text
+    content, headers = body(np.zeros((2, 3, 320, 480), np.float32))  # says 2 images, carries 1
+    r = httpx.post(f"{url}/v2/models/ocr/infer", content=content[: -3 * 320 * 480 * 4], headers=headers, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    assert metric(url, "edgefleet_batch_size_count", model="ocr/det") == before
+
+    r = infer(url, ocr.pages(1, seed=11))  # still serving, and right
+    assert r.status_code == 200 and texts(r.json()) == expected(ocr.pages(1, seed=11))
+
+
+def test_latency_errors_and_batches_per_stage_in_metrics_and_telemetry(agent, tmp_path):
+    a, url = agent
+    requests = metric(url, "edgefleet_inference_requests_total", model="ocr", version="1.0.0")
+    for _ in range(2):
+        assert infer(url, ocr.pages(1, seed=3)).status_code == 200
+    assert infer(url, ocr.pages(5)).status_code == 400
+    # a pipeline request counts once, as the model's (its stages' calls are counted apart)
+    assert metric(url, "edgefleet_inference_requests_total", model="ocr", version="1.0.0") == requests + 3
+    for stage in ("ocr/det", "ocr/rec"):
+        assert metric(url, "edgefleet_inference_requests_total", model=stage, version="1.0.0") >= 2
+        assert metric(url, "edgefleet_request_duration_seconds_count", model=stage, version="1.0.0") >= 2
+        assert metric(url, "edgefleet_batch_size_count", model=stage, version="1.0.0") >= 2
+    assert metric(url, "edgefleet_inference_errors_total", model="ocr", version="1.0.0", code="400") >= 1
+    stats = httpx.get(f"{url}/v2/models/ocr/stats", timeout=10).json()["model_stats"][0]
+    assert stats["name"] == "ocr" and [s["name"] for s in stats["stages"]] == ["ocr/det", "ocr/rec"]
+
+    # telemetry (spooled: this agent has no fleet): the pipeline's requests and p99 as the model's, and each stage
+    spool = Path(a.config.data_dir) / "spool"
+
+    def records() -> list[proto.Telemetry]:
+        out = []
+        for p in sorted(spool.glob("[0-9]*.json")):
+            try:
+                out.append(proto.decode(proto.Telemetry, p.read_bytes(), str(p)))
+            except (OSError, proto.MessageError):  # being written
+                continue
+        return out
+
+    start = len(records())
+    assert infer(url, ocr.pages(1, seed=4)).status_code == 200
+    assert infer(url, np.zeros((1, 3, 64, 64), np.float32)).status_code == 400
+
+    def seen() -> list[proto.Telemetry] | None:  # the two requests' records (a request may span two intervals)
+        got = [t for t in records()[start:] if t.model == "ocr"]
+        done = sum(t.requests for t in got) >= 2 and all(
+            sum(t.stages[s].calls for t in got if t.stages) >= 1 for s in ("det", "rec"))
+        return got if done else None
+
+    recs = wait_for(seen, 30, "telemetry records of both requests, with the pipeline's stages")
+    assert all(t.version == "1.0.0" and t.stages is not None and set(t.stages) == {"det", "rec"} for t in recs)
+    assert sum(t.errors for t in recs) >= 1  # the refused one: the model's error, no stage ran it
+    assert all(t.latency.p99_ms is not None for t in recs if t.requests)  # the pipeline's p99 is the model's
+    for name in ("det", "rec"):
+        used = [t.stages[name] for t in recs if t.stages and t.stages[name].calls]
+        assert used and all(st.latency.p99_ms is not None and st.errors == 0 for st in used)
+        assert sum(st.batches for st in used) >= 1
+
+
+def test_hot_swap_under_load_fails_no_request_and_each_answer_is_one_versions(tmp_path, bundles):
+    data = tmp_path / "agent"
+    preinstall(data, bundles["1.0.0"])
+    preinstall(data, bundles["1.1.0"])  # active; 1.0.0 kept for rollback
+    images = [ocr.pages(1, seed=200 + i) for i in range(4)]
+    want = {"1.0.0": [expected(x)[0] for x in images], "1.1.0": [expected(x, upper=True)[0] for x in images]}
+    assert want["1.0.0"] != want["1.1.0"]  # the versions answer differently: a mixed pair would show
+    with running_agent(data) as (a, url):
+        stop = threading.Event()
+        results: list[tuple[int, str | None, bool]] = []
+        lock = threading.Lock()
+
+        def client(seed: int) -> None:
+            with httpx.Client(timeout=60) as c:
+                for k in range(100_000):  # bounded; stopped by the event long before
+                    if stop.is_set():
+                        return
+                    i = (seed + k) % len(images)
+                    r = infer(url, images[i], c)
+                    version = r.json().get("model_version") if r.status_code == 200 else None
+                    right = version is not None and texts(r.json())[0] == want[version][i]
+                    with lock:
+                        results.append((r.status_code, version, right))
+
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            def count() -> int:
+                with lock:
+                    return len(results)
+
+            wait_for(lambda: count() >= 8, 120, "load before the swap")
+            assert a._loop is not None
+            swapped = asyncio.run_coroutine_threadsafe(a.rollback("ocr"), a._loop).result(300)
+            assert swapped.version == "1.0.0"
+            before = count()
+            wait_for(lambda: count() >= before + 8, 120, "load after the swap")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+    assert {s for s, _, _ in results} == {200}, [r for r in results if r[0] != 200][:5]
+    assert all(right for _, _, right in results), [r for r in results if not r[2]][:5]
+    versions = [v for _, v, _ in results]
+    assert versions[0] == "1.1.0" and versions[-1] == "1.0.0"
