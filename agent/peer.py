@@ -28,6 +28,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,13 +146,21 @@ def _proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Addr
 _diag = threading.local()  # one netlink socket per thread (HTTP on the loop, large bodies on worker threads)
 
 
+class _DiagSocket:
+    """A thread's netlink socket: closed when the thread ends (its thread-local state is dropped, and this with
+    it) or at exit, never left to the garbage collector (a ResourceWarning)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG)
+        self.sock.settimeout(1.0)
+        weakref.finalize(self, self.sock.close)
+
+
 def _diag_socket() -> socket.socket:
-    sock = getattr(_diag, "sock", None)
-    if sock is None:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG)
-        sock.settimeout(1.0)
-        _diag.sock = sock
-    return sock
+    held = getattr(_diag, "held", None)
+    if held is None:
+        held = _diag.held = _DiagSocket()
+    return held.sock
 
 
 def _diag_lookup(family: int, src: bytes, sport: int, dst: bytes, dport: int) -> tuple[int, int] | None:
@@ -172,7 +181,7 @@ def _diag_lookup(family: int, src: bytes, sport: int, dst: bytes, dport: int) ->
             if got == seq:
                 break  # an answer to an earlier, timed-out question is dropped
     except OSError:
-        _diag.sock = None
+        _diag.held = None
         sock.close()
         raise
     if kind == _NLMSG_ERROR:
