@@ -7,6 +7,14 @@ the same check whatever runs it), times them in alternation on its own cores (ea
 version serving: ``turn``) and serves the fastest. The bundle's own runtime (its backend) is kept unless another is
 more than :data:`TIE` faster, so noise does not flip a choice between equals.
 
+The timing runs in a child process (:func:`pick_runtime_in_child`: ``python -m edgefleet.agent.runtime_choice
+--trial``, started from the install thread, so on the inference CPUs), like the layout trial (agent/bench.py): a
+runtime that is timed and not chosen leaves nothing in the agent. Measured (bench/runtime_memory.py), in-process
+timing kept OpenVINO's libraries and CPU plugin in an agent that then served onnxruntime. As in the layout trial,
+the child's calls take no turns with a version serving the model (they share its cores for the trial's seconds).
+Where the interpreter cannot start itself (qemu-user without binfmt, a box without exec rights) the trial runs in
+the agent's process (:func:`pick_runtime`).
+
 ``runtime`` in the agent's config: ``auto`` (time them), or a runtime, which serves the bundles it can run untimed
 (a pinned runtime that is not installed fails their install with the extra to install, and the version serving
 keeps serving); a bundle it cannot run (LiteRT, TensorRT, bf16 for onnxruntime) goes to the runtimes that can.
@@ -17,18 +25,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.selftest import Turn, now, self_test
 from edgefleet.agent.store import StagedModel
 from edgefleet.agent.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
-from edgefleet.engines import EXTRAS, Engine, runtime_installed, runtimes_for
+from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
 
-__all__ = ["TIE", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime"]
+__all__ = ["TIE", "TRIAL_TIMEOUT_S", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime",
+           "pick_runtime_in_child"]
 
 log = logging.getLogger("edgefleet.agent")
 
 TIE = 0.03  # another runtime must be this much faster than the bundle's own to replace it
+TRIAL_TIMEOUT_S = 300.0  # a child trial still running after this is killed (the install fails with that reason)
 
 
 @dataclass(frozen=True)
@@ -74,9 +85,7 @@ def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine
     m = staged.manifest
     names, source = candidates(m.backend, m.precision, setting, installed)
     if len(names) == 1:
-        note = (f"{names[0]}: set in the agent's config" if source == "operator" else
-                f"{names[0]}: the only runtime here that runs this {m.backend} {m.precision} bundle")
-        return RuntimePick(names[0], source, note=note)
+        return _untimed(staged, names, source)
     sizes = timing_sizes(m.batchable, max_batch_size)
     engines: dict[str, tuple[StagedModel, Engine]] = {}
     failures: list[Exception] = []
@@ -109,3 +118,103 @@ def pick_runtime(staged: StagedModel, setting: str, load: Callable[[str], Engine
                     for r, figs in best.items())
     chosen, why = keep_unless_faster(m.backend, {t.runtime: t.items_per_s for t in timings}, TIE, sizes, m.backend)
     return RuntimePick(chosen, "device", timings, why)
+
+
+def _untimed(staged: StagedModel, names: tuple[str, ...], source: str) -> RuntimePick:
+    note = (f"{names[0]}: set in the agent's config" if source == "operator" else
+            f"{names[0]}: the only runtime here that runs this {staged.manifest.backend} {staged.manifest.precision} "
+            "bundle")
+    return RuntimePick(names[0], source, note=note)
+
+
+def _loader(staged: StagedModel, threads: int, providers: tuple[str, ...] | None) -> Callable[[str], Engine]:
+    """One engine of the bundle on a runtime, as the agent loads its instances (an engine that cannot load here is a
+    BackendError)."""
+    m = staged.manifest
+
+    def load(runtime: str) -> Engine:
+        try:
+            return load_bundle_engine(m, staged.directory / m.engine, threads, providers, runtime)
+        except EngineError as exc:
+            raise BackendError(str(exc)) from exc
+
+    return load
+
+
+def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int, threads: int,
+                          providers: tuple[str, ...] | None = None, timeout_s: float = TRIAL_TIMEOUT_S,
+                          installed: Callable[[str], bool] = runtime_installed) -> RuntimePick:
+    """:func:`pick_runtime` with the candidates loaded, self-tested and timed in a child process (``python -m
+    edgefleet.agent.runtime_choice --trial``, from the calling thread: on its CPUs), each engine of ``threads``
+    threads: their libraries and memory leave with it. An untimed choice (pinned, or one runtime here) starts no
+    child. Failures come back as in-process: the first failure raised (BackendError or SelfTestFailed) when no
+    runtime is left; a child that outlives ``timeout_s`` is a SelfTestFailed."""
+    import json
+    import subprocess
+    import sys
+
+    m = staged.manifest
+    names, source = candidates(m.backend, m.precision, setting, installed)
+    if len(names) == 1:
+        return _untimed(staged, names, source)
+    doc = {"manifest": m.model_dump(mode="json"), "directory": str(staged.directory), "names": list(names),
+           "max_batch_size": max_batch_size, "threads": threads, "providers": list(providers) if providers else None}
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.runtime_choice", "--trial"],
+                              input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SelfTestFailed(f"runtime trial: not done in {timeout_s:g} s (killed)") from exc
+    except OSError as exc:  # this interpreter cannot start itself: time them here, their memory kept
+        log.warning("runtime trial: could not start a child process (%s); timing in this process instead", exc)
+        return pick_runtime(staged, setting, _loader(staged, threads, providers), max_batch_size,
+                            installed=installed)
+    for line in done.stderr.decode(errors="replace").splitlines():  # the child's warnings: each runtime dropped
+        if " WARNING " in line or line.startswith("WARNING"):
+            log.warning("runtime trial: %s", line.split(" WARNING ", 1)[-1])
+    try:
+        out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
+    except ValueError:
+        out = None
+    if not isinstance(out, dict) or done.returncode not in (0, 3):
+        tail = " ".join(done.stderr.decode(errors="replace").split())[-500:]
+        raise SelfTestFailed(f"runtime trial: the child process failed (exit {done.returncode}): {tail}")
+    if "error" in out:
+        raise (BackendError if out.get("kind") == "backend" else SelfTestFailed)(str(out["error"]))
+    timings = tuple(RuntimeTiming(str(t["runtime"]), float(t["items_per_s"]),
+                                  tuple((int(n), float(v)) for n, v in t["timings"])) for t in out["timings"])
+    return RuntimePick(str(out["runtime"]), str(out["source"]), timings, str(out["note"]))
+
+
+def _trial_main() -> int:
+    """The child of :func:`pick_runtime_in_child`: a trial described on stdin -> the pick on stdout (JSON)."""
+    import json
+    import sys
+
+    from edgefleet.protocol.manifest import parse_manifest
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
+    doc = json.loads(sys.stdin.buffer.read(1 << 22))
+    staged = StagedModel(parse_manifest(doc["manifest"]), Path(doc["directory"]), "")
+    names = tuple(doc["names"])
+    try:
+        pick = pick_runtime(staged, "auto", _loader(staged, int(doc["threads"]),
+                                                    tuple(doc["providers"]) if doc["providers"] else None),
+                            int(doc["max_batch_size"]), installed=lambda r: r in names)
+    except BackendError as exc:
+        print(json.dumps({"error": str(exc), "kind": "backend"}))
+        return 3
+    except SelfTestFailed as exc:
+        print(json.dumps({"error": str(exc), "kind": "selftest"}))
+        return 3
+    print(json.dumps({"runtime": pick.runtime, "source": pick.source, "note": pick.note,
+                      "timings": [{"runtime": t.runtime, "items_per_s": t.items_per_s, "timings": t.timings}
+                                  for t in pick.timings]}))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--trial"]:
+        sys.exit("usage: python -m edgefleet.agent.runtime_choice --trial < trial.json (the agent runs it at install)")
+    sys.exit(_trial_main())

@@ -110,6 +110,33 @@ def test_a_box_without_the_extra_serves_on_onnxruntime_and_a_pin_to_openvino_nam
 
 
 @needs_ov
+def test_the_runtimes_are_timed_in_a_child_process_and_leave_nothing_in_the_agent(tmp_path, digits_bundle):
+    """The agent times the runtimes in a child (agent.runtime_choice.pick_runtime_in_child): one it does not choose
+    leaves its libraries there (in-process timing kept OpenVINO's in an agent serving onnxruntime). Run in a fresh
+    interpreter, which imports neither runtime while choosing; the figures come back from the child."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys\n"
+            "from pathlib import Path\n"
+            "from edgefleet.agent.runtime_choice import pick_runtime_in_child\n"
+            "from edgefleet.agent.store import StagedModel\n"
+            "from edgefleet.protocol.bundle import extract_bundle\n"
+            "d = Path(sys.argv[2])\n"
+            "pick = pick_runtime_in_child(StagedModel(extract_bundle(Path(sys.argv[1]), d), d, ''), 'auto', 16, 1)\n"
+            "print(json.dumps({'runtime': pick.runtime, 'source': pick.source, 'note': pick.note,\n"
+            "                  'timed': {t.runtime: [n for n, _ in t.timings] for t in pick.timings},\n"
+            "                  'loaded': [m for m in ('openvino', 'onnxruntime') if m in sys.modules]}))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(digits_bundle), str(tmp_path / "b")], capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["source"] == "device" and got["timed"] == {"onnxruntime": [1, 8], "openvino": [1, 8]}, got
+    assert got["runtime"] in got["note"] and got["loaded"] == [], got
+
+
+@needs_ov
 @pytest.mark.timeout(300)
 def test_a_running_agent_reports_the_runtime_it_chose_and_serves_its_answers(tmp_path, digits_bundle, test_images):
     import httpx
