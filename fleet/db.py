@@ -131,7 +131,9 @@ class RolloutWave(Base):
 class RolloutTarget(Base):
     __tablename__ = "rollout_targets"
     __table_args__ = (Index("ix_rollout_targets_wave", "rollout_id", "wave"),
-                      Index("ix_rollout_targets_device", "device_id"))
+                      Index("ix_rollout_targets_device", "device_id"),
+                      # schema 6: counts by state and a page of one state's targets without reading every target
+                      Index("ix_rollout_targets_state", "rollout_id", "state", "device_id"))
     rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), primary_key=True)
     state: Mapped[str] = mapped_column(String(16), default="pending")  # fleet.states.TargetState
@@ -226,9 +228,9 @@ class DriftScoreRow(Base):
     features: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # feature -> PSI
 
 
-SCHEMA_VERSION = 5  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+SCHEMA_VERSION = 6  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006"}
 
 
 class Meta(Base):

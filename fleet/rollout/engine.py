@@ -751,7 +751,11 @@ class RolloutEngine:
             self.advance_isolated(rollout_id)
 
     # -- reading ---------------------------------------------------------------------------------
-    def status(self, rollout_id: int, with_targets: bool = True) -> dict[str, Any]:
+    def status(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
+               live_gates: bool = True) -> dict[str, Any]:
+        """A rollout as the API shows it. Each part that reads all of a large rollout's targets can be left out where
+        it is not shown (the console): ``profiles`` (the bundles' profiles sent: empty when left out) and
+        ``live_gates`` (the running wave's gate values so far)."""
         with self.sessions() as s:
             r = s.get(Rollout, rollout_id)
             if r is None:
@@ -763,12 +767,12 @@ class RolloutEngine:
                 .group_by(RolloutTarget.state))}
             waves = list(s.scalars(select(RolloutWave).where(RolloutWave.rollout_id == r.id)
                                    .order_by(RolloutWave.idx)))
-            profiles = sorted({p for (p,) in s.execute(
+            sent = sorted({p for (p,) in s.execute(
                 select(Model.profile).join(RolloutTarget, RolloutTarget.model_id == Model.id)
-                .where(RolloutTarget.rollout_id == r.id).distinct())})
+                .where(RolloutTarget.rollout_id == r.id).distinct())}) if profiles else []
             out: dict[str, Any] = {
                 "id": r.id, "model": r.model_name or first.name, "version": r.model_version or first.version,
-                "profile": first.profile, "profiles": profiles, "status": r.status, "reason": r.reason,
+                "profile": first.profile, "profiles": sent, "status": r.status, "reason": r.reason,
                 "created_by": r.created_by, "created_at": _iso(r.created_at), "finished_at": _iso(r.finished_at),
                 "current_wave": r.current_wave, "spec": r.spec if isinstance(r.spec, dict) else {},
                 "counts": counts, "engine_error": r.engine_error, "engine_error_at": _iso(r.engine_error_at),
@@ -781,7 +785,8 @@ class RolloutEngine:
                     select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
                     .where(RolloutTarget.rollout_id == r.id).order_by(RolloutTarget.device_id))]
             try:  # last: a failure here leaves the rest of the answer (and the listing) standing
-                self._live_gates(s, r, waves, out["waves"])
+                if live_gates:
+                    self._live_gates(s, r, waves, out["waves"])
             except Exception as exc:  # shown (while it runs) as the engine's own failure would be
                 log.debug("rollout %d: its live gate figures could not be read: %s", r.id, _failure(exc))
                 if r.status == RolloutStatus.IN_PROGRESS:

@@ -47,17 +47,19 @@ def render_index(service: FleetService, request: Request, operate: bool, message
     """The overview with one page of devices, filtered and paged in the database (?group=&state=&q=&offset=)."""
     filters = {k: _str_param(request, k) for k in ("group", "state", "q")}
     offset = _int_param(request, "offset")
+    fleet = service.device_counts()
     page, matching = service.find_devices(console.PAGE_SIZE, offset, filters["group"] or None,
-                                          filters["state"] or None, filters["q"] or None)
-    return console.render(page, service.list_models(), service.list_rollouts(20), operate, message,
-                          fleet=service.device_counts(), matching=matching, filters=filters, offset=offset)
+                                          filters["state"] or None, filters["q"] or None,
+                                          total=None if any(filters.values()) else fleet["devices"])
+    return console.render(page, service.list_models(), service.list_rollouts(20, summary=True), operate, message,
+                          fleet=fleet, matching=matching, filters=filters, offset=offset)
 
 
 def render_rollout(service: FleetService, rollout_id: int, request: Request, operate: bool,
                    message: str | None = None) -> str:
     """A rollout with its wave counters and one page of its targets (?state=&offset=), never all of them."""
     state, offset = _str_param(request, "state"), _int_param(request, "offset")
-    r = service.get_rollout(rollout_id, with_targets=False)
+    r = service.get_rollout(rollout_id, with_targets=False, profiles=False)  # the page does not show them
     r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
                                                                state or None)
     devices = service.devices_by_id([t["device_id"] for t in r["targets"]])

@@ -138,8 +138,13 @@ class DeviceService:
                              .order_by(Device.group_name))
             return [{"group": g, "devices": int(n), "online": int(o or 0)} for g, n, o in rows]
 
-    def _device_json(self, s: Session, d: Device) -> dict[str, Any]:
-        desired = s.get(Model, d.desired_model_id) if d.desired_model_id else None
+    def _device_json(self, s: Session, d: Device, models: dict[int, Model] | None = None) -> dict[str, Any]:
+        """A device as the API shows it; ``models``: the desired models by id, read beforehand for a page of devices
+        (``_devices_json``), so that a page costs one query for them, not one per device."""
+        if models is not None:
+            desired = models.get(d.desired_model_id) if d.desired_model_id else None
+        else:
+            desired = s.get(Model, d.desired_model_id) if d.desired_model_id else None
         return {
             "device_id": d.id, "labels": d.labels, "registered_via": d.registered_via, "online": d.online,
             "last_seen": iso(d.last_seen), "agent_version": d.agent_version, "inference_url": d.inference_url,
@@ -151,15 +156,24 @@ class DeviceService:
             "group": d.group_name, "tags": d.tags or [], "profile": d.profile,
         }
 
+    def _devices_json(self, s: Session, devices: list[Device]) -> list[dict[str, Any]]:
+        """Devices as the API shows them, their desired models read in one query (the session's identity map holds
+        its objects weakly: ``s.get`` per device went to the database for each of them, 50 queries a console page)."""
+        ids = {d.desired_model_id for d in devices if d.desired_model_id}
+        models = {m.id: m for m in s.scalars(select(Model).where(Model.id.in_(ids)))} if ids else {}
+        return [self._device_json(s, d, models) for d in devices]
+
     def list_devices(self) -> list[dict[str, Any]]:
         with self.sessions() as s:
-            return [self._device_json(s, d) for d in s.scalars(select(Device).order_by(Device.id))]
+            return self._devices_json(s, list(s.scalars(select(Device).order_by(Device.id))))
 
     def find_devices(self, limit: int | None = None, offset: int = 0, group: str | None = None,
-                     state: str | None = None, q: str | None = None) -> tuple[list[dict[str, Any]], int]:
+                     state: str | None = None, q: str | None = None,
+                     total: int | None = None) -> tuple[list[dict[str, Any]], int]:
         """One page of devices by id, filtered on the server: ``group`` exactly, ``state`` a last report's
         state or ``online``/``offline`` (the connection), ``q`` a substring of the id. Returns the page and
-        how many devices match in all. ``limit`` None: every match (the API's answer when no limit is asked)."""
+        how many devices match in all. ``limit`` None: every match (the API's answer when no limit is asked).
+        ``total``: how many match, when the caller has just counted them (the console's unfiltered overview)."""
         where = []
         if group:
             where.append(Device.group_name == group)
@@ -171,11 +185,21 @@ class DeviceService:
             pattern = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             where.append(Device.id.like(f"%{pattern}%", escape="\\"))
         with self.sessions() as s:
-            total = int(s.scalar(select(func.count()).select_from(Device).where(*where)) or 0)
+            if total is None and where and limit is not None:
+                # a filtered page: its ids and how many match from one pass over the matching devices (a count and
+                # then the page scanned them twice, and the page's walk by id could read most of the table to find
+                # a rare match); the page's rows are then read by id
+                rows = s.execute(select(Device.id, func.count().over()).where(*where).order_by(Device.id)
+                                 .offset(max(0, offset)).limit(max(0, limit))).all()
+                if rows:
+                    found = {d.id: d for d in s.scalars(select(Device).where(Device.id.in_([r[0] for r in rows])))}
+                    return self._devices_json(s, [found[r[0]] for r in rows if r[0] in found]), int(rows[0][1])
+            if total is None:
+                total = int(s.scalar(select(func.count()).select_from(Device).where(*where)) or 0)
             query = select(Device).where(*where).order_by(Device.id).offset(max(0, offset))
             if limit is not None:
                 query = query.limit(max(0, limit))
-            return [self._device_json(s, d) for d in s.scalars(query)], total
+            return self._devices_json(s, list(s.scalars(query))), total
 
     def device_counts(self) -> dict[str, int]:
         """The whole fleet's figures for the console's summary, counted in the database."""
@@ -187,8 +211,10 @@ class DeviceService:
 
     def devices_by_id(self, device_ids: list[str]) -> dict[str, dict[str, Any]]:
         with self.sessions() as s:
-            return {d.id: self._device_json(s, d)
-                    for d in s.scalars(select(Device).where(Device.id.in_(device_ids)))} if device_ids else {}
+            if not device_ids:
+                return {}
+            return {d["device_id"]: d for d in self._devices_json(
+                s, list(s.scalars(select(Device).where(Device.id.in_(device_ids)))))}
 
     def get_device(self, device_id: str) -> dict[str, Any]:
         with self.sessions() as s:

@@ -42,13 +42,16 @@ class RolloutService:
                 self.publisher.publish(*desired_message(dev_id, model, rid, now), retain=True)
         return len(rows)
 
-    def list_rollouts(self, limit: int = 100) -> list[dict[str, Any]]:
+    def list_rollouts(self, limit: int = 100, summary: bool = False) -> list[dict[str, Any]]:
+        """The newest rollouts, without targets; ``summary``: without their profiles and live gate values either
+        (the console's overview shows neither, and each reads every target of a rollout)."""
         with self.sessions() as s:
             ids = list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc()).limit(max(1, min(limit, 1000)))))
-        return [self.get_rollout(i, with_targets=False) for i in ids]
+        return [self.get_rollout(i, with_targets=False, profiles=not summary, live_gates=not summary) for i in ids]
 
-    def get_rollout(self, rollout_id: int, with_targets: bool = True) -> dict[str, Any]:
-        return self.rollouts.status(rollout_id, with_targets)
+    def get_rollout(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
+                    live_gates: bool = True) -> dict[str, Any]:
+        return self.rollouts.status(rollout_id, with_targets, profiles, live_gates)
 
     def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
                         state: str | None = None) -> tuple[list[dict[str, Any]], int]:
