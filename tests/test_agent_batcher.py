@@ -107,17 +107,22 @@ def test_multi_sample_requests_never_exceed_max_batch():
         np.testing.assert_array_equal(o[0], x(3, start=i)["x"] * 2)
 
 
-def test_request_larger_than_max_batch_is_refused():
+def refused_at_submit(settings: BatchSettings, n: int, match: str) -> None:
+    """A request of ``n`` samples to a fresh batcher with ``settings`` is refused at once (RequestError ``match``)."""
     async def main():
-        b = Batcher(FakeBackend(), BatchSettings(max_batch_size=4))
+        b = Batcher(FakeBackend(), settings)
         b.start()
         try:
-            with pytest.raises(RequestError, match="exceeds this model's max batch size 4"):
-                await b.submit(x(5))
+            with pytest.raises(RequestError, match=match):
+                await b.submit(x(n))
         finally:
             await b.close()
 
     run(main())
+
+
+def test_request_larger_than_max_batch_is_refused():
+    refused_at_submit(BatchSettings(max_batch_size=4), 5, "exceeds this model's max batch size 4")
 
 
 def test_failed_batch_fails_every_request_and_the_loop_keeps_going():
@@ -344,16 +349,7 @@ def test_a_lone_request_does_not_wait_for_a_batch_that_is_not_coming():
 
 
 def test_a_request_larger_than_the_queue_is_a_400_not_a_retry():
-    async def main():
-        b = Batcher(FakeBackend(), BatchSettings(max_batch_size=8, max_queue_size=4))
-        b.start()
-        try:
-            with pytest.raises(RequestError, match="exceeds this model's queue of 4 samples"):
-                await b.submit(x(5))
-        finally:
-            await b.close()
-
-    run(main())
+    refused_at_submit(BatchSettings(max_batch_size=8, max_queue_size=4), 5, "exceeds this model's queue of 4 samples")
 
 
 def test_as_many_results_as_requests_with_mixed_sizes_and_instances():
