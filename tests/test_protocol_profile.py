@@ -34,6 +34,12 @@ def _write(tmp_path: Path, text: str, name: str = "custom") -> Path:
 BASE = (profile_dir() / "x86-cpu.yaml").read_text().replace("name: x86-cpu", "name: custom")
 
 
+def _refused(tmp_path: Path, text: str, match: str, name: str = "custom") -> None:
+    """The profile ``text`` (in ``name``.yaml) does not load: SchemaError matching ``match``."""
+    with pytest.raises(SchemaError, match=match):
+        load_profile(str(_write(tmp_path, text, name)))
+
+
 def test_unknown_key_names_file_and_key(tmp_path):
     p = _write(tmp_path, BASE + "turbo: true\n")
     with pytest.raises(SchemaError) as e:
@@ -42,33 +48,24 @@ def test_unknown_key_names_file_and_key(tmp_path):
 
 
 def test_unknown_nested_key(tmp_path):
-    p = _write(tmp_path, BASE.replace("  per_channel: true", "  per_chanel: true"))
-    with pytest.raises(SchemaError, match=r"unknown key 'quantization.per_chanel'"):
-        load_profile(str(p))
+    _refused(tmp_path, BASE.replace("  per_channel: true", "  per_chanel: true"),
+             r"unknown key 'quantization.per_chanel'")
 
 
 def test_missing_key(tmp_path):
-    p = _write(tmp_path, BASE.replace("backend: onnxruntime\n", ""))
-    with pytest.raises(SchemaError, match=r"missing key 'backend'"):
-        load_profile(str(p))
+    _refused(tmp_path, BASE.replace("backend: onnxruntime\n", ""), r"missing key 'backend'")
 
 
 def test_name_must_match_file(tmp_path):
-    p = _write(tmp_path, BASE, name="other")
-    with pytest.raises(SchemaError, match="must match the file name"):
-        load_profile(str(p))
+    _refused(tmp_path, BASE, "must match the file name", name="other")
 
 
 def test_fp16_on_cpu_is_refused(tmp_path):
-    p = _write(tmp_path, BASE.replace("precisions: [int8, fp32]", "precisions: [int8, fp16]"))
-    with pytest.raises(SchemaError, match="fp16 is for GPU"):
-        load_profile(str(p))
+    _refused(tmp_path, BASE.replace("precisions: [int8, fp32]", "precisions: [int8, fp16]"), "fp16 is for GPU")
 
 
 def test_bad_yaml(tmp_path):
-    p = _write(tmp_path, "name: [unclosed\n")
-    with pytest.raises(SchemaError, match="not valid YAML"):
-        load_profile(str(p))
+    _refused(tmp_path, "name: [unclosed\n", "not valid YAML")
 
 
 def test_unknown_profile_lists_known():
@@ -95,9 +92,8 @@ def test_litert_and_tensorrt_profiles_quantize_symmetrically(name):
 
 
 def test_full_range_on_a_profile_without_vnni_is_refused(tmp_path):
-    p = _write(tmp_path, BASE.replace("  calibration_method: minmax", "  calibration_method: minmax\n  scheme: u8s8"))
-    with pytest.raises(SchemaError, match=r"saturates the 16-bit sums.*add avx512_vnni"):
-        load_profile(str(p))
+    _refused(tmp_path, BASE.replace("  calibration_method: minmax", "  calibration_method: minmax\n  scheme: u8s8"),
+             r"saturates the 16-bit sums.*add avx512_vnni")
 
 
 def test_u8u8_can_be_chosen_explicitly(tmp_path):
@@ -106,9 +102,8 @@ def test_u8u8_can_be_chosen_explicitly(tmp_path):
 
 
 def test_unknown_cpu_feature_suggests_the_nearest(tmp_path):
-    p = _write(tmp_path, BASE.replace("cpu_features: [avx2, fma]", "cpu_features: [avx2, avx512vnni]"))
-    with pytest.raises(SchemaError, match="unknown CPU feature 'avx512vnni' \\(did you mean 'avx512_vnni'\\?\\)"):
-        load_profile(str(p))
+    _refused(tmp_path, BASE.replace("cpu_features: [avx2, fma]", "cpu_features: [avx2, avx512vnni]"),
+             "unknown CPU feature 'avx512vnni' \\(did you mean 'avx512_vnni'\\?\\)")
 
 
 def test_profile_typo_suggests_the_nearest():
