@@ -102,6 +102,7 @@ class PipelineResult:
     manifest: Manifest
     notes: tuple[str, ...] = ()  # what the compile decided and why (the progress lines that matter)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    gate: tuple[dict[str, Any], ...] = ()  # each combination of stage precisions judged end to end, in order
 
 
 def _noop(step: int, total: int, what: str) -> None:
@@ -338,26 +339,26 @@ def _compile(opts: PipelineOptions, progress: Progress) -> PipelineResult:
                              None, work / "stage-rec", 9)
 
         w.say(17, "gating the end answers against the fp32 pipeline")
-        cand_det, cand_rec = _candidate_stages(det, rec, threads, opened)
-        cand_ends = run_chain(chain, eval_x, cand_det, cand_rec)[0]
-        report = judge_pipeline(w.spec, ref_ends, cand_ends, min_answers=opts.min_answers, max_cer=opts.max_cer)
-        stages = {det.source.name: det, rec.source.name: rec}
-        if not report.passed:
-            raise AccuracyGateFailed(
-                f"the pipeline's end answers changed beyond its gate with {_combo(stages)}: {_task_line(report)}; "
-                "compile the stages at fp32 (precision: fp32 in pipeline.yaml) or give more representative "
-                "calibration images")
-        w.say(17, f"end answers with {_combo(stages)}: {_task_line(report)}", note=True)
+        gate = _EndGate(w, chain, eval_x, ref_ends, {det.source.name: _stage_runner(ref_det, det_in),
+                                                     rec.source.name: _stage_runner(ref_rec, rec_in)},
+                        threads, opened)
+        stages = gate.settle({det.source.name: det, rec.source.name: rec},
+                             {det.source.name: (w.det, w.det_path, data / "det-calib.npz", data / "det-eval.npz",
+                                                det_task, det_args, opts.preprocess, 2),
+                              rec.source.name: (w.rec, w.rec_path, data / "rec-calib.npz", data / "rec-eval.npz",
+                                                rec_task, rec_args, None, 9)}, work)
+        det, rec = stages[w.det.name], stages[w.rec.name]
 
         w.say(18, f"writing {opts.out}")
         bundle_dir = work / "bundle"
         bundle_dir.mkdir()
         stage_manifests = [_place_stage(s, bundle_dir) for s in (det, rec)]
-        manifest = _manifest(w, stage_manifests, report, len(eval_x), stages, chain, eval_x, ref_ends, bundle_dir,
-                             lambda x: run_chain(chain, x, cand_det, cand_rec)[0])
+        assert gate.report is not None
+        manifest = _manifest(w, stage_manifests, gate, len(eval_x), stages, chain, eval_x, ref_ends, bundle_dir)
         write_bundle(manifest, bundle_dir, opts.out)
     return PipelineResult(bundle=opts.out, manifest=manifest, notes=tuple(w.notes),
-                          stage_seconds={s.source.name: s.seconds for s in (det, rec)})
+                          stage_seconds={s.source.name: s.seconds for s in (det, rec)},
+                          gate=tuple(t.as_json() for t in gate.tried))
 
 
 def _detector_task(w: _Work) -> tuple[str, str | None]:
@@ -400,18 +401,17 @@ def _compile_stage(w: _Work, st: StageSource, model: Path, calib: Path, eval_: P
     return StageBuild(st, manifest, folder, round(time.monotonic() - t0, 2))
 
 
-def _candidate_stages(det: StageBuild, rec: StageBuild, threads: int,
-                      opened: contextlib.ExitStack) -> tuple[Stage, Stage]:
-    runners = []
-    for s in (det, rec):
-        engine = load_bundle_engine(s.manifest, s.folder / s.manifest.engine, threads)
-        opened.callback(engine.close)
-        runners.append(_stage_runner(engine, s.manifest.inputs[0].name))
-    return runners[0], runners[1]
-
-
 def _combo(stages: dict[str, StageBuild]) -> str:
     return " and ".join(f"{name} {s.manifest.precision}" for name, s in stages.items())
+
+
+def _kept(report: TaskReport) -> str:
+    """'41 of 48 fp32 answers kept: FAILS end answer agreement 0.8542 < 0.98' (the short form)."""
+    d = report.details
+    failed = [f"{c.name.replace('_', ' ')} {c.value:.4f} {'<' if c.kind == 'min' else '>'} {c.bound:g}"
+              for c in report.criteria if not c.passed]
+    return (f"{int(d.get('same_answers', 0))} of {int(d.get('fp32_boxes', 0))} fp32 answers kept: "
+            + (f"FAILS {', '.join(failed)}" if failed else "passes"))
 
 
 def _task_line(report: TaskReport) -> str:
@@ -420,6 +420,145 @@ def _task_line(report: TaskReport) -> str:
     d = report.details
     return (f"{task_figures(report)} ({int(d.get('same_answers', 0))} of {int(d.get('fp32_boxes', 0))} fp32 answers "
             f"kept on {int(d.get('images', 0))} images)")
+
+
+# -- the end-answer gate and its fallback ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tried:
+    """One combination of stage precisions judged end to end: ``built`` (the engines the compile built) or
+    ``measured`` (a stage's FP32 source model standing in for its fp32 rebuild, to choose which stage falls back)."""
+
+    precisions: dict[str, str]
+    report: TaskReport
+    how: str
+
+    @property
+    def label(self) -> str:
+        return " and ".join(f"{k} {v}" for k, v in self.precisions.items())
+
+    def as_json(self) -> dict[str, Any]:
+        d = self.report.details
+        return {"stages": dict(self.precisions), "how": self.how, "passed": self.report.passed,
+                "kept": int(d.get("same_answers", 0)), "of": int(d.get("fp32_boxes", 0)),
+                "criteria": {c.name: round(c.value, 6) for c in self.report.criteria}}
+
+
+_HOW = {"built": "as built", "measured": "measured with a stage's FP32 source model in place of its fp32 build"}
+StageArgs = tuple[StageSource, Path, Path, Path, str, "str | None", "Path | None", int]
+
+
+class _EndGate:
+    """The pipeline's end answers against the FP32 pipeline's, with each stage's own precision choice; when they
+    change beyond the gate, the stages fall back to fp32 one at a time (only those whose precision is ``auto``):
+    each single-stage fallback is measured first (that stage's FP32 source model in its place), the one that
+    passes and keeps the faster quantized stage is rebuilt at fp32 and judged again as built; when none passes
+    alone, every auto stage falls back. Explicit precisions are never changed: the compile fails (exit 3) saying
+    which combination would pass."""
+
+    def __init__(self, w: _Work, chain: Chain, images: np.ndarray, ref_ends: list[np.ndarray],
+                 fp32: dict[str, Stage], threads: int, opened: contextlib.ExitStack):
+        self.w, self.chain, self.images, self.ref_ends, self.fp32 = w, chain, images, ref_ends, fp32
+        self.threads, self.opened = threads, opened
+        self.tried: list[Tried] = []
+        self.report: TaskReport | None = None
+        self.runners: dict[str, Stage] = {}
+        self.fell_back: dict[str, str] = {}  # stage -> why it is fp32 now
+
+    def _judge(self, runners: dict[str, Stage], precisions: dict[str, str], how: str) -> Tried:
+        spec = self.w.spec
+        ends = run_chain(self.chain, self.images, runners[spec.detector], runners[spec.reader])[0]
+        t = Tried(dict(precisions), judge_pipeline(spec, self.ref_ends, ends, min_answers=self.w.opts.min_answers,
+                                                   max_cer=self.w.opts.max_cer), how)
+        self.tried.append(t)
+        return t
+
+    def _built(self, stages: dict[str, StageBuild]) -> dict[str, Stage]:
+        out = {}
+        for name, s in stages.items():
+            engine = load_bundle_engine(s.manifest, s.folder / s.manifest.engine, self.threads)
+            self.opened.callback(engine.close)
+            out[name] = _stage_runner(engine, s.manifest.inputs[0].name)
+        return out
+
+    def settle(self, stages: dict[str, StageBuild], args: dict[str, StageArgs], work: Path) -> dict[str, StageBuild]:
+        w = self.w
+        runners = self._built(stages)
+        first = self._judge(runners, {n: s.manifest.precision for n, s in stages.items()}, "built")
+        if first.report.passed:
+            w.say(17, f"end answers with {first.label}: {_task_line(first.report)}", note=True)
+            self.report, self.runners = first.report, runners
+            return stages
+        w.say(17, f"end answers with {first.label} change beyond the gate: {_task_line(first.report)}", note=True)
+        quantized = [n for n, s in stages.items() if s.manifest.precision != "fp32"]
+        if not quantized:  # fp32 everywhere and still different: the built engines compute other answers
+            raise AccuracyGateFailed(f"the pipeline built at fp32 answers differently from its FP32 source models: "
+                                     f"{_task_line(first.report)}")
+        # each stage alone back at fp32, measured with its source model
+        alone = {n: self._judge({**runners, n: self.fp32[n]}, {**first.precisions, n: "fp32"}, "measured")
+                 for n in quantized}
+        auto = [n for n in quantized if stages[n].source.precision == "auto"]
+        passing = [n for n in auto if alone[n].report.passed]
+        if passing:  # keep quantized the stage that gains most from it (its own benchmark), else the better answers
+            back = [min(passing, key=lambda n: (-_stage_speedup(stages, quantized, n),
+                                                -alone[n].report.value))]
+        elif auto and len(quantized) > 1 and set(auto) == set(quantized):
+            back = list(auto)
+        else:
+            raise AccuracyGateFailed(self._refusal(first, alone, stages))
+        for n in back:
+            why = f"the pipeline's end answers with {first.label} changed beyond its gate ({_kept(first.report)})"
+            if n in alone:
+                why += f"; with {n} fp32 instead: {_kept(alone[n].report)}"
+            w.say(17, f"{n} falls back to fp32: {why}", note=True)
+            self.fell_back[n] = why
+            src, model, calib, eval_, task, task_args, prep, offset = args[n]
+            rebuilt = _compile_stage(w, src, model, calib, eval_, task, task_args, prep, work / f"stage-{n}-fp32",
+                                     offset, precision="fp32")
+            stages = {**stages, n: _fallen_back(rebuilt, stages[n], why)}
+        runners = self._built(stages)
+        final = self._judge(runners, {n: s.manifest.precision for n, s in stages.items()}, "built")
+        if not final.report.passed:
+            raise AccuracyGateFailed(self._refusal(final, {}, stages))
+        w.say(17, f"end answers with {final.label}: {_task_line(final.report)}", note=True)
+        self.report, self.runners = final.report, runners
+        return stages
+
+    def _refusal(self, first: Tried, alone: dict[str, Tried], stages: dict[str, StageBuild]) -> str:
+        msg = f"the pipeline's end answers changed beyond its gate with {first.label}: {_kept(first.report)}"
+        hints = [f"with {t.label} (measured): {_kept(t.report)}" for t in alone.values()]
+        would = [n for n, t in alone.items() if t.report.passed]
+        tail = (f"; set precision: auto (or fp32) for stage {' or '.join(repr(n) for n in would)} in pipeline.yaml "
+                "(an explicit precision is never changed by the pipeline's gate)" if would else
+                "; no stage alone at fp32 passes: set the stages' precision to fp32 (or auto), give calibration "
+                "images like the devices' (--calibration), or loosen --min-answers / --max-cer")
+        return msg + ("; " + "; ".join(hints) if hints else "") + tail
+
+
+def _stage_speedup(stages: dict[str, StageBuild], quantized: list[str], back: str) -> float:
+    """How much faster than fp32 the stages kept quantized are when ``back`` falls back (their benchmarks'
+    geometric mean; 1.0 when not benchmarked)."""
+    from edgefleet.compiler.pipeline import _geomean
+
+    gain = 1.0
+    for n in quantized:
+        if n == back:
+            continue
+        b = stages[n].manifest.benchmark
+        if b is not None and b.candidate_precision == stages[n].manifest.precision:
+            gain *= _geomean(b.points)
+    return gain
+
+
+def _fallen_back(rebuilt: StageBuild, was: StageBuild, why: str) -> StageBuild:
+    """The fp32 rebuild of a stage, its precision choice saying why: the stage's own choice (its candidates and
+    their gate figures, kept) and the pipeline's gate that overruled it."""
+    old, new = was.manifest.precision_choice, rebuilt.manifest
+    if old is None:
+        return rebuilt
+    choice = PrecisionChoice(mode=old.mode, chosen="fp32", reason=f"fp32: {why}; this stage alone chose {old.reason}",
+                             candidates=old.candidates)
+    return StageBuild(rebuilt.source, new.model_copy(update={"precision_choice": choice}), rebuilt.folder,
+                      round(was.seconds + rebuilt.seconds, 2))
 
 
 # -- the bundle ------------------------------------------------------------------------------------------------
@@ -471,10 +610,17 @@ def _write_selftest(images: np.ndarray, run: Callable[[np.ndarray], list[np.ndar
         n = max(1, n // 2)
 
 
-def _manifest(w: _Work, stage_manifests: list[Manifest], report: TaskReport, n_eval: int,
+def _manifest(w: _Work, stage_manifests: list[Manifest], gate: _EndGate, n_eval: int,
               stages: dict[str, StageBuild], chain: Chain, eval_x: np.ndarray, ref_ends: list[np.ndarray],
-              bundle_dir: Path, run: Callable[[np.ndarray], list[np.ndarray]]) -> Manifest:
+              bundle_dir: Path) -> Manifest:
     det_m = stage_manifests[0]
+    report = gate.report
+    assert report is not None
+    spec = w.spec
+
+    def run(x: np.ndarray) -> list[np.ndarray]:
+        return run_chain(chain, x, gate.runners[spec.detector], gate.runners[spec.reader])[0]
+
     outs = end_specs(w.spec)
     precisions = {m.precision for m in stage_manifests}
     lowest = next(q for q in _ORDER if q in precisions)
@@ -485,13 +631,20 @@ def _manifest(w: _Work, stage_manifests: list[Manifest], report: TaskReport, n_e
     files["selftest.npz"] = FileEntry(sha256=sha256_file(p), size_bytes=p.stat().st_size)
     acc = _accuracy(report, n_eval, lowest)
     auto = all(s.source.precision == "auto" for s in stages.values())
-    reason = "; ".join(f"{name}: {s.manifest.precision_choice.reason}" if s.manifest.precision_choice else
-                       f"{name}: {s.manifest.precision}" for name, s in stages.items())
+    own = "; ".join(f"{name}: {s.manifest.precision_choice.reason}" if s.manifest.precision_choice else
+                    f"{name}: {s.manifest.precision}" for name, s in stages.items())
+    how = ("; ".join(f"{n} fell back to fp32: {why}" for n, why in gate.fell_back.items()) if gate.fell_back
+           else "each stage's own choice")
+    candidates = []
+    for t in gate.tried:  # every combination judged end to end, in order, the shipped one last
+        a = _accuracy(t.report, n_eval, next(q for q in _ORDER if q in t.precisions.values()))
+        candidates.append(PrecisionCandidate(
+            precision=a.candidate_precision, top1=a.candidate, metric="agreement", drop=a.drop, passed=a.passed,
+            note=f"{t.label} ({_HOW[t.how]}): {_task_line(t.report)}"))
     choice = PrecisionChoice(
         mode="auto" if auto else "fixed", chosen=lowest,  # type: ignore[arg-type]
-        reason=f"{_combo(stages)} (each stage's own choice); end answers {_task_line(report)}; {reason}",
-        candidates=(PrecisionCandidate(precision=lowest, top1=acc.candidate, metric="agreement",  # type: ignore[arg-type]
-                                       drop=acc.drop, passed=acc.passed, note=f"{_combo(stages)}: end answers"),))
+        reason=f"{lowest}: {_combo(stages)} ({how}); end answers {_task_line(report)}; {own}",
+        candidates=tuple(candidates))
     return Manifest(
         manifest_version=PIPELINE_VERSION, name=w.file.name, version=w.version, profile=det_m.profile,
         backend=det_m.backend, precision=lowest,  # type: ignore[arg-type]

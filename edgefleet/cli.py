@@ -294,7 +294,7 @@ def cmd_compile_pipeline(a: argparse.Namespace) -> int:
     seconds = round(time.monotonic() - t0, 2)
     if a.json:
         print(json.dumps({"ok": True, "profile": m.profile, "bundle": str(r.bundle), "seconds": seconds,
-                          "stage_seconds": r.stage_seconds, "notes": list(r.notes),
+                          "stage_seconds": r.stage_seconds, "notes": list(r.notes), "gate": list(r.gate),
                           "manifest": m.model_dump(mode="json")}, indent=2))
         return ExitCode.OK
     from edgefleet.compiler.pipeline import task_figures
@@ -305,6 +305,9 @@ def cmd_compile_pipeline(a: argparse.Namespace) -> int:
     for st in m.pipeline.stages:
         lines.append(f"stage     {st.name}: {st.precision}, engine {st.engine}; "
                      + (st.precision_choice.reason if st.precision_choice is not None else ""))
+    for t in r.gate:
+        lines.append(f"gate      {' and '.join(f'{k} {v}' for k, v in t['stages'].items())} ({t['how']}): "
+                     f"{t['kept']} of {t['of']} end answers kept, {'passed' if t['passed'] else 'FAILED'}")
     lines.append(f"end gate  {task_figures(m.accuracy.task)} on {m.accuracy.eval_samples} images")
     lines.append(f"took      {seconds:.1f} s")
     print("\n".join(lines))

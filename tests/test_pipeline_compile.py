@@ -55,13 +55,13 @@ def pages(n: int, seed: int) -> np.ndarray:
 
 
 def write_pipeline(folder: Path, det: Path, rec: Path, precision: str = "fp32", charset: str = "model:character",
-                   max_boxes: int = 8) -> Path:
+                   max_boxes: int = 8, rec_precision: str | None = None) -> Path:
     path = folder / "pipeline.yaml"
     path.write_text(f"""name: ocr
 version: 1.0.0
 stages:
   - {{name: det, model: {det}, precision: {precision}}}
-  - {{name: rec, model: {rec}, precision: {precision}}}
+  - {{name: rec, model: {rec}, precision: {rec_precision or precision}}}
 pipeline:
   detector: det
   reader: rec
@@ -214,3 +214,59 @@ def test_a_preprocessing_that_is_not_the_crops_source_is_refused(tmp_path):
     assert r.returncode == 4, r.stderr
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and "crop.source" in doc["error"]
+
+
+# -- the end-answer gate: a stage that passes its own gate but changes the pipeline's answers -------------------------
+# Measured here: PP-OCRv4's detector at int8 (calibrated on these 16 pages) passes its own segmentation gate (mask IoU
+# 0.95, every text region found), yet its slightly moved boxes change 7 of the 48 strings the FP32 pipeline reads.
+@pytest.fixture(scope="module")
+def sixteen_pages(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ocr16")
+    np.savez(folder / "eval.npz", x=pages(16, seed=0))
+    return folder
+
+
+def test_an_explicit_int8_stage_whose_end_answers_change_is_refused_with_the_combination_that_passes(sixteen_pages,
+                                                                                                     tmp_path):
+    models = _models()
+    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
+                          precision="int8", rec_precision="fp32")
+    out = tmp_path / "ocr.bundle"
+    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(sixteen_pages / "eval.npz"),
+                "-o", str(out), "--no-cache", "--no-benchmark", "--json")
+    assert r.returncode == 3, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 3
+    err = doc["error"]
+    assert "end answers changed beyond its gate with det int8 and rec fp32" in err
+    assert "FAILS end answer agreement" in err
+    assert "with det fp32 and rec fp32 (measured): 48 of 48 fp32 answers kept: passes" in err
+    assert "set precision: auto (or fp32) for stage 'det'" in err
+    assert not out.exists()
+
+
+def test_under_auto_the_stage_falls_back_to_fp32_and_the_bundle_records_the_gate(sixteen_pages, tmp_path):
+    models = _models()
+    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
+                          precision="auto", rec_precision="fp32")
+    out = tmp_path / "ocr.bundle"
+    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(sixteen_pages / "eval.npz"),
+                "-o", str(out), "--no-cache", "--no-benchmark", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [(g["stages"], g["how"], g["passed"], g["kept"], g["of"]) for g in doc["gate"]] == [
+        ({"det": "int8", "rec": "fp32"}, "built", False, 41, 48),
+        ({"det": "fp32", "rec": "fp32"}, "measured", True, 48, 48),
+        ({"det": "fp32", "rec": "fp32"}, "built", True, 48, 48)]
+    assert any(n.startswith("det falls back to fp32: the pipeline's end answers with det int8") for n in doc["notes"])
+    m = check_bundle(out)
+    assert m.pipeline is not None and m.precision == "fp32" and m.accuracy.passed
+    det = m.pipeline.detector
+    assert det.precision == "fp32" and det.precision_choice is not None
+    assert det.precision_choice.reason.startswith("fp32: the pipeline's end answers with det int8 and rec fp32 changed")
+    # the detector's own int8 build passed its own gate: the pipeline's gate is what refused it
+    own = {c.precision: c for c in det.precision_choice.candidates}
+    assert own["int8"].passed is True
+    assert m.precision_choice is not None and len(m.precision_choice.candidates) == 3
+    assert [c.passed for c in m.precision_choice.candidates] == [False, True, True]
+    assert "det fell back to fp32" in m.precision_choice.reason
