@@ -375,6 +375,8 @@ def _pipeline_config(runner: PipelineRunner) -> dict[str, Any]:
                        "backend": st.manifest.backend, "runtime": st.runtime.runtime if st.runtime else None,
                        "runtime_source": st.runtime.source if st.runtime else None,
                        "max_batch_size": st.settings.max_batch_size, "instances": len(st.backends),
+                       "batch_tuning": None if st.tuning is None else {
+                           "mode": st.tuning.mode, "items_per_second": {str(n): v for n, v in st.tuning.images_per_s}},
                        "devices": [getattr(b, "device", "?") for b in st.backends]})
     return {"kind": spec.kind, "stages": stages, "image_size": list(runner.size), "max_crops": spec.max_crops,
             "max_boxes_per_image": spec.boxes.max_boxes, "max_images_per_request": runner.chain.max_images}

@@ -354,14 +354,17 @@ class Installer:
 
     def pipeline_serving(self, m: Manifest, stages: PipelineStages) -> proto.ServingChoice:
         """How a pipeline serves, for the install report: the lowest stage precision (the bundle's), the reader's
-        largest batch, the operator's layout per stage, and the detector's runtime (both stages' in
-        /v2/models/{name}/config)."""
-        det = stages.detector
+        largest batch and how it was chosen, the operator's layout per stage, and the detector's runtime (both
+        stages' in /v2/models/{name}/config)."""
+        det, rec = stages.detector, stages.reader
         operator = {"instances", "intra_op_threads"} & self.config.model_fields_set
+        mode = rec.tuning.mode if rec.tuning is not None else "off"
         return proto.ServingChoice(
             precision=m.precision, precision_source="bundle",
-            max_batch_size=stages.reader.settings.max_batch_size,
-            batch_source="operator" if "max_batch_size" in self.config.model_fields_set else "off",
+            max_batch_size=rec.settings.max_batch_size,
+            batch_source=mode if mode in ("measured", "operator") else "off",  # type: ignore[arg-type]
+            batch_timings=tuple(proto.Timing(batch_size=n, items_per_s=v)
+                                for n, v in (rec.tuning.images_per_s if rec.tuning is not None else ())),
             instances=len(det.backends), threads=self.config.intra_op_threads,
             layout_source="operator" if operator else "default",
             runtime=None if det.runtime is None else _runtime_record(det.runtime))
