@@ -10,6 +10,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from edgefleet.protocol import mqtt as proto
+from tests.conftest import postgres_db
 from tests.fleet_harness import api, running_fleet
 from tests.waiting import wait_for, watch
 
@@ -251,21 +252,8 @@ def test_state_survives_a_fleet_restart(tmp_path, mosquitto, digits_bundle):
         assert api.get(f"{url}/tuf/metadata/timestamp.json").status_code == 200
 
 
-def _postgres_url() -> str | None:
-    try:
-        import psycopg
-
-        with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", connect_timeout=2) as conn:
-            conn.autocommit = True
-            conn.execute("DROP DATABASE IF EXISTS edgefleet_test WITH (FORCE)")
-            conn.execute("CREATE DATABASE edgefleet_test")
-        return "postgresql+psycopg://postgres@127.0.0.1:5432/edgefleet_test"
-    except Exception:
-        return None
-
-
 def test_postgresql_backend(tmp_path, mosquitto, digits_bundle):
-    db = _postgres_url()
+    db = postgres_db("edgefleet_test")
     if db is None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): "
                     "the SQLite runs above cover the same code")
