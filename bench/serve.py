@@ -6,6 +6,9 @@ and with every loop bounded:
 1. compile it for x86-cpu and install the bundle into an agent data dir (no fleet);
 2. **the limit**: raw onnxruntime in this process, the agent's session options, at batch 1, 2, 4, 8, 16:
    the best images/s is the limit (measured before and after the servers run; the mean is used);
+   ``--limit-runtimes all`` times every runtime installed that runs the bundle (raw OpenVINO with the engine's
+   own properties too) and ``vs best`` is against the fastest; ``--spot-limits`` times them again around each
+   load level, with images per CPU-second against the agent's inference threads';
 3. start **the agent** (``python -m edgefleet.cli agent``, cold start to ready and idle RSS measured) and
    **the naive baseline** (this script with ``--naive-server``: a Starlette endpoint taking raw float32 bytes
    with an asyncio micro-batcher that collects for up to 5 ms and runs the model inside the event loop, the
@@ -51,6 +54,8 @@ from serve_bench import AgentProcess, _die_with_parent, _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = ("digits", "mobilenetv2-fp32", "mobilenetv2-int8")
+# also accepted by --models: a bf16 bundle (x86-cpu-bf16; needs avx512_bf16/AMX and edgefleet[openvino])
+MORE_MODELS = ("mobilenetv2-bf16",)
 # --pin: (the inference CPUs, the rest): the limit's sessions, the agent's inference threads and the naive server
 # (whose runtime runs in its event loop) on the first; the agent's event loop and the load generator on the rest
 PIN: tuple[frozenset[int], frozenset[int]] | None = None
@@ -93,7 +98,8 @@ def prepare(name: str, work: Path) -> dict[str, Any]:
         engine, shipped = Path(json.loads(done.read_text())["engine"]), json.loads(done.read_text())["precision"]
         say(f"{name}: compiled and installed in {work} before; reused")
     else:
-        result = compile_model(CompileOptions(model=model, profile="x86-cpu", calibration=calib, eval=evalp,
+        profile = "x86-cpu-bf16" if precision == "bf16" else "x86-cpu"
+        result = compile_model(CompileOptions(model=model, profile=profile, calibration=calib, eval=evalp,
                                               out_dir=work / name / "dist", name=model_name, version="1.0.0",
                                               benchmark=False, precision=precision, max_accuracy_drop=1.0))
         store = ModelStore(data_dir / "store")
@@ -117,6 +123,43 @@ def _session(engine: Path, threads: int) -> Any:
     return ort.InferenceSession(str(engine), session_options(ort, threads), providers=["CPUExecutionProvider"])
 
 
+class _OpenVINORaw:
+    """Raw OpenVINO as the agent's engine compiles it (engines.openvino.compile_config: the bundle's precision hint,
+    one stream of ``threads`` threads, latency hint, no pinning): one compiled model and one infer request, the
+    batch's array shared in and the outputs shared out. ``run`` as InferenceSession's, for the limit's loops."""
+
+    def __init__(self, engine: Path, threads: int, precision: str):
+        from edgefleet.engines.openvino import HINTS, compile_config, core
+
+        ov_core = core()
+        self.compiled = ov_core.compile_model(ov_core.read_model(str(engine)), "CPU",
+                                              compile_config(HINTS[precision][0], threads))
+        self.request = self.compiled.create_infer_request()
+
+    def run(self, _names: Any, feed: dict[str, np.ndarray]) -> Any:
+        return self.request.infer(feed, share_inputs=True, share_outputs=True)
+
+
+def _runner(runtime: str, engine: Path, threads: int, precision: str) -> Any:
+    """A bare session of ``runtime`` on ``engine``: onnxruntime's InferenceSession with the agent's options, or raw
+    OpenVINO with the agent's properties."""
+    if runtime == "openvino":
+        return _OpenVINORaw(engine, threads, precision)
+    return _session(engine, threads)
+
+
+def limit_runtimes(setting: str, precision: str) -> list[str]:
+    """``--limit-runtimes``: the runtimes whose bare limit is timed. ``all``: every runtime installed here that runs
+    an onnxruntime bundle of ``precision`` (engines.runtimes_for; onnxruntime first where it runs it)."""
+    from edgefleet.engines import runtime_installed, runtimes_for
+
+    able = runtimes_for("onnxruntime", precision)
+    if setting == "all":
+        return [r for r in able if runtime_installed(r)]
+    asked = [r.strip() for r in setting.split(",") if r.strip()]
+    return [r for r in asked if r in able] or [r for r in able if runtime_installed(r)][:1]
+
+
 def _rate(sess: Any, x: np.ndarray, seconds: float, start: Any = None) -> tuple[float, list[float]]:
     """Images/s and call times of ``sess.run`` on ``x`` for about ``seconds`` (at most 5000 calls), after a
     warm-up and, if given, a ``threading.Barrier`` shared with the sessions that run at the same time."""
@@ -135,16 +178,19 @@ def _rate(sess: Any, x: np.ndarray, seconds: float, start: Any = None) -> tuple[
     return len(x) * len(times) / sum(times), times
 
 
-def the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float) -> dict[str, Any]:
-    """Images/s of InferenceSession.run at batch 1..16 in every layout of ``threads`` CPUs the agent may choose (one
-    session of ``threads`` intra-op threads, ..., ``threads`` sessions of one thread each), the sessions called from
-    as many Python threads at once (on CPUs one-thread sessions often do more per second); the limit is the best of
-    all. Also each layout's batch-1 median call time."""
+def the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float, runtime: str = "onnxruntime",
+              precision: str = "fp32") -> dict[str, Any]:
+    """Images/s of a bare ``runtime`` session (InferenceSession.run, or raw OpenVINO: :func:`_runner`) at batch 1..16
+    in every layout of ``threads`` CPUs the agent may choose (one session of ``threads`` intra-op threads, ...,
+    ``threads`` sessions of one thread each), the sessions called from as many Python threads at once (on CPUs
+    one-thread sessions often do more per second); the limit is the best of all. Also each layout's batch-1 median
+    call time."""
     with _pinned(PIN[0] if PIN else None):
-        return _the_limit(engine, images, threads, seconds_each)
+        return _the_limit(engine, images, threads, seconds_each, runtime, precision)
 
 
-def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float) -> dict[str, Any]:
+def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: float, runtime: str = "onnxruntime",
+               precision: str = "fp32") -> dict[str, Any]:
     import threading
 
     from edgefleet.agent.batcher import layout_candidates
@@ -154,7 +200,7 @@ def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: flo
     best = (0.0, "", 0)
     for instances, per in layouts:
         name = f"{instances}x{per}"
-        sessions = [_session(engine, per) for _ in range(instances)]
+        sessions = [_runner(runtime, engine, per, precision) for _ in range(instances)]
         rates: dict[int, float] = {}
         for batch in (1, 2, 4, 8, 16):
             x = np.ascontiguousarray(np.resize(images, (batch, *images.shape[1:])), dtype=np.float32)
@@ -176,7 +222,50 @@ def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: flo
         b = max(rates, key=lambda k: rates[k])
         if rates[b] > best[0]:
             best = (rates[b], name, b)
-    out.update(images_per_s=best[0], layout=best[1], best_batch=best[2])
+    out.update(images_per_s=best[0], layout=best[1], best_batch=best[2], runtime=runtime)
+    return out
+
+
+def spot_limits(engine: Path, images: np.ndarray, limits: dict[str, dict[str, Any]], precision: str,
+                seconds: float) -> dict[str, tuple[float, float]]:
+    """Each runtime's bare (images/s, images per CPU-second of this process) now, at the layout and batch size where
+    its limit was best (``limits``: from :func:`the_limit`): a baseline taken next to one load level, so that the
+    box's load, which moves the limit by up to 2x within one run here, is nearly the same for both. The CPU figure
+    (all this process's threads: the runtime's own pools too) does not move with the load."""
+    import threading
+
+    out = {}
+    with _pinned(PIN[0] if PIN else None):
+        for runtime, lim in limits.items():
+            instances, per = (int(v) for v in lim["layout"].split("x"))
+            sessions = [_runner(runtime, engine, per, precision) for _ in range(instances)]
+            x = np.ascontiguousarray(np.resize(images, (lim["best_batch"], *images.shape[1:])), dtype=np.float32)
+            for sess in sessions:  # warm: the first calls at a size set up per shape
+                for _ in range(3):
+                    sess.run(None, {"input": x})
+            done = [0] * instances
+            start = threading.Barrier(instances + 1)
+            until = [0.0]  # set just before the start: the end of the timed calls
+
+            def work(i: int, x: np.ndarray = x, start: Any = start, done: list = done,
+                     sessions: list = sessions, until: list = until) -> None:
+                start.wait()
+                for _ in range(5000):
+                    sessions[i].run(None, {"input": x})
+                    done[i] += len(x)
+                    if time.perf_counter() > until[0]:
+                        break
+
+            workers = [threading.Thread(target=work, args=(i,)) for i in range(instances)]
+            for w in workers:
+                w.start()
+            until[0] = time.perf_counter() + seconds
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            start.wait()
+            for w in workers:
+                w.join()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            out[runtime] = (round(sum(done) / wall, 1), round(sum(done) / max(cpu, 1e-9), 1))
     return out
 
 
@@ -713,6 +802,9 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[in
                   for b, (c, ns) in sizes_after.items()}
         formed = {b: v for b, v in formed.items() if v[0] > 0}
         res["batches_formed"] = {b: c for b, (c, _) in sorted(formed.items())}
+        # images per second of the agent's runtime while it ran a batch: against the bare limit, what its calls cost
+        ran_s = sum(ns for _, ns in formed.values()) / 1e9
+        res["runtime_img_s"] = sum(b * c for b, (c, _) in formed.items()) / ran_s if ran_s > 0 else float("nan")
         res["runtime_busy"] = sum(ns for _, ns in formed.values()) / 1e9 / out["wall"] if out["wall"] > 0 else 0.0
         # per request, in the agent: from its handler's start to its answer (success), in the queue until its batch
         # started (queue), in the runtime (compute); means over the timed phase
@@ -803,8 +895,12 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
               "binary": args.requests if small else args.requests_big,
               "json": args.requests if small else max(20, args.requests_big // 5),
               "grpc": args.requests, "shm": args.requests, "local": args.requests, "local-inline": args.requests}
-    say(f"{name}: the limit (raw onnxruntime in this process, batch 1..16, every layout of {args.threads} CPU(s))")
-    limit_before = the_limit(m["engine"], images, args.threads, args.limit_seconds)
+    runtimes = limit_runtimes(args.limit_runtimes, m["precision"])
+    say(f"{name}: the limit (bare {', '.join(runtimes)} in this process, batch 1..16, every layout of "
+        f"{args.threads} CPU(s))")
+    limits_before = {r: the_limit(m["engine"], images, args.threads, args.limit_seconds, r, m["precision"])
+                     for r in runtimes}
+    limit_before = limits_before[runtimes[0]]  # the first runtime's: the 'vs limit' column, the layouts, batch 1
     layout = {"auto": limit_before["layout"], "default": f"1x{args.threads}"}.get(args.agent_layout, args.agent_layout)
     # "agent": no --instances/--threads, the agent measures and chooses its layout (read back from its config)
     instances, per = (None, None) if layout == "agent" else (int(v) for v in layout.split("x"))
@@ -853,14 +949,30 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
                     path, reqs, _ = bodies(kind, m["model"], images)
                     pid = (naive if kind == "naive" else agent).proc.pid  # type: ignore[union-attr]
                     stats = f"{agent.url}/v2/models/{m['model']}/stats" if kind != "naive" else None
+                    spot = spot_limits(m["engine"], images, limits_before, m["precision"], args.limit_seconds) \
+                        if args.spot_limits else {}
                     r = run_level(url, kind, path, reqs, labels, clients, totals[kind], args.warmup, server_pid=pid,
                                   stats_url=stats)
+                    if spot:  # the same before and after this level: the mean is its baseline
+                        after = spot_limits(m["engine"], images, limits_before, m["precision"], args.limit_seconds)
+                        r["spot_limits"] = {k: (v[0] + after[k][0]) / 2 for k, v in spot.items()}
+                        r["spot_per_cpu_s"] = {k: (v[1] + after[k][1]) / 2 for k, v in spot.items()}
+                        r["spot_best"] = max(r["spot_limits"], key=lambda k: r["spot_limits"][k])
+                        r["vs_best_spot"] = r["req_per_s"] / r["spot_limits"][r["spot_best"]]
+                        # images per CPU-second: the agent's inference threads (all but its event loop) against
+                        # the fastest runtime's bare calls, a figure the box's load does not move
+                        best_cpu = max(r["spot_per_cpu_s"].values())
+                        if r.get("server_other_cores"):
+                            r["agent_per_cpu_s"] = r["req_per_s"] / r["server_other_cores"]
+                            r["vs_best_per_cpu_s"] = r["agent_per_cpu_s"] / best_cpu
                     rows.append({"variant": kind, "clients": clients, **r})
                     say(f"  {name:>16} {kind:>6} {clients:>3} clients: {r['req_per_s']:8.1f} req/s  "
                          f"p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  errors {r['errors']}  "
                          f"wrong {r['wrong']}" + (f"  first error {r['first_error']}" if r["first_error"] else ""))
         load_rss, peak_rss = _rss_mb(agent.proc.pid), _rss_mb(agent.proc.pid, "VmHWM")
-    limit_after = the_limit(m["engine"], images, args.threads, args.limit_seconds)
+    limits_after = {r: the_limit(m["engine"], images, args.threads, args.limit_seconds, r, m["precision"])
+                    for r in reversed(runtimes)}  # the other order: a slow spell lands on each runtime alike
+    limit_after = limits_after[runtimes[0]]
     tuning = agent_cfg.get("batch_tuning") or {}
     chosen_batch = int(tuning.get("max_formed_batch_size") or args.max_batch_size or 16)
     bare = bare_rss(m["engine"], layout, chosen_batch)
@@ -874,8 +986,12 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     if layout not in b1_ms:  # a layout the limit did not measure
         b1_ms[layout] = statistics.median(_rate(_session(m["engine"], per), images[:1], args.limit_seconds)[1]) * 1000
     cpus = os.cpu_count() or 1
+    # each runtime's limit (the mean of before and after) and the fastest: what the agent's share is taken of
+    by_runtime = {r: (limits_before[r]["images_per_s"] + limits_after[r]["images_per_s"]) / 2 for r in runtimes}
+    best_engine = max(by_runtime, key=lambda r: by_runtime[r])
     for r in rows:
         r["vs_limit"] = r["req_per_s"] / limit
+        r["vs_best_engine"] = r["req_per_s"] / by_runtime[best_engine]
         # the limit ran alone; under load the generator's own CPU is gone from the machine: the ratio against the
         # limit scaled to the cores it left
         r["vs_limit_cpu_left"] = r["req_per_s"] / (limit * max(0.05, cpus - r["load_cores"]) / cpus)
@@ -892,7 +1008,10 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
             "json_decode_orjson_ms": decode_ms_orjson, "json_target_req_s": json_target,
             "json_target_orjson_req_s": json_target_orjson, "cold_start_s": cold_s, "idle_rss_mb": idle_rss,
             "rows": rows, "agent_layout": layout, "agent_choice": chosen, "memory": memory,
-            "agent_layouts_img_s": agent_layouts, "limit_by_layout_best": _layout_bests(limit_before, limit_after)}
+            "agent_layouts_img_s": agent_layouts, "limit_by_layout_best": _layout_bests(limit_before, limit_after),
+            "limit_runtime": runtimes[0], "limits_by_runtime": by_runtime, "best_engine": best_engine,
+            "limits_before_by_runtime": limits_before, "limits_after_by_runtime": limits_after,
+            "agent_runtime": agent_cfg.get("runtime_choice")}
 
 
 def _layout_bests(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[float, int]]:
@@ -965,6 +1084,38 @@ def print_layouts_and_memory(res: dict[str, Any]) -> None:
               f"{mem['bare_batch']}: RSS {bare:.0f} MB, peak {peak:.0f} MB (goal: each ratio <= 1.3x)")
 
 
+def print_engines(res: dict[str, Any]) -> None:
+    """Each runtime's bare limit in this run, the fastest, and the runtime the agent chose (and why)."""
+    by = res.get("limits_by_runtime") or {}
+    if not by:
+        return
+    before, after = res["limits_before_by_runtime"], res["limits_after_by_runtime"]
+    cells = [f"{r} {v:.1f} img/s (before {before[r]['images_per_s']:.1f}, {before[r]['layout']} at batch "
+             f"{before[r]['best_batch']}; after {after[r]['images_per_s']:.1f}, {after[r]['layout']} at batch "
+             f"{after[r]['best_batch']})" for r, v in by.items()]
+    rc = res.get("agent_runtime") or {}
+    why = ", ".join(f"{k} {v:g}/s" for k, v in (rc.get("items_per_second") or {}).items())
+    print(f"engines (bare, this run): {'; '.join(cells)}; the fastest: {res['best_engine']}. The agent serves on "
+          f"{rc.get('runtime', 'onnxruntime (it does not say)')}" + (f" ({rc.get('source')}" if rc else "")
+          + (f": timed {why})" if why else ")" if rc else ""))
+    binary = [r for r in res["rows"] if r["variant"] == "binary"]
+    if binary:
+        print(f"the agent's share of the fastest engine's limit ({res['best_engine']} "
+              f"{by[res['best_engine']]:.1f} img/s), binary OIP: "
+              + ", ".join(f"{r['clients']} clients {r['req_per_s']:.1f} req/s = {r['vs_best_engine']:.3f}"
+                          for r in binary))
+    for r in binary:
+        if "spot_limits" in r:
+            spots = ", ".join(f"{k} {v:.1f}" for k, v in r["spot_limits"].items())
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in r["spot_per_cpu_s"].items())
+            print(f"  {r['clients']} clients, against the bare limits timed just before and after the level ({spots} "
+                  f"img/s): {r['req_per_s']:.1f} / {r['spot_limits'][r['spot_best']]:.1f} = {r['vs_best_spot']:.3f}"
+                  + (f"; the agent's runtime ran {r['runtime_img_s']:.1f} img/s while busy "
+                     f"({r['runtime_busy']:.1%} of the time)" if "runtime_img_s" in r else "")
+                  + (f"; per CPU-second: the agent's inference threads {r['agent_per_cpu_s']:.1f} img, bare {cpu} "
+                     f"-> {r['vs_best_per_cpu_s']:.3f}" if "agent_per_cpu_s" in r else ""))
+
+
 def print_report(doc: dict[str, Any]) -> None:
     pin = doc["config"].get("pin_cpus")
     pinned = f" (pinned: inference on {pin[0]}, the rest on {pin[1]})" if pin else ""
@@ -980,10 +1131,11 @@ def print_report(doc: dict[str, Any]) -> None:
               f"start to ready "
               f"{res['cold_start_s']:.2f} s, idle RSS {res['idle_rss_mb']:.0f} MB; JSON decode of one request "
               f"{res['json_decode_ms']:.2f} ms (json), {res['json_decode_orjson_ms']:.2f} ms (orjson, the agent's)")
+        print_engines(res)
         print_layouts_and_memory(res)
-        print(f"{'variant':>12} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'added ms':>8} {'errors':>6} {'wrong':>5} | cores: {'load':>5} {'main':>5} {'other':>5} "
-              f"| {'vs limit on CPU left':>20}")
+        print(f"{'variant':>12} {'clients':>7} {'req/s':>9} {'vs limit':>8} {'vs best':>8} {'p50 ms':>8} "
+              f"{'p99 ms':>8} {'added ms':>8} {'errors':>6} {'wrong':>5} | cores: {'load':>5} {'main':>5} "
+              f"{'other':>5} | {'vs limit on CPU left':>20}")
         own = []
         for r in res["rows"]:
             added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
@@ -991,10 +1143,13 @@ def print_report(doc: dict[str, Any]) -> None:
                 own.append(f"{r['variant']} {r['added_own_ms']:.3f} ms (p50 {r['p50_ms']:.2f} ms, its batch-1 calls "
                            f"{r['compute_b1_ms']:.2f} ms)")
             print(f"{r['variant']:>12} {r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>8.1%} "
-                  f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {added:>8} {r['errors']:>6} {r['wrong']:>5} | "
+                  f"{r.get('vs_best_engine', r['vs_limit']):>8.1%} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+                  f"{added:>8} {r['errors']:>6} {r['wrong']:>5} | "
                   f"{'':>6} {r['load_cores']:>5.2f} {r.get('server_main_cores', float('nan')):>5.2f} "
                   f"{r.get('server_other_cores', float('nan')):>5.2f} | {r['vs_limit_cpu_left']:>20.1%}")
-        print("cores: CPU used during the timed phase, in cores, by the load generator, the server's main (event "
+        print("vs limit: against the limit of the first runtime timed (--limit-runtimes); vs best: against the "
+              "fastest runtime's limit. "
+              "cores: CPU used during the timed phase, in cores, by the load generator, the server's main (event "
               "loop) thread and its other threads (inference; the naive server runs inference on its main thread "
               "and in onnxruntime's pool). vs limit on CPU left: against the limit scaled to the cores the load "
               "generator left.")
@@ -1066,6 +1221,12 @@ def main(argv: list[str] | None = None) -> int:
                         "--threads becomes the number of inference CPUs")
     p.add_argument("--inference-cpus", help="with --pin: CPU numbers, e.g. 1 or 2,3 (default: the last CPU)")
     p.add_argument("--limit-seconds", type=float, default=1.5, help="timing per batch size for the limit")
+    p.add_argument("--spot-limits", action="store_true",
+                   help="also time each runtime's bare rate (at its best layout and batch size) just before and after "
+                        "each load level: 'vs best spot' is against the fastest of those")
+    p.add_argument("--limit-runtimes", default="onnxruntime",
+                   help="the runtimes whose bare limit is timed, comma-separated (onnxruntime, openvino), or all: "
+                        "every one installed here that runs the bundle; 'vs best' is against the fastest")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--work-dir", type=Path, help="keep bundles and logs here (default: a temp dir)")
     args = p.parse_args(argv)
@@ -1086,9 +1247,9 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or (1000 if args.quick else 3000)
     args.requests_big = args.requests_big or (200 if args.quick else 600)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in MODELS + MORE_MODELS]
     if unknown:
-        p.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+        p.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS + MORE_MODELS)}")
     import onnxruntime as ort
 
     with contextlib.ExitStack() as stack:
