@@ -29,11 +29,14 @@ from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff, full_jitter, paho_next_delay
 from edgefleet.protocol.errors import ContractError
 
-__all__ = ["MqttBridge"]
+__all__ = ["RETAINED_STATUS", "MqttBridge"]
 
 log = logging.getLogger("edgefleet.fleet.mqtt")
 
 ACK_MAX_SEQS = 1000  # seqs per ack message (the protocol allows 10,000)
+# the ingest kind of a status the broker sent because the fleet subscribed (retain flag set: on connect, or a
+# read-back): the device's last word, not a sign that it is there now (fleet.presence)
+RETAINED_STATUS = "status_retained"
 # QoS 1 publishes paho may hold unacknowledged: its message ids are 16-bit, and past 65,535 outstanding it refuses
 # a publish whose id is still in use ("Message queue full"). A 100,000-device wave queues its desired states at
 # once: publish() waits for room instead (bounded by PUBLISH_WAIT_S), so none is refused
@@ -77,6 +80,7 @@ class MqttBridge:
         self.host, self.port = proto.parse_mqtt_url(url)
         self.shared_group = shared_group
         self.connected = threading.Event()
+        self._connected_at: float | None = None  # monotonic time of the current connection (None: not connected)
         self.rejected = 0  # malformed or spoofed messages dropped
         self.restarts = 0  # times the network loop died and was started again
         self.last_failure: tuple[float, str] | None = None  # (time.time(), what killed the loop)
@@ -161,6 +165,7 @@ class MqttBridge:
             return
         log.info("connected to MQTT broker %s:%s", self.host, self.port)
         self.reconnects.reset()
+        self._connected_at = time.monotonic()
         tele = proto.subscription("telemetry")
         if self.shared_group:
             tele = f"$share/{self.shared_group}/{tele}"
@@ -206,8 +211,14 @@ class MqttBridge:
         if topics:
             client.unsubscribe(topics)
 
+    def connected_for(self) -> float:
+        """Seconds the fleet has been connected to the broker without a break (0 when it is not)."""
+        at = self._connected_at
+        return time.monotonic() - at if at is not None and self.connected.is_set() else 0.0
+
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
+        self._connected_at = None
         delay = paho_next_delay(client, self.reconnects)
         log.warning("lost the MQTT broker %s:%s (%s); reconnecting in %.1fs", self.host, self.port, reason_code,
                     delay)
@@ -221,7 +232,7 @@ class MqttBridge:
         record): the agent may delete it from its spool. One ack per device and stream in the batch, at
         QoS 0: a lost ack costs only a resend, which the fleet stores once (the key is device, stream, seq)
         and acks again."""
-        self.handled[kind] += len(msgs)
+        self.handled["status" if kind == RETAINED_STATUS else kind] += len(msgs)
         seqs: dict[tuple[str, str], list[int]] = {}
         reports: dict[str, float] = {}
         for msg in msgs:
@@ -280,8 +291,8 @@ class MqttBridge:
                 model, bytes(message.payload), source=message.topic)
             if msg.device_id != device_id:
                 raise ContractError(f"{message.topic}: payload says device {msg.device_id!r}")
-            if self.ingest is not None:
-                self.ingest.put(kind, msg)  # stored in a batch; acked by stored() after its commit
+            if self.ingest is not None:  # stored in a batch; acked by stored() after its commit
+                self.ingest.put(RETAINED_STATUS if kind == "status" and message.retain else kind, msg)
                 return
             handler = {"status": self.on_status, "reported": self.on_reported, "telemetry": self.on_telemetry}[kind]
             if handler is not None:

@@ -69,6 +69,11 @@ class Device(Base):
     # schema 4: the ``ts`` of the newest report stored (at most a little ahead of the fleet's clock): an older one
     # is dropped, not applied
     last_report_ts: Mapped[float | None] = mapped_column(Float, default=None)
+    # schema 7 (fleet.presence): how long the device counts as online without being heard from (from its telemetry
+    # interval; None: no bound known, its will alone takes it offline), and until when that is (unix seconds; None
+    # while it has no bound, or since a status said offline)
+    presence_s: Mapped[float | None] = mapped_column(Float, default=None)
+    presence_until: Mapped[float | None] = mapped_column(Float, default=None)
 
 
 class Model(Base):
@@ -228,9 +233,9 @@ class DriftScoreRow(Base):
     features: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # feature -> PSI
 
 
-SCHEMA_VERSION = 6  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+SCHEMA_VERSION = 7  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007"}
 
 
 class Meta(Base):

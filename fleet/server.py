@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from edgefleet.fleet.acl import FLEET_USER, Account, ActiveAccounts, reload_mosquitto, write_mosquitto_files
 from edgefleet.fleet.auth import TokenStore
-from edgefleet.fleet.bridge import MqttBridge
+from edgefleet.fleet.bridge import RETAINED_STATUS, MqttBridge
 from edgefleet.fleet.db import make_engine
 from edgefleet.fleet.enroll import Enrollment
 from edgefleet.fleet.ingest import IngestWorker
 from edgefleet.fleet.keys import KeyStore
+from edgefleet.fleet.presence import PresenceSweeper
 from edgefleet.fleet.reconcile import Reconciler
 from edgefleet.fleet.service import FleetService
 from edgefleet.fleet.tuf_repo import Repository
@@ -66,6 +67,10 @@ class FleetConfig:
     # a target still waiting for a report this long has its device's retained report read again (the broker
     # may have dropped the fleet's copy: fleet.reconcile); 0 turns it off
     report_reconcile_after_s: float = 5.0
+    # fleet.presence: a device not heard from within max(presence_min_s, presence_intervals x its telemetry interval)
+    # is offline, whether or not its will arrived; presence_min_s 0: its will alone takes it offline
+    presence_min_s: float = 30.0
+    presence_intervals: float = 3.0
     # where the TUF repository lives: "db" (the fleet's database: replicas share nothing else), "dir" (data_dir/tuf),
     # "auto": db on PostgreSQL, dir on SQLite
     tuf_store: str = "auto"
@@ -116,9 +121,14 @@ class FleetServer:
         self.bridge.on_status = self.service.handle_status
         self.bridge.on_reported = self.service.handle_reported
         self.bridge.on_telemetry = self.service.handle_telemetry
-        self.ingest = IngestWorker({"status": self.service.handle_statuses, "reported": self.service.handle_reports,
+        # retained copies first: in one batch, a device's live status wins over what the broker had kept
+        self.ingest = IngestWorker({RETAINED_STATUS: self.service.handle_retained_statuses,
+                                    "status": self.service.handle_statuses, "reported": self.service.handle_reports,
                                     "telemetry": self.service.store_telemetry}, self.service.rejections,
                                    self.bridge.stored)
+        self.service.ingest_service.presence_min_s = config.presence_min_s
+        self.service.ingest_service.presence_intervals = config.presence_intervals
+        self.presence = PresenceSweeper(self.sessions, self.bridge.connected_for, backlog=self.ingest.backlog)
         self.bridge.ingest = self.ingest
         self.bridge.on_connected = self.service.republish_desired
         self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
@@ -180,7 +190,8 @@ class FleetServer:
     def _replica_stats(self) -> dict[str, Any]:
         return {"id": self.service.rollouts.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
-                "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested}
+                "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested,
+                "presence_expired": self.presence.expired}
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):
@@ -210,6 +221,9 @@ class FleetServer:
         if self.config.report_reconcile_after_s > 0:
             threading.Thread(target=self.reconciler.run, args=(self._stop,), name="report-reconcile",
                              daemon=True).start()
+        if self.config.presence_min_s > 0:  # a sweep each third of the shortest bound, at most every 5 s
+            threading.Thread(target=self.presence.run, args=(self._stop, min(5.0, self.config.presence_min_s / 3)),
+                             name="presence", daemon=True).start()
 
     def stop_background(self) -> None:
         self._stop.set()

@@ -67,3 +67,4 @@ class FleetService:
         self.handle_status, self.handle_statuses, self.handle_reported, self.handle_reports = \
             i.handle_status, i.handle_statuses, i.handle_reported, i.handle_reports
         self.handle_telemetry, self.store_telemetry = i.handle_telemetry, i.store_telemetry
+        self.handle_retained_statuses = i.handle_retained_statuses

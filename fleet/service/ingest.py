@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy import Float, Table, bindparam, case, or_, select, true, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from edgefleet.fleet.audit import Rejections
 from edgefleet.fleet.db import Device, Model, RolloutTarget, TelemetryRow, utcnow
 from edgefleet.fleet.ingest import NotStored
+from edgefleet.fleet.presence import bound_s
 from edgefleet.fleet.rollout import RolloutEngine
 from edgefleet.fleet.rollout.moves import lock_rows
 from edgefleet.fleet.service.common import DECOMMISSIONED
@@ -34,6 +35,10 @@ class IngestService:
         # True: a device seen on MQTT before registration is added (registered_via "mqtt"). Enrollment
         # (fleet/enroll.py) turns it off: then only enrolled devices are heard, the rest counted and dropped.
         self.accept_unknown_devices = accept_unknown_devices
+        # fleet.presence: a device's staleness bound from its telemetry interval (presence_min_s 0: no bound, the
+        # will alone takes a device offline)
+        self.presence_min_s = 0.0
+        self.presence_intervals = 3.0
 
     def _known_devices(self, msgs: list[Any]) -> list[Any]:
         """``msgs`` of devices the fleet knows, or adds (``_ensure_device`` for a whole batch: one SELECT of the
@@ -76,7 +81,11 @@ class IngestService:
     def handle_status(self, msg: proto.StatusMessage) -> None:
         self.handle_statuses([msg])
 
-    def handle_statuses(self, msgs: list[proto.StatusMessage]) -> None:
+    def handle_statuses(self, msgs: list[proto.StatusMessage], retained: bool = False) -> None:
+        """Store a batch of status messages; the newest of a device wins. ``retained``: copies the broker sent because
+        the fleet subscribed (fleet.presence): not signs of life. A retained ``online`` counts only while the device's
+        presence bound has not passed (or it has none) and extends nothing; ``offline``, live or retained, takes the
+        device offline and ends its bound (telemetry from before it revives nothing)."""
         last: dict[str, proto.StatusMessage] = {}
         for m in self._known_devices(msgs):
             last[m.device_id] = m  # the newest status of a device wins
@@ -89,8 +98,23 @@ class IngestService:
             if not last:
                 return
             last = dict(sorted(last.items()))  # devices by id: the lock order (fleet.rollout.lock_rows)
-            rows = [{"b_id": m.device_id, "online": m.state == "online", "last_seen": now} for m in last.values()]
-            s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), rows)
+            by_id = update(dev).where(dev.c.id == bindparam("b_id"))
+            ups = [{"b_id": d} for d, m in last.items() if m.state == "online"]
+            downs = [{"b_id": d} for d, m in last.items() if m.state != "online"]
+            lock_rows(s, devices=list(last))  # one statement per state below: the rows are taken in id order first
+            if retained:
+                if ups:
+                    fresh = or_(dev.c.presence_until.is_(None), dev.c.presence_until >= time.time())
+                    s.connection().execute(by_id.where(fresh).values(online=True), ups)
+                if downs:
+                    s.connection().execute(by_id.values(online=False, presence_until=None), downs)
+            else:
+                if ups:  # heard from now: online for its bound (none known: until its will)
+                    t = time.time()
+                    s.connection().execute(by_id.values(online=True, last_seen=now, presence_until=bindparam(
+                        "b_t", type_=Float) + dev.c.presence_s), [{**u, "b_t": t} for u in ups])
+                if downs:
+                    s.connection().execute(by_id.values(online=False, last_seen=now, presence_until=None), downs)
             details = [m for m in last.values() if m.agent_version or m.inference_url or m.cpu_features is not None
                        or m.profile is not None]
             by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}  # one executemany per set of columns
@@ -107,6 +131,9 @@ class IngestService:
                 by_columns.setdefault(tuple(sorted(values)), []).append({"b_id": m.device_id, **values})
             for group in by_columns.values():
                 s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), group)
+
+    def handle_retained_statuses(self, msgs: list[proto.StatusMessage]) -> None:
+        self.handle_statuses(msgs, retained=True)
 
     def handle_reported(self, msg: proto.ReportedState) -> bool:
         """Store one report; False if it was dropped as older than the one stored."""
@@ -230,11 +257,25 @@ class IngestService:
                     newest[k[0]] = p
             rows = [{"b_id": d, "last_seen": now, **({"last_telemetry": newest[d]} if d in newest else {})}
                     for d in sorted(devices)]  # by id: the lock order (fleet.rollout.lock_rows)
+            by_id = update(dev).where(dev.c.id == bindparam("b_id"))
+            if self.presence_min_s > 0:  # fleet.presence: heard from now, for its bound
+                intervals = {k[0]: m.interval_s for k, m in fresh.items()}  # the device's newest record in the batch
+                t = time.time()
+                for r in rows:
+                    bound = bound_s(intervals[str(r["b_id"])], self.presence_min_s, self.presence_intervals)
+                    r["b_ps"], r["b_pu"] = bound, t + bound
+                # a device a status said was offline stays so (its presence ended): a record still queued from before
+                # its will revives nothing; one taken offline by its bound is back
+                revive = or_(dev.c.online.is_(True), dev.c.presence_until.is_not(None))
+                by_id = by_id.values(presence_s=bindparam("b_ps", type_=Float),
+                                     presence_until=case((revive, bindparam("b_pu", type_=Float)),
+                                                         else_=dev.c.presence_until),
+                                     online=case((revive, true()), else_=dev.c.online))
             with_tel = [r for r in rows if "last_telemetry" in r]
             without = [r for r in rows if "last_telemetry" not in r]
             for group in (with_tel, without):
                 if group:
-                    s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), group)
+                    s.connection().execute(by_id, group)
             self.rollouts.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
             self.rollouts.on_shadow_batch(s, list(fresh.values()))
             for device_id, why in self.rollouts.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift

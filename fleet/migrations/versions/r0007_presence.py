@@ -1,0 +1,29 @@
+"""Release 7: a device's presence bound (issue 33: a dropped offline will left a device shown online; fleet.presence).
+
+``devices.presence_s``: how long the device counts as online without being heard from (a number of its telemetry
+intervals, at least the fleet's floor); ``devices.presence_until``: until when (unix seconds). Both start empty: a
+device gets them with its next telemetry record, and until then its will alone takes it offline, as before.
+
+Revision ID: 0007
+"""
+
+from alembic import op
+
+revision = "0007"
+down_revision = "0006"
+branch_labels = None
+depends_on = None
+
+STATEMENTS = (
+    "ALTER TABLE devices ADD COLUMN presence_s FLOAT",
+    "ALTER TABLE devices ADD COLUMN presence_until FLOAT",
+)
+
+
+def upgrade() -> None:
+    for stmt in STATEMENTS:
+        op.execute(stmt)
+
+
+def downgrade() -> None:
+    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
