@@ -653,7 +653,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
             return _need("demo", exc)
     return run_demo(DemoOptions(work_dir=a.work_dir, agents=a.agents, mqtt_url=a.mqtt_url, port=a.port,
                                 embedded_mqtt_port=a.embedded_mqtt_port, keep_running=not a.exit,
-                                as_json=a.json))
+                                as_json=a.json, pipeline=a.pipeline))
 
 
 # -- parser -----------------------------------------------------------------------------------------
@@ -1059,6 +1059,8 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--embedded-mqtt-port", type=int, default=0, help="embedded broker port (0: a free one)")
     d.add_argument("--exit", action="store_true", help="stop after the summary instead of running until Ctrl-C")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.add_argument("--no-pipeline", dest="pipeline", action="store_false",
+                   help="skip step 7, the OCR pipeline (PP-OCRv4 detector + recognizer as one model)")
     d.set_defaults(fn=cmd_demo)
 
 

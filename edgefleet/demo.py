@@ -201,6 +201,7 @@ class DemoOptions:
     embedded_mqtt_port: int = 0
     keep_running: bool = True
     as_json: bool = False
+    pipeline: bool = True  # step 7: the OCR pipeline (edgefleet.demo_ocr), when rapidocr-onnxruntime is installed
 
 
 def _say(msg: str) -> None:
@@ -226,11 +227,11 @@ def run_demo(opts: DemoOptions) -> int:
     lf = LocalFleet(work, mqtt_url=opts.mqtt_url, port=opts.port, embedded_mqtt_port=opts.embedded_mqtt_port)
     step = "starting"
     try:
-        step = "1/6 starting the fleet server"
+        step = "1/7 starting the fleet server"
         _say(step + ("" if opts.mqtt_url else " with its embedded MQTT broker"))
         lf.start()
         _say(f"    fleet on {lf.url}")
-        step = "2/6 compiling models/digits/model.onnx for x86-cpu"
+        step = "2/7 compiling models/digits/model.onnx for x86-cpu"
         _say(step + " (INT8 and FP32, accuracy gate, benchmark, keep the faster that passes)")
         result = compile_model(CompileOptions(
             model=DIGITS / "model.onnx", profile="x86-cpu", calibration=DIGITS / "calibration.npz",
@@ -244,18 +245,18 @@ def run_demo(opts: DemoOptions) -> int:
             acc.eval_samples, ", ".join(f"{p} {t:.4f}" for p, t in tops.items())))
         if choice is not None:
             _say(f"    chose {choice.reason}")
-        step = "3/6 uploading the bundle"
+        step = "3/7 uploading the bundle"
         _say(step + " (published as a signed TUF target)")
         lf.client.upload(result.bundle)
         devices = [f"edge-{i + 1:02d}" for i in range(opts.agents)]
-        step = f"4/6 registering and starting {len(devices)} agents"
+        step = f"4/7 registering and starting {len(devices)} agents"
         _say(step + " as separate processes" + ("" if opts.mqtt_url else
                                                    ", each enrolled with a one-time token for its own MQTT account"))
         for d in devices:
             lf.client.register(d, {"site": "demo"})
             lf.start_agent(d)
         lf.wait_online(devices)
-        step = "5/6 rolling digits 1.0.0 out"
+        step = "5/7 rolling digits 1.0.0 out"
         _say(step + " (TUF download, verify, install, self-test on the device's CPU, swap)")
         t0 = time.monotonic()
         r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", devices).id)
@@ -264,7 +265,7 @@ def run_demo(opts: DemoOptions) -> int:
             why = "; ".join(f"{t.device_id}: {t.state} {t.error or ''}".strip() for t in r.targets or [])
             _say(f"error: rollout #{r.id} {r.status}: {why} (logs in {work / 'logs'})")
             return ExitCode.ROLLOUT
-        step = "6/6 sending the 359 test images through every agent"
+        step = "6/7 sending the 359 test images through every agent"
         _say(step + ", one request per image")
         with np.load(DIGITS / "test.npz") as npz:
             images, labels = npz["input"], npz["labels"]
@@ -280,13 +281,20 @@ def run_demo(opts: DemoOptions) -> int:
                          "selftest_top1": st.top1 if st else None, "selftest_drift": st.drift if st else None,
                          "latency_p50_ms": round(float(np.percentile(lat_ms, 50)), 2),
                          "latency_p95_ms": round(float(np.percentile(lat_ms, 95)), 2)})
+        step = "7/7 the OCR pipeline: PP-OCRv4's text detector and recognizer as one model"
+        ocr: dict[str, object] = {"skipped": "--no-pipeline"}
+        if opts.pipeline:
+            from edgefleet.demo_ocr import run_ocr_step
+
+            _say(step + " (compile-pipeline, roll out, read pages on every agent)")
+            ocr = run_ocr_step(lf, devices, work, _say, progress_bar)
         summary = {"model": "digits", "version": "1.0.0", "profile": "x86-cpu", "precision": m.precision,
                    "precision_reason": choice.reason if choice else None,
                    "int8_scheme": None if m.quantization is None else m.quantization.scheme,
                    "accuracy_at_compile": {"fp32": acc.reference, **tops, "shipped": acc.candidate},
                    "selftest_top1_at_compile": m.selftest_summary.top1 if m.selftest_summary else None,
                    "rollout": {"id": r.id, "status": r.status, "seconds": round(rollout_s, 2)},
-                   "devices": rows, "console": f"{lf.url}/",
+                   "devices": rows, "pipeline": ocr, "console": f"{lf.url}/",
                    "admin_token_file": str(lf.work_dir / "fleet" / "admin-token")}
         if opts.as_json:
             print(json.dumps(summary, indent=2))
@@ -307,6 +315,11 @@ def run_demo(opts: DemoOptions) -> int:
             if build_st is not None:
                 print(f"(self-test: top-1 on the bundle's {m.selftest_summary.samples if m.selftest_summary else '?'} "
                       f"sample images, measured by each agent on its own CPU; {build_st:.4f} at compile time)")
+            if "texts" in ocr:
+                print(f"\nocr pipeline 1.0.0 ({', '.join(f'{n} {p}' for n, p in ocr['stages'].items())}) on "  # type: ignore[attr-defined]
+                      f"{len(devices)} devices; what each read on two new pages:")
+                for d, texts in ocr["texts"].items():  # type: ignore[attr-defined]
+                    print(f"{d:<10} {texts}")
             token_file = lf.work_dir / "fleet" / "admin-token"
             print(f"\nconsole: {lf.url}/  (sign in with the admin token in {token_file})")
         sys.stdout.flush()

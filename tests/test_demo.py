@@ -20,10 +20,10 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_demo_json_summary(tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "demo", "--work-dir", str(tmp_path / "d"), "--exit",
-                        "--json"], capture_output=True, text=True, timeout=280)
+                        "--json"], capture_output=True, text=True, timeout=880)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["rollout"]["status"] == "succeeded" and len(s["devices"]) == 3
@@ -37,6 +37,12 @@ def test_demo_json_summary(tmp_path):
     assert s["precision"] in ("int8", "fp32") and s["precision_reason"].startswith(s["precision"] + ":")
     assert {"fp32", "int8"} <= set(s["accuracy_at_compile"])
     assert s["console"].startswith("http://127.0.0.1:")
+    # step 7: the OCR pipeline served as one model on every agent, each reading the same strings on new pages
+    ocr = s["pipeline"]
+    assert ocr["rollout"]["status"] == "succeeded" and set(ocr["stages"]) == {"det", "rec"}, ocr
+    reads = list(ocr["texts"].values())
+    assert len(reads) == 3 and all(r == reads[0] for r in reads) and sum(len(p) for p in reads[0]) >= 4, ocr
+    assert all(v >= 0.98 for k, v in ocr["end_gate"].items() if k != "char_error_rate"), ocr
 
 
 def test_demo_failure_is_one_line_not_a_traceback(tmp_path):
