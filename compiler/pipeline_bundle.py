@@ -26,6 +26,7 @@ the bundle into the TUF repository when it is uploaded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import tempfile
 from collections.abc import Callable, Sequence
@@ -291,6 +292,8 @@ def _images(w: _Work, path: Path, what: str) -> np.ndarray:
 
 
 def _compile(opts: PipelineOptions, progress: Progress) -> PipelineResult:
+    # absolute paths: a build tool run in its own working folder (onnx2tf, LiteRT) gets paths under the work folder
+    opts = dataclasses.replace(opts, out=opts.out.absolute())
     w = _load(opts, progress)
     det_in, rec_in = w.det_info.inputs[0].name, w.rec_info.inputs[0].name
     eval_x = _images(w, opts.eval, "evaluation set")
@@ -395,7 +398,7 @@ def _compile_stage(w: _Work, st: StageSource, model: Path, calib: Path, eval_: P
     except CompilerError as exc:
         raise type(exc)(f"stage {st.name!r}: {exc}") from exc
     folder = out / "files"
-    manifest = extract_bundle(result.bundle, folder)
+    manifest = _one_precision(extract_bundle(result.bundle, folder))
     choice = manifest.precision_choice.reason if manifest.precision_choice is not None else manifest.precision
     w.say(offset + 7, f"{label}{choice}", note=True)
     return StageBuild(st, manifest, folder, round(time.monotonic() - t0, 2))
@@ -532,6 +535,25 @@ class _EndGate:
                 "; no stage alone at fp32 passes: set the stages' precision to fp32 (or auto), give calibration "
                 "images like the devices' (--calibration), or loosen --min-answers / --max-cer")
         return msg + ("; " + "; ".join(hints) if hints else "") + tail
+
+
+def _one_precision(m: Manifest) -> Manifest:
+    """A stage ships one precision: the one the pipeline's end answers are gated with. Where the build host cannot
+    time the profile's CPUs, compile_model ships every passing precision for the device to time (variants); a
+    stage of a pipeline keeps only its own engine (the profile's default first), and says so."""
+    if not m.variants:
+        return m
+    left = [v.precision for v in m.variants]
+    old = m.precision_choice
+    assert old is not None
+    choice = PrecisionChoice(
+        mode="auto", chosen=m.precision, candidates=old.candidates,
+        reason=f"{m.precision}: a pipeline's stage ships one precision, the one its end answers are gated with (the "
+               f"profile's default first); {', '.join(left)} also passed this stage's gate but are not shipped, as "
+               f"the devices cannot choose among them without an end-to-end gate of each combination; {old.reason}")
+    dropped = {f for v in m.variants for f in (v.engine, v.selftest)}
+    return m.model_copy(update={"variants": (), "precision_choice": choice,
+                                "files": {k: v for k, v in m.files.items() if k not in dropped}})
 
 
 def _stage_speedup(stages: dict[str, StageBuild], quantized: list[str], back: str) -> float:
