@@ -16,6 +16,7 @@ a map's regions and resizes crops.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ from edgefleet.judge.tasks import _boxes, _crit, _mean_ci, _wilson, edit_distanc
 from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 from edgefleet.protocol.pipeline import BoxesStep, PipelineSpec, ReadStep, end_output_names
 
-__all__ = ["MAX_REGIONS", "Chain", "Found", "decode_text", "end_specs", "judge_pipeline"]
+__all__ = ["MAX_REGIONS", "Chain", "Found", "ImageAnswers", "compare_image", "decode_text", "end_specs",
+           "judge_pipeline"]
 
 MAX_REGIONS = 10_000  # regions of one map looked at (a noisy map of single pixels is cut here)
 Found = tuple[np.ndarray, np.ndarray]  # one image's boxes [K, 4] (x0, y0, x1, y1) and scores [K]
@@ -270,6 +272,50 @@ def _pairs(ref: Sequence[np.ndarray], cand: Sequence[np.ndarray], i: int) -> lis
     return pairs
 
 
+@dataclass(frozen=True)
+class ImageAnswers:
+    """One image's end answers, a candidate pipeline's against a reference's (:func:`compare_image`)."""
+
+    answers: int  # the reference's boxes, each an answer
+    kept: int  # of them, read the same by the candidate on a box matched at IoU >= 0.5 (a lost box: changed)
+    matched: int  # reference boxes matched one to one with the candidate's
+    found: int  # the candidate's boxes
+    edits: int  # ctc: characters to edit, summed over the reference's strings (0 for topk)
+    chars: int  # ctc: the reference's characters
+    cers: tuple[float, ...]  # ctc: each reference string's character error rate
+    score_diff: float | None  # the largest |box score| or |answer score| difference on matched boxes
+
+
+def compare_image(spec: PipelineSpec, ref: Sequence[np.ndarray], cand: Sequence[np.ndarray], i: int
+                  ) -> ImageAnswers:
+    """Image ``i``'s end answers, ``cand``'s against ``ref``'s (both end outputs as protocol/pipeline.py lists
+    them): boxes matched at IoU 0.5, and on the reference's boxes the strings equal (ctc) or the top class (topk).
+    The compiler's end gate (:func:`judge_pipeline`) sums these over its images; the agent's shadow per request."""
+    pairs = _pairs(ref, cand, i)
+    got = dict(pairs)
+    same = edits = chars = 0
+    cers: list[float] = []
+    if spec.read.op == "ctc":
+        rs, cs = _strings(ref, i), _strings(cand, i)
+        for r_i, r_text in enumerate(rs):
+            c_text = cs[got[r_i]] if r_i in got else b""
+            a, b = list(r_text.decode("utf-8", "replace")), list(c_text.decode("utf-8", "replace"))
+            same += a == b
+            d = edit_distance(a, b)  # type: ignore[arg-type]
+            edits += d
+            chars += len(a)
+            cers.append(d / max(len(a), 1))
+    else:
+        same = sum(int(ref[3][i, r, 0] == cand[3][i, c, 0]) for r, c in pairs)
+    diff: float | None = None
+    for r, c in pairs:
+        a_ref, a_cand = np.asarray(ref[4][i, r]).reshape(-1)[:1], np.asarray(cand[4][i, c]).reshape(-1)[:1]
+        d = max(abs(float(ref[1][i, r]) - float(cand[1][i, c])), abs(float(a_ref[0]) - float(a_cand[0])))
+        diff = d if diff is None else max(diff, d)
+    return ImageAnswers(answers=int(ref[2][i]), kept=int(same), matched=len(pairs), found=int(cand[2][i]),
+                        edits=edits, chars=chars, cers=tuple(cers), score_diff=diff)
+
+
 def judge_pipeline(spec: PipelineSpec, ref: Sequence[np.ndarray], cand: Sequence[np.ndarray], *,
                    min_answers: float = 0.98, max_cer: float = 0.02, min_boxes: int = 10) -> TaskReport:
     """The candidate pipeline's end answers against FP32's on the same images: boxes kept and added (IoU 0.5), and
@@ -283,21 +329,12 @@ def judge_pipeline(spec: PipelineSpec, ref: Sequence[np.ndarray], cand: Sequence
     matched = same = edits = chars = 0
     cers: list[float] = []
     for i in range(n):
-        pairs = _pairs(ref, cand, i)
-        matched += len(pairs)
-        if spec.read.op == "ctc":
-            rs, cs = _strings(ref, i), _strings(cand, i)
-            got = dict(pairs)
-            for r_i, r_text in enumerate(rs):
-                c_text = cs[got[r_i]] if r_i in got else b""
-                a, b = list(r_text.decode("utf-8", "replace")), list(c_text.decode("utf-8", "replace"))
-                same += a == b
-                d = edit_distance(a, b)  # type: ignore[arg-type]
-                edits += d
-                chars += len(a)
-                cers.append(d / max(len(a), 1))
-        else:
-            same += sum(int(ref[3][i, r, 0] == cand[3][i, c, 0]) for r, c in pairs)
+        one = compare_image(spec, ref, cand, i)
+        matched += one.matched
+        same += one.kept
+        edits += one.edits
+        chars += one.chars
+        cers.extend(one.cers)
     crits: list[TaskCriterion] = [
         _crit("end_answer_agreement", same / n_ref, min_answers, "min", _wilson(same, n_ref)),
         _crit("box_recall", matched / n_ref, min_answers, "min", _wilson(matched, n_ref)),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgefleet.judge.errors import InputError
-from edgefleet.judge.pipeline import Chain, decode_text, end_specs, judge_pipeline
+from edgefleet.judge.pipeline import Chain, compare_image, decode_text, end_specs, judge_pipeline
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.pipeline import PipelineSpec, load_pipeline_file
 
@@ -161,6 +161,13 @@ def test_the_end_gate_counts_changed_strings_and_lost_boxes() -> None:
     lost[2][1] = 0  # the candidate found no box on image 1
     v = judge_pipeline(s, ref, lost, min_boxes=2)
     assert {c.name: c.value for c in v.criteria}["box_recall"] == 0.5 and not v.passed
+    # one image at a time (the agent's shadow compares each mirrored request so)
+    kept = compare_image(s, ref, changed, 0)
+    assert (kept.answers, kept.kept, kept.matched, kept.edits, kept.score_diff) == (1, 1, 1, 0, 0.0)
+    read = compare_image(s, ref, changed, 1)
+    assert (read.answers, read.kept, read.matched, read.edits, read.chars) == (1, 0, 1, 1, 1)
+    gone = compare_image(s, ref, lost, 1)
+    assert (gone.answers, gone.kept, gone.matched, gone.found, gone.score_diff) == (1, 0, 0, 0, None)
     with pytest.raises(InputError, match="needs at least 10"):
         judge_pipeline(s, ref, ref)
 
