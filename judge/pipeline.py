@@ -310,8 +310,8 @@ def compare_image(spec: PipelineSpec, ref: Sequence[np.ndarray], cand: Sequence[
     diff: float | None = None
     for r, c in pairs:
         a_ref, a_cand = np.asarray(ref[4][i, r]).reshape(-1)[:1], np.asarray(cand[4][i, c]).reshape(-1)[:1]
-        d = max(abs(float(ref[1][i, r]) - float(cand[1][i, c])), abs(float(a_ref[0]) - float(a_cand[0])))
-        diff = d if diff is None else max(diff, d)
+        gap = max(abs(float(ref[1][i, r]) - float(cand[1][i, c])), abs(float(a_ref[0]) - float(a_cand[0])))
+        diff = gap if diff is None else max(diff, gap)
     return ImageAnswers(answers=int(ref[2][i]), kept=int(same), matched=len(pairs), found=int(cand[2][i]),
                         edits=edits, chars=chars, cers=tuple(cers), score_diff=diff)
 
