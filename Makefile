@@ -114,11 +114,12 @@ test-py310: $(VENV310)/.installed system-deps
 
 # The agent on 64-bit ARM: its [agent] and [image] extras installed from aarch64 wheels under as-arm64, arm64-cpu
 # bundles (LiteRT, FP32 and INT8) built here natively, verified on each of ARM64_CPUS, and an emulated
-# agent answering an OIP request from this host over loopback (tests/test_arm64.py prints the figures).
+# agent answering an OIP request from this host over loopback; with [openvino] too, its engine on the compiler's
+# x86-cpu ONNX/QDQ files (tests/test_arm64.py prints the figures).
 test-arm64: $(VENV)/.installed system-deps
 	@[ -f "$(AS_ARM64)" ] || { echo "error: $(AS_ARM64) is missing: the emulated aarch64 pass needs the shared tools" \
 	  "beside this checkout (../shared/tools/as-arm64), or AS_ARM64=/path/to/as-arm64" >&2; exit 1; }
-	AS_ARM64_EXTRA=agent,image bash $(AS_ARM64) init
+	AS_ARM64_EXTRA=agent,image,openvino bash $(AS_ARM64) init
 	$(VENV)/bin/edgefleet toolchain install tflite
 	EDGEFLEET_AS_ARM64="$(abspath $(AS_ARM64))" EDGEFLEET_ARM64_CPUS="$(ARM64_CPUS)" \
 	    $(PY) -m pytest -p no:cacheprovider -rA tests/test_arm64.py

@@ -172,6 +172,76 @@ def test_an_arm64_cpu_bundle_computes_as_gated_on(cpu, precision, arm_bundle):
         f"drift {st['drift']:.2f}x tolerance")
 
 
+# run on the emulated box: each extracted onnxruntime bundle on the OpenVINO engine, its own self-test, and its
+# answers on the host's inputs (x86.npz, beside it) against the host's onnxruntime answers
+OPENVINO_PROBE = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from edgefleet import engines
+from edgefleet.agent.selftest import self_test
+from edgefleet.agent.store import StagedModel
+from edgefleet.protocol.manifest import parse_manifest
+out = {"onnxruntime": engines.runtime_installed("onnxruntime")}
+for d in map(Path, sys.argv[1:]):
+    m = parse_manifest(json.loads((d / "manifest.json").read_text()))
+    ref = np.load(d / "x86.npz")
+    e = engines.load_bundle_engine(m, d / m.engine, 1, runtime="openvino")
+    got = e.infer({"input": ref["input"]})[0]
+    st = self_test(e, StagedModel(m, d, ""))
+    e.close()
+    out[m.precision] = {"device": e.device, "max_abs_diff": float(np.abs(got - ref["output"]).max()),
+                        "top1_agreement": float((got.argmax(1) == ref["output"].argmax(1)).mean()),
+                        "selftest": st.model_dump(mode="json")}
+print(json.dumps(out))
+"""
+
+
+def test_openvino_runs_onnxruntime_bundles_on_arm_as_onnxruntime_does_here(tmp_path):
+    """OpenVINO ships aarch64 wheels (issue 35): on the emulated ARM box with edgefleet[openvino] (and no
+    onnxruntime: aarch64's [agent] leaves it out), the OpenVINO engine loads the compiler's digits FP32 and QDQ INT8
+    files (x86-cpu bundles, built here), each passes its bundle's own self-test, and answers this host's onnxruntime
+    gives on the same 64 images: FP32 within 1e-4, the same top-1. About 70 s on one CPU model (emulated)."""
+    from edgefleet import engines
+    from edgefleet.protocol.bundle import extract_bundle
+
+    paths = subprocess.run(["bash", AS_ARM64 or "", "path"], capture_output=True, text=True, timeout=60).stdout
+    venv = Path(next(line.split(None, 1)[1] for line in paths.splitlines() if line.startswith("venv")))
+    if not list(venv.glob("lib/python3*/site-packages/openvino/__init__.py")):
+        pytest.skip("openvino is not in the emulated venv (as-arm64 init with AS_ARM64_EXTRA including openvino)")
+    with np.load(DIGITS / "test.npz") as npz:
+        x = np.ascontiguousarray(npz["input"][:64], dtype=np.float32)
+    dirs = []
+    for precision in ("fp32", "int8"):
+        r = subprocess.run([sys.executable, "-m", "edgefleet.cli", "compile", str(DIGITS / "model.onnx"),
+                            "--profile", "x86-cpu", "--calibration", str(DIGITS / "calibration.npz"),
+                            "--eval", str(DIGITS / "test.npz"), "--name", "digits", "--version", "1.0.0",
+                            "--precision", precision, "--out", str(tmp_path / precision), "--json"],
+                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+        d = tmp_path / f"{precision}-bundle"
+        m = extract_bundle(Path(json.loads(r.stdout)["bundle"]), d)
+        e = engines.load_bundle_engine(m, d / m.engine, 1, runtime="onnxruntime")
+        try:
+            np.savez(d / "x86.npz", input=x, output=e.infer({"input": x})[0])
+        finally:
+            e.close()
+        dirs.append(str(d))
+    (tmp_path / "probe.py").write_text(OPENVINO_PROBE)
+    r = arm(CPUS[0], "python", str(tmp_path / "probe.py"), *dirs)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["onnxruntime"] is False, doc  # OpenVINO alone serves these files on this box
+    for precision in ("fp32", "int8"):
+        got = doc[precision]
+        assert got["device"].startswith("OpenVINO") and got["selftest"]["drift"] <= 1.0, got
+        assert got["top1_agreement"] >= (1.0 if precision == "fp32" else 0.95), got
+        say(f"{CPUS[0]:<12} OpenVINO {precision}: self-test drift {got['selftest']['drift']:.2f}x, top-1 "
+            f"{got['selftest']['top1']}; vs this host's onnxruntime: max abs {got['max_abs_diff']:.2g}, top-1 "
+            f"agreement {got['top1_agreement']:.3f}")
+    assert doc["fp32"]["max_abs_diff"] < 1e-4, doc
+
+
 def test_an_emulated_arm_agent_answers_oip_requests_from_this_host(arm_bundle, tmp_path):
     """The agent runs as a device would (`edgefleet agent`, its store holding the bundle), on the first CPU model:
     it times the bundle's int8 and fp32 engines on its (emulated) cores and serves one; this host sends it tensors
