@@ -169,8 +169,8 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
         return pick_runtime(staged, setting, _loader(staged, threads, providers), max_batch_size,
                             installed=installed)
     for line in done.stderr.decode(errors="replace").splitlines():  # the child's warnings: each runtime dropped
-        if " WARNING " in line or line.startswith("WARNING"):
-            log.warning("runtime trial: %s", line.split(" WARNING ", 1)[-1])
+        if line.startswith("WARNING "):
+            log.warning("runtime trial: %s", line.removeprefix("WARNING "))
     try:
         out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
     except ValueError:
