@@ -292,8 +292,8 @@ class ModelHost:
 
     def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:
         self._drift.offer(served.manifest, outs)  # a deque append; counted off the request path
-        if self._shadow is not None:
-            self._shadow.offer(served.manifest.name, req.feeds, outs)
+        if self._shadow is not None:  # a pipeline's answers go to a pipeline's shadow only (agent/shadow.py)
+            self._shadow.offer(served.manifest.name, req.feeds, outs, served.pipeline is not None)
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         entries: dict[tuple[str, str], IndexEntry] = {}

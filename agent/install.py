@@ -30,7 +30,7 @@ from edgefleet.agent.host import IndexEntry, ModelHost
 from edgefleet.agent.precision import PrecisionPick, pick_precision
 from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime_in_child
 from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
-from edgefleet.agent.shadow import ShadowMirror
+from edgefleet.agent.shadow import PipelineShadow, ShadowMirror
 from edgefleet.agent.store import ModelStore, StagedModel
 from edgefleet.agent.trusted import Decision, check_cpu, decide
 from edgefleet.agent.updater import BundleFetcher
@@ -195,13 +195,14 @@ class Installer:
                                  f"expected {desired.model} {desired.version} {profile}")
             self.require_cpu(profile, m.cpu_features)
             stages: PipelineStages | None = None
+            if shadow:
+                self.check_shadow(m)
             if m.pipeline is not None:  # both stages loaded, each self-tested, then the end-to-end self-test
-                if shadow:
-                    raise RefusedUpdate(f"{m.name} {m.version} is a pipeline; this agent does not run a pipeline in "
-                                        "shadow yet (install it, or shadow a single model)")
                 stages = self.prepare_pipeline(staged)
                 loaded = stages.engines
                 backend = loaded[0]
+                if shadow:
+                    self.check_shadow(m, stages.size)
                 measured = stages.selftest
                 settings, tuning = None, None
                 serving = self.pipeline_serving(m, stages)
@@ -219,9 +220,17 @@ class Installer:
                 serving = self.serving_choice(pick, settings, tuning, len(loaded))
             bundle_fault = False
             if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
-                for extra in loaded[1:]:
-                    extra.close()
-                self.host.start_shadow(ShadowMirror(m, backend, self.config.shadow_sample_rate, staged))
+                mirror: ShadowMirror
+                if stages is not None:  # its end answers against the serving pipeline's (one instance a stage)
+                    mirror = PipelineShadow(m, stages, self.config.shadow_sample_rate, staged)
+                    keep = {id(mirror.backend), id(mirror.reader)}
+                else:
+                    mirror = ShadowMirror(m, backend, self.config.shadow_sample_rate, staged)
+                    keep = {id(backend)}
+                for extra in loaded:
+                    if id(extra) not in keep:
+                        extra.close()
+                self.host.start_shadow(mirror)
                 loaded, backend, staged = [], None, None
                 self.report("shadowing", desired, selftest=measured)
                 log.info("shadowing %s %s on %.0f%% of live requests", m.name, m.version,
@@ -262,6 +271,35 @@ class Installer:
         self.report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured,
                     serving=serving)
         log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
+
+    def check_shadow(self, m: Manifest, size: tuple[int, int] | None = None) -> None:
+        """A candidate in shadow is compared with the version of its name serving here, so both must answer alike:
+        a pipeline shadows a pipeline that reads the same way (ctc or top-k) at the same image size (``size``: the
+        candidate's, once its stages are loaded), a single model a single model. UpdateError naming both; not
+        remembered as the bundle's failure (the same bundle may shadow once the device serves another version)."""
+        served = self.host.models.get(m.name)
+        if served is None:
+            return
+        have = f"{m.name} {served.manifest.version} serving here"
+        if m.pipeline is not None and served.pipeline is None:
+            raise UpdateError(f"{m.name} {m.version} is a pipeline and {have} is a single model: a pipeline's end "
+                              "answers (boxes and what was read in them) cannot be compared with a single model's "
+                              "outputs, so it cannot run in its shadow; install it, or shadow it where a pipeline "
+                              "serves")
+        if m.pipeline is None and served.pipeline is not None:
+            raise UpdateError(f"{m.name} {m.version} is a single model and {have} is a pipeline: a single model's "
+                              "outputs cannot be compared with a pipeline's end answers, so it cannot run in its "
+                              "shadow; install it, or shadow it where a single model serves")
+        if m.pipeline is None or served.pipeline is None:
+            return
+        mine, theirs = m.pipeline.spec.read.op, served.pipeline.spec.read.op
+        if mine != theirs:
+            raise UpdateError(f"{m.name} {m.version} reads with {mine} and {have} with {theirs}: their end answers "
+                              "cannot be compared, so it cannot run in its shadow; install it instead")
+        if size is not None and size != served.pipeline.size:
+            raise UpdateError(f"{m.name} {m.version} reads {size[0]}x{size[1]} images and {have} reads "
+                              f"{served.pipeline.size[0]}x{served.pipeline.size[1]}: it cannot answer the requests "
+                              "mirrored to it, so it cannot run in its shadow; install it instead")
 
     # -- model lifecycle ------------------------------------------------------------------------
     def load_instances(self, manifest: Manifest, directory: Path, count: int | None = None,

@@ -9,6 +9,19 @@ promotes the candidate only if they agree well enough.
 
 Agreement: for each output of class scores (``[N, C]`` with the batch on axis 0), the share of samples
 whose argmax is the same; the worst absolute difference over every output; the candidate's p99.
+
+A pipeline (manifest version 7) shadows a pipeline (:class:`PipelineShadow`): the mirrored images run through the
+candidate's two engines and the steps between them (judge.pipeline.Chain, one image batch at a time on the shadow's
+thread), and its END answers are compared with the serving pipeline's on the same images, as the compiler's end gate
+compares a pipeline with FP32 (judge.pipeline.compare_image): boxes matched one to one at IoU 0.5, and on each of the
+serving pipeline's boxes the string read (ctc, byte for byte) or the top class (top-k). ``top1_agreement`` is then
+the share of the serving pipeline's end answers the candidate keeps: each of its boxes is one answer, kept when the
+candidate has a box there that reads the same (a lost box is a changed answer); an image where it found nothing is
+one answer too ("no text here"), kept when the candidate finds nothing either. Boxes the candidate adds beside the
+serving pipeline's are not counted against it. ``samples`` counts images; ``max_abs_error`` is the largest box or
+answer score difference on matched boxes. A pipeline never shadows a single model nor a single model a pipeline
+(the installer refuses both: their answers are not comparable); an offer from a served version of the other kind
+(a swap after the shadow started) is ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +32,8 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,12 +41,28 @@ from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.manifest import Manifest
 
-__all__ = ["ShadowMirror"]
+if TYPE_CHECKING:
+    from edgefleet.agent.pipeline import PipelineStages
+
+__all__ = ["PipelineShadow", "ShadowMirror"]
 
 log = logging.getLogger("edgefleet.agent.shadow")
 
 
+@dataclass(frozen=True)
+class _Tally:
+    """One mirrored request compared: its samples (batch rows, images), those judged, those agreeing, the worst
+    absolute difference (None: nothing comparable; inf: the answers' shapes differ)."""
+
+    samples: int
+    compared: int
+    agreed: int
+    worst: float | None
+
+
 class ShadowMirror:
+    pipeline = False  # the kind of served version whose requests it takes (a single model)
+
     def __init__(self, manifest: Manifest, backend: Engine, sample_rate: float, staged: Any = None,
                  max_pending: int = 2, seed: int | None = None):
         self.manifest = manifest
@@ -53,9 +83,11 @@ class ShadowMirror:
         self._latencies: deque[float] = deque(maxlen=2000)
         self._top1 = [i for i, t in enumerate(manifest.outputs) if len(t.shape) == 2 and t.batch_axis == 0]
 
-    def offer(self, model: str, feeds: dict[str, np.ndarray], outputs: list[np.ndarray]) -> None:
-        """Called after the active model of ``model`` answered; cheap unless this request is sampled."""
-        if model != self.manifest.name or self._rng.random() >= self.sample_rate:
+    def offer(self, model: str, feeds: dict[str, np.ndarray], outputs: list[np.ndarray], pipeline: bool = False
+              ) -> None:
+        """Called after the active model of ``model`` answered (``pipeline``: a pipeline answered, its end outputs);
+        cheap unless this request is sampled."""
+        if model != self.manifest.name or pipeline != self.pipeline or self._rng.random() >= self.sample_rate:
             return
         with self._lock:
             if self._pending >= self.max_pending:
@@ -67,29 +99,16 @@ class ShadowMirror:
     def _run(self, feeds: dict[str, np.ndarray], outputs: list[np.ndarray]) -> None:
         try:
             t0 = time.perf_counter()
-            got = self.backend.infer(feeds)
+            got = self._infer(feeds)
             self._latencies.append((time.perf_counter() - t0) * 1000.0)
-            n = next((int(v.shape[0]) for v in feeds.values() if v.ndim > 0), 1)
-            worst = 0.0
-            agreed = compared = 0
-            for i, (a, b) in enumerate(zip(outputs, got, strict=False)):
-                a, b = np.asarray(a), np.asarray(b)
-                if a.shape != b.shape:
-                    worst = float("inf")
-                    continue
-                if a.size:
-                    worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
-                if i in self._top1 and a.ndim == 2:
-                    agreed += int(np.sum(np.argmax(a, axis=1) == np.argmax(b, axis=1)))
-                    compared += a.shape[0]
+            tally = self._compare(feeds, outputs, got)
             with self._lock:
-                self.samples += n
-                self.agreed += agreed
-                self.compared += compared
-                if np.isfinite(worst):
-                    self.max_abs_error = worst if self.max_abs_error is None else max(self.max_abs_error, worst)
-                else:  # shapes differ: that is a disagreement on every sample with class scores
-                    self.compared += n if self._top1 else 0
+                self.samples += tally.samples
+                self.agreed += tally.agreed
+                self.compared += tally.compared
+                if tally.worst is not None and np.isfinite(tally.worst):
+                    self.max_abs_error = tally.worst if self.max_abs_error is None else max(self.max_abs_error,
+                                                                                            tally.worst)
         except Exception as exc:  # a failing candidate is a finding, not a crash
             with self._lock:
                 self.errors += 1
@@ -98,6 +117,29 @@ class ShadowMirror:
         finally:
             with self._lock:
                 self._pending -= 1
+
+    def _infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The candidate's answer to a mirrored request (on the shadow's thread)."""
+        return list(self.backend.infer(feeds))
+
+    def _compare(self, feeds: dict[str, np.ndarray], outputs: list[np.ndarray], got: list[np.ndarray]) -> _Tally:
+        """Each output of class scores: top-1 per sample; every output: the worst absolute difference."""
+        n = next((int(v.shape[0]) for v in feeds.values() if v.ndim > 0), 1)
+        worst = 0.0
+        agreed = compared = 0
+        for i, (a, b) in enumerate(zip(outputs, got, strict=False)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape:
+                worst = float("inf")
+                continue
+            if a.size:
+                worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
+            if i in self._top1 and a.ndim == 2:
+                agreed += int(np.sum(np.argmax(a, axis=1) == np.argmax(b, axis=1)))
+                compared += a.shape[0]
+        if not np.isfinite(worst):  # shapes differ: that is a disagreement on every sample with class scores
+            compared += n if self._top1 else 0
+        return _Tally(n, compared, agreed, worst)
 
     def figures(self) -> proto.ShadowFigures:
         with self._lock:
@@ -111,3 +153,54 @@ class ShadowMirror:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
+
+
+class PipelineShadow(ShadowMirror):
+    """A candidate pipeline in shadow of the serving pipeline of its name (see the module docstring): the mirrored
+    images through its two engines (the first instance of each stage) and the steps between them; its end answers
+    against the serving pipeline's, image by image."""
+
+    pipeline = True
+
+    def __init__(self, manifest: Manifest, stages: PipelineStages, sample_rate: float, staged: Any = None,
+                 max_pending: int = 2, seed: int | None = None):
+        from edgefleet.judge.pipeline import Chain
+
+        p = manifest.pipeline
+        assert p is not None
+        super().__init__(manifest, stages.detector.backends[0], sample_rate, staged, max_pending, seed)
+        self.stages = stages
+        self.spec = p.spec
+        det_m, rec_m = stages.detector.manifest, stages.reader.manifest
+        self.reader = stages.reader.backends[0]
+        self.det_input, self.rec_input = det_m.inputs[0].name, rec_m.inputs[0].name
+        self.chain = Chain(p.spec, stages.size, [o.name for o in det_m.outputs], [o.name for o in rec_m.outputs])
+        self.rec_batch = stages.reader.settings.max_batch_size
+
+    def _infer(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        x = next(iter(feeds.values()))  # a pipeline takes one input: the image batch
+        return self.chain.run(x, lambda b: self.backend.infer({self.det_input: b}),
+                              lambda b: self.reader.infer({self.rec_input: np.ascontiguousarray(b)}), self.rec_batch)
+
+    def _compare(self, feeds: dict[str, np.ndarray], outputs: list[np.ndarray], got: list[np.ndarray]) -> _Tally:
+        from edgefleet.judge.pipeline import compare_image
+
+        n = int(np.asarray(outputs[2]).shape[0])
+        answers = kept = 0
+        worst: float | None = None
+        for i in range(n):
+            one = compare_image(self.spec, outputs, got, i)
+            if one.answers == 0:  # "nothing to read here" is an answer too
+                answers += 1
+                kept += int(one.found == 0)
+            else:
+                answers += one.answers
+                kept += one.kept
+            if one.score_diff is not None:
+                worst = one.score_diff if worst is None else max(worst, one.score_diff)
+        return _Tally(n, answers, kept, worst)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for e in {id(e): e for e in (self.backend, self.reader)}.values():
+            e.close()
