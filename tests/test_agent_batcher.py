@@ -67,6 +67,25 @@ def x(n, start=0.0):
     return {"x": np.arange(start, start + 2 * n, dtype=np.float32).reshape(n, 2)}
 
 
+def gated(settings: BatchSettings, **kw) -> tuple[FakeBackend, Batcher]:
+    """A started batcher over a fake engine whose batches wait at its gate until the test opens it."""
+    be = FakeBackend()
+    be.gate.clear()
+    b = Batcher(be, settings, **kw)
+    b.start()
+    return be, b
+
+
+def gated_many(n: int, settings: BatchSettings) -> tuple[list[FakeBackend], Batcher]:
+    """The same over ``n`` fake engines (instances), each held at its own gate."""
+    bes = [FakeBackend() for _ in range(n)]
+    for be in bes:
+        be.gate.clear()
+    b = Batcher(bes, settings)
+    b.start()
+    return bes, b
+
+
 async def release(be: FakeBackend, b: Batcher, *pending) -> list:
     """Open the fake engine's gate, await every pending request and close the batcher: -> their answers."""
     be.gate.set()
@@ -154,10 +173,8 @@ def test_output_batch_mismatch_is_an_error_not_a_wrong_answer():
 
 def test_requests_that_waited_too_long_expire():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()  # the first batch blocks the inference thread
-        b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_delay_us=0, queue_timeout_s=0.05))
-        b.start()
+        # the first batch blocks the inference thread
+        be, b = gated(BatchSettings(max_batch_size=1, max_queue_delay_us=0, queue_timeout_s=0.05))
         first = asyncio.ensure_future(b.submit(x(1)))
         await until(be.started.is_set, 5, "the first batch running")
         second = asyncio.ensure_future(b.submit(x(1)))
@@ -174,10 +191,7 @@ def test_requests_that_waited_too_long_expire():
 
 def test_queue_full_is_429_not_unbounded_memory():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=2, max_queue_delay_us=0, max_queue_size=4))
-        b.start()
+        be, b = gated(BatchSettings(max_batch_size=2, max_queue_delay_us=0, max_queue_size=4))
         futs = [asyncio.ensure_future(b.submit(x(2)))]
         await until(be.started.is_set, 5, "the first request running (blocked), the queue empty")
         futs += [asyncio.ensure_future(b.submit(x(2))) for _ in range(2)]
@@ -229,10 +243,8 @@ def test_requests_with_different_dynamic_dims_are_not_stacked():
 
 def test_close_after_drain_timeout_answers_everyone():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()  # inference hangs
-        b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_delay_us=0))
-        b.start()
+        # inference hangs
+        be, b = gated(BatchSettings(max_batch_size=1, max_queue_delay_us=0))
         futs = [asyncio.ensure_future(b.submit(x(1))) for _ in range(3)]
         await until(lambda: be.started.is_set() and b.queued_samples == 2, 5, "one request running, two queued")
         await b.close(drain_timeout_s=0.1)
@@ -246,11 +258,7 @@ def test_close_after_drain_timeout_answers_everyone():
 
 def test_several_instances_run_batches_at_the_same_time():
     async def main():
-        a, b_ = FakeBackend(), FakeBackend()
-        a.gate.clear()
-        b_.gate.clear()
-        b = Batcher([a, b_], BatchSettings(max_batch_size=1))
-        b.start()
+        (a, b_), b = gated_many(2, BatchSettings(max_batch_size=1))
         assert b.instances == 2
         futs = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
         # both instances hold a batch while neither may finish: two inference threads, not one
@@ -271,10 +279,7 @@ def test_several_instances_run_batches_at_the_same_time():
 
 def test_high_priority_requests_run_first():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=1))
-        b.start()
+        be, b = gated(BatchSettings(max_batch_size=1))
         first = asyncio.ensure_future(b.submit(x(1, start=0)))
         await until(be.started.is_set, 5, "the first batch running")
         normal = [asyncio.ensure_future(b.submit(x(1, start=100 + i), priority=NORMAL)) for i in range(2)]
@@ -289,10 +294,7 @@ def test_high_priority_requests_run_first():
 
 def test_preferred_batch_sizes_split_a_queue():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=8, preferred_batch_sizes=(4,)))
-        b.start()
+        be, b = gated(BatchSettings(max_batch_size=8, preferred_batch_sizes=(4,)))
         first = asyncio.ensure_future(b.submit(x(1)))
         await until(be.started.is_set, 5, "the first batch running")
         rest = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(6)]
@@ -308,10 +310,7 @@ def test_preferred_batch_sizes_split_a_queue():
 
 async def _held_busy(settings: BatchSettings):
     """A started batcher whose model is held busy (at its gate) by a first request -> (backend, batcher, first)."""
-    be = FakeBackend()
-    be.gate.clear()
-    b = Batcher(be, settings)
-    b.start()
+    be, b = gated(settings)
     first = asyncio.ensure_future(b.submit(x(1)))
     await until(be.started.is_set, 5, "the first batch running")
     return be, b, first
@@ -373,10 +372,7 @@ def test_as_many_results_as_requests_with_mixed_sizes_and_instances():
 
 def test_a_cancelled_request_leaves_the_queue_count_right():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=1, max_queue_size=2))
-        b.start()
+        be, b = gated(BatchSettings(max_batch_size=1, max_queue_size=2))
         first = asyncio.ensure_future(b.submit(x(1)))
         await until(be.started.is_set, 5, "the first batch running")
         gone = asyncio.ensure_future(b.submit(x(1)))
@@ -532,10 +528,8 @@ def test_requests_arriving_while_a_batch_runs_join_the_batch_queued_behind_it():
     that does not fit waits for the batch after. Answers are each request's own rows, and every request of an open
     batch is answered once."""
     async def main():
-        be = FakeBackend()
-        be.gate.clear()  # the first batch holds the thread while the others arrive one by one
-        b = Batcher(be, BatchSettings(max_batch_size=4))
-        b.start()
+        # the first batch holds the thread while the others arrive one by one
+        be, b = gated(BatchSettings(max_batch_size=4))
         futs = [asyncio.ensure_future(b.submit(x(1, start=0)))]
         await until(be.started.is_set, 5, "the first batch running")
         held = 0
@@ -559,10 +553,7 @@ def test_requests_arriving_while_a_batch_runs_join_the_batch_queued_behind_it():
 
 def test_closed_batches_queue_only_a_full_batch_behind():
     async def main():
-        be = FakeBackend()
-        be.gate.clear()
-        b = Batcher(be, BatchSettings(max_batch_size=4), open_batches=False)
-        b.start()
+        be, b = gated(BatchSettings(max_batch_size=4), open_batches=False)
         futs = [asyncio.ensure_future(b.submit(x(1)))]
         await until(be.started.is_set, 5, "the first batch running")
         futs += [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(1, 4)]
@@ -744,11 +735,7 @@ def test_requests_queued_while_instances_are_free_are_shared_among_them():
     """Four free instances and eight requests queued at once: each instance takes a batch of its share at once (one
     instance taking all eight, the other three idle, is the defect)."""
     async def main():
-        bes = [FakeBackend() for _ in range(4)]
-        for be in bes:
-            be.gate.clear()
-        b = Batcher(bes, BatchSettings(max_batch_size=8))
-        b.start()
+        bes, b = gated_many(4, BatchSettings(max_batch_size=8))
         futs = [b.enqueue(x(1, start=10 * i)).future for i in range(8)]  # queued before the loop looks
         try:
             await until(lambda: all(be.started.is_set() for be in bes), 5, "every instance running a batch")
@@ -770,11 +757,7 @@ def test_a_free_instance_takes_the_batch_waiting_behind_a_busy_one():
     instance's batch ends while the first's is still held: every waiting request then runs on the second, none waits
     behind the held one while an instance is idle."""
     async def main():
-        a, c = FakeBackend(), FakeBackend()
-        a.gate.clear()
-        c.gate.clear()
-        b = Batcher([a, c], BatchSettings(max_batch_size=4))
-        b.start()
+        (a, c), b = gated_many(2, BatchSettings(max_batch_size=4))
         first = [asyncio.ensure_future(b.submit(x(1, start=10 * i))) for i in range(2)]
         await until(lambda: a.started.is_set() and c.started.is_set(), 5, "both instances running")
         waiting = []

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from edgefleet.agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
-from tests.test_agent_batcher import FakeBackend, release, x
+from tests.test_agent_batcher import FakeBackend, gated, release, x
 from tests.waiting import until
 
 
@@ -20,10 +20,7 @@ async def _queued_behind(settings: BatchSettings, first_start: float, starts: li
                          gate: ComputeGate | None = None):
     """A batcher whose first request (``first_start``) runs, held inside its gated fake engine, with requests
     ``starts`` submitted after it and a batch of them queued on the busy thread. -> (engine, batcher, first, rest)"""
-    be = FakeBackend()
-    be.gate.clear()
-    b = Batcher(be, settings, gate=gate)
-    b.start()
+    be, b = gated(settings, gate=gate)
     first = asyncio.ensure_future(b.submit(x(1, start=first_start)))
     await until(be.started.is_set, 5, "the first batch running")
     rest = [asyncio.ensure_future(b.submit(x(1, start=v))) for v in starts]
