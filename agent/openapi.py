@@ -1,7 +1,9 @@
 """The agent's HTTP API as an OpenAPI 3.0 document (served at ``GET /openapi.json``).
 
 The Open Inference Protocol (KServe v2) endpoints the agent implements, with the JSON tensor schema of
-an infer request, plus the image endpoint and the metrics. Clients and fuzzers (the tests run
+an infer request, plus the image endpoint and the metrics. The image endpoint answers a single model with a KServe
+v2 response (``InferResponse``) and a pipeline (manifest version 7, agent/pipeline.py's ``image_answer``) with its
+boxes and what it read in each (``PipelineImageAnswer``): its 200 is one of the two. Clients and fuzzers (the tests run
 schemathesis against it) read it; the server does not validate requests against it: the handlers do,
 with messages that name the problem.
 """
@@ -63,7 +65,11 @@ def openapi(version: str, max_body_bytes: int, models: dict[str, str] | None = N
             "requestBody": {"required": True, "content": {
                 "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
                 "image/png": {"schema": {"type": "string", "format": "binary"}}}},
-            "responses": {"200": _json({"type": "object"}, "outputs"), **_errors(400, 404, 413, 415, 429, 503)}}}
+            "responses": {"200": _json({"oneOf": [{"$ref": "#/components/schemas/InferResponse"},
+                                                  {"$ref": "#/components/schemas/PipelineImageAnswer"}]},
+                                       "a single model's outputs (KServe v2 response), or a pipeline's boxes and "
+                                       "what it read in each"),
+                          **_errors(400, 404, 413, 415, 429, 503)}}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "edgefleet agent (Open Inference Protocol / KServe v2)", "version": version,
@@ -100,5 +106,27 @@ def openapi(version: str, max_body_bytes: int, models: dict[str, str] | None = N
                 "outputs": {"type": "array", "items": {"type": "object", "properties": {
                     "name": {"type": "string"}, "parameters": {"type": "object"}}}},
                 "parameters": {"type": "object"}}},
+            "InferResponse": {"type": "object", "required": ["model_name", "outputs"], "properties": {
+                "model_name": {"type": "string"}, "model_version": {"type": "string"}, "id": {"type": "string"},
+                "parameters": {"type": "object"},
+                "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Tensor"}}}},
+            # agent.pipeline.image_answer: one image through a detect-then-read pipeline
+            "PipelineImageAnswer": {
+                "type": "object", "required": ["model_name", "model_version", "count", "boxes", "scores"],
+                "description": "A pipeline's answer for one image: its boxes (x0, y0, x1, y1 in the pipeline "
+                               "input's pixels, in reading order) with their scores, and what was read in each box: "
+                               "texts and text_scores (a CTC reader), or classes and class_scores (top-k, best "
+                               "first); every list holds count items.",
+                "properties": {
+                    "model_name": {"type": "string"}, "model_version": {"type": "string"},
+                    "count": {"type": "integer", "minimum": 0},
+                    "boxes": {"type": "array", "items": {"type": "array", "items": {"type": "number"},
+                                                         "minItems": 4, "maxItems": 4}},
+                    "scores": {"type": "array", "items": {"type": "number"}},
+                    "texts": {"type": "array", "items": {"type": "string"}},
+                    "text_scores": {"type": "array", "items": {"type": "number"}},
+                    "classes": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                    "class_scores": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
+                "oneOf": [{"required": ["texts", "text_scores"]}, {"required": ["classes", "class_scores"]}]},
         }},
     }

@@ -295,3 +295,36 @@ def test_hot_swap_under_load_fails_no_request_and_each_answer_is_one_versions(tm
     assert all(right for _, _, right in results), [r for r in results if not r[2]][:5]
     versions = [v for _, v, _ in results]
     assert versions[0] == "1.1.0" and versions[-1] == "1.0.0"
+
+
+def test_the_openapi_document_describes_a_pipelines_image_answer(agent):
+    """/openapi.json's 200 of /infer/image is a KServe v2 response or a pipeline's answer (count, boxes, scores,
+    texts, text_scores): the pipeline's real answer matches the second and not the first, and the same model's
+    JSON /infer answer the first and not the second."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs", reason="schemathesis's validator (the dev extra)")
+    import cv2
+
+    _, url = agent
+    doc = httpx.get(f"{url}/openapi.json", timeout=10).json()
+
+    def valid(schema: dict, instance: dict) -> bool:  # OpenAPI 3.0's schemas are JSON Schema draft 4's, mostly
+        return jsonschema_rs.Draft4Validator({**schema, "components": doc["components"]}).is_valid(instance)
+
+    documented = doc["paths"]["/v2/models/{name}/infer/image"]["post"]["responses"]["200"]["content"][
+        "application/json"]["schema"]
+    pipeline = {"$ref": "#/components/schemas/PipelineImageAnswer"}
+    kserve = {"$ref": "#/components/schemas/InferResponse"}
+    images = ocr.pages(1, seed=11)
+    page = ((images[0].transpose(1, 2, 0) * 0.5 + 0.5) * 255).round().astype(np.uint8)[:, :, ::-1]
+    ok, png = cv2.imencode(".png", page)
+    assert ok
+    r = httpx.post(f"{url}/v2/models/ocr/infer/image", content=png.tobytes(), timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["count"] >= 3 and set(answer) == {"model_name", "model_version", "count", "boxes", "scores",
+                                                    "texts", "text_scores"}
+    assert valid(documented, answer) and valid(pipeline, answer) and not valid(kserve, answer)
+    assert not valid(documented, {**answer, "boxes": [[0, 0, 1]]})  # the schema says something: a box is 4 numbers
+    r = infer(url, images)  # the same model over /infer: a KServe v2 response
+    assert r.status_code == 200, r.text
+    assert valid(documented, r.json()) and valid(kserve, r.json()) and not valid(pipeline, r.json())
