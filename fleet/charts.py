@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from html import escape
 
-__all__ = ["device_time_charts", "time_chart"]
+__all__ = ["device_time_charts", "time_chart", "wave_time_charts"]
 
 W, H = 360, 150
 LEFT, RIGHT, TOP, BOTTOM = 44, 8, 8, 22
@@ -30,15 +30,19 @@ def _clock(ts: float, step: float) -> str:
 
 
 def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]]], unit: str,
-               lines: dict[str, float] | None = None, empty: str = "no data yet") -> str:
+               lines: dict[str, float] | None = None, empty: str = "no data yet",
+               x_range: tuple[float, float] | None = None) -> str:
     """A line chart of each series over time (points: (unix seconds, value or None for a gap)); ``lines``: labelled
-    horizontal thresholds (e.g. drift's 0.1 watch and 0.25 drift)."""
+    horizontal thresholds (e.g. drift's 0.1 watch and 0.25 drift); ``x_range``: the time axis' span (unix seconds;
+    default: the points'), e.g. a rollout's life for every wave's charts."""
     pts = {k: [(t, v) for t, v in list(v)[-MAX_POINTS:] if math.isfinite(t)] for k, v in series.items()}
     values = [v for s in pts.values() for _, v in s if v is not None and math.isfinite(v)]
     times = [t for s in pts.values() for t, _ in s]
     if not values or not times:
         return f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">{escape(empty)}</span></div>'
     t0, t1 = min(times), max(times)
+    if x_range is not None and math.isfinite(x_range[0]) and math.isfinite(x_range[1]):
+        t0, t1 = min(t0, x_range[0]), max(t1, x_range[1])
     if t1 - t0 < 1:
         t0, t1 = t0 - 1, t1 + 1
     top = max([*values, *(lines or {}).values()]) or 1.0
@@ -56,8 +60,9 @@ def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]
     step = _nice_step(t1 - t0, 4)
     tick = math.ceil(t0 / step) * step
     while tick <= t1:
+        anchor = "end" if x(tick) > W - 24 else "middle"  # a label at the right edge stays inside the chart
         out.append(f'<line x1="{x(tick):.1f}" y1="{TOP + ph}" x2="{x(tick):.1f}" y2="{TOP + ph + 4}" stroke="#888"/>'
-                   f'<text x="{x(tick):.1f}" y="{H - 6}" font-size="10" text-anchor="middle">'
+                   f'<text x="{x(tick):.1f}" y="{H - 6}" font-size="10" text-anchor="{anchor}">'
                    f'{_clock(tick, step)}</text>')
         tick += step
     for frac in (0.0, 0.5, 1.0):
@@ -104,3 +109,44 @@ def device_time_charts(telemetry: Sequence[dict], drift: Sequence[dict]) -> list
             # a score needs the bundle's drift reference and 200 answers (fleet.drift): say so, not "no data"
             time_chart("drift (PSI)", {"psi": psi}, "vs the compile-time reference", {"watch": 0.1, "drift": 0.25},
                        empty="no score yet: it needs the bundle's drift reference and 200 answers")]
+
+
+def _label(p: dict, model: str | None) -> str:
+    if p["model"] == "other":
+        return "other versions"
+    return p["version"] if p["model"] == model else f'{p["model"]} {p["version"]}'.strip()
+
+
+def wave_time_charts(wave: dict, bucket_s: float, model: str | None = None,
+                     x_range: tuple[float, float] | None = None) -> list[str]:
+    """Latency p99, throughput, error rate and drift of one rollout wave over time (fleet.series points: one per
+    bucket and model version), a line per version, broken where a bucket has no records of it; ``x_range``: the
+    time axis (the rollout's series' start and end, the same for every wave)."""
+    series: dict[str, dict[float, dict]] = {}
+    for p in wave.get("points") or []:
+        series.setdefault(_label(p, model), {})[p["t"]] = p
+
+    def line(value: Callable[[dict], float | None]) -> dict[str, Sequence[tuple[float, float | None]]]:
+        out: dict[str, Sequence[tuple[float, float | None]]] = {}
+        for name, pts in series.items():
+            ts = sorted(pts)
+            line_: list[tuple[float, float | None]] = []
+            for i, t in enumerate(ts):
+                if i and t - ts[i - 1] > bucket_s * 1.5:  # a bucket without records of this version: a gap
+                    line_.append((ts[i - 1] + bucket_s, None))
+                line_.append((t + pts[t]["span_s"] / 2, value(pts[t])))
+            out[name] = line_
+        return out
+
+    n = wave["index"] + 1
+    x = x_range
+    return [time_chart(f"wave {n}: latency p99", line(lambda p: p["p99_ms"]), "ms, mean of its devices' p99",
+                       x_range=x),
+            time_chart(f"wave {n}: throughput", line(lambda p: p["throughput_rps"]), "requests/s, all its devices",
+                       x_range=x),
+            time_chart(f"wave {n}: errors", line(lambda p: None if p["error_rate"] is None else 100 * p["error_rate"]),
+                       "% of requests", x_range=x),
+            time_chart(f"wave {n}: drift (PSI)", line(lambda p: p["psi"]), "its answers vs the compile-time reference",
+                       {"watch": 0.1, "drift": 0.25},
+                       empty="no score yet: it needs the version's drift reference and 200 answers in a bucket",
+                       x_range=x)]

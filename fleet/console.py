@@ -17,7 +17,7 @@ from urllib.parse import urlencode
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, Template
 from markupsafe import Markup
 
-from edgefleet.fleet.charts import device_time_charts
+from edgefleet.fleet.charts import device_time_charts, wave_time_charts
 from edgefleet.fleet.states import TargetState
 
 __all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
@@ -257,8 +257,10 @@ def login_page(error: str | None = None) -> str:
 
 
 def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_operate: bool,
-                 message: str | None = None, state: str = "", offset: int = 0) -> str:
-    """One rollout: progress, each wave with its gates against their thresholds, the buttons, and one page of
+                 message: str | None = None, state: str = "", offset: int = 0,
+                 series: dict[str, Any] | None = None) -> str:
+    """One rollout: progress, each wave with its gates against their thresholds, the buttons, each started wave's
+    latency, throughput, errors and drift over time (``series``: fleet.series.rollout_series), and one page of
     its targets (``r["targets"]``, ``offset`` into ``r["targets_total"]`` matching ``state``; ``devices``
     those targets' devices)."""
     total = sum(w["size"] for w in r["waves"])
@@ -282,6 +284,13 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
                                        telemetry=_telemetry(d.get("telemetry"))))
     path = f'/rollouts/{r["id"]}'
     shown = r.get("targets", [])
+    wave_charts = []  # the waves that started (or have records): fleet.charts escapes every label of its SVG
+    if series:
+        for w in series["waves"]:
+            if w.get("started_at") or w.get("points"):
+                charts = wave_time_charts(w, series["bucket_s"], r.get("model"), (series["start"], series["end"]))
+                wave_charts.append(SimpleNamespace(index=w["index"], state=w["state"],
+                                                   charts=Markup("".join(charts))))
     return _html("rollout.html", title=f"rollout #{r['id']}", css=Markup(CSS + CSS_MORE), refresh_s=2, nav=True,
                  r=r, progress=_bar(installed, failed, total), installed=installed, failed=failed, total=total,
                  wave_now=min(r["current_wave"] + 1, len(r["waves"])),
@@ -289,7 +298,8 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
                  actions=ACTIONS.get(r["status"], ()) if can_operate else (), waves=waves,
                  by_version=_by_version([devices.get(t["device_id"], {}) for t in shown]), path=path, state=state,
                  target_pager=_pager(path, {"state": state}, offset, len(shown), r.get("targets_total", len(shown))),
-                 targets=targets)
+                 targets=targets, wave_charts=wave_charts,
+                 bucket_min=f'{series["bucket_s"] / 60:g}' if series else None)
 
 
 def _by_version(devs: list[dict[str, Any]]) -> list[SimpleNamespace]:

@@ -27,7 +27,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["ApiToken", "AuditRow", "Base", "Device", "DriftScoreRow",
-           "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow",
+           "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow", "WaveDriftBinRow", "WaveSeriesRow",
            "make_engine", "utcnow"]
 
 log = logging.getLogger("edgefleet.fleet.db")
@@ -233,9 +233,45 @@ class DriftScoreRow(Base):
     features: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)  # feature -> PSI
 
 
-SCHEMA_VERSION = 7  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+class WaveSeriesRow(Base):
+    """Schema 8 (fleet.series): a rollout wave's telemetry of one minute, by the model version its devices sent it
+    from: sums over the records (each record added by the ingest), so a wave's charts read these rows, never its
+    devices' records. No foreign key to the rollout: the ingest adds rows without locking the rollout's row."""
+
+    __tablename__ = "wave_series"
+    rollout_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    wave: Mapped[int] = mapped_column(Integer, primary_key=True)
+    t: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # the minute's start (unix s; the record's ts)
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)  # "" when the record names none
+    version: Mapped[str] = mapped_column(String(32), primary_key=True)
+    records: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    interval_s: Mapped[float] = mapped_column(Float, default=0.0)  # the records' intervals, summed
+    p99_sum: Mapped[float] = mapped_column(Float, default=0.0)  # the records' p99 (ms), summed
+    p99_n: Mapped[int] = mapped_column(BigInteger, default=0)  # records with a p99
+    p99_max: Mapped[float | None] = mapped_column(Float, default=None)
+    drift_samples: Mapped[int] = mapped_column(BigInteger, default=0)  # answers in wave_drift_bins' counts
+
+
+class WaveDriftBinRow(Base):
+    """Schema 8 (fleet.series): a wave's drift counts of one minute, one row per feature and bin of its model
+    version's reference (bins with no answers have no row), summed over the wave's records."""
+
+    __tablename__ = "wave_drift_bins"
+    rollout_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    wave: Mapped[int] = mapped_column(Integer, primary_key=True)
+    t: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(32), primary_key=True)
+    feature: Mapped[str] = mapped_column(String(32), primary_key=True)
+    bin: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+SCHEMA_VERSION = 8  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007", 8: "0008"}
 
 
 class Meta(Base):

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from edgefleet.fleet import console, drift
+from edgefleet.fleet import console, drift, series
 from edgefleet.fleet.auth import ROLES, Caller, TokenStore
 from edgefleet.fleet.errors import BadRequest, FleetError, Forbidden, Unauthorized
 from edgefleet.fleet.rollout import Gates, RolloutSpec, ShadowGate
@@ -63,7 +63,9 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
     r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
                                                                state or None)
     devices = service.devices_by_id([t["device_id"] for t in r["targets"]])
-    return console.rollout_page(r, devices, operate, message, state=state, offset=offset)
+    # each wave over time: grouped in SQL from the rows the ingest summed per wave and minute (fleet.series)
+    waves = series.rollout_series(service.sessions, service.rollouts.drift, rollout_id)
+    return console.rollout_page(r, devices, operate, message, state=state, offset=offset, series=waves)
 
 
 def _same_origin(service: FleetService, request: Request) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field, StringConstraints
 
-from edgefleet.fleet import drift
+from edgefleet.fleet import drift, series
 from edgefleet.fleet import schemas as out
 from edgefleet.fleet.auth import Caller
 from edgefleet.fleet.errors import BadRequest
@@ -89,6 +89,13 @@ def router(fleet: Fleet) -> APIRouter:
         """Each wave's new version against its compile-time reference and against the version its devices ran before
         (what the max_drift_psi gate judges)."""
         return drift.rollout_drift(service.sessions, service.rollouts.drift, rollout_id)
+
+    @r.get("/api/v1/rollouts/{rollout_id}/series", response_model=series.RolloutSeries)
+    def get_rollout_series(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
+        """Each wave's latency p99, throughput, error rate and drift (PSI against the compile-time reference) over
+        the rollout's life, in at most 60 buckets of whole minutes, per model version its devices ran (fleet.series:
+        summed by the ingest per wave and minute, never read from the devices' records)."""
+        return series.rollout_series(service.sessions, service.rollouts.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
     def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:

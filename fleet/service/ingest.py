@@ -10,6 +10,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from edgefleet.fleet import series
 from edgefleet.fleet.audit import Rejections
 from edgefleet.fleet.db import Device, Model, RolloutTarget, TelemetryRow, utcnow
 from edgefleet.fleet.ingest import NotStored
@@ -280,4 +281,7 @@ class IngestService:
             self.rollouts.on_shadow_batch(s, list(fresh.values()))
             for device_id, why in self.rollouts.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
                 self.rejections.add("drift_counts_refused", device_id, why)
+            # each rollout wave's rows of the minute (fleet.series): last, its upserts take their rows in key order
+            series.on_telemetry(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()),
+                                self.rollouts.drift)
             return len(fresh)
