@@ -37,6 +37,18 @@ def _until_text(page, selector: str, pattern: str, timeout_s: float = 60.0) -> s
         page.reload()
 
 
+def _start_rollout(page, model_version: str, waves: str, soak_s: str, on_failure: str | None = None) -> None:
+    """Fill the console's new-rollout form as a person would (profile x86-cpu, install success >= 0.9) and submit."""
+    page.select_option("select[name=model_version]", model_version)
+    page.fill("input[name=profile]", "x86-cpu")
+    page.fill("input[name=waves]", waves)
+    page.fill("input[name=soak_s]", soak_s)
+    page.fill("input[name=install_success_min]", "0.9")
+    if on_failure is not None:
+        page.select_option("select[name=on_failure]", on_failure)
+    page.click("#new-rollout button[type=submit]")
+
+
 def test_a_person_runs_rollouts_from_the_console(tmp_path, mosquitto, sims, digits_bundle, digits_bundle_v2):
     from playwright.sync_api import sync_playwright
 
@@ -63,12 +75,7 @@ def test_a_person_runs_rollouts_from_the_console(tmp_path, mosquitto, sims, digi
                 assert "10 devices" in page.inner_text(".summary").replace("\n", " ")
 
                 # a good rollout, started from the form: its two waves pass
-                page.select_option("select[name=model_version]", "digits 1.0.0")
-                page.fill("input[name=profile]", "x86-cpu")
-                page.fill("input[name=waves]", "3,100%")
-                page.fill("input[name=soak_s]", "1")
-                page.fill("input[name=install_success_min]", "0.9")
-                page.click("#new-rollout button[type=submit]")
+                _start_rollout(page, "digits 1.0.0", waves="3,100%", soak_s="1")
                 assert re.search(r"Rollout #\d+: digits 1\.0\.0", page.inner_text("h1"))
                 good = page.url
                 _until_text(page, "h1", "succeeded")
@@ -78,13 +85,7 @@ def test_a_person_runs_rollouts_from_the_console(tmp_path, mosquitto, sims, digi
 
                 # a bad one: half the installs of 1.1.0 fail, the first wave fails its gate and it pauses
                 page.goto(f"{url}/")
-                page.select_option("select[name=model_version]", "digits 1.1.0")
-                page.fill("input[name=profile]", "x86-cpu")
-                page.fill("input[name=waves]", "4,100%")
-                page.fill("input[name=soak_s]", "0")
-                page.fill("input[name=install_success_min]", "0.9")
-                page.select_option("select[name=on_failure]", "pause")
-                page.click("#new-rollout button[type=submit]")
+                _start_rollout(page, "digits 1.1.0", waves="4,100%", soak_s="0", on_failure="pause")
                 bad = page.url
                 _until_text(page, "h1", "paused")
                 waves = page.inner_text("#waves")
