@@ -12,9 +12,11 @@ header) as one decoded before on the connection -- a camera loop's every frame -
 its cached template decodes it with every check that depends on more than the header made again, the batcher
 queues it without an asyncio task (Batcher.enqueue), and its answer is written from the future's callback, its
 JSON reused where every output goes to shared memory. Anything else, and any request the fast path would refuse,
-goes through _infer for the exact verdict. Off unless ``local_socket`` is set (a path; relative: under the
-data dir). The socket file is made mode 0660 before the agent listens (so no one connects in between): the
-agent's user and group may connect, nobody else -- stricter than the loopback HTTP port any local user reaches.
+goes through _infer for the exact verdict. A pipeline's requests (agent/pipeline.py: two stages, no one batcher
+queue) are never cached, so they go to _infer decoded once. Off unless ``local_socket`` is set (a path;
+relative: under the data dir). The socket file is made mode 0660 before the agent listens (so no one connects in
+between): the agent's user and group may connect, nobody else -- stricter than the loopback HTTP port any local
+user reaches.
 A stale socket at the path is replaced; any other file there is refused.
 
 Bounds: ``max_connections`` connections (one more is answered ERROR 503 and closed), at most
@@ -396,8 +398,8 @@ class _Connection(asyncio.Protocol):
         try:
             served = self.srv.host.get(model, version)
             m = served.manifest
-            if t.specs is not m.inputs or t.out_specs is not m.outputs:
-                return False  # another version serves now: decoded afresh
+            if t.specs is not m.inputs or t.out_specs is not m.outputs or served.pipeline is not None:
+                return False  # another version serves now (or a pipeline: no one batcher to queue in): decoded afresh
             req = t.apply(memoryview(body)[end:] if t.has_binary else None, self.shm)
             pending = self.srv.host.enqueue(served, req)
         except RequestError:
@@ -484,7 +486,7 @@ class _Connection(asyncio.Protocol):
                         None, parse_body, rest, header, m.inputs, m.outputs, self.shm)
             else:
                 req = self._decode(body[:len(body) - len(rest) + json_length], model, version, rest, json_length,
-                                   header, m.inputs, m.outputs)
+                                   header, m.inputs, m.outputs, cache=served.pipeline is None)
             del rest
             outs = await host.infer(served, req)
             self._result(rid, served, req, outs)
@@ -517,12 +519,15 @@ class _Connection(asyncio.Protocol):
         return 500
 
     def _decode(self, key: bytes, model: str, version: str | None, rest: memoryview, json_length: int,
-                header: str | None, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...]) -> InferRequest:
+                header: str | None, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
+                cache: bool = True) -> InferRequest:
         """parse_body; a header it accepts is kept as a RequestTemplate under ``key`` (the body's bytes up to the end
         of its JSON header: the model, the version and the header), for _quick to decode the next request that
-        starts with the same bytes without parsing it."""
+        starts with the same bytes without parsing it. ``cache`` False (a pipeline's request: it runs through
+        ModelHost.infer, never _quick's batcher queue) keeps none, so the next such request is decoded once, here,
+        not first by a template whose work _quick would throw away."""
         req = parse_body(rest, header, specs, out_specs, self.shm)
-        if json_length > TEMPLATE_MAX_HEADER:
+        if not cache or json_length > TEMPLATE_MAX_HEADER:
             return req
         try:
             doc = orjson.loads(rest[:json_length])  # what parse_body read (it tries orjson first)

@@ -328,3 +328,35 @@ def test_the_openapi_document_describes_a_pipelines_image_answer(agent):
     r = infer(url, images)  # the same model over /infer: a KServe v2 response
     assert r.status_code == 200, r.text
     assert valid(documented, r.json()) and valid(kserve, r.json()) and not valid(pipeline, r.json())
+
+
+def test_the_local_socket_decodes_a_pipeline_request_once(agent, monkeypatch):
+    """The local socket's fast path (agent/local.py _quick: a template cached per connection decodes a request that
+    starts with the bytes of one before, and the batcher queues it) is a single model's; a pipeline runs through
+    ModelHost.infer. The same page sent three times on one connection is decoded once each, by parse_body, and
+    never first by a cached template whose work the normal path then does again (counted: calls, not time)."""
+    from edgefleet.agent import kserve
+    from edgefleet.agent import local as agent_local
+    from edgefleet.agent.local_client import LocalClient
+
+    a, _ = agent
+    calls = {"template": 0, "parse_body": 0}
+    real_apply, real_parse = kserve.RequestTemplate.apply, agent_local.parse_body
+
+    def apply(self, *args, **kwargs):
+        calls["template"] += 1
+        return real_apply(self, *args, **kwargs)
+
+    def parse(*args, **kwargs):
+        calls["parse_body"] += 1
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(kserve.RequestTemplate, "apply", apply)
+    monkeypatch.setattr(agent_local, "parse_body", parse)
+    images = ocr.pages(1, seed=11)
+    want = expected(images)
+    with LocalClient(a.local_socket, timeout_s=60) as c:
+        for _ in range(3):
+            outs = c.infer("ocr", {"x": images})
+            assert [[bytes(t).rstrip(b"\0").decode() for t in outs["text"][0, :outs["count"][0]]]] == want
+    assert calls == {"template": 0, "parse_body": 3}
