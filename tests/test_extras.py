@@ -12,12 +12,16 @@ venv (tests/installs.py: an import blocker, nothing of the code under test mocke
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import numpy as np
 import pytest
 
+from edgefleet.protocol.processes import stop_processes
 from tests.agent_harness import preinstall
 from tests.conftest import DIGITS, free_port, postgres_db, wait_for
 from tests.installs import CLI, argv_as_installed, blocked_modules, closure, run_as_installed
@@ -42,25 +46,38 @@ def _png(pixels: np.ndarray) -> bytes:
     return bytes(png.tobytes())
 
 
+@contextmanager
+def _running_as_installed(extras: tuple[str, ...], argv: list[str], log_path: Path, ready_url: str,
+                          what: str) -> Iterator[IO[str]]:
+    """``edgefleet argv`` as on a box with only ``edgefleet[extras]``, until ``ready_url`` answers 200 (60 s; the
+    process exiting first fails with its log's tail); stopped on the way out. -> its log file."""
+    log = log_path.open("w+")
+    proc = subprocess.Popen(argv_as_installed(extras, CLI, *argv), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            try:
+                return httpx.get(ready_url, timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, timeout_s=60, what=what)
+        yield log
+    finally:
+        stop_processes([proc], grace_s=30)
+        log.close()
+
+
 def test_image_endpoint_on_an_agent_without_the_image_extra_is_a_501_naming_it(tmp_path, image_bundle):
     data = tmp_path / "device"
     preinstall(data, image_bundle)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "agent.log").open("w+")
-    proc = subprocess.Popen(argv_as_installed(("agent",), CLI, "agent", "--device-id", "box-1", "--fleet",
-                                              "http://127.0.0.1:9", "--data-dir", str(data), "--trust-on-first-use",
-                                              "--http-host", "127.0.0.1", "--http-port", str(port)),
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        def ready() -> bool:
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            try:
-                return httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, timeout_s=60, what="the agent-only agent ready")
+    argv = ["agent", "--device-id", "box-1", "--fleet", "http://127.0.0.1:9", "--data-dir", str(data),
+            "--trust-on-first-use", "--http-host", "127.0.0.1", "--http-port", str(port)]
+    with _running_as_installed(("agent",), argv, tmp_path / "agent.log", f"{url}/v2/health/ready",
+                               "the agent-only agent ready") as log:
         with np.load(DIGITS / "test.npz") as npz:
             x = npz["input"][:1].astype(np.float32)
         r = httpx.post(f"{url}/v2/models/digits/infer/image", content=_png(np.round(x[0, 0] * 255).astype(np.uint8)),
@@ -73,10 +90,6 @@ def test_image_endpoint_on_an_agent_without_the_image_extra_is_a_501_naming_it(t
             "name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist()}]})
         assert r.status_code == 200, r.text
         assert "cv2" not in Path(log.name).read_text()  # no traceback about it either
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def _keys(tmp_path: Path) -> Path:
@@ -106,24 +119,11 @@ def test_fleet_serve_with_the_embedded_broker_but_no_broker_extra_names_it(tmp_p
 def test_a_production_fleet_on_mosquitto_runs_without_amqtt_or_psycopg(tmp_path, mosquitto):
     keys = _keys(tmp_path)
     port = free_port()
-    log = (tmp_path / "fleet.log").open("w+")
-    proc = subprocess.Popen(argv_as_installed(("fleet",), CLI, "fleet", "serve", "--data-dir",
-                                              str(tmp_path / "fleet"), "--keys", str(keys), "--port", str(port),
-                                              "--mqtt-url", mosquitto.url),
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        def healthy() -> bool:
-            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(healthy, timeout_s=60, what="the fleet on Mosquitto healthy")
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    argv = ["fleet", "serve", "--data-dir", str(tmp_path / "fleet"), "--keys", str(keys), "--port", str(port),
+            "--mqtt-url", mosquitto.url]
+    with _running_as_installed(("fleet",), argv, tmp_path / "fleet.log", f"http://127.0.0.1:{port}/api/v1/health",
+                               "the fleet on Mosquitto healthy"):
+        pass  # healthy on Mosquitto without amqtt or psycopg importable: the test's whole point
 
 
 def test_a_postgresql_url_without_the_postgres_extra_names_it(tmp_path, mosquitto):
