@@ -234,14 +234,16 @@ class DriftScoreRow(Base):
 
 
 class WaveSeriesRow(Base):
-    """Schema 8 (fleet.series): a rollout wave's telemetry of one minute, by the model version its devices sent it
-    from: sums over the records (each record added by the ingest), so a wave's charts read these rows, never its
-    devices' records. No foreign key to the rollout: the ingest adds rows without locking the rollout's row."""
+    """Schema 8 (fleet.series): a rollout wave's telemetry of one time step (a minute, ten minutes or an hour: each
+    record is added to one row of each), by the model version its devices sent it from: sums over the records, so a
+    wave's charts read these rows, never its devices' records. No foreign key to the rollout: the ingest adds rows
+    without locking the rollout's row."""
 
     __tablename__ = "wave_series"
     rollout_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)  # the row's time step, s (fleet.series.STEPS)
     wave: Mapped[int] = mapped_column(Integer, primary_key=True)
-    t: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # the minute's start (unix s; the record's ts)
+    t: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # the step's start (unix s; the record's ts)
     model: Mapped[str] = mapped_column(String(64), primary_key=True)  # "" when the record names none
     version: Mapped[str] = mapped_column(String(32), primary_key=True)
     records: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -255,11 +257,12 @@ class WaveSeriesRow(Base):
 
 
 class WaveDriftBinRow(Base):
-    """Schema 8 (fleet.series): a wave's drift counts of one minute, one row per feature and bin of its model
+    """Schema 8 (fleet.series): a wave's drift counts of one time step, one row per feature and bin of its model
     version's reference (bins with no answers have no row), summed over the wave's records."""
 
     __tablename__ = "wave_drift_bins"
     rollout_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)  # the row's time step, s (fleet.series.STEPS)
     wave: Mapped[int] = mapped_column(Integer, primary_key=True)
     t: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     model: Mapped[str] = mapped_column(String(64), primary_key=True)

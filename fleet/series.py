@@ -2,22 +2,24 @@
 devices, for the console's per-wave charts and GET /api/v1/rollouts/{id}/series.
 
 A wave of 90,000 devices sends millions of telemetry records over its life: neither the page nor the API reads them.
-The ingest adds each record to its wave's row of the minute (``wave_series``: one per rollout, wave, minute and the
-model version the record came from; records, requests, errors, intervals and p99 summed, the largest p99) and its
-drift counts to ``wave_drift_bins`` (one row per feature and bin), in the ingest's own transaction, as upserts in key
-order. A record counts for the rollout its device's ``desired_rollout_id`` names when it is stored (set when the
-device's wave started it; kept through a rollback), in the wave of its target there: a wave's series begins when the
-wave started. Its minute is the record's ``ts`` (the device's clock), at most the fleet's now.
+The ingest adds each record to its wave's rows of its minute, ten minutes and hour (``STEPS``; ``wave_series``: one
+per rollout, step, wave, time and the model version the record came from; records, requests, errors, intervals and
+p99 summed, the largest p99) and its drift counts to ``wave_drift_bins`` (one row per feature and bin), in the
+ingest's own transaction, as upserts in key order. A record counts for the rollout its device's
+``desired_rollout_id`` names when it is stored (set when the device's wave started it; kept through a rollback), in
+the wave of its target there: a wave's series begins when the wave started. Its time is the record's ``ts`` (the
+device's clock), at most the fleet's now.
 
-A read groups those rows in SQL into at most ``MAX_BUCKETS`` buckets (a whole number of minutes wide) over the
-rollout's life, from its creation until now, or until ``AFTER_S`` after it ended, at most the last ``MAX_SPAN_S``;
-at most ``MAX_GROUPS`` groups are read (``truncated`` says when more matched). Per wave the rollout's own version is
-one series, the two other versions with the most records one each, any further ones summed as "other". Per bucket:
-throughput (requests over the bucket's time: from its start, or the wave's if later, to its end, or now for the
-newest; at least the records' mean interval), error rate (errors over requests), p99 (the mean and the largest of the
-records' p99) and drift: PSI of the bucket's pooled answers against the version's compile-time reference
-(protocol.drift.score; under 200 answers "insufficient"), the wave-level figure GET /api/v1/rollouts/{id}/drift gives
-since the wave started.
+A read groups those rows in SQL into at most ``MAX_BUCKETS`` buckets over the rollout's life, from its creation
+until now, or until ``AFTER_S`` after it ended, at most the last ``MAX_SPAN_S``: the rows of the finest step that
+needs at most ``MAX_STEPS_READ`` of them per series (a 24 h rollout: ten-minute rows, 144 per wave and version, in
+buckets of 30 min), so a read's rows are bounded whatever the rollout's age; at most ``MAX_GROUPS`` groups are read
+(``truncated`` says when more matched). Per wave the rollout's own version is one series, the two other versions
+with the most records one each, any further ones summed as "other". Per bucket: throughput (requests over the
+bucket's time: from its start, or the wave's if later, to its end, or now for the newest; at least the records' mean
+interval), error rate (errors over requests), p99 (the mean and the largest of the records' p99) and drift: PSI of
+the bucket's pooled answers against the version's compile-time reference (protocol.drift.score; under 200 answers
+"insufficient"), the wave-level figure GET /api/v1/rollouts/{id}/drift gives since the wave started.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ from edgefleet.fleet.errors import NotFound
 from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto
 
-__all__ = ["AFTER_S", "BASE_S", "MAX_BUCKETS", "MAX_GROUPS", "MAX_SPAN_S", "RolloutSeries", "on_telemetry",
-           "rollout_series"]
+__all__ = ["AFTER_S", "MAX_BUCKETS", "MAX_GROUPS", "MAX_SPAN_S", "STEPS", "RolloutSeries", "on_telemetry",
+           "rollout_series", "window"]
 
-BASE_S = 60  # the rows' time step: one row per wave, version and minute
+STEPS = (60, 600, 3600)  # the rows' time steps: each record is added to one row of each (wave, version)
+MAX_STEPS_READ = 180  # a read takes the finest step with at most this many rows per wave and version
 MAX_BUCKETS = 60  # buckets a read gives over the rollout's life
 AFTER_S = 3600.0  # a finished rollout's series goes on this long after it ended (its versions settling)
 MAX_SPAN_S = 7 * 86400.0  # a read covers at most this long (the newest part)
@@ -70,39 +73,40 @@ def on_telemetry(s: Session, rollout_of: dict[str, int | None], msgs: list[proto
     waves = {(r, d): w for r, d, w in s.execute(
         select(t.c.rollout_id, t.c.device_id, t.c.wave).where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
     now = time.time()
-    rows: dict[tuple[int, int, int, str, str], dict[str, Any]] = {}
-    bins: dict[tuple[int, int, int, str, str, str, int], int] = {}
+    rows: dict[tuple[int, int, int, int, str, str], dict[str, Any]] = {}
+    bins: dict[tuple[int, int, int, int, str, str, str, int], int] = {}
     for m in msgs:
         rid = rollout_of.get(m.device_id)
         wave = waves.get((rid, m.device_id)) if rid is not None else None
         if rid is None or wave is None:
             continue
         ts = min(m.ts, now) if math.isfinite(m.ts) else now
-        minute = int(ts // BASE_S) * BASE_S
-        key = (rid, wave, minute, m.model or "", m.version or "")
-        a = rows.setdefault(key, {"records": 0, "requests": 0, "errors": 0, "interval_s": 0.0, "p99_sum": 0.0,
-                                  "p99_n": 0, "p99_max": None, "drift_samples": 0})
-        a["records"] += 1
-        a["requests"] = min(a["requests"] + m.requests, COUNT_CAP)
-        a["errors"] = min(a["errors"] + m.errors, COUNT_CAP)
-        a["interval_s"] += m.interval_s
-        p99 = m.latency.p99_ms
-        if p99 is not None:
-            a["p99_sum"] += p99
-            a["p99_n"] += 1
-            a["p99_max"] = p99 if a["p99_max"] is None else max(a["p99_max"], p99)
         dc = m.drift
-        if dc is None or (dc.model, dc.version) != (m.model, m.version):
-            continue
-        ref = book.reference(s, dc.model, dc.version)
-        if ref is None or dc.matches(ref) is not None:  # refused by fleet.drift too (and counted there)
-            continue
-        a["drift_samples"] = min(a["drift_samples"] + dc.samples, COUNT_CAP)
-        for f in dc.features:
-            for i, c in enumerate(f.counts):
-                if c:
-                    k = (*key, f.name, i)
-                    bins[k] = min(bins.get(k, 0) + c, COUNT_CAP)
+        ref = book.reference(s, dc.model, dc.version) if dc is not None and (dc.model, dc.version) == (
+            m.model, m.version) else None
+        if dc is None or ref is None or dc.matches(ref) is not None:  # refused by fleet.drift too (and counted there)
+            dc = None
+        for step in STEPS:
+            key = (rid, step, wave, int(ts // step) * step, m.model or "", m.version or "")
+            a = rows.setdefault(key, {"records": 0, "requests": 0, "errors": 0, "interval_s": 0.0, "p99_sum": 0.0,
+                                      "p99_n": 0, "p99_max": None, "drift_samples": 0})
+            a["records"] += 1
+            a["requests"] = min(a["requests"] + m.requests, COUNT_CAP)
+            a["errors"] = min(a["errors"] + m.errors, COUNT_CAP)
+            a["interval_s"] += m.interval_s
+            p99 = m.latency.p99_ms
+            if p99 is not None:
+                a["p99_sum"] += p99
+                a["p99_n"] += 1
+                a["p99_max"] = p99 if a["p99_max"] is None else max(a["p99_max"], p99)
+            if dc is None:
+                continue
+            a["drift_samples"] = min(a["drift_samples"] + dc.samples, COUNT_CAP)
+            for f in dc.features:
+                for i, c in enumerate(f.counts):
+                    if c:
+                        k = (*key, f.name, i)
+                        bins[k] = min(bins.get(k, 0) + c, COUNT_CAP)
     if not rows:
         return
     ws: Table = WaveSeriesRow.__table__  # type: ignore[assignment]
@@ -110,22 +114,22 @@ def on_telemetry(s: Session, rollout_of: dict[str, int | None], msgs: list[proto
     x = ins.excluded
     # one upsert of every row of the batch, in key order (the lock order between replicas adding to the same rows)
     s.connection().execute(ins.on_conflict_do_update(
-        index_elements=["rollout_id", "wave", "t", "model", "version"],
+        index_elements=["rollout_id", "step", "wave", "t", "model", "version"],
         set_={"records": _saturating(ws.c.records, x.records), "requests": _saturating(ws.c.requests, x.requests),
               "errors": _saturating(ws.c.errors, x.errors), "interval_s": ws.c.interval_s + x.interval_s,
               "p99_sum": ws.c.p99_sum + x.p99_sum, "p99_n": ws.c.p99_n + x.p99_n,
               "p99_max": case((x.p99_max > ws.c.p99_max, x.p99_max), else_=func.coalesce(ws.c.p99_max, x.p99_max)),
               "drift_samples": _saturating(ws.c.drift_samples, x.drift_samples)}),
-        [{"rollout_id": k[0], "wave": k[1], "t": k[2], "model": k[3], "version": k[4], **rows[k]}
+        [{"rollout_id": k[0], "step": k[1], "wave": k[2], "t": k[3], "model": k[4], "version": k[5], **rows[k]}
          for k in sorted(rows)])
     if bins:
         wb: Table = WaveDriftBinRow.__table__  # type: ignore[assignment]
         bi = _insert(s, wb)
         s.connection().execute(bi.on_conflict_do_update(
-            index_elements=["rollout_id", "wave", "t", "model", "version", "feature", "bin"],
+            index_elements=["rollout_id", "step", "wave", "t", "model", "version", "feature", "bin"],
             set_={"count": _saturating(wb.c.count, bi.excluded.count)}),
-            [{"rollout_id": k[0], "wave": k[1], "t": k[2], "model": k[3], "version": k[4], "feature": k[5],
-              "bin": k[6], "count": c} for k, c in sorted(bins.items())])
+            [{"rollout_id": k[0], "step": k[1], "wave": k[2], "t": k[3], "model": k[4], "version": k[5],
+              "feature": k[6], "bin": k[7], "count": c} for k, c in sorted(bins.items())])
 
 
 # -- reading ------------------------------------------------------------------------------------------------------
@@ -133,16 +137,18 @@ def _unix(t: dt.datetime) -> float:
     return t.replace(tzinfo=dt.UTC).timestamp()
 
 
-def window(created_at: dt.datetime, finished_at: dt.datetime | None, now: float) -> tuple[int, int, int]:
-    """The span a rollout's series covers, as (start, end, bucket width) in whole seconds: start a multiple of
-    ``BASE_S``, at most ``MAX_BUCKETS`` buckets of a whole number of minutes between them."""
+def window(created_at: dt.datetime, finished_at: dt.datetime | None, now: float) -> tuple[int, int, int, int]:
+    """The span a rollout's series covers and how it is read, as (start, end, bucket width, row step) in whole
+    seconds: the finest step with at most ``MAX_STEPS_READ`` rows over the span (the coarsest past it), start a
+    multiple of it, at most ``MAX_BUCKETS`` buckets of a whole number of steps between start and end."""
     end = now if finished_at is None else min(now, _unix(finished_at) + AFTER_S)
     start = min(_unix(created_at), end)
     start = max(start, end - MAX_SPAN_S)
-    t0 = int(start // BASE_S) * BASE_S
+    step = next((st for st in STEPS if (end - start) / st <= MAX_STEPS_READ), STEPS[-1])
+    t0 = int(start // step) * step
     t1 = max(math.ceil(end), t0 + 1)
-    width = BASE_S * max(1, math.ceil((t1 - t0) / MAX_BUCKETS / BASE_S))
-    return t0, t1, width
+    width = step * max(1, math.ceil((t1 - t0) / MAX_BUCKETS / step))
+    return t0, t1, width, step
 
 
 def rollout_series(sessions: Any, book: DriftBook, rollout_id: int, now: float | None = None) -> dict[str, Any]:
@@ -153,14 +159,14 @@ def rollout_series(sessions: Any, book: DriftBook, rollout_id: int, now: float |
         if r is None:
             raise NotFound(f"no rollout {rollout_id}")
         waves = list(s.scalars(select(RolloutWave).where(RolloutWave.rollout_id == r.id).order_by(RolloutWave.idx)))
-        t0, t1, width = window(r.created_at, r.finished_at, now)
+        t0, t1, width, step = window(r.created_at, r.finished_at, now)
         ws, wb = WaveSeriesRow, WaveDriftBinRow
         b = ((ws.t - t0) // width).label("b")
         groups = list(s.execute(
             select(ws.wave, ws.model, ws.version, b, func.sum(ws.records), func.sum(ws.requests),
                    func.sum(ws.errors), func.sum(ws.interval_s), func.sum(ws.p99_sum), func.sum(ws.p99_n),
                    func.max(ws.p99_max), func.sum(ws.drift_samples))
-            .where(ws.rollout_id == r.id, ws.t >= t0, ws.t < t1)
+            .where(ws.rollout_id == r.id, ws.step == step, ws.t >= t0, ws.t < t1)
             .group_by(ws.wave, ws.model, ws.version, b).order_by(ws.wave, b).limit(MAX_GROUPS + 1)))
         truncated = len(groups) > MAX_GROUPS
         groups = groups[:MAX_GROUPS]
@@ -169,7 +175,7 @@ def rollout_series(sessions: Any, book: DriftBook, rollout_id: int, now: float |
             bb = ((wb.t - t0) // width).label("b")
             for w, mo, ve, bk, feat, bn, c in s.execute(
                     select(wb.wave, wb.model, wb.version, bb, wb.feature, wb.bin, func.sum(wb.count))
-                    .where(wb.rollout_id == r.id, wb.t >= t0, wb.t < t1)
+                    .where(wb.rollout_id == r.id, wb.step == step, wb.t >= t0, wb.t < t1)
                     .group_by(wb.wave, wb.model, wb.version, bb, wb.feature, wb.bin).limit(64 * MAX_GROUPS)):
                 counts.setdefault((w, mo, ve, int(bk)), {}).setdefault(feat, {})[int(bn)] = int(c or 0)
         refs = {(mo, ve): book.reference(s, mo, ve) for mo, ve in {(g[1], g[2]) for g in groups if g[11]}}
@@ -185,7 +191,7 @@ def rollout_series(sessions: Any, book: DriftBook, rollout_id: int, now: float |
                               "points": _points(w.idx, by_wave.get(w.idx, []), counts, refs, (name, version), t0,
                                                 width, now, None if w.started_at is None else _unix(w.started_at))})
         return {"rollout_id": r.id, "model": r.model_name, "version": r.model_version, "start": float(t0),
-                "end": float(t1), "bucket_s": float(width), "base_s": float(BASE_S), "truncated": truncated,
+                "end": float(t1), "bucket_s": float(width), "step_s": float(step), "truncated": truncated,
                 "waves": out_waves}
 
 
@@ -216,15 +222,15 @@ def _points(wave: int, groups: list[Any], counts: dict[tuple[int, str, str, int]
         start = t0 + bk * width
         # the bucket's time: from its start, or the wave's if later, to its end, or now for the newest bucket; at
         # least the records' mean interval (a record counts its whole interval's requests)
-        span = max(min(start + width, now) - max(start, since or start), float(a["interval"]) / n if n else 0.0,
-                   1.0)
+        span = round(max(min(start + width, now) - max(start, since or start),
+                         float(a["interval"]) / n if n else 0.0, 1.0), 3)
         psi = feature = level = None
         ref, c = refs.get((mo, ve)), counts.get((wave, mo, ve, bk))
         if a["ds"] and ref is not None and c:
             sc = D.score(ref, {f.name: [c.get(f.name, {}).get(i, 0) for i in range(f.bins)] for f in ref.features},
                          a["ds"])
             psi, feature, level = sc.psi, sc.feature, sc.level
-        points.append({"t": float(start), "span_s": round(span, 3), "model": mo, "version": ve, "records": n,
+        points.append({"t": float(start), "span_s": span, "model": mo, "version": ve, "records": n,
                        "requests": req, "errors": err, "throughput_rps": round(req / span, 6),
                        "error_rate": round(err / req, 6) if req else None,
                        "p99_ms": round(float(a["p99_sum"]) / a["p99_n"], 6) if a["p99_n"] else None,
@@ -271,9 +277,9 @@ class RolloutSeries(_Out):
     rollout_id: int
     model: str | None
     version: str | None
-    start: float  # unix seconds: the rollout's creation (or the newest MAX_SPAN_S), a whole minute
+    start: float  # unix seconds: the rollout's creation (or the newest MAX_SPAN_S), a whole step
     end: float  # now, or AFTER_S after it ended
-    bucket_s: float  # each bucket's width: a whole number of minutes, at most 60 buckets between start and end
-    base_s: float  # the stored rows' step
+    bucket_s: float  # each bucket's width: a whole number of steps, at most 60 buckets between start and end
+    step_s: float  # the stored rows' step it was read from (60, 600 or 3600 s)
     truncated: bool  # more (wave, version, bucket) groups matched than one read takes
     waves: list[WaveSeries]

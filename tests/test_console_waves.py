@@ -5,6 +5,8 @@ telemetry comes from simulated devices (fleet.simulator) and from the agent's ow
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 import re
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 
 from edgefleet.agent.link import MqttLink
 from edgefleet.agent.spool import Spool
-from edgefleet.fleet.series import RolloutSeries
+from edgefleet.fleet.series import RolloutSeries, window
 from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import read_manifest
@@ -72,7 +74,7 @@ def test_the_rollout_page_charts_each_wave_over_time(tmp_path, mosquitto, sims, 
                  "the rollout done")
         s = wait_for(both_waves, 90, "both waves' 1.1.0 telemetry in the series", interval_s=0.3)
         page = _console(url, f"/rollouts/{rid}")
-    assert s["bucket_s"] == 60 and s["start"] % 60 == 0 and s["start"] <= time.time() <= s["end"] + 5
+    assert s["bucket_s"] == s["step_s"] == 60 and s["start"] % 60 == 0 and s["start"] <= time.time() <= s["end"] + 5
     assert [w["index"] for w in s["waves"]] == [0, 1] and [w["size"] for w in s["waves"]] == [2, 2]
     for w in s["waves"]:
         new = [p for p in w["points"] if p["version"] == "1.1.0"]
@@ -156,3 +158,20 @@ def test_a_wave_s_drift_over_time_from_the_agent_link(tmp_path, mosquitto, digit
     drift_chart = _wave_charts(page, 0)[3]
     assert "drift (PSI)" in drift_chart[0] and CLOCK.search(drift_chart[1])
     assert re.search(r"<polyline|<circle", drift_chart[1]) and "watch 0.1" in drift_chart[1]
+
+
+def test_a_read_takes_the_finest_rows_that_keep_it_bounded():
+    """Whatever a rollout's age, a read takes at most 180 rows per wave and version, in at most 60 buckets of whole
+    steps: a minute's rows for 2 h, ten minutes' for a day, hours' for a week (and the newest week of a month)."""
+    now = 1_800_000_000.0
+    for age_s, step, width in ((300, 60, 60), (2 * 3600, 60, 120), (24 * 3600, 600, 1800),
+                               (7 * 86400, 3600, 3 * 3600), (30 * 86400, 3600, 3 * 3600)):
+        created = dt.datetime.fromtimestamp(now - age_s, dt.UTC).replace(tzinfo=None)
+        t0, t1, w, st = window(created, None, now)
+        assert (st, w) == (step, width), age_s
+        assert t0 % st == 0 and (t1 - t0) / st <= 180 + 1 and math.ceil((t1 - t0) / w) <= 60
+    # a rollout that ended a day ago: its life and the hour after it
+    created = dt.datetime.fromtimestamp(now - 3 * 86400, dt.UTC).replace(tzinfo=None)
+    ended = dt.datetime.fromtimestamp(now - 86400, dt.UTC).replace(tzinfo=None)
+    t0, t1, _, _ = window(created, ended, now)
+    assert t0 <= now - 3 * 86400 and t1 == math.ceil(now - 86400 + 3600)

@@ -63,7 +63,7 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
     r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
                                                                state or None)
     devices = service.devices_by_id([t["device_id"] for t in r["targets"]])
-    # each wave over time: grouped in SQL from the rows the ingest summed per wave and minute (fleet.series)
+    # each wave over time: grouped in SQL from the rows the ingest summed per wave and time step (fleet.series)
     waves = series.rollout_series(service.sessions, service.rollouts.drift, rollout_id)
     return console.rollout_page(r, devices, operate, message, state=state, offset=offset, series=waves)
 

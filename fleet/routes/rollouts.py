@@ -93,8 +93,8 @@ def router(fleet: Fleet) -> APIRouter:
     @r.get("/api/v1/rollouts/{rollout_id}/series", response_model=series.RolloutSeries)
     def get_rollout_series(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
         """Each wave's latency p99, throughput, error rate and drift (PSI against the compile-time reference) over
-        the rollout's life, in at most 60 buckets of whole minutes, per model version its devices ran (fleet.series:
-        summed by the ingest per wave and minute, never read from the devices' records)."""
+        the rollout's life, in at most 60 buckets, per model version its devices ran (fleet.series: summed by the
+        ingest per wave and minute, ten minutes and hour, never read from the devices' records)."""
         return series.rollout_series(service.sessions, service.rollouts.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
