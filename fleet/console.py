@@ -107,6 +107,20 @@ def _telemetry(t: dict[str, Any] | None) -> SimpleNamespace | None:
                            cpu=f'{t["cpu_percent"]:.0f}', rss=f'{t["rss_mb"]:.0f}')
 
 
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1f} ms"
+
+
+def _stages(t: dict[str, Any] | None) -> list[SimpleNamespace]:
+    """A pipeline's stages in the device's newest telemetry record (protocol.mqtt.StageFigures, as the agent sent them:
+    in pipeline order), over that record's interval; none for a single model."""
+    stages = (t or {}).get("stages") or {}
+    return [SimpleNamespace(name=name, calls=f["calls"], errors=f["errors"], p50=_ms(f["latency"]["p50_ms"]),
+                            p99=_ms(f["latency"]["p99_ms"]),
+                            batch="–" if f.get("batch_size_mean") is None else f'{f["batch_size_mean"]:.1f}',
+                            batches=f["batches"]) for name, f in stages.items()]
+
+
 def _selftest(st: dict[str, Any] | None, running: tuple[Any, Any] | None = None) -> SimpleNamespace | None:
     """The device's own self-test figure next to the compile-time one for the same build; marked as
     stale when the device no longer runs the build it was measured on (e.g. after a rollback)."""
@@ -363,9 +377,12 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[
                           "ms") for v in versions]
     # fleet.charts draws its SVG with every label escaped (its own tests): the one HTML taken as it is
     time_charts = Markup("".join(device_time_charts(rows, drift or [])))
+    newest = d.get("telemetry") or {}
     return _html("device.html", title=f"device {d['device_id']}", css=Markup(CSS + CSS_MORE), refresh_s=5, nav=True,
                  d=d, selftest=_selftest(d.get("selftest"), (d["running_model"], d["running_version"])),
-                 serves=_serving(_serving_source(d)), records=len(rows), time_charts=time_charts, charts=charts)
+                 serves=_serving(_serving_source(d)), records=len(rows), time_charts=time_charts, charts=charts,
+                 stages=_stages(newest), stages_of=(newest.get("model"), newest.get("version"),
+                                                    newest.get("interval_s")))
 
 
 def new_rollout_form(models: list[dict[str, Any]]) -> str:
