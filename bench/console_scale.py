@@ -12,7 +12,10 @@ What it does, in one run:
    (a third offline, ten groups, each with a last telemetry record, CPU features and a self-test, as devices that
    have reported carry), ``--telemetry-per-device`` telemetry rows each (plus 200 for the device whose page is
    timed), and a paused rollout of digits 1.0.0 to every device in two waves (10% installed; the rest 60% installed,
-   20% failed, 20% pending), then VACUUM ANALYZE (what autovacuum does to a table this size within minutes).
+   20% failed, 20% pending) created ``--series-hours`` ago, with its waves' telemetry of that long summed per wave
+   and time step as the ingest keeps it (fleet.series: wave_series, and wave_drift_bins against a drift reference in
+   the build's manifest), which the rollout page charts; then VACUUM ANALYZE (what autovacuum does to a table this size
+   within minutes). A tree without fleet.series (an older checkout, timed as a before) gets no series rows.
 4. Signs in to the console in Chromium (Debian's, driven by Playwright) and loads each page ``--rounds`` times:
    the overview, the device list (a deep page and a filtered page), the rollout page (its first page of targets
    and a page of its failed ones) and a device's page. Per load, from the browser's Navigation Timing: navigation
@@ -76,13 +79,60 @@ MANIFEST = {"accuracy": {"candidate": 0.9861, "reference": 0.9861, "metric": "to
             "selftest_summary": {"top1": 0.9861}}
 
 
+def _unix(t: dt.datetime) -> float:
+    return t.replace(tzinfo=dt.UTC).timestamp()
+
+
 def _one(conn, sql: str, args: tuple) -> int:
     row = conn.execute(sql, args).fetchone()
     assert row is not None
     return int(row[0])
 
 
-def seed(dbname: str, n: int, per_device: int, finished: int = 0) -> dict:
+def _drift_reference() -> dict:
+    """A classification drift reference (protocol.drift), as a digits build's manifest holds one."""
+    import numpy as np
+
+    from edgefleet.protocol import drift as D
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2000, 10)).astype(np.float32)
+    x[np.arange(2000), rng.integers(0, 10, 2000)] += 5.0
+    return D.build_reference("classification", "out", x).model_dump(mode="json")
+
+
+def seed_series(cur, rid: int, waves: list[tuple[int, int]], start: float, hours: float, manifest: dict) -> int:
+    """A rollout's per-wave series as the ingest sums it (fleet.series): rows of each of its time steps since
+    ``start``, each with drift counts in the reference's bins, the devices of ``waves`` ((index, size)) sending a
+    record every 10 s. Returns the rows written (0 in a tree without fleet.series: its tables do not exist)."""
+    try:
+        from edgefleet.fleet.series import STEPS
+    except ImportError:
+        return 0
+    ref = manifest["drift"]
+    series, bins = [], []
+    for step in STEPS:
+        first = int(start // step) * step
+        for w, size in waves:
+            rec = size * step // 10
+            for m in range(int(hours * 3600 // step)):
+                t = first + m * step
+                series.append((rid, step, w, t, "digits", "1.0.0", rec, 12 * rec, rec // 100, 10.0 * rec,
+                               (0.9 + (m % 5) / 10) * rec, rec, 2.1, 12 * rec))
+                bins.extend((rid, step, w, t, "digits", "1.0.0", f["name"], b, round(12 * rec * share))
+                            for f in ref["features"] for b, share in enumerate(f["shares"]))
+    with cur.copy("COPY wave_series (rollout_id, step, wave, t, model, version, records, requests, errors, "
+                  "interval_s, p99_sum, p99_n, p99_max, drift_samples) FROM STDIN") as cp:
+        for row in series:
+            cp.write_row(row)
+    with cur.copy("COPY wave_drift_bins (rollout_id, step, wave, t, model, version, feature, bin, count) "
+                  "FROM STDIN") as cp:
+        for row in bins:
+            cp.write_row(row)
+    return len(series) + len(bins)
+
+
+def seed(dbname: str, n: int, per_device: int, finished: int = 0, series_hours: float = 24.0) -> dict:
     """Devices, telemetry rows and a paused two-wave rollout to every device, through COPY, after ``finished``
     earlier rollouts to every device that succeeded (history the overview lists too). Returns what a page must
     show (the paused rollout's id, a device with a page of telemetry)."""
@@ -90,6 +140,8 @@ def seed(dbname: str, n: int, per_device: int, finished: int = 0) -> dict:
 
     now = dt.datetime.now(dt.UTC).replace(tzinfo=None)
     t_now = time.time()
+    began = now - dt.timedelta(hours=series_hours)  # the paused rollout's creation
+    manifest = {**MANIFEST, "drift": _drift_reference()}
     rnd = random.Random(7)
     ids = [f"bulk-{i:06d}" for i in range(n)]
     first_wave = n // 10
@@ -98,7 +150,7 @@ def seed(dbname: str, n: int, per_device: int, finished: int = 0) -> dict:
             "INSERT INTO models (name, version, profile, backend, precision, target_path, sha256, size_bytes, "
             "accuracy, manifest, uploaded_at) VALUES ('digits', '1.0.0', 'x86-cpu', 'onnxruntime', 'int8', "
             "'digits/1.0.0/x86-cpu.tar', %s, 123456, 0.9861, %s, %s) RETURNING id",
-            ("0" * 64, json.dumps(MANIFEST), now))
+            ("0" * 64, json.dumps(manifest), now))
         cur = conn.cursor()
         for _ in range(finished):
             old = _one(conn,
@@ -115,12 +167,14 @@ def seed(dbname: str, n: int, per_device: int, finished: int = 0) -> dict:
         rid = _one(conn,
             "INSERT INTO rollouts (model_id, status, created_at, model_name, model_version, spec, current_wave, "
             "created_by, reason) VALUES (%s, 'paused', %s, 'digits', '1.0.0', %s, 1, 'bench', 'paused by bench') "
-            "RETURNING id", (model_id, now, json.dumps({"waves": ["10%", "100%"]})))
+            "RETURNING id", (model_id, began, json.dumps({"waves": ["10%", "100%"]})))
         n_inst = sum(1 for i in range(first_wave, n) if STATES[i % 5] == "installed")
         n_fail = sum(1 for i in range(first_wave, n) if STATES[i % 5] == "failed")
         conn.execute("INSERT INTO rollout_waves (rollout_id, idx, size, soak_s, state, n_installed, n_failed, "
                      "started_at) VALUES (%s, 0, %s, 0, 'passed', %s, 0, %s), (%s, 1, %s, 0, 'installing', %s, %s, %s)",
-                     (rid, first_wave, first_wave, now, rid, n - first_wave, n_inst, n_fail, now))
+                     (rid, first_wave, first_wave, began, rid, n - first_wave, n_inst, n_fail, began))
+        series_rows = seed_series(cur, rid, [(0, first_wave), (1, n - first_wave)], _unix(began), series_hours,
+                                  manifest)
         last_tel = json.dumps(_telemetry("@ID@", per_device, t_now))
         hardware, selftest = json.dumps(HARDWARE), json.dumps(SELFTEST)
         with cur.copy("COPY devices (id, labels, registered_via, created_at, online, last_seen, agent_version, "
@@ -158,7 +212,7 @@ def seed(dbname: str, n: int, per_device: int, finished: int = 0) -> dict:
         conn.execute("VACUUM ANALYZE")
         sizes = {t: _one(conn, "SELECT pg_total_relation_size(%s)", (t,))
                  for t in ("devices", "rollout_targets", "telemetry")}
-    return {"rollout": rid, "device": paged, "first_wave": first_wave, "failed": n_fail,
+    return {"rollout": rid, "device": paged, "first_wave": first_wave, "failed": n_fail, "series_rows": series_rows,
             "mb": {t: round(b / 2**20) for t, b in sizes.items()}}
 
 
@@ -269,7 +323,7 @@ def time_pages(url: str, token: str, pages: dict[str, str], rounds: int, meter: 
     return out
 
 
-def run(n: int, per_device: int, rounds: int, finished: int, keep: bool) -> dict:
+def run(n: int, per_device: int, rounds: int, finished: int, keep: bool, series_hours: float = 24.0) -> dict:
     """One fleet of ``n`` devices: seeded, its pages timed; the database dropped after unless ``keep``."""
     load_before = os.getloadavg()
     db_url = postgres_db(DB_NAME)
@@ -279,10 +333,11 @@ def run(n: int, per_device: int, rounds: int, finished: int, keep: bool) -> dict
     try:
         with mosquitto(work, devices=0) as mq, fleet(work, mq, None, "--db-url", db_url) as client:
             t = time.monotonic()
-            seeded = seed(DB_NAME, n, per_device, finished)
+            seeded = seed(DB_NAME, n, per_device, finished, series_hours)
             seed_s = time.monotonic() - t
             say(f"seeded {n} devices, {n * per_device} telemetry rows and a {n}-target rollout (after {finished} "
-                f"finished ones) in {seed_s:.1f} s (VACUUM ANALYZE included); sizes {seeded['mb']} MB")
+                f"finished ones; {seeded['series_rows']} rows of its waves' series over {series_hours:g} h) in "
+                f"{seed_s:.1f} s (VACUUM ANALYZE included); sizes {seeded['mb']} MB")
             rid = seeded["rollout"]
             pages = {"overview": "/",
                      "device list, page 1,000": f"/?offset={min(n - 50, 49_950) // 50 * 50}",
@@ -303,6 +358,7 @@ def run(n: int, per_device: int, rounds: int, finished: int, keep: bool) -> dict
         else:
             say(f"kept: database {DB_NAME}, work folder {work}")
     return {"devices": n, "rounds": rounds, "finished_rollouts": finished, "seed_s": round(seed_s, 1),
+            "series_rows": seeded["series_rows"],
             "mb": seeded["mb"], "idle": took.pop("idle"), "pages": took,
             "loadavg": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]}
 
@@ -335,10 +391,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--finished-rollouts", type=int, default=0,
                     help="earlier rollouts to every device (succeeded) before the paused one: the overview lists them")
+    ap.add_argument("--series-hours", type=float, default=24.0,
+                    help="the paused rollout's age: its waves' per-minute series rows (fleet.series) cover it")
     ap.add_argument("--keep", action="store_true", help="keep the database and the work folder (printed)")
     a = ap.parse_args()
-    base = run(a.baseline, a.telemetry_per_device, a.rounds, a.finished_rollouts, False) if a.baseline else None
-    res = run(a.devices, a.telemetry_per_device, a.rounds, a.finished_rollouts, a.keep)
+    base = run(a.baseline, a.telemetry_per_device, a.rounds, a.finished_rollouts, False,
+               a.series_hours) if a.baseline else None
+    res = run(a.devices, a.telemetry_per_device, a.rounds, a.finished_rollouts, a.keep, a.series_hours)
     if base:
         show(base, None)
     show(res, base)
