@@ -10,16 +10,15 @@ import pytest
 from sqlalchemy import select
 
 from edgefleet.fleet.db import Rollout
-from tests.conftest import wait_for
+from tests.conftest import postgres_db, wait_for
 from tests.fleet_harness import running_fleet
-from tests.test_fleet import _postgres_url
 from tests.test_rollout import actions, online, rollout, status, until, upload
 from tests.waiting import concurrently
 
 
 def test_the_lease_holder_dies_mid_rollout_and_the_other_replica_finishes_it_exactly_once(
         tmp_path, mosquitto, sims, digits_bundle):
-    db = _postgres_url()
+    db = postgres_db("edgefleet_test")
     if db is None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth): replicas need it")
     with ExitStack() as keep:
