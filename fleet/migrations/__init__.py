@@ -6,3 +6,8 @@ every row on SQLite and PostgreSQL), plus the model change in ``fleet/db.py``. D
 before Alembic record their version in ``edgefleet_meta.schema_version``: they are stamped with the
 matching revision first, then upgraded like any other.
 """
+
+
+def no_downgrade() -> None:
+    """Every revision's ``downgrade`` (``downgrade = no_downgrade``): the fleet only moves its schema forward."""
+    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")

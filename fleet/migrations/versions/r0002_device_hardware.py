@@ -5,10 +5,10 @@ Revision ID: 0002
 
 from alembic import op
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -16,5 +16,4 @@ def upgrade() -> None:
     op.execute("ALTER TABLE devices ADD COLUMN selftest JSON")
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade

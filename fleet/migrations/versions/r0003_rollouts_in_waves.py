@@ -8,10 +8,10 @@ Revision ID: 0003
 
 from alembic import op
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 STATEMENTS = (
     "ALTER TABLE devices ADD COLUMN group_name VARCHAR(64)",
@@ -53,5 +53,4 @@ def upgrade() -> None:
         op.execute(stmt)
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade

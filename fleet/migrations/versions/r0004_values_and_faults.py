@@ -5,10 +5,10 @@ Revision ID: 0004
 
 from alembic import op
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 STATEMENTS = (
     "ALTER TABLE devices ADD COLUMN last_report_ts FLOAT",
@@ -22,5 +22,4 @@ def upgrade() -> None:
         op.execute(stmt)
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade

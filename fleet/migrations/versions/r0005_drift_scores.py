@@ -7,15 +7,14 @@ of the previous release refuses this database instead of running without the tab
 Revision ID: 0005
 """
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
     pass  # drift_scores: created by fleet.db's models (create_all) before the upgrade runs
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade

@@ -10,15 +10,14 @@ Revision ID: 0006
 
 from alembic import op
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0006"
 down_revision = "0005"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
     op.execute("CREATE INDEX IF NOT EXISTS ix_rollout_targets_state ON rollout_targets (rollout_id, state, device_id)")
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade

@@ -9,10 +9,10 @@ Revision ID: 0007
 
 from alembic import op
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0007"
 down_revision = "0006"
-branch_labels = None
-depends_on = None
 
 STATEMENTS = (
     "ALTER TABLE devices ADD COLUMN presence_s FLOAT",
@@ -25,5 +25,4 @@ def upgrade() -> None:
         op.execute(stmt)
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade

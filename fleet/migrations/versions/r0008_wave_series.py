@@ -9,15 +9,14 @@ the previous release refuses this database instead of running without the tables
 Revision ID: 0008
 """
 
+from edgefleet.fleet.migrations import no_downgrade
+
 revision = "0008"
 down_revision = "0007"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
     pass  # wave_series, wave_drift_bins: created by fleet.db's models (create_all) before the upgrade runs
 
 
-def downgrade() -> None:
-    raise NotImplementedError("the fleet does not downgrade its database; restore a backup")
+downgrade = no_downgrade
