@@ -182,10 +182,15 @@ def simulator(work: Path, mqtt_url: str | list[str], n: int, *extra: str, procs:
                            urls[i % len(urls)],
                            "--json", "--stats-file", str(work / f"sim-{i}.stats.json"), *extra,
                            log=work / ("sim.log" if i == 0 else f"sim-{i}.log")))
+    simulator.pids = [p.pid for p in started]  # type: ignore[attr-defined]  # for their CPU time
     try:
         yield started[0]
     finally:
-        stop_processes(started, grace_s=60, sig=signal.SIGINT)
+        try:
+            stop_processes(started, grace_s=60, sig=signal.SIGINT)
+        except subprocess.TimeoutExpired as exc:  # a box this loaded: killed, but not reaped within the wait
+            print(f"warning: a simulator process did not end in time ({exc}); the run's figures stand",
+                  file=sys.stderr, flush=True)
 
 
 def sim_counters(work: Path) -> dict[str, int]:
@@ -253,6 +258,20 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+def psutil_cpu_count() -> int:
+    import psutil
+
+    return int(psutil.cpu_count() or 1)
+
+
+def _box_busy_s() -> float:
+    """CPU seconds the whole box has spent busy (every process, this bench's and others'), from /proc/stat."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+
+
 def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url: str | None = None,
                   replicas: int = 1, sim_procs: int = 1, cluster: bool = False) -> dict:
     """One wave to every device: seconds from the POST until the fleet counts every device installed; the
@@ -278,13 +297,20 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
         client = clients[0]
         register_s = register(client, n)
         with simulator(work, device_urls, n, "--install-s", "0.05", procs=sim_procs):
+            sim_pids = simulator.pids  # type: ignore[attr-defined]
             t = time.monotonic()
+            box0, sim0 = _box_busy_s(), sum(_cpu_s(p) for p in sim_pids)
             wait(lambda: sim_live(work).get("connected", 0) >= n, 900, f"{n} devices connected", 0.2)
             connect_s = time.monotonic() - t
+            # what connecting cost the simulator (MQTT CONNECT, SUBSCRIBE, the online status) and how busy the whole
+            # box was meanwhile: cores busy = busy CPU seconds / wall seconds, of the box's psutil.cpu_count()
+            sim_connect_cpu = sum(_cpu_s(p) for p in sim_pids) - sim0
+            box_connect_cores = (_box_busy_s() - box0) / max(connect_s, 1e-9)
             wait(lambda: stats(client)["online"] == n, 900, f"{n} devices online", 0.2)
             online_s = time.monotonic() - t
             cpu0 = sum(_cpu_s(c.pid) for c in clients)  # type: ignore[attr-defined]
             broker_cpu0 = sum(_cpu_s(p) for p in broker_pids)
+            sim_cpu0, box1 = sum(_cpu_s(p) for p in sim_pids), _box_busy_s()
             handled0 = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients)
             reread0 = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients)
             t0 = time.monotonic()
@@ -297,7 +323,7 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             desired_at: list[float] = []
             # the phases after the POST: when the devices had received their desired states, when the fleet had
             # counted half / 90% / 99% of them installed (the first burst of reports vs the ones read back)
-            marks = {0.5: None, 0.9: None, 0.99: None}
+            marks: dict[float, float | None] = {0.5: None, 0.9: None, 0.99: None}
             timeline: list[tuple[float, int]] = []
 
             def done() -> dict | None:
@@ -319,9 +345,16 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
                 desired_at.append(time.monotonic() - t0)
             cpu = sum(_cpu_s(c.pid) for c in clients) - cpu0  # type: ignore[attr-defined]
             broker_cpu = sum(_cpu_s(p) for p in broker_pids) - broker_cpu0
+            sim_rollout_cpu = sum(_cpu_s(p) for p in sim_pids) - sim_cpu0
+            box_rollout_cores = (_box_busy_s() - box1) / max(took, 1e-9)
             handled = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients) - handled0
             rejected = stats(client)["rejected"]
             reread = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients) - reread0
+            print(f"rollout to {n} devices ({kind}): {final['status']} {final['counts']} {took:.1f} s after the POST "
+                  f"({created_s:.1f} s in it); connected after {connect_s:.1f} s; fleet CPU {cpu:.1f} s for {handled} "
+                  f"reports handled; simulator CPU {sim_connect_cpu:.1f} s connecting, {sim_rollout_cpu:.1f} s in the "
+                  f"rollout; box busy {box_connect_cores:.2f} / {box_rollout_cores:.2f} cores",
+                  file=sys.stderr, flush=True)  # at once: stopping the processes on a loaded box may fail after
         db_bytes = _db_bytes(work, db_url)
     return {"devices": n, "broker": kind, "db": "postgresql" if db_url else "sqlite",
             "broker_cpu_s": round(broker_cpu, 1),
@@ -333,7 +366,13 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             "counts": final["counts"],
             "reports_handled": handled, "fleet_cpu_s": round(cpu, 1),
             "fleet_cpu_ms_per_report": round(1000 * cpu / handled, 3) if handled else None,
-            "db_mb": round(db_bytes / 2**20, 1), "rejected": rejected}
+            "db_mb": round(db_bytes / 2**20, 1), "rejected": rejected,
+            "sim_connect_cpu_s": round(sim_connect_cpu, 1),
+            "sim_connect_cpu_ms_per_device": round(1000 * sim_connect_cpu / n, 2),
+            "sim_rollout_cpu_s": round(sim_rollout_cpu, 1),
+            "sim_rollout_cpu_ms_per_device": round(1000 * sim_rollout_cpu / n, 2),
+            "box_busy_cores": {"connect": round(box_connect_cores, 2), "rollout": round(box_rollout_cores, 2),
+                               "of": psutil_cpu_count()}}
 
 
 def bench_telemetry(base: Path, n: int, interval_s: float, duration_s: float, db_url: str | None = None,
@@ -441,7 +480,12 @@ def main() -> int:
                       f"{res['connect_s']} s, online in the fleet after "
                       f"{res['online_s']} s, POST took {res['create_s']} s; installed 50/90/99%: "
                       f"{'/'.join(str(v) for v in res['installed_at'].values())} s; reports read back from retained "
-                      f"copies: {res['reports_reread']}; brokers' CPU {res['broker_cpu_s']} s", flush=True)
+                      f"copies: {res['reports_reread']}; brokers' CPU {res['broker_cpu_s']} s; simulator CPU "
+                      f"{res['sim_connect_cpu_s']} s connecting ({res['sim_connect_cpu_ms_per_device']} ms a device), "
+                      f"{res['sim_rollout_cpu_s']} s in the rollout ({res['sim_rollout_cpu_ms_per_device']} ms a "
+                      f"device); box busy {res['box_busy_cores']['connect']} cores connecting, "
+                      f"{res['box_busy_cores']['rollout']} in the rollout, of {res['box_busy_cores']['of']}",
+                      flush=True)
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:
