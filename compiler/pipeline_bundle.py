@@ -21,6 +21,22 @@
 
 Signing is not done here, as for ``edgefleet compile``: ``edgefleet fleet upload --sign-key`` (or the fleet) signs
 the bundle into the TUF repository when it is uploaded.
+
+**ARM64.** The OCR pipeline (PP-OCRv4 detector + recognizer from rapidocr-onnxruntime) does not convert to LiteRT
+with the tflite toolchain (onnx2tf 1.29.24, TensorFlow 2.19): measured here, the detector fails at ``p2o.Add.278``
+(dynamic H/W: 16 vs 24 channels after onnxsim), at ``p2o.ConvTranspose.0`` with its input fixed to 256x320 (the
+batch left dynamic), at ``p2o.Conv.2`` with ``-b 1``, and without onnxsim it converts to a graph whose output is
+fixed at 32x32 and which LiteRT cannot run at 256x320; the recognizer fails at ``p2o.Conv.35`` (width fixed to 320,
+with or without onnxsim), ``p2o.Conv.2`` (``-b 1``) and ``p2o.MatMul.2`` (dynamic width, no onnxsim). Each is the
+layout guessing onnx2tf documents as needing a per-model parameter-replacement file. ARM64 boxes therefore get it
+as ONNX files run by onnxruntime: ``hw-profiles/arm64-cpu-onnx.yaml`` (the box adds ``edgefleet[onnxruntime]``;
+int8 there uses 7-bit weights so an x86 build host's gate computes what ARM computes).
+
+**Drift.** The top-level manifest carries no drift reference: protocol/drift.py reads one output as one task, and the
+pipeline's answers worth watching (boxes per image in ``count``, string lengths in ``text``) are two outputs of no
+task it knows. Each stage's own manifest keeps the reference its compile recorded (the detector's map as
+segmentation: foreground share; the reader's crops as ctc: string length and score), which an agent can count its
+stages' answers into.
 """
 
 from __future__ import annotations
@@ -549,7 +565,8 @@ def _one_precision(m: Manifest) -> Manifest:
     choice = PrecisionChoice(
         mode="auto", chosen=m.precision, candidates=old.candidates,
         reason=f"{m.precision}: a pipeline's stage ships one precision, the one its end answers are gated with (the "
-               f"profile's default first); {', '.join(left)} also passed this stage's gate but are not shipped, as "
+               f"profile's default first); {', '.join(left)} also passed this stage's gate but "
+               f"{'is' if len(left) == 1 else 'are'} not shipped, as "
                f"the devices cannot choose among them without an end-to-end gate of each combination; {old.reason}")
     dropped = {f for v in m.variants for f in (v.engine, v.selftest)}
     return m.model_copy(update={"variants": (), "precision_choice": choice,

@@ -270,3 +270,19 @@ def test_under_auto_the_stage_falls_back_to_fp32_and_the_bundle_records_the_gate
     assert m.precision_choice is not None and len(m.precision_choice.candidates) == 3
     assert [c.passed for c in m.precision_choice.candidates] == [False, True, True]
     assert "det fell back to fp32" in m.precision_choice.reason
+
+
+def test_the_pipeline_builds_for_arm64_on_onnxruntime_and_reads_as_on_x86(fp32_bundle, tmp_path):
+    """arm64-cpu-onnx (onnxruntime on aarch64): the PP-OCRv4 pair does not convert to LiteRT with onnx2tf (see
+    compiler/pipeline_bundle.py), so ARM64 boxes get the pipeline as ONNX files; same pages, same strings."""
+    x86, _, models = fp32_bundle
+    np.savez(tmp_path / "eval.npz", x=pages(12, seed=0))
+    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx")
+    out = tmp_path / "ocr-arm64.bundle"
+    r = run_cli("compile-pipeline", str(pipe), "--profile", "arm64-cpu-onnx", "--eval", str(tmp_path / "eval.npz"),
+                "--preprocess", str(write_prep(tmp_path)), "-o", str(out), "--no-cache", "--json")
+    assert r.returncode == 0, r.stderr
+    m = check_bundle(out)
+    assert m.profile == "arm64-cpu-onnx" and m.backend == "onnxruntime" and m.cpu_features == ("neon",)
+    assert m.pipeline is not None and all(not s.variants for s in m.pipeline.stages)
+    assert strings_of(selftest_arrays(out)) == strings_of(selftest_arrays(x86))
