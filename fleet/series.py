@@ -30,12 +30,12 @@ import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Table, case, func, select, tuple_
+from sqlalchemy import Table, case, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet.db import Rollout, RolloutTarget, RolloutWave, WaveDriftBinRow, WaveSeriesRow
+from edgefleet.fleet.db import Rollout, RolloutWave, WaveDriftBinRow, WaveSeriesRow
 from edgefleet.fleet.drift import DriftBook
 from edgefleet.fleet.errors import NotFound
 from edgefleet.protocol import drift as D
@@ -63,50 +63,62 @@ def _saturating(col: Any, add: Any) -> Any:
     return case((col > COUNT_CAP - add, COUNT_CAP), else_=col + add)
 
 
-def on_telemetry(s: Session, rollout_of: dict[str, int | None], msgs: list[proto.Telemetry], book: DriftBook) -> None:
-    """Add freshly stored records to their waves' rows (``rollout_of``: each device's desired rollout, as the ingest
-    read it). Two or three statements per batch, whatever its size: the targets' waves, the rows' upserts."""
-    keys = sorted({(r, m.device_id) for m in msgs if (r := rollout_of.get(m.device_id)) is not None})
-    if not keys:
-        return
-    t: Table = RolloutTarget.__table__  # type: ignore[assignment]
-    waves = {(r, d): w for r, d, w in s.execute(
-        select(t.c.rollout_id, t.c.device_id, t.c.wave).where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
+def on_telemetry(s: Session, waves: dict[str, tuple[int, int]], msgs: list[proto.Telemetry], book: DriftBook) -> None:
+    """Add freshly stored records to their waves' rows (``waves``: each device's desired rollout and its target's wave
+    there, as the ingest read them with the devices; a device in none is left out). One or two upserts per batch,
+    whatever its size."""
     now = time.time()
-    rows: dict[tuple[int, int, int, int, str, str], dict[str, Any]] = {}
-    bins: dict[tuple[int, int, int, int, str, str, str, int], int] = {}
+    # each record into its minute's sums (records, requests, errors, intervals, p99 sum, p99 count, largest p99, drift
+    # answers), then the minutes into the coarser steps' rows: the per-record work is done once, not once per step
+    minutes: dict[tuple[int, int, int, str, str], list[Any]] = {}
+    minute_bins: dict[tuple[tuple[int, int, int, str, str], str, int], int] = {}
     for m in msgs:
-        rid = rollout_of.get(m.device_id)
-        wave = waves.get((rid, m.device_id)) if rid is not None else None
-        if rid is None or wave is None:
+        if m.device_id not in waves:
             continue
+        rid, wave = waves[m.device_id]
         ts = min(m.ts, now) if math.isfinite(m.ts) else now
+        key = (rid, wave, int(ts // STEPS[0]) * STEPS[0], m.model or "", m.version or "")
+        a = minutes.get(key)
+        if a is None:
+            a = minutes[key] = [0, 0, 0, 0.0, 0.0, 0, None, 0]
+        a[0] += 1
+        a[1] += m.requests
+        a[2] += m.errors
+        a[3] += m.interval_s
+        p99 = m.latency.p99_ms
+        if p99 is not None:
+            a[4] += p99
+            a[5] += 1
+            if a[6] is None or p99 > a[6]:
+                a[6] = p99
         dc = m.drift
-        ref = book.reference(s, dc.model, dc.version) if dc is not None and (dc.model, dc.version) == (
-            m.model, m.version) else None
-        if dc is None or ref is None or dc.matches(ref) is not None:  # refused by fleet.drift too (and counted there)
-            dc = None
-        for step in STEPS:
-            key = (rid, step, wave, int(ts // step) * step, m.model or "", m.version or "")
-            a = rows.setdefault(key, {"records": 0, "requests": 0, "errors": 0, "interval_s": 0.0, "p99_sum": 0.0,
-                                      "p99_n": 0, "p99_max": None, "drift_samples": 0})
-            a["records"] += 1
-            a["requests"] = min(a["requests"] + m.requests, COUNT_CAP)
-            a["errors"] = min(a["errors"] + m.errors, COUNT_CAP)
-            a["interval_s"] += m.interval_s
-            p99 = m.latency.p99_ms
-            if p99 is not None:
-                a["p99_sum"] += p99
-                a["p99_n"] += 1
-                a["p99_max"] = p99 if a["p99_max"] is None else max(a["p99_max"], p99)
-            if dc is None:
+        if dc is None or (dc.model, dc.version) != (m.model, m.version):
+            continue
+        ref = book.reference(s, dc.model, dc.version)
+        if ref is None or dc.matches(ref) is not None:  # refused by fleet.drift too (and counted there)
+            continue
+        a[7] += dc.samples
+        for f in dc.features:
+            for i, c in enumerate(f.counts):
+                if c:
+                    minute_bins[(key, f.name, i)] = minute_bins.get((key, f.name, i), 0) + c
+    rows: dict[tuple[int, int, int, int, str, str], list[Any]] = {}
+    bins: dict[tuple[int, int, int, int, str, str, str, int], int] = {}
+    for step in STEPS:
+        for (rid, wave, t, model, version), a in minutes.items():
+            k = (rid, step, wave, t // step * step, model, version)
+            have = rows.get(k)
+            if have is None:
+                rows[k] = list(a)
                 continue
-            a["drift_samples"] = min(a["drift_samples"] + dc.samples, COUNT_CAP)
-            for f in dc.features:
-                for i, c in enumerate(f.counts):
-                    if c:
-                        k = (*key, f.name, i)
-                        bins[k] = min(bins.get(k, 0) + c, COUNT_CAP)
+            for i in range(6):
+                have[i] += a[i]
+            if a[6] is not None and (have[6] is None or a[6] > have[6]):
+                have[6] = a[6]
+            have[7] += a[7]
+        for ((rid, wave, t, model, version), feature, i), c in minute_bins.items():
+            kb = (rid, step, wave, t // step * step, model, version, feature, i)
+            bins[kb] = bins.get(kb, 0) + c
     if not rows:
         return
     ws: Table = WaveSeriesRow.__table__  # type: ignore[assignment]
@@ -120,8 +132,10 @@ def on_telemetry(s: Session, rollout_of: dict[str, int | None], msgs: list[proto
               "p99_sum": ws.c.p99_sum + x.p99_sum, "p99_n": ws.c.p99_n + x.p99_n,
               "p99_max": case((x.p99_max > ws.c.p99_max, x.p99_max), else_=func.coalesce(ws.c.p99_max, x.p99_max)),
               "drift_samples": _saturating(ws.c.drift_samples, x.drift_samples)}),
-        [{"rollout_id": k[0], "step": k[1], "wave": k[2], "t": k[3], "model": k[4], "version": k[5], **rows[k]}
-         for k in sorted(rows)])
+        [{"rollout_id": k[0], "step": k[1], "wave": k[2], "t": k[3], "model": k[4], "version": k[5],
+          "records": min(a[0], COUNT_CAP), "requests": min(a[1], COUNT_CAP), "errors": min(a[2], COUNT_CAP),
+          "interval_s": a[3], "p99_sum": a[4], "p99_n": a[5], "p99_max": a[6], "drift_samples": min(a[7], COUNT_CAP)}
+         for k, a in sorted(rows.items())])
     if bins:
         wb: Table = WaveDriftBinRow.__table__  # type: ignore[assignment]
         bi = _insert(s, wb)
@@ -129,7 +143,7 @@ def on_telemetry(s: Session, rollout_of: dict[str, int | None], msgs: list[proto
             index_elements=["rollout_id", "step", "wave", "t", "model", "version", "feature", "bin"],
             set_={"count": _saturating(wb.c.count, bi.excluded.count)}),
             [{"rollout_id": k[0], "step": k[1], "wave": k[2], "t": k[3], "model": k[4], "version": k[5],
-              "feature": k[6], "bin": k[7], "count": c} for k, c in sorted(bins.items())])
+              "feature": k[6], "bin": k[7], "count": min(c, COUNT_CAP)} for k, c in sorted(bins.items())])
 
 
 # -- reading ------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import Float, Table, bindparam, case, or_, select, true, update
+from sqlalchemy import Float, Table, and_, bindparam, case, or_, select, true, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -244,11 +244,17 @@ class IngestService:
             if not fresh:
                 return 0
             devices = {k[0] for k in fresh}
-            # only the stream and seq of each device's last record (not its whole JSON): is this one newer?
+            # only the stream and seq of each device's last record (not its whole JSON): is this one newer? And the
+            # wave of its target in its desired rollout (fleet.series), from the same read
             last_tel = dev.c.last_telemetry
-            current = {i: ((st, sq), r) for i, st, sq, r in s.execute(
-                select(dev.c.id, last_tel["stream"].as_string(), last_tel["seq"].as_integer(),
-                       dev.c.desired_rollout_id).where(dev.c.id.in_(devices)))}
+            tgt: Table = RolloutTarget.__table__  # type: ignore[assignment]
+            read = s.execute(select(dev.c.id, last_tel["stream"].as_string(), last_tel["seq"].as_integer(),
+                                    dev.c.desired_rollout_id, tgt.c.wave)
+                             .select_from(dev.outerjoin(tgt, and_(tgt.c.rollout_id == dev.c.desired_rollout_id,
+                                                                  tgt.c.device_id == dev.c.id)))
+                             .where(dev.c.id.in_(devices))).all()
+            current = {i: ((st, sq), r) for i, st, sq, r, _ in read}
+            waves = {i: (r, w) for i, _, _, r, w in read if r is not None and w is not None}
             newest: dict[str, dict[str, Any]] = {}
             for k in fresh:
                 p = payloads[k]
@@ -282,6 +288,5 @@ class IngestService:
             for device_id, why in self.rollouts.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
                 self.rejections.add("drift_counts_refused", device_id, why)
             # each rollout wave's rows of the minute (fleet.series): last, its upserts take their rows in key order
-            series.on_telemetry(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()),
-                                self.rollouts.drift)
+            series.on_telemetry(s, waves, list(fresh.values()), self.rollouts.drift)
             return len(fresh)
