@@ -196,7 +196,12 @@ def sims():
 
 
 def postgres_db(name: str) -> str | None:
-    """A fresh PostgreSQL database on 127.0.0.1:5432 (user postgres, trust auth), or None if unreachable."""
+    """A fresh PostgreSQL database on 127.0.0.1:5432 (user postgres, trust auth), or None if unreachable. Under
+    pytest-xdist each worker gets its own (``name`` + ``_gw0`` ...): two test files on two workers may ask for the
+    same name, and each drops and recreates it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        name = f"{name}_{worker}"
     try:
         import psycopg
 
@@ -225,6 +230,8 @@ def fleet_db(request) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "trust(what): an attack across a trust boundary; the test passing means it "
                                        "was refused (counted by bench/reliability.py)")
+    config.addinivalue_line("markers", "serial: judges timings or the spread of events on this box; `make test` runs "
+                                       "these after the parallel pass, alone (pytest -m serial)")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -14,6 +14,8 @@ from edgefleet.engines import Engine, EngineSpec
 from edgefleet.protocol.manifest import TensorSpec
 from tests.waiting import begun, until
 
+pytestmark = pytest.mark.serial  # lone calls timed against inline_max_us, timeouts of 0.3 s: alone
+
 
 class FakeBackend(Engine):
     """A real Engine implementation in NumPy: doubles its input; can be told to misbehave."""

@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import wait_for
 
+pytestmark = pytest.mark.serial  # the spread of arrival moments: measured alone, not beside another worker
+
 DEVICES = 1000
 BASE_S, CAP_S = 2.0, 8.0  # the simulated devices' reconnect windows: 2 s, 4 s, 8 s
 BIN_S = 0.1
