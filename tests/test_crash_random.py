@@ -25,6 +25,7 @@ import pytest
 
 from edgefleet.agent.store import ModelStore
 from edgefleet.demo import AgentProc, free_port, spawn
+from tests.agent_harness import served_version
 from tests.conftest import Mosquitto, wait_for
 from tests.fleet_harness import running_fleet
 from tests.test_tuf_bundles import rebundle
@@ -76,15 +77,7 @@ def _phase(data: Path, want_dir_prefix: str) -> str:
 def _serving_or_exit(a: AgentProc) -> str | None:
     if a.proc.poll() is not None:
         raise AssertionError(f"agent exited with {a.proc.returncode}; see {a.log}")
-    return _serving(a.url)
-
-
-def _serving(url: str) -> str | None:
-    try:
-        r = httpx.get(f"{url}/v2/models/digits", timeout=2)
-    except httpx.TransportError:
-        return None
-    return r.json()["versions"][0] if r.status_code == 200 else None
+    return served_version(a.url)
 
 
 def _infer_ok(url: str, images: np.ndarray, labels: np.ndarray) -> bool:
@@ -156,14 +149,14 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
             def done() -> bool:
                 if agent.proc.poll() is not None:
                     raise AssertionError(f"agent exited with {agent.proc.returncode}; see {agent.log}")
-                return _serving(agent.url) == version and svc.get_rollout(rollout_id)["status"] != "in_progress"
+                return served_version(agent.url) == version and svc.get_rollout(rollout_id)["status"] != "in_progress"
             wait_for(done, 120, f"converging to {version}", interval_s=0.1)
             assert svc.get_rollout(rollout_id)["status"] == "succeeded", svc.get_rollout(rollout_id)
 
         # the first install, undisturbed: it also measures how long an install takes on this machine
         version = publish(0)
         agent = _start_agent(tmp_path, url)
-        wait_for(lambda: _serving(agent.url) is not None or svc.get_device(DEVICE)["online"], 60, "agent up")
+        wait_for(lambda: served_version(agent.url) is not None or svc.get_device(DEVICE)["online"], 60, "agent up")
         t0 = time.monotonic()
         rid = svc.create_rollout("digits", version, [DEVICE])["id"]
         converge(version, rid, agent)

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from edgefleet.demo import LocalFleet, infer_images
+from edgefleet.demo import AgentProc, LocalFleet, infer_images
+from tests.agent_harness import served_version
 from tests.conftest import Mosquitto, wait_for
 
 CRASH_AT = Path(__file__).resolve().parent / "crash_at.py"  # runs the agent dying at one install step
@@ -53,6 +54,17 @@ def test_whole_loop_with_the_embedded_broker(tmp_path, digits_bundle, test_image
         lf.stop()
 
 
+def _agent_online(lf: LocalFleet, device: str, bundles: list[Path], extra: list[str] | None = None) -> AgentProc:
+    """The fleet started with ``bundles`` uploaded, ``device`` registered and its agent (``extra`` arguments) online."""
+    lf.start()
+    for bundle in bundles:
+        lf.client.upload(bundle)
+    lf.client.register(device)
+    agent = lf.start_agent(device, extra)
+    lf.wait_online([device])
+    return agent
+
+
 def _wait(pred, timeout_s=60.0, what="condition"):
     return wait_for(pred, timeout_s, what, interval_s=0.2)
 
@@ -63,12 +75,7 @@ def test_upgrade_downgrade_broker_outage_and_restart(tmp_path, mosquitto: Mosqui
     images, labels = test_images
     lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url, telemetry_interval_s=0.5)
     try:
-        lf.start()
-        lf.client.upload(digits_bundle)
-        lf.client.upload(digits_bundle_v2)
-        lf.client.register("edge-x")
-        agent = lf.start_agent("edge-x")
-        lf.wait_online(["edge-x"])
+        agent = _agent_online(lf, "edge-x", [digits_bundle, digits_bundle_v2])
         assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-x"]).id).status == "succeeded"
 
         # hot swap to 1.1.0 while a client keeps sending: no request fails
@@ -126,11 +133,7 @@ def _ready(url: str) -> bool:
 def test_rollout_to_a_device_of_another_architecture_fails_cleanly(tmp_path, mosquitto, digits_bundle):
     lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
     try:
-        lf.start()
-        lf.client.upload(digits_bundle)
-        lf.client.register("jetson-1")
-        lf.start_agent("jetson-1", ["--config", str(_jetson_config(tmp_path))])
-        lf.wait_online(["jetson-1"])
+        _agent_online(lf, "jetson-1", [digits_bundle], ["--config", str(_jetson_config(tmp_path))])
         r = lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["jetson-1"]).id)
         assert r.status == "failed" and r.targets and "built for profile 'x86-cpu'" in str(r.targets[0].error)
         assert not _ready(lf.agents["jetson-1"].url)
@@ -151,11 +154,7 @@ def test_tampered_bundle_on_the_fleet_is_refused_and_the_old_model_keeps_serving
     images, labels = test_images
     lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
     try:
-        lf.start()
-        lf.client.upload(digits_bundle)
-        lf.client.register("edge-t")
-        agent = lf.start_agent("edge-t")
-        lf.wait_online(["edge-t"])
+        agent = _agent_online(lf, "edge-t", [digits_bundle])
         assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-t"]).id).status == "succeeded"
         lf.client.upload(digits_bundle_v2)
         stored = next((tmp_path / "fleet" / "tuf" / "targets" / "digits" / "1.1.0").glob("*.tar"))
@@ -183,12 +182,7 @@ def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mo
     images, labels = test_images
     lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url)
     try:
-        lf.start()
-        lf.client.upload(digits_bundle)
-        lf.client.upload(digits_bundle_v2)
-        lf.client.register("edge-c")
-        lf.start_agent("edge-c")
-        lf.wait_online(["edge-c"])
+        _agent_online(lf, "edge-c", [digits_bundle, digits_bundle_v2])
         assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-c"]).id).status == "succeeded"
         lf.stop_agent("edge-c")
         doomed = lf.start_agent("edge-c", launcher=[sys.executable, str(CRASH_AT), point])
@@ -204,22 +198,14 @@ def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mo
         assert entry is not None and entry.installed.version == after_restart
         store.load_manifest(entry, verify=True)  # every file present and matching its sha256
         again = lf.start_agent("edge-c")
-        _wait(lambda: _version(again.url), 60, "restarted agent serving")
+        _wait(lambda: served_version(again.url), 60, "restarted agent serving")
         pred, _ = infer_images(again.url, "digits", images[:40])
         assert (pred == labels[:40]).mean() >= 0.95
         # and the retained desired state brings it to 1.1.0
         assert lf.wait_rollout(rid).status == "succeeded"
-        assert _version(again.url) == "1.1.0"
+        assert served_version(again.url) == "1.1.0"
     finally:
         lf.stop()
-
-
-def _version(url: str) -> str | None:
-    try:
-        r = httpx.get(f"{url}/v2/models/digits", timeout=1)
-    except httpx.TransportError:
-        return None
-    return r.json()["versions"][0] if r.status_code == 200 else None
 
 
 @pytest.mark.timeout(300)
@@ -232,12 +218,7 @@ def test_a_shadow_wave_on_a_real_agent_mirrors_live_requests_then_installs(tmp_p
     cfg.write_text("shadow_sample_rate: 1.0\n")
     lf = LocalFleet(tmp_path, mqtt_url=mosquitto.url, telemetry_interval_s=0.3)
     try:
-        lf.start()
-        lf.client.upload(digits_bundle)
-        lf.client.upload(digits_bundle_v2)
-        lf.client.register("edge-s")
-        agent = lf.start_agent("edge-s", ["--config", str(cfg)])
-        lf.wait_online(["edge-s"])
+        agent = _agent_online(lf, "edge-s", [digits_bundle, digits_bundle_v2], ["--config", str(cfg)])
         assert lf.wait_rollout(lf.client.rollout("digits", "1.0.0", ["edge-s"]).id).status == "succeeded"
         r = lf.client.create_rollout("digits", "1.1.0", devices=["edge-s"],
                                      shadow={"agreement_min": 0.95, "min_samples": 100})
