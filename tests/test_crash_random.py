@@ -47,8 +47,12 @@ def _kill_agents_left_running():
 def _start_agent(work: Path, fleet_url: str) -> AgentProc:
     port = free_port()
     log = work / "logs" / "agent.log"
-    args = ["agent", "--device-id", DEVICE, "--fleet", fleet_url, "--data-dir", str(work / "agent"),
-            "--trusted-root", str(work / "keys" / "root.json"), "--http-port", str(port),
+    # one runtime: each install's runtime trial (a child process timing onnxruntime and OpenVINO) is not what this
+    # test kills at random, and 50 installs of it cost minutes on a loaded box
+    config = work / "agent-config.yaml"
+    config.write_text("runtime: onnxruntime\n", encoding="utf-8")
+    args = ["agent", "--config", str(config), "--device-id", DEVICE, "--fleet", fleet_url, "--data-dir",
+            str(work / "agent"), "--trusted-root", str(work / "keys" / "root.json"), "--http-port", str(port),
             "--telemetry-interval-s", "0.5", "--threads", "1", "-v"]
     a = AgentProc(DEVICE, f"http://127.0.0.1:{port}", spawn(args, log), log)
     _STARTED.append(a)
