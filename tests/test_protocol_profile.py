@@ -5,7 +5,8 @@ import pytest
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.profile import load_profile, profile_dir
 
-NAMES = ["x86-cpu", "x86-cpu-vnni", "x86-cpu-bf16", "jetson-orin-nano", "jetson-agx-orin", "arm64-cpu"]
+NAMES = ["x86-cpu", "x86-cpu-vnni", "x86-cpu-bf16", "jetson-orin-nano", "jetson-agx-orin", "arm64-cpu",
+         "arm64-cpu-onnx"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -22,6 +23,8 @@ def test_backends_match_the_architecture_doc():
     assert load_profile("x86-cpu").backend == "onnxruntime"
     assert load_profile("jetson-orin-nano").backend == "tensorrt"
     assert load_profile("arm64-cpu").backend == "litert"
+    # the OCR pipeline's ARM profile: onnx2tf cannot convert PP-OCRv4, so ONNX files run by onnxruntime on aarch64
+    assert load_profile("arm64-cpu-onnx").backend == "onnxruntime" and load_profile("arm64-cpu-onnx").arch == "aarch64"
     assert "int8" in load_profile("x86-cpu").precisions
 
 
