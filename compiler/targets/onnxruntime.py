@@ -23,7 +23,7 @@ from edgefleet.compiler.errors import InputError, ToolchainError
 from edgefleet.compiler.graph import GraphInfo
 from edgefleet.engines.onnxruntime import session_options
 from edgefleet.judge.data import Dataset
-from edgefleet.protocol.manifest import QuantizationInfo
+from edgefleet.protocol.manifest import Int8Scheme, QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile
 
 __all__ = ["OnnxRuntimeTarget"]
@@ -75,8 +75,11 @@ class OnnxRuntimeTarget:
         return prepare(source, out_path)
 
     def build_int8_keeping_float(self, prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,
-                                 keep_float: tuple[str, ...]) -> QuantizationInfo:
-        return quantize(prepared, profile, calibration, out_path, keep_float=keep_float)
+                                 keep_float: tuple[str, ...], scheme: Int8Scheme | None = None) -> QuantizationInfo:
+        return quantize(prepared, profile, calibration, out_path, keep_float=keep_float, scheme=scheme)
+
+    def full_weight_scheme(self, profile: HardwareProfile) -> Int8Scheme | None:
+        return FULL_WEIGHTS_EXACT if profile.int8_scheme()[0] == "u8s8_reduced" else None
 
     def toolchain_versions(self) -> dict[str, str]:
         import onnx
@@ -157,9 +160,15 @@ def check_quantized(path: Path) -> int:
                          "(compile with --precision fp32, or auto, which ships fp32 and says why)")
 
 
+# 8-bit weights that compute exactly on every x86 CPU, VNNI or not: the scheme a failed 7-bit build tries next
+FULL_WEIGHTS_EXACT: Int8Scheme = "u8u8"
+
+
 def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out_path: Path,
-             keep_float: tuple[str, ...] = ()) -> QuantizationInfo:
-    """Static INT8 QDQ of a :func:`prepare`d model in the profile's scheme; ``keep_float`` nodes stay float."""
+             keep_float: tuple[str, ...] = (), scheme: Int8Scheme | None = None) -> QuantizationInfo:
+    """Static INT8 QDQ of a :func:`prepare`d model in the profile's scheme (or ``scheme``, one that computes the same
+    outputs on every CPU the profile admits: u8u8 where the profile chose 7-bit weights); ``keep_float`` nodes stay
+    float."""
     q = profile.quantization
     if q.method != "static":
         raise InputError(f"profile {profile.name}: int8 needs quantization.method 'static'")
@@ -169,7 +178,15 @@ def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out
         raise ToolchainError("onnxruntime.quantization is not importable; install edgefleet[compiler]") from exc
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[q.calibration_method]
-    scheme, why = profile.int8_scheme()
+    chosen, why = profile.int8_scheme()
+    if scheme is None or scheme == chosen:
+        scheme = chosen
+    elif scheme == FULL_WEIGHTS_EXACT and chosen == "u8s8_reduced":
+        why = (f"8-bit weights as uint8 (u8u8) instead of the profile's {chosen}: uint8 x uint8 kernels cannot "
+               "saturate (onnxruntime's AVX2 u8s8 ones can, hence 7 bits), so the engine computes the same on every "
+               "x86 CPU the profile admits; slower than u8s8 on AVX2")
+    else:
+        raise InputError(f"profile {profile.name}: int8 scheme {scheme} cannot replace {chosen} ({why})")
     weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
     activation_type = QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8
     calib = calibration.head(q.max_calibration_samples)
