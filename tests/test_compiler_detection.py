@@ -25,6 +25,7 @@ from edgefleet.judge.tasks import infer_task
 from edgefleet.protocol.manifest import TensorSpec
 from tests.test_compiler import run_cli
 from tests.test_compiler_tasks import MT
+from tests.test_corpus import _corpus
 
 RNG = np.random.default_rng(29)
 
@@ -216,19 +217,9 @@ def _wheel_model(package: str, rel: str) -> Path:
 
 
 def _captchas(n: int, seed: int) -> np.ndarray:
-    """Characters on a smooth coloured background, 416x416 BGR pixels 0..255 (as ddddocr feeds its detector)."""
-    import cv2
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        img = cv2.resize(rng.integers(60, 255, (8, 8, 3)).astype(np.uint8), (416, 416), interpolation=cv2.INTER_CUBIC)
-        for _ in range(int(rng.integers(3, 6))):
-            cv2.putText(img, chr(int(rng.integers(65, 91))), (int(rng.integers(20, 326)), int(rng.integers(80, 396))),
-                        cv2.FONT_HERSHEY_DUPLEX, float(rng.uniform(2.0, 3.0)),
-                        tuple(int(c) for c in rng.integers(0, 120, 3)), int(rng.integers(3, 7)), cv2.LINE_AA)
-        out.append(img)
-    return np.stack(out).transpose(0, 3, 1, 2).astype(np.float32)
+    """Characters on a smooth coloured background, 416x416 BGR pixels 0..255 (as ddddocr feeds its detector): the
+    corpus's generator (bench/corpus.py), 3-5 letters at scale 2-3."""
+    return _corpus().letters_on_colour(seed, n)
 
 
 def _pages(n: int, seed: int, size: int) -> np.ndarray:
