@@ -16,7 +16,10 @@ segmentation       mask IoU per sample (one channel: ``> threshold``; several: a
                    the objects too (connected components of at least ``min_area`` pixels, a text detector's
                    boxes): FP32's matched at IoU 0.5, recall and precision (``min_instances``)
 regression         decision agreement at ``threshold`` (probabilities: 0.5 by default); without a
-                   threshold, the share of samples within ``tol`` of FP32; max and mean abs error
+                   threshold, the share of samples within ``tol`` of FP32; max and mean abs error. With
+                   ``min_segments`` (a VAD): the evaluation samples in order are one stream, its decisions
+                   runs of positives (segments, merged across samples): FP32's matched one to one at
+                   interval IoU >= 0.5, recall and precision
 embedding          neighbour rank: each candidate embedding's nearest FP32 embedding among the evaluation set's
                    is its own (``min_retrieval``); the 5th-percentile cosine with FP32 (``min_cosine``)
 =================  ==========================================================================
@@ -51,7 +54,7 @@ TASKS: dict[str, dict[str, Any]] = {
                   "min_precision": 0.98, "min_iou": 0.8, "input_h": None, "input_w": None},
     "ctc": {"blank": 0, "min_exact": 0.98, "max_cer": 0.02},  # at most 2% of the strings change
     "segmentation": {"threshold": None, "min_iou": 0.9, "min_instances": 0.98, "min_area": 10},
-    "regression": {"threshold": None, "min_decision": None, "tol": None, "min_within": 0.99},
+    "regression": {"threshold": None, "min_decision": None, "tol": None, "min_within": 0.99, "min_segments": None},
     "embedding": {"min_cosine": None, "min_retrieval": 0.98},
 }
 # yolov8: [4+C, A] decoded boxes (cx, cy, w, h) and class scores; yolov5: [A, 5+C] decoded boxes, objectness and
@@ -618,6 +621,13 @@ def _regression(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
         crits.append(_crit("decision_agreement", same / max(r.size, 1), min_agreement if bound is None else bound,
                            "min", _wilson(same, r.size)))
         details["threshold"] = float(thr)
+        if task.arg("min_segments") is not None:
+            seg_crits, seg_details = _segments(r > thr, c > thr, task.arg("min_segments"))
+            crits += seg_crits
+            details.update(seg_details)
+    elif task.arg("min_segments") is not None:
+        raise InputError("regression: min_segments judges the runs of decisions, and this output's values are not "
+                         "probabilities: give the decision threshold too (--task-args threshold=T,min_segments=...)")
     if thr is None or "tol" in task.args:
         tol = task.arg("tol")
         if tol is None:
@@ -628,6 +638,46 @@ def _regression(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
                            _wilson(within, len(ref))))
         details["tol"] = float(tol)
     return crits, details
+
+
+def _runs(decisions: np.ndarray) -> np.ndarray:
+    """[K, 2]: start and end (exclusive) of each maximal run of True in a 1-D stream of decisions."""
+    edges = np.diff(np.concatenate([[0], decisions.astype(np.int8), [0]]))
+    return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1)
+
+
+def _segments(ref: np.ndarray, cand: np.ndarray, bound: float) -> tuple[list[TaskCriterion], dict[str, float]]:
+    """A VAD's answer is its speech segments: the runs of positive decisions over the stream (the evaluation samples
+    in order, so a segment spans as many samples as it lasts). FP32's segments are matched one to one by the
+    candidate's, largest overlap first, at interval IoU >= 0.5: a segment split in two, merged with its neighbour,
+    cut to less than half or gone is lost; a segment FP32 does not have is added."""
+    a, b = _runs(ref), _runs(cand)
+    if not len(a):
+        raise InputError(f"regression: min_segments judges segments (runs of positive decisions), and fp32 decides "
+                         f"no positive on the {len(ref)} values of the evaluation stream: give evaluation data with "
+                         "the events the model detects (speech for a VAD), in stream order")
+    pairs = []
+    j = 0
+    for i, (s0, e0) in enumerate(a):  # both lists are sorted and each is disjoint: a sweep finds the overlaps
+        while j < len(b) and b[j, 1] <= s0:
+            j += 1
+        k = j
+        while k < len(b) and b[k, 0] < e0:
+            inter = min(e0, b[k, 1]) - max(s0, b[k, 0])
+            iou = inter / (max(e0, b[k, 1]) - min(s0, b[k, 0]))
+            if iou >= 0.5:
+                pairs.append((iou, i, k))
+            k += 1
+    used_a: set[int] = set()
+    used_b: set[int] = set()
+    for _, i, k in sorted(pairs, reverse=True):
+        if i not in used_a and k not in used_b:
+            used_a.add(i)
+            used_b.add(k)
+    hits = len(used_a)
+    crits = [_crit("segment_recall", hits / len(a), bound, "min", _wilson(hits, len(a))),
+             _crit("segment_precision", hits / len(b) if len(b) else 0.0, bound, "min", _wilson(hits, len(b)))]
+    return crits, {"fp32_segments": float(len(a)), "candidate_segments": float(len(b)), "matched_segments": float(hits)}
 
 
 def _embedding(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
