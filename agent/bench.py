@@ -29,6 +29,7 @@ from edgefleet.agent.batcher import LayoutFigures, in_the_running, pin_thread
 from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.selftest import Turn, now
 from edgefleet.agent.store import StagedModel
+from edgefleet.agent.timed_choice import child_answer
 from edgefleet.engines import Engine, load_bundle_engine
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.cpu import cpu_features
@@ -264,15 +265,7 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
         # without binfmt, where sys.executable is a foreign binary): the trial runs here, its memory kept
         log.warning("layout trial: could not start a child process (%s); timing in this process instead", exc)
         return layout_trial(manifest, directory, candidates, sizes, seconds, cpus, providers, runtime=runtime)
-    try:
-        out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
-    except ValueError:
-        out = None
-    if not isinstance(out, dict) or done.returncode not in (0, 3):
-        tail = " ".join(done.stderr.decode(errors="replace").split())[-500:]
-        raise SelfTestFailed(f"layout trial: the child process failed (exit {done.returncode}): {tail}")
-    if "error" in out:
-        raise (BackendError if out.get("kind") == "backend" else SelfTestFailed)(str(out["error"]))
+    out = child_answer(done, "layout trial")
     return [LayoutFigures(int(f["instances"]), int(f["threads"]),
                           tuple((int(n), float(v)) for n, v in f["images_per_s"]), float(f["lone_ms"]))
             for f in out["figures"]]

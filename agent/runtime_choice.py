@@ -30,7 +30,7 @@ from pathlib import Path
 from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.selftest import Turn, now, self_test
 from edgefleet.agent.store import StagedModel
-from edgefleet.agent.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
+from edgefleet.agent.timed_choice import child_answer, geomean, keep_unless_faster, time_in_alternation, timing_sizes
 from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
 
 __all__ = ["TIE", "TRIAL_TIMEOUT_S", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime",
@@ -171,15 +171,7 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
     for line in done.stderr.decode(errors="replace").splitlines():  # the child's warnings: each runtime dropped
         if line.startswith("WARNING "):
             log.warning("runtime trial: %s", line.removeprefix("WARNING "))
-    try:
-        out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
-    except ValueError:
-        out = None
-    if not isinstance(out, dict) or done.returncode not in (0, 3):
-        tail = " ".join(done.stderr.decode(errors="replace").split())[-500:]
-        raise SelfTestFailed(f"runtime trial: the child process failed (exit {done.returncode}): {tail}")
-    if "error" in out:
-        raise (BackendError if out.get("kind") == "backend" else SelfTestFailed)(str(out["error"]))
+    out = child_answer(done, "runtime trial")
     timings = tuple(RuntimeTiming(str(t["runtime"]), float(t["items_per_s"]),
                                   tuple((int(n), float(v)) for n, v in t["timings"])) for t in out["timings"])
     return RuntimePick(str(out["runtime"]), str(out["source"]), timings, str(out["note"]))

@@ -7,16 +7,19 @@ the batch sizes, and the bundle's own is kept unless another is more than a tie 
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 from collections.abc import Callable
+from typing import Any
 
-from edgefleet.agent.errors import SelfTestFailed
+from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.selftest import Turn, measure_batch_sizes
 from edgefleet.agent.store import StagedModel
 from edgefleet.engines import Engine
 
-__all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "geomean", "keep_unless_faster", "time_in_alternation",
-           "timing_sizes"]
+__all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "child_answer", "geomean", "keep_unless_faster",
+           "time_in_alternation", "timing_sizes"]
 
 ROUNDS = 3  # each candidate is timed this many times, in alternation; the best figure per batch size counts
 ROUND_BUDGET_S = 0.3  # seconds of calls per candidate per round
@@ -74,3 +77,18 @@ def keep_unless_faster(own: str, figures: dict[str, float], tie: float, sizes: t
     shown = ", ".join(f"{k} {v:g}/s" for k, v in figures.items())
     return chosen, (f"{chosen}: timed here ({shown}, geometric mean over batch sizes {sizes})"
                     + ("" if chosen != own or fastest == own else f"; {fastest} is within {tie:.0%}, {own_kept} kept"))
+
+
+def child_answer(done: subprocess.CompletedProcess, what: str) -> dict[str, Any]:
+    """The JSON document a trial's child process printed last (the layout trial, the runtime trial): SelfTestFailed
+    naming ``what`` and the tail of its stderr when it failed or printed none; its own error raised as the agent's."""
+    try:
+        out = json.loads(done.stdout.decode(errors="replace").strip().rsplit("\n", 1)[-1])
+    except ValueError:
+        out = None
+    if not isinstance(out, dict) or done.returncode not in (0, 3):
+        tail = " ".join(done.stderr.decode(errors="replace").split())[-500:]
+        raise SelfTestFailed(f"{what}: the child process failed (exit {done.returncode}): {tail}")
+    if "error" in out:
+        raise (BackendError if out.get("kind") == "backend" else SelfTestFailed)(str(out["error"]))
+    return out
