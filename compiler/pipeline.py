@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,8 +203,16 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
     """Build, gate, benchmark and bundle; errors of the engines it runs and of the judge it gates with are
     translated here: a feed the engine refuses, or data the judge cannot judge, is the data's fault (InputError),
     any other engine failure the toolchain's."""
-    try:
+    with compiler_errors():
         return _compile(opts, progress)
+
+
+@contextlib.contextmanager
+def compiler_errors() -> Iterator[None]:
+    """Engine and judge errors as the compiler's (a refused feed or unjudgeable data: InputError; any other engine
+    failure: ToolchainError); compile_model and compile_pipeline translate the same way."""
+    try:
+        yield
     except CompilerError:
         raise
     except (EngineInputError, JudgeInputError) as exc:

@@ -52,14 +52,12 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
+from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError
 from edgefleet.compiler.graph import GraphInfo, check_model
-from edgefleet.compiler.pipeline import REFERENCE_RUNTIME, CompileOptions, Progress, compile_model
-from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec, load, load_bundle_engine
+from edgefleet.compiler.pipeline import REFERENCE_RUNTIME, CompileOptions, Progress, compile_model, compiler_errors
+from edgefleet.engines import Engine, EngineSpec, load, load_bundle_engine
 from edgefleet.engines.onnxruntime import CPU
 from edgefleet.judge.data import load_dataset
-from edgefleet.judge.errors import InputError as JudgeInputError
-from edgefleet.judge.errors import JudgeError
 from edgefleet.judge.pipeline import Chain, end_specs, judge_pipeline
 from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
 from edgefleet.protocol.errors import ContractError
@@ -208,16 +206,8 @@ def run_chain(chain: Chain, images: np.ndarray, detect: Stage, read: Stage,
 # -- the compile -------------------------------------------------------------------------------------------------
 def compile_pipeline(opts: PipelineOptions, progress: Progress = _noop) -> PipelineResult:
     """Build, gate and bundle a pipeline; engine and judge errors are translated as compile_model translates them."""
-    try:
+    with compiler_errors():
         return _compile(opts, progress)
-    except CompilerError:
-        raise
-    except (EngineInputError, JudgeInputError) as exc:
-        raise InputError(str(exc)) from exc
-    except EngineError as exc:
-        raise ToolchainError(str(exc)) from exc
-    except JudgeError as exc:
-        raise CompilerError(str(exc)) from exc
 
 
 @dataclass
