@@ -15,6 +15,12 @@ regression        ``positive_share`` (share of values >= ``threshold`` in the an
                   ``value`` (the answer's values, at most 4,096 per answer)
 segmentation      ``foreground_share`` (share of pixels above ``threshold``, or not arg-max 0 with channels)
 embedding/other   ``norm`` (L2 norm of the answer), ``value`` (its values, at most 4,096 per answer)
+pipeline          a detect-then-read pipeline's end answers (protocol/pipeline.py), one answer per image:
+                  ``boxes`` (its ``count``, clipped to [0, K]); then *one value per string* (per box under
+                  ``count``): ``length`` (``read: ctc``: the ``text`` row's length in characters, its UTF-8 lead
+                  bytes among its first 4,096), or ``class`` (``read: topk``: the top class in ``classes``,
+                  categorical as above), and ``score`` (the reader's: ``text_scores``, or the top class's
+                  ``class_scores``)
 ================  ===========================================================================================
 
 A histogram feature's bins are fixed at compile time from the reference's deciles (integer features at
@@ -22,13 +28,19 @@ half-integers; features in [0, 1] never with fewer than 3 edges), so an agent's 
 counts per feature (:class:`DriftAccumulator`: bounded memory, no input kept, mergeable by adding). The agent sends
 the counts of each telemetry interval (:class:`DriftCounts`); the fleet scores them against the reference.
 
+A pipeline's answers are its end outputs as the manifest lists them (``boxes``, ``box_scores``, ``count``, ``text``
+or ``classes``, ``text_scores`` or ``class_scores``: a list of five arrays, images on axis 0); its samples are its
+images, and its per-string features hold as many values as the images had boxes, which may be fewer or more.
+
 **Score**: the population stability index of each feature, ``PSI = sum_i (a_i - e_i) * ln(a_i / e_i)`` over the
 bins, with ``e`` the expected (reference) shares and ``a`` the actual (live) ones, each share at least
 ``PSI_EPSILON`` (1e-4: an empty bin counts as 1e-4, so one bin never makes it infinite; the largest possible value
 over any bins is then below :data:`MAX_PSI`). The drift score is the largest feature PSI. Levels: below
 ``WATCH_PSI`` (0.1) stable, below ``DRIFT_PSI`` (0.25) watch, else drift; fewer than ``MIN_SAMPLES`` (200) answers
 is **insufficient**: sampling alone gives an expected PSI of about ``(bins - 1) * (1/n + 1/N)`` (reported as
-``noise``), 0.045 for 10 bins at n = 200, so a smaller sample's figure is shown but never called drift.
+``noise``), 0.045 for 10 bins at n = 200, so a smaller sample's figure is shown but never called drift. For the same
+reason, once there are ``MIN_SAMPLES`` answers, a feature counted from fewer than ``MIN_SAMPLES`` values (a
+pipeline's strings on mostly blank pages) is shown in ``features`` but neither the score nor the level rests on it.
 
 Two sketches of different versions (a rollout's drift gate) are compared after :func:`align` puts both on the same
 bins: categories both references name, the rest "other"; histogram counts moved onto the newer version's edges as
@@ -53,6 +65,7 @@ __all__ = [
     "MAX_BINS",
     "MAX_FEATURES",
     "MAX_PSI",
+    "MAX_TEXT_BYTES",
     "MIN_SAMPLES",
     "PSI_EPSILON",
     "WATCH_PSI",
@@ -69,6 +82,7 @@ __all__ = [
     "level",
     "psi",
     "reference_args",
+    "samples_of",
     "score",
 ]
 
@@ -80,13 +94,15 @@ MAX_BINS = 64  # per feature
 MAX_FEATURES = 4
 MAX_CATEGORIES = MAX_BINS - 1  # classes with a bin of their own; the rest share "other"
 MAX_VALUES_PER_ANSWER = 4096  # work bound of the ``value`` feature: at most this many values of one answer, strided
+MAX_TEXT_BYTES = 4096  # a pipeline string's bytes read (protocol.pipeline.ReadStep.max_text_bytes's bound)
+MAX_BOXES = 256  # a pipeline image's boxes read (protocol.pipeline.BoxesStep.max_boxes's bound)
 MAX_ROWS = 1 << 16  # answers (rows) one call looks at
 MAX_COUNT = 2**40  # any count in a sketch (protocol.mqtt.MAX_COUNT)
 MAX_PSI = 2 * (1 - PSI_EPSILON) * math.log(1 / PSI_EPSILON) + 1e-6  # two bins swapping all their mass: the most
 DECILES = tuple(i / 10 for i in range(1, 10))
 UNIT_GRID = DECILES  # edges added to a [0, 1] feature whose deciles collapse
 
-Task = Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding"]
+Task = Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding", "pipeline"]
 FeatureName = Literal["class", "score", "boxes", "length", "positive_share", "foreground_share", "value", "norm"]
 Level = Literal["insufficient", "stable", "watch", "drift"]
 TASK_FEATURES: dict[str, tuple[str, ...]] = {
@@ -96,7 +112,10 @@ TASK_FEATURES: dict[str, tuple[str, ...]] = {
     "regression": ("positive_share", "value"),
     "segmentation": ("foreground_share",),
     "embedding": ("norm", "value"),
+    "pipeline": ("boxes", "length", "class", "score"),  # length with read ctc, class with read topk
 }
+PIPELINE_FEATURES: dict[str, tuple[str, ...]] = {"ctc": ("boxes", "length", "score"),  # by the pipeline's read op
+                                                 "topk": ("boxes", "class", "score")}
 INTEGER_FEATURES = frozenset({"boxes", "length"})
 UNIT_FEATURES = frozenset({"positive_share", "foreground_share"})  # always in [0, 1]
 
@@ -151,6 +170,7 @@ class DriftReference(StrictModel):
     score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # detection
     detection_format: Literal["yolov8", "yolov5", "yolox"] | None = None
     threshold: float | None = Field(default=None, ge=-1e30, le=1e30)  # regression, segmentation
+    read: Literal["ctc", "topk"] | None = None  # pipeline: how its reader's answers were decoded (spec.read.op)
     features: tuple[FeatureReference, ...] = Field(min_length=1, max_length=MAX_FEATURES)
 
     @model_validator(mode="after")
@@ -161,6 +181,12 @@ class DriftReference(StrictModel):
                              f"once; got {names}")
         if self.read_as == "detection" and (self.score_threshold is None or self.detection_format is None):
             raise ValueError("a detection reference names its score_threshold and detection_format")
+        if (self.read_as == "pipeline") != (self.read is not None):
+            raise ValueError("a pipeline reference names how its reader's answers were read (read: ctc or topk); "
+                             "no other task has read")
+        if self.read is not None and not set(names) <= set(PIPELINE_FEATURES[self.read]):
+            raise ValueError(f"a pipeline read as {self.read} has the features {list(PIPELINE_FEATURES[self.read])}; "
+                             f"got {names}")
         return self
 
     def feature(self, name: str) -> FeatureReference | None:
@@ -234,11 +260,46 @@ def _strided(v: np.ndarray) -> np.ndarray:
     return flat[::step] if step > 1 else flat
 
 
+def _pipeline_values(batch: Batch, read: str | None) -> dict[str, list[np.ndarray]]:
+    """A pipeline's end outputs -> boxes per image and, per string (box under its image's count), its length or top
+    class and its score. Counts are clipped to the K rows there are (and MAX_BOXES), strings read to MAX_TEXT_BYTES."""
+    if read not in PIPELINE_FEATURES:
+        raise ValueError(f"a pipeline's answers are read as its read step says (read: ctc or topk); got {read!r}")
+    if isinstance(batch, np.ndarray) or len(batch) != 5:
+        raise ValueError("a pipeline's answers are its five end outputs (boxes, box_scores, count, text or classes, "
+                         "text_scores or class_scores), images on axis 0")
+    count, answer, scores = (np.asarray(batch[i]) for i in (2, 3, 4))
+    n = min(len(count), MAX_ROWS) if count.ndim == 1 else -1
+    if n < 0 or answer.ndim != 3 or scores.ndim not in (2, 3) or min(len(answer), len(scores)) < n \
+            or scores.shape[1] != answer.shape[1]:
+        raise ValueError(f"a pipeline's end outputs are count [N], {'text' if read == 'ctc' else 'classes'} "
+                         f"[N, K, ...] and their scores [N, K (, k)]; got count {list(count.shape)}, "
+                         f"{list(answer.shape)} and {list(scores.shape)}")
+    if read == "ctc" and answer.dtype != np.uint8:
+        raise ValueError(f"a pipeline's text is UTF-8 bytes (uint8); got {answer.dtype}")
+    k = min(answer.shape[1], MAX_BOXES)
+    c = np.clip(np.nan_to_num(count[:n].astype(np.float64), nan=0.0, posinf=k, neginf=0.0), 0, k).astype(np.int64)
+    rows = np.arange(k)[None, :] < c[:, None]  # [n, k]: the boxes each image found
+    sc = scores[:n, :k] if scores.ndim == 2 else scores[:n, :k, 0]
+    out: dict[str, list[np.ndarray]] = {"boxes": [c.astype(np.float64)], "score": [sc[rows].astype(np.float64)]}
+    if read == "ctc":
+        t = answer[:n, :k, :MAX_TEXT_BYTES][rows]  # [strings, bytes]
+        out["length"] = [((t != 0) & ((t & 0xC0) != 0x80)).sum(axis=1).astype(np.float64)]  # UTF-8 lead bytes
+    else:
+        out["class"] = [answer[:n, :k, 0][rows].astype(np.float64)]
+    return out
+
+
 def feature_values(task: str, batch: Batch, *, blank: int | None = None, score_threshold: float | None = None,
-                   detection_format: str | None = None, threshold: float | None = None) -> dict[str, np.ndarray]:
+                   detection_format: str | None = None, threshold: float | None = None,
+                   read: str | None = None) -> dict[str, np.ndarray]:
     """Each feature's values (float64, 1-D, finite) over ``batch``: the answers, samples on axis 0 (an array, or a
-    list of per-answer arrays). Raises ValueError for answers its task cannot read."""
-    out: dict[str, list[np.ndarray]] = {n: [] for n in TASK_FEATURES[task]}
+    list of per-answer arrays; a pipeline's: its five end outputs). Raises ValueError for answers its task cannot
+    read."""
+    if task == "pipeline":
+        out = _pipeline_values(batch, read)
+        return {n: _finite(np.concatenate(out[n])) for n in PIPELINE_FEATURES[str(read)]}
+    out = {n: [] for n in TASK_FEATURES[task]}
     if task == "classification" and isinstance(batch, np.ndarray) and batch.ndim >= 2:
         rows = [batch[:MAX_ROWS].reshape(-1, batch.shape[-1])]  # vectorised: [N, C] (or [N, ..., C]) at once
     elif task == "classification":
@@ -288,16 +349,24 @@ def feature_values(task: str, batch: Batch, *, blank: int | None = None, score_t
                 flat = a.reshape(-1)
                 out["norm"].append(np.array([math.sqrt(max(float(np.dot(flat, flat)), 0.0))]))
                 out["value"].append(_strided(a))
-    result = {}
-    for name, parts in out.items():
-        v = np.concatenate(parts).astype(np.float64, copy=False) if parts else np.zeros(0)
-        result[name] = np.clip(np.nan_to_num(v, nan=0.0, posinf=1e30, neginf=-1e30), -1e30, 1e30)
-    return result
+    return {name: _finite(np.concatenate(parts) if parts else np.zeros(0)) for name, parts in out.items()}
+
+
+def _finite(v: np.ndarray) -> np.ndarray:
+    v = v.astype(np.float64, copy=False)
+    return np.clip(np.nan_to_num(v, nan=0.0, posinf=1e30, neginf=-1e30), -1e30, 1e30)
+
+
+def samples_of(task: str, batch: Batch) -> int:
+    """The answers ``batch`` holds (a pipeline's: its images), at most MAX_ROWS."""
+    if task == "pipeline":
+        return min(len(batch[2]), MAX_ROWS) if not isinstance(batch, np.ndarray) and len(batch) == 5 else 0
+    return min(len(batch), MAX_ROWS)
 
 
 def _kwargs(ref: DriftReference) -> dict[str, Any]:
     return {"blank": ref.blank, "score_threshold": ref.score_threshold, "detection_format": ref.detection_format,
-            "threshold": ref.threshold}
+            "threshold": ref.threshold, "read": ref.read}
 
 
 def bin_counts(f: FeatureReference, values: np.ndarray) -> np.ndarray:
@@ -339,22 +408,25 @@ def reference_args(task: str, arg: Callable[[str], Any]) -> dict[str, Any]:
     if task in ("regression", "segmentation"):
         thr = arg("threshold")
         return {"threshold": None if thr is None else float(thr)}
+    if task == "pipeline":
+        return {"read": str(arg("read"))}
     return {}
 
 
 def build_reference(task: str, output: str, batch: Batch, *, blank: int | None = None,
                     score_threshold: float | None = None, detection_format: str | None = None,
-                    threshold: float | None = None, sure: bool = True) -> DriftReference:
-    """The reference of ``task`` from the answers ``batch`` (samples on axis 0) of output ``output``."""
+                    threshold: float | None = None, read: str | None = None, sure: bool = True) -> DriftReference:
+    """The reference of ``task`` from the answers ``batch`` (samples on axis 0) of output ``output`` (a pipeline's:
+    its five end outputs, ``output`` the one its reader's answers are in, ``read`` its read step's op)."""
     kw: dict[str, Any] = {"blank": blank, "score_threshold": score_threshold, "detection_format": detection_format,
-          "threshold": threshold}
+          "threshold": threshold, "read": read}
     if task == "detection":
         kw["score_threshold"] = 0.25 if score_threshold is None else score_threshold
         kw["detection_format"] = detection_format or "yolov8"
     if task == "ctc":
         kw["blank"] = blank or 0
     values = feature_values(task, batch, **kw)
-    n = min(len(batch), MAX_ROWS)
+    n = samples_of(task, batch)
     feats = []
     for name, v in values.items():
         if name == "class":
@@ -398,7 +470,7 @@ class DriftAccumulator:
         values = feature_values(self.ref.read_as, batch, **_kwargs(self.ref))
         for f in self.ref.features:
             self._counts[f.name] += bin_counts(f, values[f.name])
-        self.samples += min(len(batch), MAX_ROWS)
+        self.samples += samples_of(self.ref.read_as, batch)
 
     def take(self) -> DriftCounts | None:
         """The counts since the last take (None when nothing was counted), and start again from zero."""
@@ -451,24 +523,30 @@ class DriftScore:
                 "noise": self.noise, "level": self.level}
 
 
-def _result(per: dict[str, float], noise: dict[str, float], samples: int) -> DriftScore:
-    worst = max(per, key=lambda k: per[k]) if per else None
+def _result(per: dict[str, float], noise: dict[str, float], values: dict[str, float], samples: int) -> DriftScore:
+    """The score of features ``per`` (their PSI), each counted from ``values[name]`` values: once ``samples`` reach
+    MIN_SAMPLES, only features of at least MIN_SAMPLES values decide (every feature, when none has that many)."""
+    decide = [k for k in per if values[k] >= MIN_SAMPLES] if samples >= MIN_SAMPLES else []
+    decide = decide or list(per)
+    worst = max(decide, key=lambda k: per[k]) if decide else None
     value = round(per[worst], 6) if worst is not None else None
     return DriftScore(value, worst, {k: round(v, 6) for k, v in per.items()}, samples,
-                      round(max(noise.values(), default=0.0), 6), level(value, samples))
+                      round(max((noise[k] for k in decide), default=0.0), 6), level(value, samples))
 
 
 def score(ref: DriftReference, counts: Mapping[str, Sequence[int]], samples: int) -> DriftScore:
     """Live ``counts`` (feature -> counts in the reference's bins) against the reference."""
     per: dict[str, float] = {}
     noise: dict[str, float] = {}
+    values: dict[str, float] = {}
     for f in ref.features:
         c = counts.get(f.name)
         if c is None or len(c) != f.bins or sum(c) == 0:
             continue
         per[f.name] = psi(f.shares, c)
+        values[f.name] = float(sum(c))
         noise[f.name] = (f.bins - 1) * (1 / max(sum(c), 1) + 1 / ref.samples)
-    return _result(per, noise, samples)
+    return _result(per, noise, values, samples)
 
 
 def _rebin(f: FeatureReference, counts: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
@@ -518,6 +596,7 @@ def compare(old: DriftReference, old_counts: Mapping[str, Sequence[int]], new: D
     """The new version's answers against the old version's (the expected side), feature by feature on common bins."""
     per: dict[str, float] = {}
     noise: dict[str, float] = {}
+    values: dict[str, float] = {}
     for fn in new.features:
         fo = old.feature(fn.name)
         co, cn = old_counts.get(fn.name), new_counts.get(fn.name)
@@ -527,5 +606,6 @@ def compare(old: DriftReference, old_counts: Mapping[str, Sequence[int]], new: D
         if pair is None or pair[0].sum() == 0 or pair[1].sum() == 0:
             continue
         per[fn.name] = psi(pair[0], pair[1])
+        values[fn.name] = float(min(pair[0].sum(), pair[1].sum()))
         noise[fn.name] = (len(pair[1]) - 1) * (1 / pair[0].sum() + 1 / pair[1].sum())
-    return _result(per, noise, min(old_samples, new_samples))
+    return _result(per, noise, values, min(old_samples, new_samples))

@@ -39,7 +39,9 @@ the steps between them. Each stage has its own manifest inside (gated like a sin
 bundle's ``files``); the top-level manifest describes the pipeline as a whole: its input is the detector's, its
 outputs are the end answers, its ``accuracy`` is the gate of those answers against the FP32 pipeline (task
 ``pipeline``), its ``engine`` is the detector's engine file and its ``precision`` the lowest of the stages'
-(``fp32`` only when every stage is fp32). A manifest without it stays at its lower version.
+(``fp32`` only when every stage is fp32), and its ``drift`` reference, when it has one, reads those end answers
+(``read_as: pipeline``: boxes per image, each string's length or top class, each string's score). A manifest without
+it stays at its lower version.
 """
 
 from __future__ import annotations
@@ -393,6 +395,9 @@ class Manifest(StrictModel):
         """A pipeline's manifest describes the whole: see the module docstring (version 7)."""
         if self.accuracy.task is not None and self.accuracy.task.task == "pipeline" and self.pipeline is None:
             raise ValueError("accuracy.task 'pipeline' belongs to a pipeline's manifest")
+        if self.drift is not None and (self.drift.read_as == "pipeline") != (self.pipeline is not None):
+            raise ValueError("a pipeline's drift reference reads its end answers (drift.read_as 'pipeline'), and only "
+                             "a pipeline's does")
         p = self.pipeline
         if p is None:
             return self
@@ -427,6 +432,9 @@ class Manifest(StrictModel):
             raise ValueError(f"a pipeline's precision is its lowest stage's ({lowest}), not {self.precision}")
         if self.accuracy.task is None or self.accuracy.task.task != "pipeline":
             raise ValueError("a pipeline's accuracy report judges its end answers (accuracy.task 'pipeline')")
+        if self.drift is not None and (self.drift.read != p.spec.read.op or self.drift.output != want[3]):
+            raise ValueError(f"a pipeline's drift reference reads its {want[3]!r} as read.op {p.spec.read.op}; it "
+                             f"says {self.drift.output!r} as {self.drift.read}")
         return self
 
     @model_validator(mode="after")
