@@ -329,11 +329,12 @@ def run(n: int, per_device: int, rounds: int, finished: int, keep: bool, series_
     db_url = postgres_db(DB_NAME)
     if db_url is None:
         raise SystemExit("error: PostgreSQL is not reachable on 127.0.0.1:5432 (user postgres, trust auth)")
+    db_name = db_url.rsplit("/", 1)[1]  # DB_NAME and this checkout's tag (tests/conftest.postgres_db)
     work = Path(tempfile.mkdtemp(prefix="console-scale-"))
     try:
         with mosquitto(work, devices=0) as mq, fleet(work, mq, None, "--db-url", db_url) as client:
             t = time.monotonic()
-            seeded = seed(DB_NAME, n, per_device, finished, series_hours)
+            seeded = seed(db_name, n, per_device, finished, series_hours)
             seed_s = time.monotonic() - t
             say(f"seeded {n} devices, {n * per_device} telemetry rows and a {n}-target rollout (after {finished} "
                 f"finished ones; {seeded['series_rows']} rows of its waves' series over {series_hours:g} h) in "
@@ -347,16 +348,16 @@ def run(n: int, per_device: int, rounds: int, finished: int, keep: bool, series_
                      "device": f"/devices/{seeded['device']}"}
             token = (work / "fleet" / "admin-token").read_text().strip()
             took = time_pages(str(client.base_url).rstrip("/"), token, pages, rounds,
-                              CpuMeter(client.pid, DB_NAME))  # type: ignore[attr-defined]
+                              CpuMeter(client.pid, db_name))  # type: ignore[attr-defined]
     finally:
         if not keep:
             import psycopg
 
             with psycopg.connect("host=127.0.0.1 port=5432 user=postgres dbname=postgres", autocommit=True) as c:
-                c.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+                c.execute(f"DROP DATABASE IF EXISTS {db_name} WITH (FORCE)")
             shutil.rmtree(work, ignore_errors=True)
         else:
-            say(f"kept: database {DB_NAME}, work folder {work}")
+            say(f"kept: database {db_name}, work folder {work}")
     return {"devices": n, "rounds": rounds, "finished_rollouts": finished, "seed_s": round(seed_s, 1),
             "series_rows": seeded["series_rows"],
             "mb": seeded["mb"], "idle": took.pop("idle"), "pages": took,

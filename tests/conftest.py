@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -198,10 +199,13 @@ def sims():
 def postgres_db(name: str) -> str | None:
     """A fresh PostgreSQL database on 127.0.0.1:5432 (user postgres, trust auth), or None if unreachable. Under
     pytest-xdist each worker gets its own (``name`` + ``_gw0`` ...): two test files on two workers may ask for the
-    same name, and each drops and recreates it."""
+    same name, and each drops and recreates it. The name also carries a short hash of this checkout's path: two
+    checkouts testing on one box at once (a clean clone's CI run beside a working tree's) would otherwise drop each
+    other's database WITH (FORCE) mid-test."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         name = f"{name}_{worker}"
+    name = f"{name}_{hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]}"
     try:
         import psycopg
 
