@@ -8,6 +8,11 @@ the cost of counting one small answer alone), and the telemetry loop :meth:`take
 When the thread falls behind (``max_pending`` answers or ``max_pending_bytes`` of them waiting), new answers are
 skipped and counted as such, so a burst never grows memory or slows the device.
 A model whose manifest carries no reference (bundles from before version 6) is not sketched.
+
+A pipeline (manifest version 7, agent/pipeline.py) is sketched as one model: the host offers its end answers as it
+offers a single model's outputs, and a reference read as task ``pipeline`` takes all of them at once (``count``,
+the strings and their scores: protocol.drift's features), referenced, not copied, until counted; its samples are
+the requests' images. Its stages' own references are not counted (their answers never leave the pipeline).
 """
 
 from __future__ import annotations
@@ -27,13 +32,21 @@ __all__ = ["DriftRecorder"]
 log = logging.getLogger("edgefleet.agent.drift")
 
 
+Answer = np.ndarray | tuple[np.ndarray, ...]  # the reference's output, or a pipeline's end outputs
+
+
+def _nbytes(out: Answer) -> int:
+    return sum(int(getattr(o, "nbytes", 0)) for o in out) if isinstance(out, tuple) else int(getattr(out, "nbytes", 0))
+
+
 class _Tracked:
-    __slots__ = ("acc", "axis", "index", "version")
+    __slots__ = ("acc", "axis", "index", "version", "whole")
 
     def __init__(self, manifest: Manifest, index: int):
         assert manifest.drift is not None
         self.version = manifest.version
         self.index = index
+        self.whole = manifest.drift.read_as == "pipeline"  # every output is read (a pipeline's end answers)
         self.axis = manifest.outputs[index].batch_axis
         self.acc = DriftAccumulator(manifest.drift, manifest.name, manifest.version)
 
@@ -46,7 +59,7 @@ class DriftRecorder:
         self._pending_bytes = 0
         self.errors = 0  # answers the sketch could not read (logged once per model version)
         self._tracked: dict[str, _Tracked] = {}  # model name -> its served version's sketch
-        self._q: deque[tuple[str, str, np.ndarray]] = deque()
+        self._q: deque[tuple[str, str, Answer]] = deque()
         self._lock = threading.Lock()  # the accumulators and the queue
         self._wake = threading.Event()
         self._stop = False
@@ -66,8 +79,8 @@ class DriftRecorder:
                 return
         if t.index >= len(outputs):
             return
-        out = outputs[t.index]
-        size = int(getattr(out, "nbytes", 0))
+        out: Answer = tuple(outputs) if t.whole else outputs[t.index]
+        size = _nbytes(out)
         if len(self._q) >= self.max_pending or self._pending_bytes + size > self.max_pending_bytes:
             with self._lock:
                 t.acc.skipped += 1
@@ -113,10 +126,10 @@ class DriftRecorder:
             while self._q and not self._stop:
                 # everything queued at once, grouped by version: one count per group, not per answer (the per-call
                 # overhead of numpy dominates a small answer's cost)
-                groups: dict[tuple[str, str], list[np.ndarray]] = {}
+                groups: dict[tuple[str, str], list[Answer]] = {}
                 for _ in range(min(len(self._q), self.max_pending)):
                     name, version, out = self._q.popleft()
-                    self._pending_bytes -= int(getattr(out, "nbytes", 0))
+                    self._pending_bytes -= _nbytes(out)
                     groups.setdefault((name, version), []).append(out)
                 for (name, version), outs in groups.items():
                     try:
@@ -127,11 +140,19 @@ class DriftRecorder:
                             self._warned.add((name, version))
                             log.warning("drift sketch of %s %s cannot read an answer: %r", name, version, exc)
 
-    def _count(self, name: str, version: str, outs: list[np.ndarray]) -> None:
+    def _count(self, name: str, version: str, outs: list[Answer]) -> None:
         with self._lock:
             t = self._tracked.get(name)
             if t is None or t.version != version:
                 return  # answered by a version swapped out meanwhile
+            if t.whole:  # a pipeline's end outputs, images on axis 0 of each: stacked output by output
+                per = [[np.asarray(o[j]) for o in outs] for j in range(len(outs[0]))]
+                if all(len({a.shape[1:] for a in arrays}) == 1 for arrays in per):
+                    t.acc.add([np.concatenate(arrays) if len(arrays) > 1 else arrays[0] for arrays in per])
+                else:
+                    for o in outs:
+                        t.acc.add(list(o))
+                return
             if t.axis is None:  # no batch axis: each output is one answer
                 t.acc.add([np.asarray(o) for o in outs])
                 return

@@ -45,6 +45,11 @@ after its last request is answered, so no request sees a detector of one version
 **Metrics**: the pipeline is the model (requests, errors, end-to-end latency: the telemetry's p99); each stage has
 metrics of its own labelled ``<model>/<stage>`` (agent.metrics.Metrics.for_stage), sent per interval in the
 telemetry's ``stages``.
+
+**Drift**: the pipeline's end answers are the model's answers: the host offers each request's end outputs to its
+drift recorder as it offers a single model's (agent.host.ModelHost.offer_shadow), which counts them into the
+manifest's reference when it is read as task ``pipeline`` (agent.drift: boxes per image, each string's length and
+score) and the telemetry's ``drift`` carries the interval's counts, as a single model's does.
 """
 
 from __future__ import annotations

@@ -23,11 +23,12 @@ import numpy as np
 
 from edgefleet.judge.errors import InputError
 from edgefleet.judge.tasks import _boxes, _crit, _mean_ci, _wilson, edit_distance
+from edgefleet.protocol.drift import DriftReference, build_reference
 from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 from edgefleet.protocol.pipeline import BoxesStep, PipelineSpec, ReadStep, end_output_names
 
-__all__ = ["MAX_REGIONS", "Chain", "Found", "ImageAnswers", "compare_image", "decode_text", "end_specs",
-           "judge_pipeline"]
+__all__ = ["MAX_REGIONS", "Chain", "Found", "ImageAnswers", "compare_image", "decode_text", "drift_reference",
+           "end_specs", "judge_pipeline"]
 
 MAX_REGIONS = 10_000  # regions of one map looked at (a noisy map of single pixels is cut here)
 Found = tuple[np.ndarray, np.ndarray]  # one image's boxes [K, 4] (x0, y0, x1, y1) and scores [K]
@@ -243,6 +244,13 @@ def end_specs(spec: PipelineSpec) -> tuple[TensorSpec, ...]:
             else [("INT32", (-1, k, spec.read.k)), ("FP32", (-1, k, spec.read.k))])
     shapes = [("FP32", (-1, k, 4)), ("FP32", (-1, k)), ("INT32", (-1,)), *tail]
     return tuple(TensorSpec(name=n, datatype=d, shape=s) for n, (d, s) in zip(names, shapes, strict=True))  # type: ignore[arg-type]
+
+
+def drift_reference(spec: PipelineSpec, ends: Sequence[np.ndarray]) -> DriftReference:
+    """The drift reference of a pipeline's end answers ``ends`` (its end outputs over the evaluation images, as
+    :meth:`Chain.answers` gives them): task ``pipeline`` of protocol/drift.py, read as ``spec.read.op``. ValueError
+    for answers it cannot read."""
+    return build_reference("pipeline", end_output_names(spec)[3], ends, read=spec.read.op)
 
 
 def _strings(ends: Sequence[np.ndarray], i: int) -> list[bytes]:

@@ -16,6 +16,7 @@ import pytest
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.daemon import Agent, run_until_stopped
 from edgefleet.agent.store import ModelStore
+from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import sha256_file
 from tests.waiting import wait_for
 
@@ -154,6 +155,20 @@ def recording_local_servers() -> Iterator[list]:
         yield servers
     finally:
         mp.undo()
+
+
+def spooled_telemetry(agent: Agent, after_seq: int = -1) -> list[proto.Telemetry]:
+    """The telemetry records ``agent`` has spooled after sequence number ``after_seq``, in order (an agent with no
+    fleet to send them to keeps them all); a record being written is skipped."""
+    out = []
+    for p in sorted(Path(agent.config.data_dir, "spool").glob("[0-9]*.json")):
+        if int(p.stem) <= after_seq:
+            continue
+        try:
+            out.append(proto.decode(proto.Telemetry, p.read_bytes(), str(p)))
+        except (OSError, proto.MessageError):  # being written
+            continue
+    return out
 
 
 def metric(url: str, name: str, **labels: str) -> float:

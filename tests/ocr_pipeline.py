@@ -6,7 +6,9 @@ the FP32 pipeline judged against itself), never a compiler's.
 
 :func:`pages` draws synthetic text pages (a few lines of known words) as the pipeline's NCHW input, and
 :func:`fp32_run` runs the same two ONNX files through judge.pipeline.Chain with onnxruntime directly: the
-independent answers the agent's must match.
+independent answers the agent's must match. ``ocr_bundle(drift_pages=...)`` records the FP32 pipeline's end answers on
+those pages as the manifest's drift reference, with the function the compiler records it with
+(judge.pipeline.drift_reference, on its evaluation set).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.judge.pipeline import Chain, end_specs, judge_pipeline
+from edgefleet.judge.pipeline import Chain, drift_reference, end_specs, judge_pipeline
 from edgefleet.protocol.bundle import sha256_file, write_bundle
 from edgefleet.protocol.manifest import (
     PIPELINE_VERSION,
@@ -134,8 +136,9 @@ def _stage(name: str, version: str, model: Path, folder: Path, ins: TensorSpec, 
 
 
 def ocr_bundle(out: Path, version: str = "1.0.0", name: str = "ocr", spec: PipelineSpec | None = None,
-               sample_images: int = 2, seed: int = 0) -> Path:
-    """A pipeline bundle of the PP-OCRv4 detector and recognizer (FP32) at ``out`` (a .tar path)."""
+               sample_images: int = 2, seed: int = 0, drift_pages: np.ndarray | None = None) -> Path:
+    """A pipeline bundle of the PP-OCRv4 detector and recognizer (FP32) at ``out`` (a .tar path); with
+    ``drift_pages``, its drift reference is the FP32 pipeline's end answers on them (the compiler's evaluation set)."""
     spec = spec or ocr_spec()
     folder = out.parent / f"{out.stem}-files"
     shutil.rmtree(folder, ignore_errors=True)
@@ -169,4 +172,9 @@ def ocr_bundle(out: Path, version: str = "1.0.0", name: str = "ocr", spec: Pipel
         preprocessing=Preprocessing(input=DET_IN, height=HEIGHT, width=WIDTH, color="rgb", layout="nchw",
                                     mean=NORM["mean"], std=NORM["std"]),
         pipeline=PipelineManifest(spec=spec, stages=(det_m, rec_m)))
+    if drift_pages is not None:  # as many pages a run as one request may hold
+        step = max(1, spec.max_crops // spec.boxes.max_boxes)
+        runs = [fp32_run(spec, drift_pages[i:i + step], (det, rec)) for i in range(0, len(drift_pages), step)]
+        ref = drift_reference(spec, [np.concatenate(parts) for parts in zip(*runs, strict=True)])
+        manifest = Manifest.model_validate({**manifest.model_dump(), "drift": ref})
     return write_bundle(manifest, folder, out)
