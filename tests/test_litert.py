@@ -276,3 +276,14 @@ def test_a_build_host_that_can_time_the_profile_keeps_choosing_at_compile_time(t
     # v6: every bundle now carries its drift reference (issue 34; was 2 before it)
     assert m["manifest_version"] == 6 and m["precision_choice"]["mode"] == "auto" and not m["variants"]
     assert m["benchmark"] is not None
+
+
+def test_a_relative_out_path_builds(tflite_toolchain, digits, tmp_path, monkeypatch):
+    """`edgefleet compile --out dist` from a project folder: the engine path is relative to the caller's folder, and
+    onnx2tf runs in its work folder, so every path it is given must be absolute (it was not: onnx2tf read
+    dist/edgefleet-onnx2tf-*/model.onnx from inside that folder and found nothing)."""
+    info, profile, _, _ = digits
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dist").mkdir()
+    LiteRTTarget().build(MODEL, info, "fp32", profile, None, Path("dist") / "digits.tflite")
+    assert (tmp_path / "dist" / "digits.tflite").stat().st_size > 0

@@ -124,6 +124,7 @@ class LiteRTTarget:
 # -- building ------------------------------------------------------------------------------------------
 def _convert(py: Path, source: Path, info: GraphInfo, precision: str, profile: HardwareProfile,
              calib: Dataset | None, work: Path, out_path: Path) -> None:
+    work, out_path = work.resolve(), out_path.resolve()  # onnx2tf runs in ``work``: a relative --out would miss
     model = _stage_source(source, work / "model.onnx")  # onnx2tf simplifies its input file in place
     out_dir = work / "onnx2tf"
     cmd = [str(py), "-m", "onnx2tf", "-i", str(model), "-o", str(out_dir)]
