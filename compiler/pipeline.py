@@ -45,7 +45,7 @@ from edgefleet.judge.predict import Runner, predict_all
 from edgefleet.judge.tasks import TaskSpec, canonical_task, infer_task, judge, parse_task_args, resolve_task
 from edgefleet.protocol.bundle import sha256_file, write_bundle
 from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
-from edgefleet.protocol.drift import build_reference, reference_args
+from edgefleet.protocol.drift import DriftReference, build_reference, reference_args
 from edgefleet.protocol.manifest import (
     DRIFT_VERSION,
     MANIFEST_VERSION,
@@ -69,7 +69,7 @@ from edgefleet.protocol.manifest import (
 from edgefleet.protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
 from edgefleet.protocol.profile import HardwareProfile, load_profile, resolve_profile_path
 
-__all__ = ["CompileOptions", "CompileResult", "Measured", "choose_precision", "compile_model"]
+__all__ = ["CompileOptions", "CompileResult", "Measured", "choose_precision", "compile_model", "with_drift"]
 
 SELFTEST_MAX_SAMPLES = 64
 SELFTEST_MAX_INPUT_BYTES = 1 << 20  # the sample travels in every bundle: keep it small for big inputs
@@ -564,15 +564,24 @@ def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built]
         preprocessing=plan.prep,
         variants=tuple(variant_entries),
     )
-    try:  # how the fp32 answers look, for the agents' sketches and the fleet's drift score (protocol.drift)
-        drift = build_reference(task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)],
-                                sure=task.sure, **reference_args(task.name, task.arg))
-        manifest = Manifest.model_validate({**manifest.model_dump(), "drift": drift,
-                                            "manifest_version": max(manifest.manifest_version, DRIFT_VERSION)})
-    except (ValueError, IndexError) as exc:  # answers its task cannot read: the bundle ships without drift
-        plan.progress(7, plan.total, f"note: no drift reference: {_one_line(exc)}")
+    manifest = with_drift(manifest, lambda: build_reference(
+        task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)], sure=task.sure,
+        **reference_args(task.name, task.arg)), lambda why: plan.progress(7, plan.total, f"note: {why}"))
     write_bundle(manifest, work, plan.out)
     return manifest
+
+
+def with_drift(manifest: Manifest, reference: Callable[[], DriftReference], note: Callable[[str], None]) -> Manifest:
+    """``manifest`` carrying the drift reference ``reference()`` makes from the fp32 answers on the evaluation set
+    (for the agents' sketches and the fleet's drift score, protocol.drift), its version raised to carry it; answers
+    its task cannot read: ``manifest`` as it was, and ``note`` says why (the bundle ships without drift)."""
+    try:
+        drift = reference()
+        return Manifest.model_validate({**manifest.model_dump(), "drift": drift,
+                                        "manifest_version": max(manifest.manifest_version, DRIFT_VERSION)})
+    except (ValueError, IndexError) as exc:
+        note(f"no drift reference: {_one_line(exc)}")
+        return manifest
 
 
 def _fit_layout(model: Path, info: GraphInfo, data: Dataset, progress: Progress, total: int) -> GraphInfo:

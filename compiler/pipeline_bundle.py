@@ -32,11 +32,14 @@ layout guessing onnx2tf documents as needing a per-model parameter-replacement f
 as ONNX files run by onnxruntime: ``hw-profiles/arm64-cpu-onnx.yaml`` (the box adds ``edgefleet[onnxruntime]``;
 int8 there uses 7-bit weights so an x86 build host's gate computes what ARM computes).
 
-**Drift.** The top-level manifest carries no drift reference: protocol/drift.py reads one output as one task, and the
-pipeline's answers worth watching (boxes per image in ``count``, string lengths in ``text``) are two outputs of no
-task it knows. Each stage's own manifest keeps the reference its compile recorded (the detector's map as
-segmentation: foreground share; the reader's crops as ctc: string length and score), which an agent can count its
-stages' answers into.
+**Drift.** The top-level manifest carries the drift reference of the pipeline's end answers: the FP32 pipeline's on
+the evaluation images (step 2's, the answers the end gate judges against; a single model's reference is its fp32
+answers too), read as protocol/drift.py's task ``pipeline`` (:func:`~edgefleet.judge.pipeline.drift_reference`):
+boxes per image (``count``), each string's length in characters (``text``) or top class (``classes``) and each
+string's score. It is recorded as :func:`compiler.pipeline.with_drift` records a single model's; agents count their
+live end answers into it (agent/drift.py) and the fleet scores them as any model's. Each stage's own manifest keeps
+the reference its compile recorded (the detector's map as segmentation: foreground share; the reader's crops as
+ctc: string length and score); agents do not count those (a stage's answers never leave the pipeline).
 """
 
 from __future__ import annotations
@@ -54,11 +57,18 @@ import numpy as np
 
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError
 from edgefleet.compiler.graph import GraphInfo, check_model
-from edgefleet.compiler.pipeline import REFERENCE_RUNTIME, CompileOptions, Progress, compile_model, compiler_errors
+from edgefleet.compiler.pipeline import (
+    REFERENCE_RUNTIME,
+    CompileOptions,
+    Progress,
+    compile_model,
+    compiler_errors,
+    with_drift,
+)
 from edgefleet.engines import Engine, EngineSpec, load, load_bundle_engine
 from edgefleet.engines.onnxruntime import CPU
 from edgefleet.judge.data import load_dataset
-from edgefleet.judge.pipeline import Chain, end_specs, judge_pipeline
+from edgefleet.judge.pipeline import Chain, drift_reference, end_specs, judge_pipeline
 from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import (
@@ -674,7 +684,7 @@ def _manifest(w: _Work, stage_manifests: list[Manifest], gate: _EndGate, n_eval:
         mode="auto" if auto else "fixed", chosen=lowest,  # type: ignore[arg-type]
         reason=f"{lowest}: {_combo(stages)} ({how}); end answers {_task_line(report)}; {own}",
         candidates=tuple(candidates))
-    return Manifest(
+    manifest = Manifest(
         manifest_version=PIPELINE_VERSION, name=w.file.name, version=w.version, profile=det_m.profile,
         backend=det_m.backend, precision=lowest,  # type: ignore[arg-type]
         created_at=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -685,3 +695,4 @@ def _manifest(w: _Work, stage_manifests: list[Manifest], gate: _EndGate, n_eval:
         selftest_summary=SelfTestSummary(samples=n_sample), engine_compatibility=det_m.engine_compatibility,
         preprocessing=det_m.preprocessing,
         pipeline=PipelineManifest(spec=w.spec, stages=tuple(stage_manifests)))
+    return with_drift(manifest, lambda: drift_reference(spec, ref_ends), lambda why: w.say(18, why, note=True))

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from edgefleet.protocol.bundle import check_bundle
+from edgefleet.protocol.drift import DriftAccumulator
 from edgefleet.protocol.pipeline import end_output_names
 from tests.emulation import python_argv
 
@@ -176,6 +177,21 @@ def test_a_pipeline_compiles_into_one_bundle_that_describes_the_whole(fp32_bundl
     assert task.details["fp32_boxes"] == 36 and task.details["same_answers"] == 36  # 12 pages of 3 lines
     # the agent's /infer/image feeds the pipeline as the compiler did
     assert m.preprocessing is not None and (m.preprocessing.height, m.preprocessing.width) == (H, W)
+    # the drift reference of the end answers (issue 34.4): the FP32 pipeline's on the 12 evaluation pages, 3 lines
+    # each; the self-test's reference answers (some of those pages) fall only in bins the evaluation set filled
+    ref = m.drift
+    assert ref is not None and (ref.read_as, ref.output, ref.read, ref.source, ref.samples) == (
+        "pipeline", "text", "ctc", "fp32", 12)
+    assert [f.name for f in ref.features] == ["boxes", "length", "score"]
+    arrays = selftest_arrays(out)
+    acc = DriftAccumulator(ref, "ocr", "1.0.0")
+    acc.add([arrays[f"reference:{o.name}"] for o in m.outputs])
+    counts = acc.take()
+    assert counts is not None and counts.samples == len(arrays["input:x"])
+    for f, c in zip(ref.features, counts.features, strict=True):
+        assert all(share > 0 for share, n in zip(f.shares, c.counts, strict=True) if n), (f, c)
+    boxes = ref.feature("boxes")
+    assert boxes is not None and max(boxes.shares) == 1.0  # 3 boxes on every page
 
 
 def test_the_self_test_holds_what_the_fp32_models_read(fp32_bundle):
