@@ -6,7 +6,9 @@ Scores are protocol.drift's: PSI per feature against the reference, the largest 
 its interval (``Telemetry.drift``); each is stored as one ``drift_scores`` row with the device's score at that time:
 the record's own counts when they hold 200 answers, else added to the device's previous records of the same version
 (at most ``WINDOW_RECORDS`` of the last ``WINDOW_S``) until they do, so a quiet device still gets a verdict and a
-busy one shows a change within one telemetry interval.
+busy one shows a change within one telemetry interval. A batch of records is scored at once, in a few statements
+whatever its size (the windows of all its devices in one query, its rows in one insert): a device's records in ts
+order, each seeing the batch's records before it, the same rows as storing them one at a time.
 
 A wave's drift gate compares, on the wave's devices, the counts of the new version since the wave started with those
 of the version each device ran before, in the ``BEFORE_S`` before it started (rows of each side at most
@@ -21,12 +23,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import select
+from sqlalchemy import func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from edgefleet.fleet.db import DriftScoreRow, Model, RolloutTarget, utcnow
@@ -77,36 +79,58 @@ class DriftBook:
         self._lock = threading.Lock()
 
     def reference(self, s: Session, name: str, version: str) -> D.DriftReference | None:
-        key = (name, version)
+        return self.references(s, [(name, version)])[(name, version)]
+
+    def references(self, s: Session, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str],
+                                                                                D.DriftReference | None]:
+        """The reference of each (model, version): those not cached yet read in one query (per 500)."""
+        out: dict[tuple[str, str], D.DriftReference | None] = {}
         with self._lock:
-            if key in self._refs:
-                return self._refs[key]
-        ref = None
-        for manifest in s.scalars(select(Model.manifest).where(Model.name == name, Model.version == version)):
-            raw = (manifest or {}).get("drift") if isinstance(manifest, dict) else None
-            if raw is not None:
+            for key in keys:
+                out[key] = self._refs.get(key)
+        missing = sorted(k for k, v in out.items() if v is None)
+        found: dict[tuple[str, str], D.DriftReference] = {}
+        m = Model
+        for i in range(0, len(missing), 500):
+            for name, version, manifest in s.execute(select(m.name, m.version, m.manifest).where(
+                    tuple_(m.name, m.version).in_(missing[i:i + 500])).order_by(m.id)):
+                key = (name, version)
+                raw = (manifest or {}).get("drift") if isinstance(manifest, dict) else None
+                if raw is None or key in found:
+                    continue
                 try:
-                    ref = D.DriftReference.model_validate(raw)
-                    break
+                    found[key] = D.DriftReference.model_validate(raw)
                 except ValueError as exc:  # stored by a fleet that checked it: log, never fail the ingest
                     log.warning("model %s %s: its drift reference does not parse: %s", name, version, exc)
-        if ref is not None:  # a version without one is looked up again (it may be uploaded later)
+        if found:  # a version without one is looked up again (it may be uploaded later)
             with self._lock:
-                if len(self._refs) > 4096:
+                if len(self._refs) + len(found) > 4096:
                     self._refs.clear()
-                self._refs[key] = ref
-        return ref
+                self._refs.update(found)
+            out.update(found)
+        return out
 
     # -- ingest ------------------------------------------------------------------------------------------------------
     def on_telemetry(self, s: Session, msgs: list[proto.Telemetry]) -> list[tuple[str, str]]:
         """One row per record with drift counts, with the device's score then. Returns (device, why) for records whose
-        counts do not fit their model version's reference (left out, never an error for the others)."""
+        counts do not fit their model version's reference (left out, never an error for the others).
+
+        A few statements per batch, whatever its size: the references of its versions (those not cached), the
+        windows of the (device, model, version) keys with a record under ``D.MIN_SAMPLES`` answers (one query), and
+        the rows' insert (one executemany). A device's records in the batch are scored in ts order, each window
+        seeing the batch's records before it (kept here, in the order their rows are inserted) ahead of the stored
+        rows, as if each record had been stored on its own."""
         refused: list[tuple[str, str]] = []
         now = utcnow()
-        for m in sorted((m for m in msgs if m.drift is not None), key=lambda m: (m.device_id, m.ts)):
+        todo = sorted((m for m in msgs if m.drift is not None), key=lambda m: (m.device_id, m.ts))
+        if not todo:
+            return refused
+        refs = self.references(s, {(m.drift.model, m.drift.version) for m in todo if m.drift is not None})
+        scored: list[tuple[proto.Telemetry, D.DriftCounts, D.DriftReference]] = []
+        for m in todo:
             dc = m.drift
             assert dc is not None
-            ref = self.reference(s, dc.model, dc.version)
+            ref = refs.get((dc.model, dc.version))
             if ref is None:
                 refused.append((m.device_id, f"drift counts for {dc.model} {dc.version}, which has no drift reference"))
                 continue
@@ -114,33 +138,50 @@ class DriftBook:
             if why is not None:
                 refused.append((m.device_id, f"drift counts for {dc.model} {dc.version}: {why}"))
                 continue
+            scored.append((m, dc, ref))
+        # each key with a record that needs its window: that key's rows, newest first (the batch's own go in front)
+        windows = self._windows(s, {(m.device_id, dc.model, dc.version) for m, dc, _ in scored
+                                    if dc.samples < D.MIN_SAMPLES}, now)
+        rows = []
+        for m, dc, ref in scored:
             counts: dict[str, list[int]] = {f.name: list(f.counts) for f in dc.features}
-            total, n = self._window(s, m.device_id, dc.model, dc.version, counts, dc.samples, now)
+            earlier = windows.get((m.device_id, dc.model, dc.version))
+            total, n = _window(counts, dc.samples, earlier or ())
             sc = D.score(ref, total, n)
-            s.add(DriftScoreRow(device_id=m.device_id, received_at=now, ts=m.ts, model=dc.model, version=dc.version,
-                                samples=dc.samples, skipped=dc.skipped, scored_samples=n, psi=sc.psi,
-                                feature=sc.feature, level=sc.level, noise=sc.noise, counts=counts,
-                                features=sc.features))
-            s.flush()  # the next record of the same device sees this one
+            rows.append({"device_id": m.device_id, "received_at": now, "ts": m.ts, "model": dc.model,
+                         "version": dc.version, "samples": dc.samples, "skipped": dc.skipped, "scored_samples": n,
+                         "psi": sc.psi, "feature": sc.feature, "level": sc.level, "noise": sc.noise,
+                         "counts": counts, "features": sc.features})
+            if earlier is not None:  # the device's next record of the version sees this one
+                earlier.appendleft((counts, dc.samples))
+        if rows:  # in this order, so ids grow as the records' (device, ts), as the windows read them
+            s.execute(insert(DriftScoreRow), rows)
         return refused
 
     @staticmethod
-    def _window(s: Session, device_id: str, model: str, version: str, counts: dict[str, list[int]], samples: int,
-                now: dt.datetime) -> tuple[dict[str, list[int]], int]:
-        total = {k: list(v) for k, v in counts.items()}
-        n = samples
-        if n >= D.MIN_SAMPLES:
-            return total, n
+    def _windows(s: Session, keys: set[tuple[str, str, str]], now: dt.datetime
+                 ) -> dict[tuple[str, str, str], deque[tuple[Any, Any]]]:
+        """Each (device, model, version) key's stored rows (counts, samples) of the last ``WINDOW_S``, newest first,
+        at most ``WINDOW_RECORDS``: one query per 500 devices (ROW_NUMBER over each key's rows; the rows of other
+        versions of those devices it reads too are left out here)."""
+        out: dict[tuple[str, str, str], deque[tuple[Any, Any]]] = {
+            k: deque(maxlen=WINDOW_RECORDS) for k in keys}
+        devices = sorted({k[0] for k in keys})
+        models, versions = sorted({k[1] for k in keys}), sorted({k[2] for k in keys})
         r = DriftScoreRow
-        for c, k in s.execute(select(r.counts, r.samples).where(
-                r.device_id == device_id, r.model == model, r.version == version,
-                r.received_at >= now - dt.timedelta(seconds=WINDOW_S)).order_by(r.id.desc()).limit(WINDOW_RECORDS)):
-            if isinstance(c, dict):
-                add_counts(total, c)
-                n += int(k or 0)
-            if n >= D.MIN_SAMPLES:
-                break
-        return total, n
+        for i in range(0, len(devices), 500):
+            rn = func.row_number().over(partition_by=(r.device_id, r.model, r.version),
+                                        order_by=r.id.desc()).label("rn")
+            q = select(r.device_id, r.model, r.version, r.counts, r.samples, rn).where(
+                r.device_id.in_(devices[i:i + 500]), r.model.in_(models), r.version.in_(versions),
+                r.received_at >= now - dt.timedelta(seconds=WINDOW_S)).subquery()
+            for d, model, version, c, k in s.execute(
+                    select(q.c.device_id, q.c.model, q.c.version, q.c.counts, q.c.samples)
+                    .where(q.c.rn <= WINDOW_RECORDS).order_by(q.c.device_id, q.c.model, q.c.version, q.c.rn)):
+                window = out.get((d, model, version))
+                if window is not None:
+                    window.append((c, k))
+        return out
 
     # -- reading -------------------------------------------------------------------------------------------------------
     @staticmethod
@@ -207,6 +248,23 @@ class DriftBook:
                     add_counts(total, c)
                     n += int(k or 0)
         return total, n
+
+
+def _window(counts: dict[str, list[int]], samples: int, earlier: Iterable[tuple[Any, Any]]
+            ) -> tuple[dict[str, list[int]], int]:
+    """A record's counts, added to the device's ``earlier`` records (counts, samples; newest first) until they hold
+    ``D.MIN_SAMPLES`` answers."""
+    total = {k: list(v) for k, v in counts.items()}
+    n = samples
+    if n >= D.MIN_SAMPLES:
+        return total, n
+    for c, k in earlier:
+        if isinstance(c, dict):
+            add_counts(total, c)
+            n += int(k or 0)
+        if n >= D.MIN_SAMPLES:
+            break
+    return total, n
 
 
 def row_json(x: DriftScoreRow) -> dict[str, Any]:

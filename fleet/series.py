@@ -72,6 +72,8 @@ def on_telemetry(s: Session, waves: dict[str, tuple[int, int]], msgs: list[proto
     # answers), then the minutes into the coarser steps' rows: the per-record work is done once, not once per step
     minutes: dict[tuple[int, int, int, str, str], list[Any]] = {}
     minute_bins: dict[tuple[tuple[int, int, int, str, str], str, int], int] = {}
+    refs = book.references(s, {(dc.model, dc.version) for m in msgs if m.device_id in waves and (dc := m.drift)
+                               is not None and (dc.model, dc.version) == (m.model, m.version)})  # one query, if any
     for m in msgs:
         if m.device_id not in waves:
             continue
@@ -94,7 +96,7 @@ def on_telemetry(s: Session, waves: dict[str, tuple[int, int]], msgs: list[proto
         dc = m.drift
         if dc is None or (dc.model, dc.version) != (m.model, m.version):
             continue
-        ref = book.reference(s, dc.model, dc.version)
+        ref = refs.get((dc.model, dc.version))
         if ref is None or dc.matches(ref) is not None:  # refused by fleet.drift too (and counted there)
             continue
         a[7] += dc.samples

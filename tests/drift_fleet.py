@@ -108,12 +108,15 @@ def record(device: str, seq: int, ts: float, drift: D.DriftCounts | None, stream
 
 def mixed_batch(ref: D.DriftReference, rng: random.Random, devices: list[str], n: int, seq0: int, ts0: float,
                 drift: bool = True) -> list[proto.Telemetry]:
-    """``n`` records of ``devices`` (about a third of them twice, the later record first in the list half the time):
-    a third with >= 200 answers, the rest fewer (their score adds the device's earlier records), a few of 1.0.0, a
-    few of a version without a reference and a few whose bins do not fit (refused). ``drift=False``: the same
-    records without drift counts."""
-    twice = n - len(devices) if n > len(devices) else n // 3
-    picks = list(devices[:n - twice]) + list(devices[:twice])
+    """``n`` records of ``devices`` (about a third of them twice, or all several times when ``n`` is over twice
+    their number; a later record now and then ahead of an earlier one in the list): a third with >= 200 answers, the
+    rest fewer (their score adds the device's earlier records), a few of 1.0.0, a few of a version without a
+    reference and a few whose bins do not fit (refused). ``drift=False``: the same records without drift counts."""
+    if n > 2 * len(devices):  # every device several times
+        picks = [devices[i % len(devices)] for i in range(n)]
+    else:
+        twice = n - len(devices) if n > len(devices) else n // 3
+        picks = list(devices[:n - twice]) + list(devices[:twice])
     out: list[proto.Telemetry] = []
     seen: dict[str, int] = {}
     for i, d in enumerate(picks):

@@ -151,6 +151,17 @@ class RolloutEngine:
                 self._models[model_id] = m
         return m
 
+    def models(self, s: Session, model_ids: set[int | None]) -> None:
+        """Read the models of ``model_ids`` not cached yet in one query, so that ``model`` finds them."""
+        with self._lock:
+            missing = sorted(i for i in model_ids if i is not None and i not in self._models)
+        if not missing:
+            return
+        found = {row.id: ModelInfo(row.id, row.name, row.version, row.profile, row.target_path, row.sha256,
+                                   row.size_bytes) for row in s.scalars(select(Model).where(Model.id.in_(missing)))}
+        with self._lock:
+            self._models.update(found)
+
     # -- transitions -----------------------------------------------------------------------------
     @staticmethod
     def transition(s: Session, r: Rollout, new: RolloutStatus, actor: str, reason: str | None = None,
@@ -367,20 +378,27 @@ class RolloutEngine:
         return new
 
     def on_shadow_batch(self, s: Session, msgs: list[proto.Telemetry]) -> None:
-        """Shadow figures of devices whose target is shadowing a candidate: the newest per device is kept."""
+        """Shadow figures of devices whose target is shadowing a candidate: the newest per device is kept (the
+        targets, their rows stored before and models not cached read in one query each, whatever the batch)."""
         newest = {m.device_id: m.shadow for m in msgs if m.shadow is not None}
         if not newest:
             return
-        t = RolloutTarget
+        t, sh = RolloutTarget, RolloutShadow
         rows = s.execute(select(t.rollout_id, t.device_id, t.model_id).where(
             t.device_id.in_(list(newest)), t.state == TargetState.SHADOWING.value)).all()
+        if not rows:
+            return
         now = utcnow()
+        self.models(s, {model_id for _, _, model_id in rows})
+        # the rows stored before, in one query (not one per target)
+        have = {(x.rollout_id, x.device_id): x for x in s.scalars(select(sh).where(
+            tuple_(sh.rollout_id, sh.device_id).in_([(rid, dev) for rid, dev, _ in rows])))}
         for rid, dev, model_id in rows:
             fig = newest[dev]
             info = self.model(s, model_id)
             if fig is None or info is None or (info.name, info.version) != (fig.model, fig.version):
                 continue
-            row = s.get(RolloutShadow, (rid, dev))
+            row = have.get((rid, dev))
             if row is None:
                 row = RolloutShadow(rollout_id=rid, device_id=dev)
                 s.add(row)
@@ -388,7 +406,8 @@ class RolloutEngine:
             row.max_abs_error, row.p99_ms, row.updated_at = fig.max_abs_error, fig.p99_ms, now
 
     def on_telemetry_batch(self, s: Session, rollout_of: dict[str, int | None], msgs: list[proto.Telemetry]) -> None:
-        """Figures for the gates: requests, errors and newest p99 on the rollout's model, per target."""
+        """Figures for the gates: requests, errors and newest p99 on the rollout's model, per target (the targets
+        and the models not cached read in one query each, the counters in one executemany, whatever the batch)."""
         t: Table = RolloutTarget.__table__  # type: ignore[assignment]
         keys = list({(rollout_of[m.device_id], m.device_id) for m in msgs
                      if rollout_of.get(m.device_id) is not None and m.version is not None})
@@ -396,6 +415,7 @@ class RolloutEngine:
             return
         models = {(r.rollout_id, r.device_id): r.model_id for r in s.execute(
             select(t.c.rollout_id, t.c.device_id, t.c.model_id).where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
+        self.models(s, set(models.values()))  # those not cached, in one query
         acc: dict[tuple[int, str], dict[str, Any]] = {}
         for m in msgs:
             key = (rollout_of.get(m.device_id) or 0, m.device_id)
