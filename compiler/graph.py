@@ -17,7 +17,8 @@ from edgefleet.compiler.errors import InputError
 from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import TensorSpec
 
-__all__ = ["GraphInfo", "check_model", "ensure_opset", "name_nodes", "probe_batching"]
+__all__ = ["QUANTIZED_OPS", "GraphInfo", "all_nodes", "check_model", "ensure_opset", "is_quantized_op", "name_nodes",
+           "probe_batching", "quantized_ops", "quantized_phrase"]
 
 _ONNX_TO_KSERVE = {1: "FP32", 10: "FP16", 3: "INT8", 2: "UINT8", 6: "INT32", 7: "INT64", 9: "BOOL"}
 
@@ -150,6 +151,53 @@ def check_model(path: Path) -> GraphInfo:
         per_sample=per_sample,
         batching_note="a fixed batch of 1: evaluated and served one sample at a time" if per_sample else "",
     )
+
+
+# the node types a quantizer writes (ONNX and onnxruntime's com.microsoft ops): a model holding any of them is
+# quantized already. QLinear* (QLinearConv, QLinearMatMul, ...) and QOrdered* are matched by prefix.
+QUANTIZED_OPS = frozenset({
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",  # QDQ, and dynamic quantization's activations
+    "ConvInteger", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM",
+    "QGemm", "QAttention", "QEmbedLayerNormalization", "QuantizeWithOrder", "DequantizeWithOrder",
+    "MatMulNBits", "MatMulBnb4", "GatherBlockQuantized",  # block-quantized (4-bit) weights
+})
+_QUANTIZED_PREFIXES = ("QLinear", "QOrdered")
+
+
+def is_quantized_op(op_type: str) -> bool:
+    return op_type in QUANTIZED_OPS or op_type.startswith(_QUANTIZED_PREFIXES)
+
+
+def all_nodes(graph) -> list:
+    """Every node of ``graph`` and of the subgraphs inside its nodes (If branches, Loop and Scan bodies)."""
+    out = []
+    for node in graph.node:
+        out.append(node)
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                out.extend(all_nodes(g))
+    return out
+
+
+def quantized_ops(path: Path) -> dict[str, int]:
+    """The quantized node types an ONNX model holds (subgraphs included) and how many of each, most first; empty
+    for a float model. Such a model was quantized before it came here (onnxruntime's quantize_dynamic writes
+    DynamicQuantizeLinear with ConvInteger/MatMulInteger/DynamicQuantizeLSTM, a static export QuantizeLinear and
+    DequantizeLinear pairs or QLinear* ops): quantizing it again is not what int8 means here, and onnxruntime's
+    quantizer fails on it (KeyError on a '..._scale' it expects to add)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    counts: dict[str, int] = {}
+    for n in all_nodes(model.graph):
+        if is_quantized_op(n.op_type):
+            counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def quantized_phrase(counts: dict[str, int]) -> str:
+    """'already quantized (22 DynamicQuantizeLinear, 21 ConvInteger, 1 DynamicQuantizeLSTM, 1 MatMulInteger)'"""
+    return "already quantized (" + ", ".join(f"{n} {op}" for op, n in counts.items()) + ")"
 
 
 def _set_axis(spec: TensorSpec, axis: int | None) -> TensorSpec:

@@ -5,6 +5,12 @@ FP32 (accuracy with labels, output agreement without; see :mod:`judge.gate`), be
 against FP32 alternating in one run on the profile's batch sizes (CPU profiles), and keeps the
 fastest that passes the gate. A quantized engine that is slower than FP32 (small models, where
 quantize/dequantize costs more than the integer arithmetic saves) is not shipped by default.
+
+A model that is quantized already (:func:`graph.quantized_ops`: QDQ pairs, QLinear* ops, onnxruntime's dynamic
+quantization) is never quantized again: ``auto`` builds it as given (the target's float build, which leaves its
+quantized nodes as they are), labelled int8 since it computes with integer kernels, and gates it against the model
+itself; no FP32 original is there to judge its quantization against, and every note says so. An explicit
+precision is refused (exit 4): the original float model is what to give.
 """
 
 from __future__ import annotations
@@ -31,7 +37,14 @@ from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 from edgefleet.compiler.evaluate import benchmark_pair
 from edgefleet.compiler.gate import advice
-from edgefleet.compiler.graph import GraphInfo, check_model, ensure_opset, probe_batching
+from edgefleet.compiler.graph import (
+    GraphInfo,
+    check_model,
+    ensure_opset,
+    probe_batching,
+    quantized_ops,
+    quantized_phrase,
+)
 from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec, Runtime, record
@@ -262,6 +275,9 @@ class _Plan:
     notes: dict[str, str] = field(default_factory=dict)  # precision -> why it was not built
     calib: Dataset | None = None
     total: int = 7  # progress steps
+    # "already quantized (N Op, ...)" when the model came quantized: built as given (its float build path, no
+    # quantizer), labelled int8 and gated against itself; "" for a float model
+    given: str = ""
 
     @property
     def auto(self) -> bool:
@@ -285,6 +301,7 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
 
     progress(2, total, f"checking graph {opts.model}")
     info = check_model(opts.model)
+    given = _quantized_input(opts, profile, target)
     out = opts.out_dir / f"{opts.name}-{opts.version}-{profile.name}.tar"
     cache = cache_key = None
     if opts.cache_dir is not None:
@@ -296,13 +313,13 @@ def _compile(opts: CompileOptions, progress: Progress = _noop) -> CompileResult:
                                *_data_files(opts.calibration), *_data_files(opts.eval)], {
             **params, "edgefleet": protocol.__version__, "manifest_version": MANIFEST_VERSION,
             "toolchain": target.toolchain_versions(), "host": sorted(cpu_features()),
-            **_bf16.cache_key(profile)})
+            **_bf16.cache_key(profile), **({"as_given": given} if given else {})})
         opts.out_dir.mkdir(parents=True, exist_ok=True)
         hit = cache.get(cache_key, out)
         if hit is not None:
             progress(total, total, f"unchanged inputs: reused the bundle built {hit.created_at}")
             return CompileResult(bundle=out, manifest=hit, cached=True)
-    plan = _plan(opts, progress, profile, gate, target, info, out)
+    plan = _plan(opts, progress, profile, gate, target, info, out, given)
 
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     engines = _Engines(plan.info, profile)
@@ -337,9 +354,9 @@ def _gate_settings(opts: CompileOptions, profile: HardwareProfile) -> GateSettin
 
 
 def _plan(opts: CompileOptions, progress: Progress, profile: HardwareProfile, gate: GateSettings,
-          target: BuildTarget, info: GraphInfo, out: Path) -> _Plan:
+          target: BuildTarget, info: GraphInfo, out: Path, given: str = "") -> _Plan:
     """The data, the task and the precisions to build, each left out with its reason when this host cannot build or
-    gate it."""
+    gate it; a model ``given`` quantized (:func:`_quantized_input`) is built once, as given."""
     total = 7
     prep = _preprocessing(opts, info)
     class_names = tuple(json.loads(info.metadata["edgefleet.labels"])) if "edgefleet.labels" in info.metadata else None
@@ -354,7 +371,13 @@ def _plan(opts: CompileOptions, progress: Progress, profile: HardwareProfile, ga
     # the profile's default precision first: it wins when nothing is benchmarked
     order: list[str] = [profile.default_precision, *[p for p in profile.precisions if p != profile.default_precision]]
     plan = _Plan(opts, progress, profile, gate, target, info, out, prep, eval_set, task,
-                 order if opts.precision == "auto" else [opts.precision])
+                 order if opts.precision == "auto" else [opts.precision], given=given)
+    if given:  # its float build path: the file as it is (no quantizer), gated like fp32 against itself
+        progress(2, total, f"note: the model is {given}: built as given, no int8 build tried")
+        plan.notes = {p: "not built: an already quantized model is built as given, once" for p in order
+                      if p not in ("fp32", "int8")}
+        plan.wanted = ["fp32"]
+        return plan
     if "int8" in plan.wanted and (why_not := _host_cannot_gate_int8(profile, target)):
         plan.drop("int8", why_not)
     if "bf16" in plan.wanted and (why_not := _bf16.host_cannot_run_bf16(profile)):
@@ -447,6 +470,10 @@ def _build_candidates(plan: _Plan, engines: _Engines, work: Path, ref_out: list[
             assert fell.quantization is not None
             built["int8"] = _full_weights(int8, fell, wide, source, target, engines, plan.calib, work, plan.eval_set,
                                           ref_out, plan.gate, gate_task, timed, fell.quantization.fallback_steps)
+    if plan.given:  # what the file computes: its integer kernels, judged against the model itself
+        b = built.pop("fp32")
+        acc = b.accuracy.model_copy(update={"candidate_precision": "int8", "reference_precision": "int8"})
+        built["int8"] = _Built("int8", b.engine, b.runner, None, acc)
     if opts.keep_engines is not None:  # for a caller that measures the candidates itself (bench/corpus.py)
         opts.keep_engines.mkdir(parents=True, exist_ok=True)
         for b in built.values():
@@ -458,6 +485,8 @@ def _choose(plan: _Plan, built: dict[str, _Built], reference: Runner) -> tuple[P
     """Benchmark the candidates against fp32 (CPU profiles this host can time) and choose: the precision choice
     the manifest records, and the passing candidates that ship beside the chosen one for the device to time."""
     opts, profile, notes = plan.opts, plan.profile, plan.notes
+    if plan.given:
+        return _as_given_choice(plan, built["int8"]), []
     cannot_time = _host_cannot_time(profile)
     benchmarked = opts.benchmark and profile.accelerator == "cpu" and cannot_time is None
     fp32_runner = built["fp32"].runner if "fp32" in built else reference
@@ -507,6 +536,54 @@ def _choose(plan: _Plan, built: dict[str, _Built], reference: Runner) -> tuple[P
              for p, b in built.items()]
             + [PrecisionCandidate(precision=p, note=n) for p, n in notes.items()]))  # type: ignore[arg-type]
     return choice, variants
+
+
+def _quantized_input(opts: CompileOptions, profile: HardwareProfile, target: BuildTarget) -> str:
+    """The phrase "already quantized (N Op, ...)" for a model that came quantized, "" for a float one. It is built
+    only as given, by ``--precision auto`` on a target whose engine is the ONNX file onnxruntime runs (the
+    reference's runtime); anything else is an InputError that asks for the original float model (quantizing it
+    again fails in onnxruntime's quantizer, KeyError: '..._scale', and no gate can judge a quantization without
+    the float model it came from)."""
+    counts = quantized_ops(opts.model)
+    if not counts:
+        return ""
+    given = quantized_phrase(counts)
+    original = "give the original float model (the export before it was quantized)"
+    if not target.builds_with_reference_runtime:
+        raise InputError(f"the model is {given}: the {profile.backend} target builds its engines from a float "
+                         f"model; {original}")
+    if "int8" not in profile.precisions:
+        raise InputError(f"the model is {given}, and profile {profile.name} allows {list(profile.precisions)}, not "
+                         f"int8; {original}")
+    if opts.precision != "auto":
+        what = ("has nothing left to quantize, and there is no FP32 original to judge this quantization against"
+                if opts.precision == "int8" else f"asks for an {opts.precision} engine, which cannot be built from it")
+        raise InputError(f"the model is {given}: --precision {opts.precision} {what}; {original}, or compile with "
+                         "--precision auto, which builds this one as given (labelled int8, gated against itself)")
+    return given
+
+
+def _as_given_choice(plan: _Plan, b: _Built) -> PrecisionChoice:
+    """The precision choice of a model that came quantized (``plan.given``): built as given, labelled int8, gated
+    against the model itself and not benchmarked (nothing else was built to compare it with)."""
+    gate_note = _gate_note(b.accuracy)
+    if not b.accuracy.passed:
+        raise AccuracyGateFailed(f"accuracy gate failed: {gate_note}; the model is {plan.given}, built as given and "
+                                 "gated against itself" + _per_output_report({"int8": b}))
+    plan.progress(5, plan.total, "benchmark skipped: nothing to compare (the model is built as given)")
+    reason = (f"int8: {plan.given}: built as given, no int8 build tried; gated against the model itself, as no FP32 "
+              f"original is available to judge its quantization against ({gate_note}); not benchmarked (nothing "
+              "else was built to compare it with)")
+    if plan.notes:
+        reason += "; " + "; ".join(f"{p} {n}" for p, n in plan.notes.items())
+    if plan.info.batching_note:
+        reason += f"; {plan.info.batching_note}"
+    acc = b.accuracy
+    return PrecisionChoice(
+        mode="auto", chosen="int8", reason=reason, candidates=(
+            PrecisionCandidate(precision="int8", top1=acc.candidate, drop=acc.drop, passed=acc.passed,
+                               metric=acc.metric, note=f"{plan.given}: built as given, gated against itself"),
+            *(PrecisionCandidate(precision=p, note=n) for p, n in plan.notes.items())))  # type: ignore[arg-type]
 
 
 def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built], reference: Runner,
@@ -721,10 +798,11 @@ def _gate_note(acc: AccuracyReport) -> str:
         return f"{acc.candidate_precision} judged as {acc.task.task} on {acc.task.output!r}: {task_figures(acc.task)}"
     if acc.metric == "agreement":
         worst = min(acc.outputs, key=lambda o: o.value)
-        return (f"{acc.candidate_precision} agrees with fp32 at {acc.candidate:.4f} (worst output {worst.name!r}, "
+        return (f"{acc.candidate_precision} agrees with {acc.reference_precision} at {acc.candidate:.4f} (worst "
+                f"output {worst.name!r}, "
                 f"{worst.metric.replace('_', ' ')}), shortfall {acc.drop:.4f} {rel} {acc.max_drop:.4f}")
     ci = f", 95% CI {acc.drop_ci95[0]:+.4f}..{acc.drop_ci95[1]:+.4f}" if acc.drop_ci95 else ""
-    return (f"{acc.candidate_precision} top-1 {acc.candidate:.4f} vs fp32 {acc.reference:.4f}, "
+    return (f"{acc.candidate_precision} top-1 {acc.candidate:.4f} vs {acc.reference_precision} {acc.reference:.4f}, "
             f"drop {acc.drop:.4f} {rel} {acc.max_drop:.4f} on {acc.eval_samples} samples{ci}")
 
 

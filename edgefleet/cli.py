@@ -190,11 +190,11 @@ def _default_name(model: Path) -> str:
 def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
     acc = m.accuracy
     if acc.task is not None:
-        figure = (f"{acc.task.metric.replace('_', ' ')} {acc.task.value:.4f} against fp32 "
+        figure = (f"{acc.task.metric.replace('_', ' ')} {acc.task.value:.4f} against {acc.reference_precision} "
                   f"({'passed' if acc.passed else 'FAILED'} the {acc.task.task} gate, {acc.eval_samples} samples)")
     elif acc.metric == "agreement":
         worst = min(acc.outputs, key=lambda o: o.value)
-        figure = (f"agreement with fp32 {acc.candidate:.4f} (worst output {worst.name!r} by "
+        figure = (f"agreement with {acc.reference_precision} {acc.candidate:.4f} (worst output {worst.name!r} by "
                   f"{worst.metric.replace('_', ' ')}; needed {1 - acc.max_drop:.4f}, {acc.eval_samples} samples)")
     else:
         ci = f", 95% CI {acc.drop_ci95[0]:+.4f}..{acc.drop_ci95[1]:+.4f}" if acc.drop_ci95 else ""

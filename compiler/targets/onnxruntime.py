@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefleet.compiler.errors import InputError, ToolchainError
-from edgefleet.compiler.graph import GraphInfo
+from edgefleet.compiler.graph import GraphInfo, all_nodes, is_quantized_op
 from edgefleet.engines.onnxruntime import session_options
 from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import Int8Scheme, QuantizationInfo
@@ -118,19 +118,7 @@ def prepare_or_raw(source: Path, out_path: Path) -> tuple[Path, str]:
     return name_nodes(out_path, out_path), how
 
 
-QUANT_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"})
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
-
-
-def _nodes(graph) -> list:
-    """Every node of ``graph`` and of the subgraphs inside its nodes (If branches, Loop and Scan bodies)."""
-    out = []
-    for node in graph.node:
-        out.append(node)
-        for attr in node.attribute:
-            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                out.extend(_nodes(g))
-    return out
 
 
 def count_quantized_ops(path: Path) -> tuple[int, int, int]:
@@ -139,10 +127,10 @@ def count_quantized_ops(path: Path) -> tuple[int, int, int]:
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    every = _nodes(model.graph)
+    every = all_nodes(model.graph)
     inner = [n for node in model.graph.node for a in node.attribute
-             for g in ([a.g] if a.HasField("g") else []) + list(a.graphs) for n in _nodes(g)]
-    quantized = sum(n.op_type in QUANT_OPS or n.op_type.startswith("QLinear") for n in every)
+             for g in ([a.g] if a.HasField("g") else []) + list(a.graphs) for n in all_nodes(g)]
+    quantized = sum(is_quantized_op(n.op_type) for n in every)
     compute = lambda nodes: sum(n.op_type not in CONTROL_FLOW for n in nodes)  # noqa: E731
     return quantized, compute(inner), compute(every)
 
