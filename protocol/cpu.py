@@ -46,6 +46,8 @@ VNNI_FEATURES: frozenset[str] = frozenset({"avx512_vnni"})
 # with any of these, a CPU computes bf16 products natively (OpenVINO's CPU plugin runs bf16 there, and only there:
 # on other CPUs it would emulate nothing and run f32); Zen 4 and Cooper Lake have avx512_bf16, Sapphire Rapids both
 BF16_FEATURES: frozenset[str] = frozenset({"avx512_bf16", "amx_bf16"})
+# names only a CPU with AVX-512F has (Sapphire Rapids and later for AMX; Cooper Lake, Zen 4 for AVX512_BF16)
+AVX512_IMPLIED: frozenset[str] = frozenset({"amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_fp16"})
 
 
 def cpu_arch() -> str:
@@ -68,7 +70,13 @@ def cpu_features() -> frozenset[str]:
     # BMI2 or AVX512BF16): the kernel's view, the only one there is
     unknown = {name for k, name in _NUMPY_TO_LINUX.items() if k not in table}
     if unknown:
-        feats |= _proc_cpuinfo_flags() & unknown
+        kernel = _proc_cpuinfo_flags() & unknown
+        if "AVX512F" in table and "avx512f" not in feats:
+            # the kernel describes the host, CPUID the CPU this runs on: under emulation (qemu -cpu Haswell on a
+            # Sapphire Rapids host) /proc/cpuinfo still lists AMX. Every CPU with AMX or AVX512_BF16 has AVX-512F,
+            # so where CPUID says it has none, the kernel's AVX-512 and AMX names are the host's, not this CPU's
+            kernel -= AVX512_IMPLIED
+        feats |= kernel
     if cpu_arch() == "aarch64":
         feats |= {"neon", "asimd"}  # mandatory on ARMv8-A
     return frozenset(feats)

@@ -12,6 +12,7 @@ from edgefleet.protocol.processes import stop_processes
 CHILD = """
 import signal, sys
 mode = sys.argv[1]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a pytest-xdist worker's children inherit SIGINT ignored
 if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 try:
