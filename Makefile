@@ -88,8 +88,16 @@ lint: $(VENV)/.installed
 
 test: test-native test-haswell test-py310 test-arm64
 
+# pytest-xdist: TEST_WORKERS processes, a test file per worker at a time (its module fixtures stay in one process);
+# then the tests marked serial (they judge timings or the spread of events on this box) alone. On 2 cores the
+# parallel pass took 1,908 s where the same tests' durations add up to about twice that: most tests wait on
+# brokers, servers and child processes. TEST_WORKERS=1 runs everything in one process, in order.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test-native: $(VENV)/.installed system-deps lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not serial" --durations=25
+	$(PY) -m pytest -m serial
 
 # The compiler's tests and the digits compile + verify once more on an emulated AVX2-only CPU: a
 # bundle must hold on every CPU its profile admits, whatever CPU CI runs on. (Processes the tests
@@ -110,7 +118,9 @@ test-haswell: $(VENV)/.installed system-deps
 
 # The agent's own tests (and the protocol's) on Python 3.10: what a stock Jetson (JetPack 6) has.
 test-py310: $(VENV310)/.installed system-deps
-	$(PY310) -m pytest -p no:cacheprovider tests/test_agent_*.py tests/test_protocol_*.py tests/test_python_versions.py
+	$(PY310) -m pytest -p no:cacheprovider $(PYTEST_PARALLEL) -m "not serial" tests/test_agent_*.py tests/test_protocol_*.py \
+	    tests/test_python_versions.py
+	$(PY310) -m pytest -p no:cacheprovider -m serial tests/test_agent_*.py tests/test_protocol_*.py
 
 # The agent on 64-bit ARM: its [agent] and [image] extras installed from aarch64 wheels under as-arm64, arm64-cpu
 # bundles (LiteRT, FP32 and INT8) built here natively, verified on each of ARM64_CPUS, and an emulated
