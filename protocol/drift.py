@@ -35,10 +35,12 @@ images, and its per-string features hold as many values as the images had boxes,
 **Score**: the population stability index of each feature, ``PSI = sum_i (a_i - e_i) * ln(a_i / e_i)`` over the
 bins, with ``e`` the expected (reference) shares and ``a`` the actual (live) ones, each share at least
 ``PSI_EPSILON`` (1e-4: an empty bin counts as 1e-4, so one bin never makes it infinite; the largest possible value
-over any bins is then below :data:`MAX_PSI`). The drift score is the largest feature PSI. Levels: below
-``WATCH_PSI`` (0.1) stable, below ``DRIFT_PSI`` (0.25) watch, else drift; fewer than ``MIN_SAMPLES`` (200) answers
-is **insufficient**: sampling alone gives an expected PSI of about ``(bins - 1) * (1/n + 1/N)`` (reported as
-``noise``), 0.045 for 10 bins at n = 200, so a smaller sample's figure is shown but never called drift. For the same
+over any bins is then below :data:`MAX_PSI`). The drift score is the largest feature PSI. Sampling alone gives an
+expected PSI of about ``(bins - 1) * (1/n + 1/N)`` for n live and N reference values (reported as ``noise``): 0.045
+for 10 bins at n = 200 against a large reference, but 0.23 against a 48-image one, so the **level** is read from
+what a feature's PSI exceeds its own noise by: below ``WATCH_PSI`` (0.1) stable, below ``DRIFT_PSI`` (0.25) watch,
+else drift; fewer than ``MIN_SAMPLES`` (200) answers is **insufficient** (the figure shown, never called drift). The
+score itself stays the raw PSI (a rollout's ``max_drift_psi`` compares that, as the operator wrote it). For the same
 reason, once there are ``MIN_SAMPLES`` answers, a feature counted from fewer than ``MIN_SAMPLES`` values (a
 pipeline's strings on mostly blank pages) is shown in ``features`` but neither the score nor the level rests on it.
 
@@ -503,10 +505,13 @@ def psi(expected: Sequence[float] | np.ndarray, actual: Sequence[float] | np.nda
     return float(min(max(np.sum((a - e) * np.log(a / e)), 0.0), MAX_PSI))
 
 
-def level(value: float | None, samples: int) -> Level:
+def level(value: float | None, samples: int, noise: float = 0.0) -> Level:
+    """The level of a PSI ``value`` over ``samples`` answers, judged by what it exceeds its sampling ``noise`` by: a
+    PSI that sampling alone would give is no verdict on the answers."""
     if value is None or samples < MIN_SAMPLES:
         return "insufficient"
-    return "drift" if value >= DRIFT_PSI else "watch" if value >= WATCH_PSI else "stable"
+    excess = value - max(noise, 0.0)
+    return "drift" if excess >= DRIFT_PSI else "watch" if excess >= WATCH_PSI else "stable"
 
 
 @dataclass(frozen=True)
@@ -530,8 +535,12 @@ def _result(per: dict[str, float], noise: dict[str, float], values: dict[str, fl
     decide = decide or list(per)
     worst = max(decide, key=lambda k: per[k]) if decide else None
     value = round(per[worst], 6) if worst is not None else None
+    # the level: the deciding feature that most exceeds its own noise (the largest PSI may be a noisy feature's)
+    excess = max(decide, key=lambda k: per[k] - noise[k]) if decide else None
     return DriftScore(value, worst, {k: round(v, 6) for k, v in per.items()}, samples,
-                      round(max((noise[k] for k in decide), default=0.0), 6), level(value, samples))
+                      round(max((noise[k] for k in decide), default=0.0), 6),
+                      level(per[excess] if excess is not None else None, samples,
+                            noise[excess] if excess is not None else 0.0))
 
 
 def score(ref: DriftReference, counts: Mapping[str, Sequence[int]], samples: int) -> DriftScore:

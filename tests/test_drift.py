@@ -35,6 +35,26 @@ def test_levels_and_the_sample_floor():
     assert D.level(None, 10**6) == "insufficient"
 
 
+def test_a_psi_within_its_sampling_noise_is_no_verdict():
+    assert D.level(0.26, 200, noise=0.23) == "stable"  # what 200 unchanged answers score against a 48-answer reference
+    assert D.level(0.40, 200, noise=0.23) == "watch"
+    assert D.level(0.50, 200, noise=0.23) == "drift"
+    assert D.level(0.26, 10**6, noise=0.0) == "drift"
+
+
+def test_unchanged_answers_against_a_small_reference_are_not_called_drift():
+    """A reference from a small evaluation set (48 answers: a pipeline's pages) against 200 live answers drawn the same
+    way: sampling alone gives PSI about 0.26 on a 10-class feature (noise 0.26), which the raw thresholds called
+    drift in 5 of these 40 draws. None is drift now, while answers that did change still are."""
+    rng = np.random.default_rng(7)
+    ref = D.build_reference("classification", "out", _logits(rng, 48, rng.integers(0, 10, 48)))
+    same = [_score(ref, _logits(rng, 200, rng.integers(0, 10, 200))) for _ in range(40)]
+    assert [s for s in same if D.level(s.psi, s.samples) == "drift"]  # the raw PSI alone flags some
+    assert not [s for s in same if s.level == "drift"], [(s.psi, s.noise) for s in same if s.level == "drift"]
+    moved = _score(ref, _logits(rng, 200, rng.integers(0, 3, 200)))  # the camera sees three classes only
+    assert moved.level == "drift", moved
+
+
 def _logits(rng: np.random.Generator, n: int, classes: np.ndarray) -> np.ndarray:
     x = rng.normal(size=(n, 10)).astype(np.float32)
     x[np.arange(n), classes] += 5.0
