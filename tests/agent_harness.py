@@ -236,3 +236,16 @@ def shm_object(prefix: str, size: int = 64 * 1024) -> Iterator[tuple[str, shared
             r.unlink()
         except FileNotFoundError:
             pass
+
+
+def ocr_pipeline_or_skip():
+    """tests.ocr_pipeline (the PP-OCRv4 pipeline bundles the pipeline tests serve), or the calling module skipped: it
+    needs OpenCV (the [image] extra) to crop, onnx to read the recognizer's charset, and the rapidocr models."""
+    pytest.importorskip("cv2", reason="pipelines crop with OpenCV (the [image] extra)")
+    pytest.importorskip("onnx", reason="the charset is read from the recognizer's ONNX metadata")
+    ocr = pytest.importorskip("tests.ocr_pipeline")
+    try:
+        ocr.models_dir()
+    except FileNotFoundError as exc:  # pragma: no cover - the venv installs it
+        pytest.skip(str(exc), allow_module_level=True)
+    return ocr

@@ -13,16 +13,10 @@ import pytest
 
 from edgefleet.protocol import drift as D
 from edgefleet.protocol.bundle import read_manifest
-from tests.agent_harness import preinstall, running_agent, spooled_telemetry
+from tests.agent_harness import ocr_pipeline_or_skip, preinstall, running_agent, spooled_telemetry
 from tests.waiting import concurrently, wait_for
 
-pytest.importorskip("cv2", reason="pipelines crop with OpenCV (the [image] extra)")
-pytest.importorskip("onnx", reason="the charset is read from the recognizer's ONNX metadata")
-ocr = pytest.importorskip("tests.ocr_pipeline")
-try:
-    ocr.models_dir()
-except FileNotFoundError as exc:  # pragma: no cover - the venv installs it
-    pytest.skip(str(exc), allow_module_level=True)
+ocr = ocr_pipeline_or_skip()
 
 EVAL_PAGES = 48  # the evaluation set the reference is made from: pages of one line each
 

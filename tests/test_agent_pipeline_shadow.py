@@ -18,16 +18,10 @@ import numpy as np
 import pytest
 
 from edgefleet.protocol import mqtt as proto
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import ocr_pipeline_or_skip, preinstall, running_agent
 from tests.waiting import wait_for
 
-pytest.importorskip("cv2", reason="pipelines crop with OpenCV (the [image] extra)")
-pytest.importorskip("onnx", reason="the charset is read from the recognizer's ONNX metadata")
-ocr = pytest.importorskip("tests.ocr_pipeline")
-try:
-    ocr.models_dir()
-except FileNotFoundError as exc:  # pragma: no cover - the venv installs it
-    pytest.skip(str(exc), allow_module_level=True)
+ocr = ocr_pipeline_or_skip()
 
 MAX_CROPS = 64
 
