@@ -2,16 +2,20 @@
 
 The key covers everything the bundle depends on: the model, profile and data files (by hash), the
 options, the toolchain versions and the build host's CPU features (the gate and the benchmark ran
-on it). Only bundles that passed are cached. Entries are written atomically; the oldest beyond
-``MAX_ENTRIES`` are pruned.
+on it). Only bundles that passed are cached. Entries are written atomically, each writer in a folder of its own
+(concurrent compiles may store one key at once); the oldest beyond ``MAX_ENTRIES`` are pruned, and temporary folders
+older than an hour (a writer that died).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from edgefleet.protocol.manifest import Manifest
 __all__ = ["BuildCache", "default_cache_dir"]
 
 MAX_ENTRIES = 200
+STALE_TMP_S = 3600.0  # a temporary folder this old is a dead writer's
 
 
 def default_cache_dir() -> Path:
@@ -56,23 +61,29 @@ class BuildCache:
         return manifest
 
     def put(self, key: str, bundle: Path) -> None:
+        """Store ``bundle`` under ``key``: written in a folder of this writer's own, then renamed into place (atomic;
+        two compiles storing one key at once each write their own, and the first rename wins)."""
+        tmp = self.root / f".{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f".{key}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             shutil.copyfile(bundle, tmp / "bundle.tar")
             final = self.root / key
-            if final.exists():
-                shutil.rmtree(tmp)
-            else:
-                tmp.rename(final)
+            if not final.exists():
+                tmp.rename(final)  # OSError if another writer's rename came first: its entry is as good
             self._prune()
         except OSError:  # a cache that cannot be written only costs time
             pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _prune(self) -> None:
         entries = sorted((d for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")),
                          key=lambda d: d.stat().st_mtime, reverse=True)
         for old in entries[MAX_ENTRIES:]:
             shutil.rmtree(old, ignore_errors=True)
+        stale = time.time() - STALE_TMP_S  # a writer that died mid-copy left its folder
+        for d in self.root.glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if d.stat().st_mtime < stale:
+                    shutil.rmtree(d, ignore_errors=True)
