@@ -101,19 +101,23 @@ test-native: $(VENV)/.installed system-deps lint
 
 # The compiler's tests and the digits compile + verify once more on an emulated AVX2-only CPU: a
 # bundle must hold on every CPU its profile admits, whatever CPU CI runs on. (Processes the tests
-# start run emulated too, through EDGEFLEET_TEST_CPU.)
+# start run emulated too, through EDGEFLEET_TEST_CPU.) With TEST_WORKERS > 1 the test processes are
+# xdist workers started under qemu (--tx ...//python=qemu...: each worker's CPUID is Haswell's; the
+# controller only collects and hands out files), and the two compiles run side by side.
+HASWELL_PYTEST = $(if $(filter 1,$(TEST_WORKERS)),$(HASWELL) $(PY) -m pytest,$(PY) -m pytest --dist loadfile \
+    --tx "$(TEST_WORKERS)*popen//python=$(HASWELL) $(abspath $(PY))")
 test-haswell: $(VENV)/.installed system-deps
-	EDGEFLEET_TEST_CPU=Haswell $(HASWELL) $(PY) -m pytest -p no:cacheprovider tests/test_compiler.py \
+	EDGEFLEET_TEST_CPU=Haswell $(HASWELL_PYTEST) -p no:cacheprovider tests/test_compiler.py \
 	    tests/test_portable.py tests/test_protocol_profile.py tests/test_digits_model.py -k "not agent_on_emulated" \
 	    $(QUIET_QEMU)
 	rm -rf .edgefleet-haswell
-	for precision in auto int8; do \
-	  $(HASWELL) $(PY) -m edgefleet.cli compile $(DIGITS)/model.onnx --profile x86-cpu --precision $$precision \
+	pids=""; for precision in auto int8; do \
+	  { $(HASWELL) $(PY) -m edgefleet.cli compile $(DIGITS)/model.onnx --profile x86-cpu --precision $$precision \
 	    --calibration $(DIGITS)/calibration.npz --eval $(DIGITS)/test.npz --name digits --version 1.0.0 \
 	    --out .edgefleet-haswell/$$precision --quiet $(QUIET_QEMU) && \
 	  $(HASWELL) $(PY) -m edgefleet.cli verify .edgefleet-haswell/$$precision/digits-1.0.0-x86-cpu.tar \
-	    --eval $(DIGITS)/test.npz $(QUIET_QEMU) || exit 1; \
-	done
+	    --eval $(DIGITS)/test.npz $(QUIET_QEMU); } & pids="$$pids $$!"; \
+	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; exit $$rc
 	rm -rf .edgefleet-haswell
 
 # The agent's own tests (and the protocol's) on Python 3.10: what a stock Jetson (JetPack 6) has.
