@@ -31,15 +31,17 @@ def _clock(ts: float, step: float) -> str:
 
 def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]]], unit: str,
                lines: dict[str, float] | None = None, empty: str = "no data yet",
-               x_range: tuple[float, float] | None = None) -> str:
+               x_range: tuple[float, float] | None = None, note: str | None = None) -> str:
     """A line chart of each series over time (points: (unix seconds, value or None for a gap)); ``lines``: labelled
     horizontal thresholds (e.g. drift's 0.1 watch and 0.25 drift); ``x_range``: the time axis' span (unix seconds;
-    default: the points'), e.g. a rollout's life for every wave's charts."""
+    default: the points'), e.g. a rollout's life for every wave's charts; ``note``: a line shown under the chart (or in
+    place of it when there is nothing to draw), e.g. that the newest figure is insufficient."""
     pts = {k: [(t, v) for t, v in list(v)[-MAX_POINTS:] if math.isfinite(t)] for k, v in series.items()}
     values = [v for s in pts.values() for _, v in s if v is not None and math.isfinite(v)]
     times = [t for s in pts.values() for t, _ in s]
     if not values or not times:
-        return f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">{escape(empty)}</span></div>'
+        return (f'<div class="chart"><h3>{escape(title)}</h3><span class="sub">{escape(note or empty)}</span>'
+                f'</div>')
     t0, t1 = min(times), max(times)
     if x_range is not None and math.isfinite(x_range[0]) and math.isfinite(x_range[1]):
         t0, t1 = min(t0, x_range[0]), max(t1, x_range[1])
@@ -91,7 +93,8 @@ def time_chart(title: str, series: dict[str, Sequence[tuple[float, float | None]
         legend.append(f'<span style="color:{color}">{escape(name)} {"–" if last is None else f"{last:.3g}"}</span>')
     return (f'<div class="chart"><h3>{escape(title)} <small class="sub">{escape(unit)}, time UTC</small></h3>'
             f'<svg width="{W}" height="{H}" role="img" aria-label="{escape(title)} over time">{"".join(out)}</svg>'
-            f'<div class="sub">{" · ".join(legend)}</div></div>')
+            f'<div class="sub">{" · ".join(legend)}</div>'
+            + (f'<div class="sub">{escape(note)}</div>' if note else "") + '</div>')
 
 
 def device_time_charts(telemetry: Sequence[dict], drift: Sequence[dict]) -> list[str]:
@@ -102,13 +105,24 @@ def device_time_charts(telemetry: Sequence[dict], drift: Sequence[dict]) -> list
     thr = [(t["ts"], t["requests"] / t["interval_s"] if t.get("interval_s") else None) for t in tel]
     err = [(t["ts"], float(t.get("errors") or 0)) for t in tel]
     rows = sorted((r for r in drift if isinstance(r.get("ts"), (int, float))), key=lambda r: r["ts"])
-    psi = [(r["ts"], r.get("psi")) for r in rows]
+    # a score the judge calls insufficient (too few answers for its noise) is no reading: a gap, not a point
+    psi = [(r["ts"], None if r.get("level") == "insufficient" else r.get("psi")) for r in rows]
     return [time_chart("latency", {"p50": lat, "p99": p99}, "ms"),
             time_chart("throughput", {"req/s": thr}, "requests/s"),
             time_chart("errors", {"errors": err}, "per interval"),
             # a score needs the bundle's drift reference and 200 answers (fleet.drift): say so, not "no data"
             time_chart("drift (PSI)", {"psi": psi}, "vs the compile-time reference", {"watch": 0.1, "drift": 0.25},
-                       empty="no score yet: it needs the bundle's drift reference and 200 answers")]
+                       empty="no score yet: it needs the bundle's drift reference and 200 answers",
+                       note=_insufficient(rows[-1] if rows else None, "level", "scored_samples"))]
+
+
+def _insufficient(latest: dict | None, level_key: str, samples_key: str) -> str | None:
+    """What a drift chart says of its newest figure when the judge calls it insufficient: the level, not a number."""
+    if latest is None or latest.get(level_key) != "insufficient":
+        return None
+    n = latest.get(samples_key)
+    return (f"newest: insufficient ({n} answers; a score needs 200)" if isinstance(n, int)
+            else "newest: insufficient (too few answers to score)")
 
 
 def _label(p: dict, model: str | None) -> str:
@@ -140,13 +154,16 @@ def wave_time_charts(wave: dict, bucket_s: float, model: str | None = None,
 
     n = wave["index"] + 1
     x = x_range
+    points = [p for p in wave.get("points") or [] if p.get("model") == model] or list(wave.get("points") or [])
+    newest = max(points, key=lambda p: p["t"]) if points else None
     return [time_chart(f"wave {n}: latency p99", line(lambda p: p["p99_ms"]), "ms, mean of its devices' p99",
                        x_range=x),
             time_chart(f"wave {n}: throughput", line(lambda p: p["throughput_rps"]), "requests/s, all its devices",
                        x_range=x),
             time_chart(f"wave {n}: errors", line(lambda p: None if p["error_rate"] is None else 100 * p["error_rate"]),
                        "% of requests", x_range=x),
-            time_chart(f"wave {n}: drift (PSI)", line(lambda p: p["psi"]), "its answers vs the compile-time reference",
-                       {"watch": 0.1, "drift": 0.25},
+            time_chart(f"wave {n}: drift (PSI)",
+                       line(lambda p: None if p.get("drift_level") == "insufficient" else p["psi"]),
+                       "its answers vs the compile-time reference", {"watch": 0.1, "drift": 0.25},
                        empty="no score yet: it needs the version's drift reference and 200 answers in a bucket",
-                       x_range=x)]
+                       x_range=x, note=_insufficient(newest, "drift_level", "drift_samples"))]
