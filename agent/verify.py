@@ -24,7 +24,8 @@ from edgefleet.agent.errors import SelfTestFailed
 from edgefleet.agent.selftest import self_test
 from edgefleet.agent.store import StagedModel
 from edgefleet.agent.trusted import check_cpu
-from edgefleet.engines import NP_DTYPES, Engine, load_bundle_engine
+from edgefleet.engines import Engine, load_bundle_engine
+from edgefleet.judge.data import Dataset
 from edgefleet.judge.gate import label_axis, top1_hits
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import extract_bundle, sha256_file
@@ -95,48 +96,45 @@ class VerifyResult:
         }
 
 
-def _load_eval(path: Path, manifest: Manifest) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def _load_eval(path: Path, manifest: Manifest) -> Dataset:
+    """``--eval`` read as the compiler read its evaluation set (judge.data.load_for_model: one loader for both), the
+    samples on the axes the compiler put them; with labels when it has a 'labels' array."""
+    from edgefleet.judge.data import load_for_model
+    from edgefleet.judge.errors import JudgeError
+
     try:
-        npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable .npz file ({exc})") from exc
-    with npz:
-        keys = set(npz.files)
-        if "labels" not in keys:  # judged by agreement with fp32 on these inputs (_gate_on_data loads them)
-            return {}, None
-        feeds = {}
-        for spec in manifest.inputs:
-            key = spec.name if spec.name in keys else "input" if len(manifest.inputs) == 1 else None
-            if key is None or key not in keys:
-                raise ConfigError(f"{path}: no array for model input {spec.name!r} (keys: {sorted(keys)})")
-            feeds[spec.name] = npz[key]
-        return feeds, npz["labels"]
+        with np.load(path, allow_pickle=False) as npz:
+            has_labels = "labels" in npz.files
+    except Exception:  # a folder of images, or a file load_for_model names the fault of
+        has_labels = False
+    try:
+        return load_for_model(path, manifest.inputs, per_sample(manifest), need_labels=has_labels, what="--eval set",
+                              preprocessing=manifest.preprocessing)
+    except JudgeError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
-def _top1(backend: Engine, manifest: Manifest, feeds: dict[str, np.ndarray], labels: np.ndarray,
-          batch: int) -> tuple[float, int]:
-    """Top-1 of the first output against ``labels``, scored as the compiler's gate scores it."""
-    n = len(labels)
-    dtypes = {s.name: NP_DTYPES[s.datatype] for s in manifest.inputs}
-    for spec in manifest.inputs:
-        arr = feeds[spec.name]
-        if arr.ndim != len(spec.shape) or spec.batch_axis != 0 or arr.shape[0] != n:
-            raise ConfigError(f"input {spec.name!r}: the evaluation set has shape {list(arr.shape)}, the model "
-                              f"takes {list(spec.shape)} with the batch on axis {spec.batch_axis}; give one "
-                              f"sample per label ({n}) along axis 0")
-    hits: list[np.ndarray] = []
-    for i in range(0, n, batch):
-        try:
-            out = backend.infer({k: np.ascontiguousarray(v[i:i + batch], dtype=dtypes[k]) for k, v in feeds.items()})[0]
-        except Exception as exc:  # the runtime's own error types: a shape the engine does not take
-            raise ConfigError(f"the engine refused the evaluation set: {exc}") from exc
-        axis = label_axis(out.shape, labels[i:i + batch].shape)
-        if axis is None:
-            raise ConfigError(f"labels of shape {list(labels.shape)} do not fit output {manifest.outputs[0].name!r} "
-                              f"of shape {list(out.shape)} (expected [N] for [N, C], [N, T] for [N, T, C] or "
-                              "[N, H, W] for [N, C, H, W])")
-        hits.append(top1_hits(out, labels[i:i + batch], axis))
-    return float(np.concatenate(hits).mean()), n
+def per_sample(manifest: Manifest) -> bool:
+    """The engine takes one sample per call (no input has a batch axis): what the compiler's evaluation did."""
+    return all(s.batch_axis is None for s in manifest.inputs)
+
+
+def _top1(backend: Engine, manifest: Manifest, data: Dataset, batch: int) -> tuple[float, int]:
+    """Top-1 of the first output against the data's labels, scored as the compiler's gate scores it."""
+    from edgefleet.judge.predict import predict_all
+
+    assert data.labels is not None
+    labels = data.labels
+    try:
+        out = predict_all(backend.infer, data, batch, output_axes=[o.batch_axis for o in manifest.outputs])[0]
+    except Exception as exc:  # the runtime's own error types: a shape the engine does not take
+        raise ConfigError(f"the engine refused the evaluation set: {exc}") from exc
+    axis = label_axis(out.shape, labels.shape) if isinstance(out, np.ndarray) else None
+    if axis is None:
+        raise ConfigError(f"labels of shape {list(labels.shape)} do not fit output {manifest.outputs[0].name!r} "
+                          f"(expected [N] for [N, C], [N, T] for [N, T, C] or [N, H, W] for [N, C, H, W])")
+    assert isinstance(out, np.ndarray)
+    return float(top1_hits(out, labels, axis).mean()), len(labels)
 
 
 def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
@@ -174,12 +172,12 @@ def verify_bundle(bundle: Path, eval_path: Path | None = None, threads: int = 2,
             top1: float | None = None
             n: int | None = None
             if eval_path is not None:
-                feeds, labels = _load_eval(eval_path, manifest)
-                if labels is None:
-                    gate, against, note = _gate_on_data(backend, manifest, whole, Path(tmp), eval_path, reference,
+                data = _load_eval(eval_path, manifest)
+                if data.labels is None:
+                    gate, against, note = _gate_on_data(backend, manifest, whole, Path(tmp), data, reference,
                                                         threads)
                 else:
-                    top1, n = _top1(backend, manifest, feeds, labels, batch)
+                    top1, n = _top1(backend, manifest, data, batch)
         finally:
             backend.close()
     return VerifyResult(manifest, cpu_arch(), tuple(sorted(feats)), cpu.action != "refuse", cpu.reason, st, st_err,
@@ -241,25 +239,17 @@ def _fp32_reference(manifest: Manifest, whole: Manifest, folder: Path, reference
     return ref, f"the fp32 source model {reference.name}"
 
 
-def _gate_on_data(engine: Engine, manifest: Manifest, whole: Manifest, folder: Path, eval_path: Path,
+def _gate_on_data(engine: Engine, manifest: Manifest, whole: Manifest, folder: Path, data: Dataset,
                   reference: Path | None, threads: int) -> tuple[AccuracyReport, str, str | None]:
     """The gate's own metric on the samples of ``eval_path``: this CPU's engine against an fp32 reference computed on
     the same samples (:func:`_fp32_reference`), judged by the recorded task, or by output agreement with the recorded
     budget. The judge (the compiler's gate too) is numpy only: it imports no toolchain."""
     from edgefleet.engines import EngineError
-    from edgefleet.judge.data import load_dataset
     from edgefleet.judge.errors import JudgeError
     from edgefleet.judge.gate import GateSettings, evaluate_gate
     from edgefleet.judge.predict import predict_all
     from edgefleet.judge.tasks import TaskSpec
 
-    per_sample = not manifest.batchable
-    axes = {s.name: 0 if per_sample else s.batch_axis for s in manifest.inputs}
-    try:
-        data = load_dataset(eval_path, manifest.inputs, need_labels=False, what="--eval set",
-                            preprocessing=manifest.preprocessing, axes=axes, per_sample=per_sample)
-    except JudgeError as exc:
-        raise ConfigError(str(exc)) from exc
     note = None
     if len(data) > MAX_EVAL_SAMPLES:
         note = f"the first {MAX_EVAL_SAMPLES} of its {len(data)} samples judged"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefleet.compiler.errors import InputError
-from edgefleet.judge.data import Dataset
+from edgefleet.judge.data import Dataset, sample_axes
 from edgefleet.protocol.manifest import TensorSpec
 
 __all__ = ["QUANTIZED_OPS", "GraphInfo", "all_nodes", "check_model", "ensure_opset", "is_quantized_op", "name_nodes",
@@ -37,8 +37,8 @@ class GraphInfo:
     data_axes: dict[str, int | None] = field(default_factory=dict)  # where the data stacks samples, if not as above
 
     def sample_axes(self) -> dict[str, int | None]:
-        """Where the data holds the samples, per input."""
-        return {s.name: self.data_axes.get(s.name, 0 if self.per_sample else s.batch_axis) for s in self.inputs}
+        """Where the data holds the samples, per input (judge.data.sample_axes: what ``edgefleet verify`` reads too)."""
+        return sample_axes(self.inputs, self.per_sample, self.data_axes)
 
     @property
     def has_conv(self) -> bool:

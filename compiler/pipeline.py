@@ -50,7 +50,7 @@ from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec, Runtime, record
 from edgefleet.engines import load as load_engine
 from edgefleet.engines.onnxruntime import CPU
-from edgefleet.judge.data import Dataset, load_dataset
+from edgefleet.judge.data import Dataset, load_for_model
 from edgefleet.judge.errors import InputError as JudgeInputError
 from edgefleet.judge.errors import JudgeError
 from edgefleet.judge.gate import GateSettings, evaluate_gate, uses_labels
@@ -360,9 +360,9 @@ def _plan(opts: CompileOptions, progress: Progress, profile: HardwareProfile, ga
     total = 7
     prep = _preprocessing(opts, info)
     class_names = tuple(json.loads(info.metadata["edgefleet.labels"])) if "edgefleet.labels" in info.metadata else None
-    eval_set = load_dataset(opts.eval, info.inputs, need_labels=gate.kind == "accuracy", what="evaluation set",
-                            preprocessing=prep, class_names=class_names, axes=info.sample_axes(),
-                            per_sample=info.per_sample)
+    eval_set = load_for_model(opts.eval, info.inputs, info.per_sample, need_labels=gate.kind == "accuracy",
+                              what="evaluation set", preprocessing=prep, class_names=class_names,
+                              data_axes=info.data_axes)
     info = _fit_layout(opts.model, info, eval_set, progress, total)
     eval_set = Dataset(eval_set.inputs, eval_set.labels, info.sample_axes(), info.per_sample)
     task = resolve_task(opts.task, opts.task_args, opts.model, info.outputs).with_min_agreement(opts.min_agreement)
@@ -386,8 +386,8 @@ def _plan(opts: CompileOptions, progress: Progress, profile: HardwareProfile, ga
         if opts.calibration is None:
             plan.drop("int8", "no --calibration set given (pass --calibration FILE.npz)")
         else:
-            plan.calib = load_dataset(opts.calibration, info.inputs, need_labels=False, what="calibration set",
-                                      preprocessing=prep, axes=info.sample_axes(), per_sample=info.per_sample)
+            plan.calib = load_for_model(opts.calibration, info.inputs, info.per_sample, need_labels=False,
+                                        what="calibration set", preprocessing=prep, data_axes=info.data_axes)
             if len(plan.calib) < MIN_CALIBRATION_SAMPLES:
                 raise InputError(f"{opts.calibration}: {len(plan.calib)} calibration samples; int8 needs at least "
                                  f"{MIN_CALIBRATION_SAMPLES} representative inputs (a few hundred is better)")

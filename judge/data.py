@@ -19,7 +19,7 @@ from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TensorSpec
 from edgefleet.protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
 
-__all__ = ["Dataset", "load_dataset"]
+__all__ = ["Dataset", "load_dataset", "load_for_model", "sample_axes"]
 
 _NP = {"FP32": np.float32, "FP16": np.float16, "INT8": np.int8, "UINT8": np.uint8, "INT32": np.int32,
        "INT64": np.int64, "BOOL": np.bool_}
@@ -60,6 +60,29 @@ class Dataset:
 
     def head(self, n: int) -> Dataset:
         return Dataset(self.take(0, n), None if self.labels is None else self.labels[:n], self.axes, self.per_sample)
+
+
+def sample_axes(specs: tuple[TensorSpec, ...], per_sample: bool,
+                data_axes: dict[str, int | None] | None = None) -> dict[str, int | None]:
+    """Where a data set holds the samples, per input, as the compiler and ``edgefleet verify`` both read it: the batch
+    axis of a batched model's input (None for one shared by the batch, a scalar); for a model that takes one sample
+    per call (no input has a batch axis), ``data_axes`` when the compiler measured them, else the first axis of size
+    1 in the input's shape ([1, 3, 32, 32]: 0; state pinned to [2, 1, 128]: 1), None for an input with none (a
+    scalar, a fixed parameter)."""
+    if not per_sample:
+        return {s.name: s.batch_axis for s in specs}
+    known = data_axes or {}
+    return {s.name: known[s.name] if s.name in known else next((i for i, d in enumerate(s.shape) if d in (1, -1)), None)
+            for s in specs}
+
+
+def load_for_model(path: Path, specs: tuple[TensorSpec, ...], per_sample: bool, need_labels: bool, what: str,
+                   preprocessing: Preprocessing | None = None, class_names: tuple[str, ...] | None = None,
+                   data_axes: dict[str, int | None] | None = None) -> Dataset:
+    """The one loader of a model's calibration or evaluation data (the compiler's and ``edgefleet verify``'s): the
+    samples on :func:`sample_axes`, run one per call when ``per_sample``."""
+    return load_dataset(path, specs, need_labels, what, preprocessing, class_names,
+                        axes=sample_axes(specs, per_sample, data_axes), per_sample=per_sample)
 
 
 def load_dataset(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: str,
@@ -116,7 +139,8 @@ def _load(path: Path, specs: tuple[TensorSpec, ...], need_labels: bool, what: st
         {len(labels)} if labels is not None else set())
     if len(n) != 1 or 0 in n:
         raise InputError(f"{path}: arrays disagree on the number of samples along their batch axes, or are empty "
-                         f"({sorted(n)})")
+                         f"({sorted(n)}; shapes {({k: list(v.shape) for k, v in inputs.items()})}"
+                         f"{'' if labels is None else f', labels {list(labels.shape)}'})")
     return Dataset(inputs, labels, axes)
 
 
@@ -124,7 +148,7 @@ def _fit_axes(inputs: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
               axes: dict[str, int | None]) -> dict[str, int | None]:
     """A tensor declared with several dynamic dimensions (state exported as [?, N, 128]) holds its samples
     on the one dynamic axis whose size is the sample count of the others."""
-    sizes = [int(v.shape[a]) for k, v in inputs.items() if (a := axes[k]) == 0]
+    sizes = [int(v.shape[a]) for k, v in inputs.items() if (a := axes[k]) == 0 and v.ndim]
     if not sizes:
         return axes
     n = max(set(sizes), key=sizes.count)
@@ -140,8 +164,11 @@ def _fit_axes(inputs: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
 
 def _check(path: Path, what: str, arr: np.ndarray, spec: TensorSpec, axis: int | None) -> np.ndarray:
     if arr.ndim != len(spec.shape):
-        raise InputError(f"{path}: {what} has {arr.ndim} dimensions, model input {spec.name!r} "
-                         f"has {len(spec.shape)} {list(spec.shape)}")
+        raise InputError(f"{path}: {what} has {arr.ndim} dimensions (shape {list(arr.shape)}), model input "
+                         f"{spec.name!r} has {len(spec.shape)} {list(spec.shape)}")
+    if axis is not None and axis >= arr.ndim:
+        raise InputError(f"{path}: {what} has {arr.ndim} dimensions and no axis {axis} to hold the samples of model "
+                         f"input {spec.name!r} {list(spec.shape)}")
     for i, (have, want) in enumerate(zip(arr.shape, spec.shape, strict=True)):
         if i != axis and want != -1 and have != want:
             raise InputError(f"{path}: {what} dimension {i} is {have}, the model wants {want}")
