@@ -54,6 +54,13 @@ class AgentConfig(StrictModel):
     mqtt_key_file: Path | None = None
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8000, ge=0, le=65535)
+    # HTTP connections (protocol/httpguard.py): at most this many at once (and below RLIMIT_NOFILE, 128 kept), of
+    # them at most http_max_connections_per_peer from one address (None: half); a request head must arrive within
+    # http_head_timeout_s, a keep-alive connection idle for http_idle_timeout_s is closed
+    http_max_connections: int = Field(default=1024, ge=1, le=65536)
+    http_max_connections_per_peer: int | None = Field(default=None, ge=1, le=65536)
+    http_head_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    http_idle_timeout_s: float = Field(default=5.0, gt=0, le=3600)
     profiles: tuple[str, ...] = Field(default_factory=default_profiles)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
     # auto: at each install the agent times its runtime at batch sizes 1, 2, 4, ... up to max_batch_size (each call

@@ -44,6 +44,7 @@ from edgefleet.agent.updater import BundleFetcher
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff
 from edgefleet.protocol.errors import ConfigError
+from edgefleet.protocol.httpguard import HttpLimits, guarded
 from edgefleet.protocol.manifest import Manifest
 
 __all__ = ["Agent", "event_loop_factory", "require_trust_anchor", "run_agent", "run_until_stopped"]
@@ -140,10 +141,17 @@ class Agent:
         # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
         # batchers close only after it returns), then waits for the connections for at most the grace period
         # http: uvicorn's own protocol, each connection's client told once (agent/server.py: peer_tagging)
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+        # and held to the connection limits (protocol/httpguard.py)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+        cfg = self.config
+        limits = HttpLimits(head_timeout_s=cfg.http_head_timeout_s, idle_timeout_s=cfg.http_idle_timeout_s,
+                            body_grace_s=cfg.http_head_timeout_s, max_connections=cfg.http_max_connections,
+                            max_connections_per_peer=cfg.http_max_connections_per_peer or max(
+                                1, cfg.http_max_connections // 2))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                               http=peer_tagging(AutoHTTPProtocol),
+                                               http=peer_tagging(guarded(HttpToolsProtocol, limits)),
+                                               timeout_keep_alive=cfg.http_idle_timeout_s,  # type: ignore[arg-type]
                                                timeout_graceful_shutdown=math.ceil(self.config.shutdown_grace_s)))
         self._server = server
         grpc_server = None

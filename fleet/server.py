@@ -24,6 +24,7 @@ from edgefleet.fleet.service import FleetService
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.fleet.tuf_store import DirStore, SqlStore
 from edgefleet.protocol.errors import ConfigError
+from edgefleet.protocol.httpguard import HttpLimits, guarded
 
 if TYPE_CHECKING:
     from edgefleet.fleet.broker import EmbeddedBroker
@@ -48,6 +49,14 @@ class FleetConfig:
     shared_subscription_group: str | None = None
     resign_interval_s: float = 600.0
     max_upload_bytes: int = 1024**3  # bigger bundle uploads get 413
+    # HTTP connections (protocol/httpguard.py): at most this many at once (and, with the embedded broker, half of
+    # the descriptors RLIMIT_NOFILE leaves past 128 kept; the broker has the other half), of them at most
+    # http_max_connections_per_peer from one address; a request head must arrive within http_head_timeout_s, a
+    # keep-alive connection idle for http_idle_timeout_s is closed
+    http_max_connections: int = 1024
+    http_max_connections_per_peer: int = 128
+    http_head_timeout_s: float = 10.0
+    http_idle_timeout_s: float = 5.0
     rollout_tick_s: float = 0.25  # how often the rollout engine looks at waves (soaks, gates, next wave)
     accept_unknown_devices: bool = True  # False: MQTT from unregistered devices is counted and dropped
     replica_id: str | None = None  # names this replica in rollout leases; default random
@@ -164,6 +173,21 @@ class FleetServer:
         return create_app(self.service, self.repo, self.bootstrap, self.health,
                           self.config.max_upload_bytes, self.tokens, self.enrollment, self._replica_stats)
 
+    def http_server(self) -> Any:
+        """The fleet's uvicorn server (not yet serving): the app on uvicorn's httptools protocol, held to the
+        connection limits (protocol/httpguard.py)."""
+        import uvicorn
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        c = self.config
+        limits = HttpLimits(head_timeout_s=c.http_head_timeout_s, idle_timeout_s=c.http_idle_timeout_s,
+                            body_grace_s=c.http_head_timeout_s, max_connections=c.http_max_connections,
+                            max_connections_per_peer=c.http_max_connections_per_peer,
+                            fd_share=0.5 if self.broker is not None else 1.0)
+        return uvicorn.Server(uvicorn.Config(self.app(), host=c.host, port=c.port, log_level="warning",
+                                             access_log=False, lifespan="off", http=guarded(HttpToolsProtocol, limits),
+                                             timeout_keep_alive=c.http_idle_timeout_s))  # type: ignore[arg-type]
+
     RECENT_FAILURE_S = 300.0  # a loop restarted this recently keeps health "degraded"
 
     def health(self) -> dict[str, Any]:
@@ -243,8 +267,6 @@ class FleetServer:
         """Run until SIGINT/SIGTERM."""
         import gc
 
-        import uvicorn
-
         self.start_background()
         # A long-lived server that decodes thousands of small messages a second: the startup objects move out
         # of the collector's way, and young-generation collections run every 50,000 allocations instead of
@@ -253,7 +275,6 @@ class FleetServer:
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
         try:
-            uvicorn.run(self.app(), host=self.config.host, port=self.config.port, log_level="warning",
-                        access_log=False)
+            self.http_server().run()
         finally:
             self.stop_background()

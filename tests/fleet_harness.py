@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from edgefleet.fleet.keys import init_keys
 from edgefleet.fleet.server import FleetConfig, FleetServer
@@ -62,8 +61,7 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
     fs = FleetServer(cfg)
     api.token = (cfg.data_dir / "admin-token").read_text().strip()
     fs.start_background()
-    server = uvicorn.Server(uvicorn.Config(fs.app(), host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
+    server = fs.http_server()  # the fleet's own: its protocol and connection limits
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,261 @@
+"""The HTTP listeners' connection guard (agent and fleet): deadlines, head limits and connection caps.
+
+Both HTTP servers run uvicorn's httptools protocol (llhttp: 1.5-2x h11's requests/s, bench/README.md). llhttp
+already refuses request smuggling (a Content-Length with a Transfer-Encoding, two Content-Lengths, a chunked
+coding that is not last: 400 and close), but it has no limit on a request head's size, and uvicorn sets no
+deadline on a connection before its first request, on a request head or on a body, and no cap on connections.
+:func:`guarded` wraps the protocol class (it is handed in: this module imports nothing beyond the standard
+library) and adds, per :class:`HttpLimits`:
+
+- a deadline for a connection's first request head and for each later one (from its first byte): 408, close;
+- a deadline for a body, earned by its bytes: ``body_grace_s`` plus one second per ``min_body_bytes_per_s``
+  received (a drip-fed body ends; a large body sent at a fair rate does not; time while the server itself has
+  stopped reading is not counted); 408, close;
+- a head of at most ``max_head_bytes`` (counted as it arrives, before llhttp buffers a value) and at most
+  ``max_headers`` header lines (trailers included): 431, close;
+- chunk-size lines (size and extensions) of at most ``max_chunk_line_bytes`` each: 400, close;
+- at most ``max_connections`` connections at once, of them at most ``max_connections_per_peer`` from one
+  address: a connection past either is answered 503 and closed at once, so the peers under their share keep
+  being served. :func:`connection_cap` keeps the total below the descriptor limit with room for the process's
+  own work (files, database, MQTT).
+
+The idle time between keep-alive requests is uvicorn's own ``timeout_keep_alive`` (give it ``idle_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HttpLimits", "connection_cap", "guarded"]
+
+log = logging.getLogger("edgefleet.http")
+
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+_LOG_EVERY_S = 10.0  # refused connections and requests: one log line with a count per interval
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    head_timeout_s: float = 10.0  # a request head, from the connection's start or the request's first byte
+    idle_timeout_s: float = 5.0  # between keep-alive requests (uvicorn's timeout_keep_alive)
+    body_grace_s: float = 10.0  # a body's deadline: this (the agent and fleet: their head timeout), plus a second
+    # per min_body_bytes_per_s received
+    min_body_bytes_per_s: int = 64 * 1024
+    max_head_bytes: int = 64 * 1024  # request line and headers
+    max_headers: int = 100
+    max_chunk_line_bytes: int = 4096
+    max_connections: int = 1024  # at once, every peer together (and at most connection_cap's share)
+    max_connections_per_peer: int = 256  # at once, from one address
+    reserve_fds: int = 128  # descriptors kept for the process's own work
+    fd_share: float = 1.0  # the part of the rest this listener may hold (the fleet shares it with its broker)
+
+    def __post_init__(self) -> None:
+        for name in ("head_timeout_s", "idle_timeout_s", "body_grace_s", "fd_share"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("min_body_bytes_per_s", "max_head_bytes", "max_headers", "max_chunk_line_bytes",
+                     "max_connections", "max_connections_per_peer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+def connection_cap(limits: HttpLimits) -> int:
+    """The most connections the listener holds at once: ``max_connections``, lowered to its share of the
+    descriptors the process may open past ``reserve_fds`` (RLIMIT_NOFILE's soft limit, as it is now)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    return max(1, min(limits.max_connections, int((soft - limits.reserve_fds) * limits.fd_share)))
+
+
+class _Gate:
+    """The connections one listener holds, in all and per address (used on its event loop only)."""
+
+    def __init__(self, limits: HttpLimits):
+        self.cap = connection_cap(limits)
+        self.per_peer = min(limits.max_connections_per_peer, self.cap)
+        self.total = 0
+        self.peers: dict[str, int] = {}
+        self.refused: dict[str, int] = {}  # why -> how many since the last log line
+        self.logged_at = 0.0
+
+    def admit(self, peer: str) -> bool:
+        held = self.peers.get(peer, 0)
+        if self.total >= self.cap or held >= self.per_peer:
+            self.note("connections refused at the cap" if self.total >= self.cap else
+                      "connections refused at the per-address cap")
+            return False
+        self.total += 1
+        self.peers[peer] = held + 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self.total -= 1
+        held = self.peers.pop(peer, 1) - 1
+        if held > 0:
+            self.peers[peer] = held
+
+    def note(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
+        now = time.monotonic()
+        if now - self.logged_at >= _LOG_EVERY_S:
+            log.warning("HTTP: %s in the last %.0f s (%d connections held, cap %d, %d per address)",
+                        ", ".join(f"{n} {w}" for w, n in self.refused.items()), _LOG_EVERY_S, self.total,
+                        self.cap, self.per_peer)
+            self.refused.clear()
+            self.logged_at = now
+
+
+def _answer(status: int, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class _Refused(Exception):
+    pass
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    """uvicorn's line per unparsable request: a client could fill the disk with them (the gate counts them)."""
+    return record.msg not in ("Invalid HTTP request received.", "Unsupported upgrade request.")
+
+
+_HEAD, _BODY, _BETWEEN = 0, 1, 2  # where the parser is: in a head, in a body, between requests
+
+
+def guarded(base: type, limits: HttpLimits) -> type:
+    """uvicorn's httptools protocol class ``base`` with :class:`HttpLimits` held on every connection; the
+    returned class's connections share one cap (make one class per listener)."""
+    gate = _Gate(limits)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _quiet not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_quiet)
+
+    class Guarded(base):  # type: ignore[misc, valid-type]
+        _gate = gate
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._g_peer = str((self.client or ("?",))[0])
+            self._g_timer: Any = None
+            self._g_admitted = gate.admit(self._g_peer)
+            if not self._g_admitted:
+                transport.write(_answer(503, "too many connections; retry later"))
+                transport.close()
+                return
+            self._g_begin_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._g_admitted:
+                self._g_admitted = False
+                gate.release(self._g_peer)
+            if self._g_timer is not None:
+                self._g_timer.cancel()
+                self._g_timer = None
+            super().connection_lost(exc)
+
+        def _g_begin_head(self) -> None:
+            self._g_phase, self._g_head_bytes, self._g_headers, self._g_tail = _HEAD, 0, 0, b""
+            self._g_start = self.loop.time()
+            if self._g_timer is None:  # one already set fires earlier and sets itself again (_g_expire)
+                self._g_timer = self.loop.call_at(self._g_start + limits.head_timeout_s, self._g_expire)
+
+        def data_received(self, data: bytes) -> None:
+            while data:
+                if self._g_phase == _BETWEEN:  # the first bytes of the next request
+                    self._g_begin_head()
+                if self._g_phase == _HEAD:  # up to the head's end (CRLF CRLF, as llhttp wants it), if it is here
+                    room = limits.max_head_bytes - self._g_head_bytes
+                    if room <= 0:
+                        self._g_refuse(431, f"the request head is over {limits.max_head_bytes} bytes")
+                        return
+                    tail = self._g_tail
+                    end = (tail + data[:room]).find(b"\r\n\r\n")
+                    cut = min(len(data), room) if end < 0 else end + 4 - len(tail)
+                    piece, data = (data, b"") if cut >= len(data) else (data[:cut], data[cut:])
+                    self._g_head_bytes += len(piece)
+                    self._g_tail = (tail + piece)[-3:]
+                else:
+                    piece, data = data, b""
+                    self._g_wire += len(piece)
+                super().data_received(piece)
+                if self.transport.is_closing():
+                    return
+                if self._g_phase == _BODY and self._g_wire - self._g_body > (
+                        self._g_chunks + 1) * limits.max_chunk_line_bytes:
+                    self._g_refuse(400, f"a chunk-size line is over {limits.max_chunk_line_bytes} bytes")
+                    return
+
+        # -- the parser's callbacks --------------------------------------------------------------------
+        def on_message_begin(self) -> None:
+            if self._g_phase != _HEAD:  # a pipelined request, begun in the bytes after the last one
+                self._g_begin_head()
+            super().on_message_begin()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._g_headers += 1
+            if self._g_headers > limits.max_headers:
+                self._g_status = 431
+                raise _Refused(f"more than {limits.max_headers} header lines")
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._g_phase, self._g_body, self._g_wire, self._g_chunks = _BODY, 0, 0, 0
+            self._g_start = self._g_checked = self.loop.time()
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._g_body += len(body)
+            super().on_body(body)
+
+        def on_chunk_header(self) -> None:
+            self._g_chunks += 1
+
+        def on_message_complete(self) -> None:
+            self._g_phase = _BETWEEN  # the server's time now: uvicorn's keep-alive timeout follows the response
+            super().on_message_complete()
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's answer to a parser error (and to _Refused)
+            status = getattr(self, "_g_status", 400)
+            self._g_refuse(status, msg if status == 400 else f"more than {limits.max_headers} header lines")
+
+        # -- deadlines and refusals ----------------------------------------------------------------
+        def _g_expire(self) -> None:
+            self._g_timer = None
+            if self.transport is None or self.transport.is_closing() or self._g_phase == _BETWEEN:
+                return
+            now = self.loop.time()
+            if self._g_phase == _HEAD:
+                deadline, what = self._g_start + limits.head_timeout_s, "request head"
+            else:
+                if self.flow is not None and self.flow.read_paused:  # the server is not reading: not counted
+                    self._g_start += now - self._g_checked
+                self._g_checked = now
+                deadline = self._g_start + limits.body_grace_s + self._g_body / limits.min_body_bytes_per_s
+                what = "request body"
+            if now < deadline:
+                self._g_timer = self.loop.call_at(deadline, self._g_expire)
+            elif self._g_phase == _HEAD and self._g_head_bytes == 0:  # nothing asked: nothing to answer
+                gate.note("idle connections closed")
+                self.transport.close()
+            else:
+                self._g_refuse(408, f"the {what} did not arrive in time")
+
+        def _g_refuse(self, status: int, message: str) -> None:
+            gate.note(f"requests refused with {status}")
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or cycle.response_complete or not cycle.response_started:  # else one is on its way
+                self.transport.write(_answer(status, message))
+            if cycle is not None:
+                cycle.keep_alive = False
+            self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded
