@@ -1,0 +1,204 @@
+"""Connections at the HTTP listeners (issue 45): deadlines, head limits, smuggling and connection caps.
+
+Every shape goes through a real listener on loopback over plain sockets: the agent's (tests/agent_harness.py)
+and the fleet's (tests/fleet_harness.py), both held by protocol/httpguard.py. Deadlines are short here (1 s) so
+the tests are quick; the waits on them are generous bounds, not thresholds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.agent_harness import running_agent
+from tests.fleet_harness import running_fleet
+from tests.waiting import wait_for
+
+HEALTH = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+HALF_HEAD = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Slow: "
+DRIP_GAP_S = 0.2  # between two bytes of a drip-fed body: the pacing under test, not a wait
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def connect(port: int, src: str = "127.0.0.1") -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((src, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def answer(s: socket.socket, timeout_s: float = 10.0) -> bytes:
+    """Everything the server sends until it closes (a reset after its answer counts as a close); TimeoutError if
+    it keeps the connection open past ``timeout_s``."""
+    s.settimeout(timeout_s)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
+
+
+def ask(port: int, request: bytes, src: str = "127.0.0.1") -> bytes:
+    with connect(port, src) as s:
+        try:
+            s.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):  # closed before all of it was read: its answer still counts
+            pass
+        return answer(s)
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory) -> Iterator[int]:
+    """A real agent with 1 s deadlines and the default caps."""
+    with running_agent(tmp_path_factory.mktemp("agent"), http_head_timeout_s=1.0, http_idle_timeout_s=1.0) as (_, url):
+        yield _port(url)
+
+
+@pytest.fixture(scope="module")
+def capped_agent(tmp_path_factory) -> Iterator[int]:
+    """A real agent holding at most 8 connections, 4 per address, with deadlines longer than the tests."""
+    with running_agent(tmp_path_factory.mktemp("capped"), http_max_connections=8, http_max_connections_per_peer=4,
+                       http_head_timeout_s=60.0) as (_, url):
+        yield _port(url)
+
+
+@pytest.mark.trust("HTTP: half-sent request heads and silent connections held open")
+def test_a_head_that_never_ends_is_closed_at_its_deadline(agent):
+    base = fds()
+    half = [connect(agent) for _ in range(40)]
+    silent = [connect(agent) for _ in range(40)]
+    for s in half:
+        s.sendall(HALF_HEAD)
+    answers = [answer(s) for s in half + silent]  # TimeoutError: still open 10 s later
+    assert [status(a) for a in answers[:40]] == [408] * 40
+    assert answers[40:] == [b""] * 40  # nothing asked, nothing answered: closed
+    for s in half + silent:
+        s.close()
+    wait_for(lambda: fds() <= base, 10, "the agent's descriptors back to where they were")
+    assert status(ask(agent, HEALTH)) == 200
+
+
+@pytest.mark.trust("HTTP: a drip-fed request body")
+def test_a_drip_fed_body_ends(agent):
+    with connect(agent) as s:
+        s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        s.settimeout(0.01)
+        closed = False
+        for _ in range(100):  # 100 bytes over 20 s at most
+            try:
+                s.sendall(b" ")
+                if s.recv(65536):
+                    closed = True
+                    break
+            except TimeoutError:
+                time.sleep(DRIP_GAP_S)
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed, "the body was still being taken 20 s later"
+
+
+@pytest.mark.trust("HTTP: request heads over 64 KiB, in one value or many lines, and 150 header lines")
+@pytest.mark.parametrize("head", [
+    b"X-Big: " + b"a" * 70 * 1024 + b"\r\n",
+    b"".join(b"X-Line-%d: %s\r\n" % (i, b"b" * 900) for i in range(80)),
+    b"".join(b"X-%d: 1\r\n" % i for i in range(150)),
+], ids=["one-value", "many-lines", "150-headers"])
+def test_a_head_over_the_limit_gets_431_and_a_close(agent, head):
+    raw = ask(agent, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+    assert status(raw) == 431, raw[:200]
+    assert status(ask(agent, HEALTH)) == 200
+
+
+@pytest.mark.trust("HTTP: request smuggling")
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+    b"Content-Length: 5\r\nContent-Length: 6\r\n",
+    b"Content-Length: 5, 5\r\n",
+    b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: chunked, identity\r\n",
+], ids=["cl-te", "te-cl", "two-cl", "cl-list", "two-te", "te-not-last"])
+def test_smuggling_shapes_get_400_and_a_close(agent, headers):
+    raw = ask(agent, b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n0\r\n\r\n"
+                     b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status(raw) == 400, raw[:200]
+    assert raw.count(b"HTTP/1.1 ") == 1  # the request behind it never ran
+
+
+@pytest.mark.trust("HTTP: a chunk-size line of endless extensions")
+def test_a_chunk_size_line_over_4_KiB_gets_400(agent):
+    raw = ask(agent, b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5;" + b"e" * 10_000)
+    assert status(raw) == 400, raw[:200]
+
+
+@pytest.mark.trust("HTTP: one address holding its connection cap")
+def test_the_per_address_cap_holds_while_others_are_served(capped_agent):
+    base = fds()
+    held = [connect(capped_agent) for _ in range(4)]
+    try:
+        assert status(ask(capped_agent, HEALTH)) == 503  # a fifth from the same address
+        assert status(ask(capped_agent, HEALTH, src="127.0.0.2")) == 200  # another address is served
+        extra = [connect(capped_agent) for _ in range(30)]  # 30 more: refused at once, none held
+        assert [answer(s)[:12] for s in extra] == [b"HTTP/1.1 503"] * 30
+        for s in extra:
+            s.close()
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: fds() <= base, 10, "the agent's descriptors back to where they were")
+    wait_for(lambda: status(ask(capped_agent, HEALTH)) == 200, 10, "the address served again once it left")
+
+
+@pytest.mark.trust("HTTP: connections from many addresses up to the total cap")
+def test_the_total_cap_holds(capped_agent):
+    held = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
+    try:
+        assert status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 503
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 200, 10, "served again")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[int]:
+    with running_fleet(tmp_path_factory.mktemp("fleet"), None, http_max_connections_per_peer=4,
+                       http_head_timeout_s=1.0) as (_, url):
+        yield _port(url)
+
+
+FLEET_HEALTH = b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.trust("fleet HTTP: one address holding its cap, a half-sent head, a 70 KiB head")
+def test_the_fleet_listener_holds_the_same_limits(fleet):
+    base = fds()
+    held = [connect(fleet) for _ in range(4)]
+    try:
+        assert status(ask(fleet, FLEET_HEALTH)) == 503
+        assert status(ask(fleet, FLEET_HEALTH, src="127.0.0.2")) == 200
+    finally:
+        for s in held:
+            s.close()
+    assert status(ask(fleet, b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n")) == 408
+    assert status(ask(fleet, b"GET /api/v1/health HTTP/1.1\r\nX-Big: " + b"a" * 70 * 1024 + b"\r\n\r\n")) == 431
+    wait_for(lambda: fds() <= base, 10, "the fleet's descriptors back to where they were")
