@@ -16,6 +16,7 @@ precision is refused (exit 4): the original float model is what to give.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -33,9 +34,11 @@ import numpy as np
 
 from edgefleet import protocol
 from edgefleet.compiler import bf16 as _bf16
+from edgefleet.compiler.buildnotes import collecting, note, with_build_notes
 from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 from edgefleet.compiler.evaluate import benchmark_pair
+from edgefleet.compiler.external import embedded
 from edgefleet.compiler.gate import advice
 from edgefleet.compiler.graph import (
     GraphInfo,
@@ -216,8 +219,12 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
     """Build, gate, benchmark and bundle; errors of the engines it runs and of the judge it gates with are
     translated here: a feed the engine refuses, or data the judge cannot judge, is the data's fault (InputError),
     any other engine failure the toolchain's."""
-    with compiler_errors():
-        return _compile(opts, progress)
+    with compiler_errors(), collecting(), tempfile.TemporaryDirectory(prefix="edgefleet-model-") as tmp:
+        model, how = embedded(opts.model, Path(tmp)) if opts.model.is_file() else (opts.model, "")
+        if how:  # weights in external data files: one self-contained file from here on (compiler.external)
+            note("source model", "external data embedded", how)
+            progress(2, 7, f"note: {how}")
+        return _compile(dataclasses.replace(opts, model=model), progress)
 
 
 @contextlib.contextmanager
@@ -433,6 +440,8 @@ def _build_candidates(plan: _Plan, engines: _Engines, work: Path, ref_out: list[
         try:  # a model that takes one sample per call is checked sample by sample (ensure_opset)
             source = ensure_opset(opts.model, min_opset, work / f"source-opset{min_opset}.onnx",
                                   plan.eval_set.head(16))
+            note("int8 source", f"converted from opset {info.opset} to {min_opset} (outputs checked equal)",
+                 f"QDQ int8 on {plan.profile.backend} needs opset {min_opset} or newer")
         except CompilerError as exc:  # with auto, the float build still ships
             if not plan.auto or len(wanted) == 1:
                 raise
@@ -455,6 +464,7 @@ def _build_candidates(plan: _Plan, engines: _Engines, work: Path, ref_out: list[
                 raise InputError(f"cannot build {precision} for this model: {why}; the fp32 model runs, so "
                                  "--precision auto ships fp32 and says why (or compile with --precision fp32)"
                                  ) from exc
+            note(f"{precision} build", "left out: the other precisions ship", why)
             plan.drop(precision, f"its build failed: {why}")  # auto: fp32 still ships
 
     int8 = built.get("int8")
@@ -644,6 +654,7 @@ def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built]
     manifest = with_drift(manifest, lambda: build_reference(
         task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)], sure=task.sure,
         **reference_args(task.name, task.arg)), lambda why: plan.progress(7, plan.total, f"note: {why}"))
+    manifest = with_build_notes(manifest)  # every retry, fallback and workaround, named
     write_bundle(manifest, work, plan.out)
     return manifest
 
@@ -919,6 +930,7 @@ def _full_weights(first: _Built, fell: _Built, scheme: Int8Scheme, source: Path,
         return _Built("int8", fell.engine, fell.runner, fell.quantization.model_copy(update={
             "fallback_steps": (*steps, f"{label}: the build failed ({_one_line(exc, 200)})")}), fell.accuracy)
     step = f"{label}: {_gate_note(report)}"
+    note("int8 float fallback", f"rebuilt with {label}", step)
     if not report.passed:
         return _Built("int8", fell.engine, fell.runner,
                       fell.quantization.model_copy(update={"fallback_steps": (*steps, step)}), fell.accuracy)
@@ -974,10 +986,12 @@ def _float_fallback(full: _Built, source: Path, target: BuildTarget, engines: _E
         steps.append(f"{len(keep)} layer{'s' if len(keep) > 1 else ''} in float ({', '.join(keep)}): "
                      f"{_gate_note(report)}")
         if report.passed:
+            note("int8 float fallback", f"{len(keep)} layer(s) kept in float ({', '.join(keep)})", steps[0])
             speed = _benchmark(full.runner, runner, eval_set, profile) if benchmark else ()
             quant = quant.model_copy(update={"fallback_steps": tuple(steps), "fallback_speed": speed})
             return _Built("int8", engine, runner, quant, report)
     steps.append(f"gave up: keeping more than {limit} of {layers} layers in float defeats int8")
+    note("int8 float fallback", f"tried {len(steps) - 2} step(s) keeping layers in float: none passed", steps[-2])
     assert full.quantization is not None
     return _Built("int8", full.engine, full.runner,
                   full.quantization.model_copy(update={"fallback_steps": tuple(steps)}), full.accuracy)

@@ -231,6 +231,8 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
             lines.append(f"fallback  {step}")
         for p in q.fallback_speed:
             lines.append(f"fallback  speed at batch {p.batch_size}: {p.speedup:.2f}x of all-int8")
+    for n in getattr(m, "build_notes", ()):  # every retry, fallback and workaround of the build
+        lines.append(f"build     {n.step}: {n.action}" + (f" ({n.reason})" if n.reason else ""))
     if m.benchmark:
         ref, cand = m.benchmark.reference_precision, m.benchmark.candidate_precision or acc.candidate_precision
         for p in m.benchmark.points:

@@ -61,6 +61,7 @@ from edgefleet.protocol.preprocess import Preprocessing
 
 __all__ = [
     "BF16_VERSION",
+    "BUILD_NOTES_VERSION",
     "DRIFT_VERSION",
     "MANIFEST_FILENAME",
     "MANIFEST_VERSION",
@@ -69,6 +70,7 @@ __all__ = [
     "BenchmarkPoint",
     "BenchmarkReport",
     "BuildHost",
+    "BuildNote",
     "EngineVariant",
     "FileEntry",
     "Int8Scheme",
@@ -85,12 +87,13 @@ __all__ = [
     "parse_manifest",
 ]
 
-MANIFEST_VERSION = 7
+MANIFEST_VERSION = 8
 PIPELINE_VERSION = 7  # the first version with pipeline (two models run as one)
 TASK_GATE_VERSION = 3  # the first version with accuracy.task
 VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the device)
 DRIFT_VERSION = 6  # the first version with drift (the reference of the model's answers)
 BF16_VERSION = 5  # the first version with bf16 engines
+BUILD_NOTES_VERSION = 8  # the first version with build_notes
 MANIFEST_FILENAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
@@ -263,6 +266,16 @@ class BuildHost(StrictModel):
     cpu_features: tuple[str, ...]
 
 
+class BuildNote(StrictModel):
+    """One thing the build did beside the plain path (version 8): a quantizer retry with another option, a float
+    fallback step, a graph edit, the weights of external data embedded. ``step``: where (e.g. "int8 quantizer");
+    ``action``: what was done; ``reason``: why (the failure or figure that made it)."""
+
+    step: str = Field(min_length=1, max_length=200)
+    action: str = Field(min_length=1, max_length=1000)
+    reason: str = Field(max_length=2000)
+
+
 class PrecisionCandidate(StrictModel):
     precision: Precision
     top1: float | None = Field(default=None, ge=0.0, le=1.0)  # the gate's figure: top-1, or agreement
@@ -333,6 +346,8 @@ class Manifest(StrictModel):
     drift: DriftReference | None = None
     # version 7: the stages and steps when this bundle is a pipeline (None: one model)
     pipeline: PipelineManifest | None = None
+    # version 8: every retry, fallback and workaround of the build, in the order they happened
+    build_notes: tuple[BuildNote, ...] = Field(default=(), max_length=256)
 
     @field_validator("name", "profile")
     @classmethod
@@ -364,6 +379,8 @@ class Manifest(StrictModel):
     def _version_carries_content(self) -> Manifest:
         if self.accuracy.task is not None and self.manifest_version < TASK_GATE_VERSION:
             raise ValueError(f"accuracy.task needs manifest_version {TASK_GATE_VERSION} or newer")
+        if self.build_notes and self.manifest_version < BUILD_NOTES_VERSION:
+            raise ValueError(f"build_notes need manifest_version {BUILD_NOTES_VERSION} or newer")
         if self.drift is not None:
             if self.manifest_version < DRIFT_VERSION:
                 raise ValueError(f"drift needs manifest_version {DRIFT_VERSION} or newer")
@@ -499,6 +516,8 @@ class Manifest(StrictModel):
                 acc.pop("task", None)
         if not data.get("variants"):
             data.pop("variants", None)
+        if not data.get("build_notes"):
+            data.pop("build_notes", None)
         if data.get("drift") is None:
             data.pop("drift", None)
         if data.get("pipeline") is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefleet.compiler.buildnotes import note
 from edgefleet.compiler.errors import InputError, ToolchainError
 from edgefleet.compiler.graph import GraphInfo, all_nodes, is_quantized_op
 from edgefleet.engines.onnxruntime import session_options
@@ -115,7 +116,54 @@ def prepare_or_raw(source: Path, out_path: Path) -> tuple[Path, str]:
         shutil.copyfile(source, out_path)
         first = " ".join(str(exc).split())[:160] or type(exc).__name__
         how = f"quantized from the raw graph (onnxruntime's quant_pre_process failed: {first})"
+        note("int8 pre-processing", "quantized from the raw graph", f"onnxruntime's quant_pre_process failed: {first}")
+    gemm_biases_1d(out_path)
     return name_nodes(out_path, out_path), how
+
+
+def gemm_biases_1d(path: Path) -> list[str]:
+    """Give every Gemm whose bias C is a constant broadcast along the rows ([1, N], [1, 1], [1] or a scalar) a 1-D
+    bias [N] of the same values, in place; the names of the biases changed. The output is the same (Gemm broadcasts
+    C to [M, N] either way). onnxruntime's per-channel quantizer indexes a bias per output channel: on a 2-D bias its
+    int32-bias weight adjustment crashes ("The truth value of an array ... is ambiguous"), and without that
+    adjustment (QDQDisableWeightAdjustForInt32Bias) it writes a per-axis DequantizeLinear whose scale ([N]) does not
+    fit the bias's axis 0 (1): "For per axis quantization, scale must be 1D tensor with size 1" at run time, which
+    failed every float fallback build of such a model."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users[i] = users.get(i, 0) + 1
+    changed = []
+    for n in model.graph.node:
+        if n.op_type != "Gemm" or len(n.input) < 3 or n.input[2] not in inits or n.input[1] not in inits:
+            continue
+        c = numpy_helper.to_array(inits[n.input[2]])
+        b_dims = list(inits[n.input[1]].dims)
+        trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
+        if len(b_dims) != 2 or (c.ndim == 1 and c.size == b_dims[0 if trans_b else 1]):
+            continue
+        width = b_dims[0 if trans_b else 1]
+        if c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1) or (c.size not in (1, width)):
+            continue
+        flat = numpy_helper.from_array(np.ascontiguousarray(np.broadcast_to(c.reshape(-1), (width,))),
+                                       f"{n.input[2]}_1d" if users[n.input[2]] > 1 else n.input[2])
+        if users[n.input[2]] > 1:
+            model.graph.initializer.append(flat)
+            n.input[2] = flat.name
+        else:
+            inits[n.input[2]].CopyFrom(flat)
+        changed.append(flat.name)
+    if changed:
+        onnx.save(model, str(path))
+        note("int8 pre-processing", f"{len(changed)} Gemm bias(es) made 1-D [N] ({', '.join(changed[:8])})",
+             "onnxruntime's per-channel quantizer reads a bias per output channel: a [1, N] bias crashes its int32 "
+             "bias adjustment and, without it, gives a DequantizeLinear whose scale does not fit the bias")
+    return changed
 
 
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
@@ -203,6 +251,8 @@ def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out
                                  "also with QDQDisableWeightAdjustForInt32Bias") from first
         retried = (f"; quantized with QDQDisableWeightAdjustForInt32Bias (the default failed: "
                    f"{' '.join(str(first).split())[:120] or type(first).__name__})")
+        note("int8 quantizer", "retried with QDQDisableWeightAdjustForInt32Bias",
+             f"the default quantization failed: {type(first).__name__}: {' '.join(str(first).split())[:300]}")
     return QuantizationInfo(
         scheme=scheme, activation_type="int8" if scheme == "s8s8" else "uint8",
         weight_type="uint8" if scheme == "u8u8" else "int8",
