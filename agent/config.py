@@ -105,6 +105,12 @@ class AgentConfig(StrictModel):
     inference_cpus: tuple[int, ...] | None = None
     # the Open Inference Protocol over gRPC (tritonclient.grpc) on http_host; None: off, 0: a free port
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
+    # its connections (agent/grpc_server.py): at most this many at once (and at most a quarter of RLIMIT_NOFILE);
+    # one that sends no HTTP/2 preface and SETTINGS within grpc_handshake_timeout_s, or has no call in progress
+    # for grpc_idle_timeout_s, is closed
+    grpc_max_connections: int = Field(default=256, ge=1, le=65536)
+    grpc_handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    grpc_idle_timeout_s: float = Field(default=300.0, gt=0, le=86400)
     # Triton's system shared-memory extension (clients on the box pass tensors by reference, HTTP and gRPC): a
     # client (one local user over HTTP and gRPC together, whatever its source address; one connection of the local
     # socket) may hold this many regions, all clients together max_shm_regions and max_shm_bytes of mapped memory; a
@@ -123,6 +129,8 @@ class AgentConfig(StrictModel):
     # local_idle_timeout_s is closed (ERROR 408)
     local_max_connections_per_user: int | None = Field(default=None, ge=1, le=4096)
     local_idle_timeout_s: float = Field(default=300.0, gt=0, le=86400)
+    # a frame (head and body) must arrive whole within this of its first byte, or the connection is closed (ERROR 408)
+    local_frame_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     local_max_inflight: int = Field(default=256, ge=1, le=65536)
     telemetry_interval_s: float = Field(default=10.0, gt=0.05, le=3600)
     max_spool_records: int = Field(default=100_000, ge=10)

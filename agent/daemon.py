@@ -156,11 +156,12 @@ class Agent:
         self._server = server
         grpc_server = None
         if self.config.grpc_port is not None:
-            from edgefleet.agent.grpc_server import GrpcServer, grpc_concurrency
+            from edgefleet.agent.grpc_server import GrpcServer, grpc_concurrency, grpc_limits
 
             grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
                                      self.config.max_body_bytes,
-                                     grpc_concurrency(self.config.max_inflight_body_bytes, self.config.max_body_bytes))
+                                     grpc_concurrency(self.config.max_inflight_body_bytes, self.config.max_body_bytes),
+                                     grpc_limits(self.config))
             self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
         local_server = None
         if self.config.local_socket is not None:  # the on-box socket (agent/local.py)
@@ -170,7 +171,8 @@ class Agent:
                                        self.config.local_max_connections, self.config.local_max_inflight,
                                        self.config.max_inflight_body_bytes,
                                        max_connections_per_user=self.config.local_max_connections_per_user,
-                                       idle_timeout_s=self.config.local_idle_timeout_s)
+                                       idle_timeout_s=self.config.local_idle_timeout_s,
+                                       frame_timeout_s=self.config.local_frame_timeout_s)
             self.local_socket = await local_server.start(self.config.data_dir / self.config.local_socket)
         sweeper = self._loop.create_task(self._sweep_shm())
         for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),

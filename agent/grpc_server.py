@@ -12,7 +12,17 @@ served digits at a third of the rate, measured with bench/serve.py). Messages ar
 (the agent's max_body_bytes), and gRPC receives a call's whole message before the agent sees it, so the memory
 its calls hold is bounded by how many may be in progress at once: ``grpc_concurrency`` (max_inflight_body_bytes
 / max_body_bytes, at least 64 and at most 1024; 64 calls of up to 16 MiB at the defaults); beyond that gRPC
-answers RESOURCE_EXHAUSTED. Every error is a gRPC status with a message: INVALID_ARGUMENT (a bad request),
+answers RESOURCE_EXHAUSTED.
+
+Connections (issue 45.1), from gRPC core's own options: at most ``grpc_max_connections`` at once (and never more
+than a quarter of the process's descriptor limit, RLIMIT_NOFILE: headroom for the agent's own work); one more is
+closed as it is accepted. A connection that has not sent HTTP/2's preface and SETTINGS within
+``grpc_handshake_timeout_s`` is closed; one with no call in progress for ``grpc_idle_timeout_s`` is sent GOAWAY and
+closed (a client's channel reconnects by itself); request metadata over ``GRPC_MAX_METADATA_BYTES`` is refused;
+pings without calls are refused past gRPC's default strikes (keepalive enforcement). gRPC core shows a connection
+to no code before its first call, so there is no per-peer cap on this port: on loopback a peer's address tells
+nothing anyway (a local user picks any source in 127.0.0.0/8); the local socket has one per user.
+Every error is a gRPC status with a message: INVALID_ARGUMENT (a bad request),
 NOT_FOUND (no such model), RESOURCE_EXHAUSTED (a full queue), UNAVAILABLE (no model yet, being replaced, queue
 timeout), INTERNAL.
 
@@ -23,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +49,7 @@ from edgefleet.agent.shm import SharedMemory
 from edgefleet.engines import NP_DTYPES
 from edgefleet.protocol.errors import ConfigError
 
-__all__ = ["GrpcServer", "grpc_concurrency"]
+__all__ = ["GrpcLimits", "GrpcServer", "grpc_concurrency", "grpc_limits"]
 
 log = logging.getLogger("edgefleet.agent.grpc")
 
@@ -96,6 +108,35 @@ _CODES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 4
 
 
 GRPC_MIN_CONCURRENCY, GRPC_MAX_CONCURRENCY = 64, 1024
+GRPC_MAX_METADATA_BYTES = 16 * 1024  # a call's metadata (headers); gRPC core's own default soft limit is 8 KiB
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """The bounds of gRPC's connections (the agent's grpc_* settings)."""
+
+    max_connections: int = 256
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+
+    def connection_cap(self) -> int:
+        """max_connections, at most a quarter of the soft descriptor limit (at least 1)."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return self.max_connections if soft == resource.RLIM_INFINITY else max(1, min(self.max_connections,
+                                                                                      soft // 4))
+
+    def options(self) -> list[tuple[str, int]]:
+        """gRPC core's channel arguments for these bounds."""
+        return [("grpc.max_allowed_incoming_connections", self.connection_cap()),
+                ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
+                ("grpc.max_metadata_size", GRPC_MAX_METADATA_BYTES),
+                ("grpc.absolute_max_metadata_size", GRPC_MAX_METADATA_BYTES)]
+
+
+def grpc_limits(config: Any) -> GrpcLimits:
+    """The agent's config (agent.config.AgentConfig) -> its gRPC connection bounds."""
+    return GrpcLimits(config.grpc_max_connections, config.grpc_handshake_timeout_s, config.grpc_idle_timeout_s)
 
 
 def grpc_concurrency(max_inflight_body_bytes: int, max_body_bytes: int) -> int:
@@ -106,8 +147,9 @@ def grpc_concurrency(max_inflight_body_bytes: int, max_body_bytes: int) -> int:
 
 class GrpcServer:
     def __init__(self, host: ModelHost, shm: SharedMemory | None, device_id: str, max_message_bytes: int,
-                 max_concurrent_rpcs: int = GRPC_MIN_CONCURRENCY):
+                 max_concurrent_rpcs: int = GRPC_MIN_CONCURRENCY, limits: GrpcLimits | None = None):
         self.host, self.shm, self.device_id = host, shm, device_id
+        self.limits = limits or GrpcLimits()
         self.max_message_bytes = max_message_bytes
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._server: Any = None
@@ -126,7 +168,8 @@ class GrpcServer:
         self._grpc, self._pb = grpc, service_pb2
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", max(self.max_message_bytes, 64 * 1024 * 1024)),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", self.max_concurrent_rpcs), *self.limits.options()]
         server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self, service_pb2_grpc), server)
         addr = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"

@@ -27,7 +27,7 @@ from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol.errors import ContractError
 
-__all__ = ["COOKIE", "MAX_BODY_BYTES", "BodyLimit", "create_app"]
+__all__ = ["COOKIE", "CSP", "MAX_BODY_BYTES", "BodyLimit", "SecurityHeaders", "create_app"]
 
 MAX_BODY_BYTES = 1024 * 1024  # every request body but a bundle upload (own limit) and signed metadata
 MAX_METADATA_BYTES = 16 * 1024 * 1024
@@ -108,6 +108,38 @@ class BodyLimit:
                            status_code=413)(scope, None, send)  # type: ignore[arg-type]
 
 
+# console pages: no script at all, styles only inline (the pages' own <style> and style attributes), forms only to
+# this console, never framed; an API answer (JSON) loads nothing
+CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+       "base-uri 'none'")
+_SECURITY_HEADERS = [(b"x-frame-options", b"DENY"), (b"x-content-type-options", b"nosniff"),
+                     (b"referrer-policy", b"same-origin")]
+_CSP = [(b"content-security-policy", CSP.encode())]
+_SWAGGER = ("/docs", "/docs/oauth2-redirect", "/redoc")  # FastAPI's pages load their scripts from a CDN: no CSP
+
+
+class SecurityHeaders:
+    """Every answer, console page or API: never framed (X-Frame-Options DENY), its declared type only
+    (nosniff), no full referrer to other sites; and the console's Content-Security-Policy (:data:`CSP`) on all
+    but FastAPI's /docs and /redoc."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        extra = _SECURITY_HEADERS if scope["path"] in _SWAGGER else _SECURITY_HEADERS + _CSP
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *extra]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
 def _holds_nul(data: Any) -> bool:
     """Whether a parsed JSON document holds a NUL character in a key or a string (one iterative pass)."""
     stack = [data]
@@ -140,6 +172,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
         app.include_router(area.router(fleet))
     app.add_middleware(BodyLimit, on_reject=lambda who, what: service.rejections.add("api_body_too_large", who,
                                                                                        what))
+    app.add_middleware(SecurityHeaders)  # outermost: BodyLimit's own refusals carry the headers too
     return app
 
 

@@ -251,7 +251,8 @@ def guarded(base: type, limits: HttpLimits) -> type:
         def _g_refuse(self, status: int, message: str) -> None:
             gate.note(f"requests refused with {status}")
             cycle = getattr(self, "cycle", None)
-            if cycle is None or cycle.response_complete or not cycle.response_started:  # else one is on its way
+            # no second answer to a request already answered (or being answered): the earlier one stands
+            if cycle is None or not cycle.response_started or (cycle.response_complete and self._g_phase == _HEAD):
                 self.transport.write(_answer(status, message))
             if cycle is not None:
                 cycle.keep_alive = False

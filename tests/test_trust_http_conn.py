@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from edgefleet.fleet.routes.console import COOKIE
 from tests.agent_harness import running_agent
 from tests.fleet_harness import running_fleet
 from tests.waiting import wait_for
@@ -202,3 +203,27 @@ def test_the_fleet_listener_holds_the_same_limits(fleet):
     assert status(ask(fleet, b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n")) == 408
     assert status(ask(fleet, b"GET /api/v1/health HTTP/1.1\r\nX-Big: " + b"a" * 70 * 1024 + b"\r\n\r\n")) == 431
     wait_for(lambda: fds() <= base, 10, "the fleet's descriptors back to where they were")
+
+
+@pytest.mark.trust("console: framing, type sniffing, scripts")
+def test_console_pages_and_the_api_forbid_framing_sniffing_and_scripts(fleet):
+    import httpx
+
+    from tests.fleet_harness import api
+
+    base = f"http://127.0.0.1:{fleet}"
+    answers = {"login page": httpx.get(f"{base}/"),
+               "signed in": httpx.get(f"{base}/", headers={"Cookie": f"{COOKIE}={api.token}"}),
+               "health": httpx.get(f"{base}/api/v1/health"), "unknown": httpx.get(f"{base}/nowhere")}
+    assert answers["signed in"].status_code == 200 and "rollout" in answers["signed in"].text
+    for what, r in answers.items():
+        assert r.headers.get("x-frame-options") == "DENY", what
+        assert r.headers.get("x-content-type-options") == "nosniff", what
+        csp = r.headers.get("content-security-policy", "")
+        assert "default-src 'none'" in csp and "frame-ancestors 'none'" in csp and "script-src" not in csp, what
+    for what in ("login page", "signed in"):
+        assert "<script" not in answers[what].text.lower(), what
+    too_large = ask(fleet, b"POST /api/v1/tokens HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+    assert status(too_large) == 413 and too_large.count(b"HTTP/1.1 ") == 1, too_large
+    too_large = too_large.lower()
+    assert b"x-frame-options: deny" in too_large and b"nosniff" in too_large
