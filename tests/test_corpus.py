@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -45,3 +46,78 @@ def test_a_real_model_compiles_without_a_traceback_and_its_verdict_is_the_truth(
             assert not r["int8_shipped_bad"], (how, r)
     declared = row["declared"]
     assert declared["task"] == entry.task and declared["gate"] is not None, declared  # int8 was built and judged
+
+
+def _faces_module() -> ModuleType:
+    _corpus()  # puts the repository on sys.path as the bench script does
+    from bench import corpus_faces
+
+    return corpus_faces
+
+
+def _centerface_maps(faces: list[tuple[int, int, float, float]]) -> list[np.ndarray]:
+    """CenterFace's four maps [1, C, 8, 8] (a 32 x 32 input) with a face of side ``size`` px at grid cell (row, col)
+    scoring ``score`` each, its five landmarks at fixed places inside the box."""
+    heat, scale = np.zeros((1, 1, 8, 8), np.float32), np.zeros((1, 2, 8, 8), np.float32)
+    offset, lms = np.zeros((1, 2, 8, 8), np.float32), np.zeros((1, 10, 8, 8), np.float32)
+    for r, c, score, size in faces:
+        heat[0, 0, r, c], scale[0, :, r, c] = score, np.log(size / 4)
+        lms[0, 0::2, r, c] = [0.35, 0.35, 0.55, 0.75, 0.75]  # y of eyes, nose, mouth corners (share of the box)
+        lms[0, 1::2, r, c] = [0.3, 0.7, 0.5, 0.35, 0.65]  # x
+    return [heat, scale, offset, lms]
+
+
+def test_the_centerface_truth_counts_lost_faces_and_moved_landmarks():
+    cf = _faces_module()
+    truth = cf.truth_centerface()
+    ref = _centerface_maps([(1, 1, 0.9, 12.0), (5, 5, 0.8, 16.0)])
+    assert truth(ref, ref)[0] == 0.0
+    lost = _centerface_maps([(1, 1, 0.9, 12.0), (5, 5, 0.3, 16.0)])  # under the wheel's 0.4
+    changed, how = truth(ref, lost)
+    assert changed == 0.5 and "1 lost" in how, how
+    moved = [m.copy() for m in ref]
+    moved[3][0, 1, 5, 5] += 0.08  # the left eye of the 16 px face 1.3 px to the right: 8% of the box
+    changed, how = truth(ref, moved)
+    assert changed == 0.5 and "1 matched faces moved a landmark" in how, how
+    near = [m.copy() for m in ref]
+    near[3][0, 1, 5, 5] += 0.03  # 3%: kept
+    assert truth(ref, near)[0] == 0.0
+    assert cf.truth_centerface(0.2)(ref, lost)[0] == 0.0  # decoded at 0.2 the 0.3 face is found by both
+
+
+def test_the_onet_truth_counts_flipped_decisions_and_moved_landmarks():
+    cf = _faces_module()
+    reg, lms = np.zeros((4, 4), np.float32), np.tile(np.float32([0.3, 0.7, 0.5, 0.35, 0.65, 0.35, 0.35, 0.55, 0.75,
+                                                                 0.75]), (4, 1))
+    prob = np.float32([[0.1, 0.9], [0.1, 0.9], [0.9, 0.1], [0.1, 0.9]])
+    ref = [reg, lms, prob]
+    assert cf.truth_onet(ref, ref)[0] == 0.0
+    cand = [reg.copy(), lms.copy(), prob.copy()]
+    cand[2][0] = [0.5, 0.5]  # a face no longer a face at 0.7
+    cand[1][1, 0] += 0.06  # a face's left eye moved 6% of the crop
+    cand[1][3, 0] += 0.04  # 4%: kept
+    cand[1][2, 0] += 0.5  # not a face: its landmarks are no answer
+    changed, how = cf.truth_onet(ref, cand)
+    assert changed == 0.5 and "1 decisions flipped, 1 faces moved a landmark" in how, how
+
+
+def test_a_model_stored_with_external_data_answers_as_the_original(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    cf = _faces_module()
+    w = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])],
+                              [numpy_helper.from_array(w, "w")])
+    src = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(src))
+    dst = cf.external_data_copy(src, tmp_path / "ext" / "model.onnx")
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert (dst.parent / "model.onnx.data").stat().st_size == w.nbytes
+    assert dst.stat().st_size < w.nbytes  # the graph file holds no weights
+    x = np.ones((2, 16), np.float32)
+    out = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out, x @ w, rtol=1e-5)
