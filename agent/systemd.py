@@ -6,11 +6,10 @@ import logging
 import math
 import os
 import socket
-import sys
 from pathlib import Path
 
 from edgefleet.agent.config import AgentConfig
-from edgefleet.protocol.errors import ConfigError
+from edgefleet.protocol.sdunit import cli_command, fill, plain, write_unit
 
 __all__ = ["SERVICE_NAME", "install_unit", "render_unit", "sd_notify"]
 
@@ -39,14 +38,6 @@ SERVICE_NAME = "edgefleet-agent"
 UNIT_TEMPLATE = "edgefleet-agent.service"  # package data beside this module
 
 
-def _agent_command() -> str:
-    """How systemd starts this installation's CLI: the ``edgefleet`` script of this environment, else
-    ``python -m edgefleet`` (absolute paths: a unit has no PATH to search)."""
-    exe = Path(sys.executable)
-    script = exe.parent / "edgefleet"
-    return str(script) if script.is_file() else f"{exe} -m edgefleet"
-
-
 def render_unit(config_path: Path, config: AgentConfig, user: str = "edgefleet",
                 supplementary_groups: tuple[str, ...] = ("video", "render")) -> str:
     """The systemd unit for an agent run with ``config_path`` (already validated into ``config``).
@@ -61,27 +52,14 @@ def render_unit(config_path: Path, config: AgentConfig, user: str = "edgefleet",
     else:
         access = f"ReadWritePaths={data}"
     for value, what in ((str(config_path), "config path"), (str(data), "data_dir"), (user, "user")):
-        if any(c in value for c in "\n\r%$\\\"'") or " " in value:
-            raise ConfigError(f"{what} {value!r} has characters a systemd unit would misread; use a plain path/name")
-    fields = {"@NAME@": SERVICE_NAME, "@EXEC@": _agent_command(), "@CONFIG@": str(config_path), "@USER@": user,
+        plain(value, what)
+    fields = {"@NAME@": SERVICE_NAME, "@EXEC@": cli_command(), "@CONFIG@": str(config_path), "@USER@": user,
               "@SUPPLEMENTARY_GROUPS@": f"SupplementaryGroups={' '.join(supplementary_groups)}"
               if supplementary_groups else "", "@STOP_TIMEOUT@": str(math.ceil(config.shutdown_grace_s) + 15),
               "@DATA_ACCESS@": access}
-    for key, value in fields.items():
-        template = template.replace(key, value)
-    return template
+    return fill(template, fields)
 
 
 def install_unit(unit_text: str, unit_dir: Path) -> Path:
     """Write the unit atomically into ``unit_dir`` (never runs systemctl)."""
-    from edgefleet.protocol.fsutil import atomic_write
-
-    if not unit_dir.is_dir():
-        raise ConfigError(f"{unit_dir}: no such directory for the unit file")
-    path = unit_dir / f"{SERVICE_NAME}.service"
-    try:
-        atomic_write(path, unit_text.encode())
-        path.chmod(0o644)
-    except PermissionError as exc:
-        raise ConfigError(f"{path}: permission denied (run as root, or give --unit-dir)") from exc
-    return path
+    return write_unit(unit_text, unit_dir, SERVICE_NAME)

@@ -404,6 +404,21 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+@command("fleet", imports=("edgefleet.fleet.unit",))
+def cmd_fleet_install_service(a: argparse.Namespace) -> int:
+    from edgefleet.fleet.unit import SERVICE_NAME, install_unit, render_unit
+
+    args = a.serve_args[1:] if a.serve_args[:1] == ["--"] else a.serve_args
+    serve = build_parser().parse_args(["fleet", "serve", *args])  # its usage error, now rather than at boot
+    unit = render_unit(args, serve, Path.cwd(), user=a.user)
+    if a.dry_run:
+        print(unit, end="")
+        return ExitCode.OK
+    path = install_unit(unit, a.unit_dir)
+    print(f"wrote {path}\nnext: systemctl daemon-reload && systemctl enable --now {SERVICE_NAME}")
+    return ExitCode.OK
+
+
 def _client(a: argparse.Namespace):
     from edgefleet.fleet.client import FleetClient
 
@@ -961,6 +976,16 @@ def _add_fleet(sub: Any) -> None:
     fs.add_argument("--mosquitto-pid-file", type=Path, help="Mosquitto's pid file: SIGHUP it after writing")
     fs.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     fs.set_defaults(fn=cmd_fleet_serve)
+    svc = f.add_parser("install-service", formatter_class=_Formatter, help="write the fleet's systemd unit",
+                       description="Write a systemd unit that runs `edgefleet fleet serve OPTIONS` from this folder "
+                                   "(LimitNOFILE=65536, writing only its data dir and the Mosquitto files named). "
+                                   "Never runs systemctl: it prints the commands to enable it.")
+    svc.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"), help="where to write the unit")
+    svc.add_argument("--user", default="edgefleet", help="the system user the fleet runs as")
+    svc.add_argument("--dry-run", action="store_true", help="print the unit instead of writing it")
+    svc.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- OPTIONS",
+                     help="the options of 'edgefleet fleet serve' (checked now), e.g. -- --keys /etc/edgefleet/keys")
+    svc.set_defaults(fn=cmd_fleet_install_service)
 
     def client_parser(name: str, help_: str, fn) -> argparse.ArgumentParser:
         sp = f.add_parser(name, formatter_class=_Formatter, help=help_, description=help_)
