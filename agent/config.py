@@ -138,6 +138,12 @@ class AgentConfig(StrictModel):
     # slow retrieval: after this grace, a download averaging less than the minimum speed is aborted
     download_grace_s: float = Field(default=30.0, gt=0, le=3600)
     download_min_bytes_per_s: int = Field(default=2048, ge=0)
+    # every answer from the fleet (bootstrap, metadata, a bundle) whole within this, plus its bound in bytes at
+    # download_min_bytes_per_s (agent/fetch.py); a slower or longer answer ends the attempt, retried with backoff
+    download_deadline_s: float = Field(default=60.0, gt=0, le=86400)
+    # the local clock is trusted only within this of the fleet's signed time (agent/clock.py); past it, the skew
+    # is logged and reported in telemetry (clock_skew_s)
+    clock_tolerance_s: float = Field(default=300.0, gt=0, le=86400)
     # on SIGTERM: stop accepting, finish the requests in flight for at most this long, then stop
     shutdown_grace_s: float = Field(default=20.0, ge=0, le=600)
     # onnxruntime execution providers to ask for, best first; None: from the bundle's profile (gpu: TensorRT,

@@ -8,7 +8,6 @@ serving its last committed model before it has even found the broker.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -17,8 +16,6 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +25,8 @@ from edgefleet.agent._compat import run_with_loop
 from edgefleet.agent.batcher import BatchSettings, pin_thread
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.enroll import mqtt_security
-from edgefleet.agent.errors import TrustError
+from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.agent.fetch import FetchLimits, FleetHttp
 from edgefleet.agent.host import ModelHost
 from edgefleet.agent.image import ImageLimits
 from edgefleet.agent.install import Installer
@@ -235,33 +233,36 @@ class Agent:
             self._server.should_exit = True
 
     # -- fleet connection -----------------------------------------------------------------------
-    def _get_json(self, url: str, timeout_s: float = 5.0) -> Any:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return json.loads(r.read(1024 * 1024))
+    def _http(self) -> FleetHttp:
+        c = self.config
+        return FleetHttp(FetchLimits(c.download_deadline_s, c.download_grace_s, c.download_min_bytes_per_s,
+                                     socket_timeout_s=min(30.0, c.download_deadline_s)))
 
     def _connect_and_follow(self) -> None:
         # every wait a full-jitter draw (protocol.backoff): boxes back from one outage do not ask at once
         unreachable, misconfigured = Backoff(1.0, 30.0), Backoff(1.0, 300.0)
         while not self._stop.is_set():
             try:
-                boot = self._get_json(f"{self.config.fleet_url}/api/v1/bootstrap")
+                boot = self._http().get_json(f"{self.config.fleet_url}/api/v1/bootstrap")
                 root_bytes = None
                 if (self.config.trusted_root is None and self.config.trust_on_first_use
                         and not (self.config.data_dir / TOFU_ROOT).exists()):
-                    with urllib.request.urlopen(f"{boot['tuf_metadata_url']}1.root.json", timeout=5) as r:
-                        root_bytes = r.read(512 * 1024)
+                    root_bytes = self._http().get_ok(f"{boot['tuf_metadata_url']}1.root.json", 512 * 1024)
                     log.warning("--trust-on-first-use: trusting the root.json %s serves now", self.config.fleet_url)
                 self.fetcher = BundleFetcher(self.config.data_dir / "tuf", boot["tuf_metadata_url"],
                                              boot["tuf_targets_url"], self.config.trusted_root, root_bytes,
-                                             self.config.download_grace_s, self.config.download_min_bytes_per_s)
+                                             self.config.download_grace_s, self.config.download_min_bytes_per_s,
+                                             self.config.download_deadline_s, f"{self.config.fleet_url}/api/v1/time",
+                                             self.config.clock_tolerance_s)
+                self._check_clock()
                 mqtt_url = self.config.mqtt_url or boot["mqtt_url"]
-                security = mqtt_security(self.config, bool(boot.get("mqtt_auth", False)))
+                security = mqtt_security(self.config, bool(boot.get("mqtt_auth", False)), self._http())
                 break
             except ConfigError as exc:  # only a person can fix it (a token, credentials): say so, keep serving
                 log.error("not connecting to the fleet's broker: %s", exc)
                 self._stop.wait(misconfigured.next_s())
                 continue
-            except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
+            except (OSError, FetchError, ValueError, KeyError, TypeError) as exc:  # FetchError: an answer past bounds
                 delay = unreachable.next_s()
                 log.warning("fleet %s not reachable (%s); retrying in %.1fs", self.config.fleet_url, exc, delay)
                 self._stop.wait(delay)
@@ -273,6 +274,14 @@ class Agent:
         self.link = MqttLink(self.config.device_id, mqtt_url, self.spool, self.inference_url, self._on_desired,
                              security=security)
         self.link.start()
+
+    def _check_clock(self) -> None:
+        """The fleet's signed time, once on connecting: a skewed clock shows in telemetry before any update."""
+        if self.fetcher is not None:
+            try:
+                self.fetcher.check_time()
+            except (FetchError, TrustError) as exc:  # checked again, and required, before every update
+                log.warning("no signed time from the fleet yet: %s", exc)
 
     def _on_desired(self, desired: proto.DesiredState) -> None:
         with self._desired_lock:
@@ -353,9 +362,11 @@ class Agent:
             drift = self.host.drift_counts(cur.manifest.name, cur.manifest.version) if cur else None
             stages = self.host.stage_figures(cur.manifest.name, cur.manifest.version) if cur else None
             last = now
+            fetcher = self.fetcher
+            skew = fetcher.clock_skew_s() if fetcher is not None else None  # the box's clock vs the trusted time
 
             def make(seq: int, snap=snap, cur=cur, cpu=cpu, rss=rss, interval=interval, drift=drift,
-                     stages=stages) -> bytes:
+                     stages=stages, skew=skew) -> bytes:
                 return proto.encode(proto.Telemetry(
                     device_id=self.config.device_id, ts=time.time(), stream=self.spool.stream, seq=seq,
                     interval_s=round(interval, 3),
@@ -367,7 +378,8 @@ class Agent:
                     cpu_percent=round(cpu, 1), rss_mb=round(rss, 1), dropped=self.spool.dropped or None,
                     device=_device_summary(self.device_stats),
                     shadow=self.host.shadow.figures() if self.host.shadow is not None else None,
-                    serving=cur.serving if cur else None, drift=drift, stages=stages))
+                    serving=cur.serving if cur else None, drift=drift, stages=stages,
+                    clock_skew_s=skew))
 
             try:
                 self.spool.append(make)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.errors import FetchError
+from edgefleet.agent.fetch import FleetHttp
 from edgefleet.agent.link import MqttSecurity
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.fsutil import atomic_write
@@ -45,30 +45,33 @@ def _stored(path: Path) -> tuple[str, str] | None:
         raise ConfigError(f"{path} is unreadable ({exc}); delete it and enroll again with a new token") from exc
 
 
-def _enroll(config: AgentConfig, token: str, timeout_s: float) -> tuple[str, str]:
-    req = urllib.request.Request(f"{config.fleet_url}/api/v1/enroll", data=json.dumps({"token": token}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
+def _enroll(config: AgentConfig, token: str, http: FleetHttp) -> tuple[str, str]:
+    url = f"{config.fleet_url}/api/v1/enroll"
+    status, data = http.get(url, method="POST", body=json.dumps({"token": token}).encode(),
+                            headers={"Content-Type": "application/json"})
+    if status in (400, 401, 403, 404, 422):
+        try:
+            msg = json.loads(data).get("error", "")
+        except (ValueError, AttributeError):
+            msg = ""
+        raise EnrollmentRefused(f"the fleet refused the enrollment token (HTTP {status}: {msg}); ask an "
+                                f"operator for a new one: edgefleet fleet enroll {config.device_id}")
+    if status != 200:  # a server error: the caller retries
+        raise FetchError(f"POST {url}: HTTP {status}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            doc: dict[str, Any] = json.loads(r.read(64 * 1024))
-    except urllib.error.HTTPError as exc:
-        if exc.code in (400, 401, 403, 404, 422):
-            try:
-                msg = json.loads(exc.read(64 * 1024)).get("error", "")
-            except ValueError:
-                msg = ""
-            raise EnrollmentRefused(f"the fleet refused the enrollment token (HTTP {exc.code}: {msg}); ask an "
-                                    f"operator for a new one: edgefleet fleet enroll {config.device_id}") from exc
-        raise  # a server error: the caller retries
-    if doc.get("device_id") != config.device_id:
-        raise EnrollmentRefused(f"the enrollment token was issued for device {doc.get('device_id')!r}, not "
-                                f"{config.device_id!r}; its credentials are not used")
-    return str(doc["mqtt_username"]), str(doc["mqtt_password"])
+        doc: dict[str, Any] = json.loads(data)
+        if doc.get("device_id") != config.device_id:
+            raise EnrollmentRefused(f"the enrollment token was issued for device {doc.get('device_id')!r}, not "
+                                    f"{config.device_id!r}; its credentials are not used")
+        return str(doc["mqtt_username"]), str(doc["mqtt_password"])
+    except (ValueError, AttributeError, KeyError) as exc:
+        raise FetchError(f"POST {url}: an answer without credentials ({exc!r})") from exc
 
 
-def mqtt_security(config: AgentConfig, mqtt_auth: bool, timeout_s: float = 10.0) -> MqttSecurity:
-    """Resolve the credentials (enrolling once if needed). Raises EnrollmentRefused or ConfigError for
-    what only a person can fix, and OSError/URLError for what a retry may fix."""
+def mqtt_security(config: AgentConfig, mqtt_auth: bool, http: FleetHttp | None = None) -> MqttSecurity:
+    """Resolve the credentials (enrolling once if needed; ``http``: how, bounded as agent/fetch.py says).
+    Raises EnrollmentRefused or ConfigError for what only a person can fix, and FetchError for what a retry
+    may fix."""
     def security(username: str | None, password: str | None) -> MqttSecurity:
         return MqttSecurity(username, password, ca_file=config.mqtt_ca_file, cert_file=config.mqtt_cert_file,
                             key_file=config.mqtt_key_file)
@@ -82,7 +85,7 @@ def mqtt_security(config: AgentConfig, mqtt_auth: bool, timeout_s: float = 10.0)
             raise ConfigError("the fleet's MQTT broker needs this device's credentials: start the agent with "
                               f"--enroll-token (from 'edgefleet fleet enroll {config.device_id}'), or set "
                               "mqtt_username and mqtt_password")
-        stored = _enroll(config, config.enroll_token, timeout_s)
+        stored = _enroll(config, config.enroll_token, http or FleetHttp())
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"username": stored[0], "password": stored[1]}).encode())
         os.chmod(path, 0o600)

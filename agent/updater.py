@@ -5,33 +5,35 @@ freeze, mix-and-match and endless-data attacks, and checks the bundle's length a
 desired-state message from MQTT is only a hint: what gets installed is what the signed targets
 metadata says.
 
-Slow retrieval: python-tuf bounds only the gap between two reads, so a server dribbling a byte now
-and then could hold a download forever. Every download here must also average at least
-``min_bytes_per_s`` once ``grace_s`` have passed (like curl's --speed-limit), or it is aborted.
-
-Proxies: downloads go through the proxy that ``HTTP_PROXY`` / ``HTTPS_PROXY`` name, except to the hosts
-``NO_PROXY`` lists, read by urllib's own rules, as the agent's bootstrap and enrollment (urllib.request)
-do: an https download is tunnelled (CONNECT), so TLS is still checked against the fleet's name.
+Every download (metadata and bundles) is bounded in bytes and in total time by agent/fetch.py: the bound of a
+bundle is its signed length, that of a piece of metadata the length the metadata above it signs (python-tuf's
+per-role bound otherwise), and an answer too slow or too long ends the attempt with a FetchError, which the
+installer retries with backoff.
 """
 
 from __future__ import annotations
 
-import base64
-import http.client
+import contextlib
+import datetime as dt
 import logging
-import time
-import urllib.request
+import secrets
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from typing import IO, Any
 
 from tuf.api import exceptions as tuf_exc
+from tuf.api.metadata import Metadata, Root
 from tuf.ngclient.fetcher import FetcherInterface
 
+from edgefleet.agent.clock import ClockReading, TrustedClock, load_floor, save_floor
 from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.agent.fetch import FetchLimits, FleetHttp
+from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.fsutil import atomic_write
+from edgefleet.protocol.signed_time import MAX_DOCUMENT_BYTES, describe_skew, verify_time
 from edgefleet.protocol.target import TargetCustom
 
 __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
@@ -39,92 +41,25 @@ __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 log = logging.getLogger("edgefleet.agent.updater")
 
 
-def proxy_for(scheme: str, host: str, port: int | None) -> tuple[str, int, dict[str, str]] | None:
-    """The proxy urllib.request would use for this URL (``HTTP(S)_PROXY``, less ``NO_PROXY``): (host, port,
-    headers to send it), or None to go direct. Only http:// proxies (or a bare host:port), as urllib."""
-    proxy = urllib.request.getproxies().get(scheme)
-    if not proxy or urllib.request.proxy_bypass(f"{host}:{port}" if port else host):
-        return None
-    p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    if p.scheme != "http" or not p.hostname:
-        raise tuf_exc.DownloadError(f"the {scheme} proxy {proxy!r} is not an http:// proxy (host:port) the agent "
-                                    f"can use; fix {scheme.upper()}_PROXY or list the fleet in NO_PROXY")
-    try:
-        proxy_port = p.port or 80
-    except ValueError as exc:
-        raise tuf_exc.DownloadError(f"the {scheme} proxy {proxy!r}: {exc}") from exc
-    headers = {}
-    if p.username is not None:
-        cred = f"{unquote(p.username)}:{unquote(p.password or '')}".encode()
-        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(cred).decode()
-    return p.hostname, proxy_port, headers
-
-
 class GuardedFetcher(FetcherInterface):
-    """A python-tuf fetcher (http.client) that also refuses slow retrieval (see the module docstring) and goes
-    through the proxy the environment names, as urllib does (``proxy_for``)."""
+    """python-tuf's fetcher: agent/fetch.py's bounded HTTP. python-tuf names each file's bound when it downloads
+    one (``download_file``); that bound is also what the answer's deadline is computed from."""
 
     def __init__(self, grace_s: float = 30.0, min_bytes_per_s: int = 2048, socket_timeout_s: float = 30.0,
-                 user_agent: str = "edgefleet-agent"):
-        self.grace_s = grace_s  # no speed check before this much time has passed
-        self.min_bytes_per_s = min_bytes_per_s  # average speed a download must keep after grace_s
-        self.socket_timeout_s = socket_timeout_s  # connect, and longest gap between two reads
-        self.user_agent = user_agent
+                 user_agent: str = "edgefleet-agent", deadline_s: float = 60.0):
+        self.http = FleetHttp(FetchLimits(deadline_s, grace_s, min_bytes_per_s, socket_timeout_s), user_agent)
+        self._max_bytes = MAX_BUNDLE_BYTES  # the bound of the file being downloaded (download_file sets it)
+
+    def download_file(self, url: str, max_length: int) -> AbstractContextManager[IO[bytes]]:  # type: ignore[override]
+        self._max_bytes = max_length
+        return super().download_file(url, max_length)
 
     def _fetch(self, url: str) -> Iterator[bytes]:
-        u = urlsplit(url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise tuf_exc.DownloadError(f"unsupported URL {url!r}")
-        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-        headers = {"User-Agent": self.user_agent}
-        try:
-            port = u.port
-        except ValueError as exc:
-            raise tuf_exc.DownloadError(f"unsupported URL {url!r}: {exc}") from exc
-        via = proxy_for(u.scheme, u.hostname, port)
-        conn: http.client.HTTPConnection
-        if via is None:
-            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-            conn = cls(u.hostname, port, timeout=self.socket_timeout_s)
-        elif u.scheme == "https":  # a tunnel through the proxy; TLS end to end with the fleet
-            conn = http.client.HTTPSConnection(via[0], via[1], timeout=self.socket_timeout_s)
-            conn.set_tunnel(u.hostname, port, headers=via[2])
-        else:  # the proxy fetches the absolute URL
-            conn = http.client.HTTPConnection(via[0], via[1], timeout=self.socket_timeout_s)
-            path = f"http://{u.netloc.rpartition('@')[2]}{path}"
-            headers.update(via[2])
-        try:
-            conn.request("GET", path, headers=headers)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise tuf_exc.DownloadError(f"GET {url}: {exc}") from exc
-        if resp.status != 200:
-            conn.close()
-            raise tuf_exc.DownloadHTTPError(f"GET {url}: HTTP {resp.status}", resp.status)
-        return self._chunks(url, conn, resp)
-
-    def _chunks(self, url: str, conn: http.client.HTTPConnection,
-                resp: http.client.HTTPResponse) -> Iterator[bytes]:
-        start = time.monotonic()
-        got = 0
-        try:
-            while True:
-                try:
-                    chunk = resp.read1(64 * 1024)  # returns what has arrived; never waits to fill
-                except (OSError, http.client.HTTPException) as exc:
-                    raise tuf_exc.DownloadError(f"GET {url}: {exc}") from exc
-                if not chunk:
-                    return
-                got += len(chunk)
-                elapsed = time.monotonic() - start
-                if elapsed > self.grace_s and got / elapsed < self.min_bytes_per_s:
-                    raise tuf_exc.SlowRetrievalError(
-                        f"GET {url}: {got} bytes in {elapsed:.0f}s, below the {self.min_bytes_per_s} B/s "
-                        "minimum (slow-retrieval attack or a dying link)")
-                yield chunk
-        finally:
-            conn.close()
+        answer = self.http.open(url)
+        if answer.status != 200:
+            answer.close()
+            raise tuf_exc.DownloadHTTPError(f"GET {url}: HTTP {answer.status}", answer.status)
+        return self.http.read(answer, self._max_bytes)
 
 
 @dataclass(frozen=True)
@@ -137,12 +72,20 @@ class FetchedBundle:
 
 class BundleFetcher:
     def __init__(self, state_dir: Path, metadata_url: str, targets_url: str, trusted_root: Path | None,
-                 root_from_fleet: bytes | None = None, grace_s: float = 30.0, min_bytes_per_s: int = 2048):
+                 root_from_fleet: bytes | None = None, grace_s: float = 30.0, min_bytes_per_s: int = 2048,
+                 deadline_s: float = 60.0, time_url: str | None = None, clock_tolerance_s: float = 300.0):
         """``trusted_root`` (root.json from ``edgefleet keys init``) anchors trust. Without it the
         fleet's current root is trusted on first use (``root_from_fleet``), which the caller logs.
-        Every download must average ``min_bytes_per_s`` once ``grace_s`` have passed."""
+        Downloads are bounded as agent/fetch.py says (``deadline_s``, ``grace_s``, ``min_bytes_per_s``).
+        ``time_url``: the fleet's signed time (``/api/v1/time``), required before each refresh when given;
+        TUF's expiry checks use the trusted time (agent/clock.py) rather than the local clock."""
         self.grace_s = grace_s
         self.min_bytes_per_s = min_bytes_per_s
+        self.deadline_s = deadline_s
+        self.http = FleetHttp(FetchLimits(deadline_s, grace_s, min_bytes_per_s))
+        self.time_url = time_url
+        self.floor_file = state_dir / "trusted-time.json"
+        self.clock = TrustedClock(load_floor(self.floor_file), clock_tolerance_s)
         self.metadata_dir = state_dir / "metadata"
         self.download_dir = state_dir / "downloads"
         self.metadata_dir.mkdir(parents=True, exist_ok=True)
@@ -171,20 +114,75 @@ class BundleFetcher:
         for leftover in self.download_dir.iterdir():
             leftover.unlink(missing_ok=True)
 
+    def check_time(self) -> ClockReading:
+        """Ask the fleet for its signed time with a fresh nonce, verify it with the trusted root (the timestamp
+        role's keys), and trust it from now on (kept on disk as the floor). FetchError when it cannot be had (a
+        retry may get it), TrustError when it does not verify."""
+        if self.time_url is None:
+            raise FetchError("no signed-time URL configured")
+        nonce = secrets.token_hex(16)
+        status, raw = self.http.get(f"{self.time_url}?nonce={nonce}", MAX_DOCUMENT_BYTES)
+        if status != 200:
+            raise FetchError(f"GET {self.time_url}: HTTP {status} (a fleet older than this agent serves no signed "
+                             "time: upgrade the fleet first)")
+        try:
+            root = Metadata[Root].from_bytes((self.metadata_dir / "root.json").read_bytes()).signed
+        except (OSError, ValueError) as exc:
+            raise TrustError(f"cannot read the trusted root to verify the fleet's time: {exc}") from exc
+        try:
+            when = verify_time(raw, root, nonce)
+        except SchemaError as exc:
+            raise TrustError(str(exc)) from exc
+        floor = self.clock.floor
+        self.clock.observe_signed(when)
+        if self.clock.floor is not None and self.clock.floor != floor:
+            save_floor(self.floor_file, self.clock.floor)
+        reading = self.clock.reading()
+        if reading.skew_s is not None and abs(reading.skew_s) > self.clock.tolerance_s:
+            log.warning("this box's clock is %s the fleet's signed time (%s); updates check expiry against the "
+                        "signed time: fix its NTP or RTC", describe_skew(reading.skew_s), when.isoformat())
+        return reading
+
+    def clock_skew_s(self) -> float | None:
+        """How far the local clock is from the trusted time, when past the tolerance (else None)."""
+        skew = self.clock.reading().skew_s
+        return round(skew, 1) if skew is not None and abs(skew) > self.clock.tolerance_s else None
+
+    def _updater(self) -> Any:
+        from tuf.ngclient import Updater, UpdaterConfig
+
+        return Updater(str(self.metadata_dir), self.metadata_url, str(self.download_dir), self.targets_url,
+                       fetcher=GuardedFetcher(self.grace_s, self.min_bytes_per_s, deadline_s=self.deadline_s),
+                       config=UpdaterConfig(app_user_agent="edgefleet-agent"), bootstrap=None)
+
+    def _refreshed(self) -> Any:
+        """A refreshed python-tuf Updater whose expiry checks used the trusted time."""
+        updater = self._updater()
+        if self.time_url is not None:
+            try:
+                self.check_time()
+            except TrustError:
+                # signed by a timestamp key newer than the root held here (a rotation): walk the root versions
+                # forward (a refresh at the end of time stops at "Final root.json is expired", after the roots and
+                # before any other metadata is kept), then verify again; a second refusal stands
+                _at(updater, dt.datetime.max.replace(tzinfo=dt.timezone.utc))
+                with contextlib.suppress(tuf_exc.RepositoryError, tuf_exc.DownloadError):
+                    updater.refresh()
+                self.check_time()
+                updater = self._updater()
+        _at(updater, self.clock.reading().trusted)
+        updater.refresh()
+        return updater
+
     def fetch(self, target: str, expected_sha256: str,
               precheck: Callable[[TargetCustom], None] | None = None) -> FetchedBundle:
         """Verify the metadata, call ``precheck`` with the target's signed custom fields (it raises to
         refuse the bundle before a byte of it is downloaded), then download and verify the bundle. Custom
-        fields this agent cannot read (a field of a newer fleet, a wrong type) are a TrustError naming them."""
-        from tuf.api import exceptions as tuf_exc
-        from tuf.ngclient import Updater, UpdaterConfig
-
+        fields this agent cannot read (a field of a newer fleet, a wrong type) are a TrustError naming them.
+        An answer too slow or too long (agent/fetch.py) is a FetchError: the caller retries."""
         self.clean()
         try:
-            updater = Updater(str(self.metadata_dir), self.metadata_url, str(self.download_dir), self.targets_url,
-                              fetcher=GuardedFetcher(self.grace_s, self.min_bytes_per_s),
-                              config=UpdaterConfig(app_user_agent="edgefleet-agent"), bootstrap=None)
-            updater.refresh()
+            updater = self._refreshed()
             info = updater.get_targetinfo(target)
             if info is None:
                 raise TrustError(f"target {target!r} is not in the fleet's signed targets metadata")
@@ -200,11 +198,21 @@ class BundleFetcher:
                 precheck(custom)
             dest = self.download_dir / "bundle.tar"
             updater.download_target(info, str(dest))
-        except (tuf_exc.RepositoryError, tuf_exc.DownloadLengthMismatchError) as exc:
-            # a length mismatch is the endless-data attack, not a network fault: never retried
+        except tuf_exc.RepositoryError as exc:
             raise TrustError(f"TUF verification failed: {type(exc).__name__}: {exc}") from exc
-        except tuf_exc.DownloadError as exc:
+        except tuf_exc.DownloadError as exc:  # a broken connection, or an answer too slow or too long
             raise FetchError(f"download from the fleet failed: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise FetchError(f"download from the fleet failed: {exc}") from exc
         return FetchedBundle(dest, signed_sha, info.length, custom)
+
+
+def _at(updater: Any, when: dt.datetime) -> None:
+    """Set the time python-tuf checks expiry against (``TrustedMetadataSet.reference_time``, which python-tuf 7
+    sets to the local clock and offers no argument for)."""
+    trusted_set = getattr(updater, "_trusted_set", None)
+    if trusted_set is None or not hasattr(trusted_set, "reference_time"):
+        raise TrustError("this python-tuf has no TrustedMetadataSet.reference_time: the agent cannot check expiry "
+                         "against the fleet's signed time; install the python-tuf version edgefleet pins")
+    trusted_set.reference_time = when
+

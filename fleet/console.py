@@ -19,6 +19,7 @@ from markupsafe import Markup
 
 from edgefleet.fleet.charts import device_time_charts, wave_time_charts
 from edgefleet.fleet.states import TargetState
+from edgefleet.protocol.signed_time import describe_skew
 
 __all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
 
@@ -382,7 +383,13 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[
                  d=d, selftest=_selftest(d.get("selftest"), (d["running_model"], d["running_version"])),
                  serves=_serving(_serving_source(d)), records=len(rows), time_charts=time_charts, charts=charts,
                  stages=_stages(newest), stages_of=(newest.get("model"), newest.get("version"),
-                                                    newest.get("interval_s")))
+                                                    newest.get("interval_s")),
+                 clock=_clock(newest.get("clock_skew_s")))
+
+
+def _clock(skew_s: Any) -> str | None:
+    """The device's clock against the time it trusts, when its newest telemetry says it is off (agent/clock.py)."""
+    return describe_skew(float(skew_s)) if isinstance(skew_s, (int, float)) and skew_s else None
 
 
 def new_rollout_form(models: list[dict[str, Any]]) -> str:

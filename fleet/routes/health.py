@@ -1,4 +1,4 @@
-"""Liveness, an agent's bootstrap and the fleet's counters."""
+"""Liveness, an agent's bootstrap (and the signed time, fleet/routes/clock.py) and the fleet's counters."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends
 
 from edgefleet.fleet import schemas as out
 from edgefleet.fleet.auth import Caller
+from edgefleet.fleet.routes import clock
 from edgefleet.fleet.routes.context import Fleet
 
 
@@ -34,4 +35,5 @@ def router(fleet: Fleet) -> APIRouter:
         return {"rejected": service.rejections.snapshot(), **service.counts(),
                 **({"replica": replica_stats()} if replica_stats is not None else {})}
 
+    r.include_router(clock.router(fleet))  # the signed time: what an agent needs beside its bootstrap
     return r
