@@ -30,6 +30,12 @@ protocol's message limit plus headers), before a byte of its body is read: what 
 
 Mosquitto needs none of this (see :func:`fleet.acl.mosquitto_conf`). tests/test_broker_identity.py
 tries each hole on both brokers.
+
+Time, descriptors and memory are bounded as :mod:`fleet.broker_limits` says: every connection is closed
+by the broker when it ends, whatever state it ended in (amqtt left one that ended before its CONNECT to the
+garbage collector), each waits at most ``connect_timeout_s`` for its CONNECT and an idle timeout after it,
+connections are capped in all and per peer address, and a publish is checked against the ACL when it is
+received. tests/test_trust_broker_conn.py tries each shape through a real listener.
 """
 
 from __future__ import annotations
@@ -38,18 +44,21 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
 from amqtt.contexts import Action
-from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.errors import AMQTTError
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
+from amqtt.session import OutgoingApplicationMessage
 from amqtt.utils import gen_client_id
 
 from edgefleet.fleet.acl import MAX_PACKET_BYTES, allowed, client_id_allowed
+from edgefleet.fleet.broker_limits import BrokerLimits, ConnectionGate, Throttled
 from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["Authorizer", "EmbeddedBroker", "FleetBroker"]
@@ -66,6 +75,7 @@ _AUTHORIZERS: dict[str, Authorizer] = {}
 _ACTIONS: dict[Action, Literal["publish", "subscribe"]] = {
     Action.PUBLISH: "publish", Action.SUBSCRIBE: "subscribe", Action.RECEIVE: "subscribe"}
 log = logging.getLogger("edgefleet.fleet.broker")
+notes = Throttled(log)  # refusals a hostile client can cause by the thousand: a line per kind per 10 s
 
 
 class AclAuthPlugin(BaseAuthPlugin):
@@ -79,14 +89,16 @@ class AclAuthPlugin(BaseAuthPlugin):
         auth = _AUTHORIZERS.get(self.config.key)
         user = session.username
         if auth is None or not auth.authenticate(user, session.password):
-            log.info("MQTT connect refused: %s (client id %r)", "anonymous" if not user else f"user {user!r}",
-                     session.client_id)
+            notes.log(logging.INFO, "login", "MQTT connect refused: %s (client id %r)",
+                      "anonymous" if not user else f"user {user!r}", session.client_id)
             return False
         if not client_id_allowed(user, session.client_id):
-            log.info("MQTT connect refused: user %r with client id %r, not its own", user, session.client_id)
+            notes.log(logging.INFO, "client id", "MQTT connect refused: user %r with client id %r, not its own", user,
+                      session.client_id)
             return False
         if session.will_flag and not allowed(user, session.will_topic or "", "publish"):
-            log.info("MQTT connect refused: user %r asked for a will on %r", user, session.will_topic)
+            notes.log(logging.INFO, "will", "MQTT connect refused: user %r asked for a will on %r", user,
+                      session.will_topic)
             return False
         return True
 
@@ -115,13 +127,38 @@ class PacketTooLarge(Exception):  # amqtt's reader loop ends a connection on any
 class _BoundedReader(StreamReaderAdapter):
     """amqtt's reader for one connection, which follows the MQTT framing as amqtt 0.12 reads it (the fixed
     header a byte at a time, then the body in reads that add up to its remaining length) and refuses a packet
-    whose remaining length is over ``limit`` as soon as that length is read."""
+    whose remaining length is over ``limit`` as soon as that length is read.
 
-    def __init__(self, reader: asyncio.StreamReader, peer: str, limit: int = MAX_PACKET_BYTES):
+    It also keeps the connection's deadlines, one timer at a time, which closes the socket when it fires (a
+    timer, not ``asyncio.wait_for``: on Python 3.10-3.11 that can swallow the cancellation of a read that is
+    completing, and amqtt's reader loop treats a TimeoutError as nothing): the CONNECT's (:meth:`arm` at
+    accept), then once ``idle_timeout_s`` is set, the idle timeout while it waits for a packet and
+    ``packet_timeout_s`` from a packet's first byte to its last."""
+
+    def __init__(self, reader: asyncio.StreamReader, transport: asyncio.WriteTransport, peer: str,
+                 limit: int = MAX_PACKET_BYTES, packet_timeout_s: float = 60.0):
         super().__init__(reader)
-        self.peer, self.limit = peer, limit
+        self.peer, self.limit, self.packet_timeout_s = peer, limit, packet_timeout_s
+        self._transport = transport
         self._left = 0  # body bytes of the current packet still to come; 0: a fixed header comes next
         self._header: list[int] = []  # the fixed header's bytes read so far
+        self.handshaking = True  # until the CONNECT is read (the connect deadline covers it as a whole)
+        self.idle_timeout_s: float | None = None  # set once the CONNECT is read, from its keepalive
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, timeout_s: float, why: str) -> None:
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, why)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self, why: str) -> None:
+        self._timer = None
+        notes.log(logging.WARNING, "deadline", "MQTT connection from %s closed: %s", self.peer, why)
+        self._transport.abort()  # the read waiting on it ends; the descriptor is free on the next turn
 
     async def read(self, n: int = -1) -> bytes:
         if n < 0:  # amqtt's MQTT parser never reads to the end of the stream
@@ -131,7 +168,11 @@ class _BoundedReader(StreamReaderAdapter):
                 raise PacketTooLarge(f"{self.peer}: a read of {n} bytes past the packet's end")
             data = await super().read(n)
             self._left -= len(data)
+            if not self._left and self.idle_timeout_s is not None:
+                self.disarm()
             return data
+        if self.idle_timeout_s is not None and self._timer is None and not self._header:
+            self.arm(self.idle_timeout_s, f"nothing for {self.idle_timeout_s:.0f} s (its idle timeout)")
         data = await super().read(n)
         for byte in data:
             self._header_byte(byte)
@@ -139,6 +180,8 @@ class _BoundedReader(StreamReaderAdapter):
 
     def _header_byte(self, byte: int) -> None:
         self._header.append(byte)
+        if len(self._header) == 1 and self.idle_timeout_s is not None:
+            self.arm(self.packet_timeout_s, f"a packet not whole within {self.packet_timeout_s:.0f} s")
         if len(self._header) == 1 or byte & 0x80:
             if len(self._header) > 5:
                 raise PacketTooLarge(f"{self.peer}: a remaining length of more than 4 bytes")
@@ -146,35 +189,167 @@ class _BoundedReader(StreamReaderAdapter):
         length = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._header[1:]))
         self._header = []
         if length > self.limit:
-            log.warning("MQTT client %s announced a %d-byte packet, over the %d-byte limit: disconnected", self.peer,
-                        length, self.limit)
+            notes.log(logging.WARNING, "size", "MQTT client %s announced a %d-byte packet, over the %d-byte limit: "
+                      "disconnected", self.peer, length, self.limit)
             raise PacketTooLarge(f"{self.peer}: a {length}-byte packet, over the {self.limit}-byte limit")
         self._left = length
+        if not length and self.idle_timeout_s is not None:
+            self.disarm()
+
+
+class _GuardedWriter(StreamWriterAdapter):
+    """amqtt's writer for one connection, with a deadline on every wait for the client to read, and a close
+    that always releases the socket (amqtt's waits for a drain first, forever if the client reads nothing, and
+    not at all if the drain fails)."""
+
+    is_closed: bool
+
+    def __init__(self, writer: asyncio.StreamWriter, write_timeout_s: float):
+        super().__init__(writer)
+        self.write_timeout_s = write_timeout_s
+
+    async def _drain(self) -> None:
+        timer = asyncio.get_running_loop().call_later(self.write_timeout_s, self.abort)
+        try:
+            await self._writer.drain()  # raises ConnectionResetError once aborted
+        finally:
+            timer.cancel()
+
+    async def drain(self) -> None:
+        if not self.is_closed:
+            await self._drain()
+
+    def abort(self) -> None:
+        self.is_closed = True
+        self._writer.transport.abort()
+
+    async def close(self) -> None:
+        if self.is_closed:
+            return
+        self.is_closed = True
+        transport = self._writer.transport
+        try:
+            if transport.get_write_buffer_size():
+                await self._drain()
+            transport.close()  # the socket is closed on the next turn of the loop, without the GC
+        except Exception:  # a client gone, or not reading: nothing more is owed to it
+            transport.abort()
+
+
+class _FleetHandler(BrokerProtocolHandler):
+    """amqtt's handler for one connection, with a publish's topic and the connection's in-flight and queued
+    messages checked when the publish is received (:mod:`fleet.broker_limits`)."""
+
+    limits = BrokerLimits()
+    may_publish: Callable[[Any, str], Awaitable[bool]] | None = None
+    _out_count = 0
+    _out_bytes = 0
+
+    async def handle_publish(self, publish_packet: Any) -> None:
+        session, lim = self.session, self.limits
+        if session is None:
+            return
+        topic, qos, size = publish_packet.topic_name or "", publish_packet.qos or 0, len(publish_packet.data or b"")
+        why = None
+        if self.may_publish is not None and not await self.may_publish(session, topic):
+            why, kind = f"a publish to {topic!r}, which its ACL forbids", "acl"
+        elif qos == 2 and publish_packet.packet_id not in session.inflight_in and (
+                len(session.inflight_in) >= lim.max_inflight_messages
+                or size + sum(len(m.data or b"") for m in session.inflight_in.values()) > lim.max_inflight_bytes):
+            why, kind = (f"over {lim.max_inflight_messages} QoS 2 messages or {lim.max_inflight_bytes} bytes "
+                         "received and not released"), "inflight"
+        elif qos and session.delivered_message_queue.qsize() >= lim.max_queued_messages:
+            why, kind = f"{lim.max_queued_messages} messages received and not yet handled", "queued"
+        if why is not None:
+            notes.log(logging.WARNING, kind, "MQTT client %r (%s:%s) disconnected: %s", session.client_id,
+                      session.remote_address, session.remote_port, why)
+            if isinstance(self.writer, _GuardedWriter):
+                self.writer.abort()  # reads stop now; the reader loop ends and amqtt cleans up
+            await self.handle_connection_closed()
+            return
+        await super().handle_publish(publish_packet)
+
+    async def mqtt_publish(self, topic: str, data: bytes | bytearray, qos: int | None, retain: bool,
+                           ack_timeout: int | None = None) -> OutgoingApplicationMessage:
+        lim, size = self.limits, len(data or b"")
+        if qos and (self._out_count >= lim.max_queued_messages or self._out_bytes + size > lim.max_queued_bytes):
+            notes.log(logging.WARNING, "outgoing", "MQTT client %r is %d messages (%d bytes) behind: a message "
+                      "on %r dropped", self.session.client_id if self.session else None, self._out_count,
+                      self._out_bytes, topic)
+            return OutgoingApplicationMessage(None, topic, qos, data, retain)
+        self._out_count += 1
+        self._out_bytes += size
+        try:
+            return await super().mqtt_publish(topic, data, qos, retain, ack_timeout)
+        finally:
+            self._out_count -= 1
+            self._out_bytes -= size
+
+    async def stop(self) -> None:
+        session = self.session
+        try:
+            await super().stop()
+        finally:
+            if session is not None:  # QoS 2 messages never released go with their connection
+                session.inflight_in.clear()
+                while not session.delivered_message_queue.empty():
+                    session.delivered_message_queue.get_nowait()
 
 
 class FleetBroker(Broker):
     """amqtt's broker, authenticating before it touches a session and checking every retained message
-    it sends (see the module's docstring)."""
+    it sends (see the module's docstring), within :class:`BrokerLimits`."""
+
+    def __init__(self, config: dict[str, Any], limits: BrokerLimits | None = None):
+        self.limits = limits or BrokerLimits()
+        super().__init__({**config, "session_expiry_interval": self.limits.session_expiry_s})
+        self.gate = ConnectionGate(self.limits)
 
     async def stream_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                                listener_name: str) -> None:
         peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
-        await self._client_connected(listener_name, _BoundedReader(reader, where), StreamWriterAdapter(writer))
+        why = self.gate.admit(host)
+        if why is not None:
+            writer.transport.abort()  # at once, before a byte is read: the descriptor is free on the next turn
+            notes.log(logging.WARNING, "cap", "MQTT connection from %s refused: %s", where, why)
+            return
+        bounded = _BoundedReader(reader, writer.transport, where, packet_timeout_s=self.limits.packet_timeout_s)
+        guarded = _GuardedWriter(writer, self.limits.write_timeout_s)
+        bounded.arm(self.limits.connect_timeout_s, f"no CONNECT within {self.limits.connect_timeout_s:.0f} s")
+        try:
+            await self._client_connected(listener_name, bounded, guarded)
+        except Exception as exc:  # one connection's failure is its own: a line (throttled), never a traceback
+            notes.log(logging.WARNING, "failed", "MQTT connection from %s ended: %r", where, exc)
+        finally:
+            bounded.disarm()
+            self.gate.closed(host, bounded.handshaking)
+            await guarded.close()
 
     async def _initialize_client_session(self, reader: Any, writer: Any, remote_address: str,
                                          remote_port: int) -> tuple[Any, Any]:
         try:
-            handler, session = await BrokerProtocolHandler.init_from_connect(reader, writer, self.plugins_manager)
-        except MQTTError:
+            handler, session = await _FleetHandler.init_from_connect(reader, writer, self.plugins_manager)
+            if isinstance(reader, _BoundedReader):
+                reader.disarm()  # the CONNECT came in time
+                reader.handshaking = False
+                self.gate.connected(str(remote_address))
+                reader.idle_timeout_s = self.limits.idle_timeout_s(session.keep_alive)
+            session.keep_alive = 0  # the reader above enforces it; amqtt's own timeout only logs
+            handler.limits = self.limits
+            handler.may_publish = self._may_publish
+            authenticated = await self._authenticate(session, None)  # before any stored session is looked at
+            if not authenticated:
+                session.parent = 0
+                handler.attach(session, reader, writer)
+                await handler.mqtt_connack_authorize(False)
+        except Exception as exc:  # a CONNECT cut short, garbage, a client gone: its socket is closed here
             await writer.close()
-            raise
-        except (AMQTTError, NoDataError) as exc:
+            if isinstance(exc, AMQTTError):
+                raise
             raise AMQTTError(exc) from exc
-        if not await self._authenticate(session, None):  # before any stored session is looked at
-            session.parent = 0
-            handler.attach(session, reader, writer)
-            await handler.mqtt_connack_authorize(False)
+        if not authenticated:
             await writer.close()
             raise AMQTTError(f"refused {remote_address}:{remote_port} (client id {session.client_id!r})")
         # from here on, amqtt 0.12.1's own handling of the session
@@ -193,10 +368,31 @@ class FleetBroker(Broker):
             session.parent = 1
         else:
             session.parent = 0
-        delay = self.config.get("timeout-disconnect-delay", 0)
-        if session.keep_alive > 0 and isinstance(delay, int):
-            session.keep_alive += delay
         return handler, session
+
+    async def _may_publish(self, session: Any, topic: str) -> bool:
+        return await self._topic_filtering(session, topic, Action.PUBLISH)
+
+    async def _retain_broadcast_message(self, broadcast: dict[str, Any], qos: int, target_session: Any) -> None:
+        """A message saved for a client that is away, within its queue's limits (over them, it is dropped)."""
+        held = list(getattr(target_session.retained_messages, "_queue", ()))
+        size = len(broadcast.get("data") or b"")
+        if (len(held) >= self.limits.max_queued_messages
+                or size + sum(len(m.data or b"") for m in held) > self.limits.max_queued_bytes):
+            notes.log(logging.WARNING, "saved", "MQTT client %r is away with a full queue (%d messages): a message "
+                      "on %r dropped", target_session.client_id, len(held), broadcast.get("topic"))
+            return
+        await super()._retain_broadcast_message(broadcast, qos, target_session)
+
+    def held(self) -> dict[str, int]:
+        """What the broker holds now (on its loop): connections, sessions, messages and bytes per kind."""
+        sessions = [s for s, _ in self._sessions.values()]
+        inflight = [m for s in sessions for m in s.inflight_in.values()]
+        saved = [m for s in sessions for m in getattr(s.retained_messages, "_queue", ())]
+        return {"connections": self.gate.total, "refused": self.gate.refused, "sessions": len(sessions),
+                "inflight_in": len(inflight), "inflight_in_bytes": sum(len(m.data or b"") for m in inflight),
+                "saved": len(saved), "saved_bytes": sum(len(m.data or b"") for m in saved),
+                "queued_in": sum(s.delivered_message_queue.qsize() for s in sessions)}
 
     async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int],
                                                           session: Any) -> None:
@@ -228,15 +424,17 @@ def _check_amqtt() -> None:
 
 class EmbeddedBroker:
     def __init__(self, host: str = "127.0.0.1", port: int = 1884, authorizer: Authorizer | None = None,
-                 anonymous: bool = False):
+                 anonymous: bool = False, limits: BrokerLimits | None = None):
         """``authorizer`` checks usernames and passwords; ``anonymous=True`` (tests of other things only)
-        lets any client in and does no topic checks."""
+        lets any client in and does no topic checks. ``limits``: :class:`BrokerLimits` (defaults: its own)."""
         if authorizer is None and not anonymous:
             raise ValueError("the embedded broker needs an authorizer (or anonymous=True)")
         self.host = host
         self.port = port
         self._key = uuid.uuid4().hex
         self.anonymous = anonymous
+        self.limits = limits or BrokerLimits()
+        self._broker: FleetBroker | None = None
         if authorizer is not None:
             _AUTHORIZERS[self._key] = authorizer
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -267,7 +465,7 @@ class EmbeddedBroker:
                      "edgefleet.fleet.broker.AclTopicPlugin": {"key": self._key}})
                 cfg = {"listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
                        "plugins": plugins}
-                broker = FleetBroker(cfg)
+                broker = self._broker = FleetBroker(cfg, self.limits)
                 self._stop = asyncio.Event()
                 try:
                     await broker.start()
@@ -291,6 +489,16 @@ class EmbeddedBroker:
         if self._error is not None:
             raise ConfigError(f"the embedded MQTT broker could not listen on {self.host}:{self.port} "
                               f"({self._error}); pick another --embedded-mqtt-port or use --mqtt-url") from self._error
+
+    def held(self, timeout_s: float = 10.0) -> dict[str, int]:
+        """:meth:`FleetBroker.held`, read on the broker's own loop."""
+        if self._loop is None or self._broker is None:
+            raise RuntimeError("the embedded broker is not running")
+
+        async def read(broker: FleetBroker) -> dict[str, int]:
+            return broker.held()
+
+        return asyncio.run_coroutine_threadsafe(read(self._broker), self._loop).result(timeout_s)
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():

@@ -1,0 +1,179 @@
+"""A hostile MQTT client, byte by byte, for the broker's connection limits (issue 45): what an outside probe
+does to the embedded broker or a Mosquitto, and what it costs the broker's process.
+
+    python -m bench.mqtt_probe [--cycles 2000] [--qos2 3000] [--kib 250]
+
+Runs, against a fresh embedded broker in this process (as the fleet embeds it, gc.freeze() and a 50,000
+threshold as the fleet sets them) and against Debian's Mosquitto with the generated config:
+
+- ``cycles`` connections that end before their CONNECT (nothing, half a CONNECT, 4 bytes of garbage, a third
+  each): the broker process's descriptors before, right after and once settled;
+- one enrolled device sending ``qos2`` QoS 2 publishes of ``kib`` KiB that it never releases (no PUBREL), to a
+  topic its ACL forbids and to its own telemetry topic (MQTT 3.1.1; MQTT 5 for Mosquitto): the broker's RSS
+  before, at the end, and after the device left.
+
+Prints one JSON object. The packets are built here (paho answers every PUBREC with a PUBREL by itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+
+__all__ = ["connect_packet", "fd_count", "publish_packet", "raw_connect", "rss_kib", "subscribe_packet"]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("!H", len(b)) + b
+
+
+def connect_packet(client_id: str, username: str | None = None, password: str | None = None, keepalive: int = 30,
+                   clean: bool = True, version: int = 4) -> bytes:
+    """A CONNECT (``version`` 4: MQTT 3.1.1, 5: MQTT 5 with no properties)."""
+    flags = (0x02 if clean else 0) | (0x80 if username is not None else 0) | (0x40 if password is not None else 0)
+    body = _str("MQTT") + bytes([version, flags]) + struct.pack("!H", keepalive)
+    if version == 5:
+        body += b"\x00"  # no properties
+    body += _str(client_id)
+    if username is not None:
+        body += _str(username)
+    if password is not None:
+        body += _str(password)
+    return b"\x10" + _varint(len(body)) + body
+
+
+def publish_packet(topic: str, payload: bytes, qos: int = 0, packet_id: int = 1, version: int = 4,
+                   retain: bool = False) -> bytes:
+    body = _str(topic) + (struct.pack("!H", packet_id) if qos else b"") + (b"\x00" if version == 5 else b"") + payload
+    return bytes([0x30 | (qos << 1) | int(retain)]) + _varint(len(body)) + body
+
+
+def subscribe_packet(topic_filter: str, qos: int = 1, packet_id: int = 1) -> bytes:
+    body = struct.pack("!H", packet_id) + _str(topic_filter) + bytes([qos])
+    return b"\x82" + _varint(len(body)) + body
+
+
+def raw_connect(port: int, client_id: str, username: str | None, password: str | None, version: int = 4,
+                clean: bool = True, timeout_s: float = 10.0, source: str = "127.0.0.1") -> socket.socket:
+    """A connected socket whose CONNECT was accepted (raises otherwise)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s, source_address=(source, 0))
+    s.sendall(connect_packet(client_id, username, password, clean=clean, version=version))
+    head = s.recv(2)
+    rest = s.recv(head[1]) if len(head) == 2 else b""
+    code = rest[1] if len(rest) >= 2 else None
+    if head[:1] != b"\x20" or code != 0:
+        s.close()
+        raise ConnectionRefusedError(f"CONNECT refused: {head + rest!r}")
+    return s
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def pre_connect_cycles(port: int, cycles: int) -> None:
+    """Connections that end before their CONNECT: nothing, half a CONNECT, 4 bytes of garbage."""
+    half = connect_packet("someone", "someone", "x" * 40)[:20]
+    for i in range(cycles):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            if i % 3 == 1:
+                s.sendall(half)
+            elif i % 3 == 2:
+                s.sendall(b"\xde\xad\xbe\xef")
+
+
+def qos2_never_released(port: int, device: str, password: str, topic: str, count: int, size: int,
+                        version: int = 4) -> str:
+    """One device publishes ``count`` QoS 2 messages and never sends a PUBREL; how it ended."""
+    s = raw_connect(port, device, device, password, version=version)
+    payload = b"x" * size
+    how = f"sent all {count}"
+    try:
+        for i in range(count):
+            s.sendall(publish_packet(topic, payload, qos=2, packet_id=i % 65535 + 1, version=version))
+    except OSError as exc:
+        how = f"disconnected after {i} ({type(exc).__name__})"
+    finally:
+        s.close()
+    return how
+
+
+def _settle(read, want_at_most: int, timeout_s: float) -> int:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while value > want_at_most and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = read()
+    return int(value)
+
+
+def probe_embedded(cycles: int, qos2: int, kib: int) -> dict[str, object]:
+    from edgefleet.fleet.acl import Account, ActiveAccounts, hash_password
+    from edgefleet.fleet.broker import EmbeddedBroker
+    from edgefleet.protocol import mqtt as proto
+    from tests.conftest import free_port
+
+    gc.freeze()
+    gc.set_threshold(50_000)  # as the fleet runs (edgefleet.cli)
+    accounts = ActiveAccounts()
+    accounts.update([Account("edge-probe", hash_password("probe-secret"))])
+    port = free_port()
+    broker = EmbeddedBroker("127.0.0.1", port, accounts)
+    broker.start()
+    pid, out = os.getpid(), {}
+    try:
+        before = fd_count(pid)
+        t = time.monotonic()
+        pre_connect_cycles(port, cycles)
+        out["pre_connect"] = {"cycles": cycles, "seconds": round(time.monotonic() - t, 1), "fds_before": before,
+                              "fds_after": fd_count(pid), "fds_settled_5s": _settle(lambda: fd_count(pid), before, 5)}
+        for where, topic in (("forbidden", proto.topic("edge-other", "desired")),
+                             ("own telemetry", proto.topic("edge-probe", "telemetry"))):
+            gc.collect()
+            rss0 = rss_kib(pid)
+            how = qos2_never_released(port, "edge-probe", "probe-secret", topic, qos2, kib * 1024)
+            rss1 = rss_kib(pid)
+            time.sleep(2)
+            out[f"qos2_{where}"] = {"messages": qos2, "kib": kib, "how": how, "rss_mb_before": rss0 // 1024,
+                                    "rss_mb_end": rss1 // 1024, "rss_mb_after_leaving": rss_kib(pid) // 1024,
+                                    "held": broker.held() if hasattr(broker, "held") else None}
+    finally:
+        broker.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cycles", type=int, default=2000)
+    ap.add_argument("--qos2", type=int, default=3000)
+    ap.add_argument("--kib", type=int, default=250)
+    a = ap.parse_args(argv)
+    print(json.dumps({"embedded": probe_embedded(a.cycles, a.qos2, a.kib)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
