@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-from edgefleet.protocol.manifest import BUILD_NOTES_VERSION, BuildNote, Manifest
+from edgefleet.protocol.manifest import BUILD_NOTES_VERSION, FIXED_BATCH_VERSION, BuildNote, Manifest
 
 __all__ = ["collecting", "note", "with_build_notes"]
 
@@ -47,11 +47,13 @@ def collecting() -> Iterator[list[BuildNote]]:
         _NOTES.reset(token)
 
 
-def with_build_notes(manifest: Manifest) -> Manifest:
-    """``manifest`` carrying the notes of the compile under way (its version raised to carry them); as it was when
-    there are none."""
+def with_build_notes(manifest: Manifest, fixed_batch: int | None = None) -> Manifest:
+    """``manifest`` carrying the notes of the compile under way and the batch its engine is fixed at, if any (its
+    version raised to carry them); as it was when there are neither."""
     notes = _NOTES.get()
-    if not notes:
+    if not notes and fixed_batch is None:
         return manifest
-    return Manifest.model_validate({**manifest.model_dump(), "build_notes": tuple(notes),
-                                    "manifest_version": max(manifest.manifest_version, BUILD_NOTES_VERSION)})
+    return Manifest.model_validate({**manifest.model_dump(), "build_notes": tuple(notes or ()),
+                                    "fixed_batch": fixed_batch,
+                                    "manifest_version": max(manifest.manifest_version, BUILD_NOTES_VERSION,
+                                                            FIXED_BATCH_VERSION if fixed_batch else 0)})

@@ -35,6 +35,9 @@ class GraphInfo:
     per_sample: bool = False
     batching_note: str = ""  # why the batch axes are what they are, when not simply axis 0
     data_axes: dict[str, int | None] = field(default_factory=dict)  # where the data stacks samples, if not as above
+    # the export fixed this batch (> 1) and the graph cannot take another (compiler.batch): the specs show the batch
+    # dynamic, and the engines pad up to it (engines.base.Engine.infer; manifest fixed_batch)
+    fixed_batch: int | None = None
 
     def sample_axes(self) -> dict[str, int | None]:
         """Where the data holds the samples, per input (judge.data.sample_axes: what ``edgefleet verify`` reads too)."""
@@ -140,8 +143,12 @@ def check_model(path: Path) -> GraphInfo:
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
-    ins, outs, per_sample = _resolve(_specs(inputs, "input", path), _specs(model.graph.output, "output", path),
-                                     path)
+    in_specs, out_specs = _specs(inputs, "input", path), _specs(model.graph.output, "output", path)
+    fixed = _fixed_first(in_specs)
+    if fixed is not None:  # served at that batch: seen from outside, the batch is dynamic on axis 0
+        in_specs, out_specs = ([(n, d, [-1, *s[1:]], 0) if s and s[0] == fixed else (n, d, s, a)
+                                for n, d, s, a in specs] for specs in (in_specs, out_specs))
+    ins, outs, per_sample = _resolve(in_specs, out_specs, path)
     return GraphInfo(
         inputs=ins,
         outputs=outs,
@@ -149,8 +156,17 @@ def check_model(path: Path) -> GraphInfo:
         opset=opset,
         metadata={p.key: p.value for p in model.metadata_props},
         per_sample=per_sample,
-        batching_note="a fixed batch of 1: evaluated and served one sample at a time" if per_sample else "",
+        batching_note="a fixed batch of 1: evaluated and served one sample at a time" if per_sample else
+        f"a fixed batch of {fixed}: the engine pads smaller batches up to it" if fixed else "",
+        fixed_batch=fixed,
     )
+
+
+def _fixed_first(specs: list[tuple[str, str, list[int], int | str | None]]) -> int | None:
+    """The batch (> 1) every input fixes on its first dimension, the same for all; None otherwise."""
+    firsts = {s[0] if s else None for _, _, s, _ in specs}
+    first = firsts.pop() if len(firsts) == 1 else None
+    return first if first is not None and first > 1 else None
 
 
 # the node types a quantizer writes (ONNX and onnxruntime's com.microsoft ops): a model holding any of them is
@@ -212,8 +228,8 @@ def probe_batching(path: Path, info: GraphInfo, data: Dataset) -> GraphInfo:
     measured one (state laid out [layers, N, hidden])."""
     import onnxruntime as ort
 
-    if info.per_sample or len(data) < 2 or all(s.batch_axis is None for s in info.inputs):
-        return info
+    if info.per_sample or info.fixed_batch or len(data) < 2 or all(s.batch_axis is None for s in info.inputs):
+        return info  # a fixed batch: the engine pads to it (and source_model checked what the graph allows)
     so = ort.SessionOptions()
     so.log_severity_level = 4
     try:

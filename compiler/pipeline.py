@@ -38,7 +38,6 @@ from edgefleet.compiler.buildnotes import collecting, note, with_build_notes
 from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 from edgefleet.compiler.evaluate import benchmark_pair
-from edgefleet.compiler.external import embedded
 from edgefleet.compiler.gate import advice
 from edgefleet.compiler.graph import (
     GraphInfo,
@@ -48,6 +47,7 @@ from edgefleet.compiler.graph import (
     quantized_ops,
     quantized_phrase,
 )
+from edgefleet.compiler.source import source_model
 from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.engines import Engine, EngineError, EngineInputError, EngineSpec, Runtime, record
@@ -147,7 +147,8 @@ class _Engines:
 
     def open(self, kind: str, path: Path, precision: str, label: str,
              providers: tuple[str, ...] | None = None) -> Runner:
-        spec = EngineSpec(self.info.inputs, self.info.outputs, precision, self.profile.name, label)
+        spec = EngineSpec(self.info.inputs, self.info.outputs, precision, self.profile.name, label,
+                          fixed_batch=self.info.fixed_batch)
         engine = load_engine(kind, path, spec, self.profile.runtime.intra_op_threads, providers)
         self.opened.append(engine)
         return engine.infer
@@ -220,11 +221,8 @@ def compile_model(opts: CompileOptions, progress: Progress = _noop) -> CompileRe
     translated here: a feed the engine refuses, or data the judge cannot judge, is the data's fault (InputError),
     any other engine failure the toolchain's."""
     with compiler_errors(), collecting(), tempfile.TemporaryDirectory(prefix="edgefleet-model-") as tmp:
-        model, how = embedded(opts.model, Path(tmp)) if opts.model.is_file() else (opts.model, "")
-        if how:  # weights in external data files: one self-contained file from here on (compiler.external)
-            note("source model", "external data embedded", how)
-            progress(2, 7, f"note: {how}")
-        return _compile(dataclasses.replace(opts, model=model), progress)
+        # external data embedded, a fixed batch made dynamic (compiler.source): one self-contained file from here on
+        return _compile(dataclasses.replace(opts, model=source_model(opts.model, Path(tmp), progress)), progress)
 
 
 @contextlib.contextmanager
@@ -654,7 +652,7 @@ def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built]
     manifest = with_drift(manifest, lambda: build_reference(
         task.name, task.output, ref_out[[o.name for o in info.outputs].index(task.output)], sure=task.sure,
         **reference_args(task.name, task.arg)), lambda why: plan.progress(7, plan.total, f"note: {why}"))
-    manifest = with_build_notes(manifest)  # every retry, fallback and workaround, named
+    manifest = with_build_notes(manifest, info.fixed_batch)  # every retry, fallback and workaround, named
     write_bundle(manifest, work, plan.out)
     return manifest
 
@@ -955,7 +953,8 @@ def _float_fallback(full: _Built, source: Path, target: BuildTarget, engines: _E
     steps = [f"all layers int8: {_gate_note(full.accuracy)}"]
     scheme = full.quantization.scheme if full.quantization is not None else None
     try:
-        ranked = rank_sensitive_nodes(prepared, full.engine, calib.head(1 if calib.per_sample else 8).inputs)
+        ranked = rank_sensitive_nodes(prepared, full.engine,
+                                      calib.head(1 if calib.per_sample else info.fixed_batch or 8).inputs)
     except Exception as exc:  # onnxruntime and onnx raise assorted types; the full build still stands
         steps.append(f"could not rank the layers ({type(exc).__name__}: {str(exc)[:200]}); no fallback")
         assert full.quantization is not None

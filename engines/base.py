@@ -39,12 +39,14 @@ class EngineSpec:
     engine_compatibility: dict[str, str] = field(default_factory=dict)
     model: str = "?"  # the bundle's name and version, where there is a bundle (metrics are labelled by them)
     version: str = "?"
+    # the engine file runs exactly this batch (manifest fixed_batch): infer pads up to it and runs in pieces of it
+    fixed_batch: int | None = None
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> EngineSpec:
         return cls(manifest.inputs, manifest.outputs, manifest.precision, manifest.profile,
                    f"{manifest.name} {manifest.version}", dict(manifest.engine_compatibility), manifest.name,
-                   manifest.version)
+                   manifest.version, manifest.fixed_batch)
 
 
 class Engine(ABC):
@@ -87,7 +89,8 @@ class Engine(ABC):
             raise EngineClosed(f"{self.spec.label}: the {self.kind} engine is closed")
         batch = self.check_feeds(feeds)
         try:
-            outs = self._infer_impl(feeds)
+            outs = self._infer_impl(feeds) if self.spec.fixed_batch is None or batch is None \
+                else self._infer_fixed(feeds, batch, self.spec.fixed_batch)
         except (EngineClosed, EngineInputError, EngineRunError):
             raise
         except Exception as exc:
@@ -143,6 +146,32 @@ class Engine(ABC):
             if got != batch:
                 raise EngineRunError(f"{self.spec.label}: output {spec.name!r} has shape {list(o.shape)} for a batch "
                                      f"of {batch} (batch axis {spec.batch_axis}): the engine does not keep the batch")
+
+    def _infer_fixed(self, feeds: dict[str, np.ndarray], batch: int, fixed: int) -> list[np.ndarray]:
+        """A batch of any size on an engine that runs exactly ``fixed``: in pieces of ``fixed``, the last padded with
+        copies of its last sample (values the model has seen, so no padding value can overflow anything), and each
+        output sliced back to the samples given."""
+        axes = {s.name: s.batch_axis for s in self.inputs}
+        pieces: list[list[np.ndarray]] = []
+        for start in range(0, batch, fixed):
+            n = min(fixed, batch - start)
+            chunk = {}
+            for k, v in feeds.items():
+                a = axes[k]
+                if a is None:
+                    chunk[k] = v
+                    continue
+                part = np.take(v, np.arange(start, start + n), axis=a)
+                if n < fixed:
+                    part = np.concatenate([part, np.repeat(np.take(part, [n - 1], axis=a), fixed - n, axis=a)], axis=a)
+                chunk[k] = np.ascontiguousarray(part)
+            outs = self._infer_impl(chunk)
+            pieces.append([o if s.batch_axis is None else np.take(o, np.arange(n), axis=s.batch_axis)
+                           for s, o in zip(self.outputs, outs, strict=True)])
+        if len(pieces) == 1:
+            return pieces[0]
+        return [parts[0] if s.batch_axis is None else np.concatenate(parts, axis=s.batch_axis)
+                for s, parts in zip(self.outputs, zip(*pieces, strict=True), strict=True)]
 
     @abstractmethod
     def _infer_impl(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

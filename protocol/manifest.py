@@ -63,6 +63,7 @@ __all__ = [
     "BF16_VERSION",
     "BUILD_NOTES_VERSION",
     "DRIFT_VERSION",
+    "FIXED_BATCH_VERSION",
     "MANIFEST_FILENAME",
     "MANIFEST_VERSION",
     "MAX_MANIFEST_BYTES",
@@ -94,6 +95,7 @@ VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the
 DRIFT_VERSION = 6  # the first version with drift (the reference of the model's answers)
 BF16_VERSION = 5  # the first version with bf16 engines
 BUILD_NOTES_VERSION = 8  # the first version with build_notes
+FIXED_BATCH_VERSION = 8  # the first version with fixed_batch
 MANIFEST_FILENAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1024**2  # a manifest is a few KiB; one over this is refused unread
 
@@ -348,6 +350,10 @@ class Manifest(StrictModel):
     pipeline: PipelineManifest | None = None
     # version 8: every retry, fallback and workaround of the build, in the order they happened
     build_notes: tuple[BuildNote, ...] = Field(default=(), max_length=256)
+    # version 8: the engine file runs exactly this batch (an export that fixed it and whose graph cannot take another):
+    # the inputs and outputs above are as callers see them (batch dynamic); the engine pads a smaller batch up to it
+    # and slices the outputs, and runs a larger one in pieces of this size (engines.base.Engine.infer)
+    fixed_batch: int | None = Field(default=None, ge=2, le=65536)
 
     @field_validator("name", "profile")
     @classmethod
@@ -379,6 +385,8 @@ class Manifest(StrictModel):
     def _version_carries_content(self) -> Manifest:
         if self.accuracy.task is not None and self.manifest_version < TASK_GATE_VERSION:
             raise ValueError(f"accuracy.task needs manifest_version {TASK_GATE_VERSION} or newer")
+        if self.fixed_batch is not None and self.manifest_version < FIXED_BATCH_VERSION:
+            raise ValueError(f"fixed_batch needs manifest_version {FIXED_BATCH_VERSION} or newer")
         if self.build_notes and self.manifest_version < BUILD_NOTES_VERSION:
             raise ValueError(f"build_notes need manifest_version {BUILD_NOTES_VERSION} or newer")
         if self.drift is not None:
@@ -518,6 +526,8 @@ class Manifest(StrictModel):
             data.pop("variants", None)
         if not data.get("build_notes"):
             data.pop("build_notes", None)
+        if data.get("fixed_batch") is None:
+            data.pop("fixed_batch", None)
         if data.get("drift") is None:
             data.pop("drift", None)
         if data.get("pipeline") is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefleet.compiler.batch import fixed_input_batch
 from edgefleet.compiler.buildnotes import note
 from edgefleet.compiler.errors import InputError, ToolchainError
 from edgefleet.compiler.graph import GraphInfo, all_nodes, is_quantized_op
@@ -33,9 +34,12 @@ __all__ = ["OnnxRuntimeTarget"]
 class _Reader:
     """onnxruntime CalibrationDataReader over a Dataset, in small batches."""
 
-    def __init__(self, data: Dataset, batch: int = 16):
+    def __init__(self, data: Dataset, batch: int = 16, fixed: int | None = None):
+        """``fixed``: the model runs exactly this batch (compiler.batch): feeds of that size, the last padded with
+        copies of its last sample."""
         self._data = data
-        self._batch = 1 if data.per_sample else batch
+        self._batch = 1 if data.per_sample else fixed or batch
+        self._fixed = fixed
         self._i = 0
 
     def get_next(self) -> dict[str, np.ndarray] | None:
@@ -43,6 +47,10 @@ class _Reader:
             return None
         feed = self._data.take(self._i, self._i + self._batch)
         self._i += self._batch
+        if self._fixed is not None:
+            feed = {k: v if (a := self._data.axes.get(k, 0)) is None or v.shape[a] == self._fixed else
+                    np.concatenate([v, np.repeat(np.take(v, [-1], axis=a), self._fixed - v.shape[a], axis=a)], axis=a)
+                    for k, v in feed.items()}
         return feed
 
     def rewind(self) -> None:
@@ -226,10 +234,11 @@ def quantize(prepared: Path, profile: HardwareProfile, calibration: Dataset, out
     weight_type = QuantType.QUInt8 if scheme == "u8u8" else QuantType.QInt8
     activation_type = QuantType.QInt8 if scheme == "s8s8" else QuantType.QUInt8
     calib = calibration.head(q.max_calibration_samples)
+    fixed = fixed_input_batch(prepared)
     def run(extra: dict[str, object]) -> None:  # the quantizer prints progress to stdout: keep it clean for --json
         with contextlib.redirect_stdout(sys.stderr):
             quantize_static(
-                str(prepared), str(out_path), _Reader(calib),
+                str(prepared), str(out_path), _Reader(calib, fixed=fixed),
                 quant_format=QuantFormat.QDQ, per_channel=q.per_channel,
                 activation_type=activation_type, weight_type=weight_type,
                 reduce_range=scheme == "u8s8_reduced",
