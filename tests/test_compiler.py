@@ -85,12 +85,14 @@ def test_tensorrt_without_toolchain_is_exit_5(tmp_path):
     assert r.returncode == 5 and "TensorRT" in r.stderr
 
 
-def test_fixed_batch_model_is_refused(tmp_path):
+def test_fixed_batch_model_is_read_at_its_batch(tmp_path):
+    """A batch fixed at 4 by the export is read as that batch: dynamic as callers see it, the engine padding up to 4
+    (issue 40.3: compiler.batch makes it dynamic first where the graph allows; tests/test_compiler_fixed_batch.py)."""
     model = onnx.load(str(DIGITS / "model.onnx"))
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4
     onnx.save(model, tmp_path / "fixed.onnx")
-    with pytest.raises(InputError, match="fixed first dimension 4"):
-        check_model(tmp_path / "fixed.onnx")
+    info = check_model(tmp_path / "fixed.onnx")
+    assert info.fixed_batch == 4 and info.inputs[0].shape[0] == -1 and info.inputs[0].batch_axis == 0
 
 
 def test_garbage_model_is_refused(tmp_path):
