@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from edgefleet.progress import progress_bar
+from edgefleet.protocol import lograte
 from edgefleet.protocol.errors import ConfigError, EdgefleetError
 from edgefleet.protocol.exits import ExitCode, exit_for, table
 
@@ -388,6 +389,7 @@ def cmd_fleet_serve(a: argparse.Namespace) -> int:
                               ) from exc
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(asctime)s fleet %(levelname)s %(name)s: %(message)s")
+    lograte.install()  # a repeated error: one line, then its count per interval (an attacker fills no disk)
     cfg = FleetConfig(data_dir=a.data_dir, keys_dir=a.keys, host=a.host, port=a.port, db_url=a.db_url,
                       mqtt_url=a.mqtt_url, embedded_mqtt_host=a.embedded_mqtt_host,
                       embedded_mqtt_port=a.embedded_mqtt_port, agent_mqtt_url=a.agent_mqtt_url,
@@ -522,6 +524,7 @@ def cmd_agent(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format=f"%(asctime)s agent[{a.device_id or '?'}] %(levelname)s %(name)s: %(message)s")
+    lograte.install()  # repeated errors rate-limited (protocol/lograte.py)
     overrides: dict[str, object] = {key: getattr(a, dest) for dest, (key, _) in AGENT_SETTINGS.items()}
     overrides["enroll_token"] = a.enroll_token or os.environ.get("EDGEFLEET_ENROLL_TOKEN")
     cfg = load_config(a.config, overrides)
