@@ -217,7 +217,8 @@ def _fp32_reference(manifest: Manifest, whole: Manifest, folder: Path, reference
                           "compiled from), or an --eval .npz with labels")
     if not reference.is_file():
         raise ConfigError(f"--reference {reference}: no such model file")
-    spec = EngineSpec(manifest.inputs, manifest.outputs, "fp32", manifest.profile, f"the fp32 reference {reference}")
+    spec = EngineSpec(manifest.inputs, manifest.outputs, "fp32", manifest.profile, f"the fp32 reference {reference}",
+                      fixed_batch=manifest.fixed_batch)  # a source model fixed at that batch (compiler.batch)
     try:
         ref = load_engine("onnxruntime", reference, spec, threads)
     except EngineError as exc:

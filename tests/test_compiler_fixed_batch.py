@@ -102,3 +102,5 @@ def test_a_graph_that_keeps_its_batch_is_served_at_it_padded_and_sliced(tmp_path
         assert r.status_code == 200, r.text
         got = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(3, 5)
     np.testing.assert_allclose(got, _original(model, x), rtol=1e-4, atol=1e-4)
+    v = run_cli("verify", str(bundle), "--eval", str(tmp_path / "d.npz"), "--reference", str(model), "--json")
+    assert v.returncode == 0 and json.loads(v.stdout)["gate"]["eval_samples"] == 40, v.stdout + v.stderr
