@@ -2,10 +2,12 @@
 
 A record's *kind* is where it comes from and what it says before its arguments: its logger, level, source line,
 the message template (``record.msg``, not the formatted message: one kind whatever client it names), and for a
-record with an exception the exception's type and the place it was raised. The first record of a kind passes;
-more of that kind within ``interval_s`` are dropped and counted, and the first one after the interval passes with
-the count added to it: ``... [and 1,234 more like this in the last 10 s]``. A process that stops logging a kind
-tells its count at exit (``RateLimitFilter.flush``, registered with atexit by ``install``).
+record with an exception the exception's type and the place it was raised. The first ``BURST`` (5) records of a
+kind in an interval (``INTERVAL_S``, 10 s, from the first) pass, so a few distinct events close together all show;
+the rest are dropped and counted, and once the interval has ended its count is told in one line, with the last
+record dropped: ``... [1,234 like this in the last 10 s, not shown; the last]``. The count is told by the next
+record logged after the interval (of any kind: the filter has no thread of its own), else at exit
+(``RateLimitFilter.flush``, registered with atexit by ``install``).
 
 asyncio's loop logs through the ``asyncio`` logger, one record per failure with the failure's details already in
 the message (``socket.accept() out of system resource`` and the listening socket, when descriptors run out); its
@@ -29,10 +31,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["INTERVAL_S", "RateLimitFilter", "install"]
+__all__ = ["BURST", "INTERVAL_S", "RateLimitFilter", "install"]
 
 INTERVAL_S = 10.0
-MAX_KINDS = 4096  # kinds remembered at once; beyond it the ones quiet for an interval are forgotten
+BURST = 5  # records of a kind that pass in an interval (a few distinct events close together all show)
+MAX_KINDS = 4096  # kinds remembered at once; beyond it the oldest is forgotten (its count told)
 
 _Kind = tuple[object, ...]
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+|(?<=fd=)\d+")
@@ -55,16 +58,17 @@ def _kind(record: logging.LogRecord) -> _Kind:
 
 
 class RateLimitFilter(logging.Filter):
-    """A logging filter: one record of a kind per ``interval_s``, the next one carrying the count dropped. Put on
-    handlers, on loggers or both: a record is judged once (its verdict is kept on it)."""
+    """A logging filter: ``burst`` records of a kind per ``interval_s``, then one line with the count dropped. Put
+    on handlers, on loggers or both: a record is judged once (its verdict is kept on it)."""
 
     def __init__(self, interval_s: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic,
-                 max_kinds: int = MAX_KINDS):
+                 max_kinds: int = MAX_KINDS, burst: int = BURST):
         super().__init__()
-        self.interval_s, self.clock, self.max_kinds = interval_s, clock, max_kinds
+        self.interval_s, self.clock, self.max_kinds, self.burst = interval_s, clock, max_kinds, burst
         self._lock = threading.Lock()
-        # kind -> [when the interval began, dropped since, the last record of it]
+        # kind -> [when its interval began, records passed in it, dropped in it, the last dropped]
         self._seen: dict[_Kind, list] = {}
+        self._sweep_at = 0.0
 
     def filter(self, record: logging.LogRecord) -> bool:
         verdict = getattr(record, "_ef_rate", None)
@@ -76,43 +80,52 @@ class RateLimitFilter(logging.Filter):
     def _judge(self, record: logging.LogRecord) -> bool:
         kind = _kind(record)
         now = self.clock()
+        due: list[tuple[logging.LogRecord, int, float]] = []
         with self._lock:
-            seen = self._seen.get(kind)
-            if seen is not None and now - seen[0] < self.interval_s:
-                seen[1] += 1
-                seen[2] = record  # the last dropped: what a count told at exit shows
-                return False
-            dropped = 0 if seen is None else seen[1]
-            if seen is None and len(self._seen) >= self.max_kinds:
-                self._forget(now)
-            self._seen[kind] = [now, 0, record]
-        if dropped:
-            since = now - seen[0] if seen is not None else self.interval_s
-            _add_count(record, dropped, since)
+            if now >= self._sweep_at:  # at most once an interval: tell the counts of the intervals that ended
+                due = self._sweep(now)
+                self._sweep_at = now + self.interval_s
+            s = self._seen.get(kind)
+            if s is not None and now - s[0] < self.interval_s:
+                if s[1] >= self.burst:
+                    s[2] += 1
+                    s[3] = record
+                    return False
+                s[1] += 1
+            else:
+                if s is not None and s[2]:  # its interval ended with a count not told yet: this record tells it
+                    due.append((s[3], s[2], now - s[0]))
+                elif s is None and len(self._seen) >= self.max_kinds:
+                    due += self._evict()
+                self._seen[kind] = [now, 1, 0, None]
+        for args in due:
+            _tell(*args)
         return True
 
-    def _forget(self, now: float) -> None:
-        """Forget kinds quiet for an interval (their counts are told now); if every kind is recent, the oldest."""
-        quiet = [k for k, s in self._seen.items() if now - s[0] >= self.interval_s]
-        for k in quiet or [next(iter(self._seen))]:
+    def _sweep(self, now: float) -> list[tuple[logging.LogRecord, int, float]]:
+        """Forget the kinds whose interval ended -> their counts not told yet."""
+        ended = [k for k, s in self._seen.items() if now - s[0] >= self.interval_s]
+        told = []
+        for k in ended:
             s = self._seen.pop(k)
-            if s[1]:
-                _tell(s[2], s[1], now - s[0])
+            if s[2]:
+                told.append((s[3], s[2], now - s[0]))
+        return told
+
+    def _evict(self) -> list[tuple[logging.LogRecord, int, float]]:
+        """Room for one more kind: the oldest is forgotten -> its count, if any."""
+        s = self._seen.pop(next(iter(self._seen)))
+        return [(s[3], s[2], self.clock() - s[0])] if s[2] else []
 
     def flush(self) -> None:
         """Tell every count not told yet (at exit: the kinds that stopped coming)."""
         now = self.clock()
         with self._lock:
-            pending = [(s[2], s[1], now - s[0]) for s in self._seen.values() if s[1]]
+            due = [(s[3], s[2], now - s[0]) for s in self._seen.values() if s[2]]
             for s in self._seen.values():
-                s[1] = 0
-        for rec, n, since in pending:
-            _tell(rec, n, since)
-
-
-def _add_count(record: logging.LogRecord, n: int, since_s: float) -> None:
-    record.msg = f"{record.getMessage()} [and {n:,} more like this in the last {since_s:.0f} s]"
-    record.args = None
+                s[2], s[3] = 0, None
+        for args in due:
+            _tell(*args)
 
 
 def _tell(record: logging.LogRecord, n: int, since_s: float) -> None:
