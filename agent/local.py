@@ -27,8 +27,9 @@ every ``idle_timeout_s`` / 4, at most every 5 s). ``max_inflight``
 requests in flight per connection (reading pauses beyond it, and while the client does not read its answers),
 ``max_inflight_bytes`` of request bodies in flight over all connections, frames still being read included
 (beyond it: 503), a frame at most
-``max_body_bytes`` (the agent's), a frame whole within protocol.local.FRAME_TIMEOUT_S of its first byte. A
-connection's regions are unregistered when it closes.
+``max_body_bytes`` (the agent's), a frame whole within ``frame_timeout_s`` of its first byte (local_frame_timeout_s,
+30 s by default: protocol.local.FRAME_TIMEOUT_S), or ERROR 408 and a close. A connection's regions are unregistered
+when it closes.
 """
 
 from __future__ import annotations

@@ -39,8 +39,10 @@ Agent -> client kinds:
 
 Bounds (the agent's): a frame's body at most max_body_bytes; at most ``local_max_connections`` connections and
 ``local_max_inflight`` requests in flight per connection (the agent stops reading a connection beyond that);
-a frame must arrive whole within ``FRAME_TIMEOUT_S`` of its first byte. Shared-memory regions are bounded as
-over HTTP (max_shm_regions_per_client per connection, max_shm_regions, max_shm_bytes).
+a frame must arrive whole within ``local_frame_timeout_s`` (``FRAME_TIMEOUT_S``, 30 s, by default) of its first
+byte, or the agent answers ERROR 408 and closes the connection; a connection idle for ``local_idle_timeout_s`` is
+closed the same way; at most ``local_max_connections_per_user`` connections are one user's. Shared-memory regions
+are bounded as over HTTP (max_shm_regions_per_client per connection, max_shm_regions, max_shm_bytes).
 """
 
 from __future__ import annotations
