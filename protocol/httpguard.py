@@ -15,9 +15,10 @@ library) and adds, per :class:`HttpLimits`:
   ``max_headers`` header lines (trailers included): 431, close;
 - chunk-size lines (size and extensions) of at most ``max_chunk_line_bytes`` each: 400, close;
 - at most ``max_connections`` connections at once, of them at most ``max_connections_per_peer`` from one
-  address: a connection past either is answered 503 and closed at once, so the peers under their share keep
-  being served. :func:`connection_cap` keeps the total below the descriptor limit with room for the process's
-  own work (files, database, MQTT).
+  address: a connection past its address's share is answered 503 and closed at once; at the total cap, the
+  connection idle the longest is closed to make room (503 only when none is idle), so connections that send
+  nothing, from however many addresses, never lock the others out. :func:`connection_cap` keeps the total
+  below the descriptor limit with room for the process's own work (files, database, MQTT).
 
 The idle time between keep-alive requests is uvicorn's own ``timeout_keep_alive`` (give it ``idle_timeout_s``).
 """
@@ -82,15 +83,26 @@ class _Gate:
         self.per_peer = min(limits.max_connections_per_peer, self.cap)
         self.total = 0
         self.peers: dict[str, int] = {}
+        self.idle: dict[Any, None] = {}  # admitted connections waiting for a request's first byte, oldest first
         self.refused: dict[str, int] = {}  # why -> how many since the last log line
         self.logged_at = 0.0
 
     def admit(self, peer: str) -> bool:
+        """Whether a new connection from ``peer`` may stay. At the total cap, the connection idle the longest
+        (nothing sent since it opened or since its last answer) is closed to make room: connections from many
+        addresses that send nothing cannot lock the others out. Past ``peer``'s own cap, or with none idle: no."""
         held = self.peers.get(peer, 0)
-        if self.total >= self.cap or held >= self.per_peer:
-            self.note("connections refused at the cap" if self.total >= self.cap else
-                      "connections refused at the per-address cap")
+        if held >= self.per_peer:
+            self.note("connections refused at the per-address cap")
             return False
+        if self.total >= self.cap:
+            if not self.idle:
+                self.note("connections refused at the cap")
+                return False
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            oldest.transport.close()  # released when it is lost: the total stays within the cap and this one
+            self.note("idle connections closed at the cap for a new one")
         self.total += 1
         self.peers[peer] = held + 1
         return True
@@ -151,11 +163,13 @@ def guarded(base: type, limits: HttpLimits) -> type:
                 transport.close()
                 return
             self._g_begin_head()
+            gate.idle[self] = None
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._g_admitted:
                 self._g_admitted = False
                 gate.release(self._g_peer)
+                gate.idle.pop(self, None)
             if self._g_timer is not None:
                 self._g_timer.cancel()
                 self._g_timer = None
@@ -168,6 +182,7 @@ def guarded(base: type, limits: HttpLimits) -> type:
                 self._g_timer = self.loop.call_at(self._g_start + limits.head_timeout_s, self._g_expire)
 
         def data_received(self, data: bytes) -> None:
+            gate.idle.pop(self, None)
             while data:
                 if self._g_phase == _BETWEEN:  # the first bytes of the next request
                     self._g_begin_head()
@@ -221,6 +236,12 @@ def guarded(base: type, limits: HttpLimits) -> type:
         def on_message_complete(self) -> None:
             self._g_phase = _BETWEEN  # the server's time now: uvicorn's keep-alive timeout follows the response
             super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)
+            super().on_response_complete()
+            if not pipelined and self._g_phase == _BETWEEN and not self.transport.is_closing():
+                gate.idle[self] = None  # kept alive for the next request: idle until it begins
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's answer to a parser error (and to _Refused)
             status = getattr(self, "_g_status", 400)

@@ -169,10 +169,29 @@ def test_the_per_address_cap_holds_while_others_are_served(capped_agent):
     wait_for(lambda: status(ask(capped_agent, HEALTH)) == 200, 10, "the address served again once it left")
 
 
-@pytest.mark.trust("HTTP: connections from many addresses up to the total cap")
-def test_the_total_cap_holds(capped_agent):
+@pytest.mark.trust("HTTP: idle connections from many addresses up to the total cap")
+def test_at_the_total_cap_the_longest_idle_connection_makes_room(capped_agent):
     held = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
     try:
+        with connect(capped_agent) as s:  # keeps 127.0.0.1's count: it is refused at its own cap, evicting none
+            assert status(answer(s)) == 503
+        assert status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 200  # a ninth, from elsewhere: served
+        assert answer(held[0]) == b""  # the longest idle one was closed for it
+        for s in held[1:]:  # the others are still open
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.trust("HTTP: busy connections from many addresses up to the total cap")
+def test_the_total_cap_holds_when_no_connection_is_idle(capped_agent):
+    held = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
+    try:
+        for s in held:  # each has begun a request: none is idle
+            s.sendall(HALF_HEAD)
         assert status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 503
     finally:
         for s in held:
@@ -192,6 +211,7 @@ FLEET_HEALTH = b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n
 
 @pytest.mark.trust("fleet HTTP: one address holding its cap, a half-sent head, a 70 KiB head")
 def test_the_fleet_listener_holds_the_same_limits(fleet):
+    assert status(ask(fleet, FLEET_HEALTH)) == 200  # the database's connections opened before the count
     base = fds()
     held = [connect(fleet) for _ in range(4)]
     try:
