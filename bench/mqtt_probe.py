@@ -130,7 +130,52 @@ def _settle(read, want_at_most: int, timeout_s: float) -> int:  # type: ignore[n
     return int(value)
 
 
-def probe_embedded(cycles: int, qos2: int, kib: int) -> dict[str, object]:
+def probe_mosquitto(qos2: int, kib: int, work: Path) -> dict[str, object]:
+    """Debian's Mosquitto with the generated config (fleet.acl.mosquitto_conf): one device's QoS 2 publishes
+    never released, over MQTT 5 and 3.1.1, to a forbidden topic and to its own telemetry; its RSS."""
+    import shutil
+    import subprocess
+
+    from edgefleet.fleet.acl import Account, hash_password, mosquitto_conf, write_mosquitto_files
+    from edgefleet.protocol import mqtt as proto
+    from tests.conftest import free_port, wait_port
+
+    port, fleet_port = free_port(), free_port()
+    passwd, acl, fleet_passwd = work / "passwd", work / "acl", work / "fleet.passwd"
+    write_mosquitto_files([Account("edge-probe", hash_password("probe-secret"))], passwd, acl, fleet_passwd)
+    conf = work / "mosquitto.conf"
+    conf.write_text(("user root\n" if os.geteuid() == 0 else "") + "persistence false\n" + mosquitto_conf(
+        passwd, acl, fleet_passwd, device_listeners=[f"{port} 127.0.0.1"], fleet_listener=f"{fleet_port} 127.0.0.1"))
+    proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[str, object] = {}
+    try:
+        wait_port(port)
+        for version in (5, 4):
+            for where, topic in (("forbidden", proto.topic("edge-other", "desired")),
+                                 ("own telemetry", proto.topic("edge-probe", "telemetry"))):
+                rss0 = rss_kib(proc.pid)
+                s = raw_connect(port, "edge-probe", "edge-probe", "probe-secret", version=version)
+                payload, sent = b"x" * (kib * 1024), 0
+                try:
+                    for i in range(qos2):
+                        s.sendall(publish_packet(topic, payload, qos=2, packet_id=i % 65535 + 1, version=version))
+                        sent += 1
+                except OSError:
+                    pass
+                time.sleep(1)
+                rss1 = rss_kib(proc.pid)
+                s.close()
+                time.sleep(1)
+                out[f"mqtt{version}_{where}"] = {"sent": sent, "rss_mb_before": rss0 // 1024, "rss_mb_connected":
+                                                 rss1 // 1024, "rss_mb_after_leaving": rss_kib(proc.pid) // 1024}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return out
+
+
+def probe_embedded(cycles: int, qos2: int, kib: int, per_peer: int = 0) -> dict[str, object]:
     from edgefleet.fleet.acl import Account, ActiveAccounts, hash_password
     from edgefleet.fleet.broker import EmbeddedBroker
     from edgefleet.protocol import mqtt as proto
@@ -141,7 +186,13 @@ def probe_embedded(cycles: int, qos2: int, kib: int) -> dict[str, object]:
     accounts = ActiveAccounts()
     accounts.update([Account("edge-probe", hash_password("probe-secret"))])
     port = free_port()
-    broker = EmbeddedBroker("127.0.0.1", port, accounts)
+    if per_peer:  # a cap per address so high that every cycle is taken in and must be closed by the broker
+        from edgefleet.fleet.broker_limits import BrokerLimits
+
+        broker = EmbeddedBroker("127.0.0.1", port, accounts, limits=BrokerLimits(max_handshakes_per_peer=per_peer,
+                                                                                 max_connections_per_peer=per_peer))
+    else:
+        broker = EmbeddedBroker("127.0.0.1", port, accounts)
     broker.start()
     pid, out = os.getpid(), {}
     try:
@@ -170,8 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--qos2", type=int, default=3000)
     ap.add_argument("--kib", type=int, default=250)
+    ap.add_argument("--per-peer", type=int, default=0, help="the embedded broker's per-address caps (0: its own)")
+    ap.add_argument("--only", choices=["embedded", "mosquitto"])
     a = ap.parse_args(argv)
-    print(json.dumps({"embedded": probe_embedded(a.cycles, a.qos2, a.kib)}, indent=1))
+    out: dict[str, object] = {}
+    if a.only != "mosquitto":
+        out["embedded"] = probe_embedded(a.cycles, a.qos2, a.kib, a.per_peer)
+    if a.only != "embedded":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as work:
+            out["mosquitto"] = probe_mosquitto(a.qos2, a.kib, Path(work))
+    print(json.dumps(out, indent=1))
     return 0
 
 

@@ -35,7 +35,9 @@ Time, descriptors and memory are bounded as :mod:`fleet.broker_limits` says: eve
 by the broker when it ends, whatever state it ended in (amqtt left one that ended before its CONNECT to the
 garbage collector), each waits at most ``connect_timeout_s`` for its CONNECT and an idle timeout after it,
 connections are capped in all and per peer address, and a publish is checked against the ACL when it is
-received. tests/test_trust_broker_conn.py tries each shape through a real listener.
+received. tests/test_trust_broker_conn.py tries each shape through a real listener. What a hostile client
+can make it log by the thousand (refusals, deadlines) is one line per kind and interval with a count, by the
+fleet's log filter (:mod:`protocol.lograte`, installed by ``edgefleet fleet serve``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from amqtt.session import OutgoingApplicationMessage
 from amqtt.utils import gen_client_id
 
 from edgefleet.fleet.acl import MAX_PACKET_BYTES, allowed, client_id_allowed
-from edgefleet.fleet.broker_limits import BrokerLimits, ConnectionGate, Throttled
+from edgefleet.fleet.broker_limits import BrokerLimits, ConnectionGate
 from edgefleet.protocol.errors import ConfigError
 
 __all__ = ["Authorizer", "EmbeddedBroker", "FleetBroker"]
@@ -75,7 +77,6 @@ _AUTHORIZERS: dict[str, Authorizer] = {}
 _ACTIONS: dict[Action, Literal["publish", "subscribe"]] = {
     Action.PUBLISH: "publish", Action.SUBSCRIBE: "subscribe", Action.RECEIVE: "subscribe"}
 log = logging.getLogger("edgefleet.fleet.broker")
-notes = Throttled(log)  # refusals a hostile client can cause by the thousand: a line per kind per 10 s
 
 
 class AclAuthPlugin(BaseAuthPlugin):
@@ -89,16 +90,14 @@ class AclAuthPlugin(BaseAuthPlugin):
         auth = _AUTHORIZERS.get(self.config.key)
         user = session.username
         if auth is None or not auth.authenticate(user, session.password):
-            notes.log(logging.INFO, "login", "MQTT connect refused: %s (client id %r)",
-                      "anonymous" if not user else f"user {user!r}", session.client_id)
+            log.info("MQTT connect refused: %s (client id %r)", "anonymous" if not user else f"user {user!r}",
+                     session.client_id)
             return False
         if not client_id_allowed(user, session.client_id):
-            notes.log(logging.INFO, "client id", "MQTT connect refused: user %r with client id %r, not its own", user,
-                      session.client_id)
+            log.info("MQTT connect refused: user %r with client id %r, not its own", user, session.client_id)
             return False
         if session.will_flag and not allowed(user, session.will_topic or "", "publish"):
-            notes.log(logging.INFO, "will", "MQTT connect refused: user %r asked for a will on %r", user,
-                      session.will_topic)
+            log.info("MQTT connect refused: user %r asked for a will on %r", user, session.will_topic)
             return False
         return True
 
@@ -157,7 +156,7 @@ class _BoundedReader(StreamReaderAdapter):
 
     def _expire(self, why: str) -> None:
         self._timer = None
-        notes.log(logging.WARNING, "deadline", "MQTT connection from %s closed: %s", self.peer, why)
+        log.warning("MQTT connection from %s closed: %s", self.peer, why)
         self._transport.abort()  # the read waiting on it ends; the descriptor is free on the next turn
 
     async def read(self, n: int = -1) -> bytes:
@@ -189,8 +188,8 @@ class _BoundedReader(StreamReaderAdapter):
         length = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._header[1:]))
         self._header = []
         if length > self.limit:
-            notes.log(logging.WARNING, "size", "MQTT client %s announced a %d-byte packet, over the %d-byte limit: "
-                      "disconnected", self.peer, length, self.limit)
+            log.warning("MQTT client %s announced a %d-byte packet, over the %d-byte limit: disconnected", self.peer,
+                        length, self.limit)
             raise PacketTooLarge(f"{self.peer}: a {length}-byte packet, over the {self.limit}-byte limit")
         self._left = length
         if not length and self.idle_timeout_s is not None:
@@ -252,17 +251,17 @@ class _FleetHandler(BrokerProtocolHandler):
         topic, qos, size = publish_packet.topic_name or "", publish_packet.qos or 0, len(publish_packet.data or b"")
         why = None
         if self.may_publish is not None and not await self.may_publish(session, topic):
-            why, kind = f"a publish to {topic!r}, which its ACL forbids", "acl"
+            why = f"a publish to {topic!r}, which its ACL forbids"
         elif qos == 2 and publish_packet.packet_id not in session.inflight_in and (
                 len(session.inflight_in) >= lim.max_inflight_messages
                 or size + sum(len(m.data or b"") for m in session.inflight_in.values()) > lim.max_inflight_bytes):
-            why, kind = (f"over {lim.max_inflight_messages} QoS 2 messages or {lim.max_inflight_bytes} bytes "
-                         "received and not released"), "inflight"
+            why = (f"over {lim.max_inflight_messages} QoS 2 messages or {lim.max_inflight_bytes} bytes received "
+                   "and not released")
         elif qos and session.delivered_message_queue.qsize() >= lim.max_queued_messages:
-            why, kind = f"{lim.max_queued_messages} messages received and not yet handled", "queued"
+            why = f"{lim.max_queued_messages} messages received and not yet handled"
         if why is not None:
-            notes.log(logging.WARNING, kind, "MQTT client %r (%s:%s) disconnected: %s", session.client_id,
-                      session.remote_address, session.remote_port, why)
+            log.warning("MQTT client %r (%s:%s) disconnected: %s", session.client_id, session.remote_address,
+                        session.remote_port, why)
             if isinstance(self.writer, _GuardedWriter):
                 self.writer.abort()  # reads stop now; the reader loop ends and amqtt cleans up
             await self.handle_connection_closed()
@@ -273,9 +272,8 @@ class _FleetHandler(BrokerProtocolHandler):
                            ack_timeout: int | None = None) -> OutgoingApplicationMessage:
         lim, size = self.limits, len(data or b"")
         if qos and (self._out_count >= lim.max_queued_messages or self._out_bytes + size > lim.max_queued_bytes):
-            notes.log(logging.WARNING, "outgoing", "MQTT client %r is %d messages (%d bytes) behind: a message "
-                      "on %r dropped", self.session.client_id if self.session else None, self._out_count,
-                      self._out_bytes, topic)
+            log.warning("MQTT client %r is %d messages (%d bytes) behind: a message on %r dropped",
+                        self.session.client_id if self.session else None, self._out_count, self._out_bytes, topic)
             return OutgoingApplicationMessage(None, topic, qos, data, retain)
         self._out_count += 1
         self._out_bytes += size
@@ -313,7 +311,7 @@ class FleetBroker(Broker):
         why = self.gate.admit(host)
         if why is not None:
             writer.transport.abort()  # at once, before a byte is read: the descriptor is free on the next turn
-            notes.log(logging.WARNING, "cap", "MQTT connection from %s refused: %s", where, why)
+            log.warning("MQTT connection from %s refused: %s", where, why)
             return
         bounded = _BoundedReader(reader, writer.transport, where, packet_timeout_s=self.limits.packet_timeout_s)
         guarded = _GuardedWriter(writer, self.limits.write_timeout_s)
@@ -321,7 +319,7 @@ class FleetBroker(Broker):
         try:
             await self._client_connected(listener_name, bounded, guarded)
         except Exception as exc:  # one connection's failure is its own: a line (throttled), never a traceback
-            notes.log(logging.WARNING, "failed", "MQTT connection from %s ended: %r", where, exc)
+            log.warning("MQTT connection from %s ended: %r", where, exc)
         finally:
             bounded.disarm()
             self.gate.closed(host, bounded.handshaking)
@@ -379,8 +377,8 @@ class FleetBroker(Broker):
         size = len(broadcast.get("data") or b"")
         if (len(held) >= self.limits.max_queued_messages
                 or size + sum(len(m.data or b"") for m in held) > self.limits.max_queued_bytes):
-            notes.log(logging.WARNING, "saved", "MQTT client %r is away with a full queue (%d messages): a message "
-                      "on %r dropped", target_session.client_id, len(held), broadcast.get("topic"))
+            log.warning("MQTT client %r is away with a full queue (%d messages): a message on %r dropped",
+                        target_session.client_id, len(held), broadcast.get("topic"))
             return
         await super()._retain_broadcast_message(broadcast, qos, target_session)
 

@@ -28,12 +28,10 @@ the same there):
 
 from __future__ import annotations
 
-import logging
 import resource
-import time
 from dataclasses import dataclass
 
-__all__ = ["FD_HEADROOM", "BrokerLimits", "ConnectionGate", "Throttled", "default_max_connections"]
+__all__ = ["FD_HEADROOM", "BrokerLimits", "ConnectionGate", "default_max_connections"]
 
 FD_HEADROOM = 256  # descriptors the fleet keeps for itself (HTTP, database, files, TUF downloads)
 
@@ -135,28 +133,3 @@ class ConnectionGate:
             counts[peer] = n
         else:
             counts.pop(peer, None)
-
-
-class Throttled:
-    """One log line per ``interval_s`` per kind of event, with how many were left out: a hostile client
-    that causes thousands of refusals writes a few lines, not thousands."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
-        self.logger, self.interval_s = logger, interval_s
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval_s:
-            self._skipped[kind] = self._skipped.get(kind, 0) + 1
-            return
-        skipped = self._skipped.pop(kind, 0)
-        if len(self._last) > 64 and kind not in self._last:  # kinds are a fixed few; bounded all the same
-            self._last.clear()
-        self._last[kind] = now
-        if skipped and last is not None:
-            self.logger.log(level, msg + " (and %d more like it in the last %.0f s)", *args, skipped, now - last)
-        else:
-            self.logger.log(level, msg, *args)
