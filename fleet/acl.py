@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from edgefleet.fleet.broker_limits import BrokerLimits
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.fsutil import atomic_write
 
-__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "MAX_PACKET_BYTES", "MAX_PAYLOAD_BYTES", "Account", "ActiveAccounts",
-           "allowed",
-           "client_id_allowed", "hash_password", "mosquitto_conf", "reload_mosquitto", "verify_password",
-           "write_mosquitto_files"]
+__all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "MAX_DEVICE_CONNECTIONS", "MAX_PACKET_BYTES", "MAX_PAYLOAD_BYTES",
+           "Account", "ActiveAccounts", "allowed", "client_id_allowed", "device_listener_limits", "flow_limits_conf",
+           "hash_password", "mosquitto_conf", "reload_mosquitto", "verify_password", "write_mosquitto_files"]
 
 FLEET_USER = "edgefleet-fleet"
 # One message's size on the broker, from the protocol's: every receiver (fleet and agent) refuses a payload over
@@ -53,6 +53,9 @@ MAX_PACKET_BYTES = MAX_PAYLOAD_BYTES + 1024
 DEVICE_WRITES = ("reported", "telemetry", "status")
 DEVICE_READS = ("desired", "ack")
 LEGACY_AGENT_PREFIX = "edgefleet-agent-"  # agents before 2026-11 connected as edgefleet-agent-<device id>
+# one Mosquitto process: at most this many device connections per listener (give its unit LimitNOFILE this + 1,000:
+# one process here may hold 20,000 descriptors)
+MAX_DEVICE_CONNECTIONS = 18_000
 PBKDF2_ITERATIONS = 101  # Mosquitto 2.0's own default for $7$ hashes; the passwords are 32 random bytes
 
 
@@ -163,8 +166,38 @@ def write_mosquitto_files(accounts: Iterable[Account], password_file: Path, acl_
     return len(rows)
 
 
+def _expiry(seconds: int) -> str:
+    """Mosquitto's persistent_client_expiration takes a count of h, d, w, m or y; rounded up to hours."""
+    return f"{max(1, -(-seconds // 3600))}h"
+
+
+def flow_limits_conf(limits: BrokerLimits | None = None, queued_messages: int | None = None,
+                     queued_bytes: int | None = None) -> str:
+    """Mosquitto's global flow limits, the embedded broker's (:class:`fleet.broker_limits.BrokerLimits`) as its
+    options: per client, QoS 1 and 2 messages in flight (``max_inflight_messages``, ``max_inflight_bytes``: sent
+    and not acknowledged; for MQTT 5 clients also the receive maximum) and queued beyond them
+    (``max_queued_messages``, ``max_queued_bytes``: Mosquitto drops what is over). In 2.0 the queue limits bound
+    what a client sends too: a QoS 2 publish it never releases stays in its incoming queue, which takes at most
+    ``max_inflight_bytes + max_queued_bytes``. A saved session (clean session false) expires
+    (``persistent_client_expiration``); an MQTT 5 client's keepalive is at most ``max_keepalive``.
+    ``queued_messages``/``queued_bytes`` replace the queue limits (a bridge's broker: :mod:`fleet.cluster`)."""
+    lim = limits or BrokerLimits()
+    return (f"max_inflight_messages {lim.max_inflight_messages}\nmax_inflight_bytes {lim.max_inflight_bytes}\n"
+            f"max_queued_messages {queued_messages or lim.max_queued_messages}\n"
+            f"max_queued_bytes {queued_bytes or lim.max_queued_bytes}\n"
+            f"persistent_client_expiration {_expiry(lim.session_expiry_s)}\nmax_keepalive {lim.max_keepalive_s}\n")
+
+
+def device_listener_limits(max_connections: int = MAX_DEVICE_CONNECTIONS) -> str:
+    """A device listener's own limits: devices publish and subscribe at QoS 1 only (``max_qos 1``: a QoS 2
+    publish, which a client can leave unreleased, disconnects it; MQTT 5 clients are told in the CONNACK), and
+    at most ``max_connections`` at once, below Mosquitto's descriptor limit."""
+    return f"max_qos 1\nmax_connections {max_connections}\n"
+
+
 def mosquitto_conf(password_file: Path, acl_file: Path, fleet_password_file: Path,
-                   device_listeners: Iterable[str] = ("1883",), fleet_listener: str = "1884 127.0.0.1") -> str:
+                   device_listeners: Iterable[str] = ("1883",), fleet_listener: str = "1884 127.0.0.1",
+                   limits: BrokerLimits | None = None, max_connections: int = MAX_DEVICE_CONNECTIONS) -> str:
     """The authentication part of ``mosquitto.conf``: one identity per device.
 
     Each of ``device_listeners`` (``"<port> [<address>]"``, optionally followed by more lines for
@@ -177,15 +210,18 @@ def mosquitto_conf(password_file: Path, acl_file: Path, fleet_password_file: Pat
     Message size: ``max_packet_size`` (:data:`MAX_PACKET_BYTES`) disconnects a client that sends a bigger packet
     before its body is read, and ``message_size_limit`` (:data:`MAX_PAYLOAD_BYTES`) keeps any payload over the
     protocol's limit from being stored or forwarded. Without them Mosquitto takes 256 MB a message, retained
-    on every topic a device may write."""
+    on every topic a device may write. Flow: :func:`flow_limits_conf` (``limits``) and, on device listeners,
+    :func:`device_listener_limits` (``max_connections``). Nothing in the fleet relies on these for correctness:
+    desired state is retained and reconciled, reports are read back from their retained copies."""
     def block(listener: str, passwords: Path, more: str) -> str:
         return (f"listener {listener}\nallow_anonymous false\npassword_file {passwords}\nacl_file {acl_file}\n"
                 + more)
 
-    blocks = [block(d, password_file, "use_username_as_clientid true\n") for d in device_listeners]
+    device_more = "use_username_as_clientid true\n" + device_listener_limits(max_connections)
+    blocks = [block(d, password_file, device_more) for d in device_listeners]
     blocks.append(block(fleet_listener, fleet_password_file, ""))
     return (f"per_listener_settings true\nmax_packet_size {MAX_PACKET_BYTES}\nmessage_size_limit {MAX_PAYLOAD_BYTES}\n"
-            + "".join(blocks))
+            + flow_limits_conf(limits) + "".join(blocks))
 
 
 def reload_mosquitto(pid: int) -> None:
