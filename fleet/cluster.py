@@ -21,7 +21,9 @@ README's "Fleet beyond one broker".
 The bridges' own queues must not drop: a report an edge fails to forward never reaches the core, and so cannot be
 read back from the core's retained copy either. Edges and core therefore set ``max_queued_messages`` to
 ``QUEUE_MESSAGES`` (bounded, not unlimited: ``max_queued_bytes`` too). A device can fill only its own queue (its own
-desired and ack topics), a few messages.
+desired and ack topics), a few messages; and since Mosquitto 2.0 holds a client's unreleased QoS 2 publishes within
+the same queue limits, the edges' device listeners take QoS 1 only (``max_qos 1``, what agents send): a device
+cannot park QoS 2 messages there (``fleet.acl.device_listener_limits``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.fleet.acl import FLEET_USER, MAX_PACKET_BYTES, MAX_PAYLOAD_BYTES, Account, hash_password
+from edgefleet.fleet.acl import (
+    FLEET_USER,
+    MAX_PACKET_BYTES,
+    MAX_PAYLOAD_BYTES,
+    Account,
+    device_listener_limits,
+    flow_limits_conf,
+    hash_password,
+)
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.fsutil import atomic_write
 from edgefleet.protocol.processes import stop_processes
@@ -85,7 +95,7 @@ class ClusterPlan:
 
 def _limits() -> str:
     return (f"max_packet_size {MAX_PACKET_BYTES}\nmessage_size_limit {MAX_PAYLOAD_BYTES}\n"
-            f"max_queued_messages {QUEUE_MESSAGES}\nmax_queued_bytes {QUEUE_BYTES}\n")
+            + flow_limits_conf(queued_messages=QUEUE_MESSAGES, queued_bytes=QUEUE_BYTES))
 
 
 def core_conf(plan: ClusterPlan, password_file: Path, acl_file: Path) -> str:
@@ -108,7 +118,7 @@ def edge_conf(plan: ClusterPlan, i: int, device_password_file: Path, device_acl_
     topics += [f"topic {proto.PREFIX}/+/{k} in 1" for k in DEVICE_READS]
     return (f"per_listener_settings true\n{_limits()}"
             f"listener {plan.edges[i]}\nallow_anonymous false\npassword_file {device_password_file}\n"
-            f"acl_file {device_acl_file}\nuse_username_as_clientid true\n\n"
+            f"acl_file {device_acl_file}\nuse_username_as_clientid true\n{device_listener_limits()}\n"
             f"connection edge-{i}\naddress {plan.core_address}:{plan.core_port}\n"
             f"remote_username {BRIDGE_USER}\nremote_password {bridge_password}\nremote_clientid edgefleet-edge-{i}\n"
             "bridge_protocol_version mqttv311\ntry_private true\ncleansession true\nnotifications false\n"
