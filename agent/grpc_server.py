@@ -168,8 +168,7 @@ class GrpcServer:
         self._grpc, self._pb = grpc, service_pb2
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", max(self.max_message_bytes, 64 * 1024 * 1024)),
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_concurrent_streams", self.max_concurrent_rpcs), *self.limits.options()]
+                ("grpc.so_reuseport", 0), *self.limits.options()]
         server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self, service_pb2_grpc), server)
         addr = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
