@@ -129,3 +129,19 @@ def test_a_box_400_days_slow_refuses_expired_metadata_and_reports_its_skew(world
         skew = _skew(world, "clock-slow")
         assert abs(skew + 400 * DAY_S) < TOLERANCE_S, skew
         assert "clock 400.0 days behind" in api.get(f"{world.url}/devices/clock-slow").text
+
+
+def test_the_fleets_signed_time_needs_no_token_and_a_well_formed_nonce(world: World):
+    import httpx
+    from tuf.api.metadata import Metadata, Root
+
+    from edgefleet.protocol.signed_time import verify_time
+
+    nonce = "0123456789abcdef" * 2
+    r = httpx.get(f"{world.url}/api/v1/time", params={"nonce": nonce}, timeout=10)  # no Authorization
+    root = Metadata[Root].from_bytes((world.tmp / "keys" / "root.json").read_bytes()).signed
+    when = verify_time(r.content, root, nonce)
+    assert abs((when - dt.datetime.now(dt.timezone.utc)).total_seconds()) < 60
+    for bad in ("", "abc", "Z" * 32, "0" * 65, "../" * 12):
+        assert httpx.get(f"{world.url}/api/v1/time", params={"nonce": bad}, timeout=10).status_code == 422, bad
+    assert httpx.get(f"{world.url}/api/v1/health", timeout=10).status_code == 200
