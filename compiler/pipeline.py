@@ -38,7 +38,7 @@ from edgefleet.compiler.buildnotes import collecting, note, with_build_notes
 from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 from edgefleet.compiler.evaluate import benchmark_pair
-from edgefleet.compiler.gate import advice
+from edgefleet.compiler.gate import Causes, advice, measure_causes
 from edgefleet.compiler.graph import (
     GraphInfo,
     check_model,
@@ -58,12 +58,13 @@ from edgefleet.judge.errors import InputError as JudgeInputError
 from edgefleet.judge.errors import JudgeError
 from edgefleet.judge.gate import GateSettings, evaluate_gate, uses_labels
 from edgefleet.judge.predict import Runner, predict_all
-from edgefleet.judge.tasks import TaskSpec, canonical_task, infer_task, judge, parse_task_args, resolve_task
+from edgefleet.judge.tasks import TaskSpec, infer_task, judge, parse_tasks, resolve_task
 from edgefleet.protocol.bundle import sha256_file, write_bundle
 from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
 from edgefleet.protocol.drift import DriftReference, build_reference, reference_args
 from edgefleet.protocol.manifest import (
     DRIFT_VERSION,
+    JUDGED_VERSION,
     MANIFEST_VERSION,
     NAME_RE,
     TASK_GATE_VERSION,
@@ -91,6 +92,9 @@ SELFTEST_MAX_SAMPLES = 64
 SELFTEST_MAX_INPUT_BYTES = 1 << 20  # the sample travels in every bundle: keep it small for big inputs
 SELFTEST_MAX_BYTES = 1 << 20  # the compressed self-test file, inputs and expected outputs together
 MIN_CALIBRATION_SAMPLES = 16  # fewer gives activation ranges from a handful of inputs
+# auto: an int8 engine whose output no task reads ships only when that output keeps to this relative L2 against fp32
+# (40 dB SQNR: about one 8-bit step of a range twice the output's RMS); nothing judges what a larger change does
+UNJUDGED_MAX_REL_L2 = 1e-2
 REFERENCE_RUNTIME = "onnxruntime"  # runs the fp32 source model (ONNX) on the build host's CPU: the reference
 Progress = Callable[[int, int, str], None]
 
@@ -254,7 +258,7 @@ def _validate(opts: CompileOptions) -> None:
         if path is not None and not path.exists():
             raise InputError(f"{path}: {flag} file not found")
     if opts.task:
-        parse_task_args(canonical_task(opts.task, "--task"), opts.task_args)
+        parse_tasks(opts.task, opts.task_args)
     elif opts.task_args:
         raise InputError("--task-args needs --task NAME")
     if opts.out_dir.exists() and not opts.out_dir.is_dir():
@@ -283,6 +287,7 @@ class _Plan:
     # "already quantized (N Op, ...)" when the model came quantized: built as given (its float build path, no
     # quantizer), labelled int8 and gated against itself; "" for a float model
     given: str = ""
+    causes: Callable[[], Causes] | None = None  # why int8 failed, measured when a refusal needs advice
 
     @property
     def auto(self) -> bool:
@@ -350,7 +355,8 @@ def _gate_settings(opts: CompileOptions, profile: HardwareProfile) -> GateSettin
         kind=opts.gate,  # type: ignore[arg-type]
         max_accuracy_drop=profile.accuracy.max_drop if opts.max_accuracy_drop is None else opts.max_accuracy_drop,
         min_agreement=profile.accuracy.min_agreement if opts.min_agreement is None else opts.min_agreement,
-        metric=opts.agreement_metric)  # type: ignore[arg-type]
+        metric=opts.agreement_metric,  # type: ignore[arg-type]
+        max_unjudged_change=UNJUDGED_MAX_REL_L2 if opts.precision == "auto" else None)
     if not 0.0 <= gate.max_accuracy_drop <= 1.0:
         raise InputError(f"--max-accuracy-drop must be between 0 and 1, got {gate.max_accuracy_drop}")
     if not 0.0 <= gate.min_agreement <= 1.0:
@@ -405,7 +411,7 @@ def _gate_task(plan: _Plan, ref_out: list[Any]) -> TaskSpec | None:
     gated by output agreement and nothing quantized is built)."""
     opts, gate, eval_set, wanted, notes = plan.opts, plan.gate, plan.eval_set, plan.wanted, plan.notes
     if plan.task.source == "inferred":  # the shape and fp32's values on the evaluation data decide, or say unsure
-        task = plan.task = infer_task(plan.info.outputs, ref_out[0]).with_min_agreement(opts.min_agreement)
+        task = plan.task = infer_task(plan.info.outputs, ref_out[0], ref_out).with_min_agreement(opts.min_agreement)
         if not uses_labels(gate, eval_set.labels, task):
             plan.progress(2, plan.total, f"note: {task.note}")
             for guessed in [q for q in ("int8", "bf16") if q in wanted and not task.sure]:
@@ -466,6 +472,8 @@ def _build_candidates(plan: _Plan, engines: _Engines, work: Path, ref_out: list[
             plan.drop(precision, f"its build failed: {why}")  # auto: fp32 still ships
 
     int8 = built.get("int8")
+    if int8 is not None and not int8.accuracy.passed and not plan.given:  # measured only if the refusal needs advice
+        plan.causes = lambda: _causes(plan, engines, work, source, ref_out, built["int8"], gate_task)
     if int8 is not None and not int8.accuracy.passed and opts.fallback and plan.calib is not None \
             and min_opset is not None:
         timed = opts.benchmark and plan.profile.accelerator == "cpu"
@@ -516,9 +524,10 @@ def _choose(plan: _Plan, built: dict[str, _Built], reference: Runner) -> tuple[P
         failed = "; ".join(_gate_note(b.accuracy) for b in built.values())
         raise AccuracyGateFailed(
             f"accuracy gate failed: {failed}; "
-            + _gate_advice(built["int8"].accuracy if "int8" in built else next(iter(built.values())).accuracy,
-                           plan.task, plan.calib, "n/a" if plan.target.qdq_int8_min_opset is None
-                           or "int8" not in built else "tried" if opts.fallback else "off", profile)
+            + advice(built["int8"].accuracy if "int8" in built else next(iter(built.values())).accuracy,
+                     plan.task, "n/a" if plan.target.qdq_int8_min_opset is None or "int8" not in built
+                     else "tried" if opts.fallback else "off", profile.quantization.per_channel,
+                     plan.causes() if plan.causes is not None else None)
             + _per_output_report(built))
     chosen, reason = decided
     # the build host cannot time this profile's CPUs: every passing precision ships, the device times them
@@ -629,7 +638,9 @@ def _bundle(plan: _Plan, engines: _Engines, work: Path, built: dict[str, _Built]
     labels = info.metadata.get("edgefleet.labels")
     manifest = Manifest(
         manifest_version=_bf16.manifest_version(  # the lowest that carries it
-            VARIANTS_VERSION if variants else TASK_GATE_VERSION if best.accuracy.task is not None else 2,
+            JUDGED_VERSION if any(b.accuracy.not_judged or (b.accuracy.task is not None and b.accuracy.task.task ==
+                                  "keypoints") for b in (best, *variants))
+            else VARIANTS_VERSION if variants else TASK_GATE_VERSION if best.accuracy.task is not None else 2,
             [chosen, *(b.precision for b in variants)]),
         name=opts.name, version=opts.version, profile=profile.name,
         backend=profile.backend, precision=chosen,  # type: ignore[arg-type]
@@ -815,11 +826,34 @@ def _gate_note(acc: AccuracyReport) -> str:
             f"drop {acc.drop:.4f} {rel} {acc.max_drop:.4f} on {acc.eval_samples} samples{ci}")
 
 
-def _gate_advice(acc: AccuracyReport, task: TaskSpec | None = None, calib: Dataset | None = None,
-                 fallback: str = "n/a", profile: HardwareProfile | None = None) -> str:
-    n = None if calib is None else min(len(calib), profile.quantization.max_calibration_samples) \
-        if profile is not None else len(calib)
-    return advice(acc, task, n, fallback, profile is None or profile.quantization.per_channel)
+def _causes(plan: _Plan, engines: _Engines, work: Path, source: Path, ref_out: list[Any], b: _Built,
+            task: TaskSpec | None) -> Causes:
+    """Why ``b`` (int8) failed the gate, measured (compiler.gate.measure_causes): its answers against fp32's, its
+    calibration range, its layers (when the float fallback was off) and a trial on half the calibration set."""
+    info, calib = plan.info, plan.calib
+    cand = predict_all(b.runner, plan.eval_set, output_axes=[o.batch_axis for o in info.outputs])
+    names = [o.name for o in info.outputs]
+
+    def rank() -> list[tuple[tuple[str, ...], float]]:
+        from edgefleet.compiler.sensitivity import rank_sensitive_nodes
+
+        assert calib is not None
+        prepared = plan.target.prepare_float(source, work / "prepared.onnx")
+        return rank_sensitive_nodes(prepared, b.engine, calib.head(1 if calib.per_sample else 8).inputs)
+
+    def rebuild(data: Dataset) -> AccuracyReport:
+        (work / "trial").mkdir(exist_ok=True)
+        return _build_and_gate(plan.target, source, engines, "int8", data, work / "trial", plan.eval_set, ref_out,
+                               plan.gate, task).accuracy
+
+    try:
+        return measure_causes(b.accuracy, task, names.index(task.output) if task is not None else 0, ref_out, cand,
+                              calib, plan.eval_set, rank if not plan.opts.fallback and calib is not None and
+                              plan.target.qdq_int8_min_opset is not None else None, rebuild)
+    except (CompilerError, JudgeError, EngineError) as exc:  # the gate's verdict stands; the advice names no cause
+        plan.progress(5, plan.total, f"note: the causes of the int8 failure could not be measured ({_one_line(exc)})")
+        return Causes()
+
 
 
 def _per_output_report(built: dict[str, _Built]) -> str:
@@ -856,9 +890,10 @@ def _toolchain_missing(exc: BaseException) -> bool:
 def _cannot_judge(task: TaskSpec, info: GraphInfo, ref_out: list[Any], gate: GateSettings) -> str | None:
     """Why the task's judge cannot judge an engine of this model (None: it can): it refuses fp32's own outputs (a
     layout it does not read, masks that are empty or whole on every sample)."""
+    names = [o.name for o in info.outputs]
     try:
-        judge(task, ref_out[[o.name for o in info.outputs].index(task.output)], ref_out[
-            [o.name for o in info.outputs].index(task.output)], gate.min_agreement)
+        judge(task, ref_out[names.index(task.output)], ref_out[names.index(task.output)], gate.min_agreement,
+              {n: (r, r) for n, r in zip(names, ref_out, strict=True)})
     except JudgeInputError as exc:
         return f"the {task.name} gate cannot judge this model's outputs ({_one_line(exc)})"
     return None

@@ -210,6 +210,12 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
 
         t = acc.task
         lines.append(f"task      {t.task} ({t.source}) on output {t.output!r}: {task_figures(t)}")
+    if acc.not_judged:
+        moved = {k.split(".", 1)[1]: v for k, v in (acc.task.details if acc.task else {}).items()
+                 if k.startswith("unjudged_rel_l2.")}
+        lines.append("not judged " + ", ".join(f"{o!r}" + (f" (relative L2 vs fp32 {moved[o]:.3g})" if o in moved
+                                                           else "") for o in acc.not_judged)
+                     + ": no task reads it; declare its task in a --task list to judge it")
     for o in acc.outputs:
         t1 = "" if o.top1_agreement is None else f"top-1 agreement {o.top1_agreement:.4f}, "
         lines.append(f"output    {o.name}: {t1}cosine {o.cosine:.4f}, max abs error {o.max_abs_error:.4g}, "
@@ -780,9 +786,12 @@ def _add_compile(sub: Any) -> None:
     c.add_argument("--task", help="what the model is for, judged by the gate without labels: classification (top-1 "
                    "agreement), detection (box recall/precision/IoU), ctc (decoded strings: exact agreement, "
                    "character error rate), segmentation (mask IoU), regression (decision agreement, errors; alias "
-                   "probabilities), embedding (cosine). Default: MODEL.task.yaml beside the model, else inferred from "
-                   "the output shapes (printed)")
-    c.add_argument("--task-args", help="k=v,... for the task, e.g. 'format=yolov8,score=0.25,iou=0.5' (detection), "
+                   "probabilities), embedding (cosine), keypoints (landmarks, pose: PCK). A model whose outputs "
+                   "serve several tasks: a list 'NAME:k=v,...;NAME:output=OUT,...' (e.g. 'classification:output=prob;"
+                   "keypoints:output=lms,boxes=box'), each task after the first naming its output. Default: "
+                   "MODEL.task.yaml beside the model, else inferred from the output shapes (printed)")
+    c.add_argument("--task-args", help="k=v,... for the (first) task, e.g. 'format=yolov8,score=0.25,iou=0.5' or "
+                   "'format=centernet,wh=WH,offset=REG,landmarks=LMS' (detection), 'boxes=BOX,pck=0.05' (keypoints), "
                    "'blank=0,min_exact=0.95,max_cer=0.02' (ctc), 'threshold=0.5' (regression, segmentation), "
                    "'output=NAME' (which output the task reads)")
     c.add_argument("--no-fallback", action="store_true",

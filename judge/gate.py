@@ -50,6 +50,9 @@ class GateSettings:
     max_accuracy_drop: float = 0.01  # absolute top-1 drop vs fp32, with labels
     min_agreement: float = 0.99  # per output, without labels
     metric: AgreementMetric = "auto"
+    # with a task: an output no task reads that changes by more than this (relative L2 against fp32) fails the gate;
+    # None: measured and listed as not judged, not gated (the compiler sets it under --precision auto)
+    max_unjudged_change: float | None = None
 
 
 def label_axis(output_shape: tuple[int, ...], labels_shape: tuple[int, ...]) -> int | None:
@@ -165,7 +168,8 @@ def evaluate_gate(output_names: list[str], reference: list[Outputs], candidate: 
             metric="top1", eval_samples=n, reference_precision="fp32", reference=ref_acc,
             candidate_precision=candidate_precision, candidate=cand_acc, drop=drop,  # type: ignore[arg-type]
             max_drop=settings.max_accuracy_drop, passed=drop <= settings.max_accuracy_drop + 1e-9,
-            outputs=outputs, drop_ci95=_drop_ci95(ref_hit[:, 0], cand_hit[:, 0]) if per_sample else None)
+            outputs=outputs, drop_ci95=_drop_ci95(ref_hit[:, 0], cand_hit[:, 0]) if per_sample else None,
+            not_judged=tuple(output_names[1:]))
     if task is not None:
         return _task_gate(task, output_names, reference, candidate, candidate_precision, settings, outputs, n)
     worst = min(o.value for o in outputs)
@@ -181,7 +185,9 @@ def _task_gate(task: TaskSpec, output_names: list[str], reference: list[Outputs]
                candidate_precision: str, settings: GateSettings, outputs: tuple[OutputAgreement, ...],
                n: int) -> AccuracyReport:
     i = output_names.index(task.output)
-    report = judge(task, reference[i], candidate[i], settings.min_agreement)
+    report = judge(task, reference[i], candidate[i], settings.min_agreement,
+                   dict(zip(output_names, zip(reference, candidate, strict=True), strict=True)),
+                   settings.max_unjudged_change)
 
     def score(value: float, kind: str) -> float:  # every criterion as "higher is better" in [0, 1]
         return value if kind == "min" else round(1.0 - value, 6)
@@ -192,4 +198,5 @@ def _task_gate(task: TaskSpec, output_names: list[str], reference: list[Outputs]
     return AccuracyReport(
         metric="agreement", eval_samples=n, reference_precision="fp32", reference=1.0,
         candidate_precision=candidate_precision, candidate=1.0 - drop, drop=drop,  # type: ignore[arg-type]
-        max_drop=max_drop, passed=drop <= max_drop + 1e-9, outputs=outputs, task=report)
+        max_drop=max_drop, passed=drop <= max_drop + 1e-9, outputs=outputs, task=report,
+        not_judged=tuple(o for o in output_names if o not in task.reads()))

@@ -9,14 +9,18 @@ task               criteria (each with a bound; the gate passes when all hold)
 =================  ==========================================================================
 classification     top-1 agreement with FP32 (per sample)
 detection          FP32's boxes (score >= ``score``, NMS) matched by IoU >= ``iou`` with the same
-                   class: recall and precision of FP32's boxes, mean IoU of the matches
+                   class: recall and precision of FP32's boxes, mean IoU of the matches; YOLO heads or a
+                   CenterNet head's maps, with its landmarks judged as keypoints (:mod:`judge.detection`)
+keypoints          instances matched (box IoU, or the model's own order), then PCK: the share of FP32's points
+                   the candidate keeps within ``pck`` of the instance's size (:mod:`judge.keypoints`)
 ctc                greedy CTC decoding (arg-max, collapse repeats, drop ``blank``): exact-string
                    agreement and character error rate against FP32's strings
 segmentation       mask IoU per sample (one channel: ``> threshold``; several: arg-max per pixel); one channel:
                    the objects too (connected components of at least ``min_area`` pixels, a text detector's
                    boxes): FP32's matched at IoU 0.5, recall and precision (``min_instances``)
-regression         decision agreement at ``threshold`` (probabilities: 0.5 by default); without a
-                   threshold, the share of samples within ``tol`` of FP32; max and mean abs error. With
+regression         decision agreement at ``threshold`` (probabilities: 0.5 by default, unless ``tol`` is given
+                   and the task is not declared ``probabilities``: coordinates in [0, 1] make no decisions); without
+                   a threshold, the share of samples within ``tol`` of FP32; max and mean abs error. With
                    ``min_segments`` (a VAD): the evaluation samples in order are one stream, its decisions
                    runs of positives (segments, merged across samples): FP32's matched one to one at
                    interval IoU >= 0.5, recall and precision
@@ -24,8 +28,10 @@ embedding          neighbour rank: each candidate embedding's nearest FP32 embed
                    is its own (``min_retrieval``); the 5th-percentile cosine with FP32 (``min_cosine``)
 =================  ==========================================================================
 
-The task is declared (``--task NAME --task-args 'k=v,...'``), read from ``MODEL.task.yaml`` beside the
-model, or inferred from the first output's shape (the inference says so). Pure functions of arrays.
+The task is declared (``--task NAME --task-args 'k=v,...'``, or a list ``NAME:k=v,...;NAME:output=OUT,...`` for a
+model whose outputs serve several tasks), read from ``MODEL.task.yaml`` beside the model, or inferred from the first
+output's shape or a CenterNet head's outputs (the inference says how sure it is). Every output no task reads is
+measured against FP32 and listed as not judged. Pure functions of arrays.
 """
 
 from __future__ import annotations
@@ -37,36 +43,46 @@ from typing import Any
 
 import numpy as np
 
+from edgefleet.judge.criteria import Outputs, crit, in_unit, mean_ci, samples, wilson
+from edgefleet.judge.detection import (
+    DETECTION_FORMATS,
+    _boxes,  # noqa: F401  (judge.pipeline decodes a detector's boxes with it)
+    centernet_roles,
+    detection,
+    detection_layout,
+    yolox_grid,
+)
 from edgefleet.judge.errors import InputError
+from edgefleet.judge.keypoints import keypoints
 from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 
 __all__ = ["TASKS", "Outputs", "TaskSpec", "canonical_task", "infer_task", "judge", "load_task_file", "parse_task_args",
-           "resolve_task", "samples"]
+           "parse_tasks", "resolve_task", "samples", "yolox_grid"]
 
-# an output over the evaluation set: samples on axis 0, or one array per sample when their shapes differ
-Outputs = np.ndarray | list[np.ndarray]
+# the judges' helpers under their old names (judge.pipeline and older callers import them from here)
+_crit, _wilson, _mean_ci, _in_unit = crit, wilson, mean_ci, in_unit
 
-ALIASES = {"sequence": "ctc", "probabilities": "regression", "mask": "segmentation", "masks": "segmentation"}
+ALIASES = {"sequence": "ctc", "probabilities": "regression", "probability": "regression", "mask": "segmentation",
+           "masks": "segmentation", "landmarks": "keypoints", "pose": "keypoints"}
 # task -> its arguments and their defaults (None: chosen from the data or from --min-agreement)
 TASKS: dict[str, dict[str, Any]] = {
     "classification": {"min_top1": None},
     "detection": {"format": "yolov8", "score": 0.25, "iou": 0.5, "nms": 0.7, "min_recall": 0.98,
-                  "min_precision": 0.98, "min_iou": 0.8, "input_h": None, "input_w": None},
+                  "min_precision": 0.98, "min_iou": 0.8, "input_h": None, "input_w": None,
+                  "wh": None, "offset": None, "landmarks": None, "top_k": 100, "pck": 0.05, "min_pck": 0.98},
+    "keypoints": {"boxes": None, "iou": 0.5, "pck": 0.05, "min_pck": 0.98, "min_instances": 0.98},
     "ctc": {"blank": 0, "min_exact": 0.98, "max_cer": 0.02},  # at most 2% of the strings change
     "segmentation": {"threshold": None, "min_iou": 0.9, "min_instances": 0.98, "min_area": 10},
     "regression": {"threshold": None, "min_decision": None, "tol": None, "min_within": 0.99, "min_segments": None},
     "embedding": {"min_cosine": None, "min_retrieval": 0.98},
 }
-# yolov8: [4+C, A] decoded boxes (cx, cy, w, h) and class scores; yolov5: [A, 5+C] decoded boxes, objectness and
-# class scores; yolox: [A, 5+C] raw grid cells (x, y offsets and log w, log h per cell of the stride-8, 16 and 32
-# grids, objectness and class scores), decoded here against the grid of an input_h x input_w image (default: the
-# square image whose three grids hold A cells)
-DETECTION_FORMATS = ("yolov8", "yolov5", "yolox")
-YOLOX_STRIDES = (8, 16, 32)
-MAX_ANCHORS = 1 << 20  # work bound on one sample's candidate boxes
+# arguments that name another output the task reads (detection format centernet, keypoints' boxes)
+OUTPUT_ARGS = ("wh", "offset", "landmarks", "boxes")
+MAX_TASKS = 8  # tasks in one --task list
 # the bound --min-agreement sets, per task, when --task-args does not set it
 PRIMARY_BOUND = {"classification": "min_top1", "detection": "min_recall", "ctc": "min_exact",
-                 "segmentation": "min_iou", "regression": "min_decision", "embedding": "min_cosine"}
+                 "segmentation": "min_iou", "regression": "min_decision", "embedding": "min_cosine",
+                 "keypoints": "min_pck"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,18 @@ class TaskSpec:
 
     def arg(self, key: str) -> Any:
         return self.args.get(key, TASKS[self.name][key])
+
+    def also(self) -> list[TaskSpec]:
+        """The other tasks of a --task list (``args["also"]``), each on its own outputs."""
+        text = self.args.get("also")
+        return [TaskSpec(t, str(a["output"]), {k: v for k, v in a.items() if k != "output"}, self.source,
+                         f"task {t} on output {a['output']!r}")
+                for t, a in (parse_tasks(str(text), None, "accuracy.task.args.also") if text else [])]
+
+    def reads(self) -> tuple[str, ...]:
+        """Every output this task (with its --task list) reads."""
+        own = [self.output, *(str(self.args[k]) for k in OUTPUT_ARGS if self.args.get(k) is not None)]
+        return tuple(dict.fromkeys([*own, *(o for t in self.also() for o in t.reads())]))
 
     @classmethod
     def from_report(cls, report: TaskReport) -> TaskSpec:
@@ -105,7 +133,10 @@ def canonical_task(name: str, where: str) -> str:
 
 
 def _coerce(task: str, key: str, value: Any, where: str) -> Any:
-    if key == "output":
+    if key in ("output", *OUTPUT_ARGS) and key in ("output", *TASKS[task]):
+        return str(value)
+    if key == "also":
+        parse_tasks(str(value), None, where)
         return str(value)
     if key not in TASKS[task]:
         raise InputError(f"{where}: {task} takes no argument {key!r}; it takes "
@@ -113,7 +144,8 @@ def _coerce(task: str, key: str, value: Any, where: str) -> Any:
     if key == "format":
         if str(value) not in DETECTION_FORMATS:
             raise InputError(f"{where}: detection format {value!r} is not one of {', '.join(DETECTION_FORMATS)} "
-                             "([N, 4+C, A] decoded, [N, A, 5+C] decoded, or [N, A, 5+C] raw grid cells)")
+                             "([N, 4+C, A] decoded, [N, A, 5+C] decoded, [N, A, 5+C] raw grid cells, or a "
+                             "CenterNet heat map with wh= and offset= maps)")
         return str(value)
     try:
         number = float(value)
@@ -130,9 +162,10 @@ def _coerce(task: str, key: str, value: Any, where: str) -> Any:
         if number > 1 << 24:
             raise InputError(f"{where}: segmentation min_area={value!r} is a number of pixels, at most {1 << 24}")
         return number
-    if key == "blank":
-        if number != int(number):
-            raise InputError(f"{where}: ctc blank={value!r} must be a class index")
+    if key in ("blank", "top_k"):
+        if number != int(number) or (key == "top_k" and not 1 <= number <= 1000):
+            raise InputError(f"{where}: {task} {key}={value!r} must be "
+                             + ("a class index" if key == "blank" else "a whole number of peaks, 1 to 1000"))
         return int(number)
     if key.startswith(("min_", "max_")) and number > 1:
         raise InputError(f"{where}: {task} argument {key}={value!r} is a fraction between 0 and 1")
@@ -149,6 +182,30 @@ def parse_task_args(task: str, text: str | None, where: str = "--task-args") -> 
         if not sep or not key.strip():
             raise InputError(f"{where}: {part.strip()!r} is not key=value (e.g. 'score=0.25,iou=0.5')")
         out[key.strip()] = _coerce(task, key.strip(), value.strip(), where)
+    return out
+
+
+def parse_tasks(text: str, task_args: str | None, where: str = "--task") -> list[tuple[str, dict[str, Any]]]:
+    """``NAME`` or a list ``NAME:k=v,...;NAME:k=v,...`` (a model whose outputs serve several tasks: each task after
+    the first names its output) -> [(task, validated arguments)]; ``task_args`` (--task-args) go to the first.
+    A task declared as probabilities decides at 0.5 unless it gives its own threshold."""
+    parts = [p.strip() for p in text.split(";") if p.strip()]
+    if not parts or len(parts) > MAX_TASKS:
+        raise InputError(f"{where}: {text!r} is not a task or a list of 1 to {MAX_TASKS} tasks "
+                         "(e.g. 'classification:output=prob;keypoints:output=landmarks,boxes=box')")
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, part in enumerate(parts):
+        name, _, inline = part.partition(":")
+        task = canonical_task(name, where)
+        args = parse_task_args(task, inline, where)
+        if i == 0 and task_args:
+            args.update(parse_task_args(task, task_args))
+        if i and "output" not in args:
+            raise InputError(f"{where}: task {i + 1} of the list ({task}) reads another output: name it "
+                             f"({task}:output=NAME)")
+        if name.strip().lower() in ("probabilities", "probability") and "threshold" not in args:
+            args["threshold"] = 0.5
+        out.append((task, args))
     return out
 
 
@@ -195,46 +252,32 @@ def _rows_are_distributions(v: np.ndarray) -> bool:
     return False
 
 
-def _in_unit(v: np.ndarray) -> bool:
-    return bool(v.size and v.min() >= 0 and v.max() <= 1)
+def _centernet(outputs: tuple[TensorSpec, ...], every: list[Outputs] | None) -> TaskSpec | None:
+    """Detection format centernet when the outputs are a CenterNet head (judge.detection.centernet_roles)."""
+    shapes = {o.name: tuple(d for i, d in enumerate(o.shape) if i != o.batch_axis) for o in outputs}
+    values = None if every is None else {o.name: samples(v)[:64] for o, v in zip(outputs, every, strict=True)}
+    found = centernet_roles(shapes, values)
+    if found is None:
+        return None
+    roles, sure, what = found
+    how = "sure" if sure else "UNSURE: a guess never gates int8"
+    args = {"format": "centernet", **{k: v for k, v in roles.items() if k != "heat"}}
+    note = (f"task detection ({what}), inferred from the outputs' shapes{' and fp32 values' if values else ''} "
+            f"[{how}]; " + ("declare another with --task" if sure else "declare it with --task (e.g. --task "
+                            f"'detection:format=centernet,output={roles['heat']},wh={roles['wh']}')"))
+    return TaskSpec("detection", roles["heat"], args, "inferred", note, sure)
 
 
-def _looks_like_boxes(xywh: np.ndarray, scores: np.ndarray) -> bool:
-    """[A, 4] decoded (cx, cy, w, h) in pixels and [A, C] scores in [0, 1]: the boxes whose scores stand out have
-    positive sizes and lie within a few image sizes of the origin."""
-    if not _in_unit(scores) or xywh.shape[1] != 4 or not len(xywh):
-        return False
-    best = scores.max(axis=1) >= min(0.25, float(scores.max()))
-    box = xywh[best]
-    return bool((box[:, 2:] > 0).all() and xywh.max() > 2.0 and np.abs(box[:, :2]).max() < 1e5)
-
-
-def _detection_layout(dims: list[int], v: list[np.ndarray] | None) -> tuple[str, bool, str] | None:
-    """(format, sure, what) when a sample of shape ``dims`` can be a detector's boxes, else None."""
-    a, b = dims
-    if 5 <= a <= 1024 and (b == -1 or b > 2 * a):  # [4+C, A]
-        if v is None:
-            return "yolov8", False, f"[4+C, anchors] by its shape alone{' (anchors symbolic)' if b == -1 else ''}"
-        ok = all(_looks_like_boxes(x[:4].T, x[4:].T) for x in v)
-        return ("yolov8", True, "[4+C, anchors]: 4 box coordinates in pixels and class scores in [0, 1] per anchor"
-                ) if ok else None
-    if 6 <= b <= 1024 and (a == -1 or a > 2 * b):  # [A, 5+C]
-        if v is None:
-            return "yolov5", False, "[anchors, 5+C] by its shape alone"
-        if not all(_in_unit(x[:, 4:]) for x in v):
-            return None
-        if all(_looks_like_boxes(x[:, :4], x[:, 4:]) for x in v) and all(x[:, 2:4].min() >= 0 for x in v):
-            return "yolov5", True, "[anchors, 5+C]: decoded boxes in pixels, objectness and class scores in [0, 1]"
-        if yolox_grid(len(v[0])) is not None:
-            return "yolox", True, ("[cells, 5+C] raw grid cells of a YOLOX head (offsets and log sizes, objectness "
-                                   f"and class scores in [0, 1]; {len(v[0])} cells = the stride-8/16/32 grids)")
-    return None
-
-
-def infer_task(outputs: tuple[TensorSpec, ...], values: Outputs | None = None) -> TaskSpec:
+def infer_task(outputs: tuple[TensorSpec, ...], values: Outputs | None = None,
+               every: list[Outputs] | None = None) -> TaskSpec:
     """The task the first output serves, read from its shape (symbolic dimensions included) and, given ``values``
-    (the FP32 outputs on the evaluation data), from what it holds. The result says how sure it is: ``sure`` only
-    when shape and values agree (softmax rows, boxes with scores in [0, 1], ...); a guess never gates int8."""
+    (the FP32 outputs on the evaluation data), from what it holds; a CenterNet head (heat map, sizes, offsets and
+    landmarks on one grid) from every output's shape and, given ``every`` (fp32's values of each output), theirs.
+    The result says how sure it is: ``sure`` only when shape and values agree (softmax rows, boxes with scores in
+    [0, 1], ...); a guess never gates int8."""
+    head = _centernet(outputs, every) if len(outputs) >= 3 else None
+    if head is not None:
+        return head
     spec = outputs[0]
     dims = list(spec.shape)
     v = [np.asarray(x, np.float64) for x in samples(values)][:64] if values is not None else None
@@ -271,7 +314,7 @@ def infer_task(outputs: tuple[TensorSpec, ...], values: Outputs | None = None) -
             task, what, sure = ("classification" if core[0] != -1 and core[0] <= 1000 else "embedding",
                                 "unnormalised scores: class logits or an embedding, which the values cannot tell "
                                 "apart", False)
-    elif len(core) == 2 and (det := _detection_layout(core, v)) is not None:
+    elif len(core) == 2 and (det := detection_layout(core, v)) is not None:
         task, (fmt, sure, what) = "detection", det
         args = {"format": fmt}
     elif len(core) == 2 and v is not None and all(_rows_are_distributions(x) for x in v) and core[1] >= 3:
@@ -297,8 +340,10 @@ def resolve_task(declared: str | None, task_args: str | None, model: Path,
                  outputs: tuple[TensorSpec, ...]) -> TaskSpec:
     """--task (with --task-args), else MODEL.task.yaml, else inferred from the output shapes."""
     if declared:
-        task = canonical_task(declared, "--task")
-        args, source, note = parse_task_args(task, task_args), "declared", f"task {task} (--task)"
+        (task, args), *more = parse_tasks(declared, task_args)
+        source, note = "declared", f"task {task} (--task)"
+        if more:
+            args["also"] = ";".join(f"{t}:" + ",".join(f"{k}={v}" for k, v in a.items()) for t, a in more)
     elif task_args:
         raise InputError("--task-args needs --task NAME")
     elif task_file(model).is_file():
@@ -307,43 +352,28 @@ def resolve_task(declared: str | None, task_args: str | None, model: Path,
     else:
         return infer_task(outputs)
     names = [o.name for o in outputs]
+    if task == "detection" and args.get("format") == "centernet" and "wh" not in args:  # the roles from the shapes
+        roles = centernet_roles({o.name: tuple(d for i, d in enumerate(o.shape) if i != o.batch_axis)
+                                 for o in outputs}, None)
+        if roles is None or ("output" in args and roles[0]["heat"] != args["output"]):
+            raise InputError("detection format centernet: the outputs do not show which map is which; name them "
+                             "(--task 'detection:format=centernet,output=HEAT,wh=SIZES,offset=OFFSETS,landmarks=...')")
+        args = {**{k: v for k, v in roles[0].items() if k != "heat"}, "output": roles[0]["heat"], **args}
     output = str(args.pop("output", names[0]))
     if output not in names:
         raise InputError(f"task {task}: output {output!r} is not one of the model's outputs {names}")
     spec = next(o for o in outputs if o.name == output)
-    return TaskSpec(task, output, args, source, f"{note} on output {output!r} {_shape(spec)}")
+    found = TaskSpec(task, output, args, source, f"{note} on output {output!r} {_shape(spec)}")
+    unknown = [o for o in found.reads() if o not in names]
+    if unknown:
+        raise InputError(f"task {task}: output {unknown[0]!r} is not one of the model's outputs {names}")
+    if found.also():
+        found = TaskSpec(task, output, args, source, found.note + "; also " + "; ".join(
+            f"{t.name} on output {t.output!r}" for t in found.also()))
+    return found
 
 
 # -- judging ---------------------------------------------------------------------------------------
-def samples(out: Outputs) -> list[np.ndarray]:
-    return list(out) if isinstance(out, list) else [out[i] for i in range(len(out))]
-
-
-def _wilson(hits: int, n: int) -> tuple[float, float] | None:
-    if n == 0:
-        return None
-    p, z = hits / n, 1.96
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (round(max(0.0, mid - half), 6), round(min(1.0, mid + half), 6))
-
-
-def _mean_ci(values: list[float]) -> tuple[float, float] | None:
-    if not values:
-        return None
-    v = np.asarray(values, np.float64)
-    half = 1.96 * float(v.std(ddof=1)) / math.sqrt(len(v)) if len(v) > 1 else 0.0
-    m = float(v.mean())
-    return (round(max(0.0, m - half), 6), round(min(1.0, m + half), 6))
-
-
-def _crit(name: str, value: float, bound: float, kind: str, ci: tuple[float, float] | None) -> TaskCriterion:
-    value, bound = round(min(max(value, 0.0), 1.0), 6), round(bound, 6)
-    ok = value >= bound - 1e-9 if kind == "min" else value <= bound + 1e-9
-    return TaskCriterion(name=name, value=value, bound=bound, kind=kind, ci95=ci, passed=ok)  # type: ignore[arg-type]
-
-
 def _classification(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
                     min_agreement: float) -> tuple[list[TaskCriterion], dict[str, float]]:
     agree = [float((r.argmax(axis=-1) == c.argmax(axis=-1)).mean()) for r, c in zip(ref, cand, strict=True)]
@@ -352,129 +382,6 @@ def _classification(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray
     crit = _crit("top1_agreement", float(np.mean(agree)), min_agreement if bound is None else bound, "min",
                  _wilson(whole, len(agree)) if all(r.ndim == 1 for r in ref) else _mean_ci(agree))
     return [crit], {}
-
-
-def yolox_grid(anchors: int, input_h: int | None = None,
-               input_w: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-    """The cell offsets [A, 2] (x, y) and strides [A] of YOLOX's stride-8/16/32 grids holding ``anchors`` cells for
-    an input_h x input_w image (default: the square image that fits), or None when no such image exists."""
-    if input_h is None or input_w is None:
-        # a square image of side S holds S*S * (1/64 + 1/256 + 1/1024) = S*S * 21/1024 cells
-        side = math.isqrt(anchors * 1024 // 21) if anchors > 0 else 0
-        if side < 32 or side % 32:
-            return None
-        input_h = input_w = side
-    levels = [(input_h // s, input_w // s, s) for s in YOLOX_STRIDES]
-    if sum(h * w for h, w, _ in levels) != anchors:
-        return None
-    xy, st = [], []
-    for h, w, s in levels:
-        gy, gx = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        xy.append(np.stack([gx.reshape(-1), gy.reshape(-1)], axis=1))
-        st.append(np.full(h * w, s))
-    return np.concatenate(xy).astype(np.float64), np.concatenate(st).astype(np.float64)
-
-
-def _probabilities(v: np.ndarray) -> np.ndarray:
-    """Scores as probabilities: logits (any value outside [0, 1]) through a sigmoid."""
-    return v if v.size == 0 or (v.min() >= 0 and v.max() <= 1) else 1 / (1 + np.exp(-np.clip(v, -60, 60)))
-
-
-def _boxes(x: np.ndarray, fmt: str, score: float, nms: float, input_h: int | None = None,
-           input_w: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(xyxy [K, 4], scores [K], classes [K]) after the score threshold and per-class NMS."""
-    x = x.astype(np.float64)
-    if x.ndim != 2 or x.shape[0] * x.shape[1] > MAX_ANCHORS * 64:
-        raise InputError(f"detection ({fmt}) needs one [4+C, A] or [A, 5+C] array per sample of at most "
-                         f"{MAX_ANCHORS} boxes; a sample here has shape {list(x.shape)}")
-    if fmt == "yolov8":  # [4+C, A]
-        rows = x.T
-        cls_scores = rows[:, 4:]
-    elif fmt == "yolox":  # [A, 5+C] raw cells: decode against the grid
-        grid = yolox_grid(len(x), input_h, input_w)
-        if grid is None:
-            raise InputError(f"detection format yolox: {len(x)} cells are not the stride-8/16/32 grids of a square "
-                             "image; give the input size (--task-args 'input_h=H,input_w=W')")
-        cells, strides = grid
-        rows = np.concatenate([(x[:, :2] + cells) * strides[:, None],
-                               np.exp(np.clip(x[:, 2:4], -20, 20)) * strides[:, None], x[:, 4:]], axis=1)
-        cls_scores = _probabilities(rows[:, 5:]) * _probabilities(rows[:, 4:5])
-    else:  # yolov5: [A, 5+C], objectness times class score
-        rows = x
-        cls_scores = rows[:, 5:] * rows[:, 4:5]
-    if cls_scores.shape[1] == 0:
-        raise InputError(f"detection format {fmt}: the output has no class columns ({list(x.shape)})")
-    cls = cls_scores.argmax(axis=1)
-    sc = cls_scores.max(axis=1)
-    keep = sc >= score
-    cx, cy, w, h = (rows[keep, i] for i in range(4))
-    xyxy = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)
-    sc, cls = sc[keep], cls[keep]
-    order = np.argsort(-sc, kind="stable")[:3000]
-    xyxy, sc, cls = xyxy[order], sc[order], cls[order]
-    kept: list[int] = []
-    suppressed = np.zeros(len(sc), bool)
-    for i in range(len(sc)):
-        if suppressed[i]:
-            continue
-        kept.append(i)
-        if len(kept) >= 300:
-            break
-        ious = _iou(xyxy[i], xyxy[i + 1:])
-        suppressed[i + 1:] |= (ious > nms) & (cls[i + 1:] == cls[i])
-    return xyxy[kept], sc[kept], cls[kept]
-
-
-def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-    if len(boxes) == 0:
-        return np.zeros(0)
-    lt = np.maximum(box[:2], boxes[:, :2])
-    rb = np.minimum(box[2:], boxes[:, 2:])
-    inter = np.prod(np.clip(rb - lt, 0, None), axis=1)
-    area = lambda b: np.prod(np.clip(b[..., 2:] - b[..., :2], 0, None), axis=-1)  # noqa: E731
-    union = area(box) + area(boxes) - inter
-    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
-
-
-# a detector's gate judges the boxes fp32 finds: with fewer than this on the evaluation data, "all kept" says nothing
-# (the corpus's YOLOX captcha detector passed at 0 of 0 boxes on data where it finds none)
-MIN_REFERENCE_BOXES = 10
-
-
-def _detection(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
-               _min: float) -> tuple[list[TaskCriterion], dict[str, float]]:
-    fmt, score, iou_t, nms = task.arg("format"), task.arg("score"), task.arg("iou"), task.arg("nms")
-    n_ref = n_cand = tp = 0
-    ious: list[float] = []
-    for r, c in zip(ref, cand, strict=True):
-        if r.ndim != 2:
-            raise InputError(f"detection ({fmt}) needs an output of [N, 4+C, A] (yolov8) or [N, A, 5+C] (yolov5, "
-                             "yolox); "
-                             f"a sample here has shape {list(r.shape)}: declare another task with --task")
-        rb, _, rc = _boxes(r, fmt, score, nms, task.arg("input_h"), task.arg("input_w"))
-        cb, _, cc = _boxes(c, fmt, score, nms, task.arg("input_h"), task.arg("input_w"))
-        used = np.zeros(len(cb), bool)
-        for box, k in zip(rb, rc, strict=True):  # reference boxes in order of score
-            cand_iou = np.where(~used & (cc == k), _iou(box, cb), 0.0)
-            j = int(cand_iou.argmax()) if len(cb) else -1
-            if j >= 0 and cand_iou[j] >= iou_t:
-                used[j] = True
-                tp += 1
-                ious.append(float(cand_iou[j]))
-        n_ref += len(rb)
-        n_cand += len(cb)
-    if n_ref < MIN_REFERENCE_BOXES:  # 0 of 0 boxes kept is not evidence: the eval data show no objects
-        raise InputError(f"detection ({fmt}): the fp32 model finds {n_ref} box(es) on the {len(ref)} evaluation "
-                         f"sample(s) at score >= {score:g}, fewer than the {MIN_REFERENCE_BOXES} a box gate needs to "
-                         "judge anything: give evaluation images with the objects the model detects (or check "
-                         "--task-args format=, score=)")
-    recall = tp / n_ref
-    precision = tp / n_cand if n_cand else 1.0
-    crits = [_crit("box_recall", recall, task.arg("min_recall"), "min", _wilson(tp, n_ref)),
-             _crit("box_precision", precision, task.arg("min_precision"), "min", _wilson(tp, n_cand)),
-             _crit("mean_iou", float(np.mean(ious)) if ious else (1.0 if n_ref == 0 else 0.0), task.arg("min_iou"),
-                   "min", _mean_ci(ious))]
-    return crits, {"fp32_boxes": float(n_ref), "candidate_boxes": float(n_cand), "matched_boxes": float(tp)}
 
 
 def ctc_decode(scores: np.ndarray, blank: int = 0) -> list[int]:
@@ -612,8 +519,8 @@ def _regression(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
     err = np.abs(r - c)
     details = {"max_abs_error": float(err.max(initial=0.0)), "mean_abs_error": float(err.mean()) if err.size else 0.0}
     thr = task.arg("threshold")
-    if thr is None and r.size and r.min() >= 0 and r.max() <= 1:
-        thr = 0.5  # probabilities
+    if thr is None and "tol" not in task.args and r.size and r.min() >= 0 and r.max() <= 1:
+        thr = 0.5  # probabilities; values in [0, 1] judged by a tolerance (coordinates, scores) make no decisions
     crits = []
     if thr is not None:
         same = int(((r > thr) == (c > thr)).sum())
@@ -706,16 +613,57 @@ def _embedding(task: TaskSpec, ref: list[np.ndarray], cand: list[np.ndarray],
     return crits, {"mean_cosine": round(float(np.mean(cos)), 6), "worst_cosine": round(float(cos.min()), 6)}
 
 
-_JUDGES = {"classification": _classification, "detection": _detection, "ctc": _ctc, "segmentation": _segmentation,
+_JUDGES = {"classification": _classification, "ctc": _ctc, "segmentation": _segmentation,
            "regression": _regression, "embedding": _embedding}
 
 
-def judge(task: TaskSpec, ref: Outputs, cand: Outputs, min_agreement: float) -> TaskReport:
-    """Judge the candidate's output against FP32's by the task; the first criterion is the task's metric."""
+def _stack(out: Outputs) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in samples(out)])
+
+
+def relative_l2(ref: Outputs, cand: Outputs) -> float:
+    """||candidate - fp32|| / ||fp32|| over the evaluation set (1.0 when the shapes differ)."""
+    r, c = samples(ref), samples(cand)
+    if len(r) != len(c) or any(np.shape(a) != np.shape(b) for a, b in zip(r, c, strict=True)):
+        return 1.0
+    a, b = _stack(ref), _stack(cand)
+    norm = float(np.linalg.norm(a))
+    return float(np.linalg.norm(a - b)) / norm if norm > 0 else float(np.abs(b).max(initial=0.0) > 0)
+
+
+def _one(task: TaskSpec, ref: Outputs, cand: Outputs, min_agreement: float,
+         others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]]) -> tuple[list[TaskCriterion], dict[str, float]]:
     r, c = samples(ref), samples(cand)
     if len(r) != len(c) or not r:
         raise InputError(f"output {task.output!r}: fp32 gave {len(r)} samples, the candidate {len(c)}")
-    crits, details = _JUDGES[task.name](task, r, c, min_agreement)
+    if task.name in ("detection", "keypoints"):
+        return (detection if task.name == "detection" else keypoints)(task, r, c, min_agreement, others)
+    return _JUDGES[task.name](task, r, c, min_agreement)
+
+
+def judge(task: TaskSpec, ref: Outputs, cand: Outputs, min_agreement: float,
+          others: dict[str, tuple[Outputs, Outputs]] | None = None,
+          max_unjudged_change: float | None = None) -> TaskReport:
+    """Judge the candidate's output against FP32's by the task, and each task of its --task list on its own output
+    (their criteria named ``OUTPUT.criterion``); the first criterion is the task's metric. ``others``: every output
+    of the model by name, (fp32's, the candidate's). Each output no task reads is measured (relative L2 against
+    fp32, in the details); with ``max_unjudged_change``, one that changes more fails ``unjudged_outputs_unchanged``
+    (nothing judges what its change does to the answers)."""
+    every = {k: (samples(a), samples(b)) for k, (a, b) in (others or {}).items()}
+    crits, details = _one(task, ref, cand, min_agreement, every)
+    for t in task.also():
+        if t.output not in every:
+            raise InputError(f"task {t.name}: output {t.output!r} is not one of the model's outputs {sorted(every)}")
+        more, extra = _one(t, *every[t.output], min_agreement, every)
+        crits += [x.model_copy(update={"name": f"{t.output}.{x.name}"[:64]}) for x in more]
+        details.update({f"{t.output}.{k}": v for k, v in extra.items()})
+    unjudged = [k for k in every if k not in task.reads()]
+    changes = {k: relative_l2(*every[k]) for k in unjudged}
+    details.update({f"unjudged_rel_l2.{k}": v for k, v in changes.items()})
+    if unjudged and max_unjudged_change is not None:
+        same = sum(v <= max_unjudged_change for v in changes.values())
+        crits.append(crit("unjudged_outputs_unchanged", same / len(unjudged), 1.0, "min", None))
+        details["max_unjudged_rel_l2"] = float(max_unjudged_change)
     first = crits[0]
     return TaskReport(task=task.name, source=task.source, output=task.output,  # type: ignore[arg-type]
                       args={k: str(v) for k, v in task.args.items()}, note=task.note, metric=first.name,

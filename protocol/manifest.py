@@ -64,6 +64,7 @@ __all__ = [
     "BUILD_NOTES_VERSION",
     "DRIFT_VERSION",
     "FIXED_BATCH_VERSION",
+    "JUDGED_VERSION",
     "MANIFEST_FILENAME",
     "MANIFEST_VERSION",
     "MAX_MANIFEST_BYTES",
@@ -89,6 +90,7 @@ __all__ = [
 ]
 
 MANIFEST_VERSION = 8
+JUDGED_VERSION = 8  # the first version with accuracy.not_judged and task keypoints
 PIPELINE_VERSION = 7  # the first version with pipeline (two models run as one)
 TASK_GATE_VERSION = 3  # the first version with accuracy.task
 VARIANTS_VERSION = 4  # the first version with variants (precision chosen on the device)
@@ -181,7 +183,8 @@ class TaskReport(StrictModel):
     """The candidate judged against fp32 by what the model is for (version 3)."""
 
     # pipeline (version 7): the end answers of a pipeline against the fp32 pipeline's
-    task: Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding", "pipeline"]
+    task: Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding", "keypoints",
+                  "pipeline"]
     source: Literal["declared", "file", "inferred"]
     output: str
     args: dict[str, str] = Field(default_factory=dict)
@@ -216,6 +219,8 @@ class AccuracyReport(StrictModel):
     drop_ci95: tuple[float, float] | None = None  # paired 95% interval of the drop (top1 per sample)
     # version 3: the task gate (metric "agreement": candidate is the score of the criterion with the least room)
     task: TaskReport | None = None
+    # version 8: the outputs neither labels nor a task judged (their figures are in ``outputs`` and the task's details)
+    not_judged: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> AccuracyReport:
@@ -385,6 +390,10 @@ class Manifest(StrictModel):
     def _version_carries_content(self) -> Manifest:
         if self.accuracy.task is not None and self.manifest_version < TASK_GATE_VERSION:
             raise ValueError(f"accuracy.task needs manifest_version {TASK_GATE_VERSION} or newer")
+        if self.manifest_version < JUDGED_VERSION and any(
+                a.not_judged or (a.task is not None and a.task.task == "keypoints")
+                for a in (self.accuracy, *(v.accuracy for v in self.variants))):
+            raise ValueError(f"accuracy.not_judged and task keypoints need manifest_version {JUDGED_VERSION} or newer")
         if self.fixed_batch is not None and self.manifest_version < FIXED_BATCH_VERSION:
             raise ValueError(f"fixed_batch needs manifest_version {FIXED_BATCH_VERSION} or newer")
         if self.build_notes and self.manifest_version < BUILD_NOTES_VERSION:
@@ -522,6 +531,8 @@ class Manifest(StrictModel):
         for acc in [data["accuracy"], *(v["accuracy"] for v in data.get("variants", ()))]:
             if acc.get("task") is None:
                 acc.pop("task", None)
+            if not acc.get("not_judged"):
+                acc.pop("not_judged", None)
         if not data.get("variants"):
             data.pop("variants", None)
         if not data.get("build_notes"):

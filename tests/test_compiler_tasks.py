@@ -258,11 +258,11 @@ def test_a_damaged_engine_is_refused_with_advice_that_never_loosens_a_bound(tmp_
     from edgefleet.compiler.gate import advice
 
     assert not r.passed and spec.sure
-    text = advice(r, spec, 300, "tried")
+    text = advice(r, spec, "tried")
     assert "min_iou" not in text and "loosen" not in text and "--task-args" not in text, text
     assert "declare its task (--task NAME" in text and text.endswith("ships fp32 and says why)")
     declared = TaskSpec("segmentation", "mask", {}, "declared")
-    assert advice(r, declared, 300, "tried").startswith("no int8 engine keeps the task's answers")
+    assert advice(r, declared, "tried").startswith("no int8 engine keeps the task's answers")
 
 
 # -- 4. errors before work ------------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""Keypoints (face landmarks, a pose's joints): instances matched, then the share of points that stay put (PCK).
+
+A keypoint output holds, per sample, one instance's points (``[2K]``, ``[K, 2]``, or ``[K, 3]`` with a score per
+point) or several instances' (``[I, K, 2]``, ``[I, K, 3]``, ``[I, 2K]``). FP32's instances are matched one to one by
+the candidate's: by box IoU >= ``iou`` when the task names the instances' boxes (``boxes=OUTPUT``: ``[4]`` or
+``[I, 4]`` x0, y0, x1, y1 per sample), else by the model's own instance order (one instance per image, or the same
+number in the same order). Each FP32 point then counts as kept when the candidate's lies within ``pck`` (default
+0.05) of the instance's size: the longer side of FP32's box, or without boxes the longer side of the box around
+FP32's points. A lost instance loses all its points. The gate's bound is ``min_pck`` (default 0.98) on the kept
+share, and ``min_instances`` on the instances matched when boxes are named. Pure functions of arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from edgefleet.judge.criteria import crit, mean_ci, wilson
+from edgefleet.judge.errors import InputError
+from edgefleet.protocol.manifest import TaskCriterion
+
+__all__ = ["keypoints", "pck_criteria", "pck_hits"]
+
+
+def pck_hits(ref: np.ndarray, cand: np.ndarray | None, size: float, fraction: float) -> np.ndarray:
+    """Per FP32 point [K, 2+]: whether the candidate's point lies within ``fraction`` of ``size`` (None: all lost)."""
+    if cand is None:
+        return np.zeros(len(ref), bool)
+    d = np.linalg.norm(np.asarray(ref, np.float64)[:, :2] - np.asarray(cand, np.float64)[:, :2], axis=1)
+    return d <= fraction * max(size, 1e-9)
+
+
+def pck_criteria(hits: list[np.ndarray], bound: float, fraction: float,
+                 size: str) -> tuple[list[TaskCriterion], dict[str, float]]:
+    """The ``pck`` criterion from each instance's hits (the interval over instances' shares); ``size`` names the
+    instance size the fraction is of (in the details' key)."""
+    kept = int(sum(int(h.sum()) for h in hits))
+    total = int(sum(len(h) for h in hits))
+    per = [float(h.mean()) for h in hits if len(h)]
+    moved = sum(1 for h in hits if len(h) and not h.all())
+    return ([crit("pck", kept / total if total else 1.0, bound, "min", mean_ci(per))],
+            {"fp32_points": float(total), "kept_points": float(kept), f"pck_fraction_of_{size}": float(fraction),
+             "instances_with_moved_points": float(moved)})
+
+
+def _instances(x: np.ndarray, where: str) -> np.ndarray:
+    """One sample's points as [I, K, 2+]."""
+    x = np.asarray(x, np.float64)
+    if x.ndim == 1 and x.size % 2 == 0:
+        return x.reshape(1, -1, 2)
+    if x.ndim == 2 and x.shape[1] in (2, 3):
+        return x[None]
+    if x.ndim == 2 and x.shape[1] % 2 == 0:
+        return x.reshape(len(x), -1, 2)
+    if x.ndim == 3 and x.shape[2] in (2, 3):
+        return x
+    raise InputError(f"keypoints: {where} has shape {list(x.shape)} per sample; points are [2K], [K, 2], [K, 3], "
+                     "[I, K, 2], [I, K, 3] or [I, 2K]")
+
+
+def _boxes(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64).reshape(-1)
+    if x.size % 4:
+        raise InputError(f"keypoints: boxes= needs [4] or [I, 4] (x0, y0, x1, y1) per sample; got {x.size} values")
+    return x.reshape(-1, 4)
+
+
+def _match(rb: np.ndarray, cb: np.ndarray, iou_t: float) -> list[tuple[int, int, float]]:
+    """FP32's boxes matched one to one by the candidate's, largest IoU first, at IoU >= ``iou_t``."""
+    if not len(rb) or not len(cb):
+        return []
+    lt, br = np.maximum(rb[:, None, :2], cb[None, :, :2]), np.minimum(rb[:, None, 2:], cb[None, :, 2:])
+    inter = np.prod(np.clip(br - lt, 0, None), axis=-1)
+    area = lambda b: np.prod(np.clip(b[:, 2:] - b[:, :2], 0, None), axis=-1)  # noqa: E731
+    iou = inter / np.maximum(area(rb)[:, None] + area(cb)[None] - inter, 1e-9)
+    used_r: set[int] = set()
+    used_c: set[int] = set()
+    out = []
+    for flat in np.argsort(-iou, axis=None, kind="stable"):
+        i, j = divmod(int(flat), iou.shape[1])
+        if iou[i, j] < iou_t:
+            break
+        if i not in used_r and j not in used_c:
+            used_r.add(i)
+            used_c.add(j)
+            out.append((i, j, float(iou[i, j])))
+    return out
+
+
+def keypoints(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: float,
+              others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None = None
+              ) -> tuple[list[TaskCriterion], dict[str, float]]:
+    """``task``: a judge.tasks.TaskSpec of task keypoints; ``others``: every output's (fp32, candidate) samples."""
+    name = task.arg("boxes")
+    if name is not None and name not in (others or {}):
+        raise InputError(f"keypoints: boxes={name!r} is not one of the model's outputs {sorted(others or {})}")
+    boxes = (others or {}).get(name) if name is not None else None
+    fraction, iou_t = task.arg("pck"), task.arg("iou")
+    hits: list[np.ndarray] = []
+    n_ref = matched = 0
+    ious: list[float] = []
+    for s, (r, c) in enumerate(zip(ref, cand, strict=True)):
+        rp, cp = _instances(r, "fp32's output"), _instances(c, "the candidate's output")
+        if boxes is not None:
+            rb, cb = _boxes(boxes[0][s]), _boxes(boxes[1][s])
+            if len(rb) != len(rp) or len(cb) != len(cp):
+                raise InputError(f"keypoints: {len(rb)} boxes and {len(rp)} instances of points in sample {s}; "
+                                 "boxes= must give one box per instance")
+            pairs = {i: (j, u) for i, j, u in _match(rb, cb, iou_t)}
+            sizes = np.maximum(rb[:, 2] - rb[:, 0], rb[:, 3] - rb[:, 1])
+        else:
+            if len(rp) != len(cp):
+                raise InputError(f"keypoints: fp32 gives {len(rp)} instances and the candidate {len(cp)} in sample "
+                                 f"{s}, and no boxes= output matches them: name the instances' boxes")
+            pairs = {i: (i, 1.0) for i in range(len(rp))}
+            sizes = np.array([float(np.ptp(p[:, :2], axis=0).max()) for p in rp])
+        for i in range(len(rp)):
+            j, u = pairs.get(i, (None, 0.0))
+            hits.append(pck_hits(rp[i], cp[j] if j is not None else None, float(sizes[i]), fraction))
+            matched += j is not None
+            ious.append(u)
+        n_ref += len(rp)
+    if not n_ref:
+        raise InputError(f"keypoints: fp32 gives no instance on the {len(ref)} evaluation samples")
+    size = "box_longer_side" if boxes is not None else "points_extent_longer_side"
+    crits, details = pck_criteria(hits, task.arg("min_pck"), fraction, size)
+    details.update({"fp32_instances": float(n_ref), "matched_instances": float(matched)})
+    if boxes is not None:
+        crits.append(crit("instance_recall", matched / n_ref, task.arg("min_instances"), "min",
+                          wilson(matched, n_ref)))
+        details["mean_box_iou"] = round(float(np.mean(ious)), 6)
+    return crits, details
