@@ -73,6 +73,27 @@ class Bootstrap(ApiModel):
     mqtt_auth: bool  # True: agents need credentials (POST /api/v1/enroll with a token)
 
 
+class TimeStatement(ApiModel):
+    """What the fleet signs: its time for a device's nonce (protocol.signed_time)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    type: str = Field(alias="_type")  # "edgefleet-time"
+    nonce: str
+    time: str  # UTC, "YYYY-MM-DDTHH:MM:SSZ"
+
+
+class TimeSignature(ApiModel):
+    keyid: str
+    sig: str
+
+
+class SignedTime(ApiModel):
+    """The fleet's time, signed with the TUF timestamp role's key over the canonical JSON of ``signed``."""
+
+    signed: TimeStatement
+    signatures: list[TimeSignature]
+
+
 class Enrolled(Bootstrap):
     """A device's MQTT account, returned once, with what /api/v1/bootstrap says."""
 

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
+from edgefleet.fleet import schemas as out
 from edgefleet.fleet.routes.context import Fleet
 from edgefleet.protocol.signed_time import NONCE_RE, sign_time
 
@@ -41,7 +42,7 @@ def router(fleet: Fleet) -> APIRouter:
     r = APIRouter()
     keys, budget = fleet.repo.keys, _PerSecond(MAX_PER_S)
 
-    @r.get("/api/v1/time", response_model=None)
+    @r.get("/api/v1/time", response_model=out.SignedTime, responses={503: {"model": out.Error}})
     def signed_time(nonce: str = Query(pattern=NONCE_RE.pattern, description="32-64 lowercase hex digits, "
                                                                                "fresh for each request")) -> Any:
         """The fleet's time, signed with the TUF timestamp role's key for this ``nonce`` (protocol.signed_time):
