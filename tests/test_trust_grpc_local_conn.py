@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +35,7 @@ pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc]")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 NOBODY = 65534
+REPO = Path(__file__).resolve().parent.parent
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 EMPTY_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an HTTP/2 SETTINGS frame with no settings
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="a client of another user needs root to drop to nobody")
@@ -178,3 +181,44 @@ def test_local_socket_half_frames_of_another_user(tmp_path):
                     p.kill()
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
+
+AGENT_AT_256_FDS = """
+import resource, sys, tempfile, threading
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from tests.agent_harness import running_agent
+with running_agent(Path(tempfile.mkdtemp()), grpc_port=0, grpc_handshake_timeout_s=60) as (a, _url):
+    print(a.grpc_port, flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.trust("connections to the gRPC port past a quarter of the agent's descriptor limit")
+def test_grpc_connections_stay_under_a_quarter_of_the_descriptor_limit(tmp_path):
+    """An agent with 256 descriptors (grpc_max_connections 256 by default): 300 silent connections leave it at most
+    64 of them (a quarter), the rest closed as accepted, so its other listeners and files keep their descriptors;
+    gRPC answers once they are gone. Before: it took connections until the table was full (256)."""
+    proc = subprocess.Popen([sys.executable, "-c", AGENT_AT_256_FDS], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        fds = Path(f"/proc/{proc.pid}/fd")
+        before = len(list(fds.iterdir()))
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.setblocking(False)
+            socks.append(s)
+        wait_for(lambda: sum(closed_by_server(s) for s in socks) >= 300 - 64, 30, "the connections past the cap closed",
+                 interval_s=0.2)
+        assert len(list(fds.iterdir())) <= before + 64
+        for s in socks:
+            s.close()
+        wait_for(lambda: len(list(fds.iterdir())) <= before, 30, "the agent's descriptors back to where they were")
+        assert live(port)
+    finally:
+        for s in socks:
+            s.close()
+        proc.communicate("stop\n", timeout=60)
