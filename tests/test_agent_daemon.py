@@ -35,7 +35,7 @@ def write_config(path: Path, data_dir: Path, extra: str = "") -> Path:
     ("max_batch: 8", "unknown key 'max_batch' (did you mean 'max_batch_size'?)"),
     ("http-prot: 8080", "unknown key 'http_prot' (did you mean 'http_port'?)"),
     ("shutdown_grace: 5", "unknown key 'shutdown_grace' (did you mean 'shutdown_grace_s'?)"),
-    ("colour: blue", "unknown key 'colour' (valid keys: batch_tuning, data_dir, device_id,"),
+    ("colour: blue", "unknown key 'colour' (valid keys: batch_tuning, clock_tolerance_s, data_dir, device_id,"),
     ("onnxruntime_providers: [CUDAExecutionProvidr]",
      "unknown execution provider 'CUDAExecutionProvidr' (did you mean 'CUDAExecutionProvider'?)"),
     ("onnxruntime_providers: []", "name at least one provider"),
