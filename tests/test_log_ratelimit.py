@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 FLOOD = 300
+COUNTED = re.compile(r"\[([\d,]+) like this in the last \d+ s, not shown; the last\]$")
 
 
 def _refused(path: Path) -> bool:
@@ -60,8 +62,11 @@ def test_an_agent_flooded_with_refused_frames_logs_one_line_and_a_count(tmp_path
             proc.kill()
             proc.wait()
     lines = [ln for ln in err.splitlines() if "not an edgefleet local frame" in ln]
-    assert len(lines) == BURST + 1, "\n".join(lines[:10])
-    assert f"[{FLOOD - BURST:,} like this in the last " in lines[-1], lines
+    counts = [COUNTED.search(ln) for ln in lines]
+    # every refusal accounted for: shown, or counted in a line of its own (one interval of 10 s here: 5 + 1 lines;
+    # a slow run may span two)
+    assert len(lines) - sum(map(bool, counts)) + sum(int(m[1].replace(",", "")) for m in counts if m) == FLOOD, lines
+    assert BURST + 1 <= len(lines) <= 2 * (BURST + 1), "\n".join(lines[:20])
     assert lines[-1].endswith("s, not shown; the last]"), lines
 
 
@@ -114,7 +119,7 @@ def test_an_asyncio_listener_out_of_descriptors_logs_once(tmp_path):
             proc.wait()
     err = "".join(lines)
     failures = [ln for ln in lines if "socket.accept() out of system resource" in ln]
-    assert 1 <= len(failures) <= BURST + 1, err[-3000:]  # about one a second now (asyncio's retry)
+    assert 1 <= len(failures) <= 2 * (BURST + 1), err[-3000:]  # about one a second now (asyncio's retry)
     assert len(err) < 20_000, len(err)
 
 
