@@ -158,7 +158,7 @@ def test_local_socket_half_frames_of_another_user(tmp_path):
     where.chmod(0o755)
     try:
         with running_agent(tmp_path / "agent", local_socket=where / "local.sock", local_max_connections=8,
-                           local_frame_timeout_s=3) as (a, _url):
+                           local_frame_timeout_s=5) as (a, _url):
             os.chown(a.local_socket, 0, NOBODY)  # nobody's group may connect (mode 0660), as a second user would
             ctx = multiprocessing.get_context("fork")
             out = ctx.Queue()
