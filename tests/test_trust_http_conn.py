@@ -61,8 +61,22 @@ def ask(port: int, request: bytes, src: str = "127.0.0.1") -> bytes:
         return answer(s)
 
 
-def fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def held(port: int) -> int:
+    """Descriptors this process (where the listener runs) holds for connections accepted on ``port``: its
+    sockets whose local end is that port, listening socket aside (/proc/net/tcp: inode by local port)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if int(cols[1].split(":")[1], 16) == port and cols[3] != "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") in inodes
+        except OSError:  # closed meanwhile
+            pass
+    return n
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +96,6 @@ def capped_agent(tmp_path_factory) -> Iterator[int]:
 
 @pytest.mark.trust("HTTP: half-sent request heads and silent connections held open")
 def test_a_head_that_never_ends_is_closed_at_its_deadline(agent):
-    base = fds()
     half = [connect(agent) for _ in range(40)]
     silent = [connect(agent) for _ in range(40)]
     for s in half:
@@ -92,7 +105,7 @@ def test_a_head_that_never_ends_is_closed_at_its_deadline(agent):
     assert answers[40:] == [b""] * 40  # nothing asked, nothing answered: closed
     for s in half + silent:
         s.close()
-    wait_for(lambda: fds() <= base, 10, "the agent's descriptors back to where they were")
+    wait_for(lambda: held(agent) == 0, 10, "the agent's descriptors for them closed")
     assert status(ask(agent, HEALTH)) == 200
 
 
@@ -153,48 +166,48 @@ def test_a_chunk_size_line_over_4_KiB_gets_400(agent):
 
 @pytest.mark.trust("HTTP: one address holding its connection cap")
 def test_the_per_address_cap_holds_while_others_are_served(capped_agent):
-    base = fds()
-    held = [connect(capped_agent) for _ in range(4)]
+    holding = [connect(capped_agent) for _ in range(4)]
     try:
         assert status(ask(capped_agent, HEALTH)) == 503  # a fifth from the same address
         assert status(ask(capped_agent, HEALTH, src="127.0.0.2")) == 200  # another address is served
         extra = [connect(capped_agent) for _ in range(30)]  # 30 more: refused at once, none held
         assert [answer(s)[:12] for s in extra] == [b"HTTP/1.1 503"] * 30
+        assert held(capped_agent) == 4
         for s in extra:
             s.close()
     finally:
-        for s in held:
+        for s in holding:
             s.close()
-    wait_for(lambda: fds() <= base, 10, "the agent's descriptors back to where they were")
+    wait_for(lambda: held(capped_agent) == 0, 10, "the agent's descriptors for them closed")
     wait_for(lambda: status(ask(capped_agent, HEALTH)) == 200, 10, "the address served again once it left")
 
 
 @pytest.mark.trust("HTTP: idle connections from many addresses up to the total cap")
 def test_at_the_total_cap_the_longest_idle_connection_makes_room(capped_agent):
-    held = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
+    holding = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
     try:
         with connect(capped_agent) as s:  # keeps 127.0.0.1's count: it is refused at its own cap, evicting none
             assert status(answer(s)) == 503
         assert status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 200  # a ninth, from elsewhere: served
-        assert answer(held[0]) == b""  # the longest idle one was closed for it
-        for s in held[1:]:  # the others are still open
+        assert answer(holding[0]) == b""  # the longest idle one was closed for it
+        for s in holding[1:]:  # the others are still open
             s.setblocking(False)
             with pytest.raises(BlockingIOError):
                 s.recv(1)
     finally:
-        for s in held:
+        for s in holding:
             s.close()
 
 
 @pytest.mark.trust("HTTP: busy connections from many addresses up to the total cap")
 def test_the_total_cap_holds_when_no_connection_is_idle(capped_agent):
-    held = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
+    holding = [connect(capped_agent, src) for src in ("127.0.0.1", "127.0.0.2") for _ in range(4)]
     try:
-        for s in held:  # each has begun a request: none is idle
+        for s in holding:  # each has begun a request: none is idle
             s.sendall(HALF_HEAD)
         assert status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 503
     finally:
-        for s in held:
+        for s in holding:
             s.close()
     wait_for(lambda: status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 200, 10, "served again")
 
@@ -211,18 +224,16 @@ FLEET_HEALTH = b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n
 
 @pytest.mark.trust("fleet HTTP: one address holding its cap, a half-sent head, a 70 KiB head")
 def test_the_fleet_listener_holds_the_same_limits(fleet):
-    assert status(ask(fleet, FLEET_HEALTH)) == 200  # the database's connections opened before the count
-    base = fds()
-    held = [connect(fleet) for _ in range(4)]
+    holding = [connect(fleet) for _ in range(4)]
     try:
         assert status(ask(fleet, FLEET_HEALTH)) == 503
         assert status(ask(fleet, FLEET_HEALTH, src="127.0.0.2")) == 200
     finally:
-        for s in held:
+        for s in holding:
             s.close()
     assert status(ask(fleet, b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n")) == 408
     assert status(ask(fleet, b"GET /api/v1/health HTTP/1.1\r\nX-Big: " + b"a" * 70 * 1024 + b"\r\n\r\n")) == 431
-    wait_for(lambda: fds() <= base, 10, "the fleet's descriptors back to where they were")
+    wait_for(lambda: held(fleet) == 0, 10, "the fleet's descriptors for them closed")
 
 
 @pytest.mark.trust("console: framing, type sniffing, scripts")
