@@ -38,7 +38,7 @@ TESTS = ["tests/test_tuf_attacks.py", "tests/test_keys.py", "tests/test_crash_ra
          "tests/test_fuzz.py", "tests/test_mqtt_acl.py", "tests/test_trust_boundaries.py"]
 # further tests that record "trust" probes, where present
 TESTS += [t for t in ("tests/test_broker_identity.py", "tests/test_bundle_upload_checks.py",
-                      "tests/test_agent_image_memory.py") if (REPO / t).exists()]
+                      "tests/test_agent_image_memory.py", "tests/test_trust_http_conn.py") if (REPO / t).exists()]
 
 
 def main() -> int:
