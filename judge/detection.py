@@ -14,6 +14,8 @@ centernet      four maps of one H x W grid: the centre heat map ``output`` ``[C,
                each of L points from the peak's cell, in grid cells: CenterNet's multi-pose ``hps``). Decoded by
                peak picking: a cell whose score is the largest of its 3x3 neighbourhood and at least ``score``, the
                ``top_k`` best; box = (x + ox, y + oy) -/+ (w, h)/2, in grid cells
+centerface     the same maps as CenterFace lays them out: log sizes (h, w), offsets (y, x), box = (x + ox + 0.5,
+               y + oy + 0.5) -/+ exp(w, h)/2, landmarks (y, x) per point as shares of the box from its top left
 =============  =================================================================================================
 
 FP32's boxes are matched one to one by the candidate's of the same class at IoU >= ``iou``: recall (lost boxes),
@@ -35,7 +37,8 @@ from edgefleet.protocol.manifest import TaskCriterion
 __all__ = ["DETECTION_FORMATS", "MIN_REFERENCE_BOXES", "centernet_decode", "detection", "detection_layout",
            "yolox_grid"]
 
-DETECTION_FORMATS = ("yolov8", "yolov5", "yolox", "centernet")
+DETECTION_FORMATS = ("yolov8", "yolov5", "yolox", "centernet", "centerface")
+CENTER_FORMATS = ("centernet", "centerface")
 YOLOX_STRIDES = (8, 16, 32)
 MAX_ANCHORS = 1 << 20  # work bound on one sample's candidate boxes
 MAX_PEAKS = 1000  # work bound on top_k: the peaks of one heat map kept
@@ -166,8 +169,9 @@ def _centernet_maps(task: Any, others: dict[str, tuple[list[np.ndarray], list[np
     the task names none)."""
     roles = [task.arg(k) for k in ("wh", "offset", "landmarks")]
     if roles[0] is None:
-        raise InputError("detection format centernet reads the heat map (output=), the box sizes (wh=) and the "
-                         "offsets (offset=) and landmarks (landmarks=), if any: name the wh output at least, e.g. "
+        raise InputError("detection formats centernet and centerface read the heat map (output=), the box sizes "
+                         "(wh=) and the offsets (offset=) and landmarks (landmarks=), if any: name the wh output at "
+                         "least, e.g. "
                          "--task 'detection:format=centernet,output=hm,wh=wh,offset=reg,landmarks=lms'")
     got = others or {}
     missing = [r for r in roles if r is not None and r not in got]
@@ -189,9 +193,10 @@ def _pool3(p: np.ndarray) -> np.ndarray:
 
 
 def centernet_decode(heat: np.ndarray, wh: np.ndarray, offset: np.ndarray | None, landmarks: np.ndarray | None,
-                     score: float, top_k: int, logits: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                      np.ndarray | None]:
-    """(xyxy [K, 4], scores [K], classes [K], points [K, L, 2] or None), in grid cells, of one sample's maps."""
+                     score: float, top_k: int, logits: bool, style: str = "centernet"
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(xyxy [K, 4], scores [K], classes [K], points [K, L, 2] or None), in grid cells, of one sample's maps
+    (``style``: centernet or centerface, see the module's table)."""
     heat = np.asarray(heat, np.float64)
     if heat.ndim == 2:
         heat = heat[None]
@@ -203,9 +208,11 @@ def centernet_decode(heat: np.ndarray, wh: np.ndarray, offset: np.ndarray | None
     flat = np.flatnonzero(peak)
     best = flat[np.argsort(-p.reshape(-1)[flat], kind="stable")[:min(int(top_k), MAX_PEAKS)]]
     c, y, x = np.unravel_index(best, p.shape)
-    ox, oy = (offset[0, y, x], offset[1, y, x]) if offset is not None else (0.0, 0.0)
-    w, h = wh[0, y, x], wh[1, y, x]
-    cx, cy = x + ox, y + oy
+    face = style == "centerface"
+    ox, oy = (offset[int(face), y, x], offset[1 - int(face), y, x]) if offset is not None else (0.0, 0.0)
+    w, h = (np.exp(np.clip(wh[1, y, x], -20, 20)), np.exp(np.clip(wh[0, y, x], -20, 20))) if face else \
+        (wh[0, y, x], wh[1, y, x])
+    cx, cy = x + ox + 0.5 * face, y + oy + 0.5 * face
     xyxy = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1).astype(np.float64)
     points = None
     if landmarks is not None:
@@ -213,7 +220,11 @@ def centernet_decode(heat: np.ndarray, wh: np.ndarray, offset: np.ndarray | None
         if lm.ndim != 3 or lm.shape[0] % 2 or lm.shape[1:] != p.shape[1:]:
             raise InputError(f"detection format centernet: landmarks must be [2L, H, W] on the heat map's grid; "
                              f"got {list(lm.shape)}")
-        points = np.stack([lm[0::2, y, x].T + x[:, None], lm[1::2, y, x].T + y[:, None]], axis=-1)
+        if face:  # (y, x) shares of the box from its top left
+            points = np.stack([lm[1::2, y, x].T * w[:, None] + xyxy[:, :1], lm[0::2, y, x].T * h[:, None]
+                               + xyxy[:, 1:2]], axis=-1)
+        else:
+            points = np.stack([lm[0::2, y, x].T + x[:, None], lm[1::2, y, x].T + y[:, None]], axis=-1)
     return xyxy.reshape(-1, 4), p.reshape(-1)[best], c, points
 
 
@@ -228,11 +239,11 @@ def detection(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: fl
     ious: list[float] = []
     hits: list[np.ndarray] = []
     n_points = 0
-    if fmt == "centernet":
+    if fmt in CENTER_FORMATS:
         ref_s, cand_s = _centernet_maps(task, others, ref, cand)
         logits = not all(in_unit(np.asarray(r, np.float64)) for r in ref)
-        found = [(centernet_decode(r[0], r[1], r[2], r[3], score, task.arg("top_k"), logits),
-                  centernet_decode(c[0], c[1], c[2], c[3], score, task.arg("top_k"), logits))
+        found = [(centernet_decode(r[0], r[1], r[2], r[3], score, task.arg("top_k"), logits, fmt),
+                  centernet_decode(c[0], c[1], c[2], c[3], score, task.arg("top_k"), logits, fmt))
                  for r, c in zip(ref_s, cand_s, strict=True)]
     else:
         found = []
@@ -329,8 +340,13 @@ def centernet_roles(shapes: dict[str, tuple[int, ...]], values: dict[str, list[n
     heat_v = [np.asarray(x, np.float64) for x in values[roles["heat"]]]
     off_ok = "offset" not in roles or all(float(x.min()) >= -0.5 and float(x.max()) <= 1.5
                                           for x in values[roles["offset"]])
-    wh_ok = max(float(np.asarray(x).max()) for x in values[roles["wh"]]) > 1.0
+    wh_ok = max(float(np.asarray(x).max()) for x in values[roles["wh"]]) > 0.5
     peaks = any(float(x.max()) > 0.25 if in_unit(x) else float(x.max()) > -1.1 for x in heat_v)
     sure = off_ok and wh_ok and peaks
+    at_peaks = [np.asarray(w)[:, (np.asarray(h) >= (0.25 if in_unit(h) else -1.1)).any(axis=0)]
+                for w, h in zip(values[roles["wh"]], heat_v, strict=True)]
+    if any(a.size and float(a.min()) < 0 for a in at_peaks):  # sizes below 0 at faces: log sizes (CenterFace)
+        roles["format"] = "centerface"
+        what += "; sizes below 0 at the peaks are log sizes: CenterFace's layout"
     return roles, sure, what + ("; values agree (offsets within a cell, sizes over a cell, heat peaks)" if sure
                                 else "; the values do not bear it out (offsets, sizes or peaks)")

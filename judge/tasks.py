@@ -261,7 +261,8 @@ def _centernet(outputs: tuple[TensorSpec, ...], every: list[Outputs] | None) -> 
         return None
     roles, sure, what = found
     how = "sure" if sure else "UNSURE: a guess never gates int8"
-    args = {"format": "centernet", **{k: v for k, v in roles.items() if k != "heat"}}
+    args = {"format": roles.get("format", "centernet"), **{k: v for k, v in roles.items() if k not in ("heat",
+                                                                                                      "format")}}
     note = (f"task detection ({what}), inferred from the outputs' shapes{' and fp32 values' if values else ''} "
             f"[{how}]; " + ("declare another with --task" if sure else "declare it with --task (e.g. --task "
                             f"'detection:format=centernet,output={roles['heat']},wh={roles['wh']}')"))
@@ -352,13 +353,15 @@ def resolve_task(declared: str | None, task_args: str | None, model: Path,
     else:
         return infer_task(outputs)
     names = [o.name for o in outputs]
-    if task == "detection" and args.get("format") == "centernet" and "wh" not in args:  # the roles from the shapes
+    if task == "detection" and args.get("format") in ("centernet", "centerface") and "wh" not in args:
+        # the roles from the shapes
         roles = centernet_roles({o.name: tuple(d for i, d in enumerate(o.shape) if i != o.batch_axis)
                                  for o in outputs}, None)
         if roles is None or ("output" in args and roles[0]["heat"] != args["output"]):
             raise InputError("detection format centernet: the outputs do not show which map is which; name them "
                              "(--task 'detection:format=centernet,output=HEAT,wh=SIZES,offset=OFFSETS,landmarks=...')")
-        args = {**{k: v for k, v in roles[0].items() if k != "heat"}, "output": roles[0]["heat"], **args}
+        args = {**{k: v for k, v in roles[0].items() if k not in ("heat", "format")}, "output": roles[0]["heat"],
+                **args}
     output = str(args.pop("output", names[0]))
     if output not in names:
         raise InputError(f"task {task}: output {output!r} is not one of the model's outputs {names}")

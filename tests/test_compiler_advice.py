@@ -146,3 +146,20 @@ def test_too_few_samples_to_judge_asks_for_more_evaluation_samples(tmp_path):
                   r"interval ([0-9.]+)\.\.([0-9.]+) that holds its bound 0\.8000 on 8 samples", error)
     assert m and float(m.group(2)) <= 0.8 <= float(m.group(3)) and float(m.group(1)) < 0.8, error
     assert _converges(error, args, tmp_path) in ("built", "none")
+
+
+def test_more_calibration_samples_are_advised_when_the_half_set_trial_fell_further_short(tmp_path):
+    """A calibration set whose first half is narrow: the compiler's trial on that half falls far shorter than the
+    whole set, so more samples moved the figure and are advised (with the number the trial used)."""
+    model = _mlp(tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.normal(size=(32, 16)) * 0.05, rng.normal(size=(32, 16)) * 0.5]).astype(np.float32)
+    np.savez(tmp_path / "mixed.npz", x=x)
+    args = _args(model, tmp_path / "mixed.npz", _data(tmp_path / "e.npz", 200, seed=4), tmp_path, "--no-fallback")
+    r = run_cli(*args)
+    assert r.returncode == 3, r.stdout + r.stderr
+    error = json.loads(r.stdout)["error"]
+    m = re.search(r"calibrate on more samples \(--calibration with at least 128 samples: a trial on 32 fell short of "
+                  r"the bound by ([0-9.]+), the 64 given by ([0-9.]+)\)", error)
+    assert m and float(m.group(1)) > float(m.group(2)), error
+    assert _converges(error, args, tmp_path) == "built"

@@ -43,14 +43,16 @@ def _conv1x1(name: str, w: np.ndarray, b: np.ndarray, inp: str, out: str) -> tup
     return [helper.make_node("Conv", [inp, f"{name}_w", f"{name}_b"], [out], name=name)], inits
 
 
-def centerface(path: Path, moved: float = 0.0) -> Path:
+def centerface(path: Path, moved: float = 0.0, log_sizes: bool = False) -> Path:
     """[N, 1, 32, 32] images -> hm [N, 1, 8, 8] (sigmoid), wh [N, 2, 8, 8], reg [N, 2, 8, 8], lms [N, 10, 8, 8]
     on the stride-4 grid: a bright 4x4 block is a face centred in its cell. ``moved``: the landmark head's weights
-    shifted by that many cells (the boxes and heat map stay exactly the same)."""
+    shifted by that many cells (the boxes and heat map stay exactly the same); ``log_sizes``: CenterFace's layout
+    (log sizes (h, w), one of them below 0 at every face)."""
     nodes = [helper.make_node("AveragePool", ["x"], ["p"], kernel_shape=[4, 4], strides=[4, 4], name="pool")]
     inits: list = []
     for name, w, b, out in (("hm_conv", np.array([20.0]), np.array([-8.0]), "hm_logit"),
-                            ("wh_conv", np.array([3.0, 2.0]), np.array([1.0, 1.0]), "wh"),
+                            ("wh_conv", np.array([1.2, 0.0] if log_sizes else [3.0, 2.0]),
+                             np.array([-0.5, -0.5] if log_sizes else [1.0, 1.0]), "wh"),
                             ("reg_conv", np.array([1.0, -1.0]), np.array([0.0, 0.0]), "reg_logit"),
                             ("lms_conv", LMS + moved, np.zeros(10), "lms")):
         n, i = _conv1x1(name, w, b, "p", out)
@@ -97,6 +99,21 @@ def test_a_centernet_face_detector_is_inferred_as_detection_and_judged_on_its_la
     assert r.task.details["fp32_boxes"] >= 48 and r.not_judged == ()
     same = evaluate_gate(names, ref, _run(model, x), None, "int8", GateSettings(), task)
     assert same.passed and same.task is not None and {c.name for c in same.task.criteria} >= {"pck", "box_recall"}
+
+
+def test_centerface_log_sizes_are_read_in_its_own_layout(tmp_path):
+    model = centerface(tmp_path / "cf.onnx", log_sizes=True)
+    moved = centerface(tmp_path / "cf-moved.onnx", moved=0.1, log_sizes=True)
+    info = check_model(model)
+    x = {"x": faces(24, 5)}
+    ref = _run(model, x)
+    task = infer_task(info.outputs, ref[0], ref)
+    assert (task.arg("format"), task.sure) == ("centerface", True) and "log sizes" in task.note, task.note
+    names = [o.name for o in info.outputs]
+    assert evaluate_gate(names, ref, _run(model, x), None, "int8", GateSettings(), task).passed
+    bad = evaluate_gate(names, ref, _run(moved, x), None, "int8", GateSettings(), task)
+    crit = {c.name: c for c in bad.task.criteria} if bad.task else {}
+    assert crit["box_recall"].passed and not crit["pck"].passed, bad.task  # 0.1 of a box of 0.6 x 2 cells moved
 
 
 def test_a_centernet_head_without_values_or_names_is_a_guess_that_gates_no_int8(tmp_path):
