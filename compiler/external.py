@@ -62,6 +62,7 @@ def embedded(model: Path, folder: Path) -> tuple[Path, str]:
     except Exception as exc:  # onnx raises assorted types for a short or unreadable data file
         raise InputError(f"{model}: cannot read its external data {[f.name for f in files]}: "
                          f"{' '.join(str(exc).split())[:300]}") from exc
+    folder.mkdir(parents=True, exist_ok=True)
     out = folder / model.name
     onnx.save(proto, str(out))  # every tensor inside the file
     what = files[0].name if len(files) == 1 else f"{len(files)} files"
