@@ -136,7 +136,8 @@ class _Refused(Exception):
 
 def _quiet(record: logging.LogRecord) -> bool:
     """uvicorn's line per unparsable request: a client could fill the disk with them (the gate counts them)."""
-    return record.msg not in ("Invalid HTTP request received.", "Unsupported upgrade request.")
+    return not (record.msg in ("Invalid HTTP request received.", "Unsupported upgrade request.")
+                or str(record.msg).startswith("No supported WebSocket library detected"))
 
 
 _HEAD, _BODY, _BETWEEN = 0, 1, 2  # where the parser is: in a head, in a body, between requests
@@ -236,6 +237,11 @@ def guarded(base: type, limits: HttpLimits) -> type:
         def on_message_complete(self) -> None:
             self._g_phase = _BETWEEN  # the server's time now: uvicorn's keep-alive timeout follows the response
             super().on_message_complete()
+
+        def _should_upgrade_to_ws(self) -> bool:
+            # neither listener serves WebSockets, and an upgraded connection would leave this protocol (and the
+            # cap's count) for uvicorn's WebSocket one: an Upgrade header is answered as plain HTTP
+            return False
 
         def on_response_complete(self) -> None:
             pipelined = bool(self.pipeline)

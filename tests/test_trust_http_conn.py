@@ -212,6 +212,18 @@ def test_the_total_cap_holds_when_no_connection_is_idle(capped_agent):
     wait_for(lambda: status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 200, 10, "served again")
 
 
+@pytest.mark.trust("HTTP: WebSocket upgrades leaving the guard's count behind")
+def test_a_websocket_upgrade_is_not_taken_and_frees_its_place(capped_agent):
+    upgrade = (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    for i in range(12):  # more than the cap of 8: each must give its place back when it closes
+        with connect(capped_agent, f"127.0.0.{10 + i}") as s:
+            s.sendall(upgrade)
+            s.settimeout(10)
+            assert not s.recv(64).startswith(b"HTTP/1.1 101"), "upgraded to a WebSocket"
+    wait_for(lambda: status(ask(capped_agent, HEALTH, src="127.0.0.3")) == 200, 10, "still served")
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[int]:
     with running_fleet(tmp_path_factory.mktemp("fleet"), None, http_max_connections_per_peer=4,
