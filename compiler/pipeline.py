@@ -676,7 +676,7 @@ def with_drift(manifest: Manifest, reference: Callable[[], DriftReference], note
         drift = reference()
         return Manifest.model_validate({**manifest.model_dump(), "drift": drift,
                                         "manifest_version": max(manifest.manifest_version, DRIFT_VERSION)})
-    except (ValueError, IndexError) as exc:
+    except (ValueError, LookupError) as exc:  # KeyError: a task drift does not read (keypoints)
         note(f"no drift reference: {_one_line(exc)}")
         return manifest
 

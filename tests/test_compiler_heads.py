@@ -246,3 +246,18 @@ def test_regression_with_tol_on_values_in_0_1_makes_no_decisions_at_0_5(tmp_path
     prob = resolve_task("probabilities", "tol=0.02", model, info.outputs)  # declared probabilities: decisions too
     p = evaluate_gate(["xy"], [ref], [near], None, "int8", GateSettings(), prob)
     assert p.task is not None and [c.name for c in p.task.criteria] == ["decision_agreement", "within_tolerance"]
+
+
+def test_a_keypoints_model_compiles_with_its_task_in_a_version_8_manifest(tmp_path):
+    """Before: 'keypoints' was no task (exit 4); the drift reference, which does not read keypoints, raised KeyError
+    through compile (a traceback) until with_drift caught it as it catches other answers it cannot read."""
+    model = multihead(tmp_path / "m.onnx")
+    np.savez(tmp_path / "eval.npz", x=np.random.default_rng(6).normal(size=(32, 16)).astype(np.float32))
+    r = run_cli("compile", str(model), "--profile", "x86-cpu", "--eval", str(tmp_path / "eval.npz"), "--precision",
+                "fp32", "--task", "landmarks", "--task-args", "output=lms,boxes=box", "--name", "kp", "--json",
+                "--no-benchmark", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads(r.stdout)["manifest"]
+    task = m["accuracy"]["task"]
+    assert (task["task"], task["metric"], m["manifest_version"]) == ("keypoints", "pck", 8)
+    assert m["accuracy"]["not_judged"] == ["prob"] and m["drift"] is None
