@@ -143,8 +143,12 @@ def test_a_qos1_flood_for_an_absent_device_is_queued_within_the_byte_limit(broke
     fleet.loop_stop()
 
 
-def test_the_generated_config_sets_every_flow_limit():
+def test_the_generated_config_and_the_docs_sample_set_every_flow_limit():
+    """What operators copy (docs/security.md's sample) carries the limits mosquitto_conf writes."""
     conf = mosquitto_conf(Path("/p"), Path("/a"), Path("/f")).splitlines()
+    docs = [line.split("#")[0].strip() for line in (Path(__file__).parent.parent / "docs" / "security.md").read_text()
+            .splitlines()]
     for option in ("max_inflight_messages", "max_inflight_bytes", "max_queued_messages", "max_queued_bytes",
                    "persistent_client_expiration", "max_keepalive", "max_qos", "max_connections"):
-        assert any(line.startswith(option + " ") for line in conf), option
+        lines = [line for line in conf if line.startswith(option + " ")]
+        assert lines and all(line in docs for line in lines), option
