@@ -769,7 +769,7 @@ def corpus(wheels: Path) -> list[Entry]:
     ]
 
 
-CENTERFACE_MAPS = "format=centernet,output=537,wh=538,offset=539,landmarks=540"
+CENTERFACE_MAPS = "format=centerface,output=537,wh=538,offset=539,landmarks=540"  # log sizes, (y, x) layout
 
 
 def faces(wheels: Path, w: Files) -> list[Entry]:
