@@ -14,6 +14,7 @@ library) and adds, per :class:`HttpLimits`:
 - a head of at most ``max_head_bytes`` (counted as it arrives, before llhttp buffers a value) and at most
   ``max_headers`` header lines (trailers included): 431, close;
 - chunk-size lines (size and extensions) of at most ``max_chunk_line_bytes`` each: 400, close;
+- a client that stops reading its answers (the transport's buffer full) for ``body_grace_s``: closed;
 - at most ``max_connections`` connections at once, of them at most ``max_connections_per_peer`` from one
   address: a connection past its address's share is answered 503 and closed at once; at the total cap, the
   connection idle the longest is closed to make room (503 only when none is idle), so connections that send
@@ -158,6 +159,7 @@ def guarded(base: type, limits: HttpLimits) -> type:
             super().connection_made(transport)
             self._g_peer = str((self.client or ("?",))[0])
             self._g_timer: Any = None
+            self._g_write_timer: Any = None
             self._g_admitted = gate.admit(self._g_peer)
             if not self._g_admitted:
                 transport.write(_answer(503, "too many connections; retry later"))
@@ -171,9 +173,10 @@ def guarded(base: type, limits: HttpLimits) -> type:
                 self._g_admitted = False
                 gate.release(self._g_peer)
                 gate.idle.pop(self, None)
-            if self._g_timer is not None:
-                self._g_timer.cancel()
-                self._g_timer = None
+            for timer in (self._g_timer, self._g_write_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._g_timer = self._g_write_timer = None
             super().connection_lost(exc)
 
         def _g_begin_head(self) -> None:
@@ -237,6 +240,24 @@ def guarded(base: type, limits: HttpLimits) -> type:
         def on_message_complete(self) -> None:
             self._g_phase = _BETWEEN  # the server's time now: uvicorn's keep-alive timeout follows the response
             super().on_message_complete()
+
+        # -- a client that does not read its answers ------------------------------------------------------
+        def pause_writing(self) -> None:  # the transport's buffer is full: the client is not reading
+            super().pause_writing()
+            if self._g_write_timer is None:
+                self._g_write_timer = self.loop.call_later(limits.body_grace_s, self._g_write_expire)
+
+        def resume_writing(self) -> None:
+            if self._g_write_timer is not None:
+                self._g_write_timer.cancel()
+                self._g_write_timer = None
+            super().resume_writing()
+
+        def _g_write_expire(self) -> None:
+            self._g_write_timer = None
+            if self.transport is not None and not self.transport.is_closing():
+                gate.note("connections closed: their client stopped reading")
+                self.transport.abort()  # what is buffered for it is dropped: it did not read it in time
 
         def _should_upgrade_to_ws(self) -> bool:
             # neither listener serves WebSockets, and an upgraded connection would leave this protocol (and the

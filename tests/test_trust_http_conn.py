@@ -164,6 +164,23 @@ def test_a_chunk_size_line_over_4_KiB_gets_400(agent):
     assert status(raw) == 400, raw[:200]
 
 
+@pytest.mark.trust("HTTP: a client that pipelines requests and never reads the answers")
+def test_a_client_that_stops_reading_is_closed(agent):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.bind(("127.0.0.4", 0))
+    s.connect(("127.0.0.1", agent))
+    s.settimeout(5)
+    with s:
+        request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+        try:
+            for _ in range(2000):  # answers of ~20 KB each, none read: the agent's buffer fills
+                s.sendall(request * 10)
+        except (TimeoutError, BrokenPipeError, ConnectionResetError):  # it stopped reading, or closed
+            pass
+        wait_for(lambda: held(agent) == 0, 15, "the agent's side closed")
+
+
 @pytest.mark.trust("HTTP: one address holding its connection cap")
 def test_the_per_address_cap_holds_while_others_are_served(capped_agent):
     holding = [connect(capped_agent) for _ in range(4)]
