@@ -47,7 +47,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, digits_bundle) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("clock")
-    with running_mosquitto(tmp) as broker, running_fleet(tmp, broker.url) as (fs, url):
+    with running_mosquitto(tmp) as broker, running_fleet(tmp, broker.url, rollout_tick_s=0.05) as (fs, url):
         fs.service.register_device("clock-fast")
         fs.service.register_device("clock-slow")
         fs.service.upload_bundle(digits_bundle)
@@ -62,7 +62,8 @@ def agent_with_clock(w: World, device: str, offset: str) -> Iterator[Path]:
     cfg = w.tmp / f"{device}.yaml"
     cfg.write_text(f"device_id: {device}\nfleet_url: {w.url}\ndata_dir: {data}\n"
                    f"trusted_root: {w.tmp / 'keys' / 'root.json'}\nhttp_port: 0\ntelemetry_interval_s: 0.5\n"
-                   "install_retries: 0\nruntime: onnxruntime\n")
+                   "install_retries: 0\nruntime: onnxruntime\n"
+                   "max_batch_size: 8\ninstances: 1\nintra_op_threads: 1\n")  # nothing timed at install: faster
     env = {**os.environ, "LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     log = w.tmp / f"{device}.log"
     with log.open("wb") as out:

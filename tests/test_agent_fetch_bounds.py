@@ -28,7 +28,7 @@ from edgefleet.agent.updater import BundleFetcher
 from edgefleet.fleet.keys import KeyStore, init_keys
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol.bundle import sha256_file
-from tests.agent_harness import installed_agent
+from tests.agent_harness import installed_agent, served_version
 from tests.waiting import wait_for
 
 DRIP_S = 0.5  # the hostile server's pace: one byte every half second (what it does, not a wait of the test)
@@ -116,7 +116,7 @@ def test_a_hostile_bootstrap_answer_ends_is_retried_and_the_model_keeps_serving(
     caplog.set_level(logging.WARNING, logger="edgefleet.agent")
     # the speed check off: the whole-answer deadline alone must end a drip
     with installed_agent(tmp_path / "agent", digits_bundle, fleet_url=url, download_deadline_s=DEADLINE_S,
-                         download_min_bytes_per_s=0) as (_agent, agent_url):
+                         download_min_bytes_per_s=0, instances=1, intra_op_threads=1) as (_agent, agent_url):
         wait_for(lambda: h.asked.get("/api/v1/bootstrap", 0) >= 2, 30, "a second bootstrap attempt")
         assert _infer_ok(agent_url, test_images[0]), "the served model stopped answering"
         lines = [r.getMessage() for r in caplog.records if "/api/v1/bootstrap" in r.getMessage()]
@@ -148,3 +148,52 @@ def test_hostile_tuf_metadata_is_a_fetch_error_to_retry(tmp_path, repo, digits_b
     with pytest.raises(FetchError, match=error):
         client.fetch("digits/1.0.0/x86-cpu.tar", sha256_file(digits_bundle))
     assert h.asked.get("/metadata/timestamp.json") == 1
+
+
+def test_an_endless_bundle_answer_is_retried_with_backoff_and_the_retry_installs(tmp_path, digits_bundle, caplog):
+    """A real agent serving digits 1.0.0 is rolled out 1.1.0 by a real fleet; something in the path answers the
+    first request for the bundle with more bytes than its signed length. Before, that was a TrustError: the
+    install failed at once, never retried. Now the attempt ends at the signed length with one log line, is
+    retried after a backoff draw, and the honest second answer installs; the old model answers meanwhile."""
+    from tests.conftest import free_port, running_mosquitto
+    from tests.fleet_harness import running_fleet
+    from tests.test_tuf_attacks import Attacker, Reply
+    from tests.test_tuf_bundles import rebundle
+
+    device = "edge-retry"
+    caplog.set_level(logging.WARNING, logger="edgefleet.agent")
+    first: list[str] = []
+
+    def once(path: str, body: bytes) -> Reply | None:
+        if "/tuf/targets/" in path and not first:
+            first.append(path)
+            return Reply(body + b"\0" * 200_000)
+        return None
+
+    attacker = Attacker(free_port(), rule=once)
+    srv = attacker.serve()
+    try:
+        with running_mosquitto(tmp_path) as broker, \
+                running_fleet(tmp_path, broker.url, public_url=attacker.url, rollout_tick_s=0.05) as (fs, url):
+            attacker.upstream = url
+            fs.service.register_device(device)
+            fs.service.upload_bundle(rebundle(digits_bundle, tmp_path / "v110.tar", version="1.1.0"))
+            with installed_agent(tmp_path / "agent", digits_bundle, device_id=device, fleet_url=attacker.url,
+                                 trusted_root=tmp_path / "keys" / "root.json", install_retries=2,
+                                 max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
+                wait_for(lambda: fs.service.get_device(device)["online"], 30, "agent online")
+                fs.service.create_rollout("digits", "1.1.0", [device])
+                seen: list[str | None] = []
+
+                def upgraded() -> bool:
+                    seen.append(served_version(agent_url))
+                    return seen[-1] == "1.1.0"
+
+                wait_for(upgraded, 90, "1.1.0 installed on the retry")
+        assert set(seen) <= {"1.0.0", "1.1.0"}, f"the agent stopped serving meanwhile: {seen}"
+        lines = [r.getMessage() for r in caplog.records if "fetch attempt" in r.getMessage()]
+        assert len(lines) == 1 and "DownloadLengthMismatchError" in lines[0] and "retrying in" in lines[0], lines
+        assert first, "the endless answer was never sent"
+    finally:
+        srv.shutdown()
+        srv.server_close()
