@@ -12,6 +12,10 @@ threshold as the fleet sets them) and against Debian's Mosquitto with the genera
   topic its ACL forbids and to its own telemetry topic (MQTT 3.1.1; MQTT 5 for Mosquitto): the broker's RSS
   before, at the end, and after the device left.
 
+and a real fleet (``edgefleet fleet serve``, embedded broker, RLIMIT_NOFILE 1,400 as in the issue): ``cycles`` + 300
+pre-CONNECT closes, then 1,500 connections from 20 addresses that send nothing; its descriptors, health and a
+healthy MQTT CONNACK meanwhile.
+
 Prints one JSON object. The packets are built here (paho answers every PUBREC with a PUBREL by itself).
 """
 
@@ -94,15 +98,21 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def pre_connect_cycles(port: int, cycles: int) -> None:
-    """Connections that end before their CONNECT: nothing, half a CONNECT, 4 bytes of garbage."""
+def pre_connect_cycles(port: int, cycles: int) -> int:
+    """Connections that end before their CONNECT: nothing, half a CONNECT, 4 bytes of garbage. Returns how many
+    were made (it stops at the first the broker does not accept within 10 s)."""
     half = connect_packet("someone", "someone", "x" * 40)[:20]
     for i in range(cycles):
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        except OSError:
+            return i
+        with s:
             if i % 3 == 1:
                 s.sendall(half)
             elif i % 3 == 2:
                 s.sendall(b"\xde\xad\xbe\xef")
+    return cycles
 
 
 def qos2_never_released(port: int, device: str, password: str, topic: str, count: int, size: int,
@@ -194,7 +204,8 @@ def probe_embedded(cycles: int, qos2: int, kib: int, per_peer: int = 0) -> dict[
     else:
         broker = EmbeddedBroker("127.0.0.1", port, accounts)
     broker.start()
-    pid, out = os.getpid(), {}
+    pid = os.getpid()
+    out: dict[str, object] = {}
     try:
         before = fd_count(pid)
         t = time.monotonic()
@@ -216,18 +227,99 @@ def probe_embedded(cycles: int, qos2: int, kib: int, per_peer: int = 0) -> dict[
     return out
 
 
+FLEET = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[1])))
+from edgefleet.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def probe_fleet(cycles: int, silent: int = 1500, nofile: int = 1400, addresses: int = 20) -> dict[str, object]:
+    """A real fleet (``edgefleet fleet serve``, embedded broker) at RLIMIT_NOFILE ``nofile``: ``cycles`` + 300
+    connections that end before their CONNECT, then ``silent`` that send nothing from ``addresses`` addresses; its
+    descriptors, and whether health and a healthy MQTT client from another address are answered meanwhile."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from bench.http_limits import _get, _mqtt_connack
+    from tests.conftest import free_port, wait_port
+
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        port, mqtt = free_port(), free_port()
+        subprocess.run([sys.executable, "-m", "edgefleet", "keys", "init", f"{tmp}/keys"], cwd=repo, check=True,
+                       capture_output=True)
+        log = Path(tmp) / "fleet.log"
+        with log.open("w") as err:
+            p = subprocess.Popen([sys.executable, "-c", FLEET, str(nofile), "fleet", "serve", "--keys", f"{tmp}/keys",
+                                  "--data-dir", f"{tmp}/d", "--port", str(port), "--embedded-mqtt-port", str(mqtt)],
+                                 cwd=repo, stderr=err, stdout=subprocess.DEVNULL)
+        out: dict[str, object] = {"rlimit_nofile": nofile}
+        try:
+            wait_port(port, 60)
+            wait_port(mqtt, 60)
+            base = fd_count(p.pid)
+            made = pre_connect_cycles(mqtt, cycles + 300)
+            right_after = fd_count(p.pid)
+            settled = _settle(lambda: fd_count(p.pid), base, 10)
+            out["pre_connect"] = {"cycles": cycles + 300, "made": made, "fds_before": base,
+                                  "fds_right_after": right_after, "fds_settled": settled,
+                                  "health": _get(port, "/api/v1/health", src="127.0.1.1")[0],
+                                  "mqtt_connack": _mqtt_connack(mqtt)}
+            socks, refused_at_connect = [], 0
+            rss0 = rss_kib(p.pid)
+            for i in range(silent):
+                try:
+                    socks.append(socket.create_connection(("127.0.0.1", mqtt), timeout=5,
+                                                          source_address=(f"127.0.0.{2 + i % addresses}", 0)))
+                except OSError:
+                    refused_at_connect += 1
+            time.sleep(1)
+            during = fd_count(p.pid)
+            health = [_get(port, "/api/v1/health", src=f"127.0.1.{1 + i}") for i in range(20)]
+            connacks = sum(_mqtt_connack(mqtt) for _ in range(20))
+            t = time.monotonic()
+            settled = _settle(lambda: fd_count(p.pid), base + 5, 20)
+            closed = 0
+            for s in socks:
+                s.setblocking(False)
+                try:
+                    closed += s.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed += 1
+                s.close()
+            out["silent"] = {"connections": silent, "addresses": addresses, "refused_at_connect": refused_at_connect,
+                             "fds_before": base, "fds_during": during, "fds_settled": settled,
+                             "settled_after_s": round(time.monotonic() - t + 1, 1),
+                             "closed_by_the_fleet": closed, "rss_mb_growth": (rss_kib(p.pid) - rss0) // 1024,
+                             "health_ok": sum(c == 200 for c, _ in health),
+                             "health_max_ms": round(max(ms for _, ms in health), 1), "mqtt_connack": f"{connacks}/20"}
+            out["log_lines"] = len(log.read_text().splitlines())
+        finally:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=2000)
     ap.add_argument("--qos2", type=int, default=3000)
     ap.add_argument("--kib", type=int, default=250)
     ap.add_argument("--per-peer", type=int, default=0, help="the embedded broker's per-address caps (0: its own)")
-    ap.add_argument("--only", choices=["embedded", "mosquitto"])
+    ap.add_argument("--only", choices=["embedded", "mosquitto", "fleet"])
     a = ap.parse_args(argv)
     out: dict[str, object] = {}
-    if a.only != "mosquitto":
+    if a.only in (None, "fleet"):
+        out["fleet"] = probe_fleet(a.cycles)
+    if a.only in (None, "embedded"):
         out["embedded"] = probe_embedded(a.cycles, a.qos2, a.kib, a.per_peer)
-    if a.only != "embedded":
+    if a.only in (None, "mosquitto"):
         import tempfile
 
         with tempfile.TemporaryDirectory() as work:
