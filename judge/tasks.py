@@ -252,9 +252,15 @@ def _rows_are_distributions(v: np.ndarray) -> bool:
     return False
 
 
+def _per_sample_shapes(outputs: tuple[TensorSpec, ...]) -> dict[str, tuple[int, ...]]:
+    """Each output's shape without its batch axis (a fixed batch of 1: without that leading 1)."""
+    drop = {o.name: 0 if o.batch_axis is None and o.shape[:1] == (1,) else o.batch_axis for o in outputs}
+    return {o.name: tuple(d for i, d in enumerate(o.shape) if i != drop[o.name]) for o in outputs}
+
+
 def _centernet(outputs: tuple[TensorSpec, ...], every: list[Outputs] | None) -> TaskSpec | None:
     """Detection format centernet when the outputs are a CenterNet head (judge.detection.centernet_roles)."""
-    shapes = {o.name: tuple(d for i, d in enumerate(o.shape) if i != o.batch_axis) for o in outputs}
+    shapes = _per_sample_shapes(outputs)
     values = None if every is None else {o.name: samples(v)[:64] for o, v in zip(outputs, every, strict=True)}
     found = centernet_roles(shapes, values)
     if found is None:
@@ -355,8 +361,7 @@ def resolve_task(declared: str | None, task_args: str | None, model: Path,
     names = [o.name for o in outputs]
     if task == "detection" and args.get("format") in ("centernet", "centerface") and "wh" not in args:
         # the roles from the shapes
-        roles = centernet_roles({o.name: tuple(d for i, d in enumerate(o.shape) if i != o.batch_axis)
-                                 for o in outputs}, None)
+        roles = centernet_roles(_per_sample_shapes(outputs), None)
         if roles is None or ("output" in args and roles[0]["heat"] != args["output"]):
             raise InputError("detection format centernet: the outputs do not show which map is which; name them "
                              "(--task 'detection:format=centernet,output=HEAT,wh=SIZES,offset=OFFSETS,landmarks=...')")

@@ -43,7 +43,7 @@ def _conv1x1(name: str, w: np.ndarray, b: np.ndarray, inp: str, out: str) -> tup
     return [helper.make_node("Conv", [inp, f"{name}_w", f"{name}_b"], [out], name=name)], inits
 
 
-def centerface(path: Path, moved: float = 0.0, log_sizes: bool = False) -> Path:
+def centerface(path: Path, moved: float = 0.0, log_sizes: bool = False, batch: int | str = "N") -> Path:
     """[N, 1, 32, 32] images -> hm [N, 1, 8, 8] (sigmoid), wh [N, 2, 8, 8], reg [N, 2, 8, 8], lms [N, 10, 8, 8]
     on the stride-4 grid: a bright 4x4 block is a face centred in its cell. ``moved``: the landmark head's weights
     shifted by that many cells (the boxes and heat map stay exactly the same); ``log_sizes``: CenterFace's layout
@@ -60,9 +60,9 @@ def centerface(path: Path, moved: float = 0.0, log_sizes: bool = False) -> Path:
         inits += i
     nodes += [helper.make_node("Sigmoid", ["hm_logit"], ["hm"], name="hm_sig"),
               helper.make_node("Sigmoid", ["reg_logit"], ["reg"], name="reg_sig")]
-    out = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", c, 8, 8])
+    out = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, c, 8, 8])
            for n, c in (("hm", 1), ("wh", 2), ("reg", 2), ("lms", 10))]
-    return _save(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 32, 32])], out, path)
+    return _save(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 1, 32, 32])], out, path)
 
 
 def faces(n: int, seed: int) -> np.ndarray:
@@ -125,6 +125,14 @@ def test_a_centernet_head_without_values_or_names_is_a_guess_that_gates_no_int8(
     assert (declared.output, declared.arg("wh"), declared.arg("offset")) == ("hm", "wh", "reg")
     with pytest.raises(InputError, match="not one of the model's outputs"):
         resolve_task("detection", "format=centernet,wh=nope", model, info.outputs)
+    # exported at a fixed batch of 1 (as CenterFace's 800 x 480 is): inferred segmentation of its heat map before
+    fixed = centerface(tmp_path / "fixed.onnx", log_sizes=True, batch=1)
+    one = check_model(fixed)
+    x = faces(12, 7)
+    runs = [_run(fixed, {"x": x[i:i + 1]}) for i in range(len(x))]
+    ref = [np.concatenate([r[k] for r in runs]) for k in range(4)]
+    task = infer_task(one.outputs, ref[0], ref)
+    assert (task.name, task.arg("format"), task.sure) == ("detection", "centerface", True), task.note
 
 
 def test_the_int8_build_of_the_face_detector_passes_its_boxes_and_landmarks(tmp_path):
