@@ -5,8 +5,9 @@ Bounds of one answer (``FleetHttp.read``, the one place they are checked):
 
 - bytes: at most ``max_bytes`` (a fixed bound for bootstrap, enrollment and the signed time; the signed length
   for a bundle; python-tuf's per-role bound or the signed length for metadata). One byte more ends it;
-- time: the whole answer, from the request on, within ``deadline_s + max_bytes / min_bytes_per_s`` seconds (the
-  allowance plus the time to move the bound at the minimum speed), however the bytes arrive;
+- time: the whole answer, head and body, from the request on, within ``deadline_s + max_bytes / min_bytes_per_s``
+  seconds (the allowance plus the time to move the bound at the minimum speed), however the bytes arrive: at the
+  deadline a watchdog shuts the socket down, so no read stays blocked past it;
 - speed: once ``grace_s`` have passed, at least ``min_bytes_per_s`` on average (like curl's --speed-limit), so a
   dribbling server is cut off long before the deadline;
 - gaps: no read waits longer than ``socket_timeout_s``.
@@ -25,8 +26,11 @@ argument to ``open``, read under the same bounds.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import math
+import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -86,6 +90,28 @@ def proxy_for(scheme: str, host: str, port: int | None) -> tuple[str, int, dict[
     return p.hostname, proxy_port, headers
 
 
+class _Watchdog:
+    """Shuts the connection's socket down at the answer's deadline: a recv blocked in the head (http.client reads
+    it line by line, each recv with its own timeout) or in the body returns at once, however the bytes drip."""
+
+    def __init__(self, conn: http.client.HTTPConnection, deadline: float):
+        self.conn, self.deadline = conn, deadline
+        self.fired = False
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 @dataclass(frozen=True)
 class Answer:
     """An open answer: its status, and its body to read under the bounds (``FleetHttp.read``)."""
@@ -95,8 +121,11 @@ class Answer:
     conn: http.client.HTTPConnection
     resp: http.client.HTTPResponse
     started: float  # time.monotonic() when the request was sent
+    max_bytes: int  # the body's bound, and what the deadline was computed from
+    watchdog: _Watchdog
 
     def close(self) -> None:
+        self.watchdog.cancel()
         self.conn.close()
 
 
@@ -107,9 +136,17 @@ class FleetHttp:
         self.limits = limits or FetchLimits()
         self.user_agent = user_agent
 
-    def open(self, url: str, method: str = "GET", body: bytes | None = None,
+    def _late(self, url: str, started: float, max_bytes: int, got: int | None = None) -> tuf_exc.SlowRetrievalError:
+        what = "its head" if got is None else f"{got} bytes"
+        allowed = self.limits.deadline_for(max_bytes)
+        return tuf_exc.SlowRetrievalError(
+            f"GET {url}: {what} in {time.monotonic() - started:.0f}s, past the {allowed:.0f}s deadline of an "
+            f"answer of at most {max_bytes} bytes (slow-retrieval attack or a dying link)")
+
+    def open(self, url: str, max_bytes: int, method: str = "GET", body: bytes | None = None,
              headers: dict[str, str] | None = None) -> Answer:
-        """Send the request and read the answer's head (within socket_timeout_s a read)."""
+        """Send the request and read the answer's head, both within the answer's deadline (``max_bytes``: the
+        body's bound, which the deadline is computed from)."""
         started = time.monotonic()
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -133,37 +170,43 @@ class FleetHttp:
             conn = http.client.HTTPConnection(via[0], via[1], timeout=timeout)
             path = f"http://{u.netloc.rpartition('@')[2]}{path}"
             sent.update(via[2])
+        watchdog = _Watchdog(conn, started + self.limits.deadline_for(max_bytes))
         try:
             conn.request(method, path, body=body, headers=sent)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
+            watchdog.cancel()
             conn.close()
+            if watchdog.fired:
+                raise self._late(url, started, max_bytes) from exc
             raise tuf_exc.DownloadError(f"{method} {url}: {exc}") from exc
-        return Answer(url, resp.status, conn, resp, started)
+        if watchdog.fired:  # a head cut short by the watchdog can parse as a complete one
+            watchdog.cancel()
+            conn.close()
+            raise self._late(url, started, max_bytes)
+        return Answer(url, resp.status, conn, resp, started, max_bytes, watchdog)
 
-    def read(self, answer: Answer, max_bytes: int) -> Iterator[bytes]:
+    def read(self, answer: Answer) -> Iterator[bytes]:
         """The answer's body in chunks, within its bounds; the connection is closed at the end, or on any error."""
-        lim = self.limits
-        deadline = answer.started + lim.deadline_for(max_bytes)
+        lim, max_bytes = self.limits, answer.max_bytes
         got = 0
         try:
             while True:
                 try:
                     chunk = answer.resp.read1(64 * 1024)  # returns what has arrived; never waits to fill
                 except (OSError, http.client.HTTPException) as exc:
+                    if answer.watchdog.fired:
+                        raise self._late(answer.url, answer.started, max_bytes, got) from exc
                     raise tuf_exc.DownloadError(f"GET {answer.url}: {exc}") from exc
+                if answer.watchdog.fired:  # the socket was shut down: what came before it may end "cleanly"
+                    raise self._late(answer.url, answer.started, max_bytes, got)
                 if not chunk:
                     return
                 got += len(chunk)
                 if got > max_bytes:
                     raise tuf_exc.DownloadLengthMismatchError(
                         f"GET {answer.url}: more than the {max_bytes} bytes expected (endless data?)")
-                now = time.monotonic()
-                elapsed = now - answer.started
-                if now > deadline:
-                    raise tuf_exc.SlowRetrievalError(
-                        f"GET {answer.url}: {got} bytes in {elapsed:.0f}s, past the {deadline - answer.started:.0f}s "
-                        f"deadline of an answer of at most {max_bytes} bytes (slow-retrieval attack or a dying link)")
+                elapsed = time.monotonic() - answer.started
                 if elapsed > lim.grace_s and got / elapsed < lim.min_bytes_per_s:
                     raise tuf_exc.SlowRetrievalError(
                         f"GET {answer.url}: {got} bytes in {elapsed:.0f}s, below the {lim.min_bytes_per_s} B/s "
@@ -177,8 +220,8 @@ class FleetHttp:
         """(status, body) of a small answer, whatever its status; FetchError when it breaks a bound or the
         connection fails (a retry may fix it)."""
         try:
-            answer = self.open(url, method, body, headers)
-            return answer.status, b"".join(self.read(answer, max_bytes))
+            answer = self.open(url, max_bytes, method, body, headers)
+            return answer.status, b"".join(self.read(answer))
         except tuf_exc.DownloadError as exc:
             raise FetchError(f"{type(exc).__name__}: {exc}") from exc
 

@@ -55,11 +55,11 @@ class GuardedFetcher(FetcherInterface):
         return super().download_file(url, max_length)
 
     def _fetch(self, url: str) -> Iterator[bytes]:
-        answer = self.http.open(url)
+        answer = self.http.open(url, self._max_bytes)
         if answer.status != 200:
             answer.close()
             raise tuf_exc.DownloadHTTPError(f"GET {url}: HTTP {answer.status}", answer.status)
-        return self.http.read(answer, self._max_bytes)
+        return self.http.read(answer)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Every answer the agent takes from its fleet is bounded in total time and bytes (agent/fetch.py), through a real
 HTTP server on loopback that answers the way a hostile fleet, or anything in the path, could:
 
-- a drip-fed answer (one byte every half second, for ever): it ends at its whole-answer deadline, not after a
-  per-read timeout that each byte resets;
+- a drip-fed answer (one byte every half second, for ever, in the body or in the head): it ends at its
+  whole-answer deadline, not after a per-read timeout that each byte resets;
 - an endless answer: it ends at its bound in bytes.
 
 Against the real agent (its bootstrap loop) and the real TUF client (python-tuf with the agent's fetcher, over a
@@ -66,10 +66,22 @@ class Hostile:
                     self.end_headers()
                     self.wfile.write(body or b"")
                     return
+                until = time.monotonic() + SERVER_BOUND_S
+                if how == "drip-head":  # a status line, then header lines one byte at a time, never the blank line
+                    try:
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                        while time.monotonic() < until:
+                            for b in b"X-Slow: 1\r\n":
+                                self.wfile.write(bytes([b]))
+                                self.wfile.flush()
+                                time.sleep(DRIP_S)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                    self.close_connection = True
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()  # no length: the answer ends when the server closes, which it does not
-                until = time.monotonic() + SERVER_BOUND_S
                 try:
                     while time.monotonic() < until:
                         if how == "drip":
@@ -106,6 +118,7 @@ def _infer_ok(url: str, images) -> bool:
 
 
 @pytest.mark.parametrize(("how", "why"), [("drip", f"past the {DEADLINE_S:.0f}s deadline"),
+                                          ("drip-head", f"its head in 2s, past the {DEADLINE_S:.0f}s deadline"),
                                           ("endless", "more than the 65536 bytes expected")])
 def test_a_hostile_bootstrap_answer_ends_is_retried_and_the_model_keeps_serving(
         tmp_path, digits_bundle, test_images, hostile, caplog, how, why):
