@@ -35,9 +35,10 @@ Time, descriptors and memory are bounded as :mod:`fleet.broker_limits` says: eve
 by the broker when it ends, whatever state it ended in (amqtt left one that ended before its CONNECT to the
 garbage collector), each waits at most ``connect_timeout_s`` for its CONNECT and an idle timeout after it,
 connections are capped in all and per peer address, and a publish is checked against the ACL when it is
-received. tests/test_trust_broker_conn.py tries each shape through a real listener. What a hostile client
-can make it log by the thousand (refusals, deadlines) is one line per kind and interval with a count, by the
-fleet's log filter (:mod:`protocol.lograte`, installed by ``edgefleet fleet serve``).
+received (a forbidden one is acknowledged and dropped unread, as Mosquitto does).
+tests/test_trust_broker_conn.py tries each shape through a real listener. What a hostile client can make it
+log by the thousand (refusals, deadlines) is one line per kind and interval with a count, by the fleet's log
+filter (:mod:`protocol.lograte`, installed by ``edgefleet fleet serve``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ from amqtt.broker import Broker
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.puback import PubackPacket
+from amqtt.mqtt.pubcomp import PubcompPacket
+from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import OutgoingApplicationMessage
 from amqtt.utils import gen_client_id
@@ -237,27 +241,31 @@ class _GuardedWriter(StreamWriterAdapter):
 
 class _FleetHandler(BrokerProtocolHandler):
     """amqtt's handler for one connection, with a publish's topic and the connection's in-flight and queued
-    messages checked when the publish is received (:mod:`fleet.broker_limits`)."""
+    messages checked when the publish is received (:mod:`fleet.broker_limits`). A publish to a topic the ACL
+    forbids is acknowledged and dropped unread, as Mosquitto does for MQTT 3.1.1 (amqtt stored it first and checked
+    at delivery); a QoS 2 one keeps only its packet id until its PUBREL, within the in-flight cap."""
 
     limits = BrokerLimits()
     may_publish: Callable[[Any, str], Awaitable[bool]] | None = None
     _out_count = 0
     _out_bytes = 0
+    _refused_ids: set[int] | None = None  # forbidden QoS 2 publishes waiting for their PUBREL (no payload kept)
 
     async def handle_publish(self, publish_packet: Any) -> None:
         session, lim = self.session, self.limits
         if session is None:
             return
         topic, qos, size = publish_packet.topic_name or "", publish_packet.qos or 0, len(publish_packet.data or b"")
+        packet_id = publish_packet.packet_id
+        refused = self._refused_ids = self._refused_ids if self._refused_ids is not None else set()
+        forbidden = self.may_publish is not None and not await self.may_publish(session, topic)
         why = None
-        if self.may_publish is not None and not await self.may_publish(session, topic):
-            why = f"a publish to {topic!r}, which its ACL forbids"
-        elif qos == 2 and publish_packet.packet_id not in session.inflight_in and (
-                len(session.inflight_in) >= lim.max_inflight_messages
+        if qos == 2 and packet_id not in session.inflight_in and packet_id not in refused and (
+                len(session.inflight_in) + len(refused) >= lim.max_inflight_messages
                 or size + sum(len(m.data or b"") for m in session.inflight_in.values()) > lim.max_inflight_bytes):
             why = (f"over {lim.max_inflight_messages} QoS 2 messages or {lim.max_inflight_bytes} bytes received "
                    "and not released")
-        elif qos and session.delivered_message_queue.qsize() >= lim.max_queued_messages:
+        elif qos and not forbidden and session.delivered_message_queue.qsize() >= lim.max_queued_messages:
             why = f"{lim.max_queued_messages} messages received and not yet handled"
         if why is not None:
             log.warning("MQTT client %r (%s:%s) disconnected: %s", session.client_id, session.remote_address,
@@ -265,8 +273,22 @@ class _FleetHandler(BrokerProtocolHandler):
             if isinstance(self.writer, _GuardedWriter):
                 self.writer.abort()  # reads stop now; the reader loop ends and amqtt cleans up
             await self.handle_connection_closed()
+        elif forbidden:
+            log.warning("MQTT client %r may not publish to %r: dropped", session.client_id, topic)
+            if qos == 1:
+                await self._send_packet(PubackPacket.build(packet_id))
+            elif qos == 2:
+                refused.add(packet_id)
+                await self._send_packet(PubrecPacket.build(packet_id))
+        else:
+            await super().handle_publish(publish_packet)
+
+    async def handle_pubrel(self, pubrel: Any) -> None:
+        if self._refused_ids and pubrel.packet_id in self._refused_ids:
+            self._refused_ids.discard(pubrel.packet_id)
+            await self._send_packet(PubcompPacket.build(pubrel.packet_id))
             return
-        await super().handle_publish(publish_packet)
+        await super().handle_pubrel(pubrel)
 
     async def mqtt_publish(self, topic: str, data: bytes | bytearray, qos: int | None, retain: bool,
                            ack_timeout: int | None = None) -> OutgoingApplicationMessage:

@@ -18,9 +18,11 @@ the same there):
 - ``max_inflight_messages`` / ``max_inflight_bytes``: QoS 2 publishes received and not yet released
   (PUBREL) per connection; ``max_queued_messages`` / ``max_queued_bytes``: QoS 1 and 2 messages waiting
   for one client (received and not yet handled, or on their way out, or saved for it while it is away).
-  A client that publishes to a topic its ACL forbids, or past its in-flight limits, is disconnected
-  (MQTT 3.1.1, section 3.3.5, lets a server close the connection; amqtt speaks nothing newer and refuses
-  an MQTT 5 CONNECT); what it had in flight is dropped with its connection. A message for a client whose
+  A publish to a topic its ACL forbids is checked when it is received and acknowledged and dropped unread
+  (as Mosquitto does for MQTT 3.1.1; amqtt speaks nothing newer and refuses an MQTT 5 CONNECT), a QoS 2 one
+  keeping only its packet id until its PUBREL, within the in-flight cap. A client past its in-flight limits is
+  disconnected (MQTT 3.1.1, section 3.3.5, lets a server close the connection); what it had in flight is
+  dropped with its connection. A message for a client whose
   queue is full is dropped, as Mosquitto drops it: nothing in the fleet relies on a broker queue (desired
   state is retained and reconciled);
 - ``session_expiry_s``: a saved session (clean session false) is removed this long after its client left.

@@ -7,9 +7,10 @@ tried through its real listener with hand-built packets (paho answers a PUBREC w
   at its idle timeout;
 - one address at its cap gets each further connection closed at once while another client connects; the
   total cap likewise, and a freed slot is taken again;
-- a QoS 2 publish to a topic the ACL forbids ends the connection when it is received, and so do QoS 2
-  publishes past the in-flight limit on an allowed topic; nothing of them is held after the device left,
-  and the fleet's retained desired state still reaches a healthy device;
+- a QoS 2 publish to a topic the ACL forbids is dropped unread when it is received (acknowledged, as
+  Mosquitto does), its packet id counting in flight until released, so a flood of them that is never
+  released ends the connection at the in-flight cap, as do QoS 2 publishes on an allowed topic; nothing of
+  them is held after the device left, and the fleet's retained desired state still reaches a healthy device;
 - a saved session (clean session false) expires;
 - an MQTT 5 CONNECT is refused (amqtt speaks 3.1.1 only) and closed.
 
