@@ -12,7 +12,7 @@ library) and adds, per :class:`HttpLimits`:
   received (a drip-fed body ends; a large body sent at a fair rate does not; time while the server itself has
   stopped reading is not counted); 408, close;
 - a head of at most ``max_head_bytes`` (counted as it arrives, before llhttp buffers a value) and at most
-  ``max_headers`` header lines (trailers included): 431, close;
+  ``max_headers`` header lines: 431, close (trailers are bounded with the chunk-size lines);
 - chunk-size lines (size and extensions) of at most ``max_chunk_line_bytes`` each: 400, close;
 - a client that stops reading its answers (the transport's buffer full) for ``body_grace_s``: closed;
 - at most ``max_connections`` connections at once, of them at most ``max_connections_per_peer`` from one
@@ -160,6 +160,7 @@ def guarded(base: type, limits: HttpLimits) -> type:
             self._g_peer = str((self.client or ("?",))[0])
             self._g_timer: Any = None
             self._g_write_timer: Any = None
+            self._g_line: int = 0  # bytes of the body's framing since its last chunk-size line began
             self._g_admitted = gate.admit(self._g_peer)
             if not self._g_admitted:
                 transport.write(_answer(503, "too many connections; retry later"))
@@ -180,7 +181,7 @@ def guarded(base: type, limits: HttpLimits) -> type:
             super().connection_lost(exc)
 
         def _g_begin_head(self) -> None:
-            self._g_phase, self._g_head_bytes, self._g_headers, self._g_tail = _HEAD, 0, 0, b""
+            self._g_phase, self._g_head_bytes, self._g_tail = _HEAD, 0, b""
             self._g_start = self.loop.time()
             if self._g_timer is None:  # one already set fires earlier and sets itself again (_g_expire)
                 self._g_timer = self.loop.call_at(self._g_start + limits.head_timeout_s, self._g_expire)
@@ -201,16 +202,22 @@ def guarded(base: type, limits: HttpLimits) -> type:
                     piece, data = (data, b"") if cut >= len(data) else (data[:cut], data[cut:])
                     self._g_head_bytes += len(piece)
                     self._g_tail = (tail + piece)[-3:]
-                else:
-                    piece, data = data, b""
-                    self._g_wire += len(piece)
+                    super().data_received(piece)
+                    if self.transport.is_closing():
+                        return
+                    continue
+                piece, data, body, self._g_chunks, self._g_fresh = data, b"", self._g_body, 0, False  # in a body
                 super().data_received(piece)
                 if self.transport.is_closing():
                     return
-                if self._g_phase == _BODY and self._g_wire - self._g_body > (
-                        self._g_chunks + 1) * limits.max_chunk_line_bytes:
-                    self._g_refuse(400, f"a chunk-size line is over {limits.max_chunk_line_bytes} bytes")
-                    return
+                # the bytes that were not body (chunk-size lines, extensions, trailers), unless a pipelined
+                # request's body began in this piece: its count starts with the next one
+                if self._g_phase == _BODY and not self._g_fresh:
+                    self._g_line = (0 if self._g_chunks else self._g_line) + len(piece) - (self._g_body - body)
+                    if self._g_line > (self._g_chunks + 1) * limits.max_chunk_line_bytes:
+                        self._g_refuse(400, f"a chunk-size line or the trailers over "
+                                            f"{limits.max_chunk_line_bytes} bytes")
+                        return
 
         # -- the parser's callbacks --------------------------------------------------------------------
         def on_message_begin(self) -> None:
@@ -218,15 +225,12 @@ def guarded(base: type, limits: HttpLimits) -> type:
                 self._g_begin_head()
             super().on_message_begin()
 
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._g_headers += 1
-            if self._g_headers > limits.max_headers:
+        def on_headers_complete(self) -> None:
+            # counted once here, not per line: the head's byte limit already bounds what llhttp and uvicorn hold
+            if len(self.headers) > limits.max_headers:
                 self._g_status = 431
                 raise _Refused(f"more than {limits.max_headers} header lines")
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._g_phase, self._g_body, self._g_wire, self._g_chunks = _BODY, 0, 0, 0
+            self._g_phase, self._g_body, self._g_line, self._g_chunks, self._g_fresh = _BODY, 0, 0, 0, True
             self._g_start = self._g_checked = self.loop.time()
             super().on_headers_complete()
 
@@ -239,6 +243,9 @@ def guarded(base: type, limits: HttpLimits) -> type:
 
         def on_message_complete(self) -> None:
             self._g_phase = _BETWEEN  # the server's time now: uvicorn's keep-alive timeout follows the response
+            if len(self.headers) > limits.max_headers:  # trailers too
+                self._g_status = 431
+                raise _Refused(f"more than {limits.max_headers} header lines")
             super().on_message_complete()
 
         # -- a client that does not read its answers ------------------------------------------------------

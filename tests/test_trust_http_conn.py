@@ -287,3 +287,25 @@ def test_console_pages_and_the_api_forbid_framing_sniffing_and_scripts(fleet):
     assert status(too_large) == 413 and too_large.count(b"HTTP/1.1 ") == 1, too_large
     too_large = too_large.lower()
     assert b"x-frame-options: deny" in too_large and b"nosniff" in too_large
+
+
+@pytest.mark.trust("HTTP: a chunk-size line or trailers grown after many small chunks")
+@pytest.mark.parametrize("tail", [b"1;" + b"e" * 10_000, b"0\r\n" + b"X-T: " + b"t" * 10_000],
+                         ids=["long-line", "long-trailers"])
+def test_small_chunks_earn_no_room_for_a_long_line_later(agent, tail):
+    with connect(agent) as s:
+        s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  + b"1\r\n \r\n" * 50)
+        time.sleep(DRIP_GAP_S)  # the next bytes in a read of their own: the pacing under test, not a wait
+        s.sendall(tail)
+        raw = answer(s)
+    assert status(raw) == 400, raw[:200]
+
+
+def test_pipelined_requests_with_bodies_are_all_answered(agent):
+    body = b'{"ready": false}'
+    one = b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+    chunked = (b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+    raw = ask(agent, (one + chunked) * 20 + HEALTH)
+    assert raw.count(b"HTTP/1.1 200 OK") == 41, raw[:300]
