@@ -21,8 +21,10 @@ socket (end of stream) within a bounded wait, never by a sleep.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
+import struct
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -220,3 +222,19 @@ def test_an_mqtt5_connect_is_refused_and_closed(broker):
         assert _closed_by_peer(s)
     wait_for(lambda: b.held()["connections"] == 0, WAIT_S, "the connection forgotten")
     assert b.held()["sessions"] == 0
+
+
+@pytest.mark.trust("a refused login whose client hangs up writes a traceback")
+def test_refused_logins_that_hang_up_write_no_traceback(broker, caplog):
+    b, port = broker()
+    caplog.set_level(logging.DEBUG)
+    for i in range(50):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+        s.sendall(connect_packet(DEVICE, DEVICE, f"wrong-{i}") if i % 2 else connect_packet("anon-" + str(i)))
+        s.close()
+    wait_for(lambda: b.held()["connections"] == 0, WAIT_S, "every refused connection closed")
+    raw_connect(port, DEVICE, DEVICE, PASSWORD).close()  # and the broker still takes a healthy device
+    tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()
+                  or (r.name == "asyncio" and r.levelno >= logging.ERROR)]
+    assert not tracebacks, [r.getMessage()[:200] for r in tracebacks[:3]]
