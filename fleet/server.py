@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from edgefleet.fleet.acl import FLEET_USER, Account, ActiveAccounts, reload_mosquitto, write_mosquitto_files
 from edgefleet.fleet.auth import TokenStore
 from edgefleet.fleet.bridge import RETAINED_STATUS, MqttBridge
+from edgefleet.fleet.broker_limits import BrokerLimits
 from edgefleet.fleet.db import make_engine
 from edgefleet.fleet.enroll import Enrollment
 from edgefleet.fleet.ingest import IngestWorker
@@ -44,6 +45,8 @@ class FleetConfig:
     mqtt_url: str | None = None  # None: start the embedded broker
     embedded_mqtt_host: str = "127.0.0.1"
     embedded_mqtt_port: int = 1884
+    # the embedded broker's deadlines, connection caps and flow limits (fleet.broker_limits); None: its defaults
+    embedded_mqtt_limits: BrokerLimits | None = None
     agent_mqtt_url: str | None = None  # what agents should dial, if it differs from mqtt_url
     public_url: str | None = None  # what agents should dial for HTTP; default http://host:port
     shared_subscription_group: str | None = None
@@ -108,7 +111,8 @@ class FleetServer:
             except ImportError as exc:
                 raise ConfigError(f"the embedded MQTT broker needs edgefleet[broker] ({exc.name} is not installed): "
                                   "pip install 'edgefleet[broker]', or set mqtt_url to an external broker") from exc
-            self.broker = EmbeddedBroker(config.embedded_mqtt_host, config.embedded_mqtt_port, self.accounts)
+            self.broker = EmbeddedBroker(config.embedded_mqtt_host, config.embedded_mqtt_port, self.accounts,
+                                         limits=config.embedded_mqtt_limits)
             self.mqtt_url = self.broker.url
             mqtt_user, mqtt_password = FLEET_USER, secrets.token_urlsafe(24)
             self.enrollment.set_fleet_password(mqtt_password)

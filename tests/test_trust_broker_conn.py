@@ -238,3 +238,18 @@ def test_refused_logins_that_hang_up_write_no_traceback(broker, caplog):
     tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()
                   or (r.name == "asyncio" and r.levelno >= logging.ERROR)]
     assert not tracebacks, [r.getMessage()[:200] for r in tracebacks[:3]]
+
+
+def test_a_fleet_passes_its_broker_limits_to_the_embedded_broker_and_keeps_serving(tmp_path):
+    """Through a real fleet (FleetConfig.embedded_mqtt_limits): a silent connection to its broker is closed at the
+    fleet's CONNECT deadline, while the fleet's health and its own broker connection carry on."""
+    import httpx
+
+    from tests.fleet_harness import running_fleet
+
+    with running_fleet(tmp_path, None, embedded_mqtt_limits=BrokerLimits(connect_timeout_s=1.0)) as (fs, url):
+        assert fs.broker is not None and fs.broker.limits.connect_timeout_s == 1.0
+        with socket.create_connection(("127.0.0.1", fs.broker.port)) as s:
+            assert _closed_by_peer(s), "the fleet's broker kept a connection that sent no CONNECT"
+        health = httpx.get(f"{url}/api/v1/health", timeout=WAIT_S).json()
+        assert health["mqtt_connected"] is True, health
