@@ -196,12 +196,14 @@ def guarded(base: type, limits: HttpLimits) -> type:
                     if room <= 0:
                         self._g_refuse(431, f"the request head is over {limits.max_head_bytes} bytes")
                         return
-                    tail = self._g_tail
-                    end = (tail + data[:room]).find(b"\r\n\r\n")
-                    cut = min(len(data), room) if end < 0 else end + 4 - len(tail)
+                    tail = self._g_tail  # the last bytes of the head so far: CRLF CRLF may straddle two reads
+                    end = (tail + data[:room]).find(b"\r\n\r\n") - len(tail) if tail else data.find(
+                        b"\r\n\r\n", 0, room)
+                    cut = min(len(data), room) if end < -len(tail) else end + 4
                     piece, data = (data, b"") if cut >= len(data) else (data[:cut], data[cut:])
                     self._g_head_bytes += len(piece)
-                    self._g_tail = (tail + piece)[-3:]
+                    if end < -len(tail):
+                        self._g_tail = (tail + piece)[-3:]
                     super().data_received(piece)
                     if self.transport.is_closing():
                         return

@@ -309,3 +309,12 @@ def test_pipelined_requests_with_bodies_are_all_answered(agent):
                b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
     raw = ask(agent, (one + chunked) * 20 + HEALTH)
     assert raw.count(b"HTTP/1.1 200 OK") == 41, raw[:300]
+
+
+def test_a_head_in_small_pieces_is_read_whole(agent):
+    with connect(agent) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(0, len(HEALTH), 3):  # its end (CRLF CRLF) split across two sends as well
+            s.sendall(HEALTH[i:i + 3])
+            time.sleep(0.005)  # pacing: each piece in a read of its own, not a wait
+        assert status(answer(s)) == 200
