@@ -299,10 +299,34 @@ def probe_fleet(cycles: int, silent: int = 1500, nofile: int = 1400, addresses: 
                              "closed_by_the_fleet": closed, "rss_mb_growth": (rss_kib(p.pid) - rss0) // 1024,
                              "health_ok": sum(c == 200 for c, _ in health),
                              "health_max_ms": round(max(ms for _, ms in health), 1), "mqtt_connack": f"{connacks}/20"}
+            out["qos2"] = _fleet_qos2(port, mqtt, p.pid, Path(tmp) / "d" / "admin-token")
             out["log_lines"] = len(log.read_text().splitlines())
         finally:
             p.send_signal(signal.SIGTERM)
             p.wait(30)
+    return out
+
+
+def _fleet_qos2(port: int, mqtt: int, pid: int, admin_token: Path, count: int = 3000) -> dict[str, object]:
+    """One device enrolled at the fleet sends ``count`` x 250 KiB QoS 2 never released, to a forbidden topic and
+    to its own telemetry: the fleet's RSS before, at the end and after the device left."""
+    import httpx
+
+    from edgefleet.protocol import mqtt as proto
+
+    auth = {"Authorization": f"Bearer {admin_token.read_text().strip()}"}
+    base = f"http://127.0.0.1:{port}/api/v1"
+    token = httpx.post(f"{base}/devices/edge-probe/enrollment-token", headers=auth, json={}).json()["token"]
+    creds = httpx.post(f"{base}/enroll", json={"token": token}).json()
+    out: dict[str, object] = {}
+    for where, topic in (("forbidden", proto.topic("edge-other", "desired")),
+                         ("own telemetry", proto.topic("edge-probe", "telemetry"))):
+        rss0 = rss_kib(pid)
+        how = qos2_never_released(mqtt, creds["mqtt_username"], creds["mqtt_password"], topic, count, 250 * 1024)
+        rss1 = rss_kib(pid)
+        time.sleep(2)
+        out[where] = {"messages": count, "how": how, "rss_mb_before": rss0 // 1024, "rss_mb_end": rss1 // 1024,
+                      "rss_mb_after_leaving": rss_kib(pid) // 1024}
     return out
 
 
