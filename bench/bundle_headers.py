@@ -18,8 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from edgefleet.protocol.bundle import BundleError, check_bundle
 
 

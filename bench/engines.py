@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from _common import load_zoo, say  # noqa: E402  (bench/ is not a package)
