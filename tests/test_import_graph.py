@@ -8,6 +8,7 @@ functions count too: a lazy import still ties two modules together.
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,15 +16,21 @@ REPO = Path(__file__).resolve().parent.parent
 FLOOR = {"protocol": 0, "engines": 1, "judge": 1, "compiler": 2, "agent": 2, "fleet": 2, "cli": 3}
 
 
+def _folders() -> dict[str, str]:
+    """Import name -> folder, as pyproject.toml's [tool.setuptools.package-dir] maps them for the wheel and the
+    editable install (edgefleet.agent is agent/): the one place that says where a module lives."""
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+
 def _modules() -> dict[str, Path]:
     mods: dict[str, Path] = {}
-    for top in ("protocol", "engines", "judge", "compiler", "agent", "fleet", "edgefleet"):
-        for p in (REPO / top).rglob("*.py") if (REPO / top).is_dir() else ():
-            rel = p.relative_to(REPO).with_suffix("")
-            if top == "edgefleet" and rel.parts[1:2] and (REPO / top / rel.parts[1]).is_symlink():
-                continue  # edgefleet/<part> links to the part's own folder, read once above
+    for package, folder in _folders().items():
+        for p in (REPO / folder).rglob("*.py"):
+            rel = p.relative_to(REPO / folder).with_suffix("")
             parts = list(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-            mods[".".join(parts) if top == "edgefleet" else "edgefleet." + ".".join(parts)] = p
+            mods[".".join([package, *parts])] = p
     return mods
 
 
@@ -43,7 +50,7 @@ def _graph() -> dict[str, set[str]]:
                 subs = [f"{base}.{a.name}" for a in node.names]
                 targets = [s for s in subs if s in mods] or [base]
             for t in targets:
-                while t and t not in mods:  # 'import edgefleet.agent.server' names that module
+                while t and t not in mods:  # 'import edgefleet.agent.transports.http' names that module
                     t = t.rpartition(".")[0]
                 if t and t != name and t != "edgefleet":
                     edges[name].add(t)
@@ -94,3 +101,38 @@ def test_no_import_circles():
         if v not in index:
             visit(v)
     assert not circles, circles
+
+
+def _python_files() -> list[Path]:
+    """The repository's Python files (what git tracks or would track: not .venv, build/ or caches)."""
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    return [REPO / line for line in out.splitlines() if (REPO / line).is_file()]
+
+
+def test_every_part_is_imported_by_its_one_name():
+    """`edgefleet.agent`, never the folder's bare name: from the repository root (or under pytest, which puts the
+    root on sys.path) `import agent` would load a second copy of the agent's modules beside edgefleet.agent's (two
+    batcher registries, two metric sets), and the wheel has no such name. Imports, and the module names handed to
+    mock.patch, importlib.import_module or `python -m`, in every Python file of the repository."""
+    bare = {folder for package, folder in _folders().items() if package != folder}
+    found = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if func in ("patch", "import_module") and isinstance(node.args[0].value, str):
+                    names = [node.args[0].value]
+            elif isinstance(node, (ast.List, ast.Tuple)):  # [python, "-m", "agent.daemon", ...]
+                items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+                names = [str(b) for a, b in itertools.pairwise(items) if a == "-m" and b]
+            found += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
+                      if n.split(".")[0] in bare]
+    assert not found, found
