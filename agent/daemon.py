@@ -27,11 +27,11 @@ from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.enroll import mqtt_security
 from edgefleet.agent.errors import FetchError, TrustError
 from edgefleet.agent.fetch import FetchLimits, FleetHttp
-from edgefleet.agent.host import ModelHost
+from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.image import ImageLimits
 from edgefleet.agent.install import Installer
 from edgefleet.agent.link import MqttLink
-from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.server import create_app, peer_tagging
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.agent.spool import Spool

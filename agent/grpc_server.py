@@ -42,7 +42,7 @@ import numpy as np
 
 from edgefleet import protocol
 from edgefleet.agent.errors import AgentError, RequestError
-from edgefleet.agent.host import EXTENSIONS, ModelHost, Served, model_config
+from edgefleet.agent.core.host import EXTENSIONS, ModelHost, Served, model_config
 from edgefleet.agent.kserve import InferRequest, decode_request, ordered_outputs
 from edgefleet.agent.peer import PeerCell, tcp_peer
 from edgefleet.agent.shm import SharedMemory

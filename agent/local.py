@@ -12,7 +12,7 @@ header) as one decoded before on the connection -- a camera loop's every frame -
 its cached template decodes it with every check that depends on more than the header made again, the batcher
 queues it without an asyncio task (Batcher.enqueue), and its answer is written from the future's callback, its
 JSON reused where every output goes to shared memory. Anything else, and any request the fast path would refuse,
-goes through _infer for the exact verdict. A pipeline's requests (agent/pipeline.py: two stages, no one batcher
+goes through _infer for the exact verdict. A pipeline's requests (agent/core/pipeline.py: two stages, no one batcher
 queue) are never cached, so they go to _infer decoded once. Off unless ``local_socket`` is set (a path;
 relative: under the data dir). The socket file is made mode 0660 before the agent listens (so no one connects in
 between): the agent's user and group may connect, nobody else -- stricter than the loopback HTTP port any local
@@ -50,7 +50,7 @@ from typing import Any
 import orjson
 
 from edgefleet.agent.errors import AgentError, RequestError
-from edgefleet.agent.host import LARGE_BODY, ModelHost, Served
+from edgefleet.agent.core.host import LARGE_BODY, ModelHost, Served
 from edgefleet.agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
 from edgefleet.agent.peer import Peer, PeerCell, unix_peer
 from edgefleet.agent.shm import SharedMemory

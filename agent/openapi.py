@@ -2,7 +2,7 @@
 
 The Open Inference Protocol (KServe v2) endpoints the agent implements, with the JSON tensor schema of
 an infer request, plus the image endpoint and the metrics. The image endpoint answers a single model with a KServe
-v2 response (``InferResponse``) and a pipeline (manifest version 7, agent/pipeline.py's ``image_answer``) with its
+v2 response (``InferResponse``) and a pipeline (manifest version 7, agent/core/pipeline.py's ``image_answer``) with its
 boxes and what it read in each (``PipelineImageAnswer``): its 200 is one of the two. Clients and fuzzers (the tests run
 schemathesis against it) read it; the server does not validate requests against it: the handlers do,
 with messages that name the problem.
@@ -110,7 +110,7 @@ def openapi(version: str, max_body_bytes: int, models: dict[str, str] | None = N
                 "model_name": {"type": "string"}, "model_version": {"type": "string"}, "id": {"type": "string"},
                 "parameters": {"type": "object"},
                 "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Tensor"}}}},
-            # agent.pipeline.image_answer: one image through a detect-then-read pipeline
+            # agent.core.pipeline.image_answer: one image through a detect-then-read pipeline
             "PipelineImageAnswer": {
                 "type": "object", "required": ["model_name", "model_version", "count", "boxes", "scores"],
                 "description": "A pipeline's answer for one image: its boxes (x0, y0, x1, y1 in the pipeline "

@@ -44,13 +44,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from edgefleet import protocol
 from edgefleet.agent.errors import AgentError, PayloadTooLarge, RequestError, Unavailable
-from edgefleet.agent.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
+from edgefleet.agent.core.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
 from edgefleet.agent.image import ImageLimits, check_image, decode_feeds
 from edgefleet.agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
-from edgefleet.agent.metrics import CONTENT_TYPE
+from edgefleet.agent.core.metrics import CONTENT_TYPE
 from edgefleet.agent.openapi import openapi
 from edgefleet.agent.peer import PeerCell, tcp_peer
-from edgefleet.agent.pipeline import image_answer
+from edgefleet.agent.core.pipeline import image_answer
 from edgefleet.agent.shm import SharedMemory
 
 __all__ = ["connection_peer", "create_app", "peer_tagging"]
@@ -87,7 +87,7 @@ GET, POST = ["GET"], ["POST"]  # route methods
 
 
 class _HttpApi:
-    """The HTTP transport: each handler decodes a request, asks the host (agent/host.py) and encodes its answer.
+    """The HTTP transport: each handler decodes a request, asks the host (agent/core/host.py) and encodes its answer.
     The routes come in areas (:meth:`server_routes`, :meth:`model_routes`, :meth:`shm_routes`,
     :meth:`metrics_routes`); :func:`create_app` puts them behind Starlette and the infer fast path."""
 
@@ -277,7 +277,7 @@ class _HttpApi:
             del body
             req = InferRequest(feeds, None, frozenset())
             outs = await self.host.infer(served, req)
-            if served.pipeline is not None:  # its boxes and what it read in each, decoded (agent.pipeline)
+            if served.pipeline is not None:  # its boxes and what it read in each, decoded (agent.core.pipeline)
                 status = 200
                 return JSONResponse(image_answer(m, outs))
             content, _ = encode_response(m.name, m.version, outs, m.outputs, req)

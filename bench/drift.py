@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edgefleet.agent.drift import DriftRecorder  # noqa: E402
+from edgefleet.agent.core.drift import DriftRecorder  # noqa: E402
 from edgefleet.compiler.pipeline import CompileOptions, compile_model  # noqa: E402
 from edgefleet.engines import load_bundle_engine  # noqa: E402
 from edgefleet.protocol.bundle import extract_bundle  # noqa: E402

@@ -37,7 +37,7 @@ the evaluation images (step 2's, the answers the end gate judges against; a sing
 answers too), read as protocol/drift.py's task ``pipeline`` (:func:`~edgefleet.judge.pipeline.drift_reference`):
 boxes per image (``count``), each string's length in characters (``text``) or top class (``classes``) and each
 string's score. It is recorded as :func:`compiler.pipeline.with_drift` records a single model's; agents count their
-live end answers into it (agent/drift.py) and the fleet scores them as any model's. Each stage's own manifest keeps
+live end answers into it (agent/core/drift.py) and the fleet scores them as any model's. Each stage's own manifest keeps
 the reference its compile recorded (the detector's map as segmentation: foreground share; the reader's crops as
 ctc: string length and score); agents do not count those (a stage's answers never leave the pipeline).
 """

@@ -459,7 +459,7 @@ def _shares(c: np.ndarray) -> tuple[float, ...]:
 # -- the sketch (on the device) ---------------------------------------------------------------------------------------
 class DriftAccumulator:
     """Counts of answers in the reference's bins: a fixed array per feature, whatever the traffic (not thread-safe;
-    agent.drift runs it on one thread)."""
+    agent.core.drift runs it on one thread)."""
 
     def __init__(self, ref: DriftReference, model: str, version: str):
         self.ref, self.model, self.version = ref, model, version

@@ -246,7 +246,7 @@ class DeviceSummary(StrictModel):
 class ShadowFigures(StrictModel):
     """A candidate running in shadow, since it was loaded: how often its answers agree with the active
     model's on the same live requests (top-1 for class scores), the worst absolute difference, its p99. For a
-    pipeline (agent/shadow.py's PipelineShadow): samples are images, top1_agreement the share of the serving
+    pipeline (agent/core/shadow.py's PipelineShadow): samples are images, top1_agreement the share of the serving
     pipeline's end answers the candidate keeps (boxes at IoU 0.5 read the same), max_abs_error its worst score gap."""
 
     model: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")

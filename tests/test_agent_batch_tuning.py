@@ -14,9 +14,9 @@ import pytest
 
 from edgefleet.agent.batcher import Batcher, BatchSettings, batch_ladder, choose_batch_size
 from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.host import ModelHost
+from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.install import Installer
-from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.selftest import measure_batch_sizes
 from edgefleet.agent.store import ModelStore, StagedModel
 from edgefleet.engines import Engine, EngineSpec

@@ -1,5 +1,5 @@
 """The agent's core apart from its transports (issue 31.2): the host that owns the models and batches
-(agent/host.py) imports no web framework, no transport imports another's framework, and the other parts change
+(agent/core/host.py) imports no web framework, no transport imports another's framework, and the other parts change
 the host only through its verbs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from edgefleet.agent.batcher import BatchSettings
-from edgefleet.agent.host import IndexEntry, ModelHost
-from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.core.host import IndexEntry, ModelHost
+from edgefleet.agent.core.metrics import Metrics
 
 AGENT = Path(__file__).resolve().parents[1] / "agent"
 WEB = ("starlette", "uvicorn", "grpc", "fastapi", "anyio", "h11", "httptools")
@@ -34,7 +34,7 @@ def _imported_after(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", [
-    "edgefleet.agent.host",  # the core
+    "edgefleet.agent.core.host",  # the core
     "edgefleet.agent.install",  # the installer asks the core, never a transport
     "edgefleet.agent.local",  # the local socket: asyncio alone
     "edgefleet.agent.grpc_server",  # grpcio only once it starts (lazily)
@@ -70,7 +70,7 @@ def _host_assignments(path: Path) -> list[str]:
 
 def test_no_part_of_the_agent_sets_the_hosts_attributes():
     """The installer, the daemon and the transports ask the host by verbs (swap, remove, start_shadow, end_shadow,
-    set_index); only agent/host.py itself assigns its attributes."""
+    set_index); only agent/core/host.py itself assigns its attributes."""
     found = [hit for p in sorted(AGENT.glob("*.py")) if p.name != "host.py" for hit in _host_assignments(p)]
     assert found == []
 

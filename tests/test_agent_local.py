@@ -338,9 +338,9 @@ def test_a_stalled_frame_times_out(tmp_path, digits_bundle, test_images):
     import asyncio
 
     from edgefleet.agent.batcher import BatchSettings
-    from edgefleet.agent.host import ModelHost
+    from edgefleet.agent.core.host import ModelHost
     from edgefleet.agent.local import LocalServer
-    from edgefleet.agent.metrics import Metrics
+    from edgefleet.agent.core.metrics import Metrics
 
     async def main():
         srv = LocalServer(ModelHost(BatchSettings(), Metrics()), None, 1024, frame_timeout_s=0.2)
@@ -402,9 +402,9 @@ def test_a_file_at_the_socket_path_is_refused(tmp_path):
     import asyncio
 
     from edgefleet.agent.batcher import BatchSettings
-    from edgefleet.agent.host import ModelHost
+    from edgefleet.agent.core.host import ModelHost
     from edgefleet.agent.local import LocalServer
-    from edgefleet.agent.metrics import Metrics
+    from edgefleet.agent.core.metrics import Metrics
 
     (tmp_path / "s.sock").write_text("mine")
 

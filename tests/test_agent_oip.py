@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from edgefleet.agent.batcher import BatchSettings
-from edgefleet.agent.host import ModelHost
-from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.core.host import ModelHost
+from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.server import create_app
 from edgefleet.agent.store import ModelStore
 from edgefleet.engines import EngineSpec

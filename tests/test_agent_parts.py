@@ -5,7 +5,7 @@ import json
 import pytest
 
 from edgefleet.agent.config import load_config
-from edgefleet.agent.metrics import Metrics
+from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.spool import Spool
 from edgefleet.protocol.errors import ConfigError
 
@@ -107,7 +107,7 @@ def test_successes_counted_in_bulk_read_the_same_as_one_by_one():
 
     from prometheus_client import CollectorRegistry, Histogram
 
-    from edgefleet.agent.metrics import FOLD_EVERY, LATENCY_BUCKETS, _observe_many
+    from edgefleet.agent.core.metrics import FOLD_EVERY, LATENCY_BUCKETS, _observe_many
 
     rng = random.Random(7)
     values = [rng.choice(LATENCY_BUCKETS) for _ in range(50)] + [rng.uniform(0, 12) for _ in range(500)]

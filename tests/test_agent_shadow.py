@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from edgefleet.agent.shadow import ShadowMirror
+from edgefleet.agent.core.shadow import ShadowMirror
 from edgefleet.engines import load_bundle_engine
 from edgefleet.protocol.bundle import read_manifest, sha256_file
 from tests.waiting import wait_for, watch

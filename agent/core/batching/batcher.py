@@ -51,7 +51,7 @@ from typing import TypeVar
 import numpy as np
 
 from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
-from edgefleet.agent.metrics import Metrics, ModelMetrics
+from edgefleet.agent.core.metrics import Metrics, ModelMetrics
 from edgefleet.engines import Engine
 
 __all__ = ["BATCH_TOLERANCE", "DEAD_MAX", "HIGH", "LAYOUT_TIE", "NORMAL", "BatchSettings",

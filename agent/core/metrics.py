@@ -13,7 +13,7 @@ The lifecycle code reports loads, swaps, failed loads and rollbacks with :meth:`
 The batcher reports through a :class:`ModelMetrics` bound to one model version, so the request path
 does no label look-ups.
 
-A pipeline (agent/pipeline.py) is one model to every reader: its requests, errors and end-to-end latency are the
+A pipeline (agent/core/pipeline.py) is one model to every reader: its requests, errors and end-to-end latency are the
 model's (so the telemetry's p99, the rollout gate's figure, is the pipeline's). Each of its stages has a
 :class:`ModelMetrics` of its own (:meth:`Metrics.for_stage`), labelled ``<model>/<stage>`` in Prometheus
 (``ocr/det``, ``ocr/rec``): one "request" is one pipeline request's use of the stage (its time in the stage's

@@ -9,7 +9,7 @@ When the thread falls behind (``max_pending`` answers or ``max_pending_bytes`` o
 skipped and counted as such, so a burst never grows memory or slows the device.
 A model whose manifest carries no reference (bundles from before version 6) is not sketched.
 
-A pipeline (manifest version 7, agent/pipeline.py) is sketched as one model: the host offers its end answers as it
+A pipeline (manifest version 7, agent/core/pipeline.py) is sketched as one model: the host offers its end answers as it
 offers a single model's outputs, and a reference read as task ``pipeline`` takes all of them at once (``count``,
 the strings and their scores: protocol.drift's features), referenced, not copied, until counted; its samples are
 the requests' images. Its stages' own references are not counted (their answers never leave the pipeline).

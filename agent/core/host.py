@@ -3,8 +3,8 @@
 :class:`ModelHost` owns the served model versions (:class:`Served`: loaded engine instances, their batcher,
 settings and metrics), swaps a new version in without dropping requests, runs a decoded request through a
 model's batcher, mirrors it to a shadow candidate, and lists the repository index. The transports (HTTP in
-:mod:`agent.server`, gRPC in :mod:`agent.grpc_server`, the local socket in :mod:`agent.local`) only decode a
-request, call the host and encode its answer; the installer (:mod:`agent.install`) asks it by verbs
+:mod:`agent.transports.http`, gRPC in :mod:`agent.transports.grpc`, the local socket in :mod:`agent.transports.local`) only decode a
+request, call the host and encode its answer; the installer (:mod:`agent.install.job`) asks it by verbs
 (``swap``, ``remove``, ``start_shadow``, ``end_shadow``, ``set_index``). This module imports no web framework
 (tests/test_agent_core.py checks): a new transport needs nothing from another one.
 """
@@ -20,19 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgefleet.agent.batcher import BATCH_TOLERANCE, HIGH, NORMAL, Batcher, BatchSettings, BatchTuning, ComputeGate
-from edgefleet.agent.drift import DriftRecorder
+from edgefleet.agent.core.batching.batcher import Batcher
+from edgefleet.agent.core.batching.gate import ComputeGate
+from edgefleet.agent.core.batching.request_queue import HIGH, NORMAL
+from edgefleet.agent.core.batching.settings import BatchSettings
+from edgefleet.agent.core.batching.tuning import BATCH_TOLERANCE, BatchTuning
+from edgefleet.agent.core.drift import DriftRecorder
+from edgefleet.agent.core.metrics import Metrics, ModelMetrics
+from edgefleet.agent.core.request import InferRequest
 from edgefleet.agent.errors import ModelNotFound, RequestError, Unavailable
-from edgefleet.agent.kserve import InferRequest
-from edgefleet.agent.metrics import Metrics, ModelMetrics
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.drift import DriftCounts
 from edgefleet.protocol.manifest import Manifest
 
 if TYPE_CHECKING:
-    from edgefleet.agent.pipeline import PipelineRunner, PipelineStages
-    from edgefleet.agent.shadow import ShadowMirror
+    from edgefleet.agent.core.pipeline import PipelineRunner, PipelineStages
+    from edgefleet.agent.core.shadow import ShadowMirror
 
 __all__ = ["EXTENSIONS", "LARGE_BODY", "IndexEntry", "ModelHost", "Served", "model_config"]
 
@@ -55,7 +59,7 @@ class Served:
     loaded_at: float = field(default_factory=time.time)
     tuning: BatchTuning | None = None  # how its batch sizes were chosen (None: the host's defaults, untold)
     serving: proto.ServingChoice | None = None  # precision, batch sizes and layout as chosen here (install report)
-    # a pipeline (manifest version 7, agent/pipeline.py): its stages and steps; ``backends``, ``batcher`` and
+    # a pipeline (manifest version 7, agent/core/pipeline.py): its stages and steps; ``backends``, ``batcher`` and
     # ``settings`` are then its detector's (its entry stage), and a request goes through ``pipeline.infer``
     pipeline: PipelineRunner | None = None
 
@@ -156,7 +160,7 @@ class ModelHost:
                    serving: proto.ServingChoice | None = None, stages: PipelineStages | None = None) -> None:
         """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
         host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
-        server loop. A pipeline (``manifest.pipeline``) comes as ``stages`` (agent.pipeline.prepare; ``backends``
+        server loop. A pipeline (``manifest.pipeline``) comes as ``stages`` (agent.install.pipeline.prepare; ``backends``
         is ignored): both stages swap in as one unit."""
         if manifest.pipeline is not None:
             if stages is None:
@@ -185,7 +189,7 @@ class ModelHost:
 
     async def _swap_pipeline(self, manifest: Manifest, stages: PipelineStages,
                              serving: proto.ServingChoice | None) -> None:
-        from edgefleet.agent.pipeline import PipelineRunner
+        from edgefleet.agent.core.pipeline import PipelineRunner
 
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
@@ -286,13 +290,13 @@ class ModelHost:
         return served.pipeline.stage_figures()
 
     def drift_counts(self, name: str, version: str) -> DriftCounts | None:
-        """The answers of ``name`` ``version`` since the last call, counted in its manifest's drift bins (agent.drift),
+        """The answers of ``name`` ``version`` since the last call, counted in its manifest's drift bins (agent.core.drift),
         for the interval's telemetry record; None when the version has no drift reference or answered nothing."""
         return self._drift.take(name, version)
 
     def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:
         self._drift.offer(served.manifest, outs)  # a deque append; counted off the request path
-        if self._shadow is not None:  # a pipeline's answers go to a pipeline's shadow only (agent/shadow.py)
+        if self._shadow is not None:  # a pipeline's answers go to a pipeline's shadow only (agent/core/shadow.py)
             self._shadow.offer(served.manifest.name, req.feeds, outs, served.pipeline is not None)
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
