@@ -60,7 +60,7 @@ def run(backend: str, url: str, work: Path, records: int, devices: int, rounds: 
             seq, ts = seq + len(batch), ts + 10
             statements[0] = 0
             t0 = time.perf_counter()
-            stored = f.svc.store_telemetry(batch)
+            stored = f.svc.ingest.store_telemetry(batch)
             took = time.perf_counter() - t0
             assert stored == len(batch), (stored, len(batch))
             if i < 2:

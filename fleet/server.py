@@ -131,19 +131,20 @@ class FleetServer:
         self.tokens = TokenStore(self.sessions)
         self.tokens.bootstrap_admin(config.data_dir / "admin-token")
         self.bridge.rejections = self.service.rejections
-        self.bridge.on_status = self.service.handle_status
-        self.bridge.on_reported = self.service.handle_reported
-        self.bridge.on_telemetry = self.service.handle_telemetry
+        ingest = self.service.ingest
+        self.bridge.on_status = ingest.handle_status
+        self.bridge.on_reported = ingest.handle_reported
+        self.bridge.on_telemetry = ingest.handle_telemetry
         # retained copies first: in one batch, a device's live status wins over what the broker had kept
-        self.ingest = IngestWorker({RETAINED_STATUS: self.service.handle_retained_statuses,
-                                    "status": self.service.handle_statuses, "reported": self.service.handle_reports,
-                                    "telemetry": self.service.store_telemetry}, self.service.rejections,
+        self.ingest = IngestWorker({RETAINED_STATUS: ingest.handle_retained_statuses,
+                                    "status": ingest.handle_statuses, "reported": ingest.handle_reports,
+                                    "telemetry": ingest.store_telemetry}, self.service.rejections,
                                    self.bridge.stored)
-        self.service.ingest_service.presence_min_s = config.presence_min_s
-        self.service.ingest_service.presence_intervals = config.presence_intervals
+        ingest.presence_min_s = config.presence_min_s
+        ingest.presence_intervals = config.presence_intervals
         self.presence = PresenceSweeper(self.sessions, self.bridge.connected_for, backlog=self.ingest.backlog)
         self.bridge.ingest = self.ingest
-        self.bridge.on_connected = self.service.republish_desired
+        self.bridge.on_connected = self.service.rollouts.republish_desired
         self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
                                      config.report_reconcile_after_s or 5.0, reread_status=self.bridge.reread_status,
                                      backlog=self.ingest.backlog)
@@ -216,7 +217,7 @@ class FleetServer:
                 "ingest_backlog": self.ingest.backlog(), "problems": problems}
 
     def _replica_stats(self) -> dict[str, Any]:
-        return {"id": self.service.rollouts.owner, "mqtt_handled": dict(self.bridge.handled),
+        return {"id": self.service.engine.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
                 "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested,
                 "presence_expired": self.presence.expired}
@@ -233,7 +234,7 @@ class FleetServer:
         """The rollout engine: every tick, advance the rollouts this replica holds the lease of."""
         while not self._stop.wait(self.config.rollout_tick_s):
             try:
-                self.service.rollouts.tick()
+                self.service.engine.tick()
             except Exception:
                 log.exception("rollout tick failed; trying again at the next one")
 
@@ -258,7 +259,7 @@ class FleetServer:
         if getattr(self, "_ticker", None) is not None:
             self._ticker.join(10)
         try:
-            self.service.rollouts.release_leases()
+            self.service.engine.release_leases()
         except Exception:
             log.exception("could not release rollout leases (they expire by themselves)")
         self.bridge.stop()

@@ -48,9 +48,9 @@ class World:
 def world(tmp_path_factory, digits_bundle) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("clock")
     with running_mosquitto(tmp) as broker, running_fleet(tmp, broker.url, rollout_tick_s=0.05) as (fs, url):
-        fs.service.register_device("clock-fast")
-        fs.service.register_device("clock-slow")
-        fs.service.upload_bundle(digits_bundle)
+        fs.service.devices.register_device("clock-fast")
+        fs.service.devices.register_device("clock-slow")
+        fs.service.models.upload_bundle(digits_bundle)
         yield World(fs, url, broker.url, tmp)
 
 
@@ -83,7 +83,7 @@ def agent_with_clock(w: World, device: str, offset: str) -> Iterator[Path]:
 def _skew(w: World, device: str) -> float:
     """The clock skew the device's newest telemetry reports (waits for one that carries it)."""
     def reported() -> float | None:
-        d = w.fs.service.get_device(device)
+        d = w.fs.service.devices.get_device(device)
         return (d.get("telemetry") or {}).get("clock_skew_s")
 
     skew = wait_for(reported, 60, f"{device} reports its clock skew")
@@ -93,14 +93,14 @@ def _skew(w: World, device: str) -> float:
 
 def test_a_box_two_days_fast_installs_on_the_fleets_signed_time_and_reports_its_skew(world: World):
     with agent_with_clock(world, "clock-fast", "+2d") as log:
-        rid = world.fs.service.create_rollout("digits", "1.0.0", ["clock-fast"])["id"]
+        rid = world.fs.service.rollouts.create_rollout("digits", "1.0.0", ["clock-fast"])["id"]
         try:
-            wait_for(lambda: world.fs.service.get_rollout(rid)["status"] in ("succeeded", "paused", "failed"), 120,
-                     "the rollout to the fast box ends")
+            wait_for(lambda: world.fs.service.rollouts.get_rollout(rid)["status"] in ("succeeded", "paused", "failed"),
+                     120, "the rollout to the fast box ends")
         finally:
             print(log.read_text()[-4000:])
-        d = world.fs.service.get_device("clock-fast")
-        assert world.fs.service.get_rollout(rid)["status"] == "succeeded", d["last_error"]
+        d = world.fs.service.devices.get_device("clock-fast")
+        assert world.fs.service.rollouts.get_rollout(rid)["status"] == "succeeded", d["last_error"]
         assert (d["running_model"], d["running_version"]) == ("digits", "1.0.0")
         skew = _skew(world, "clock-fast")
         assert abs(skew - 2 * DAY_S) < TOLERANCE_S, skew
@@ -115,10 +115,10 @@ def test_a_box_400_days_slow_refuses_expired_metadata_and_reports_its_skew(world
     monkeypatch.setitem(tuf_repo.EXPIRY, "timestamp", dt.timedelta(seconds=-60))
     world.fs.repo.refresh_expiring(margin=10.0)
     with agent_with_clock(world, "clock-slow", "-400d") as log:
-        world.fs.service.create_rollout("digits", "1.0.0", ["clock-slow"])
+        world.fs.service.rollouts.create_rollout("digits", "1.0.0", ["clock-slow"])
 
         def refused() -> str | None:
-            d = world.fs.service.get_device("clock-slow")
+            d = world.fs.service.devices.get_device("clock-slow")
             return d["last_error"] if d["last_state"] == "failed" else None
 
         try:
@@ -126,7 +126,7 @@ def test_a_box_400_days_slow_refuses_expired_metadata_and_reports_its_skew(world
         finally:
             print(log.read_text()[-4000:])
         assert err is not None and "timestamp.json is expired" in err, err
-        assert world.fs.service.get_device("clock-slow")["running_model"] is None
+        assert world.fs.service.devices.get_device("clock-slow")["running_model"] is None
         skew = _skew(world, "clock-slow")
         assert abs(skew + 400 * DAY_S) < TOLERANCE_S, skew
         assert "clock 400.0 days behind" in api.get(f"{world.url}/devices/clock-slow").text

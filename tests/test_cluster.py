@@ -101,7 +101,7 @@ def test_a_rollout_through_two_bridged_edges_installs_everywhere_and_loses_nothi
         assert sum(s.stats.installed for s in edge_sims) == len(ids)  # each device got its desired state once
         for s in edge_sims:
             s.send_telemetry()
-        wait_for(lambda: fa.service.telemetry_count() == len(ids), 60, "every telemetry record stored once")
+        wait_for(lambda: fa.service.devices.telemetry_count() == len(ids), 60, "every telemetry record stored once")
         handled = [f.bridge.handled["telemetry"] for f in (fa, fb)]
         assert sum(handled) == len(ids), handled  # the shared subscription gave each record to one replica
         wait_for(lambda: sum(s.stats.telemetry_acked for s in edge_sims) == len(ids), 30,

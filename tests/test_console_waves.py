@@ -206,13 +206,13 @@ def test_replicas_storing_one_wave_s_telemetry_at_once_neither_deadlock_nor_lose
         repo.init()
         svc = FleetService(sessions, repo, RecordingPublisher())
         for bundle in (digits_bundle, digits_bundle_v2):
-            svc.upload_bundle(bundle)
+            svc.models.upload_bundle(bundle)
         ids = [f"dev-{i:04d}" for i in range(200)]
-        svc.register_devices([{"device_id": d, "profile": "x86-cpu"} for d in ids])
-        svc.handle_statuses([proto.StatusMessage(device_id=d, ts=1.0, state="online") for d in ids])
-        rid = svc.create_rollout("digits", "1.1.0", devices=ids)["id"]
-        svc.rollouts.tick()
-        assert all(d["desired"] and d["desired"]["rollout_id"] == rid for d in svc.list_devices())
+        svc.devices.register_devices([{"device_id": d, "profile": "x86-cpu"} for d in ids])
+        svc.ingest.handle_statuses([proto.StatusMessage(device_id=d, ts=1.0, state="online") for d in ids])
+        rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids)["id"]
+        svc.engine.tick()
+        assert all(d["desired"] and d["desired"]["rollout_id"] == rid for d in svc.devices.list_devices())
         now = time.time()
         errors: list[BaseException] = []
         start = threading.Barrier(4)
@@ -225,7 +225,7 @@ def test_replicas_storing_one_wave_s_telemetry_at_once_neither_deadlock_nor_lose
                 start.wait(10)
                 for seq in range(3):
                     for i in range(0, len(order), 45):
-                        svc.store_telemetry([proto.Telemetry(
+                        svc.ingest.store_telemetry([proto.Telemetry(
                             device_id=d, ts=now, stream=stream, seq=seq, interval_s=10.0, model="digits",
                             version="1.1.0", requests=7, errors=1,
                             latency=proto.LatencySummary(p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, max_ms=4.0), batches=7,

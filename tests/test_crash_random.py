@@ -141,28 +141,30 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
     bundles = tmp_path / "bundles"
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
         svc = fs.service
-        svc.register_device(DEVICE)
+        svc.devices.register_device(DEVICE)
 
         def publish(i: int) -> str:
             version = f"2.0.{i}"
             src = digits_bundle if i % 2 else digits_bundle_v2  # int8 and fp32 engines take turns
-            svc.upload_bundle(rebundle(src, bundles / f"{i}.tar", pad_bytes=PAD, version=version))
+            svc.models.upload_bundle(rebundle(src, bundles / f"{i}.tar", pad_bytes=PAD, version=version))
             return version
 
         def converge(version: str, rollout_id: int, agent: AgentProc) -> None:
             def done() -> bool:
                 if agent.proc.poll() is not None:
                     raise AssertionError(f"agent exited with {agent.proc.returncode}; see {agent.log}")
-                return served_version(agent.url) == version and svc.get_rollout(rollout_id)["status"] != "in_progress"
+                return (served_version(agent.url) == version
+                        and svc.rollouts.get_rollout(rollout_id)["status"] != "in_progress")
             wait_for(done, 120, f"converging to {version}", interval_s=0.1)
-            assert svc.get_rollout(rollout_id)["status"] == "succeeded", svc.get_rollout(rollout_id)
+            assert svc.rollouts.get_rollout(rollout_id)["status"] == "succeeded", svc.rollouts.get_rollout(rollout_id)
 
         # the first install, undisturbed: it also measures how long an install takes on this machine
         version = publish(0)
         agent = _start_agent(tmp_path, url)
-        wait_for(lambda: served_version(agent.url) is not None or svc.get_device(DEVICE)["online"], 60, "agent up")
+        wait_for(lambda: served_version(agent.url) is not None or svc.devices.get_device(DEVICE)["online"], 60,
+                 "agent up")
         t0 = time.monotonic()
-        rid = svc.create_rollout("digits", version, [DEVICE])["id"]
+        rid = svc.rollouts.create_rollout("digits", version, [DEVICE])["id"]
         converge(version, rid, agent)
         install_s = time.monotonic() - t0
         _kill(agent)
@@ -178,7 +180,7 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
         for i in range(1, iterations + 1):
             old = version
             version = publish(i)
-            rid = svc.create_rollout("digits", version, [DEVICE])["id"]
+            rid = svc.rollouts.create_rollout("digits", version, [DEVICE])["id"]
             # kill 1: while the running agent installs; sometimes kill 2: while the restarted one resumes
             time.sleep(rng.uniform(0, install_s * 0.9))
             _kill(agent)

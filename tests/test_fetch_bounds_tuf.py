@@ -73,13 +73,13 @@ def test_an_endless_bundle_answer_is_retried_with_backoff_and_the_retry_installs
         with running_mosquitto(tmp_path) as broker, \
                 running_fleet(tmp_path, broker.url, public_url=attacker.url, rollout_tick_s=0.05) as (fs, url):
             attacker.upstream = url
-            fs.service.register_device(device)
-            fs.service.upload_bundle(rebundle(digits_bundle, tmp_path / "v110.tar", version="1.1.0"))
+            fs.service.devices.register_device(device)
+            fs.service.models.upload_bundle(rebundle(digits_bundle, tmp_path / "v110.tar", version="1.1.0"))
             with installed_agent(tmp_path / "agent", digits_bundle, device_id=device, fleet_url=attacker.url,
                                  trusted_root=tmp_path / "keys" / "root.json", install_retries=2,
                                  max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
-                wait_for(lambda: fs.service.get_device(device)["online"], 30, "agent online")
-                fs.service.create_rollout("digits", "1.1.0", [device])
+                wait_for(lambda: fs.service.devices.get_device(device)["online"], 30, "agent online")
+                fs.service.rollouts.create_rollout("digits", "1.1.0", [device])
                 seen: list[str | None] = []
 
                 def upgraded() -> bool:

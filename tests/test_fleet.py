@@ -123,7 +123,7 @@ def test_telemetry_is_stored_once_and_acked(fleet):
     # a re-imaged device starts a new spool: its seq 0 is a new record, not a duplicate
     c.publish(proto.topic("tele", "telemetry"), proto.encode(telemetry("tele", 0, "fedcba9876543210")),
               qos=1).wait_for_publish(5)
-    wait_for(lambda: fs.service.telemetry_count("tele") == 4)
+    wait_for(lambda: fs.service.devices.telemetry_count("tele") == 4)
     rows = api.get(f"{url}/api/v1/devices/tele/telemetry").json()
     assert [(r["stream"][:4], r["seq"]) for r in rows] == [("fedc", 0), ("0123", 2), ("0123", 1), ("0123", 0)]
     # every delivery is acked, duplicates too (the first ack may have been lost); records stored in one
@@ -145,7 +145,7 @@ def test_a_decommissioned_device_is_not_heard_until_it_enrolls_again(fleet):
     fs, url, broker = fleet
     c = device_client(broker.port, "gone")
     c.publish(proto.topic("gone", "telemetry"), proto.encode(telemetry("gone", 0)), qos=1).wait_for_publish(5)
-    wait_for(lambda: fs.service.telemetry_count("gone") == 1)
+    wait_for(lambda: fs.service.devices.telemetry_count("gone") == 1)
     r = api.post(f"{url}/api/v1/devices/gone/decommission")
     assert r.status_code == 200 and r.json()["last_state"] == "decommissioned"
 
@@ -159,11 +159,11 @@ def test_a_decommissioned_device_is_not_heard_until_it_enrolls_again(fleet):
     doc = api.get(f"{url}/api/v1/devices/gone").json()
     assert (doc["last_state"], doc["online"], doc["running_version"]) == ("decommissioned", False, None), doc
     assert doc["agent_version"] != "9.9.9"
-    assert fs.service.telemetry_count("gone") == 1
+    assert fs.service.devices.telemetry_count("gone") == 1
 
-    fs.service.device_enrolled("gone")  # what POST /api/v1/enroll does after trading a new token
+    fs.service.devices.device_enrolled("gone")  # what POST /api/v1/enroll does after trading a new token
     c.publish(proto.topic("gone", "telemetry"), proto.encode(telemetry("gone", 2)), qos=1).wait_for_publish(5)
-    wait_for(lambda: fs.service.telemetry_count("gone") == 2)
+    wait_for(lambda: fs.service.devices.telemetry_count("gone") == 2)
     c.loop_stop()
 
 
@@ -266,7 +266,7 @@ def test_postgresql_backend(tmp_path, mosquitto, digits_bundle):
         for seq in (0, 0, 1):
             t = telemetry("pg-1", seq)
             c.publish(proto.topic("pg-1", "telemetry"), proto.encode(t), qos=1).wait_for_publish(5)
-        wait_for(lambda: fs.service.telemetry_count("pg-1") == 2)
+        wait_for(lambda: fs.service.devices.telemetry_count("pg-1") == 2)
         c.loop_stop()
 
 
@@ -313,7 +313,7 @@ def test_two_replicas_split_telemetry_through_a_shared_subscription(tmp_path, mo
         for seq in range(40):
             c.publish(proto.topic("busy-cam", "telemetry"), proto.encode(telemetry("busy-cam", seq)), qos=1)
         wait_for(lambda: {s for a in acks for s in a.seqs} == set(range(40)), 20, "all records acked")
-        assert replicas[0][0].service.telemetry_count("busy-cam") == 40
+        assert replicas[0][0].service.devices.telemetry_count("busy-cam") == 40
         per_replica = [fs.bridge.handled["telemetry"] for fs, _ in replicas]
         assert sum(per_replica) == 40 and min(per_replica) > 0, per_replica  # the load was split
         for _fs, url in replicas:  # both replicas serve the same state
@@ -334,7 +334,7 @@ def test_unreadable_but_identifiable_telemetry_is_acked_as_rejected(fleet):
     watch(lambda: len(acks) > 1, ANOTHER_ACK_S)
     assert len(acks) == 1
     assert acks[0].rejected == (7,) and acks[0].seqs == () and "newer" in acks[0].reason
-    assert fs.service.telemetry_count("future") == 0
+    assert fs.service.devices.telemetry_count("future") == 0
     c.loop_stop()
 
 

@@ -86,9 +86,9 @@ def test_a_batch_scores_as_its_records_one_at_a_time(fleet, monkeypatch):
         seq += 30
         batches.append(batch + extra)
     for i, batch in enumerate(batches):
-        assert f.svc.store_telemetry(batch) == len(batch)
+        assert f.svc.ingest.store_telemetry(batch) == len(batch)
         for m in sorted(_as("b", batch), key=lambda m: (m.device_id, m.ts)):
-            assert f.svc.store_telemetry([m]) == 1
+            assert f.svc.ingest.store_telemetry([m]) == 1
         if i == 0:  # both sides' first rows of a-aged (and a few others) older than the window
             with f.svc.sessions.begin() as s:
                 s.execute(update(DriftScoreRow).where(DriftScoreRow.device_id.in_(
@@ -142,7 +142,7 @@ def test_statements_per_batch_do_not_grow_with_its_records(fleet):
 
     def cost(msgs: list[proto.Telemetry]) -> int:
         statements[0] = 0
-        assert f.svc.store_telemetry(msgs) == len(msgs)
+        assert f.svc.ingest.store_telemetry(msgs) == len(msgs)
         return statements[0]
 
     cost(batch(200, 0, 1000.0))  # the caches warm, each device a history

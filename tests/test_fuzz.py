@@ -133,8 +133,8 @@ def _malformed(rng: random.Random, device_id: str) -> list[tuple[str, bytes]]:
 def test_malformed_mqtt_payloads_store_nothing_and_the_fleet_keeps_working(tmp_path, mosquitto: Mosquitto):
     rng = random.Random(SEED)
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
-        fs.service.register_device("edge-z")
-        before = fs.service.telemetry_count()
+        fs.service.devices.register_device("edge-z")
+        before = fs.service.devices.telemetry_count()
         cases = _malformed(rng, "edge-z")
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="fuzzer", protocol=mqtt.MQTTv311)
         c.connect("127.0.0.1", mosquitto.port)
@@ -146,11 +146,12 @@ def test_malformed_mqtt_payloads_store_nothing_and_the_fleet_keeps_working(tmp_p
             # has been handled
             ok = _telemetry("edge-z", "00000000000000b2")
             c.publish(proto.topic("edge-z", "telemetry"), proto.encode(ok), qos=1).wait_for_publish(10)
-            wait_for(lambda: fs.service.telemetry_count() > before, 60, "the valid record after the fuzz stored")
+            wait_for(lambda: fs.service.devices.telemetry_count() > before, 60,
+                     "the valid record after the fuzz stored")
         finally:
             c.loop_stop()
             c.disconnect()
-        assert fs.service.telemetry_count() == before + 1, "a malformed telemetry record was stored"
+        assert fs.service.devices.telemetry_count() == before + 1, "a malformed telemetry record was stored"
         dev = api.get(f"{url}/api/v1/devices/edge-z").json()
         assert dev["last_state"] in (None, "installed"), dev  # only a valid report may have set it
         rejected = sum(api.get(f"{url}/api/v1/stats").json()["rejected"].values())

@@ -23,7 +23,7 @@ DEVICE = "edge-out"
 
 def _rows(fs) -> list[dict]:
     """Stored telemetry of DEVICE in the order the fleet stored it."""
-    return list(reversed(fs.service.device_telemetry(DEVICE, limit=1000)))
+    return list(reversed(fs.service.devices.device_telemetry(DEVICE, limit=1000)))
 
 
 def _spooled(data: Path) -> int:
@@ -43,7 +43,7 @@ def _drain(tmp_path: Path, fs, url: str) -> None:
 def test_broker_outage_mid_stream_loses_nothing_and_keeps_order(tmp_path, mosquitto: Mosquitto):
     data = tmp_path / "agent"
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
-        fs.service.register_device(DEVICE)
+        fs.service.devices.register_device(DEVICE)
         with running_agent(data, device_id=DEVICE, fleet_url=url, telemetry_interval_s=0.1):
             wait_for(lambda: len(_rows(fs)) >= 10, 30, "telemetry flowing")
             mosquitto.stop()
@@ -68,7 +68,7 @@ def test_broker_outage_mid_stream_loses_nothing_and_keeps_order(tmp_path, mosqui
 def test_full_spool_drops_the_oldest_and_the_fleet_learns_how_many(tmp_path, mosquitto: Mosquitto):
     data = tmp_path / "agent"
     with running_fleet(tmp_path, mosquitto.url) as (fs, url):
-        fs.service.register_device(DEVICE)
+        fs.service.devices.register_device(DEVICE)
         with running_agent(data, device_id=DEVICE, fleet_url=url, telemetry_interval_s=0.1, max_spool_records=10):
             wait_for(lambda: len(_rows(fs)) >= 3, 30, "telemetry flowing")
             mosquitto.stop()
@@ -76,7 +76,8 @@ def test_full_spool_drops_the_oldest_and_the_fleet_learns_how_many(tmp_path, mos
                      int((data / "spool" / "dropped").read_text()) >= 15, 30, "overflow while away")
             assert _spooled(data) <= 10
             mosquitto.start()
-            wait_for(lambda: fs.service.get_device(DEVICE)["telemetry"].get("dropped"), 60, "a record after the drops")
+            wait_for(lambda: fs.service.devices.get_device(DEVICE)["telemetry"].get("dropped"), 60,
+                     "a record after the drops")
         _drain(tmp_path, fs, url)
         made = _made(data)
         rows = _rows(fs)

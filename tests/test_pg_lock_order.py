@@ -37,8 +37,8 @@ def pg_service(tmp_path: Path, digits_bundle, digits_bundle_v2):
     repo = Repository(SqlStore(engine), KeyStore(tmp_path / "keys"), upload_dir=tmp_path / "up")
     repo.init()
     svc = FleetService(sessions, repo, RecordingPublisher())
-    svc.upload_bundle(digits_bundle)
-    svc.upload_bundle(digits_bundle_v2)
+    svc.models.upload_bundle(digits_bundle)
+    svc.models.upload_bundle(digits_bundle_v2)
     yield svc
     engine.dispose()
 
@@ -52,13 +52,14 @@ def _report(device: str, rid: int, state: str, ts: float) -> proto.ReportedState
 def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service):
     svc = pg_service
     ids = [f"dev-{i:04d}" for i in range(DEVICES)]
-    svc.register_devices([{"device_id": d, "profile": "x86-cpu"} for d in ids])
+    svc.devices.register_devices([{"device_id": d, "profile": "x86-cpu"} for d in ids])
     # every device runs 1.0.0 before: a rollback has somewhere to send each one
-    svc.handle_statuses([proto.StatusMessage(device_id=d, ts=1.0, state="online") for d in ids])
-    svc.handle_reports([proto.ReportedState(device_id=d, ts=1.0, state="installed", rollout_id=None, model="digits",
-                                            version="1.0.0", running_model="digits", running_version="1.0.0")
-                        for d in ids])
-    rid = svc.create_rollout("digits", "1.1.0", devices=ids)["id"]
+    svc.ingest.handle_statuses([proto.StatusMessage(device_id=d, ts=1.0, state="online") for d in ids])
+    svc.ingest.handle_reports([proto.ReportedState(device_id=d, ts=1.0, state="installed", rollout_id=None,
+                                                   model="digits", version="1.0.0", running_model="digits",
+                                                   running_version="1.0.0")
+                               for d in ids])
+    rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids)["id"]
     now = time.time()
     # two replicas receive every report (reports are not shared), each in its own batches and order; a third thread
     # stores statuses and a fourth the operator's rollback, all at once
@@ -82,19 +83,20 @@ def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service)
     def replica(k: int):
         def go() -> None:
             for i, b in enumerate(batches[k]):
-                svc.handle_reports([_report(d, rid, "downloading", now + i * 0.001) for d in b])
-                svc.handle_reports([_report(d, rid, "installed", now + 1 + i * 0.001) for d in reversed(b)])
+                svc.ingest.handle_reports([_report(d, rid, "downloading", now + i * 0.001) for d in b])
+                svc.ingest.handle_reports([_report(d, rid, "installed", now + 1 + i * 0.001) for d in reversed(b)])
         return go
 
     def statuses() -> None:
         order = ids[:]
         random.Random(3).shuffle(order)
         for i in range(0, len(order), 50):
-            svc.handle_statuses([proto.StatusMessage(device_id=d, ts=now, state="online") for d in order[i:i + 50]])
+            svc.ingest.handle_statuses([proto.StatusMessage(device_id=d, ts=now, state="online")
+                                        for d in order[i:i + 50]])
 
     def rollback() -> None:
         time.sleep(0.05)  # in the middle of the ingest
-        svc.rollout_action(rid, "rollback", "operator")
+        svc.rollouts.rollout_action(rid, "rollback", "operator")
 
     threads = [threading.Thread(target=guarded(f)) for f in (replica(0), replica(1), statuses, rollback)]
     for t in threads:
@@ -110,4 +112,4 @@ def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service)
     assert w is not None and w.n_installed == by_state.get("installed", 0), (w.n_installed, by_state)
     assert w.n_failed == by_state.get("failed", 0), (w.n_failed, by_state)
     assert sum(by_state.values()) == DEVICES
-    assert svc.get_rollout(rid, with_targets=False)["status"] == "rolled_back"
+    assert svc.rollouts.get_rollout(rid, with_targets=False)["status"] == "rolled_back"

@@ -198,12 +198,13 @@ def test_malformed_serving_figures_are_refused_counted_and_ingest_goes_on(tmp_pa
             counts
         good.publish(proto.topic("good", "reported"), _report("good", _serving()))
         good.publish(proto.topic("good", "telemetry"), _telemetry("good", 0, _serving(precision="fp32")))
-        wait_for(lambda: fs.service.telemetry_count("good") == 1, timeout_s=15, what="the good device's telemetry")
+        wait_for(lambda: fs.service.devices.telemetry_count("good") == 1, timeout_s=15,
+                 what="the good device's telemetry")
         wait_for(lambda: api.get(f"{url}/api/v1/devices/good").json().get("last_state") == "installed",
                  timeout_s=15, what="the good device's report")
         dev = api.get(f"{url}/api/v1/devices/good").json()
         assert dev["selftest"]["serving"]["precision"] == "int8", dev["selftest"]
-        assert fs.service.telemetry_count("evil") == 0
+        assert fs.service.devices.telemetry_count("evil") == 0
         assert api.get(f"{url}/api/v1/devices/evil").json().get("selftest") is None
         page = api.get(f"{url}/devices/good").text
         assert "<b>fp32</b>" in page and "timed here" in page, page[-3000:]  # telemetry's word is the newest

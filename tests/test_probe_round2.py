@@ -59,7 +59,7 @@ def test_probe_nul_and_edge_values_from_a_device(fleet):
     dev.publish(proto.topic("edge-bad", "telemetry"), dup)
     dev.publish(proto.topic("edge-ok", "reported"), _reported("edge-ok", None))
     dev.publish(proto.topic("edge-ok", "telemetry"), _telemetry("edge-ok", 0, 5))
-    wait_for(lambda: fs.service.telemetry_count("edge-ok") == 1, 20, "the healthy record stored")
+    wait_for(lambda: fs.service.devices.telemetry_count("edge-ok") == 1, 20, "the healthy record stored")
     wait_for(lambda: api.get(f"{url}/api/v1/devices/edge-ok").json().get("last_state") == "installed", 20,
              "the healthy report stored")
     wait_for(lambda: _rejected(url).get("report_not_a_target", 0) + _rejected(url).get("malformed_reported", 0)

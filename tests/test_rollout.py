@@ -185,7 +185,7 @@ def test_a_slower_model_fails_the_p99_gate_against_the_same_devices_previous_mod
     online(url, 6)
     until(url, rollout(url, version="1.0.0", profile="x86-cpu"), "succeeded")
     sim.send_telemetry()  # the baseline: p99 10 ms on 1.0.0
-    wait_for(lambda: fs.service.telemetry_count() == 6, 20, "baseline telemetry stored")
+    wait_for(lambda: fs.service.devices.telemetry_count() == 6, 20, "baseline telemetry stored")
     rid = rollout(url, version="1.1.0", profile="x86-cpu", waves=["2", "100%"], require_telemetry=True,
                   gates={"install_success_min": 1.0, "p99_ratio_max": 1.5, "error_rate_max": 0.05},
                   on_failure="abort")
@@ -340,14 +340,14 @@ def test_cost_of_a_report_does_not_grow_with_the_fleet(tmp_path):
         s.add(Model(id=1, name="m", version="1.0.0", profile="x86-cpu", backend="onnxruntime", precision="int8",
                     target_path="m/1.0.0/x86-cpu.tar", sha256="a" * 64, size_bytes=1, accuracy=1.0, manifest={}))
         s.add_all(Device(id=f"d{i:05d}", labels={}, registered_via="api", profile="x86-cpu") for i in range(2010))
-    small = svc.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10)])["id"]
-    big = svc.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10, 2010)])["id"]
+    small = svc.rollouts.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10)])["id"]
+    big = svc.rollouts.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10, 2010)])["id"]
     statements: list[str] = []
     event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
 
     def per_report(rid: int, dev: str) -> int:
         statements.clear()
-        svc.handle_reported(proto.ReportedState(device_id=dev, ts=time.time(), state="installed", rollout_id=rid,
+        svc.ingest.handle_reported(proto.ReportedState(device_id=dev, ts=time.time(), state="installed", rollout_id=rid,
                                                 model="m", version="1.0.0", running_model="m",
                                                 running_version="1.0.0"))
         return len(statements)
@@ -355,7 +355,7 @@ def test_cost_of_a_report_does_not_grow_with_the_fleet(tmp_path):
     a, b = per_report(small, "d00001"), per_report(big, "d01000")
     assert a == b, (a, b)
     assert not any("count(" in q.lower() for q in statements)  # counters move by one; nothing is recounted
-    assert svc.get_rollout(big, with_targets=False)["waves"][0]["installed"] == 1
+    assert svc.rollouts.get_rollout(big, with_targets=False)["waves"][0]["installed"] == 1
     engine.dispose()
 
 

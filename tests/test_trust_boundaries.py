@@ -88,7 +88,7 @@ def test_no_message_from_an_enrolled_device_stops_the_fleet_storing_others(tmp_p
         health = httpx.get(f"{url}/api/v1/health", timeout=10).json()
         assert health["status"] == "ok" and health["mqtt_connected"] is True, health
         assert health["mqtt_restarts"] == 0 and health["ingest_restarts"] == 0, health
-        assert fs.service.telemetry_count("evil") == 0
+        assert fs.service.devices.telemetry_count("evil") == 0
         evil.close()
         good.close()
 
@@ -101,7 +101,7 @@ def test_a_dead_ingest_or_network_thread_is_restarted_and_health_says_degraded(t
     with running_fleet(tmp_path, None) as (fs, url):
         assert fs.broker is not None
         dev = _device(fs.broker.port, _enroll(url, "dev"))
-        real_parse, real_reports = proto.parse_topic, fs.service.handle_reports
+        real_parse, real_reports = proto.parse_topic, fs.service.ingest.handle_reports
         calls = {"parse": 0, "reports": 0}
 
         def parse_once_boom(t: str):

@@ -112,7 +112,7 @@ def test_huge_telemetry_counters_from_one_device_stop_no_rollout(fleet):
     dev.publish(proto.topic("edge-ok", "telemetry"), _telemetry("edge-ok", 0, 100))
     for seq in (0, 1):  # each within the per-message bound of the main of 2026-11-26 (2**62)
         dev.publish(proto.topic("edge-bad", "telemetry"), _telemetry("edge-bad", seq, 2**62 - 1))
-    wait_for(lambda: fs.service.telemetry_count() + _rejected(url).get("malformed_telemetry", 0) >= 3, 20,
+    wait_for(lambda: fs.service.devices.telemetry_count() + _rejected(url).get("malformed_telemetry", 0) >= 3, 20,
              "the records stored or refused")
     later = _later_rollout_succeeds(url, dev, "edge-later")
     r = api.get(f"{url}/api/v1/rollouts")
@@ -145,7 +145,7 @@ def test_counts_an_earlier_release_stored_cannot_overflow_a_sum_or_an_addition(f
                   {"n": 2**63 - 16, "r": rid})
     # a record on top of a count near the limit is stored (PostgreSQL's BIGINT addition raised: the record was lost)
     dev.publish(proto.topic("edge-a", "telemetry"), _telemetry("edge-a", 0, 1000, errors=10))
-    wait_for(lambda: fs.service.telemetry_count("edge-a") == 1, 20, "the record stored")
+    wait_for(lambda: fs.service.devices.telemetry_count("edge-a") == 1, 20, "the record stored")
     assert not any(k.startswith("ingest_failed") for k in _rejected(url)), _rejected(url)
     _later_rollout_succeeds(url, dev, "edge-later")
     assert api.get(f"{url}/api/v1/rollouts").status_code == 200
@@ -224,7 +224,7 @@ def test_labels_and_tags_are_bounded(fleet):
     assert api.get(f"{url}/api/v1/devices/edge-l").json()["tags"] == ["t" * 64]
     # the service itself (the console and the CLI call it)
     with pytest.raises(BadRequest, match="has 200000 characters: 1 to 64"):
-        fs.service.create_rollout("digits", "1.0.0", tags=[big])
+        fs.service.rollouts.create_rollout("digits", "1.0.0", tags=[big])
 
 
 @pytest.mark.trust("a device's report older than the one stored (a replay): dropped, not acked")

@@ -110,14 +110,15 @@ def world(tmp_path_factory, digits_bundle, test_images) -> Iterator[World]:
         try:
             with running_fleet(tmp, broker.url, public_url=attacker.url) as (fs, url):
                 attacker.upstream = url
-                fs.service.register_device(DEVICE)
-                fs.service.upload_bundle(digits_bundle)
+                fs.service.devices.register_device(DEVICE)
+                fs.service.models.upload_bundle(digits_bundle)
                 with running_agent(tmp / "agent", device_id=DEVICE, fleet_url=attacker.url,
                                    trusted_root=tmp / "keys" / "root.json", install_retries=0,
                                    download_grace_s=2.0, download_min_bytes_per_s=4096) as (agent, agent_url):
-                    wait_for(lambda: fs.service.get_device(DEVICE)["online"], 30, "agent online")
-                    rid = fs.service.create_rollout("digits", "1.0.0", [DEVICE])["id"]
-                    wait_for(lambda: fs.service.get_rollout(rid)["status"] == "succeeded", 60, "1.0.0 installed")
+                    wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"], 30, "agent online")
+                    rid = fs.service.rollouts.create_rollout("digits", "1.0.0", [DEVICE])["id"]
+                    wait_for(lambda: fs.service.rollouts.get_rollout(rid)["status"] == "succeeded", 60,
+                             "1.0.0 installed")
                     w = World(fs, agent_url, attacker, tmp, digits_bundle, *test_images)
                     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="report-watcher")
                     sub.on_message = lambda c, u, m: w.reports.append(
@@ -148,7 +149,7 @@ def _refused(w: World, version: str, why: str) -> str:
     finally:
         w.attacker.rule = None
     assert not [r for r in w.reports if r.version == version and r.state == "installed"]
-    wait_for(lambda: w.fs.service.get_device(DEVICE)["last_error"] == err, 30,  # type: ignore[attr-defined]
+    wait_for(lambda: w.fs.service.devices.get_device(DEVICE)["last_error"] == err, 30,  # type: ignore[attr-defined]
              "the fleet recorded why")
     meta = httpx.get(f"{w.agent_url}/v2/models/digits").json()
     assert meta["versions"] == ["1.0.0"], f"the attack changed the served model: {meta['versions']}"
@@ -170,8 +171,8 @@ def _publish_desired(w: World, target: str, bundle: Path, version: str) -> None:
 
 
 def _roll_out(w: World, bundle: Path, version: str) -> None:
-    w.fs.service.upload_bundle(bundle)  # type: ignore[attr-defined]
-    w.fs.service.create_rollout("digits", version, [DEVICE])  # type: ignore[attr-defined]
+    w.fs.service.models.upload_bundle(bundle)  # type: ignore[attr-defined]
+    w.fs.service.rollouts.create_rollout("digits", version, [DEVICE])  # type: ignore[attr-defined]
 
 
 def _metadata_version(w: World, role: str) -> int:
@@ -185,7 +186,7 @@ def test_attack_mix_and_match_metadata(world: World, role: str):
     signed older one: every file verifies alone, but they were never published together."""
     version = {"targets": "1.1.0", "snapshot": "1.2.0"}[role]
     bundle = rebundle(world.digits, world.tmp / f"mm-{role}.tar", version=version)
-    world.fs.service.upload_bundle(bundle)  # type: ignore[attr-defined]
+    world.fs.service.models.upload_bundle(bundle)  # type: ignore[attr-defined]
     newest = _metadata_version(world, role)
     older = httpx.get(f"{world.attacker.upstream}/tuf/metadata/{newest - 1}.{role}.json").content
 
@@ -193,7 +194,7 @@ def test_attack_mix_and_match_metadata(world: World, role: str):
         return Reply(older) if path.endswith(f"/metadata/{newest}.{role}.json") else None
 
     world.attacker.rule = swap
-    world.fs.service.create_rollout("digits", version, [DEVICE])  # type: ignore[attr-defined]
+    world.fs.service.rollouts.create_rollout("digits", version, [DEVICE])  # type: ignore[attr-defined]
     err = _refused(world, version, "BadVersionNumber")
     assert world.attacker.hits, "the attack never ran"
     assert "TUF verification failed" in err

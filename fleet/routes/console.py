@@ -47,11 +47,12 @@ def render_index(service: FleetService, request: Request, operate: bool, message
     """The overview with one page of devices, filtered and paged in the database (?group=&state=&q=&offset=)."""
     filters = {k: _str_param(request, k) for k in ("group", "state", "q")}
     offset = _int_param(request, "offset")
-    fleet = service.device_counts()
-    page, matching = service.find_devices(console.PAGE_SIZE, offset, filters["group"] or None,
+    fleet = service.devices.device_counts()
+    page, matching = service.devices.find_devices(console.PAGE_SIZE, offset, filters["group"] or None,
                                           filters["state"] or None, filters["q"] or None,
                                           total=None if any(filters.values()) else fleet["devices"])
-    return console.render(page, service.list_models(), service.list_rollouts(20, summary=True), operate, message,
+    rollouts = service.rollouts.list_rollouts(20, summary=True)
+    return console.render(page, service.models.list_models(), rollouts, operate, message,
                           fleet=fleet, matching=matching, filters=filters, offset=offset)
 
 
@@ -59,12 +60,12 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
                    message: str | None = None) -> str:
     """A rollout with its wave counters and one page of its targets (?state=&offset=), never all of them."""
     state, offset = _str_param(request, "state"), _int_param(request, "offset")
-    r = service.get_rollout(rollout_id, with_targets=False, profiles=False)  # the page does not show them
-    r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
+    r = service.rollouts.get_rollout(rollout_id, with_targets=False, profiles=False)  # the page does not show them
+    r["targets"], r["targets_total"] = service.rollouts.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
                                                                state or None)
-    devices = service.devices_by_id([t["device_id"] for t in r["targets"]])
+    devices = service.devices.devices_by_id([t["device_id"] for t in r["targets"]])
     # each wave over time: grouped in SQL from the rows the ingest summed per wave and time step (fleet.series)
-    waves = series.rollout_series(service.sessions, service.rollouts.drift, rollout_id)
+    waves = series.rollout_series(service.sessions, service.engine.drift, rollout_id)
     return console.rollout_page(r, devices, operate, message, state=state, offset=offset, series=waves)
 
 
@@ -144,8 +145,9 @@ def router(fleet: Fleet) -> APIRouter:
         c = console_caller(store, request)
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
-        return console.device_page(service.get_device(device_id), service.device_telemetry(device_id, 200),
-                                   drift.device_drift(service.sessions, service.rollouts.drift, device_id, 200))
+        devices = service.devices
+        return console.device_page(devices.get_device(device_id), devices.device_telemetry(device_id, 200),
+                                   drift.device_drift(service.sessions, service.engine.drift, device_id, 200))
 
     @web.post("/console/rollouts", include_in_schema=False)
     async def console_create_rollout(request: Request) -> Any:
@@ -154,7 +156,7 @@ def router(fleet: Fleet) -> APIRouter:
         f = await _form(request)
         try:
             name, version, spec = _rollout_form(f)
-            r = service.create_rollout(name, version, _split(f, "devices") or None, f.get("profile") or None,
+            r = service.rollouts.create_rollout(name, version, _split(f, "devices") or None, f.get("profile") or None,
                                        f.get("group") or None, _split(f, "tags") or None, spec, c.name)
         except (ValueError, OverflowError, FleetError) as exc:  # a number past its range too (int of 1e400)
             return HTMLResponse(render_index(service, request, True, f"rollout not started: {exc}"),
@@ -167,7 +169,7 @@ def router(fleet: Fleet) -> APIRouter:
         if action not in ("pause", "resume", "abort", "rollback"):
             raise BadRequest(f"unknown action {action!r}", 404)
         try:
-            service.rollout_action(rollout_id, action, c.name)
+            service.rollouts.rollout_action(rollout_id, action, c.name)
         except FleetError as exc:
             return HTMLResponse(render_rollout(service, rollout_id, request, True, str(exc)),
                                 status_code=exc.status_code)

@@ -54,6 +54,7 @@ class EnrollIn(Body):
 def router(fleet: Fleet) -> APIRouter:
     r = APIRouter()
     service, enrollment, bootstrap = fleet.service, fleet.enrollment, fleet.bootstrap
+    devices = service.devices  # this area's service
     caller, viewer, operator = fleet.roles.caller, fleet.roles.viewer, fleet.roles.operator
 
     @r.get("/api/v1/devices", response_model=list[out.Device])
@@ -63,26 +64,26 @@ def router(fleet: Fleet) -> APIRouter:
                      q: str | None = Query(default=None, max_length=64),
                      _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         """Devices by id; ``limit``/``offset`` page them, ``group``/``state``/``q`` filter (fleet.schemas)."""
-        page, total = service.find_devices(limit, offset, group, state, q)
+        page, total = devices.find_devices(limit, offset, group, state, q)
         response.headers["X-Total-Count"] = str(total)
         return page
 
     @r.post("/api/v1/devices", status_code=201, response_model=out.Device)
     def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
-        return service.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
+        return devices.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
 
     @r.post("/api/v1/devices/batch", status_code=201, response_model=out.DeviceBatchResult)
     def register_devices(body: DeviceBatchIn, c: Caller = Depends(operator)) -> dict[str, int]:
         """Register up to MAX_BATCH_DEVICES devices at once (all or none): {"registered": new, "updated": known}."""
-        return service.register_devices([d.model_dump() for d in body.devices], c.name)
+        return devices.register_devices([d.model_dump() for d in body.devices], c.name)
 
     @r.patch("/api/v1/devices/{device_id}", response_model=out.Device)
     def update_device(device_id: str, body: DevicePatch, c: Caller = Depends(operator)) -> dict[str, Any]:
-        return service.update_device(device_id, body.group, body.tags, body.profile, c.name)
+        return devices.update_device(device_id, body.group, body.tags, body.profile, c.name)
 
     @r.get("/api/v1/devices/{device_id}", response_model=out.Device)
     def get_device(device_id: str, _: Caller = Depends(viewer)) -> dict[str, Any]:
-        return service.get_device(device_id)
+        return devices.get_device(device_id)
 
     def _enrollment() -> Enrollment:
         if enrollment is None:
@@ -98,14 +99,14 @@ def router(fleet: Fleet) -> APIRouter:
 
         ttl = (body or EnrollTokenIn()).ttl_s
         try:
-            doc = service.get_device(device_id)
+            doc = devices.get_device(device_id)
         except NotFound:
-            service.register_device(device_id, actor=c.name)
+            devices.register_device(device_id, actor=c.name)
         else:
             if doc.get("online"):  # its new credentials would lock the running agent out: a decommission
                 c.require("admin", f"re-enrolling {device_id}, which is online (its agent would be locked out)")
         token = _enrollment().issue_token(device_id, dt.timedelta(seconds=ttl))
-        service.device_audit(device_id, c.name, "enrollment_token_issued", ttl_s=ttl)
+        devices.device_audit(device_id, c.name, "enrollment_token_issued", ttl_s=ttl)
         return {"device_id": device_id, "token": token, "expires_in_s": ttl}
 
     @r.post("/api/v1/enroll", response_model=out.Enrolled)
@@ -117,8 +118,8 @@ def router(fleet: Fleet) -> APIRouter:
         except BadRequest as exc:
             service.rejections.add("enroll_refused", request.client.host if request.client else "?", str(exc))
             raise
-        service.device_enrolled(creds.device_id)
-        service.device_audit(creds.device_id, creds.device_id, "device_enrolled")
+        devices.device_enrolled(creds.device_id)
+        devices.device_audit(creds.device_id, creds.device_id, "device_enrolled")
         return {"device_id": creds.device_id, "mqtt_username": creds.username, "mqtt_password": creds.password,
                 **bootstrap}
 
@@ -127,7 +128,7 @@ def router(fleet: Fleet) -> APIRouter:
         """Revoke the device's MQTT credentials (it can no longer connect) and mark it decommissioned; its
         history stays. Enrolling it again takes a new token. Admin role."""
         c.require("admin", "decommissioning a device")
-        doc = service.decommission_device(device_id, c.name)
+        doc = devices.decommission_device(device_id, c.name)
         try:
             _enrollment().decommission(device_id)
         except NotFound:
@@ -137,17 +138,17 @@ def router(fleet: Fleet) -> APIRouter:
     @r.get("/api/v1/devices/{device_id}/telemetry", response_model=list[out.TelemetryRecord])
     def get_telemetry(device_id: str, limit: int = Query(default=50, ge=1, le=1000),
                       _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
-        return service.device_telemetry(device_id, limit)
+        return devices.device_telemetry(device_id, limit)
 
     @r.get("/api/v1/devices/{device_id}/drift", response_model=list[drift.DriftRecord])
     def get_drift(device_id: str, limit: int = Query(default=200, ge=1, le=drift.MAX_LIST),
                   _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         """The device's drift score over time, newest first: one per telemetry record with answer counts (fleet.drift:
         PSI against the compile-time reference; 0.1 watch, 0.25 drift; under 200 answers insufficient)."""
-        return drift.device_drift(service.sessions, service.rollouts.drift, device_id, limit)
+        return drift.device_drift(service.sessions, service.engine.drift, device_id, limit)
 
     @r.get("/api/v1/groups", response_model=list[out.Group])
     def list_groups(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
-        return service.list_groups()
+        return devices.list_groups()
 
     return r

@@ -32,7 +32,7 @@ def router(fleet: Fleet) -> APIRouter:
     def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
         """Device and telemetry counts (the database's), counters of rejected input by kind, and what this
         replica handled from MQTT (with several replicas, each answers for itself)."""
-        return {"rejected": service.rejections.snapshot(), **service.counts(),
+        return {"rejected": service.rejections.snapshot(), **service.devices.counts(),
                 **({"replica": replica_stats()} if replica_stats is not None else {})}
 
     r.include_router(clock.router(fleet))  # the signed time: what an agent needs beside its bootstrap

@@ -20,12 +20,12 @@ from edgefleet.fleet.routes.context import Fleet
 
 def router(fleet: Fleet) -> APIRouter:
     r = APIRouter()
-    service, repo, max_upload_bytes = fleet.service, fleet.repo, fleet.max_upload_bytes
+    models, repo, max_upload_bytes = fleet.service.models, fleet.repo, fleet.max_upload_bytes  # this area's service
     viewer, operator = fleet.roles.viewer, fleet.roles.operator
 
     @r.get("/api/v1/models", response_model=list[out.ModelBuild])
     def list_models(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
-        return service.list_models()
+        return models.list_models()
 
     @r.post("/api/v1/bundles", status_code=201, response_model=out.ModelBuild)
     async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def router(fleet: Fleet) -> APIRouter:
                 raise BadRequest("empty body: send the bundle archive as the request body")
             from starlette.concurrency import run_in_threadpool
 
-            return await run_in_threadpool(service.upload_bundle, Path(tmp))
+            return await run_in_threadpool(models.upload_bundle, Path(tmp))
         finally:
             Path(tmp).unlink(missing_ok=True)
 

@@ -42,13 +42,14 @@ class RolloutIn(Body):
 def router(fleet: Fleet) -> APIRouter:
     r = APIRouter()
     service = fleet.service
+    rollouts = service.rollouts  # this area's service
     viewer, operator = fleet.roles.viewer, fleet.roles.operator
 
     @r.get("/api/v1/rollouts", response_model=list[out.Rollout], response_model_exclude_unset=True)
     def list_rollouts(limit: int = Query(default=100, ge=1, le=1000),
                       _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         """Newest first, at most ``limit`` (up to 1000), without their target lists."""
-        return service.list_rollouts(limit)
+        return rollouts.list_rollouts(limit)
 
     @r.post("/api/v1/rollouts", status_code=201, response_model=out.Rollout, response_model_exclude_unset=True)
     def create_rollout(body: RolloutIn, c: Caller = Depends(operator)) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def router(fleet: Fleet) -> APIRouter:
                                offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry)
         except ValueError as exc:
             raise BadRequest(f"bad rollout spec: {exc}", 422) from exc
-        return service.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,
+        return rollouts.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,
                                       spec, c.name)
 
     @r.get("/api/v1/rollouts/{rollout_id}", response_model=out.Rollout, response_model_exclude_unset=True)
@@ -69,10 +70,10 @@ def router(fleet: Fleet) -> APIRouter:
                     _: Caller = Depends(viewer)) -> dict[str, Any]:
         """With ``targets_limit`` (or ``targets_state``/``targets_offset``): one page of targets and their total."""
         paged = targets and (targets_limit is not None or targets_state or targets_offset)
-        r = service.get_rollout(rollout_id, with_targets=targets and not paged)
+        r = rollouts.get_rollout(rollout_id, with_targets=targets and not paged)
         if paged:
             limit = out.MAX_PAGE if targets_limit is None else targets_limit
-            r["targets"], r["targets_total"] = service.rollout_targets(rollout_id, limit, targets_offset,
+            r["targets"], r["targets_total"] = rollouts.rollout_targets(rollout_id, limit, targets_offset,
                                                                        targets_state)
         return r
 
@@ -82,28 +83,28 @@ def router(fleet: Fleet) -> APIRouter:
         """``action``: pause, resume, abort or rollback."""
         if action not in ("pause", "resume", "abort", "rollback"):
             raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback", 404)
-        return service.rollout_action(rollout_id, action, c.name)
+        return rollouts.rollout_action(rollout_id, action, c.name)
 
     @r.get("/api/v1/rollouts/{rollout_id}/drift", response_model=drift.RolloutDrift)
     def get_rollout_drift(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
         """Each wave's new version against its compile-time reference and against the version its devices ran before
         (what the max_drift_psi gate judges)."""
-        return drift.rollout_drift(service.sessions, service.rollouts.drift, rollout_id)
+        return drift.rollout_drift(service.sessions, service.engine.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/series", response_model=series.RolloutSeries)
     def get_rollout_series(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
         """Each wave's latency p99, throughput, error rate and drift (PSI against the compile-time reference) over
         the rollout's life, in at most 60 buckets, per model version its devices ran (fleet.series: summed by the
         ingest per wave and minute, ten minutes and hour, never read from the devices' records)."""
-        return series.rollout_series(service.sessions, service.rollouts.drift, rollout_id)
+        return series.rollout_series(service.sessions, service.engine.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
     def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
-        service.get_rollout(rollout_id, with_targets=False)
-        return service.audit_log(rollout_id)
+        rollouts.get_rollout(rollout_id, with_targets=False)
+        return rollouts.audit_log(rollout_id)
 
     @r.get("/api/v1/audit", response_model=list[out.AuditEntry])
     def audit_log(limit: int = Query(default=200, ge=1, le=5000), _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
-        return service.audit_log(None, limit)
+        return rollouts.audit_log(None, limit)
 
     return r
