@@ -70,10 +70,10 @@ class AgentConfig(StrictModel):
     batch_tuning: Literal["auto", "off"] = "auto"
     # a bundle compiled where its devices' CPU could not be timed carries every precision that passed the gate.
     # auto: at install (and each start) the agent times them on its own cores and serves the faster
-    # (agent/precision.py); bundle: serve the bundle's own engine untimed; fp32/fp16/int8: that one, if the bundle
+    # (agent/install/precision.py); bundle: serve the bundle's own engine untimed; fp32/fp16/int8: that one, if the bundle
     # has it
     precision: Literal["auto", "bundle", "fp32", "fp16", "int8", "bf16"] = "auto"
-    # the runtime that executes an onnxruntime bundle's ONNX/QDQ file (agent/runtime_choice.py). auto: at install
+    # the runtime that executes an onnxruntime bundle's ONNX/QDQ file (agent/install/runtime_choice.py). auto: at install
     # (and each start) the agent times those installed here (onnxruntime, and OpenVINO with edgefleet[openvino]) on
     # its own cores and serves the fastest that passes the bundle's self-test; onnxruntime / openvino: that one for
     # the bundles it runs (an install fails, naming the extra, where it is not installed); LiteRT, TensorRT and bf16

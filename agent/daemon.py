@@ -29,13 +29,13 @@ from edgefleet.agent.errors import FetchError, TrustError
 from edgefleet.agent.fetch import FetchLimits, FleetHttp
 from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.image import ImageLimits
-from edgefleet.agent.install import Installer
+from edgefleet.agent.install.job import Installer
 from edgefleet.agent.link import MqttLink
 from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.server import create_app, peer_tagging
 from edgefleet.agent.shm import SharedMemory
 from edgefleet.agent.spool import Spool
-from edgefleet.agent.store import ModelStore
+from edgefleet.agent.install.store import ModelStore
 from edgefleet.agent.systemd import sd_notify
 from edgefleet.agent.telemetry import DeviceSampler, DeviceStats
 from edgefleet.agent.updater import BundleFetcher

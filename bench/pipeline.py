@@ -224,7 +224,7 @@ def _stage_max_batches(port: int, model: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from edgefleet.agent.store import ModelStore
+    from edgefleet.agent.install.store import ModelStore
     from edgefleet.protocol.bundle import extract_bundle, sha256_file
 
     t_start = time.monotonic()

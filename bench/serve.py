@@ -82,7 +82,7 @@ NAIVE_MAX_BATCH = 16
 
 def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile and install one model; -> data dir, engine, images and labels for the load."""
-    from edgefleet.agent.store import ModelStore
+    from edgefleet.agent.install.store import ModelStore
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from edgefleet.protocol.bundle import sha256_file
 

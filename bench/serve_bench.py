@@ -3,7 +3,7 @@
 Steps (everything on 127.0.0.1, every loop bounded):
 
 1. compile models/digits for x86-cpu (static INT8) into a temporary folder;
-2. install the bundle into an agent data dir through ``agent.store.ModelStore`` (no fleet);
+2. install the bundle into an agent data dir through ``agent.install.store.ModelStore`` (no fleet);
 3. baseline: raw onnxruntime, in this process, on the same INT8 engine file, batch 1 and batch 16;
 4. for each ``--max-queue-delay-us`` setting (alternating over ``--rounds``): start the agent as its own
    process (``python -m edgefleet.cli agent`` with an unreachable fleet URL), wait until it is ready,
@@ -53,7 +53,7 @@ UNREACHABLE_FLEET = "http://127.0.0.1:9"  # discard port: the agent serves its i
 
 def compile_and_install(work: Path) -> tuple[Path, Path, Any]:
     """Compile the digits model and commit it into ``work/agent/store``; -> (data dir, engine path, manifest)."""
-    from edgefleet.agent.store import ModelStore
+    from edgefleet.agent.install.store import ModelStore
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from edgefleet.protocol.bundle import sha256_file
 

@@ -559,9 +559,9 @@ def cmd_agent_install_service(a: argparse.Namespace) -> int:
 
 
 # -- bench ------------------------------------------------------------------------------------------
-@command("agent", imports=("edgefleet.agent.bench",))
+@command("agent", imports=("edgefleet.agent.install.bench",))
 def cmd_bench(a: argparse.Namespace) -> int:
-    from edgefleet.agent.bench import bench_bundle
+    from edgefleet.agent.install.bench import bench_bundle
 
     _bundle_file(a.bundle)
     try:
@@ -625,9 +625,9 @@ def _toolchain_line(st: Any) -> str:
 
 
 # -- verify -----------------------------------------------------------------------------------------
-@command("agent", imports=("edgefleet.agent.verify",), json_error=lambda a, line, code: {"ok": False, "error": line})
+@command("agent", imports=("edgefleet.agent.install.verify",), json_error=lambda a, line, code: {"ok": False, "error": line})
 def cmd_verify(a: argparse.Namespace) -> int:
-    from edgefleet.agent.verify import verify_bundle
+    from edgefleet.agent.install.verify import verify_bundle
 
     _bundle_file(a.bundle)
     r = verify_bundle(a.bundle, a.eval, threads=a.threads, skip_cpu_check=a.skip_cpu_check,

@@ -15,7 +15,7 @@ import pytest
 
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.daemon import Agent, run_until_stopped
-from edgefleet.agent.store import ModelStore
+from edgefleet.agent.install.store import ModelStore
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import sha256_file
 from tests.waiting import wait_for

@@ -19,7 +19,7 @@ def main() -> None:
     point, argv = sys.argv[1], sys.argv[2:]
     if argv[1:3] != ["-m", "edgefleet.cli"]:
         raise SystemExit(f"crash_at: expected PYTHON -m edgefleet.cli ARGS, got {argv[:3]}")
-    from edgefleet.agent import store
+    from edgefleet.agent.install import store
 
     init = store.ModelStore.__init__
 

@@ -15,10 +15,10 @@ import pytest
 from edgefleet.agent.batcher import Batcher, BatchSettings, batch_ladder, choose_batch_size
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.core.host import ModelHost
-from edgefleet.agent.install import Installer
+from edgefleet.agent.install.job import Installer
 from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.selftest import measure_batch_sizes
-from edgefleet.agent.store import ModelStore, StagedModel
+from edgefleet.agent.install.selftest import measure_batch_sizes
+from edgefleet.agent.install.store import ModelStore, StagedModel
 from edgefleet.engines import Engine, EngineSpec
 from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import preinstall, running_agent

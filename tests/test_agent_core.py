@@ -35,7 +35,7 @@ def _imported_after(module: str) -> list[str]:
 
 @pytest.mark.parametrize("module", [
     "edgefleet.agent.core.host",  # the core
-    "edgefleet.agent.install",  # the installer asks the core, never a transport
+    "edgefleet.agent.install.job",  # the installer asks the core, never a transport
     "edgefleet.agent.local",  # the local socket: asyncio alone
     "edgefleet.agent.grpc_server",  # grpcio only once it starts (lazily)
 ])

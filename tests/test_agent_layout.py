@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent import bench as agent_bench
+from edgefleet.agent.install import bench as agent_bench
 from edgefleet.agent.batcher import (
     LAYOUT_TIE,
     LayoutFigures,
@@ -26,7 +26,7 @@ from edgefleet.agent.batcher import (
     layout_candidates,
 )
 from edgefleet.agent.errors import BackendError
-from edgefleet.agent.store import ModelStore, StagedModel
+from edgefleet.agent.install.store import ModelStore, StagedModel
 from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import preinstall, running_agent
 from tests.test_agent_batch_tuning import Costed
@@ -206,7 +206,7 @@ def test_the_trial_runs_in_a_child_and_an_engine_that_does_not_load_is_a_backend
 
 
 def test_the_trial_runs_on_the_runtime_that_will_serve(staged):
-    """The agent serves an onnxruntime bundle on the runtime it chose (agent.runtime_choice: OpenVINO where it is
+    """The agent serves an onnxruntime bundle on the runtime it chose (agent.install.runtime_choice: OpenVINO where it is
     faster): the layout and batch size are timed on that runtime, not on the bundle's own (before, the child always
     loaded onnxruntime, and an OpenVINO-served model got onnxruntime's layout and batch size)."""
     from edgefleet import engines
@@ -227,7 +227,7 @@ def test_a_layout_trial_whose_child_cannot_start_runs_in_this_process(monkeypatc
     import sys
     from types import SimpleNamespace
 
-    from edgefleet.agent import bench
+    from edgefleet.agent.install import bench
 
     seen = []
     monkeypatch.setattr(sys, "executable", str(tmp_path / "not-a-program"))

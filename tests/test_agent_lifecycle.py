@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.errors import SelfTestFailed
-from edgefleet.agent.store import ModelStore
+from edgefleet.agent.install.store import ModelStore
 from tests.agent_harness import preinstall, running_agent
 from tests.conftest import wait_for
 

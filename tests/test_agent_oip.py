@@ -19,7 +19,7 @@ from edgefleet.agent.batcher import BatchSettings
 from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.server import create_app
-from edgefleet.agent.store import ModelStore
+from edgefleet.agent.install.store import ModelStore
 from edgefleet.engines import EngineSpec
 from edgefleet.engines.onnxruntime import OnnxRuntimeEngine
 from edgefleet.protocol.bundle import sha256_file

@@ -1,4 +1,4 @@
-"""The runtime chosen on the device (agent/runtime_choice.py): an onnxruntime bundle's file timed on every runtime
+"""The runtime chosen on the device (agent/install/runtime_choice.py): an onnxruntime bundle's file timed on every runtime
 installed here that runs it, the fastest that passes the bundle's own self-test served, the operator able to pin
 one, and a pinned runtime that is missing refused with the extra to install. Real bundles (the compiler's digits
 INT8 and FP32 builds), real onnxruntime and OpenVINO engines."""
@@ -12,8 +12,8 @@ import pytest
 
 from edgefleet import engines
 from edgefleet.agent.errors import BackendError
-from edgefleet.agent.runtime_choice import TIE, candidates, pick_runtime
-from edgefleet.agent.store import StagedModel
+from edgefleet.agent.install.runtime_choice import TIE, candidates, pick_runtime
+from edgefleet.agent.install.store import StagedModel
 from edgefleet.protocol.bundle import extract_bundle
 from tests.installs import run_as_installed
 
@@ -92,7 +92,7 @@ def test_a_pin_applies_to_the_bundles_that_runtime_runs_and_leaves_the_others_to
 
 
 def test_a_box_without_the_extra_serves_on_onnxruntime_and_a_pin_to_openvino_names_the_extra():
-    code = ("from edgefleet.agent.runtime_choice import candidates\n"
+    code = ("from edgefleet.agent.install.runtime_choice import candidates\n"
             "from edgefleet.agent.errors import BackendError\n"
             "print(candidates('onnxruntime', 'int8', 'auto'))\n"
             "for setting, precision in (('openvino', 'int8'), ('auto', 'bf16')):\n"
@@ -111,7 +111,7 @@ def test_a_box_without_the_extra_serves_on_onnxruntime_and_a_pin_to_openvino_nam
 
 @needs_ov
 def test_the_runtimes_are_timed_in_a_child_process_and_leave_nothing_in_the_agent(tmp_path, digits_bundle):
-    """The agent times the runtimes in a child (agent.runtime_choice.pick_runtime_in_child): one it does not choose
+    """The agent times the runtimes in a child (agent.install.runtime_choice.pick_runtime_in_child): one it does not choose
     leaves its libraries there (in-process timing kept OpenVINO's in an agent serving onnxruntime). Run in a fresh
     interpreter, which imports neither runtime while choosing; the figures come back from the child."""
     import json
@@ -120,8 +120,8 @@ def test_the_runtimes_are_timed_in_a_child_process_and_leave_nothing_in_the_agen
 
     code = ("import json, sys\n"
             "from pathlib import Path\n"
-            "from edgefleet.agent.runtime_choice import pick_runtime_in_child\n"
-            "from edgefleet.agent.store import StagedModel\n"
+            "from edgefleet.agent.install.runtime_choice import pick_runtime_in_child\n"
+            "from edgefleet.agent.install.store import StagedModel\n"
             "from edgefleet.protocol.bundle import extract_bundle\n"
             "d = Path(sys.argv[2])\n"
             "pick = pick_runtime_in_child(StagedModel(extract_bundle(Path(sys.argv[1]), d), d, ''), 'auto', 16, 1)\n"

@@ -15,7 +15,7 @@ from tests.waiting import wait_for, watch
 
 
 def _backend(tmp_path, bundle, name):
-    from edgefleet.agent.store import ModelStore
+    from edgefleet.agent.install.store import ModelStore
 
     store = ModelStore(tmp_path / name)
     store.recover()

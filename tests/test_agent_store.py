@@ -5,7 +5,7 @@ import json
 import pytest
 
 from edgefleet.agent.errors import TrustError
-from edgefleet.agent.store import ModelStore
+from edgefleet.agent.install.store import ModelStore
 from edgefleet.protocol.bundle import sha256_file
 
 

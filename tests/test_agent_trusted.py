@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgefleet.agent.errors import RefusedUpdate
-from edgefleet.agent.trusted import Installed, TrustedRecord, decide
+from edgefleet.agent.install.trusted import Installed, TrustedRecord, decide
 
 CUR = Installed("digits", "1.2.0", "a" * 64, "x86-cpu")
 REC = TrustedRecord().advance("digits", "1.2.0", "a" * 64)
@@ -149,7 +149,7 @@ def test_a_malformed_record_is_an_error_not_an_empty_record(doc):
 
 # -- CPU features: a bundle whose profile promises more than this CPU has is refused --------------
 def test_cpu_without_vnni_refuses_a_vnni_bundle():
-    from edgefleet.agent.trusted import check_cpu
+    from edgefleet.agent.install.trusted import check_cpu
 
     d = check_cpu("x86-cpu-vnni", ("avx2", "avx512_vnni"), frozenset({"avx2", "fma"}))
     assert d.action == "refuse"
@@ -157,7 +157,7 @@ def test_cpu_without_vnni_refuses_a_vnni_bundle():
 
 
 def test_cpu_with_the_features_accepts():
-    from edgefleet.agent.trusted import check_cpu
+    from edgefleet.agent.install.trusted import check_cpu
 
     assert check_cpu("x86-cpu", ("avx2", "fma"), frozenset({"avx2", "fma", "avx512_vnni"})).action == "install"
     assert check_cpu("x86-cpu", (), frozenset()).action == "install"
@@ -207,11 +207,11 @@ def test_an_agent_that_switched_models_refuses_an_older_build_of_the_first(tmp_p
     for _ in range(2):  # the record is on disk: a restarted agent refuses too
         agent = Agent(AgentConfig(device_id="dev-1", fleet_url="http://127.0.0.1:9", data_dir=data,
                                   trust_on_first_use=True, install_retries=0))
-        agent.store.recover()
-        assert agent.store.current is not None and agent.store.current.installed.name == "faces"
+        agent.install.store.recover()
+        assert agent.install.store.current is not None and agent.install.store.current.installed.name == "faces"
         reports: list[tuple[str, str | None]] = []
         agent._report = lambda state, desired, error=None, reports=reports, **kw: reports.append((state, error))  # type: ignore
-        agent.install(proto.DesiredState(device_id="dev-1", ts=0.0, rollout_id=7, model="digits", version="1.0.0",
+        agent.install.job(proto.DesiredState(device_id="dev-1", ts=0.0, rollout_id=7, model="digits", version="1.0.0",
                                          target="digits/1.0.0/x86-cpu.tar", sha256=sha256_file(old),
                                          size_bytes=old.stat().st_size))
         assert [state for state, _ in reports] == ["failed"], reports  # nothing was downloaded

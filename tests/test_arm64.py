@@ -180,8 +180,8 @@ sys.modules["onnxruntime"] = None  # hidden: the emulated venv is cached and may
 from pathlib import Path
 import numpy as np
 from edgefleet import engines
-from edgefleet.agent.selftest import self_test
-from edgefleet.agent.store import StagedModel
+from edgefleet.agent.install.selftest import self_test
+from edgefleet.agent.install.store import StagedModel
 from edgefleet.protocol.manifest import parse_manifest
 out = {"onnxruntime": engines.runtime_installed("onnxruntime")}
 for d in map(Path, sys.argv[1:]):

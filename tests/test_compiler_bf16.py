@@ -84,7 +84,7 @@ def test_only_a_profile_that_promises_a_bf16_cpu_allows_bf16(tmp_path):
 # -- the real path: built, gated, tagged bf16, served as gated -----------------------------------------------
 @needs_bf16
 def test_a_bf16_build_is_the_fp32_file_gated_as_bf16_and_runs_bf16_as_gated(bf16_bundle, tmp_path):
-    from edgefleet.agent.verify import verify_bundle
+    from edgefleet.agent.install.verify import verify_bundle
 
     m = extract_bundle(bf16_bundle, tmp_path)
     assert (m.precision, m.backend) == ("bf16", "onnxruntime") and m.manifest_version >= 5
@@ -254,7 +254,7 @@ def _crafted(bf16_bundle: Path, version: str, spoil) -> Crafted:
 @pytest.mark.parametrize(("case", "spoil", "words"), SPOILS, ids=[s[0] for s in SPOILS])
 def test_a_bf16_bundle_without_a_gate_that_judged_it_is_refused_everywhere(bf16_bundle, tmp_path, case, spoil,
                                                                           words):
-    from edgefleet.agent.verify import verify_bundle
+    from edgefleet.agent.install.verify import verify_bundle
 
     bad = _crafted(bf16_bundle, "1.0.0", spoil).write(tmp_path / f"{case}.tar")
     with pytest.raises(EdgefleetError, match=words):  # the reader both the fleet and the agent use
@@ -307,8 +307,8 @@ def fp32_with_bf16_variant(bf16_bundle, tmp_path_factory) -> Path:
 
 @needs_bf16
 def test_the_agent_times_a_bf16_variant_only_where_the_cpu_runs_it(fp32_with_bf16_variant, tmp_path):
-    from edgefleet.agent.precision import pick_precision
-    from edgefleet.agent.store import StagedModel
+    from edgefleet.agent.install.precision import pick_precision
+    from edgefleet.agent.install.store import StagedModel
 
     m = extract_bundle(fp32_with_bf16_variant, tmp_path)
     staged = StagedModel(m, tmp_path, sha256_file(fp32_with_bf16_variant))

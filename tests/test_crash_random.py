@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent.store import ModelStore
+from edgefleet.agent.install.store import ModelStore
 from edgefleet.demo import AgentProc, free_port, spawn
 from tests.agent_harness import served_version
 from tests.conftest import Mosquitto, wait_for

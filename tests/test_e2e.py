@@ -191,7 +191,7 @@ def test_agent_process_killed_mid_install_restarts_on_a_whole_model(tmp_path, mo
         assert doomed.proc.wait(60) == 137
         lf.agents.pop("edge-c")
         # what the disk holds after the crash: one whole model, the old or the new one by where it died
-        from edgefleet.agent.store import ModelStore
+        from edgefleet.agent.install.store import ModelStore
 
         store = ModelStore(tmp_path / "agents" / "edge-c" / "store")
         entry = store.recover()

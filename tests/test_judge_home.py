@@ -36,7 +36,7 @@ def test_verify_judges_a_label_free_set_on_a_box_without_the_compiler(int8_bundl
     np.savez(tmp_path / "far.npz", x=_inputs(4, 300, (2.0, 4.0)))
     code = ("import sys; sys.modules['edgefleet.compiler'] = None\n"  # `import edgefleet.compiler...` now raises
             "from pathlib import Path\n"
-            "from edgefleet.agent.verify import verify_bundle\n"
+            "from edgefleet.agent.install.verify import verify_bundle\n"
             f"r = verify_bundle(Path({str(bundle)!r}), Path({str(tmp_path / 'far.npz')!r}), "
             f"reference=Path({str(model)!r}))\n"
             "print(r.gate.passed, r.gate.eval_samples, r.gate.task.task, r.holds)\n"
@@ -47,7 +47,7 @@ def test_verify_judges_a_label_free_set_on_a_box_without_the_compiler(int8_bundl
 
 
 def test_importing_verify_and_the_judge_loads_neither_the_compiler_nor_its_toolchain():
-    modules = ("edgefleet.agent.verify, edgefleet.judge.gate, edgefleet.judge.tasks, edgefleet.judge.data, "
+    modules = ("edgefleet.agent.install.verify, edgefleet.judge.gate, edgefleet.judge.tasks, edgefleet.judge.data, "
                "edgefleet.judge.predict")
     assert loaded_after(modules, HEAVY) == []
 

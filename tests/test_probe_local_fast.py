@@ -360,7 +360,7 @@ def test_queue_full_on_the_fast_path(tmp_path, digits_bundle, test_images, fast_
 
 def test_a_swapped_model_never_gets_the_old_versions_template(tmp_path, digits_bundle, digits_bundle_v2,
                                                               test_images, fast_hits):
-    from edgefleet.agent.store import ModelStore
+    from edgefleet.agent.install.store import ModelStore
     from edgefleet.engines import EngineSpec
     from edgefleet.engines.onnxruntime import OnnxRuntimeEngine
     from edgefleet.protocol.bundle import sha256_file

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.precision import pick_precision
-from edgefleet.agent.store import StagedModel
+from edgefleet.agent.install.precision import pick_precision
+from edgefleet.agent.install.store import StagedModel
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import extract_bundle, sha256_file

@@ -159,7 +159,7 @@ def in_the_running(f: LayoutFigures, top: float) -> bool:
 def choose_layout(measured: Sequence[LayoutFigures]) -> LayoutFigures:
     """The layout to serve with: the one that serves the most images/s at its best batch size with all its
     instances driven at once (the figure ``bench/serve.py`` calls the runtime's limit, measured the same way:
-    agent.bench.drive_together); of the layouts within ``LAYOUT_TIE`` of it, the one whose lone batch-1 call is
+    agent.install.bench.drive_together); of the layouts within ``LAYOUT_TIE`` of it, the one whose lone batch-1 call is
     fastest."""
     if not measured:
         raise ValueError("no layout was measured")

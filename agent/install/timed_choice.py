@@ -1,5 +1,5 @@
-"""A choice between engines made by timing them on the device: the precision (agent/precision.py) and the
-runtime (agent/runtime_choice.py) are picked the same way. Each candidate is timed at batch 1 and the largest
+"""A choice between engines made by timing them on the device: the precision (agent/install/precision.py) and the
+runtime (agent/install/runtime_choice.py) are picked the same way. Each candidate is timed at batch 1 and the largest
 batch formed (:func:`timing_sizes`), :data:`ROUNDS` times in alternation (every call in its turn with the version
 serving: ``turn``), the best figure per batch size counting; the candidates are compared by the geometric mean over
 the batch sizes, and the bundle's own is kept unless another is more than a tie faster (:func:`keep_unless_faster`).
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.selftest import Turn, measure_batch_sizes
-from edgefleet.agent.store import StagedModel
+from edgefleet.agent.install.selftest import Turn, measure_batch_sizes
+from edgefleet.agent.install.store import StagedModel
 from edgefleet.engines import Engine
 
 __all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "child_answer", "geomean", "keep_unless_faster",

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.selftest import Turn, now, self_test
-from edgefleet.agent.store import StagedModel
-from edgefleet.agent.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
+from edgefleet.agent.install.selftest import Turn, now, self_test
+from edgefleet.agent.install.store import StagedModel
+from edgefleet.agent.install.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.cpu import BF16_FEATURES, bf16_feature

@@ -6,7 +6,7 @@
                                                    (replaced atomically; the commit point)
     <data_dir>/trusted.json                        the trusted record: the highest version and its
                                                    sha256 of every model ever installed here
-                                                   (:class:`agent.trusted.TrustedRecord`; replaced
+                                                   (:class:`agent.install.trusted.TrustedRecord`; replaced
                                                    atomically just before state.json)
 
 Several models live side by side, one active version each, with the version before it kept for
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edgefleet.agent.errors import TrustError
-from edgefleet.agent.trusted import Installed, TrustedRecord
+from edgefleet.agent.install.trusted import Installed, TrustedRecord
 from edgefleet.protocol.bundle import extract_bundle, sha256_file
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.fsutil import atomic_write, fsync_dir

@@ -5,7 +5,7 @@ model this device has ever installed, the highest version and the sha256 of its 
 accepted when it names a newer version of a model than the record holds, the very build the record holds,
 or a model never installed; the same version with other content is refused as tampering; an older version
 is refused as a downgrade (publish the old build under a new version instead), whichever model runs now.
-The store (:mod:`agent.store`) loads and saves the record; nothing here touches the disk. A bundle built
+The store (:mod:`agent.install.store`) loads and saves the record; nothing here touches the disk. A bundle built
 for a profile this device does not run is refused, and so is one that needs CPU instruction sets this
 device lacks (``check_cpu``, decided from the signed target metadata before the download and again from
 the manifest).

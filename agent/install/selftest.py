@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from edgefleet.agent.errors import SelfTestFailed
-from edgefleet.agent.store import StagedModel
+from edgefleet.agent.install.store import StagedModel
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.agent.batcher import LayoutFigures, in_the_running, pin_thread
+from edgefleet.agent.core.batching.dispatch import pin_thread
+from edgefleet.agent.core.batching.tuning import LayoutFigures, in_the_running
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.selftest import Turn, now
-from edgefleet.agent.store import StagedModel
-from edgefleet.agent.timed_choice import child_answer
+from edgefleet.agent.install.selftest import Turn, now
+from edgefleet.agent.install.store import StagedModel
+from edgefleet.agent.install.timed_choice import child_answer
 from edgefleet.engines import Engine, load_bundle_engine
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.cpu import cpu_features
@@ -204,7 +205,7 @@ def layout_trial(manifest: Manifest, directory: Path, candidates: Sequence[tuple
     """Each of ``candidates`` ((instances, threads)) loaded (``load``; default: the bundle's engine with
     ``providers`` on ``runtime``, the one that will serve it; None: the bundle's own), measured
     (:func:`measure_layout`, ``seconds`` a slice, and :func:`lone_call_ms`) and closed as soon as it is out of the
-    running (agent.batcher.in_the_running: at most the layouts still in the running are loaded at once); every one
+    running (agent.core.batching.tuning.in_the_running: at most the layouts still in the running are loaded at once); every one
     is closed at the end. -> their figures, in the order measured."""
     staged = StagedModel(manifest, directory, "")
     fill = trial_feeds(staged)
@@ -243,7 +244,7 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
                           sizes: tuple[int, ...], seconds: float, cpus: Collection[int] | None = None,
                           providers: tuple[str, ...] | None = None,
                           timeout_s: float = TRIAL_TIMEOUT_S, runtime: str | None = None) -> list[LayoutFigures]:
-    """:func:`layout_trial` in a child process (``python -m edgefleet.agent.bench --layout-trial``, started from
+    """:func:`layout_trial` in a child process (``python -m edgefleet.agent.install.bench --layout-trial``, started from
     the calling thread: on its CPUs): the trial sessions' arenas, grown to the largest batch timed, die with it, and
     the agent's own memory (its peak included) holds only the sessions it serves (measured, MobileNetV2 FP32 on 2
     cores: in-process trials left the agent's peak at 3.4x that of the served sessions alone). An engine that fails
@@ -257,7 +258,7 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
            "cpus": sorted(cpus) if cpus else None, "providers": list(providers) if providers else None,
            "runtime": runtime}
     try:
-        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.bench", "--layout-trial"],
+        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.install.bench", "--layout-trial"],
                               input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
         raise SelfTestFailed(f"layout trial: not done in {timeout_s:g} s (killed)") from exc
@@ -347,5 +348,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--layout-trial"]:
-        sys.exit("usage: python -m edgefleet.agent.bench --layout-trial < trial.json (the agent runs it at install)")
+        sys.exit("usage: python -m edgefleet.agent.install.bench --layout-trial < trial.json (the agent runs it at install)")
     sys.exit(_layout_trial_main())

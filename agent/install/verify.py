@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from edgefleet.agent.errors import SelfTestFailed
-from edgefleet.agent.selftest import self_test
-from edgefleet.agent.store import StagedModel
-from edgefleet.agent.trusted import check_cpu
+from edgefleet.agent.install.selftest import self_test
+from edgefleet.agent.install.store import StagedModel
+from edgefleet.agent.install.trusted import check_cpu
 from edgefleet.engines import Engine, load_bundle_engine
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.gate import label_axis, top1_hits

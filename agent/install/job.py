@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.agent.batcher import (
-    BatchSettings,
+from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.core.batching.settings import BatchSettings
+from edgefleet.agent.core.batching.tuning import (
     BatchTuning,
     LayoutFigures,
     batch_ladder,
@@ -23,17 +24,16 @@ from edgefleet.agent.batcher import (
     choose_layout,
     layout_candidates,
 )
-from edgefleet.agent.bench import layout_trial_in_child, release_memory, slice_seconds
-from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.core.host import IndexEntry, ModelHost
+from edgefleet.agent.core.shadow import PipelineShadow, ShadowMirror
 from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
-from edgefleet.agent.host import IndexEntry, ModelHost
-from edgefleet.agent.precision import PrecisionPick, pick_precision
-from edgefleet.agent.runtime_choice import RuntimePick, pick_runtime_in_child
-from edgefleet.agent.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
-from edgefleet.agent.shadow import PipelineShadow, ShadowMirror
-from edgefleet.agent.store import ModelStore, StagedModel
-from edgefleet.agent.trusted import Decision, check_cpu, decide
-from edgefleet.agent.updater import BundleFetcher
+from edgefleet.agent.install.bench import layout_trial_in_child, release_memory, slice_seconds
+from edgefleet.agent.install.precision import PrecisionPick, pick_precision
+from edgefleet.agent.install.runtime_choice import RuntimePick, pick_runtime_in_child
+from edgefleet.agent.install.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
+from edgefleet.agent.install.store import ModelStore, StagedModel
+from edgefleet.agent.install.trusted import Decision, check_cpu, decide
+from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff
@@ -43,7 +43,7 @@ from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.profile import load_profile
 
 if TYPE_CHECKING:
-    from edgefleet.agent.pipeline import PipelineStages
+    from edgefleet.agent.core.pipeline import PipelineStages
 
 __all__ = ["Installer", "Report"]
 
@@ -73,7 +73,7 @@ class Installer:
         # the layout load_instances measured for a set of engines, by its first engine, until tune_batches takes it
         self.measured_layouts: dict[int, tuple[Engine, LayoutFigures, tuple[LayoutFigures, ...]]] = {}
         self._layouts_lock = threading.Lock()
-        # the runtime each model's version serves on (agent.runtime_choice), by model: (version, precision, pick)
+        # the runtime each model's version serves on (agent.install.runtime_choice), by model: (version, precision, pick)
         self.runtimes: dict[str, tuple[str, str, RuntimePick]] = {}
 
     async def load_installed(self) -> None:
@@ -333,11 +333,11 @@ class Installer:
         return out
 
     def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine]) -> list[Engine]:
-        """Each layout of this box's inference CPUs (agent.batcher.layout_candidates: 1x2 and 2x1 on two, 1x1 alone
-        on one) timed as bench/serve.py times the runtime's limit (agent.bench.layout_trial: all its instances
+        """Each layout of this box's inference CPUs (agent.core.batching.tuning.layout_candidates: 1x2 and 2x1 on two, 1x1 alone
+        on one) timed as bench/serve.py times the runtime's limit (agent.install.bench.layout_trial: all its instances
         driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the batcher may
         form; and a lone batch-1 call), in a child process whose memory goes with it
-        (agent.bench.layout_trial_in_child). -> the chosen layout's engines (agent.batcher.choose_layout), loaded
+        (agent.install.bench.layout_trial_in_child). -> the chosen layout's engines (agent.core.batching.tuning.choose_layout), loaded
         here; ``loaded`` (the configured layout) is reused if chosen, else closed first. While another version
         serves the model, the trial shares its cores with it for the trial's few seconds (no turns: a turn per call
         cannot run several instances at once)."""
@@ -348,7 +348,7 @@ class Installer:
         candidates = layout_candidates(cores)
         t0 = time.monotonic()
         try:
-            # on the runtime that will serve it (chosen before: agent.runtime_choice), whose best layout and
+            # on the runtime that will serve it (chosen before: agent.install.runtime_choice), whose best layout and
             # batch size may differ from onnxruntime's
             figures = layout_trial_in_child(manifest, directory, candidates, sizes,
                                             slice_seconds(len(candidates), len(sizes)), cpus,
@@ -384,8 +384,8 @@ class Installer:
 
     def prepare_pipeline(self, staged: StagedModel) -> PipelineStages:
         """A pipeline bundle's stages loaded, self-tested (each stage, then end to end) and warmed up
-        (agent.pipeline.prepare), each call in turn with the version serving the model."""
-        from edgefleet.agent.pipeline import prepare
+        (agent.install.pipeline.prepare), each call in turn with the version serving the model."""
+        from edgefleet.agent.install.pipeline import prepare
 
         m = staged.manifest
         return prepare(staged, self.config, self.host.settings, self.turn(m.name, self.config.instances))
@@ -412,7 +412,7 @@ class Installer:
         return tuple(sorted({1, s.max_batch_size, *s.preferred_batch_sizes}))
 
     def pick_precision(self, staged: StagedModel) -> PrecisionPick:
-        """The precision to serve a bundle in (agent.precision): the bundle's own, unless it carries several and
+        """The precision to serve a bundle in (agent.install.precision): the bundle's own, unless it carries several and
         ``precision: auto`` times them here; each call in turn with the version serving the model."""
         m = staged.manifest
 
@@ -427,10 +427,10 @@ class Installer:
         return pick
 
     def pick_runtime(self, staged: StagedModel) -> RuntimePick:
-        """The runtime to serve a bundle (as its chosen precision's) on (agent.runtime_choice), remembered for
+        """The runtime to serve a bundle (as its chosen precision's) on (agent.install.runtime_choice), remembered for
         load_instances; each call in turn with the version serving the model."""
         m = staged.manifest
-        # timed in a child process (agent.runtime_choice.pick_runtime_in_child): a runtime not chosen leaves its
+        # timed in a child process (agent.install.runtime_choice.pick_runtime_in_child): a runtime not chosen leaves its
         # libraries and memory there, not here
         pick = pick_runtime_in_child(staged, self.config.runtime, self.host.settings.max_batch_size,
                                      self.config.intra_op_threads, self.config.onnxruntime_providers)

@@ -1,14 +1,14 @@
 """The runtime chosen on the device. An ``onnxruntime`` bundle's ONNX/QDQ file runs on onnxruntime and, where
 ``edgefleet[openvino]`` is installed, on OpenVINO too (engines.runtimes_for); which is faster depends on the CPU
 (OpenVINO ran the compiler's QDQ INT8 models 1.1-1.9x faster on an AVX-512 EPYC, issue 35). At install, and again
-at each start, after the precision is chosen (agent/precision.py), the agent loads the bundle on each runtime
+at each start, after the precision is chosen (agent/install/precision.py), the agent loads the bundle on each runtime
 installed here that can run its precision, runs each one's self-test (the bundle's own sample and expected answers,
 the same check whatever runs it), times them in alternation on its own cores (each call in its turn with the
 version serving: ``turn``) and serves the fastest. The bundle's own runtime (its backend) is kept unless another is
 more than :data:`TIE` faster, so noise does not flip a choice between equals.
 
-The timing runs in a child process (:func:`pick_runtime_in_child`: ``python -m edgefleet.agent.runtime_choice
---trial``, started from the install thread, so on the inference CPUs), like the layout trial (agent/bench.py): a
+The timing runs in a child process (:func:`pick_runtime_in_child`: ``python -m edgefleet.agent.install.runtime_choice
+--trial``, started from the install thread, so on the inference CPUs), like the layout trial (agent/install/bench.py): a
 runtime that is timed and not chosen leaves nothing in the agent. Measured (bench/runtime_memory.py), in-process
 timing kept OpenVINO's libraries and CPU plugin in an agent that then served onnxruntime. As in the layout trial,
 the child's calls take no turns with a version serving the model (they share its cores for the trial's seconds).
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from edgefleet.agent.core.runtime_pick import RuntimePick, RuntimeTiming
 from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.selftest import Turn, now, self_test
-from edgefleet.agent.store import StagedModel
-from edgefleet.agent.timed_choice import child_answer, geomean, keep_unless_faster, time_in_alternation, timing_sizes
+from edgefleet.agent.install.selftest import Turn, now, self_test
+from edgefleet.agent.install.store import StagedModel
+from edgefleet.agent.install.timed_choice import child_answer, geomean, keep_unless_faster, time_in_alternation, timing_sizes
 from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
 
 __all__ = ["TIE", "TRIAL_TIMEOUT_S", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime",
@@ -40,21 +40,6 @@ log = logging.getLogger("edgefleet.agent")
 
 TIE = 0.03  # another runtime must be this much faster than the bundle's own to replace it
 TRIAL_TIMEOUT_S = 300.0  # a child trial still running after this is killed (the install fails with that reason)
-
-
-@dataclass(frozen=True)
-class RuntimeTiming:
-    runtime: str
-    items_per_s: float  # geometric mean over the batch sizes timed: what the choice compares
-    timings: tuple[tuple[int, float], ...]  # (batch size, items/s)
-
-
-@dataclass(frozen=True)
-class RuntimePick:
-    runtime: str
-    source: str  # only (one runtime here can run it) | device (timed here) | operator (the agent's config)
-    timings: tuple[RuntimeTiming, ...] = ()
-    note: str = ""  # why, in a sentence (logged)
 
 
 def candidates(backend: str, precision: str, setting: str,
@@ -145,7 +130,7 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
                           providers: tuple[str, ...] | None = None, timeout_s: float = TRIAL_TIMEOUT_S,
                           installed: Callable[[str], bool] = runtime_installed) -> RuntimePick:
     """:func:`pick_runtime` with the candidates loaded, self-tested and timed in a child process (``python -m
-    edgefleet.agent.runtime_choice --trial``, from the calling thread: on its CPUs), each engine of ``threads``
+    edgefleet.agent.install.runtime_choice --trial``, from the calling thread: on its CPUs), each engine of ``threads``
     threads: their libraries and memory leave with it. An untimed choice (pinned, or one runtime here) starts no
     child. Failures come back as in-process: the first failure raised (BackendError or SelfTestFailed) when no
     runtime is left; a child that outlives ``timeout_s`` is a SelfTestFailed."""
@@ -160,7 +145,7 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
     doc = {"manifest": m.model_dump(mode="json"), "directory": str(staged.directory), "names": list(names),
            "max_batch_size": max_batch_size, "threads": threads, "providers": list(providers) if providers else None}
     try:
-        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.runtime_choice", "--trial"],
+        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.install.runtime_choice", "--trial"],
                               input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
         raise SelfTestFailed(f"runtime trial: not done in {timeout_s:g} s (killed)") from exc
@@ -208,5 +193,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--trial"]:
-        sys.exit("usage: python -m edgefleet.agent.runtime_choice --trial < trial.json (the agent runs it at install)")
+        sys.exit("usage: python -m edgefleet.agent.install.runtime_choice --trial < trial.json (the agent runs it at install)")
     sys.exit(_trial_main())
