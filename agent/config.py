@@ -105,7 +105,7 @@ class AgentConfig(StrictModel):
     inference_cpus: tuple[int, ...] | None = None
     # the Open Inference Protocol over gRPC (tritonclient.grpc) on http_host; None: off, 0: a free port
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
-    # its connections (agent/grpc_server.py): at most this many at once (and at most a quarter of RLIMIT_NOFILE);
+    # its connections (agent/transports/grpc.py): at most this many at once (and at most a quarter of RLIMIT_NOFILE);
     # one that sends no HTTP/2 preface and SETTINGS within grpc_handshake_timeout_s, or has no call in progress
     # for grpc_idle_timeout_s, is closed
     grpc_max_connections: int = Field(default=256, ge=1, le=65536)
@@ -119,7 +119,7 @@ class AgentConfig(StrictModel):
     max_shm_regions: int = Field(default=64, ge=0, le=65536)
     max_shm_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)  # 1 GiB, all regions together
     shm_idle_timeout_s: float = Field(default=600.0, gt=0, le=86400)
-    # the on-box socket (agent/local.py, protocol/local.py): the Open Inference Protocol without HTTP over a Unix
+    # the on-box socket (agent/transports/local.py, protocol/local.py): the Open Inference Protocol without HTTP over a Unix
     # socket at this path (relative: under data_dir), mode 0660; None: off. At most local_max_connections at once,
     # local_max_inflight requests in flight on each
     local_socket: Path | None = None

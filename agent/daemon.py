@@ -28,12 +28,12 @@ from edgefleet.agent.enroll import mqtt_security
 from edgefleet.agent.errors import FetchError, TrustError
 from edgefleet.agent.fetch import FetchLimits, FleetHttp
 from edgefleet.agent.core.host import ModelHost
-from edgefleet.agent.image import ImageLimits
+from edgefleet.agent.transports.image import ImageLimits
 from edgefleet.agent.install.job import Installer
 from edgefleet.agent.link import MqttLink
 from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.server import create_app, peer_tagging
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.http import create_app, peer_tagging
+from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.agent.spool import Spool
 from edgefleet.agent.install.store import ModelStore
 from edgefleet.agent.systemd import sd_notify
@@ -138,7 +138,7 @@ class Agent:
                          self.shm if self.shm.enabled else None)
         # on SIGTERM uvicorn stops accepting, lets the requests in flight finish (their batches still run: the
         # batchers close only after it returns), then waits for the connections for at most the grace period
-        # http: uvicorn's own protocol, each connection's client told once (agent/server.py: peer_tagging)
+        # http: uvicorn's own protocol, each connection's client told once (agent/transports/http.py: peer_tagging)
         # and held to the connection limits (protocol/httpguard.py)
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -154,7 +154,7 @@ class Agent:
         self._server = server
         grpc_server = None
         if self.config.grpc_port is not None:
-            from edgefleet.agent.grpc_server import GrpcServer, grpc_concurrency, grpc_limits
+            from edgefleet.agent.transports.grpc import GrpcServer, grpc_concurrency, grpc_limits
 
             grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
                                      self.config.max_body_bytes,
@@ -162,8 +162,8 @@ class Agent:
                                      grpc_limits(self.config))
             self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
         local_server = None
-        if self.config.local_socket is not None:  # the on-box socket (agent/local.py)
-            from edgefleet.agent.local import LocalServer
+        if self.config.local_socket is not None:  # the on-box socket (agent/transports/local.py)
+            from edgefleet.agent.transports.local import LocalServer
 
             local_server = LocalServer(self.host, self.shm if self.shm.enabled else None, self.config.max_body_bytes,
                                        self.config.local_max_connections, self.config.local_max_inflight,

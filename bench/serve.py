@@ -15,7 +15,7 @@ and with every loop bounded:
    common tutorial pattern) as separate processes;
 4. closed-loop load from a separate process at 1, 8 and 32 clients (one image per request), interleaving
    the variants level by level: naive raw bytes, agent binary OIP, agent JSON OIP; for digits also the on-box
-   clients: gRPC, system shared memory over HTTP (shm), and the agent's Unix socket (agent/local_client.py, every
+   clients: gRPC, system shared memory over HTTP (shm), and the agent's Unix socket (agent/transports/local_client.py, every
    client on one pipelined connection): ``local`` with the tensors in shared memory, ``local-inline`` in the frames;
 5. print ratios against the limit, p50/p99, the median latency the server adds at 1 client over a raw
    batch-1 call, and the JSON decode cost (``json.loads`` + ``np.asarray`` of one request body; also with
@@ -471,7 +471,7 @@ def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes],
     if kind in ("shm", "local"):
         return f"/v2/models/{model}/infer", [np.ascontiguousarray(i[None], np.float32).tobytes() for i in images], {}
     if kind == "local-inline":
-        from edgefleet.agent.local_client import infer_request
+        from edgefleet.agent.transports.local_client import infer_request
 
         return model, [infer_request(model, {"input": np.ascontiguousarray(i[None], np.float32)}) for i in images], {}
     if kind == "naive":
@@ -673,14 +673,14 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
 
 async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
                         total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
-    """The agent's on-box socket (agent/local_client.py): every client on one connection, its requests pipelined.
+    """The agent's on-box socket (agent/transports/local_client.py): every client on one connection, its requests pipelined.
     ``local``: the input and the output in one shared-memory region (each client its own slice, as for ``shm``);
     ``local-inline``: the input bytes in the frame (``reqs`` are prebuilt INFER bodies), the output in the answer."""
     from multiprocessing import shared_memory
 
     import orjson
 
-    from edgefleet.agent.local_client import AsyncLocalClient, decode_result, infer_request
+    from edgefleet.agent.transports.local_client import AsyncLocalClient, decode_result, infer_request
 
     region: Any = None
     conn = await AsyncLocalClient.connect(sock_path)
@@ -921,7 +921,7 @@ def bench_model(m: dict[str, Any], args: argparse.Namespace, work: Path) -> dict
     pin_args = ("--inference-cpus", ",".join(map(str, sorted(PIN[0])))) if PIN else ()
     local = small and _have_grpc()  # digits, where the transport is the cost: gRPC and shared memory too
     grpc_port = _free_port()
-    sock = m["data_dir"] / "local.sock"  # the on-box socket (agent/local.py), for digits
+    sock = m["data_dir"] / "local.sock"  # the on-box socket (agent/transports/local.py), for digits
     agent = AgentProcess(m["data_dir"], work / "logs" / f"{name}-agent.log", 0, args.max_batch_size, per, 120,
                          instances=instances,
                          extra_args=("-v", *pin_args, *_runtime_args(args, work),  # -v: its install log lines

@@ -20,7 +20,7 @@ AGENT = Path(__file__).resolve().parents[1] / "agent"
 WEB = ("starlette", "uvicorn", "grpc", "fastapi", "anyio", "h11", "httptools")
 
 
-TRANSPORTS = ("edgefleet.agent.server", "edgefleet.agent.grpc_server", "edgefleet.agent.local")
+TRANSPORTS = ("edgefleet.agent.transports.http", "edgefleet.agent.transports.grpc", "edgefleet.agent.transports.local")
 
 
 def _imported_after(module: str) -> list[str]:
@@ -36,8 +36,8 @@ def _imported_after(module: str) -> list[str]:
 @pytest.mark.parametrize("module", [
     "edgefleet.agent.core.host",  # the core
     "edgefleet.agent.install.job",  # the installer asks the core, never a transport
-    "edgefleet.agent.local",  # the local socket: asyncio alone
-    "edgefleet.agent.grpc_server",  # grpcio only once it starts (lazily)
+    "edgefleet.agent.transports.local",  # the local socket: asyncio alone
+    "edgefleet.agent.transports.grpc",  # grpcio only once it starts (lazily)
 ])
 def test_the_core_and_each_transport_import_no_framework_and_no_other_transport(module):
     assert _imported_after(module) == []

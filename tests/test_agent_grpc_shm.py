@@ -16,7 +16,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.shm import SharedMemory
 from tests.agent_harness import DIGITS_IN_BYTES, DIGITS_OUT_BYTES, installed_agent, preinstall, running_agent
 
 tgrpc = pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc] (grpcio, tritonclient[grpc])")

@@ -66,7 +66,7 @@ def small_png(test_images) -> bytes:
 
 # -- the header decides, before any decoder ---------------------------------------------------------------
 def test_the_decode_cost_comes_from_the_png_header():
-    from edgefleet.agent.image import image_header
+    from edgefleet.agent.transports.image import image_header
 
     h = image_header(png_bytes(6300, 6300, 16, 2))
     assert (h.format, h.width, h.height, h.channels, h.bits) == ("png", 6300, 6300, 3, 16)
@@ -79,7 +79,7 @@ def test_the_decode_cost_comes_from_the_png_header():
 
 
 def test_the_decode_cost_comes_from_the_jpeg_frame_header():
-    from edgefleet.agent.image import image_header
+    from edgefleet.agent.transports.image import image_header
 
     img = np.zeros((30, 40, 3), np.uint8)
     baseline = cv2.imencode(".jpg", img)[1].tobytes()
@@ -101,7 +101,7 @@ def test_the_decode_cost_comes_from_the_jpeg_frame_header():
     (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00garbage", 400, "corrupt JPEG"),
 ])
 def test_other_formats_and_unreadable_headers_are_refused(data, status, message):
-    from edgefleet.agent.image import image_header
+    from edgefleet.agent.transports.image import image_header
 
     with pytest.raises(RequestError, match=message) as err:
         image_header(data)
@@ -109,7 +109,7 @@ def test_other_formats_and_unreadable_headers_are_refused(data, status, message)
 
 
 def test_an_image_over_the_budget_is_refused_before_opencv_sees_it(monkeypatch):
-    from edgefleet.agent import image
+    from edgefleet.agent.transports import image
 
     def no_decoder(*a, **k):
         raise AssertionError("the decoder ran")
@@ -164,7 +164,7 @@ def test_decompression_bombs_at_once_stay_under_the_stated_ceiling(tmp_path, ima
 def test_images_within_the_budget_decode_a_few_at_a_time(tmp_path, image_bundle, test_images):
     """Large legit images: each within the budget, four sent at once, one decodes at a time; the rest wait
     (or get 503 with Retry-After), and the peak stays under 1 x the budget."""
-    from edgefleet.agent.image import image_header
+    from edgefleet.agent.transports.image import image_header
 
     img = png_bytes(2800, 2800, 8, 2)
     budget, at_once = image_header(img).decode_cost_bytes, 1

@@ -1,4 +1,4 @@
-"""The on-box socket (protocol/local.py, agent/local.py), from the outside: a real agent on loopback, its Unix socket,
+"""The on-box socket (protocol/local.py, agent/transports/local.py), from the outside: a real agent on loopback, its Unix socket,
 and hostile local clients. Each hostile frame gets a precise ERROR and the agent keeps serving the other clients;
 answers equal HTTP's bit for bit for the digits bundle."""
 
@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
+from edgefleet.agent.transports.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
 from edgefleet.protocol import local as wire
 from tests.agent_harness import DIGITS_IN_BYTES, DIGITS_OUT_BYTES, installed_agent, shm_object
 from tests.waiting import wait_for
@@ -339,7 +339,7 @@ def test_a_stalled_frame_times_out(tmp_path, digits_bundle, test_images):
 
     from edgefleet.agent.batcher import BatchSettings
     from edgefleet.agent.core.host import ModelHost
-    from edgefleet.agent.local import LocalServer
+    from edgefleet.agent.transports.local import LocalServer
     from edgefleet.agent.core.metrics import Metrics
 
     async def main():
@@ -403,7 +403,7 @@ def test_a_file_at_the_socket_path_is_refused(tmp_path):
 
     from edgefleet.agent.batcher import BatchSettings
     from edgefleet.agent.core.host import ModelHost
-    from edgefleet.agent.local import LocalServer
+    from edgefleet.agent.transports.local import LocalServer
     from edgefleet.agent.core.metrics import Metrics
 
     (tmp_path / "s.sock").write_text("mine")

@@ -1,5 +1,5 @@
-"""The on-box socket's fast paths (issue 21): the per-connection cache of decoded requests (agent/local.py
-_decode and _template_for, as _quick uses them; agent/kserve.py RequestTemplate) never lets a request through that
+"""The on-box socket's fast paths (issue 21): the per-connection cache of decoded requests (agent/transports/local.py
+_decode and _template_for, as _quick uses them; agent/transports/kserve.py RequestTemplate) never lets a request through that
 decode_request would refuse, and answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no
 task per request)."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.errors import RequestError
-from edgefleet.agent.kserve import parse_body
-from edgefleet.agent.local import TEMPLATES_PER_CONNECTION, LocalServer, _Connection
-from edgefleet.agent.local_client import AsyncLocalClient, infer_request
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.kserve import parse_body
+from edgefleet.agent.transports.local import TEMPLATES_PER_CONNECTION, LocalServer, _Connection
+from edgefleet.agent.transports.local_client import AsyncLocalClient, infer_request
+from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.protocol import local as wire
 from edgefleet.protocol.manifest import TensorSpec
 
@@ -87,7 +87,7 @@ def test_the_template_cache_never_lets_through_what_decoding_refuses(conn, regio
     by_ref = infer_request("digits", {"input": ("io", 0, 256, [1, 1, 8, 8])}, outputs={"logits": ("io", 4096, 40)})
     assert both(conn, by_ref)[0] == "ok" and len(conn.quick) == 1
     assert both(conn, by_ref)[0] == "ok"  # from the template
-    import edgefleet.agent.local as local_mod
+    import edgefleet.agent.transports.local as local_mod
 
     real, local_mod.parse_body = local_mod.parse_body, None  # type: ignore[assignment]
     try:  # a hit does not decode the header again
@@ -197,7 +197,7 @@ def test_answers_kept_per_template_are_the_answers_built_afresh(conn, region):
     """encode_response's memo (a template's answers, where every output goes to shared memory): the same bytes as an
     answer built afresh, the outputs written each time, and every check still made (the region, its size, NaN)."""
     from edgefleet.agent.errors import InferenceFailed
-    from edgefleet.agent.kserve import encode_response
+    from edgefleet.agent.transports.kserve import encode_response
 
     key, r = region
     conn.shm.register("io", key, 0, 8192, "test")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgefleet.agent.local_client import LocalClient, LocalError
+from edgefleet.agent.transports.local_client import LocalClient, LocalError
 from edgefleet.protocol import local as wire
 from tests.agent_harness import preinstall, running_agent
 

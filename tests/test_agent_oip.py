@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 from edgefleet.agent.batcher import BatchSettings
 from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.server import create_app
+from edgefleet.agent.transports.http import create_app
 from edgefleet.agent.install.store import ModelStore
 from edgefleet.engines import EngineSpec
 from edgefleet.engines.onnxruntime import OnnxRuntimeEngine

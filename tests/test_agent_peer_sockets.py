@@ -1,4 +1,4 @@
-"""agent/peer.py asks the kernel through one netlink socket per thread: a thread that ends closes its own, and
+"""agent/transports/peer.py asks the kernel through one netlink socket per thread: a thread that ends closes its own, and
 the process leaves none for the garbage collector or exit to find (each would be a ResourceWarning)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.conftest import REPO
 
 PROBE = r"""
 import json, os, socket, threading
-from edgefleet.agent.peer import tcp_peer
+from edgefleet.agent.transports.peer import tcp_peer
 
 
 def netlink_fds():

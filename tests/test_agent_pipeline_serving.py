@@ -101,7 +101,7 @@ def test_images_in_strings_out_on_every_transport_matching_an_independent_fp32_r
         assert [[bytes(t).rstrip(b"\0").decode() for t in text[i, :count[i]]] for i in range(3)] == want
         assert res.as_numpy("boxes").shape == (3, 16, 4)
 
-    from edgefleet.agent.local_client import LocalClient  # the local socket
+    from edgefleet.agent.transports.local_client import LocalClient  # the local socket
 
     with LocalClient(a.local_socket, timeout_s=60) as c:
         outs = c.infer("ocr", {"x": images})
@@ -325,13 +325,13 @@ def test_the_openapi_document_describes_a_pipelines_image_answer(agent):
 
 
 def test_the_local_socket_decodes_a_pipeline_request_once(agent, monkeypatch):
-    """The local socket's fast path (agent/local.py _quick: a template cached per connection decodes a request that
+    """The local socket's fast path (agent/transports/local.py _quick: a template cached per connection decodes a request that
     starts with the bytes of one before, and the batcher queues it) is a single model's; a pipeline runs through
     ModelHost.infer. The same page sent three times on one connection is decoded once each, by parse_body, and
     never first by a cached template whose work the normal path then does again (counted: calls, not time)."""
-    from edgefleet.agent import kserve
-    from edgefleet.agent import local as agent_local
-    from edgefleet.agent.local_client import LocalClient
+    from edgefleet.agent.transports import kserve
+    from edgefleet.agent.transports import local as agent_local
+    from edgefleet.agent.transports.local_client import LocalClient
 
     a, _ = agent
     calls = {"template": 0, "parse_body": 0}

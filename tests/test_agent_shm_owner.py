@@ -1,4 +1,4 @@
-"""System shared memory and other users on the box (agent/peer.py): a client may make the agent read or write an
+"""System shared memory and other users on the box (agent/transports/peer.py): a client may make the agent read or write an
 object only as far as the client's own user could. Before this, any process that reached the agent's loopback
 port -- every local user does -- could register another user's object (one the agent's user may open) and have
 the agent read it as an input or write outputs into it.
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.errors import RequestError
-from edgefleet.agent.peer import Peer, tcp_peer
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.peer import Peer, tcp_peer
+from edgefleet.agent.transports.shm import SharedMemory
 from tests.agent_harness import preinstall, running_agent
 
 NOBODY = 65534

@@ -106,7 +106,7 @@ def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(t
              "        ctypes.CDLL(lib)\n"
              "    except OSError:\n"
              "        gone.append(lib)\n"
-             "import cv2, edgefleet.agent.image, edgefleet.agent.server\n"
+             "import cv2, edgefleet.agent.transports.image, edgefleet.agent.transports.http\n"
              "from edgefleet.protocol.preprocess import decode_image\n"
              "ok, png = cv2.imencode('.png', np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)\n"
              "img = decode_image(png.tobytes(), 'probe')\n"

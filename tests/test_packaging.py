@@ -63,6 +63,6 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"edgefleet"}
-    for module in ("edgefleet/agent/server.py", "edgefleet/fleet/migrations/versions/r0001_release_1.py",
+    for module in ("edgefleet/agent/transports/http.py", "edgefleet/fleet/migrations/versions/r0001_release_1.py",
                    "edgefleet/compiler/targets/onnxruntime.py", "edgefleet/agent/edgefleet-agent.service"):
         assert module in names

@@ -1,4 +1,4 @@
-"""Outside probes of the on-box socket's fast path (agent/local.py _Connection._quick: a cached RequestTemplate, the
+"""Outside probes of the on-box socket's fast path (agent/transports/local.py _Connection._quick: a cached RequestTemplate, the
 batcher entry answered from its future's callback), on a real agent with the digits model: the same request bytes
 sent again after the world under the template changed (regions, the object, the data, the model version), clients
 that go away with requests pending, pipelining far beyond local_max_inflight, a full queue, exact metrics, and
@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent import local as agent_local
-from edgefleet.agent.local_client import LocalClient, LocalError, decode_result, infer_request
+from edgefleet.agent.transports import local as agent_local
+from edgefleet.agent.transports.local_client import LocalClient, LocalError, decode_result, infer_request
 from edgefleet.protocol import local as wire
 from tests.agent_harness import (
     gated,
@@ -451,7 +451,7 @@ def test_partial_frames_count_against_the_inflight_byte_budget(tmp_path, digits_
 def test_an_unexpected_error_on_the_fast_path_goes_to_the_exact_path(agent, test_images, fast_hits, monkeypatch):
     """Whatever the cached template raises, the request is answered by the uncached path (its exact verdict), the
     connection stays open and no request bytes stay counted in flight."""
-    from edgefleet.agent import kserve
+    from edgefleet.agent.transports import kserve
 
     a, url, srv = agent
     x = x4(test_images)

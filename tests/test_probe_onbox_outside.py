@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent.local_client import LocalClient, LocalError, infer_request
+from edgefleet.agent.transports.local_client import LocalClient, LocalError, infer_request
 from edgefleet.protocol import local as wire
 from tests.agent_harness import (
     gated,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefleet.agent.local_client import LocalClient
+from edgefleet.agent.transports.local_client import LocalClient
 from edgefleet.protocol import local as wire
 from tests.agent_harness import running_agent
 from tests.waiting import wait_for

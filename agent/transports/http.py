@@ -14,7 +14,7 @@
                                               JPEG or PNG bytes in (the body is the file), the bundle's
                                               recorded preprocessing applied, JSON tensors out
     GET  /v2/systemsharedmemory[/region/{r}]/status, POST .../region/{r}/register, .../region/{r}/unregister,
-         POST /v2/systemsharedmemory/unregister   Triton's system shared-memory extension (agent/shm.py)
+         POST /v2/systemsharedmemory/unregister   Triton's system shared-memory extension (agent/transports/shm.py)
     GET  /metrics                             Prometheus text exposition
     GET  /metrics/summary                     counters since start (JSON)
 
@@ -45,13 +45,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from edgefleet import protocol
 from edgefleet.agent.errors import AgentError, PayloadTooLarge, RequestError, Unavailable
 from edgefleet.agent.core.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
-from edgefleet.agent.image import ImageLimits, check_image, decode_feeds
-from edgefleet.agent.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
+from edgefleet.agent.transports.image import ImageLimits, check_image, decode_feeds
+from edgefleet.agent.transports.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
 from edgefleet.agent.core.metrics import CONTENT_TYPE
-from edgefleet.agent.openapi import openapi
-from edgefleet.agent.peer import PeerCell, tcp_peer
+from edgefleet.agent.transports.openapi import openapi
+from edgefleet.agent.transports.peer import PeerCell, tcp_peer
 from edgefleet.agent.core.pipeline import image_answer
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.shm import SharedMemory
 
 __all__ = ["connection_peer", "create_app", "peer_tagging"]
 
@@ -293,7 +293,7 @@ class _HttpApi:
             self.budget.give(held[0])
             self.host.record(served, request.path_params["name"], time.perf_counter() - t0, status)
 
-    # -- system shared memory (Triton's extension; agent/shm.py) ------------------------------------------
+    # -- system shared memory (Triton's extension; agent/transports/shm.py) ------------------------------------------
     def shm_routes(self) -> list[Route]:
         return [Route("/v2/systemsharedmemory/status", self.shm_status, methods=GET),
                 Route("/v2/systemsharedmemory/region/{region}/status", self.shm_status, methods=GET),
@@ -427,7 +427,7 @@ CONNECTION_PEER = "edgefleet.peer"
 
 
 def connection_peer(scope: Scope) -> PeerCell:
-    """The user of the client of this request's connection (agent/peer.py): the connection's own cell where the
+    """The user of the client of this request's connection (agent/transports/peer.py): the connection's own cell where the
     server tags its connections (:func:`peer_tagging`), looked up at most once per connection; otherwise a cell
     for this request alone."""
     cell = scope.get(CONNECTION_PEER)

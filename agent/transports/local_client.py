@@ -1,6 +1,6 @@
-"""A client for the agent's on-box socket (protocol/local.py, served by agent/local.py).
+"""A client for the agent's on-box socket (protocol/local.py, served by agent/transports/local.py).
 
-    from edgefleet.agent.local_client import LocalClient
+    from edgefleet.agent.transports.local_client import LocalClient
     with LocalClient("/var/lib/edgefleet/local.sock") as c:
         logits = c.infer("digits", {"input": x})["logits"]           # tensors inline
         c.register_region("cam0", "/cam0", 1 << 20)                  # or by reference, in shared memory

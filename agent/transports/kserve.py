@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from edgefleet.agent.core.request import InferRequest
 from edgefleet.agent.errors import InferenceFailed, RequestError
 from edgefleet.engines import NP_DTYPES
 from edgefleet.protocol.manifest import TensorSpec
 
 if TYPE_CHECKING:
-    from edgefleet.agent.shm import SharedMemory
+    from edgefleet.agent.transports.shm import SharedMemory
 
 __all__ = ["HEADER_LENGTH", "InferRequest", "RequestTemplate", "decode_request", "encode_response", "parse_body",
            "request_template"]
@@ -45,18 +46,6 @@ _REQ_KEYS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_KEYS = {"name", "shape", "datatype", "parameters", "data"}
 _OUTPUT_KEYS = {"name", "parameters"}
 MAX_PRIORITY = 2  # priority 1 is high; 0 (the default) and 2 are normal, as in Triton with two levels
-
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 5x as much, on every request
-class InferRequest:
-    feeds: dict[str, np.ndarray]
-    outputs: tuple[str, ...] | None  # names asked for, in order; None: every output
-    binary_outputs: frozenset[str]  # outputs to return as binary data
-    id: str | None = None
-    priority: int = 0  # 0 default, 1 high, 2 normal
-    timeout_us: int | None = None  # the most the request may wait in the queue
-    # outputs to write into system shared memory: name -> (region, offset, byte_size) (agent/shm.py)
-    shm_outputs: dict[str, tuple[str, int, int]] = field(default_factory=dict)
 
 
 def parse_body(body: bytes | memoryview, header_length: str | None, specs: tuple[TensorSpec, ...],
@@ -198,7 +187,7 @@ class _InputPlan:
 @dataclass(frozen=True)
 class RequestTemplate:
     """What decode_request concluded from one JSON header that passed it (the local socket caches these by the
-    header's exact bytes, agent/local.py): everything that follows from the header and the model's specs alone.
+    header's exact bytes, agent/transports/local.py): everything that follows from the header and the model's specs alone.
     ``apply`` redoes every check that depends on anything else -- the binary data's length, each shared-memory
     region's registration, bounds and access (SharedMemory.read / check_output, as decode_request calls them),
     NaN and infinity in the data -- and raises RequestError where decode_request would refuse (the caller then
@@ -404,7 +393,7 @@ def ordered_outputs(outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
     each checked to hold no NaN or infinity: what the HTTP and the gRPC answers both encode."""
     order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
     by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
-    checked = getattr(outputs, "finite", False)  # the batcher checked the whole batch (agent.batcher.Outputs)
+    checked = getattr(outputs, "finite", False)  # the batcher checked the whole batch (agent.core.batching.dispatch.Outputs)
     for name in order:
         arr, spec = by_name[name]
         if not checked and arr.dtype.kind == "f" and not np.isfinite(arr).all():

@@ -2,8 +2,8 @@
 
 What ``tritonclient.grpc`` needs of a server: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
 ModelConfig, ModelInfer (tensors in ``raw_input_contents``, typed ``contents`` or system shared memory; outputs in
-``raw_output_contents`` or shared memory) and the system shared-memory calls (agent/shm.py, shared with HTTP).
-Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/kserve.py) and queue
+``raw_output_contents`` or shared memory) and the system shared-memory calls (agent/transports/shm.py, shared with HTTP).
+Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/transports/kserve.py) and queue
 in the same batcher: a gRPC request and an HTTP request can share a batch.
 
 gRPC's asyncio server runs on the agent's event loop (grpc.aio): a request is decoded there and queued in the
@@ -43,9 +43,9 @@ import numpy as np
 from edgefleet import protocol
 from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.core.host import EXTENSIONS, ModelHost, Served, model_config
-from edgefleet.agent.kserve import InferRequest, decode_request, ordered_outputs
-from edgefleet.agent.peer import PeerCell, tcp_peer
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.kserve import InferRequest, decode_request, ordered_outputs
+from edgefleet.agent.transports.peer import PeerCell, tcp_peer
+from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.engines import NP_DTYPES
 from edgefleet.protocol.errors import ConfigError
 
@@ -68,7 +68,7 @@ def _params(m: Any) -> dict[str, Any]:
 
 
 def request_doc(request: Any) -> tuple[dict[str, Any], dict[str, memoryview]]:
-    """A ModelInferRequest -> the JSON-shaped request agent/kserve.py decodes, and each raw input's bytes."""
+    """A ModelInferRequest -> the JSON-shaped request agent/transports/kserve.py decodes, and each raw input's bytes."""
     raw: dict[str, memoryview] = {}
     inputs = []
     k = 0
@@ -189,7 +189,7 @@ class GrpcServer:
     # -- helpers ------------------------------------------------------------------------------------
 
     def caller_shm(self, context: Any) -> tuple[SharedMemory | None, PeerCell]:
-        """The shared-memory registry as this call's client may use it, and the client's cell (agent/peer.py).
+        """The shared-memory registry as this call's client may use it, and the client's cell (agent/transports/peer.py).
         gRPC shows no connection, only its peer address, and an address and port may be another user's once the
         connection closes: the user is told per call, and only when the call uses a region (about 25-50 us)."""
         host, port = _peer_address(context.peer())

@@ -5,7 +5,7 @@ A client creates a POSIX shared-memory object (``shm_open``; ``tritonclient.util
 which bytes), then names the region in an infer request's input or output parameters
 (``shared_memory_region``, ``shared_memory_byte_size``, ``shared_memory_offset``) instead of sending the bytes.
 
-Every region answers to its owner. A region is registered by a user (agent/peer.py tells the client's); a
+Every region answers to its owner. A region is registered by a user (agent/transports/peer.py tells the client's); a
 caller (a view, :meth:`SharedMemory.as_caller`, one per connection or call) sees it in a listing, names it in an
 infer request as an input, has outputs written into it, or unregisters it only if it is that user, or a user
 the kernel's owner/group/mode rules let use the object for that use (read: list and inputs; write: outputs),
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefleet.agent.errors import PayloadTooLarge, RequestError
-from edgefleet.agent.peer import Peer, PeerCell
+from edgefleet.agent.transports.peer import Peer, PeerCell
 
 __all__ = ["NotPermitted", "Region", "SharedMemory"]
 
@@ -103,7 +103,7 @@ class SharedMemory:
         return view
 
     def scoped(self, scope: str) -> SharedMemory:
-        """A view of the same registry whose regions only it sees (one local-socket connection, agent/local.py):
+        """A view of the same registry whose regions only it sees (one local-socket connection, agent/transports/local.py):
         its names cannot collide with anyone else's, and no one else can read or write its regions."""
         view = copy.copy(self)  # the same dict, lock and bounds
         view.scope = scope
@@ -155,7 +155,7 @@ class SharedMemory:
     def register(self, name: object, key: object, offset: object, byte_size: object, client: str,
                  peer: Peer | None = None) -> None:
         """Register ``key``'s bytes ``offset``..``offset + byte_size`` as region ``name`` for ``client`` (a label
-        for the per-client limit), whose user is ``peer`` (agent/peer.py; None: this process's own user). The
+        for the per-client limit), whose user is ``peer`` (agent/transports/peer.py; None: this process's own user). The
         object is used only as far as that user could use it: read if it may read it, outputs written into it only
         if it may write it."""
         if not self.enabled:
@@ -338,7 +338,7 @@ class SharedMemory:
                outputs: Sequence[tuple[str, int, int, str]]) -> list[np.ndarray]:
         """``read`` of each of ``reads`` (region, offset, size, dtype, shape, what) and ``check_output`` of each of
         ``outputs`` (region, offset, size, what), all under one hold of the lock: a cached request's shared memory
-        (agent.kserve.RequestTemplate), whose names and offsets were type-checked when it was first decoded. The
+        (agent.transports.kserve.RequestTemplate), whose names and offsets were type-checked when it was first decoded. The
         same checks and errors otherwise."""
         now = time.monotonic()
         with self._lock:

@@ -2,7 +2,7 @@
 
 For clients on the device, where HTTP itself is the cost (a small model: digits answers in 12 us, HTTP's
 parsing and its loopback TCP writes take most of the event loop's time per request). The same decoding
-(agent.kserve.parse_body / encode_response), the same shared-memory registry (agent/shm.py, one scoped view per
+(agent.transports.kserve.parse_body / encode_response), the same shared-memory registry (agent/transports/shm.py, one scoped view per
 connection) and the same batcher as HTTP and gRPC: a request from here can share a batch with HTTP's.
 
 Served on the agent's event loop with an ``asyncio.Protocol`` (no streams, no per-connection task): frames are
@@ -51,9 +51,9 @@ import orjson
 
 from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.core.host import LARGE_BODY, ModelHost, Served
-from edgefleet.agent.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
-from edgefleet.agent.peer import Peer, PeerCell, unix_peer
-from edgefleet.agent.shm import SharedMemory
+from edgefleet.agent.transports.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
+from edgefleet.agent.transports.peer import Peer, PeerCell, unix_peer
+from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.protocol import local as wire
 from edgefleet.protocol.manifest import TensorSpec
 
@@ -173,7 +173,7 @@ class _Connection(asyncio.Protocol):
         with contextlib.suppress(OSError, AttributeError, struct.error):
             pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.client = f"local#{self.number} (pid {pid}, uid {uid})"
-            self.cred = (uid, gid)  # whose objects it may use as regions (agent/peer.py, looked up at REGISTER)
+            self.cred = (uid, gid)  # whose objects it may use as regions (agent/transports/peer.py, looked up at REGISTER)
         srv = self.srv
         uid = None if self.cred is None else self.cred[0]
         mine = srv.per_user.get(uid, 0)
