@@ -44,7 +44,7 @@ class AgentConfig(StrictModel):
     trusted_root: Path | None = None
     trust_on_first_use: bool = False
     mqtt_url: str | None = None  # None: ask the fleet (/api/v1/bootstrap); mqtts://host:port for TLS
-    # MQTT identity (agent/enroll.py): a one-time token from 'edgefleet fleet enroll DEVICE', traded once for
+    # MQTT identity (agent/link/enroll.py): a one-time token from 'edgefleet fleet enroll DEVICE', traded once for
     # credentials kept in data_dir; or credentials given here. TLS: the broker's CA; mutual TLS: cert + key.
     enroll_token: str | None = None
     mqtt_username: str | None = None
@@ -139,9 +139,9 @@ class AgentConfig(StrictModel):
     download_grace_s: float = Field(default=30.0, gt=0, le=3600)
     download_min_bytes_per_s: int = Field(default=2048, ge=0)
     # every answer from the fleet (bootstrap, metadata, a bundle) whole within this, plus its bound in bytes at
-    # download_min_bytes_per_s (agent/fetch.py); a slower or longer answer ends the attempt, retried with backoff
+    # download_min_bytes_per_s (agent/link/fetch.py); a slower or longer answer ends the attempt, retried with backoff
     download_deadline_s: float = Field(default=60.0, gt=0, le=86400)
-    # the local clock is trusted only within this of the fleet's signed time (agent/clock.py); past it, the skew
+    # the local clock is trusted only within this of the fleet's signed time (agent/link/clock.py); past it, the skew
     # is logged and reported in telemetry (clock_skew_s)
     clock_tolerance_s: float = Field(default=300.0, gt=0, le=86400)
     # on SIGTERM: stop accepting, finish the requests in flight for at most this long, then stop

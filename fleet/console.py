@@ -388,7 +388,7 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[
 
 
 def _clock(skew_s: Any) -> str | None:
-    """The device's clock against the time it trusts, when its newest telemetry says it is off (agent/clock.py)."""
+    """The device's clock against the time it trusts, when its newest telemetry says it is off (agent/link/clock.py)."""
     return describe_skew(float(skew_s)) if isinstance(skew_s, (int, float)) and skew_s else None
 
 

@@ -300,7 +300,7 @@ class Telemetry(_Message):
     # fleet of the previous release reads the rest
     stages: dict[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")], StageFigures] | None = Field(
         default=None, max_length=8)
-    # the box's clock minus the time it trusts (the fleet's signed time, agent/clock.py), when past the agent's
+    # the box's clock minus the time it trusts (the fleet's signed time, agent/link/clock.py), when past the agent's
     # tolerance (2 days fast: +172800); left out otherwise, so a fleet of the previous release reads the rest
     clock_skew_s: float | None = Field(default=None, ge=-MAX_TS, le=MAX_TS)
 

@@ -2,7 +2,7 @@
 about a bundle, which an agent reads before it downloads a byte of it.
 
 Written by ``fleet.keys.bundle_target`` into ``targets[path].custom``; read by the agent's TUF client
-(``agent.updater``), which refuses a target whose fields it cannot read. Strict like every message of the
+(``agent.link.updater``), which refuses a target whose fields it cannot read. Strict like every message of the
 protocol: a field this agent does not know (from a newer fleet) is refused with its name, never ignored,
 since an ignored field could be a requirement the agent does not meet. Optional fields left unset are not
 written, so a fleet that adds one keeps older agents working until it uses it.

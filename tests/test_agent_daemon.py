@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.config import load_config
-from edgefleet.agent.telemetry import DeviceSampler, parse_tegrastats, read_nvml, read_thermal_zones
+from edgefleet.agent.link.telemetry import DeviceSampler, parse_tegrastats, read_nvml, read_thermal_zones
 from edgefleet.cli import main as cli_main
 from edgefleet.protocol.errors import ConfigError
 from tests.agent_harness import preinstall

@@ -1,4 +1,4 @@
-"""Every answer the agent takes from its fleet is bounded in total time and bytes (agent/fetch.py), through a real
+"""Every answer the agent takes from its fleet is bounded in total time and bytes (agent/link/fetch.py), through a real
 HTTP server on loopback that answers the way a hostile fleet, or anything in the path, could (here at the agent's
 bootstrap; python-tuf's downloads in tests/test_fetch_bounds_tuf.py, which needs the fleet's code):
 

@@ -6,7 +6,7 @@ import pytest
 
 from edgefleet.agent.config import load_config
 from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.spool import Spool
 from edgefleet.protocol.errors import ConfigError
 
 

@@ -57,7 +57,7 @@ class Repo:
                                   size_bytes=bundle.stat().st_size, mode="shadow")
 
     def fetcher(self, state_dir: Path):
-        from edgefleet.agent.updater import BundleFetcher
+        from edgefleet.agent.link.updater import BundleFetcher
 
         return BundleFetcher(state_dir, f"{self.server.url}/metadata/", f"{self.server.url}/targets/",
                              self.root / "keys" / "root.json")

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from tuf.api import exceptions as tuf_exc
 
-from edgefleet.agent.updater import GuardedFetcher
+from edgefleet.agent.link.updater import GuardedFetcher
 from tests.conftest import free_port
 
 BODY = b'{"signed": "a metadata file, as the fleet serves it"}' * 50
@@ -131,7 +131,7 @@ def _fetch(url: str) -> bytes:
 
 
 def _bootstrap_get(url: str) -> bytes:
-    """What the agent's bootstrap and enrollment do (agent/daemon.py, agent/enroll.py)."""
+    """What the agent's bootstrap and enrollment do (agent/daemon.py, agent/link/enroll.py)."""
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read()
 

@@ -25,8 +25,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from sqlalchemy import create_engine
 
-from edgefleet.agent.link import MqttLink, MqttSecurity
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.mqtt import MqttLink, MqttSecurity
+from edgefleet.agent.link.spool import Spool
 from edgefleet.fleet.acl import (
     FLEET_USER,
     LEGACY_AGENT_PREFIX,
@@ -143,7 +143,7 @@ class Env:
         return creds.password
 
     def device(self, device_id: str, password: str) -> Conn:
-        c = self.conn(self.device_port, device_id, password, device_id)  # as agent/link.py connects
+        c = self.conn(self.device_port, device_id, password, device_id)  # as agent/link/mqtt.py connects
         assert c.connect(), f"{device_id} could not connect with its own credentials and client id"
         return c
 

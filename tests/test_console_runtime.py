@@ -10,8 +10,8 @@ import html
 import re
 import time
 
-from edgefleet.agent.link import MqttLink
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.mqtt import MqttLink
+from edgefleet.agent.link.spool import Spool
 from edgefleet.protocol import mqtt as proto
 from tests.fleet_harness import api, running_fleet
 from tests.waiting import wait_for

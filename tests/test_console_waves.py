@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from edgefleet.agent.link import MqttLink
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.mqtt import MqttLink
+from edgefleet.agent.link.spool import Spool
 from edgefleet.fleet.series import RolloutSeries, window
 from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto

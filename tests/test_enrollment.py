@@ -17,7 +17,7 @@ import time
 import pytest
 
 from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.enroll import CREDENTIALS_FILE, EnrollmentRefused, mqtt_security
+from edgefleet.agent.link.enroll import CREDENTIALS_FILE, EnrollmentRefused, mqtt_security
 from edgefleet.fleet.acl import FLEET_USER, Account, hash_password, write_mosquitto_files
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.errors import ConfigError

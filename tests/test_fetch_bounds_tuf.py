@@ -1,4 +1,4 @@
-"""The agent's TUF downloads bounded in total time and bytes (agent/fetch.py): python-tuf with the agent's fetcher
+"""The agent's TUF downloads bounded in total time and bytes (agent/link/fetch.py): python-tuf with the agent's fetcher
 against a hostile loopback server (tests/test_agent_fetch_bounds.Hostile) over a repository the fleet's code signed,
 and a real agent rolled out a bundle by a real fleet through a proxy that answers with endless data once.
 (Apart from tests/test_agent_fetch_bounds.py: the fleet's code runs on Python 3.11+, the agent's tests on 3.10.)
@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from edgefleet.agent.errors import FetchError
-from edgefleet.agent.updater import BundleFetcher
+from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.fleet.keys import KeyStore, init_keys
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol.bundle import sha256_file

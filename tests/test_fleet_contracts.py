@@ -125,7 +125,7 @@ def test_agent_refuses_a_target_with_custom_fields_it_does_not_know(tmp_path, di
     """Signed by the fleet, but with a field of a newer fleet: the agent refuses before downloading, naming it
     (an ignored field could be a requirement it does not meet). What the fleet writes today is read."""
     from edgefleet.agent.errors import TrustError
-    from edgefleet.agent.updater import BundleFetcher
+    from edgefleet.agent.link.updater import BundleFetcher
     from edgefleet.fleet.keys import KeyStore, bundle_target, init_keys
     from edgefleet.fleet.tuf_repo import Repository
     from edgefleet.protocol.bundle import read_manifest, sha256_file

@@ -1,6 +1,6 @@
 """Keys where a compromise of one server is not enough (``edgefleet keys create|rotate|revoke``).
 
-The agent's own TUF client (agent.updater.BundleFetcher) downloads from the fleet's repository over
+The agent's own TUF client (agent.link.updater.BundleFetcher) downloads from the fleet's repository over
 a real HTTP server on loopback. The attacker in these tests owns the fleet server: its key folder
 (snapshot and timestamp keys) and its repository folder, and may write any file there.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from edgefleet.agent.errors import TrustError
-from edgefleet.agent.updater import BundleFetcher
+from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.fleet.errors import RepositoryError
 from edgefleet.fleet.keys import (
     BUNDLES_ROLE,

@@ -24,8 +24,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from sqlalchemy import create_engine
 
-from edgefleet.agent.link import MqttLink, MqttSecurity
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.mqtt import MqttLink, MqttSecurity
+from edgefleet.agent.link.spool import Spool
 from edgefleet.fleet.acl import FLEET_USER, allowed, mosquitto_conf, reload_mosquitto, write_mosquitto_files
 from edgefleet.fleet.enroll import Enrollment
 from edgefleet.fleet.errors import BadRequest

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from edgefleet.agent.link import MqttLink
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.mqtt import MqttLink
+from edgefleet.agent.link.spool import Spool
 from edgefleet.protocol import mqtt as proto
 from tests.agent_harness import running_agent
 from tests.conftest import Mosquitto, wait_for

@@ -54,8 +54,8 @@ def test_a_thousand_devices_reconnect_spread_over_the_window_after_a_broker_rest
 
 def _links(kind: str, url: str, tmp_path, n: int):
     if kind == "agent-link":
-        from edgefleet.agent.link import MqttLink
-        from edgefleet.agent.spool import Spool
+        from edgefleet.agent.link.mqtt import MqttLink
+        from edgefleet.agent.link.spool import Spool
 
         return [MqttLink(f"edge-{i:02d}", url, Spool(tmp_path / f"spool{i}"), "http://127.0.0.1:1", lambda d: None)
                 for i in range(n)]

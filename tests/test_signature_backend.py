@@ -37,7 +37,7 @@ def counted(name, fn):
     return wrapper
 _key.SSlibKey._verify = counted("cryptography", _key.SSlibKey._verify)
 _key.SSlibKey._verify_ed25519_fallback = counted("pure_python", _key.SSlibKey._verify_ed25519_fallback)
-from edgefleet.agent.updater import BundleFetcher
+from edgefleet.agent.link.updater import BundleFetcher
 state, meta, targets, root, target, sha = sys.argv[1:7]
 got = BundleFetcher(Path(state), meta, targets, Path(root)).fetch(target, sha)
 print(json.dumps({"calls": calls, "sha256": got.sha256,

@@ -1,4 +1,4 @@
-"""The fleet's signed time (protocol/signed_time.py) and the time the agent trusts (agent/clock.py).
+"""The fleet's signed time (protocol/signed_time.py) and the time the agent trusts (agent/link/clock.py).
 
 The statement is checked with the timestamp role's keys of a real root (``edgefleet keys create``); the agent's
 TUF client asks a real HTTP server on loopback for it, also after the timestamp key was rotated while it was
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from tuf.api.metadata import Metadata, Root
 
-from edgefleet.agent.clock import TrustedClock, load_floor, save_floor
+from edgefleet.agent.link.clock import TrustedClock, load_floor, save_floor
 from edgefleet.agent.errors import TrustError
-from edgefleet.agent.updater import BundleFetcher
+from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.fleet.keys import KeyStore, create_keys, init_keys, rotate_key
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol.bundle import sha256_file

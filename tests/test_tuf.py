@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgefleet.agent.errors import FetchError, TrustError
-from edgefleet.agent.updater import BundleFetcher
+from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.fleet.keys import KeyStore, init_keys
 from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol.bundle import sha256_file

@@ -28,7 +28,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 
 from edgefleet import protocol
-from edgefleet.agent.spool import Spool
+from edgefleet.agent.link.spool import Spool
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, paho_next_delay
 from edgefleet.protocol.cpu import cpu_arch, cpu_features

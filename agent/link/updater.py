@@ -5,7 +5,7 @@ freeze, mix-and-match and endless-data attacks, and checks the bundle's length a
 desired-state message from MQTT is only a hint: what gets installed is what the signed targets
 metadata says.
 
-Every download (metadata and bundles) is bounded in bytes and in total time by agent/fetch.py: the bound of a
+Every download (metadata and bundles) is bounded in bytes and in total time by agent/link/fetch.py: the bound of a
 bundle is its signed length, that of a piece of metadata the length the metadata above it signs (python-tuf's
 per-role bound otherwise), and an answer too slow or too long ends the attempt with a FetchError, which the
 installer retries with backoff.
@@ -27,9 +27,9 @@ from tuf.api import exceptions as tuf_exc
 from tuf.api.metadata import Metadata, Root
 from tuf.ngclient.fetcher import FetcherInterface
 
-from edgefleet.agent.clock import ClockReading, TrustedClock, load_floor, save_floor
+from edgefleet.agent.link.clock import ClockReading, TrustedClock, load_floor, save_floor
 from edgefleet.agent.errors import FetchError, TrustError
-from edgefleet.agent.fetch import FetchLimits, FleetHttp
+from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
 from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.fsutil import atomic_write
@@ -42,7 +42,7 @@ log = logging.getLogger("edgefleet.agent.updater")
 
 
 class GuardedFetcher(FetcherInterface):
-    """python-tuf's fetcher: agent/fetch.py's bounded HTTP. python-tuf names each file's bound when it downloads
+    """python-tuf's fetcher: agent/link/fetch.py's bounded HTTP. python-tuf names each file's bound when it downloads
     one (``download_file``); that bound is also what the answer's deadline is computed from."""
 
     def __init__(self, grace_s: float = 30.0, min_bytes_per_s: int = 2048, socket_timeout_s: float = 30.0,
@@ -76,9 +76,9 @@ class BundleFetcher:
                  deadline_s: float = 60.0, time_url: str | None = None, clock_tolerance_s: float = 300.0):
         """``trusted_root`` (root.json from ``edgefleet keys init``) anchors trust. Without it the
         fleet's current root is trusted on first use (``root_from_fleet``), which the caller logs.
-        Downloads are bounded as agent/fetch.py says (``deadline_s``, ``grace_s``, ``min_bytes_per_s``).
+        Downloads are bounded as agent/link/fetch.py says (``deadline_s``, ``grace_s``, ``min_bytes_per_s``).
         ``time_url``: the fleet's signed time (``/api/v1/time``), required before each refresh when given;
-        TUF's expiry checks use the trusted time (agent/clock.py) rather than the local clock."""
+        TUF's expiry checks use the trusted time (agent/link/clock.py) rather than the local clock."""
         self.grace_s = grace_s
         self.min_bytes_per_s = min_bytes_per_s
         self.deadline_s = deadline_s
@@ -179,7 +179,7 @@ class BundleFetcher:
         """Verify the metadata, call ``precheck`` with the target's signed custom fields (it raises to
         refuse the bundle before a byte of it is downloaded), then download and verify the bundle. Custom
         fields this agent cannot read (a field of a newer fleet, a wrong type) are a TrustError naming them.
-        An answer too slow or too long (agent/fetch.py) is a FetchError: the caller retries."""
+        An answer too slow or too long (agent/link/fetch.py) is a FetchError: the caller retries."""
         self.clean()
         try:
             updater = self._refreshed()

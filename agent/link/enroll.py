@@ -20,8 +20,8 @@ from typing import Any
 
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.errors import FetchError
-from edgefleet.agent.fetch import FleetHttp
-from edgefleet.agent.link import MqttSecurity
+from edgefleet.agent.link.fetch import FleetHttp
+from edgefleet.agent.link.mqtt import MqttSecurity
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.fsutil import atomic_write
 
@@ -69,7 +69,7 @@ def _enroll(config: AgentConfig, token: str, http: FleetHttp) -> tuple[str, str]
 
 
 def mqtt_security(config: AgentConfig, mqtt_auth: bool, http: FleetHttp | None = None) -> MqttSecurity:
-    """Resolve the credentials (enrolling once if needed; ``http``: how, bounded as agent/fetch.py says).
+    """Resolve the credentials (enrolling once if needed; ``http``: how, bounded as agent/link/fetch.py says).
     Raises EnrollmentRefused or ConfigError for what only a person can fix, and FetchError for what a retry
     may fix."""
     def security(username: str | None, password: str | None) -> MqttSecurity:

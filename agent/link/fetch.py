@@ -19,7 +19,7 @@ translate them into ``FetchError``, which every caller retries with backoff whil
 Proxies: the proxy ``HTTP_PROXY`` / ``HTTPS_PROXY`` name is used, except for the hosts ``NO_PROXY`` lists, by
 urllib's own rules; an https request is tunnelled (CONNECT), so TLS is still checked against the fleet's name.
 
-Kept apart from the TUF client (agent/updater.py) so that a range request (a resumed download) is one more
+Kept apart from the TUF client (agent/link/updater.py) so that a range request (a resumed download) is one more
 argument to ``open``, read under the same bounds.
 """
 
