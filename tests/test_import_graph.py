@@ -136,3 +136,16 @@ def test_every_part_is_imported_by_its_one_name():
             found += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
                       if n.split(".")[0] in bare]
     assert not found, found
+
+
+def test_agent_core_imports_no_other_room():
+    """The agent's core (agent/core/: host, batching, the pipeline runner, metrics, drift, shadow) is the agent's
+    bottom floor (issue 42): it imports none of the agent's transports, install or link, lazily or not. What it
+    needs from them moves down into the core (agent.core.request.InferRequest) or comes in as a callable."""
+    rooms = ("edgefleet.agent.transports", "edgefleet.agent.install", "edgefleet.agent.link")
+    graph = _graph()
+    core = [m for m in _modules() if m.startswith("edgefleet.agent.core.") or m == "edgefleet.agent.core"]
+    assert len(core) >= 5, core  # the rule reads the real folder
+    up = [f"{a} -> {b}" for a in core for b in sorted(graph.get(a, ()))
+          if any(b == r or b.startswith(r + ".") for r in rooms)]
+    assert not up, up
