@@ -22,23 +22,24 @@ from pathlib import Path
 from typing import Any
 
 from edgefleet.agent._compat import run_with_loop
-from edgefleet.agent.batcher import BatchSettings, pin_thread
 from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.link.enroll import mqtt_security
-from edgefleet.agent.errors import FetchError, TrustError
-from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
+from edgefleet.agent.core.batching.dispatch import pin_thread
+from edgefleet.agent.core.batching.settings import BatchSettings
 from edgefleet.agent.core.host import ModelHost
-from edgefleet.agent.transports.image import ImageLimits
-from edgefleet.agent.install.job import Installer
-from edgefleet.agent.link.mqtt import MqttLink
 from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.transports.http import create_app, peer_tagging
-from edgefleet.agent.transports.shm import SharedMemory
-from edgefleet.agent.link.spool import Spool
+from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.agent.install.job import Installer
 from edgefleet.agent.install.store import ModelStore
-from edgefleet.agent.systemd import sd_notify
+from edgefleet.agent.link.enroll import mqtt_security
+from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
+from edgefleet.agent.link.mqtt import MqttLink
+from edgefleet.agent.link.spool import Spool
 from edgefleet.agent.link.telemetry import DeviceSampler, DeviceStats
 from edgefleet.agent.link.updater import BundleFetcher
+from edgefleet.agent.systemd import sd_notify
+from edgefleet.agent.transports.http import create_app, peer_tagging
+from edgefleet.agent.transports.image import ImageLimits
+from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff
 from edgefleet.protocol.errors import ConfigError

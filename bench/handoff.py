@@ -3,10 +3,10 @@
     .venv/bin/python bench/handoff.py                 # CPUs 0 and 1, 300 round trips per gap
     .venv/bin/python bench/handoff.py --cpus 2,3 --rounds 1000 --json
 
-The agent hands each batch from its event loop to an inference thread and the answer back (agent/batcher.py):
-two wake-ups of a thread on another core. This measures what the machine charges for that alone, back to back
-and after the other core has idled for a while (a lone request: the inference core sleeps between requests),
-so the agent's own figures can be read against it. Bounded: ``--rounds`` round trips per gap.
+The agent hands each batch from its event loop to an inference thread and the answer back
+(agent/core/batching/dispatch.py): two wake-ups of a thread on another core. This measures what the machine charges for
+that alone, back to back and after the other core has idled for a while (a lone request: the inference core sleeps
+between requests), so the agent's own figures can be read against it. Bounded: ``--rounds`` round trips per gap.
 """
 
 from __future__ import annotations

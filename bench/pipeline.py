@@ -96,9 +96,10 @@ class Loop:
                          lambda b: self.rec.infer({self.rec_in: np.ascontiguousarray(b)}), self.read_batch)
 
     def pick_read_batch(self, images: np.ndarray, limit: int) -> tuple[int, list[tuple[int, float]]]:
-        """The reader's batch for the loop, timed as the agent times a stage (agent.batcher.choose_batch_size over
-        crops/s at 1, 2, 4 ... ``limit``, the median of 3 calls each)."""
-        from edgefleet.agent.batcher import batch_ladder, choose_batch_size
+        """The reader's batch for the loop, timed as the agent times a stage
+        (agent.core.batching.tuning.choose_batch_size over crops/s at 1, 2, 4 ... ``limit``, the median of 3 calls
+        each)."""
+        from edgefleet.agent.core.batching.tuning import batch_ladder, choose_batch_size
 
         chain = self._chain((images.shape[2], images.shape[3]))
         crops, _ = chain.crops(images, chain.boxes(self.det.infer({self.det_in: images})))

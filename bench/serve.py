@@ -196,7 +196,7 @@ def _the_limit(engine: Path, images: np.ndarray, threads: int, seconds_each: flo
                precision: str = "fp32") -> dict[str, Any]:
     import threading
 
-    from edgefleet.agent.batcher import layout_candidates
+    from edgefleet.agent.core.batching.tuning import layout_candidates
 
     layouts = list(layout_candidates(threads))  # every layout the agent may choose: 1xT, ..., Tx1
     out: dict[str, Any] = {"by_layout": {}, "batch1_ms": {}}

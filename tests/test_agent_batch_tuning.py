@@ -12,11 +12,13 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent.batcher import Batcher, BatchSettings, batch_ladder, choose_batch_size
 from edgefleet.agent.config import AgentConfig
+from edgefleet.agent.core.batching.batcher import Batcher
+from edgefleet.agent.core.batching.settings import BatchSettings
+from edgefleet.agent.core.batching.tuning import batch_ladder, choose_batch_size
 from edgefleet.agent.core.host import ModelHost
-from edgefleet.agent.install.job import Installer
 from edgefleet.agent.core.metrics import Metrics
+from edgefleet.agent.install.job import Installer
 from edgefleet.agent.install.selftest import measure_batch_sizes
 from edgefleet.agent.install.store import ModelStore, StagedModel
 from edgefleet.engines import Engine, EngineSpec

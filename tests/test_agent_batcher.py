@@ -8,7 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from edgefleet.agent.batcher import DEAD_MAX, HIGH, NORMAL, Batcher, BatchSettings, ComputeGate
+from edgefleet.agent.core.batching.batcher import Batcher
+from edgefleet.agent.core.batching.gate import ComputeGate
+from edgefleet.agent.core.batching.request_queue import DEAD_MAX, HIGH, NORMAL
+from edgefleet.agent.core.batching.settings import BatchSettings
 from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from edgefleet.engines import Engine, EngineSpec
 from edgefleet.protocol.manifest import TensorSpec
@@ -635,7 +638,7 @@ def test_requests_under_concurrency_are_never_run_inline():
 def test_non_finite_outputs_fail_only_the_requests_whose_rows_hold_them():
     """The batcher checks a batch's outputs for NaN and infinity once (Outputs.finite); a batch that holds some still
     fails only the requests whose own rows do, when their answers are encoded (agent.transports.kserve.ordered_outputs)."""
-    from edgefleet.agent.batcher import Outputs
+    from edgefleet.agent.core.batching.dispatch import Outputs
     from edgefleet.agent.transports.kserve import InferRequest, encode_response
 
     async def main():
@@ -668,7 +671,7 @@ LATER_S = 0.05  # a request arriving this much after another: their deadlines di
 
 
 def test_default_timeouts_share_one_timer_in_order_and_keep_nothing_once_answered():
-    """Requests with the default timeout are watched by one timer (Batcher._sweep): each still expires while the
+    """Requests with the default timeout are watched by one timer (RequestQueue._sweep): each still expires while the
     model is busy, oldest first, a cancelled one is not answered twice, and answered requests are not kept."""
     async def main():
         be, b, first = await _held_busy(BatchSettings(max_batch_size=1, queue_timeout_s=0.3))

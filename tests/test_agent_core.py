@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefleet.agent.batcher import BatchSettings
+from edgefleet.agent.core.batching.settings import BatchSettings
 from edgefleet.agent.core.host import IndexEntry, ModelHost
 from edgefleet.agent.core.metrics import Metrics
 

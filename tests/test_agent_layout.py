@@ -17,8 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent.install import bench as agent_bench
-from edgefleet.agent.batcher import (
+from edgefleet.agent.core.batching.tuning import (
     LAYOUT_TIE,
     LayoutFigures,
     choose_layout,
@@ -26,6 +25,7 @@ from edgefleet.agent.batcher import (
     layout_candidates,
 )
 from edgefleet.agent.errors import BackendError
+from edgefleet.agent.install import bench as agent_bench
 from edgefleet.agent.install.store import ModelStore, StagedModel
 from edgefleet.protocol.bundle import sha256_file
 from tests.agent_harness import preinstall, running_agent
@@ -161,7 +161,7 @@ def test_the_device_measures_its_layouts_and_an_operators_layout_wins(tmp_path, 
         images = npz["input"][:24].astype(np.float32)
     with running_agent(data, inference_cpus=(0,)) as (agent, url):  # one inference CPU: 1x1, the only candidate
         cfg = httpx.get(f"{url}/v2/models/digits/config", timeout=10).json()
-        serving = agent.core.host.models["digits"].serving
+        serving = agent.host.models["digits"].serving
     lay = cfg["batch_tuning"]["layout"]
     assert lay["source"] == "measured" and (lay["instances"], lay["threads"]) == (1, 1) and list(lay["measured"]) == \
         ["1x1"]
@@ -169,7 +169,7 @@ def test_the_device_measures_its_layouts_and_an_operators_layout_wins(tmp_path, 
 
     with running_agent(data, inference_cpus=(0, 1)) as (agent, url):
         cfg = httpx.get(f"{url}/v2/models/digits/config", timeout=10).json()
-        serving = agent.core.host.models["digits"].serving
+        serving = agent.host.models["digits"].serving
         auto = infer(url, images)
     t, lay = cfg["batch_tuning"], cfg["batch_tuning"]["layout"]
     assert lay["source"] == "measured" and list(lay["measured"]) == ["1x2", "2x1"]
@@ -183,7 +183,7 @@ def test_the_device_measures_its_layouts_and_an_operators_layout_wins(tmp_path, 
 
     with running_agent(data, instances=2, intra_op_threads=1) as (agent, url):  # the operator's layout, kept
         cfg = httpx.get(f"{url}/v2/models/digits/config", timeout=10).json()
-        serving = agent.core.host.models["digits"].serving
+        serving = agent.host.models["digits"].serving
     lay = cfg["batch_tuning"]["layout"]
     assert (lay["instances"], lay["threads"], lay["source"], lay["measured"]) == (2, 1, "operator", {})
     assert cfg["instance_group"][0]["count"] == 2

@@ -16,7 +16,13 @@ import httpx
 import numpy as np
 import pytest
 
-from edgefleet.agent.transports.local_client import AsyncLocalClient, LocalClient, LocalError, decode_result, infer_request
+from edgefleet.agent.transports.local_client import (
+    AsyncLocalClient,
+    LocalClient,
+    LocalError,
+    decode_result,
+    infer_request,
+)
 from edgefleet.protocol import local as wire
 from tests.agent_harness import DIGITS_IN_BYTES, DIGITS_OUT_BYTES, installed_agent, shm_object
 from tests.waiting import wait_for
@@ -337,10 +343,10 @@ def test_a_stalled_frame_times_out(tmp_path, digits_bundle, test_images):
     """A frame that never completes: ERROR 408 after the frame timeout, connection closed."""
     import asyncio
 
-    from edgefleet.agent.batcher import BatchSettings
+    from edgefleet.agent.core.batching.settings import BatchSettings
     from edgefleet.agent.core.host import ModelHost
-    from edgefleet.agent.transports.local import LocalServer
     from edgefleet.agent.core.metrics import Metrics
+    from edgefleet.agent.transports.local import LocalServer
 
     async def main():
         srv = LocalServer(ModelHost(BatchSettings(), Metrics()), None, 1024, frame_timeout_s=0.2)
@@ -401,10 +407,10 @@ def test_too_many_connections_get_503(agent, client, test_images):
 def test_a_file_at_the_socket_path_is_refused(tmp_path):
     import asyncio
 
-    from edgefleet.agent.batcher import BatchSettings
+    from edgefleet.agent.core.batching.settings import BatchSettings
     from edgefleet.agent.core.host import ModelHost
-    from edgefleet.agent.transports.local import LocalServer
     from edgefleet.agent.core.metrics import Metrics
+    from edgefleet.agent.transports.local import LocalServer
 
     (tmp_path / "s.sock").write_text("mine")
 

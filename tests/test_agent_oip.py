@@ -15,11 +15,11 @@ import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from edgefleet.agent.batcher import BatchSettings
+from edgefleet.agent.core.batching.settings import BatchSettings
 from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.transports.http import create_app
 from edgefleet.agent.install.store import ModelStore
+from edgefleet.agent.transports.http import create_app
 from edgefleet.engines import EngineSpec
 from edgefleet.engines.onnxruntime import OnnxRuntimeEngine
 from edgefleet.protocol.bundle import sha256_file

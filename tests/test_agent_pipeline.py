@@ -1,13 +1,16 @@
-"""The batch queued behind a running one (agent/batcher.py): formed while the runtime is busy and started by the
-inference thread the moment the running batch ends; taken back for a high-priority request or an install's turn;
-its requests still expire, still count against the queue's limit, and all get their own answers."""
+"""The batch queued behind a running one (agent/core/batching/dispatch.py): formed while the runtime is busy and
+started by the inference thread the moment the running batch ends; taken back for a high-priority request or an
+install's turn; its requests still expire, still count against the queue's limit, and all get their own answers."""
 
 import asyncio
 import threading
 
 import numpy as np
 
-from edgefleet.agent.batcher import HIGH, Batcher, BatchSettings, ComputeGate
+from edgefleet.agent.core.batching.batcher import Batcher
+from edgefleet.agent.core.batching.gate import ComputeGate
+from edgefleet.agent.core.batching.request_queue import HIGH
+from edgefleet.agent.core.batching.settings import BatchSettings
 from tests.test_agent_batcher import FakeBackend, gated, release, x
 from tests.waiting import until
 

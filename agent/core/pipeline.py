@@ -5,16 +5,16 @@ A detect-then-read pipeline (protocol/pipeline.py) is two engines and the steps 
 one model: one request in (KServe v2 over HTTP or gRPC, the local socket, ``/infer/image``), the end outputs out;
 the detector's map, the boxes and the crops never leave the process.
 
-**Serving** (:class:`PipelineRunner`). Each stage has its own :class:`~edgefleet.agent.core.batching.batcher.Batcher`, both on
-the model's one ComputeGate (a stage's batch holds a permit while it runs: the detector and the reader take turns
-on the cores, as two versions of one model do). A request's images go to the detector's batcher (images of
-concurrent requests stacked in one batch); its boxes and crops are cut on a small thread pool (off the event loop);
-its crops go to the reader's batcher in pieces of at most the reader's ``max_batch_size`` (crops of many images
-and requests stacked in one batch, a request's crops split across batches when they are more); the answers are
-put together on the same pool. :meth:`~edgefleet.judge.pipeline.Chain.check` refuses a request whose images could
-need more than ``max_crops`` crops before any work (400), as does an image of another size than the pipeline's
-(the size it was gated and self-tested at: the top-level input's fixed dimensions, else its image preprocessing,
-else its self-test sample's). Images waiting anywhere in the pipeline are bounded by the agent's
+**Serving** (:class:`PipelineRunner`). Each stage has its own
+:class:`~edgefleet.agent.core.batching.batcher.Batcher`, both on the model's one ComputeGate (a stage's batch holds a
+permit while it runs: the detector and the reader take turns on the cores, as two versions of one model do). A request's
+images go to the detector's batcher (images of concurrent requests stacked in one batch); its boxes and crops are cut on
+a small thread pool (off the event loop); its crops go to the reader's batcher in pieces of at most the reader's
+``max_batch_size`` (crops of many images and requests stacked in one batch, a request's crops split across batches when
+they are more); the answers are put together on the same pool. :meth:`~edgefleet.judge.pipeline.Chain.check` refuses a
+request whose images could need more than ``max_crops`` crops before any work (400), as does an image of another size
+than the pipeline's (the size it was gated and self-tested at: the top-level input's fixed dimensions, else its image
+preprocessing, else its self-test sample's). Images waiting anywhere in the pipeline are bounded by the agent's
 ``max_queue_size`` (429 beyond it).
 
 **Hot swap**: a new version is a new runner (its own batchers and engines). A request resolves the served version

@@ -205,8 +205,8 @@ def layout_trial(manifest: Manifest, directory: Path, candidates: Sequence[tuple
     """Each of ``candidates`` ((instances, threads)) loaded (``load``; default: the bundle's engine with
     ``providers`` on ``runtime``, the one that will serve it; None: the bundle's own), measured
     (:func:`measure_layout`, ``seconds`` a slice, and :func:`lone_call_ms`) and closed as soon as it is out of the
-    running (agent.core.batching.tuning.in_the_running: at most the layouts still in the running are loaded at once); every one
-    is closed at the end. -> their figures, in the order measured."""
+    running (agent.core.batching.tuning.in_the_running: at most the layouts still in the running are loaded at
+    once); every one is closed at the end. -> their figures, in the order measured."""
     staged = StagedModel(manifest, directory, "")
     fill = trial_feeds(staged)
 

@@ -333,14 +333,14 @@ class Installer:
         return out
 
     def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine]) -> list[Engine]:
-        """Each layout of this box's inference CPUs (agent.core.batching.tuning.layout_candidates: 1x2 and 2x1 on two, 1x1 alone
-        on one) timed as bench/serve.py times the runtime's limit (agent.install.bench.layout_trial: all its instances
-        driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the batcher may
-        form; and a lone batch-1 call), in a child process whose memory goes with it
-        (agent.install.bench.layout_trial_in_child). -> the chosen layout's engines (agent.core.batching.tuning.choose_layout), loaded
-        here; ``loaded`` (the configured layout) is reused if chosen, else closed first. While another version
-        serves the model, the trial shares its cores with it for the trial's few seconds (no turns: a turn per call
-        cannot run several instances at once)."""
+        """Each layout of this box's inference CPUs (agent.core.batching.tuning.layout_candidates: 1x2 and 2x1 on
+        two, 1x1 alone on one) timed as bench/serve.py times the runtime's limit (agent.install.bench.layout_trial: all
+        its instances driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the
+        batcher may form; and a lone batch-1 call), in a child process whose memory goes with it
+        (agent.install.bench.layout_trial_in_child). -> the chosen layout's engines
+        (agent.core.batching.tuning.choose_layout), loaded here; ``loaded`` (the configured layout) is reused if chosen,
+        else closed first. While another version serves the model, the trial shares its cores with it for the trial's
+        few seconds (no turns: a turn per call cannot run several instances at once)."""
         cpus = self.config.inference_cpus
         cores = len(cpus) if cpus else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)

@@ -393,7 +393,8 @@ def ordered_outputs(outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
     each checked to hold no NaN or infinity: what the HTTP and the gRPC answers both encode."""
     order = req.outputs if req.outputs is not None else tuple(s.name for s in specs)
     by_name = {s.name: (arr, s) for arr, s in zip(outputs, specs, strict=True)}
-    checked = getattr(outputs, "finite", False)  # the batcher checked the whole batch (agent.core.batching.dispatch.Outputs)
+    # the batcher checked the whole batch (agent.core.batching.dispatch.Outputs)
+    checked = getattr(outputs, "finite", False)
     for name in order:
         arr, spec = by_name[name]
         if not checked and arr.dtype.kind == "f" and not np.isfinite(arr).all():
