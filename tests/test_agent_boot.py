@@ -30,6 +30,6 @@ def test_unloadable_current_model_falls_back_to_previous(tmp_path, digits_bundle
     with running_agent(data) as (agent, url):
         assert httpx.get(f"{url}/v2/health/ready").status_code == 200
         assert httpx.get(f"{url}/v2/models/digits").json()["versions"] == ["1.0.0"]
-        assert agent.install.store.current.installed.version == "1.0.0"
+        assert agent.store.current.installed.version == "1.0.0"
     state = json.loads((data / "store" / "state.json").read_text())
     assert state["current"]["installed"]["version"] == "1.0.0"

@@ -65,7 +65,7 @@ def test_a_free_instance_takes_the_requests_waiting_behind_a_held_one(tmp_path, 
         images = npz["input"][:8].astype(np.float32)
     settings = {"instances": 2, "intra_op_threads": 1, "max_batch_size": 4, "queue_timeout_ms": 60_000}
     with running_agent(data, **settings) as (agent, url), ThreadPoolExecutor(8) as pool:
-        batcher = on_loop(agent, lambda: agent.core.host.models["digits"].batcher)
+        batcher = on_loop(agent, lambda: agent.host.models["digits"].batcher)
         answered: list[int] = []
 
         def send(img: np.ndarray) -> int:

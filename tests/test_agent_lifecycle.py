@@ -86,7 +86,7 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
     preinstall(data, rebuild(digits_bundle, tmp_path / "v11.tar", "1.1.0"))
     images, labels = test_images
     with running_agent(data, instances=2) as (agent, url):
-        assert len(agent.core.host.models["digits"].backends) == 2
+        assert len(agent.host.models["digits"].backends) == 2
         stop = threading.Event()
         results: list[tuple[int, str | None, bool]] = []  # (status, version, all predictions right)
         lock = threading.Lock()
@@ -117,15 +117,15 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
             wait_for(lambda: count() >= 50, 60, "load before the swap")
             assert agent._loop is not None
             # the other version's self-test and warm-up take turns with the serving batches on one gate
-            gate = agent.core.host.models["digits"].batcher.gate
-            assert gate is agent.core.host.gate("digits", 2)
+            gate = agent.host.models["digits"].batcher.gate
+            assert gate is agent.host.gate("digits", 2)
             turns: list[str] = []
             real_call = gate.call
             gate.call = lambda loop, fn, *a, **kw: (turns.append(fn.__name__), real_call(loop, fn, *a, **kw))[1]  # type: ignore[method-assign]
             swapped = asyncio.run_coroutine_threadsafe(agent.rollback("digits"), agent._loop).result(120)
             # three self-test runs, a batch-1 warm-up on each instance, then the batch sizes measured (timed calls)
             assert turns[:5] == ["infer"] * (3 + 2) and len(turns) > 5 and set(turns[5:]) == {"_timed"}
-            assert agent.core.host.models["digits"].batcher.gate is gate
+            assert agent.host.models["digits"].batcher.gate is gate
             assert swapped.version == "1.0.0"
             before = count()
             wait_for(lambda: count() >= before + 50, 60, "load after the swap")

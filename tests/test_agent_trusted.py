@@ -207,8 +207,8 @@ def test_an_agent_that_switched_models_refuses_an_older_build_of_the_first(tmp_p
     for _ in range(2):  # the record is on disk: a restarted agent refuses too
         agent = Agent(AgentConfig(device_id="dev-1", fleet_url="http://127.0.0.1:9", data_dir=data,
                                   trust_on_first_use=True, install_retries=0))
-        agent.install.store.recover()
-        assert agent.install.store.current is not None and agent.install.store.current.installed.name == "faces"
+        agent.store.recover()
+        assert agent.store.current is not None and agent.store.current.installed.name == "faces"
         reports: list[tuple[str, str | None]] = []
         agent._report = lambda state, desired, error=None, reports=reports, **kw: reports.append((state, error))  # type: ignore
         agent.install.job(proto.DesiredState(device_id="dev-1", ts=0.0, rollout_id=7, model="digits", version="1.0.0",

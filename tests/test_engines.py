@@ -295,7 +295,7 @@ def test_litert_digits_bundle_served_over_http_keeps_its_accuracy(tflite_toolcha
         images, labels = npz["input"], npz["labels"]
     preinstall(tmp_path / "agent", result.bundle)
     with running_agent(tmp_path / "agent", max_batch_size=8) as (agent, url):
-        assert agent.core.host.current is not None and agent.core.host.current.backend.kind == "litert"
+        assert agent.host.current is not None and agent.host.current.backend.kind == "litert"
         meta = httpx.get(f"{url}/v2/models/digits").json()
         assert meta["platform"] == "litert"
         preds = []

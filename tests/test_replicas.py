@@ -87,7 +87,7 @@ def test_replicas_share_no_disk_a_bundle_uploaded_to_one_installs_from_the_other
             online(url_a, 1)
             rid = rollout(url_a, version="1.0.0", devices=["edge-b"])
             until(url_b, rid, "succeeded", timeout_s=90)
-            assert agent.install.store.current is not None and agent.install.store.current.installed.version == "1.0.0"
+            assert agent.store.current is not None and agent.store.current.installed.version == "1.0.0"
         # what the agent downloaded came from b: its TUF client's metadata names b's URL
         assert not list((b_dir / "fleet").rglob("*.tar")) and not list((a_dir / "fleet").rglob("*.tar"))
 
