@@ -18,9 +18,6 @@ kind is loaded, so ``import engines`` works on a box that has only some of them.
 
 from __future__ import annotations
 
-if __name__ != "edgefleet.engines":  # the folder engines/ is installed as edgefleet.engines (pyproject.toml)
-    raise ImportError(f"import edgefleet.engines, not {__name__}: edgefleet installs one top-level name")
-
 import importlib
 import importlib.util
 import pkgutil

@@ -12,6 +12,3 @@ folders, a segmentation map's objects); never onnx, onnxruntime's quantizer or a
 - :mod:`edgefleet.judge.gate`: the verdict (top-1 against labels, agreement with FP32, or the task's criteria);
 - :mod:`edgefleet.judge.errors`: what the judge raises.
 """
-
-if __name__ != "edgefleet.judge":  # the folder judge/ is installed as edgefleet.judge (pyproject.toml)
-    raise ImportError(f"import edgefleet.judge, not {__name__}: edgefleet installs one top-level name")

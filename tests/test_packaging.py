@@ -1,7 +1,12 @@
-"""The agent stays light: importing it never loads the compiler's or the fleet's dependencies."""
+"""The agent stays light: importing it never loads the compiler's or the fleet's dependencies; the wheel holds the
+tree's modules once, under one top-level name, and runs installed."""
 
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
+
+import pytest
 
 from tests.installs import loaded_after
 
@@ -19,50 +24,91 @@ def test_importing_the_packages_has_no_side_effects():
     assert out.strip() == "0"
 
 
-REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
-PARTS = ("agent", "compiler", "engines", "fleet", "judge", "protocol")
+REPO = Path(__file__).resolve().parent.parent
 
 
-def _declared() -> tuple[list[str], dict[str, str]]:
+def _folders() -> dict[str, str]:
+    """Import name -> folder: pyproject.toml's [tool.setuptools.package-dir] (edgefleet.agent is agent/)."""
     import tomllib
 
-    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return cfg["packages"], cfg["package-dir"]
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
 
-def test_the_declared_packages_are_the_tree_and_each_folder_is_linked_under_edgefleet():
-    """Every folder with an __init__.py under a part is declared (a new subpackage cannot be left out of the
-    wheel), and edgefleet/<part> points at <part>/, so a checkout imports the names a wheel installs."""
-    packages, dirs = _declared()
-    tree = {"edgefleet"} | {
-        "edgefleet." + ".".join(p.parent.relative_to(REPO).parts)
-        for part in PARTS for p in (REPO / part).rglob("__init__.py")}
-    assert sorted(packages) == sorted(tree)
-    for part in PARTS:
-        assert dirs[f"edgefleet.{part}"] == part
-        assert (REPO / "edgefleet" / part).resolve() == (REPO / part).resolve()
+def _tree() -> set[str]:
+    """The wheel's paths of the tree's modules: each .py file of a package (a folder with an __init__.py, its parents
+    up to a mapped folder too) under a mapped folder; agent/core/host.py is edgefleet/agent/core/host.py."""
+    paths = set()
+    for name, folder in _folders().items():
+        for p in (REPO / folder).rglob("*.py"):
+            rel = p.relative_to(REPO / folder)
+            if all((REPO / folder / d / "__init__.py").is_file() for d in [Path(*rel.parts[:i]) for i in
+                                                                           range(len(rel.parts))]):
+                paths.add("/".join([*name.split("."), *rel.parts]))
+    return paths
 
 
-def test_a_part_refuses_its_bare_folder_name():
-    """`import agent` from the repository root would load a second copy of the agent's modules beside
-    edgefleet.agent's (two batcher registries, two metric sets): each part refuses its bare name."""
-    for part in PARTS:
-        r = subprocess.run([sys.executable, "-c", f"import {part}"], cwd=REPO, capture_output=True, text=True)
-        assert r.returncode != 0 and f"import edgefleet.{part}, not {part}" in r.stderr, r.stderr
+def test_no_module_has_a_second_path():
+    """The repository holds each module once: no symbolic links (tracked or not), so tracebacks, docs, grep and a
+    clone on a file system without links all name agent/core/host.py, never edgefleet/agent/core/host.py."""
+    out = subprocess.run(["git", "ls-files", "-s", "--cached"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
+    assert [line for line in out.splitlines() if line.startswith("120000")] == []
+    links = [p for top in {*_folders().values(), "tests", "bench"} for p in (REPO / top).rglob("*") if p.is_symlink()]
+    assert links == []
 
 
-def test_the_wheel_installs_one_top_level_name(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The checkout's wheel, built as a user would (`pip wheel .`, which builds in the checkout's build/)."""
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (whl,) = out.glob("edgefleet-*.whl")
+    return whl
+
+
+def test_the_wheel_installs_one_top_level_name(wheel):
     """A user's own protocol.py, or another distribution's fleet package, can neither shadow nor be shadowed
     by ours: the wheel's top level is `edgefleet` alone (plus its .dist-info and the profiles' data files)."""
-    import zipfile
-
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                        str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    (wheel,) = tmp_path.glob("edgefleet-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"edgefleet"}
-    for module in ("edgefleet/agent/transports/http.py", "edgefleet/fleet/migrations/versions/r0001_release_1.py",
-                   "edgefleet/compiler/targets/onnxruntime.py", "edgefleet/agent/edgefleet-agent.service"):
-        assert module in names
+
+
+def test_the_wheel_holds_the_tree_and_nothing_else(wheel):
+    """Every module of every package under a mapped folder is in the wheel (a new subpackage cannot be left out:
+    setup.py reads the packages from the tree), and no module that is not in the tree (one moved or removed since
+    an earlier build, left in build/lib) ships; the package data too."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {n for n in names if n.endswith(".py")} == _tree()
+    for data in ("edgefleet/agent/edgefleet-agent.service", "edgefleet/fleet/edgefleet-fleet.service",
+                 "edgefleet/fleet/templates/base.html"):
+        assert data in names
+
+
+def test_the_installed_wheel_runs_its_command_and_imports_each_part(wheel, tmp_path):
+    """Installed (pip install --target, outside the repository), the wheel's own files serve its console script and
+    every part: nothing of it is read from the checkout."""
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        str(wheel)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (entry,) = (target / "bin").iterdir()  # one console script
+    assert entry.name == "edgefleet"
+    import configparser
+
+    (dist,) = target.glob("edgefleet-*.dist-info")
+    ep = configparser.ConfigParser()
+    ep.read(dist / "entry_points.txt")
+    assert list(ep["console_scripts"]) == ["edgefleet"]
+    module, _, func = ep["console_scripts"]["edgefleet"].partition(":")
+    parts = [name for name in _folders() if name != "edgefleet"]
+    code = (f"import sys, importlib; sys.path.insert(0, {str(target)!r}); "
+            f"mods = [importlib.import_module(m) for m in {[module, *parts]!r}]; "
+            f"print([m.__file__ for m in mods]); sys.argv = ['edgefleet', '--help']; getattr(mods[0], {func!r})()")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    files, _, usage = r.stdout.partition("\n")
+    assert files.count(str(target)) == 1 + len(parts) and str(REPO) not in files, files
+    assert "usage: edgefleet" in usage
