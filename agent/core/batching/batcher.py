@@ -39,6 +39,8 @@ log = logging.getLogger("edgefleet.agent.batcher")
 
 
 class Batcher:
+    """One model version's batching: requests in (``submit``, ``enqueue``), exactly one answer out for each."""
+
     _dispatch: Dispatcher  # made after the queue, whose callback reaches it
 
     def __init__(self, backends: Engine | Sequence[Engine], settings: BatchSettings,
