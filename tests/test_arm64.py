@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -38,10 +39,16 @@ pytestmark = [
 ]
 
 
+# the emulated processes start outside the checkout: `python -c` from its root would import the checkout's edgefleet/
+# (which holds the CLI only: the parts are mapped from their own folders by an install) instead of the emulated
+# venv's wheel
+OUTSIDE = Path(tempfile.gettempdir())
+
+
 def arm(cpu: str, *argv: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
     """Run ``argv`` (python or a console script of the emulated venv) on the emulated ARM ``cpu``."""
     assert AS_ARM64 is not None
-    return subprocess.run(["bash", AS_ARM64, "run", *argv], env={**os.environ, "AS_ARM64_CPU": cpu},
+    return subprocess.run(["bash", AS_ARM64, "run", *argv], env={**os.environ, "AS_ARM64_CPU": cpu}, cwd=OUTSIDE,
                           capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
 
@@ -260,7 +267,7 @@ def test_an_emulated_arm_agent_answers_oip_requests_from_this_host(arm_bundle, t
                                  "--fleet", "http://127.0.0.1:9", "--data-dir", str(data), "--trust-on-first-use",
                                  "--http-host", "127.0.0.1", "--http-port", str(port)],
                                 env={**os.environ, "AS_ARM64_CPU": CPUS[0]}, stdout=err, stderr=err,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, cwd=OUTSIDE)
     url = f"http://127.0.0.1:{port}"
     try:
         ready = _wait_ready(proc, url, log)
