@@ -27,15 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefleet.agent.core.drift import DriftRecorder
+from edgefleet.compiler.pipeline import CompileOptions, compile_model
+from edgefleet.engines import load_bundle_engine
+from edgefleet.protocol.bundle import extract_bundle
+from edgefleet.protocol.drift import DriftAccumulator
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from edgefleet.agent.core.drift import DriftRecorder  # noqa: E402
-from edgefleet.compiler.pipeline import CompileOptions, compile_model  # noqa: E402
-from edgefleet.engines import load_bundle_engine  # noqa: E402
-from edgefleet.protocol.bundle import extract_bundle  # noqa: E402
-from edgefleet.protocol.drift import DriftAccumulator  # noqa: E402
-
 DIGITS = ROOT / "models" / "digits"
 
 
