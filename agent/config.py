@@ -70,12 +70,12 @@ class AgentConfig(StrictModel):
     batch_tuning: Literal["auto", "off"] = "auto"
     # a bundle compiled where its devices' CPU could not be timed carries every precision that passed the gate.
     # auto: at install (and each start) the agent times them on its own cores and serves the faster
-    # (agent/install/precision.py); bundle: serve the bundle's own engine untimed; fp32/fp16/int8: that one, if the bundle
-    # has it
+    # (agent/install/precision.py); bundle: serve the bundle's own engine untimed; fp32/fp16/int8: that one, if the
+    # bundle has it
     precision: Literal["auto", "bundle", "fp32", "fp16", "int8", "bf16"] = "auto"
-    # the runtime that executes an onnxruntime bundle's ONNX/QDQ file (agent/install/runtime_choice.py). auto: at install
-    # (and each start) the agent times those installed here (onnxruntime, and OpenVINO with edgefleet[openvino]) on
-    # its own cores and serves the fastest that passes the bundle's self-test; onnxruntime / openvino: that one for
+    # the runtime that executes an onnxruntime bundle's ONNX/QDQ file (agent/install/runtime_choice.py). auto: at
+    # install (and each start) the agent times those installed here (onnxruntime, and OpenVINO with edgefleet[openvino])
+    # on its own cores and serves the fastest that passes the bundle's self-test; onnxruntime / openvino: that one for
     # the bundles it runs (an install fails, naming the extra, where it is not installed); LiteRT, TensorRT and bf16
     # bundles run on the runtimes that run them (bf16: OpenVINO only)
     runtime: Literal["auto", "onnxruntime", "openvino"] = "auto"
@@ -119,8 +119,8 @@ class AgentConfig(StrictModel):
     max_shm_regions: int = Field(default=64, ge=0, le=65536)
     max_shm_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)  # 1 GiB, all regions together
     shm_idle_timeout_s: float = Field(default=600.0, gt=0, le=86400)
-    # the on-box socket (agent/transports/local.py, protocol/local.py): the Open Inference Protocol without HTTP over a Unix
-    # socket at this path (relative: under data_dir), mode 0660; None: off. At most local_max_connections at once,
+    # the on-box socket (agent/transports/local.py, protocol/local.py): the Open Inference Protocol without HTTP over a
+    # Unix socket at this path (relative: under data_dir), mode 0660; None: off. At most local_max_connections at once,
     # local_max_inflight requests in flight on each
     local_socket: Path | None = None
     local_max_connections: int = Field(default=32, ge=1, le=4096)

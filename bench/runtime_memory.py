@@ -1,10 +1,10 @@
 """The agent's memory after install under each ``runtime`` setting: what choosing the runtime on the device costs.
 
 With ``runtime: auto`` and OpenVINO installed, the agent loads the bundle on every runtime that runs it, self-tests
-and times each, and serves the fastest (agent/install/runtime_choice.py); pinned (``runtime: onnxruntime`` or ``openvino``)
-it loads only that one. This script starts the agent (``python -m edgefleet.cli agent``, no fleet: it serves the
-bundle installed in its data dir) under each setting in turn, ``--rounds`` times in alternating order, each on a
-fresh copy of the same data dir (and from each ``--trees`` checkout: the same run can hold an older commit's agent,
+and times each, and serves the fastest (agent/install/runtime_choice.py); pinned (``runtime: onnxruntime`` or
+``openvino``) it loads only that one. This script starts the agent (``python -m edgefleet.cli agent``, no fleet: it
+serves the bundle installed in its data dir) under each setting in turn, ``--rounds`` times in alternating order, each
+on a fresh copy of the same data dir (and from each ``--trees`` checkout: the same run can hold an older commit's agent,
 e.g. ``git archive COMMIT | tar -x -C /tmp/old``, beside this one's), and reads its resident memory once it is
 ready and has settled (VmRSS after ``--settle-s``) and its peak (VmHWM), with the runtime it chose
 (``/v2/models/{m}/config``).

@@ -15,8 +15,9 @@ and with every loop bounded:
    common tutorial pattern) as separate processes;
 4. closed-loop load from a separate process at 1, 8 and 32 clients (one image per request), interleaving
    the variants level by level: naive raw bytes, agent binary OIP, agent JSON OIP; for digits also the on-box
-   clients: gRPC, system shared memory over HTTP (shm), and the agent's Unix socket (agent/transports/local_client.py, every
-   client on one pipelined connection): ``local`` with the tensors in shared memory, ``local-inline`` in the frames;
+   clients: gRPC, system shared memory over HTTP (shm), and the agent's Unix socket (agent/transports/local_client.py,
+   every client on one pipelined connection): ``local`` with the tensors in shared memory, ``local-inline`` in the
+   frames;
 5. print ratios against the limit, p50/p99, the median latency the server adds at 1 client over a raw
    batch-1 call, and the JSON decode cost (``json.loads`` + ``np.asarray`` of one request body; also with
    orjson, the parser the agent uses, for a stricter JSON target).
@@ -673,9 +674,10 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
 
 async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
                         total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
-    """The agent's on-box socket (agent/transports/local_client.py): every client on one connection, its requests pipelined.
-    ``local``: the input and the output in one shared-memory region (each client its own slice, as for ``shm``);
-    ``local-inline``: the input bytes in the frame (``reqs`` are prebuilt INFER bodies), the output in the answer."""
+    """The agent's on-box socket (agent/transports/local_client.py): every client on one connection, its requests
+    pipelined. ``local``: the input and the output in one shared-memory region (each client its own slice, as for
+    ``shm``); ``local-inline``: the input bytes in the frame (``reqs`` are prebuilt INFER bodies), the output in the
+    answer."""
     from multiprocessing import shared_memory
 
     import orjson

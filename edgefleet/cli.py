@@ -625,7 +625,8 @@ def _toolchain_line(st: Any) -> str:
 
 
 # -- verify -----------------------------------------------------------------------------------------
-@command("agent", imports=("edgefleet.agent.install.verify",), json_error=lambda a, line, code: {"ok": False, "error": line})
+@command("agent", imports=("edgefleet.agent.install.verify",),
+         json_error=lambda a, line, code: {"ok": False, "error": line})
 def cmd_verify(a: argparse.Namespace) -> int:
     from edgefleet.agent.install.verify import verify_bundle
 

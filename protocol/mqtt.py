@@ -176,7 +176,8 @@ RuntimeName = Literal["onnxruntime", "openvino", "litert", "tensorrt"]
 
 
 class RuntimeTiming(StrictModel):
-    """One runtime that can run the bundle's engine file, timed on the device at install (agent/install/runtime_choice.py)."""
+    """One runtime that can run the bundle's engine file, timed on the device at install
+    (agent/install/runtime_choice.py)."""
 
     runtime: RuntimeName
     items_per_s: float = Field(ge=0.0, le=MAX_RATE)  # geometric mean over ``timings``: what the choice compares

@@ -73,8 +73,8 @@ def installed_agent(data_dir: Path, bundle: Path, **overrides) -> Iterator[tuple
 
 @contextmanager
 def serving_app(app, setup=None) -> Iterator[str]:
-    """Any ASGI app (e.g. ``agent.transports.http.create_app`` around a test backend) on uvicorn, 127.0.0.1, a free port;
-    ``setup`` (a coroutine function) runs first on the server's event loop, e.g. ``ModelHost.swap``."""
+    """Any ASGI app (e.g. ``agent.transports.http.create_app`` around a test backend) on uvicorn, 127.0.0.1, a free
+    port; ``setup`` (a coroutine function) runs first on the server's event loop, e.g. ``ModelHost.swap``."""
     import socket
 
     import uvicorn
@@ -138,8 +138,8 @@ def until_on_loop(a, fn, what: str, timeout_s: float = 30.0):
 
 @contextmanager
 def recording_local_servers() -> Iterator[list]:
-    """The agent's local-socket servers (agent.transports.local.LocalServer), recorded as each starts: a test reads their
-    connections and bytes in flight."""
+    """The agent's local-socket servers (agent.transports.local.LocalServer), recorded as each starts: a test reads
+    their connections and bytes in flight."""
     from edgefleet.agent.transports import local as agent_local
 
     servers: list = []

@@ -637,7 +637,8 @@ def test_requests_under_concurrency_are_never_run_inline():
 
 def test_non_finite_outputs_fail_only_the_requests_whose_rows_hold_them():
     """The batcher checks a batch's outputs for NaN and infinity once (Outputs.finite); a batch that holds some still
-    fails only the requests whose own rows do, when their answers are encoded (agent.transports.kserve.ordered_outputs)."""
+    fails only the requests whose own rows do, when their answers are encoded
+    (agent.transports.kserve.ordered_outputs)."""
     from edgefleet.agent.core.batching.dispatch import Outputs
     from edgefleet.agent.transports.kserve import InferRequest, encode_response
 

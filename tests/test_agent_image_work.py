@@ -4,8 +4,8 @@ A decode's cost is not its byte count. A progressive JPEG's every scan is a pass
 however few bytes it has: a 2000x2000 grey image whose 14-byte scan is repeated 30,000 times is 420 KB and
 took 24 s of CPU, and two of them held both decode slots so healthy images got 503. A PNG whose zlib stream goes
 on past its image's rows is inflated to the end (1 MB inflating to 1 GiB after a 100x100 image: 2.2 s). Both are
-now refused by a walk of the file before OpenCV sees it (agent/transports/image.py: image_bytes), and PNG chunks OpenCV does
-not use for an 8-bit BGR image (text, ICC, EXIF, animation: each compressed one a zlib bomb of its own) never
+now refused by a walk of the file before OpenCV sees it (agent/transports/image.py: image_bytes), and PNG chunks OpenCV
+does not use for an 8-bit BGR image (text, ICC, EXIF, animation: each compressed one a zlib bomb of its own) never
 reach it.
 
 The hostile files are made here, from a real encoder's output.

@@ -206,8 +206,8 @@ def test_the_trial_runs_in_a_child_and_an_engine_that_does_not_load_is_a_backend
 
 
 def test_the_trial_runs_on_the_runtime_that_will_serve(staged):
-    """The agent serves an onnxruntime bundle on the runtime it chose (agent.install.runtime_choice: OpenVINO where it is
-    faster): the layout and batch size are timed on that runtime, not on the bundle's own (before, the child always
+    """The agent serves an onnxruntime bundle on the runtime it chose (agent.install.runtime_choice: OpenVINO where it
+    is faster): the layout and batch size are timed on that runtime, not on the bundle's own (before, the child always
     loaded onnxruntime, and an OpenVINO-served model got onnxruntime's layout and batch size)."""
     from edgefleet import engines
 

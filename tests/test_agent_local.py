@@ -1,6 +1,6 @@
-"""The on-box socket (protocol/local.py, agent/transports/local.py), from the outside: a real agent on loopback, its Unix socket,
-and hostile local clients. Each hostile frame gets a precise ERROR and the agent keeps serving the other clients;
-answers equal HTTP's bit for bit for the digits bundle."""
+"""The on-box socket (protocol/local.py, agent/transports/local.py), from the outside: a real agent on loopback, its
+Unix socket, and hostile local clients. Each hostile frame gets a precise ERROR and the agent keeps serving the other
+clients; answers equal HTTP's bit for bit for the digits bundle."""
 
 import json
 import multiprocessing

@@ -1,6 +1,6 @@
 """The on-box socket's fast paths (issue 21): the per-connection cache of decoded requests (agent/transports/local.py
-_decode and _template_for, as _quick uses them; agent/transports/kserve.py RequestTemplate) never lets a request through that
-decode_request would refuse, and answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no
+_decode and _template_for, as _quick uses them; agent/transports/kserve.py RequestTemplate) never lets a request through
+that decode_request would refuse, and answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no
 task per request)."""
 
 import asyncio

@@ -1,5 +1,5 @@
-"""agent/transports/peer.py asks the kernel through one netlink socket per thread: a thread that ends closes its own, and
-the process leaves none for the garbage collector or exit to find (each would be a ResourceWarning)."""
+"""agent/transports/peer.py asks the kernel through one netlink socket per thread: a thread that ends closes its own,
+and the process leaves none for the garbage collector or exit to find (each would be a ResourceWarning)."""
 
 from __future__ import annotations
 

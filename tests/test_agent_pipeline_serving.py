@@ -325,9 +325,9 @@ def test_the_openapi_document_describes_a_pipelines_image_answer(agent):
 
 
 def test_the_local_socket_decodes_a_pipeline_request_once(agent, monkeypatch):
-    """The local socket's fast path (agent/transports/local.py _quick: a template cached per connection decodes a request that
-    starts with the bytes of one before, and the batcher queues it) is a single model's; a pipeline runs through
-    ModelHost.infer. The same page sent three times on one connection is decoded once each, by parse_body, and
+    """The local socket's fast path (agent/transports/local.py _quick: a template cached per connection decodes a
+    request that starts with the bytes of one before, and the batcher queues it) is a single model's; a pipeline runs
+    through ModelHost.infer. The same page sent three times on one connection is decoded once each, by parse_body, and
     never first by a cached template whose work the normal path then does again (counted: calls, not time)."""
     from edgefleet.agent.transports import kserve
     from edgefleet.agent.transports import local as agent_local

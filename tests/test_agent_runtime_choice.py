@@ -1,5 +1,5 @@
-"""The runtime chosen on the device (agent/install/runtime_choice.py): an onnxruntime bundle's file timed on every runtime
-installed here that runs it, the fastest that passes the bundle's own self-test served, the operator able to pin
+"""The runtime chosen on the device (agent/install/runtime_choice.py): an onnxruntime bundle's file timed on every
+runtime installed here that runs it, the fastest that passes the bundle's own self-test served, the operator able to pin
 one, and a pinned runtime that is missing refused with the extra to install. Real bundles (the compiler's digits
 INT8 and FP32 builds), real onnxruntime and OpenVINO engines."""
 
@@ -111,9 +111,9 @@ def test_a_box_without_the_extra_serves_on_onnxruntime_and_a_pin_to_openvino_nam
 
 @needs_ov
 def test_the_runtimes_are_timed_in_a_child_process_and_leave_nothing_in_the_agent(tmp_path, digits_bundle):
-    """The agent times the runtimes in a child (agent.install.runtime_choice.pick_runtime_in_child): one it does not choose
-    leaves its libraries there (in-process timing kept OpenVINO's in an agent serving onnxruntime). Run in a fresh
-    interpreter, which imports neither runtime while choosing; the figures come back from the child."""
+    """The agent times the runtimes in a child (agent.install.runtime_choice.pick_runtime_in_child): one it does not
+    choose leaves its libraries there (in-process timing kept OpenVINO's in an agent serving onnxruntime). Run in a
+    fresh interpreter, which imports neither runtime while choosing; the figures come back from the child."""
     import json
     import subprocess
     import sys

@@ -1,5 +1,5 @@
-"""System shared memory and other users on the box (agent/transports/peer.py): a client may make the agent read or write an
-object only as far as the client's own user could. Before this, any process that reached the agent's loopback
+"""System shared memory and other users on the box (agent/transports/peer.py): a client may make the agent read or write
+an object only as far as the client's own user could. Before this, any process that reached the agent's loopback
 port -- every local user does -- could register another user's object (one the agent's user may open) and have
 the agent read it as an input or write outputs into it.
 

@@ -1,7 +1,7 @@
-"""Outside probes of the on-box socket's fast path (agent/transports/local.py _Connection._quick: a cached RequestTemplate, the
-batcher entry answered from its future's callback), on a real agent with the digits model: the same request bytes
-sent again after the world under the template changed (regions, the object, the data, the model version), clients
-that go away with requests pending, pipelining far beyond local_max_inflight, a full queue, exact metrics, and
+"""Outside probes of the on-box socket's fast path (agent/transports/local.py _Connection._quick: a cached
+RequestTemplate, the batcher entry answered from its future's callback), on a real agent with the digits model: the same
+request bytes sent again after the world under the template changed (regions, the object, the data, the model version),
+clients that go away with requests pending, pipelining far beyond local_max_inflight, a full queue, exact metrics, and
 partial frames held against the in-flight byte budget."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from tuf.api.metadata import Metadata, Root
 
-from edgefleet.agent.link.clock import TrustedClock, load_floor, save_floor
 from edgefleet.agent.errors import TrustError
+from edgefleet.agent.link.clock import TrustedClock, load_floor, save_floor
 from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.fleet.keys import KeyStore, create_keys, init_keys, rotate_key
 from edgefleet.fleet.tuf_repo import Repository

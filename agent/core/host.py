@@ -3,8 +3,8 @@
 :class:`ModelHost` owns the served model versions (:class:`Served`: loaded engine instances, their batcher,
 settings and metrics), swaps a new version in without dropping requests, runs a decoded request through a
 model's batcher, mirrors it to a shadow candidate, and lists the repository index. The transports (HTTP in
-:mod:`agent.transports.http`, gRPC in :mod:`agent.transports.grpc`, the local socket in :mod:`agent.transports.local`) only decode a
-request, call the host and encode its answer; the installer (:mod:`agent.install.job`) asks it by verbs
+:mod:`agent.transports.http`, gRPC in :mod:`agent.transports.grpc`, the local socket in :mod:`agent.transports.local`)
+only decode a request, call the host and encode its answer; the installer (:mod:`agent.install.job`) asks it by verbs
 (``swap``, ``remove``, ``start_shadow``, ``end_shadow``, ``set_index``). This module imports no web framework
 (tests/test_agent_core.py checks): a new transport needs nothing from another one.
 """
@@ -160,8 +160,8 @@ class ModelHost:
                    serving: proto.ServingChoice | None = None, stages: PipelineStages | None = None) -> None:
         """Start serving ``backends`` (loaded instances of one model version) with ``settings`` (default: the
         host's), chosen as ``tuning`` says; the version it replaces finishes its queue, then closes. Runs on the
-        server loop. A pipeline (``manifest.pipeline``) comes as ``stages`` (agent.install.pipeline.prepare; ``backends``
-        is ignored): both stages swap in as one unit."""
+        server loop. A pipeline (``manifest.pipeline``) comes as ``stages`` (agent.install.pipeline.prepare;
+        ``backends`` is ignored): both stages swap in as one unit."""
         if manifest.pipeline is not None:
             if stages is None:
                 raise ValueError(f"{manifest.name} {manifest.version} is a pipeline: swap it in with its stages")
@@ -290,8 +290,9 @@ class ModelHost:
         return served.pipeline.stage_figures()
 
     def drift_counts(self, name: str, version: str) -> DriftCounts | None:
-        """The answers of ``name`` ``version`` since the last call, counted in its manifest's drift bins (agent.core.drift),
-        for the interval's telemetry record; None when the version has no drift reference or answered nothing."""
+        """The answers of ``name`` ``version`` since the last call, counted in its manifest's drift bins
+        (agent.core.drift), for the interval's telemetry record; None when the version has no drift reference or
+        answered nothing."""
         return self._drift.take(name, version)
 
     def offer_shadow(self, served: Served, req: InferRequest, outs: list[np.ndarray]) -> None:

@@ -1,6 +1,6 @@
 """One inference request as the core takes it, whatever transport brought it (HTTP, gRPC, the local socket):
-the transports decode their wire formats into it (agent/transports/kserve.py) and the core serves it (agent.core.host, the
-pipeline runner)."""
+the transports decode their wire formats into it (agent/transports/kserve.py) and the core serves it (agent.core.host,
+the pipeline runner)."""
 
 from __future__ import annotations
 

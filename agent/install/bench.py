@@ -348,5 +348,6 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--layout-trial"]:
-        sys.exit("usage: python -m edgefleet.agent.install.bench --layout-trial < trial.json (the agent runs it at install)")
+        sys.exit("usage: python -m edgefleet.agent.install.bench --layout-trial < trial.json "
+                 "(the agent runs it at install)")
     sys.exit(_layout_trial_main())

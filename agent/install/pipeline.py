@@ -5,9 +5,9 @@
 The bundle was verified as a whole when it was staged (every file's hash, the top-level manifest's checks and the
 roles of its engine and self-test sample); here each stage's own files are checked for their roles too
 (protocol.roles: an ONNX engine, an .npz sample with the stage's tensors). Each stage is loaded from its own
-manifest, in its own precision, on the runtime the agent picks for a single model (agent.install.runtime_choice: pinned by
-``runtime:`` in the config, the only one installed, or timed here on the stage's own sample), ``instances`` engines
-of ``intra_op_threads`` each (the operator's layout; no layout trial per stage). Then, in turns with the version
+manifest, in its own precision, on the runtime the agent picks for a single model (agent.install.runtime_choice:
+pinned by ``runtime:`` in the config, the only one installed, or timed here on the stage's own sample), ``instances``
+engines of ``intra_op_threads`` each (the operator's layout; no layout trial per stage). Then, in turns with the version
 serving (the model's ComputeGate): each stage's own self-test (its sample, its recorded outputs), the pipeline's
 end-to-end self-test (:func:`end_to_end_self_test`), each stage's largest batch (measured on its own sample and
 chosen as a single model's is, unless the operator set ``max_batch_size`` or ``batch_tuning: off``: measured on a

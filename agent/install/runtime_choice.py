@@ -30,7 +30,13 @@ from edgefleet.agent.core.runtime_pick import RuntimePick, RuntimeTiming
 from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.install.selftest import Turn, now, self_test
 from edgefleet.agent.install.store import StagedModel
-from edgefleet.agent.install.timed_choice import child_answer, geomean, keep_unless_faster, time_in_alternation, timing_sizes
+from edgefleet.agent.install.timed_choice import (
+    child_answer,
+    geomean,
+    keep_unless_faster,
+    time_in_alternation,
+    timing_sizes,
+)
 from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
 
 __all__ = ["TIE", "TRIAL_TIMEOUT_S", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime",
@@ -193,5 +199,6 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["--trial"]:
-        sys.exit("usage: python -m edgefleet.agent.install.runtime_choice --trial < trial.json (the agent runs it at install)")
+        sys.exit("usage: python -m edgefleet.agent.install.runtime_choice --trial < trial.json "
+                 "(the agent runs it at install)")
     sys.exit(_trial_main())

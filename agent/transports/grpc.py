@@ -2,9 +2,9 @@
 
 What ``tritonclient.grpc`` needs of a server: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
 ModelConfig, ModelInfer (tensors in ``raw_input_contents``, typed ``contents`` or system shared memory; outputs in
-``raw_output_contents`` or shared memory) and the system shared-memory calls (agent/transports/shm.py, shared with HTTP).
-Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/transports/kserve.py) and queue
-in the same batcher: a gRPC request and an HTTP request can share a batch.
+``raw_output_contents`` or shared memory) and the system shared-memory calls (agent/transports/shm.py, shared with
+HTTP). Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/transports/kserve.py)
+and queue in the same batcher: a gRPC request and an HTTP request can share a batch.
 
 gRPC's asyncio server runs on the agent's event loop (grpc.aio): a request is decoded there and queued in the
 batcher like an HTTP one, with no thread hand-off (a server on threads that handed each request to the loop
@@ -189,9 +189,10 @@ class GrpcServer:
     # -- helpers ------------------------------------------------------------------------------------
 
     def caller_shm(self, context: Any) -> tuple[SharedMemory | None, PeerCell]:
-        """The shared-memory registry as this call's client may use it, and the client's cell (agent/transports/peer.py).
-        gRPC shows no connection, only its peer address, and an address and port may be another user's once the
-        connection closes: the user is told per call, and only when the call uses a region (about 25-50 us)."""
+        """The shared-memory registry as this call's client may use it, and the client's cell
+        (agent/transports/peer.py). gRPC shows no connection, only its peer address, and an address and port may be
+        another user's once the connection closes: the user is told per call, and only when the call uses a region
+        (about 25-50 us)."""
         host, port = _peer_address(context.peer())
         cell = PeerCell(lambda: tcp_peer(host, port, self.port, self.bind_host))
         return (None if self.shm is None else self.shm.as_caller(cell)), cell

@@ -427,8 +427,8 @@ CONNECTION_PEER = "edgefleet.peer"
 
 
 def connection_peer(scope: Scope) -> PeerCell:
-    """The user of the client of this request's connection (agent/transports/peer.py): the connection's own cell where the
-    server tags its connections (:func:`peer_tagging`), looked up at most once per connection; otherwise a cell
+    """The user of the client of this request's connection (agent/transports/peer.py): the connection's own cell where
+    the server tags its connections (:func:`peer_tagging`), looked up at most once per connection; otherwise a cell
     for this request alone."""
     cell = scope.get(CONNECTION_PEER)
     if cell is None:

@@ -187,8 +187,8 @@ class _InputPlan:
 @dataclass(frozen=True)
 class RequestTemplate:
     """What decode_request concluded from one JSON header that passed it (the local socket caches these by the
-    header's exact bytes, agent/transports/local.py): everything that follows from the header and the model's specs alone.
-    ``apply`` redoes every check that depends on anything else -- the binary data's length, each shared-memory
+    header's exact bytes, agent/transports/local.py): everything that follows from the header and the model's specs
+    alone. ``apply`` redoes every check that depends on anything else -- the binary data's length, each shared-memory
     region's registration, bounds and access (SharedMemory.read / check_output, as decode_request calls them),
     NaN and infinity in the data -- and raises RequestError where decode_request would refuse (the caller then
     runs decode_request for its exact verdict). Only headers whose inputs are all binary or in shared memory."""

@@ -2,8 +2,8 @@
 
 For clients on the device, where HTTP itself is the cost (a small model: digits answers in 12 us, HTTP's
 parsing and its loopback TCP writes take most of the event loop's time per request). The same decoding
-(agent.transports.kserve.parse_body / encode_response), the same shared-memory registry (agent/transports/shm.py, one scoped view per
-connection) and the same batcher as HTTP and gRPC: a request from here can share a batch with HTTP's.
+(agent.transports.kserve.parse_body / encode_response), the same shared-memory registry (agent/transports/shm.py, one
+scoped view per connection) and the same batcher as HTTP and gRPC: a request from here can share a batch with HTTP's.
 
 Served on the agent's event loop with an ``asyncio.Protocol`` (no streams, no per-connection task): frames are
 cut from what each read brings, requests pipelined on one connection run concurrently, and the answers finished
@@ -173,7 +173,8 @@ class _Connection(asyncio.Protocol):
         with contextlib.suppress(OSError, AttributeError, struct.error):
             pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.client = f"local#{self.number} (pid {pid}, uid {uid})"
-            self.cred = (uid, gid)  # whose objects it may use as regions (agent/transports/peer.py, looked up at REGISTER)
+            # whose objects it may use as regions (agent/transports/peer.py, looked up at REGISTER)
+            self.cred = (uid, gid)
         srv = self.srv
         uid = None if self.cred is None else self.cred[0]
         mine = srv.per_user.get(uid, 0)

@@ -103,8 +103,9 @@ class SharedMemory:
         return view
 
     def scoped(self, scope: str) -> SharedMemory:
-        """A view of the same registry whose regions only it sees (one local-socket connection, agent/transports/local.py):
-        its names cannot collide with anyone else's, and no one else can read or write its regions."""
+        """A view of the same registry whose regions only it sees (one local-socket connection,
+        agent/transports/local.py): its names cannot collide with anyone else's, and no one else can read or write its
+        regions."""
         view = copy.copy(self)  # the same dict, lock and bounds
         view.scope = scope
         return view
@@ -338,8 +339,8 @@ class SharedMemory:
                outputs: Sequence[tuple[str, int, int, str]]) -> list[np.ndarray]:
         """``read`` of each of ``reads`` (region, offset, size, dtype, shape, what) and ``check_output`` of each of
         ``outputs`` (region, offset, size, what), all under one hold of the lock: a cached request's shared memory
-        (agent.transports.kserve.RequestTemplate), whose names and offsets were type-checked when it was first decoded. The
-        same checks and errors otherwise."""
+        (agent.transports.kserve.RequestTemplate), whose names and offsets were type-checked when it was first decoded.
+        The same checks and errors otherwise."""
         now = time.monotonic()
         with self._lock:
             self._sweep_due(now)
