@@ -27,8 +27,8 @@ from tuf.api import exceptions as tuf_exc
 from tuf.api.metadata import Metadata, Root
 from tuf.ngclient.fetcher import FetcherInterface
 
-from edgefleet.agent.link.clock import ClockReading, TrustedClock, load_floor, save_floor
 from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.agent.link.clock import ClockReading, TrustedClock, load_floor, save_floor
 from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
 from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
 from edgefleet.protocol.errors import SchemaError

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from edgefleet import protocol
-from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.core.host import EXTENSIONS, ModelHost, Served, model_config
+from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.transports.kserve import InferRequest, decode_request, ordered_outputs
 from edgefleet.agent.transports.peer import PeerCell, tcp_peer
 from edgefleet.agent.transports.shm import SharedMemory

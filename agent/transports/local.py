@@ -49,9 +49,15 @@ from typing import Any
 
 import orjson
 
-from edgefleet.agent.errors import AgentError, RequestError
 from edgefleet.agent.core.host import LARGE_BODY, ModelHost, Served
-from edgefleet.agent.transports.kserve import InferRequest, RequestTemplate, encode_response, parse_body, request_template
+from edgefleet.agent.errors import AgentError, RequestError
+from edgefleet.agent.transports.kserve import (
+    InferRequest,
+    RequestTemplate,
+    encode_response,
+    parse_body,
+    request_template,
+)
 from edgefleet.agent.transports.peer import Peer, PeerCell, unix_peer
 from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.protocol import local as wire
