@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [s for s in a.settings.split(",") if s]
     trees = {name: Path(d).resolve() if d else Path(__file__).resolve().parent.parent
              for name, _, d in (t.partition("=") for t in a.trees.split(",") if t)}
-    missing = [str(d) for d in trees.values() if not (d / "edgefleet" / "cli.py").exists()]
+    missing = [str(d) for d in trees.values() if not (d / "edgefleet" / "__main__.py").exists()]
     if missing:
         ap.error(f"not a checkout: {', '.join(missing)}")
     if not set(settings) <= set(SETTINGS) or not 1 <= a.rounds <= 10:

@@ -66,7 +66,7 @@ def test_a_forced_quantizer_retry_is_named_in_the_manifest_and_the_report(tmp_pa
     """The bias edit turned off, the default quantization of a [1, N] bias crashes and the retry with
     QDQDisableWeightAdjustForInt32Bias builds it: whichever precision ships, the manifest and the report name the
     retry with onnxruntime's reason."""
-    from edgefleet.cli import _compile_summary
+    from edgefleet.cli.compile import _compile_summary
     from edgefleet.compiler.pipeline import CompileOptions, compile_model
     from edgefleet.compiler.targets import onnxruntime as ort_target
 

@@ -3,27 +3,27 @@
 ``create`` under its older name, kept for scripts and not listed in the help.
 
 The fleet is ``--fleet`` or ``$EDGEFLEET_URL``, the token ``--token`` or ``$EDGEFLEET_TOKEN`` (``fleet_options``,
-shared by every command that talks to a fleet). Exit codes are the CLI's one table (``protocol/exits.py``): 0 ok,
-2 usage, 6 the fleet is unreachable or refused (the message is the server's), 7 a rollout waited for (``--wait``)
-did not succeed or did not finish in time.
+shared by every command that talks to a fleet). A command exits through the CLI's one ``command`` path, with a code
+from its one table (``protocol/exits.py``): 0 ok, 2 usage, 6 the fleet is unreachable or refused (the message is
+the server's), 7 a rollout waited for (``--wait``) did not succeed or did not finish in time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.protocol.exits import ExitCode, exit_for
+from edgefleet.cli.command import Formatter, command, fleet_options, print_answer
+from edgefleet.protocol.exits import ExitCode
 
 if TYPE_CHECKING:
     from edgefleet.fleet.client import FleetClient
     from edgefleet.fleet.schemas import Rollout
 
-__all__ = ["add_create_parser", "add_parsers", "fleet_options"]
+__all__ = ["add_create_parser", "add_parsers"]
 
 Command = Callable[[argparse.Namespace, "FleetClient"], tuple[Any, str, int]]  # -> (answer, human text, exit)
 
@@ -100,25 +100,15 @@ def cmd_audit(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
 
 
 def _run(fn: Command) -> Callable[[argparse.Namespace], int]:
-    """The command with a client; the answer printed (``--json``: as the fleet sent it); a failed call is one
-    line on stderr and its exit code (6 for the fleet's refusal or silence)."""
+    """The command with a client, through the one ``command`` path (a failed call: one line on stderr and its exit
+    code, 6 for the fleet's refusal or silence); the answer printed (``--json``: as the fleet sent it)."""
 
+    @command()
     def run(a: argparse.Namespace) -> int:
-        from pydantic import TypeAdapter
-
         from edgefleet.fleet.client import FleetClient
-        from edgefleet.protocol.errors import EdgefleetError
 
-        try:
-            answer, human, code = fn(a, FleetClient(a.fleet, a.timeout_s, a.token))
-        except EdgefleetError as exc:
-            code, line = exit_for(exc)
-            print(f"error: {line}", file=sys.stderr)
-            return code
-        if a.json:
-            print(json.dumps(TypeAdapter(Any).dump_python(answer, mode="json", exclude_unset=True), indent=2))
-        else:
-            print(human)
+        answer, human, code = fn(a, FleetClient(a.fleet, a.timeout_s, a.token))
+        print_answer(answer, a.json, human)
         return code
 
     return run
@@ -135,13 +125,6 @@ def _floats(value: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of seconds") from None
 
 
-def fleet_options(p: argparse.ArgumentParser) -> None:
-    """The fleet's URL and API token, the same in every command that talks to a fleet's API."""
-    p.add_argument("--fleet", default=os.environ.get("EDGEFLEET_URL", "http://127.0.0.1:8700"),
-                   help="fleet server URL (default: $EDGEFLEET_URL, else http://127.0.0.1:8700)")
-    p.add_argument("--token", help="API token (default: $EDGEFLEET_TOKEN)")
-
-
 def _common(p: argparse.ArgumentParser, fn: Command) -> argparse.ArgumentParser:
     fleet_options(p)
     p.add_argument("--json", action="store_true", help="print the fleet's answer as JSON")
@@ -150,12 +133,12 @@ def _common(p: argparse.ArgumentParser, fn: Command) -> argparse.ArgumentParser:
     return p
 
 
-def add_create_parser(sub: Any, name: str, formatter: Any = argparse.HelpFormatter,
-                      help_: str = "roll a model version out in waves", listed: bool = True) -> argparse.ArgumentParser:
+def add_create_parser(sub: Any, name: str, help_: str = "roll a model version out in waves",
+                      listed: bool = True) -> argparse.ArgumentParser:
     """``edgefleet rollout create``; ``edgefleet fleet rollout`` is this parser under another name (``listed``
     false: no line in its group's help)."""
     listing = {"help": help_} if listed else {}
-    c = _common(sub.add_parser(name, formatter_class=formatter, description=help_, **listing), cmd_create)
+    c = _common(sub.add_parser(name, formatter_class=Formatter, description=help_, **listing), cmd_create)
     c.add_argument("model")
     c.add_argument("version")
     c.add_argument("--devices", type=_split, help="comma-separated device ids")
@@ -183,14 +166,14 @@ def add_create_parser(sub: Any, name: str, formatter: Any = argparse.HelpFormatt
     return c
 
 
-def add_parsers(sub: Any, formatter: Any = argparse.HelpFormatter) -> None:
+def add_parsers(sub: Any) -> None:
     ro = sub.add_parser("rollout", help="create and steer rollouts (waves, gates) through the fleet's API")
     rs = ro.add_subparsers(dest="rollout_cmd", required=True)
 
     def common(name: str, help_: str, fn: Command) -> argparse.ArgumentParser:
-        return _common(rs.add_parser(name, formatter_class=formatter, help=help_, description=help_), fn)
+        return _common(rs.add_parser(name, formatter_class=Formatter, help=help_, description=help_), fn)
 
-    add_create_parser(rs, "create", formatter)
+    add_create_parser(rs, "create")
     st = common("status", "show a rollout: waves, gates, device counts", cmd_status)
     st.add_argument("id", type=int)
     st.add_argument("--targets", action="store_true", help="also list every device")

@@ -1,0 +1,3 @@
+from edgefleet.cli import main
+
+raise SystemExit(main())
