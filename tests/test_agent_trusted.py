@@ -211,7 +211,7 @@ def test_an_agent_that_switched_models_refuses_an_older_build_of_the_first(tmp_p
         assert agent.store.current is not None and agent.store.current.installed.name == "faces"
         reports: list[tuple[str, str | None]] = []
         agent._report = lambda state, desired, error=None, reports=reports, **kw: reports.append((state, error))  # type: ignore
-        agent.install.job(proto.DesiredState(device_id="dev-1", ts=0.0, rollout_id=7, model="digits", version="1.0.0",
+        agent.install(proto.DesiredState(device_id="dev-1", ts=0.0, rollout_id=7, model="digits", version="1.0.0",
                                          target="digits/1.0.0/x86-cpu.tar", sha256=sha256_file(old),
                                          size_bytes=old.stat().st_size))
         assert [state for state, _ in reports] == ["failed"], reports  # nothing was downloaded
