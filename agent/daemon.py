@@ -29,6 +29,7 @@ from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.core.metrics import Metrics
 from edgefleet.agent.errors import FetchError, TrustError
 from edgefleet.agent.install.job import Installer
+from edgefleet.agent.install.steps import InstallRun
 from edgefleet.agent.install.store import ModelStore
 from edgefleet.agent.link.enroll import mqtt_security
 from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
@@ -328,7 +329,7 @@ class Agent:
 
     def install(self, desired: proto.DesiredState) -> None:
         """Install (or shadow) ``desired``; the running version serves until the new one is ready."""
-        self.installer.install(desired)
+        InstallRun(self.installer, desired).walk()
 
     async def rollback(self, name: str) -> Manifest:
         """Serve model ``name``'s previous version again (see Installer.rollback)."""

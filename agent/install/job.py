@@ -1,6 +1,8 @@
-"""Installing a model version: decide, fetch, verify, stage, load, self-test, warm up, commit, swap; and the
-local rollback to the previous version. The running version serves throughout; any failure leaves it serving
-and is reported with the reason. The daemon (:mod:`agent.daemon`) composes this with the fleet link.
+"""Installing a model version: what installs remember, how a version is loaded, timed and tuned here, and the
+local rollback to the previous version. One install (decide, fetch, verify, stage, load, self-test, warm up, commit,
+swap) walks the states of agent.install.states in agent.install.steps. The running version serves throughout; any
+failure leaves it serving and is reported with the reason. The daemon (:mod:`agent.daemon`) composes this with the
+fleet link.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edgefleet.agent.config import AgentConfig
 from edgefleet.agent.core.batching.settings import BatchSettings
@@ -25,14 +27,14 @@ from edgefleet.agent.core.batching.tuning import (
     layout_candidates,
 )
 from edgefleet.agent.core.host import IndexEntry, ModelHost
-from edgefleet.agent.core.shadow import PipelineShadow, ShadowMirror
-from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, UpdateError
 from edgefleet.agent.install.bench import layout_trial_in_child, release_memory, slice_seconds
 from edgefleet.agent.install.precision import PrecisionPick, pick_precision
 from edgefleet.agent.install.runtime_choice import RuntimePick, pick_runtime_in_child
 from edgefleet.agent.install.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
+from edgefleet.agent.install.states import InstallState
 from edgefleet.agent.install.store import ModelStore, StagedModel
-from edgefleet.agent.install.trusted import Decision, check_cpu, decide
+from edgefleet.agent.install.trusted import check_cpu
 from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
 from edgefleet.protocol import mqtt as proto
@@ -49,12 +51,20 @@ __all__ = ["Installer", "Report"]
 
 log = logging.getLogger("edgefleet.agent")
 
-Report = Callable[..., None]  # report(state, desired, error=None, install_s=None, selftest=None, serving=None)
+
+
+class Report(Protocol):
+    """Tells the fleet where an install stands (the agent's MQTT report; agent.install.states.REPORTED)."""
+
+    def __call__(self, state: InstallState, desired: proto.DesiredState | None, error: str | None = None,
+                 install_s: float | None = None, selftest: proto.SelfTestResult | None = None,
+                 serving: proto.ServingChoice | None = None) -> None: ...
 
 
 class Installer:
-    """The install sequence and what it remembers: bundles that failed here (never tried again), the newest
-    rollout seen (older desired states are stale replays), and why a version is not serving."""
+    """What installs remember: bundles that failed here (never tried again), the newest rollout seen (older
+    desired states are stale replays), and why a version is not serving; and how a version is loaded here (an
+    install's steps, agent.install.steps.InstallRun, call these)."""
 
     def __init__(self, config: AgentConfig, store: ModelStore, host: ModelHost, report: Report,
                  fetcher: Callable[[], BundleFetcher | None], stop: threading.Event,
@@ -73,7 +83,8 @@ class Installer:
         # the layout load_instances measured for a set of engines, by its first engine, until tune_batches takes it
         self.measured_layouts: dict[int, tuple[Engine, LayoutFigures, tuple[LayoutFigures, ...]]] = {}
         self._layouts_lock = threading.Lock()
-        # the runtime each model's version serves on (agent.install.runtime_choice), by model: (version, precision, pick)
+        # the runtime each model's version serves on (agent.install.runtime_choice), by model:
+        # (version, precision, pick)
         self.runtimes: dict[str, tuple[str, str, RuntimePick]] = {}
 
     async def load_installed(self) -> None:
@@ -138,139 +149,6 @@ class Installer:
             if sh.staged is not None:
                 self.store.discard(sh.staged)
             log.info("dropped the shadow of %s %s", sh.manifest.name, sh.manifest.version)
-
-    def install(self, desired: proto.DesiredState) -> None:
-        t0 = time.monotonic()
-        shadow = desired.mode == "shadow"
-        if not shadow or (self.host.shadow is not None and (self.host.shadow.manifest.name,
-                                                            self.host.shadow.manifest.version)
-                          != (desired.model, desired.version)):
-            self.drop_shadow()  # any other desired state ends a shadow
-        elif self.host.shadow is not None:
-            self.report("shadowing", desired)  # already shadowing it (a re-sent desired state)
-            return
-        if desired.rollout_id is not None:
-            if self.max_rollout is not None and desired.rollout_id < self.max_rollout:
-                log.warning("ignored desired state of rollout %s: rollout %s is newer", desired.rollout_id,
-                            self.max_rollout)
-                return
-            self.max_rollout = desired.rollout_id
-        cur = self.store.current
-        profile = desired.target.rsplit("/", 1)[-1].removesuffix(".tar")
-        decision = decide(self.store.trusted, cur.installed if cur else None, desired.model, desired.version,
-                          desired.sha256, profile, self.config.profiles, frozenset(self.failed))
-        if decision.action == "install" and self.store.trusted_error is not None:
-            decision = Decision("refuse", self.store.trusted_error)
-        if decision.action == "keep":
-            self.report("installed", desired)
-            return
-        if decision.action == "refuse":
-            reason = self.failed.get(desired.sha256, decision.reason) if "already failed" in decision.reason \
-                else decision.reason
-            log.error("refused %s %s: %s", desired.model, desired.version, reason)
-            self.report("failed", desired, error=reason)
-            return
-        log.info("%s %s %s (rollout %s)", "loading in shadow" if shadow else "installing", desired.model,
-                 desired.version, desired.rollout_id)
-        self.report("downloading", desired)
-        staged: StagedModel | None = None
-        backend: Engine | None = None
-        loaded: list[Engine] = []  # instances of the new version, closed on failure until the host owns them
-        bundle_fault = False  # True once the signed bundle is here: from then on a failure is the bundle's
-        try:
-            fetched = self.fetch_with_retries(desired, profile)
-            if fetched is None:
-                return  # superseded by a newer desired state, or stopping
-            bundle_fault = True
-            signed = fetched.custom
-            said = (desired.model, desired.version, profile)
-            if (signed.name, signed.version, signed.profile) != said:
-                raise TrustError(f"signed target says {signed.name} {signed.version} {signed.profile}, "
-                                 f"desired state says {' '.join(said)}")
-            self.report("installing", desired)
-            staged = self.store.stage(fetched.path, fetched.sha256)
-            m = staged.manifest
-            if (m.name, m.version, m.profile) != (desired.model, desired.version, profile):
-                raise TrustError(f"bundle manifest says {m.name} {m.version} {m.profile}, "
-                                 f"expected {desired.model} {desired.version} {profile}")
-            self.require_cpu(profile, m.cpu_features)
-            stages: PipelineStages | None = None
-            if shadow:
-                self.check_shadow(m)
-            if m.pipeline is not None:  # both stages loaded, each self-tested, then the end-to-end self-test
-                stages = self.prepare_pipeline(staged)
-                loaded = stages.engines
-                backend = loaded[0]
-                if shadow:
-                    self.check_shadow(m, stages.size)
-                measured = stages.selftest
-                settings, tuning = None, None
-                serving = self.pipeline_serving(m, stages)
-            else:
-                pick = self.pick_precision(staged)  # a bundle with several precisions: the faster on this CPU
-                staged, m = pick.staged, pick.staged.manifest
-                loaded = self.load_instances(m, staged.directory)
-                backend = loaded[0]
-                # the old version serves all along: the new one is loaded, self-tested and warmed up first, in
-                # turns with the old one's batches
-                turn = self.turn(m.name, len(loaded))
-                measured = self_test(backend, staged, turn)
-                warm_up(loaded, staged, self.warm_batch_sizes(), turn)
-                settings, tuning = (None, None) if shadow else self.tune_batches(backend, staged, turn)
-                serving = self.serving_choice(pick, settings, tuning, len(loaded))
-            bundle_fault = False
-            if shadow:  # serve nothing from it: mirror live requests to it and report how it agrees
-                mirror: ShadowMirror
-                if stages is not None:  # its end answers against the serving pipeline's (one instance a stage)
-                    mirror = PipelineShadow(m, stages, self.config.shadow_sample_rate, staged)
-                    keep = {id(mirror.backend), id(mirror.reader)}
-                else:
-                    mirror = ShadowMirror(m, backend, self.config.shadow_sample_rate, staged)
-                    keep = {id(backend)}
-                for extra in loaded:
-                    if id(extra) not in keep:
-                        extra.close()
-                self.host.start_shadow(mirror)
-                loaded, backend, staged = [], None, None
-                self.report("shadowing", desired, selftest=measured)
-                log.info("shadowing %s %s on %.0f%% of live requests", m.name, m.version,
-                         100 * self.config.shadow_sample_rate)
-                return
-            self.store.commit(staged, desired.rollout_id)  # the commit point; OSError (disk full) fails here
-            staged = None
-            assert self.loop is not None
-            new = backend
-            backend = None  # from here the host may own it; never close a backend that might be serving
-            loaded_now, loaded = loaded, []
-            try:
-                asyncio.run_coroutine_threadsafe(self.host.swap(m, loaded_now, settings, tuning, serving, stages),
-                                                 self.loop).result(timeout=120)
-            except Exception as exc:
-                current = self.host.current
-                if current is None or current.backend is not new:  # not serving it: the old model stays current
-                    self.store.revert()
-                    raise UpdateError(f"could not swap the new model in: {exc!r}") from exc
-                log.warning("the new model is serving; retiring the old one failed: %r", exc)
-            self.unavailable.pop((m.name, m.version), None)
-        except (UpdateError, ContractError, OSError) as exc:
-            if isinstance(exc, RefusedUpdate) or (
-                    bundle_fault and isinstance(exc, (TrustError, ContractError, SelfTestFailed, BackendError))):
-                self.failed[desired.sha256] = str(exc)
-            log.error("install of %s %s failed: %s", desired.model, desired.version, exc)
-            self.unavailable[(desired.model, desired.version)] = str(exc)
-            for b in loaded:
-                b.close()
-            if staged is not None:
-                self.store.discard(staged)
-            self.report("failed", desired, error=str(exc))
-            return
-        finally:
-            fetcher = self.fetcher()
-            if fetcher is not None:
-                fetcher.clean()
-        self.report("installed", desired, install_s=round(time.monotonic() - t0, 3), selftest=measured,
-                    serving=serving)
-        log.info("installed %s %s in %.2fs", desired.model, desired.version, time.monotonic() - t0)
 
     def check_shadow(self, m: Manifest, size: tuple[int, int] | None = None) -> None:
         """A candidate in shadow is compared with the version of its name serving here, so both must answer alike:
