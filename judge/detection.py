@@ -304,7 +304,9 @@ def centernet_roles(shapes: dict[str, tuple[int, ...]], values: dict[str, list[n
     known, fp32's ``values``. Returns ({role: output}, sure, what) or None. The maps share one H x W grid: the heat
     map has 1..C channels, the sizes and the offsets 2 each, landmarks 2L (10 for five face points). The shapes
     cannot tell sizes from offsets: the names do (wh/size, off/reg), or the values (offsets within a cell, sizes of
-    several cells). Sure only when the values agree: a heat map with peaks, offsets in [0, 1], sizes above 1."""
+    several cells). Sure only when the values agree: a heat map with peaks, offsets within a cell of their own
+    (-1..2), sizes above 0.5. Log sizes (CenterFace's layout) are told only when they go below 0 at a peak; log sizes
+    that stay positive are read as linear, which makes the boxes smaller and the gate stricter, not looser."""
     maps = {k: s for k, s in shapes.items() if len(s) == 3}
     grids = {s[1:] for s in maps.values()}
     if len(maps) < 3 or len(grids) != 1 or any(d != -1 and d < 4 for d in next(iter(grids))):
@@ -338,7 +340,8 @@ def centernet_roles(shapes: dict[str, tuple[int, ...]], values: dict[str, list[n
     if values is None:
         return roles, False, what + " by the shapes alone"
     heat_v = [np.asarray(x, np.float64) for x in values[roles["heat"]]]
-    off_ok = "offset" not in roles or all(float(x.min()) >= -0.5 and float(x.max()) <= 1.5
+    # an offset moves the centre within its cell or into a neighbour (CenterFace's real ones: -0.60..0.62)
+    off_ok = "offset" not in roles or all(float(x.min()) > -1.0 and float(x.max()) < 2.0
                                           for x in values[roles["offset"]])
     wh_ok = max(float(np.asarray(x).max()) for x in values[roles["wh"]]) > 0.5
     peaks = any(float(x.max()) > 0.25 if in_unit(x) else float(x.max()) > -1.1 for x in heat_v)
