@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import model_files, say  # noqa: E402
-from serve import _post, _request, bodies  # noqa: E402
+from serve_load import _post, _request, bodies  # noqa: E402
 
 MODELS = ("mobilenetv2-fp32", "digits")
 AFTER_SWAP_S = 0.5  # a swap window reaches this far past the switch

@@ -32,8 +32,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench
 from _common import say
-from serve import _rss_mb, prepare
+from serve import prepare
 from serve_bench import AgentProcess
+from serve_limit import _rss_mb
 
 SETTINGS = ("auto", "onnxruntime", "openvino")
 

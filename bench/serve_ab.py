@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve
 import serve_bench
+import serve_limit
+import serve_load
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +45,7 @@ def main() -> int:
     args = p.parse_args()
     allowed = sorted(os.sched_getaffinity(0))
     if args.pin:
-        serve.PIN = (frozenset(allowed[-1:]), frozenset(allowed[:-1]))
+        serve_limit.PIN = (frozenset(allowed[-1:]), frozenset(allowed[:-1]))
     threads = 1 if args.pin else 2
     variants = []
     for v in args.variants.split(","):
@@ -54,8 +56,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="serve-ab-"))
     for name in args.models.split(","):
         m = serve.prepare(name, work)
-        lim0 = serve.the_limit(m["engine"], m["images"], threads, 1.5)
-        path, reqs, _ = serve.bodies(args.kind, m["model"], m["images"])
+        lim0 = serve_limit.the_limit(m["engine"], m["images"], threads, 1.5)
+        path, reqs, _ = serve_load.bodies(args.kind, m["model"], m["images"])
         modes = args.socket_timeouts.split(",") if args.kind != "binary" else ["-"]
         res: dict[str, list[tuple[float, float, int, int]]] = {}
         for r in range(args.rounds):
@@ -74,13 +76,13 @@ def main() -> int:
                     for c in clients:
                         for mode in modes if c % 2 == 0 else list(reversed(modes)):
                             os.environ["EDGEFLEET_BENCH_SOCKET_WAIT_FOR"] = "1" if mode == "wait_for" else "0"
-                            x = serve.run_level(agent.url if args.kind == "binary" else str(sock), args.kind, path,
+                            x = serve_load.run_level(agent.url if args.kind == "binary" else str(sock), args.kind, path,
                                                 reqs, m["labels"], c, args.requests, 5, server_pid=agent.proc.pid)
                             key = f"{label}:{mb}:{lay}:{c}" + ("" if mode == "-" else f":{mode}")
                             res.setdefault(key, []).append((x["req_per_s"], x["p99_ms"], x["errors"], x["wrong"]))
                             print(f"{name} {key}: {x['req_per_s']:.1f} req/s p99 {x['p99_ms']:.1f} ms inference "
                                   f"cores {x.get('server_other_cores', 0):.2f}; {choice}", file=sys.stderr, flush=True)
-        lim1 = serve.the_limit(m["engine"], m["images"], threads, 1.5)
+        lim1 = serve_limit.the_limit(m["engine"], m["images"], threads, 1.5)
         limit = (lim0["images_per_s"] + lim1["images_per_s"]) / 2
         print(f"\n{name}: limit {limit:.1f} img/s ({'pinned' if args.pin else 'unpinned'}; before "
               f"{lim0['images_per_s']:.1f} {lim0['by_layout']}, after {lim1['images_per_s']:.1f})")

@@ -1,0 +1,425 @@
+"""bench/serve.py's load: each variant's request bodies, the closed-loop clients (HTTP, gRPC, shared memory, the
+agent's Unix socket) in a load-generator process of its own, one load level with where the CPU went and what the
+agent's statistics say of it, and the JSON decode cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_limit  # serve_limit.PIN: set at run time
+
+
+def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes], dict[str, str]]:
+    """-> (path, one body per image, extra headers) for one variant. grpc: serialized ModelInferRequests; shm: the
+    images' raw bytes (the load generator writes them into its shared-memory region)."""
+    if kind == "grpc":
+        from tritonclient.grpc import service_pb2
+
+        out = []
+        for img in images:
+            r = service_pb2.ModelInferRequest(model_name=model)
+            r.inputs.add(name="input", datatype="FP32", shape=[1, *images.shape[1:]])
+            r.raw_input_contents.append(np.ascontiguousarray(img[None], dtype=np.float32).tobytes())
+            out.append(r.SerializeToString())
+        return "/inference.GRPCInferenceService/ModelInfer", out, {}
+    if kind in ("shm", "local"):
+        return f"/v2/models/{model}/infer", [np.ascontiguousarray(i[None], np.float32).tobytes() for i in images], {}
+    if kind == "local-inline":
+        from edgefleet.agent.transports.local_client import infer_request
+
+        return model, [infer_request(model, {"input": np.ascontiguousarray(i[None], np.float32)}) for i in images], {}
+    if kind == "naive":
+        return "/predict", [np.ascontiguousarray(img[None]).tobytes() for img in images], {}
+    path = f"/v2/models/{model}/infer"
+    shape = [1, *images.shape[1:]]
+    if kind == "json":
+        return path, [json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                              "data": img.reshape(-1).tolist()}]}).encode() for img in images], {}
+    out = []
+    for img in images:
+        raw = np.ascontiguousarray(img[None], dtype=np.float32).tobytes()
+        head = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                       "parameters": {"binary_data_size": len(raw)}}],
+                           "parameters": {"binary_data_output": True}}).encode()
+        out.append(len(head).to_bytes(4, "little") + head + raw)  # the header length rides in front, split later
+    return path, out, {}
+
+
+def _request(host: str, port: int, path: str, body: bytes, kind: str) -> bytes:
+    extra = ""
+    if kind == "binary":
+        hl = int.from_bytes(body[:4], "little")
+        body = body[4:]
+        extra = f"Inference-Header-Content-Length: {hl}\r\n"
+    ctype = "application/json" if kind == "json" else "application/octet-stream"
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {ctype}\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _post(conn: list[Any], host: str, port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    if not conn:
+        r, w = await asyncio.open_connection(host, port)
+        w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn[:] = [r, w]
+    reader, writer = conn
+    try:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        headers = {}
+        for line in head.split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip()
+        return int(head[9:12]), headers, await reader.readexactly(int(headers[b"content-length"]))
+    except BaseException:
+        writer.close()
+        conn.clear()
+        raise
+
+
+def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
+    if kind == "naive":
+        return int(np.frombuffer(content, np.float32).argmax())
+    if kind == "binary":
+        hl = int(headers[b"inference-header-content-length"])
+        return int(np.frombuffer(content, np.float32, offset=hl).argmax())
+    return int(np.argmax(json.loads(content)["outputs"][0]["data"]))
+
+
+async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
+                       one: Callable[[int, int], Awaitable[tuple[str | None, bool]]],
+                       timed: Callable[[], object] | None) -> dict[str, Any]:
+    """Closed-loop load: each of ``clients`` sends ``warmup`` untimed requests, then its share of ``total`` timed
+    ones, one at a time. ``one(slot, i)`` sends request ``i`` for client ``slot`` and returns (the error, or None;
+    whether the answer's top-1 is wrong). ``timed``, if given, is called as the timed phase starts."""
+    lat: list[float] = []
+    bad = {"errors": 0, "wrong": 0}
+    first_error: list[str] = []
+
+    async def client(slot: int, n: int, record: bool) -> None:
+        i = (slot * 7919) % n_reqs
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                err, wrong = await one(slot, i)
+            except Exception as exc:
+                err, wrong = repr(exc), False
+            dt = time.perf_counter() - t0
+            if record:
+                if err is None:
+                    lat.append(dt)
+                    bad["wrong"] += wrong
+                else:
+                    bad["errors"] += 1
+                    if not first_error:
+                        first_error.append(err[:300])
+            i = (i + 1) % n_reqs
+
+    await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
+    per = max(1, total // clients)
+    if timed is not None:
+        timed()
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k, per, True) for k in range(clients)))
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
+            "load_cpu_s": time.process_time() - cpu0}
+
+
+async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
+                 warmup: int, timed: Callable[[], object] | None = None) -> dict[str, Any]:
+    """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
+    if kind in ("local", "local-inline"):
+        return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed)
+    host, port_s = url.removeprefix("http://").rsplit(":", 1)
+    port = int(port_s)
+    if kind in ("grpc", "shm"):
+        return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed)
+    prebuilt = [_request(host, port, path, b, kind) for b in reqs]
+    conns: list[list[Any]] = [[] for _ in range(clients)]
+
+    async def one(slot: int, i: int) -> tuple[str | None, bool]:
+        status, headers, content = await asyncio.wait_for(_post(conns[slot], host, port, prebuilt[i]), 60)
+        if status != 200:
+            return f"{status}: {content[:200]!r}", False
+        return None, _top1(kind, headers, content) != labels[i]
+
+    try:
+        return await _closed_loop(clients, total, warmup, len(prebuilt), one, timed)
+    finally:
+        for c in conns:
+            if c:
+                c[1].close()
+
+
+async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[int],
+                       clients: int, total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+    """The on-box clients: ``grpc`` (one grpc.aio channel, requests prebuilt) to the agent's gRPC port (``port`` is
+    then that port), or ``shm``: binary-free HTTP requests whose input and output live in one POSIX shared-memory
+    region this process registers (each client its own slice; it writes its image there before each request and
+    reads the logits back from it)."""
+    from multiprocessing import shared_memory
+
+    in_bytes, out_bytes = len(reqs[0]) if kind == "shm" else 0, 4096  # 4 KiB of outputs is plenty here
+    region: Any = None
+    call: Callable[[int, int], Any]
+    if kind == "grpc":
+        import grpc  # type: ignore[import-untyped]
+        from tritonclient.grpc import service_pb2  # type: ignore[import-untyped]
+
+        channel = grpc.aio.insecure_channel(f"{host}:{port}", options=[("grpc.max_receive_message_length", 1 << 26),
+                                                                       ("grpc.max_send_message_length", 1 << 26)])
+        infer = channel.unary_unary(path, request_serializer=None,
+                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
+
+        async def call(slot: int, i: int) -> int:
+            r = await infer(reqs[i], timeout=60)
+            return int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax())
+    else:
+        slot_bytes = in_bytes + out_bytes
+        key = f"edgefleet-bench-{os.getpid()}"
+        region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
+        conns: list[list[Any]] = [[] for _ in range(clients)]
+        reg = json.dumps({"key": "/" + key, "offset": 0, "byte_size": slot_bytes * clients}).encode()
+        status, _, content = await _post([], host, port, _request(host, port, f"/v2/systemsharedmemory/region/{key}"
+                                                                              "/register", reg, "json"))
+        if status != 200:
+            raise RuntimeError(f"registering the shared-memory region: {status} {content[:200]!r}")
+        with urllib.request.urlopen(f"http://{host}:{port}{path.removesuffix('/infer')}", timeout=30) as r:
+            meta = json.loads(r.read())  # loopback: the agent under test
+        shape = [1 if d == -1 else d for d in meta["inputs"][0]["shape"]]
+        prebuilt = []
+        for slot in range(clients):
+            base = slot * slot_bytes
+            head = json.dumps({
+                "inputs": [{"name": meta["inputs"][0]["name"], "shape": shape, "datatype": "FP32", "parameters": {
+                    "shared_memory_region": key, "shared_memory_byte_size": in_bytes, "shared_memory_offset": base}}],
+                "outputs": [{"name": meta["outputs"][0]["name"], "parameters": {
+                    "shared_memory_region": key, "shared_memory_byte_size": out_bytes,
+                    "shared_memory_offset": base + in_bytes}}]})
+            prebuilt.append(head)
+        buf = region.buf
+
+        async def call(slot: int, i: int) -> int:
+            base = slot * slot_bytes
+            buf[base:base + in_bytes] = reqs[i]
+            status, _, content = await _post(conns[slot], host, port, _request(host, port, path,
+                                                                               prebuilt[slot].encode(), "json"))
+            if status != 200:
+                raise RuntimeError(f"{status}: {content[:200]!r}")
+            n = json.loads(content)["outputs"][0]["parameters"]["shared_memory_byte_size"]
+            return int(np.frombuffer(buf[base + in_bytes:base + in_bytes + n], np.float32).argmax())
+
+    async def one(slot: int, i: int) -> tuple[str | None, bool]:
+        return None, await asyncio.wait_for(call(slot, i), 60) != labels[i]
+
+    try:
+        return await _closed_loop(clients, total, warmup, len(reqs), one, timed)
+    finally:
+        if kind == "grpc":
+            await channel.close()
+        if region is not None:
+            with contextlib.suppress(Exception):
+                await _post([], host, port, _request(host, port, "/v2/systemsharedmemory/unregister", b"", "json"))
+            region.close()
+            region.unlink()
+
+
+async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
+                        total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+    """The agent's on-box socket (agent/transports/local_client.py): every client on one connection, its requests
+    pipelined. ``local``: the input and the output in one shared-memory region (each client its own slice, as for
+    ``shm``); ``local-inline``: the input bytes in the frame (``reqs`` are prebuilt INFER bodies), the output in the
+    answer."""
+    from multiprocessing import shared_memory
+
+    import orjson
+
+    from edgefleet.agent.transports.local_client import AsyncLocalClient, decode_result, infer_request
+
+    region: Any = None
+    conn = await AsyncLocalClient.connect(sock_path)
+    call: Callable[[int, int], Any]
+    # A/B of the load generator itself: EDGEFLEET_BENCH_SOCKET_WAIT_FOR=1 times each request out with
+    # asyncio.wait_for (a task per request, as before) instead of the client's timeout_s
+    wait_for = os.environ.get("EDGEFLEET_BENCH_SOCKET_WAIT_FOR") == "1"
+    timeout_s = None if wait_for else 60.0
+    if kind == "local":
+        in_bytes, out_bytes = len(reqs[0]), 4096
+        slot_bytes = in_bytes + out_bytes
+        key = f"edgefleet-bench-{os.getpid()}"
+        region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
+        await conn.register_region(key, "/" + key, slot_bytes * clients)
+        # the digits model (the only one this variant runs for): input [N, 1, 8, 8], output logits
+        prebuilt = [infer_request(path.split("/")[3], {"input": (key, s * slot_bytes, in_bytes, [1, 1, 8, 8])},
+                                  outputs={"logits": (key, s * slot_bytes + in_bytes, out_bytes)})
+                    for s in range(clients)]
+        buf = region.buf
+
+        async def call(slot: int, i: int) -> int:
+            base = slot * slot_bytes
+            buf[base:base + in_bytes] = reqs[i]
+            body = await conn.infer_raw(prebuilt[slot], timeout_s)
+            jl = int.from_bytes(body[:4], "little")
+            n = orjson.loads(body[4:4 + jl])["outputs"][0]["parameters"]["shared_memory_byte_size"]
+            return int(np.frombuffer(buf[base + in_bytes:base + in_bytes + n], np.float32).argmax())
+    else:
+        async def call(slot: int, i: int) -> int:
+            return int(decode_result(await conn.infer_raw(reqs[i], timeout_s))[1]["logits"].argmax())
+
+    async def one(slot: int, i: int) -> tuple[str | None, bool]:
+        # the client's own timeout (one timer for all): no task per request as asyncio.wait_for makes
+        top1 = await (asyncio.wait_for(call(slot, i), 60) if wait_for else call(slot, i))
+        return None, top1 != labels[i]
+
+    try:
+        return await _closed_loop(clients, total, warmup, len(reqs), one, timed)
+    finally:
+        conn.close()
+        if region is not None:
+            del buf
+            region.close()
+            region.unlink()
+
+
+def _load_worker(args: tuple, results: Any, cpus: frozenset[int] | None = None) -> None:
+    try:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # --pin: the load generator off the inference CPUs
+        url, kind, path, reqs, labels, clients, total, warmup = args
+        results.put(asyncio.run(_drive(url, kind, path, reqs, labels, clients, total, warmup,
+                                       timed=lambda: results.put({"timed": True}))))
+    except BaseException as exc:
+        results.put({"fatal": f"{type(exc).__name__}: {exc}"})
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of a process, by thread id (Linux /proc)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
+              warmup: int, timeout_s: float = 600, server_pid: int | None = None,
+              stats_url: str | None = None) -> dict[str, Any]:
+    """One closed-loop level from a separate (spawned) load-generator process. With ``server_pid``, also where
+    the machine's CPU went during the timed phase, in cores: the server's main (event-loop) thread, its other
+    threads (inference), and the load generator. With ``stats_url`` (the agent's Triton statistics), the mean
+    time its runtime took per batch-1 call during the timed phase: the raw call of that very run."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results,
+                                               serve_limit.PIN[1] if serve_limit.PIN else None), daemon=True)
+    w.start()
+    before: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = results.get(timeout=max(0.0, deadline - time.monotonic()))
+            if "timed" not in out:
+                break
+            if server_pid is not None:
+                before = _thread_cpu_s(server_pid)
+            if stats_url is not None:
+                b1_before = _batch1_compute(stats_url)
+                sizes_before = _batches(stats_url)
+                phases_before = _phases(stats_url)
+    except queue.Empty as exc:
+        raise RuntimeError(f"the load generator did not finish in {timeout_s:.0f}s") from exc
+    finally:
+        w.join(10)
+        if w.is_alive():
+            w.terminate()
+    if "fatal" in out:
+        raise RuntimeError(f"load generator: {out['fatal']}")
+    lat = np.array(out["latencies"]) * 1000
+    n = len(lat)
+    res = {"requests": n, "errors": out["errors"], "wrong": out["wrong"], "first_error": out["first_error"],
+           "req_per_s": n / out["wall"] if out["wall"] > 0 else float("nan"),
+           "p50_ms": float(np.percentile(lat, 50)) if n else float("nan"),
+           "p99_ms": float(np.percentile(lat, 99)) if n else float("nan"),
+           "load_cores": out["load_cpu_s"] / out["wall"] if out["wall"] > 0 else float("nan")}
+    if server_pid is not None and out["wall"] > 0:
+        after = _thread_cpu_s(server_pid)
+        main = str(server_pid)
+        used = {t: after[t] - before.get(t, 0.0) for t in after}
+        res["server_main_cores"] = used.get(main, 0.0) / out["wall"]
+        res["server_other_cores"] = sum(v for t, v in used.items() if t != main) / out["wall"]
+    if stats_url is not None:
+        (n1, ns1), (n0, ns0) = _batch1_compute(stats_url), b1_before
+        res["compute_b1_ms"] = (ns1 - ns0) / (n1 - n0) / 1e6 if n1 > n0 else float("nan")
+        # the batches the agent formed in the timed phase, and the share of it its runtime was running one
+        sizes_after = _batches(stats_url)
+        formed = {b: (c - sizes_before.get(b, (0, 0))[0], ns - sizes_before.get(b, (0, 0))[1])
+                  for b, (c, ns) in sizes_after.items()}
+        formed = {b: v for b, v in formed.items() if v[0] > 0}
+        res["batches_formed"] = {b: c for b, (c, _) in sorted(formed.items())}
+        # images per second of the agent's runtime while it ran a batch: against the bare limit, what its calls cost
+        ran_s = sum(ns for _, ns in formed.values()) / 1e9
+        res["runtime_img_s"] = sum(b * c for b, (c, _) in formed.items()) / ran_s if ran_s > 0 else float("nan")
+        res["runtime_busy"] = sum(ns for _, ns in formed.values()) / 1e9 / out["wall"] if out["wall"] > 0 else 0.0
+        # per request, in the agent: from its handler's start to its answer (success), in the queue until its batch
+        # started (queue), in the runtime (compute); means over the timed phase
+        after_ph = _phases(stats_url)
+        res["agent_ms"] = {k: (after_ph[k][1] - phases_before[k][1]) / (after_ph[k][0] - phases_before[k][0]) / 1e6
+                           for k in after_ph if after_ph[k][0] > phases_before[k][0]}
+    return res
+
+
+def _phases(stats_url: str) -> dict[str, tuple[int, int]]:
+    """success / queue / compute_infer -> (count, nanoseconds) so far, from the agent's Triton statistics."""
+    with urllib.request.urlopen(stats_url, timeout=30) as r:  # loopback: the agent under test
+        doc = json.loads(r.read())
+    st = doc["model_stats"][0]["inference_stats"]
+    return {k: (int(st[k]["count"]), int(st[k]["ns"])) for k in ("success", "queue", "compute_infer")}
+
+
+def _batches(stats_url: str) -> dict[int, tuple[int, int]]:
+    """batch size -> (batches run, nanoseconds in the runtime) so far, from the agent's Triton statistics."""
+    with urllib.request.urlopen(stats_url, timeout=30) as r:  # loopback: the agent under test
+        doc = json.loads(r.read())
+    return {int(b["batch_size"]): (int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))
+            for b in doc["model_stats"][0]["batch_stats"]}
+
+
+def _batch1_compute(stats_url: str) -> tuple[int, int]:
+    """(batch-1 calls, nanoseconds in the runtime) so far, from the agent's Triton statistics."""
+    with urllib.request.urlopen(stats_url, timeout=30) as r:  # loopback: the agent under test
+        doc = json.loads(r.read())
+    for b in doc["model_stats"][0]["batch_stats"]:
+        if b["batch_size"] == 1:
+            return int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"])
+    return 0, 0
+
+
+def json_decode_ms(body: bytes, repeats: int = 5, loads: Callable[[bytes], Any] = json.loads) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        doc = loads(body)
+        np.asarray(doc["inputs"][0]["data"], dtype=np.float32)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
