@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edgefleet.cli.command import Formatter, command
+from edgefleet.cli.command import Formatter, command, unit_written
 from edgefleet.protocol import lograte
 from edgefleet.protocol.exits import ExitCode
 
@@ -66,12 +66,7 @@ def cmd_agent_install_service(a: argparse.Namespace) -> int:
 
     config = a.service_config.resolve()
     unit = render_unit(config, load_config(config, {}), user=a.user)
-    if a.dry_run:
-        print(unit, end="")
-        return ExitCode.OK
-    path = install_unit(unit, a.unit_dir)
-    print(f"wrote {path}\nnext: systemctl daemon-reload && systemctl enable --now {SERVICE_NAME}")
-    return ExitCode.OK
+    return unit_written(unit, a, install_unit, SERVICE_NAME)
 
 
 class _AgentFormatter(Formatter):

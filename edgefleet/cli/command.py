@@ -21,7 +21,7 @@ from edgefleet.protocol.errors import ConfigError, EdgefleetError
 from edgefleet.protocol.exits import ExitCode, exit_for
 
 __all__ = ["EXTRAS", "Command", "Formatter", "UsageError", "bundle_file", "command", "fleet_options", "need",
-           "print_answer", "require", "show"]
+           "print_answer", "require", "show", "unit_written"]
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -113,6 +113,17 @@ def print_answer(answer: Any, as_json: bool, human: str) -> None:
     from pydantic import TypeAdapter
 
     show(TypeAdapter(Any).dump_python(answer, mode="json", exclude_unset=True), as_json, human)
+
+
+def unit_written(unit: str, a: argparse.Namespace, install: Callable[[str, Path], Path], service: str) -> int:
+    """An install-service command's end: its systemd unit printed (``--dry-run``) or written into ``--unit-dir``,
+    and how to enable it (it never runs systemctl)."""
+    if a.dry_run:
+        print(unit, end="")
+        return ExitCode.OK
+    path = install(unit, a.unit_dir)
+    print(f"wrote {path}\nnext: systemctl daemon-reload && systemctl enable --now {service}")
+    return ExitCode.OK
 
 
 def fleet_options(p: argparse.ArgumentParser) -> None:

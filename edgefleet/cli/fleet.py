@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgefleet.cli.command import Formatter, bundle_file, command, fleet_options, print_answer, require
+from edgefleet.cli.command import Formatter, bundle_file, command, fleet_options, print_answer, require, unit_written
 from edgefleet.cli.rollout import add_create_parser
 from edgefleet.protocol import lograte
 from edgefleet.protocol.errors import ConfigError
@@ -55,12 +55,7 @@ def cmd_fleet_install_service(a: argparse.Namespace) -> int:
     serve = _serve_options(argparse.ArgumentParser(prog="edgefleet fleet serve", formatter_class=Formatter,
                                                    description=SERVE)).parse_args(args)  # its usage error, now
     unit = render_unit(args, serve, Path.cwd(), user=a.user)
-    if a.dry_run:
-        print(unit, end="")
-        return ExitCode.OK
-    path = install_unit(unit, a.unit_dir)
-    print(f"wrote {path}\nnext: systemctl daemon-reload && systemctl enable --now {SERVICE_NAME}")
-    return ExitCode.OK
+    return unit_written(unit, a, install_unit, SERVICE_NAME)
 
 
 def _client(a: argparse.Namespace):
