@@ -91,3 +91,27 @@ def test_the_demo_does_not_import_the_command_line():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "edgefleet.cli" or n.startswith("edgefleet.cli.") for n in names), path
+
+
+def test_every_command_exits_through_the_one_command_path():
+    """Every (sub)command's handler is command()'s wrapper (edgefleet/cli/command.py), none a closing of its own:
+    the rollout commands and simulate had theirs before the CLI became a package."""
+    import argparse
+
+    from edgefleet.cli import build_parser
+    from edgefleet.cli.command import command
+
+    closing = command()(lambda a: 0).__code__  # the one closing every handler runs
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, (*path, name))
+
+    handlers = {" ".join(path): parser.get_default("fn") for path, parser in walk(build_parser())
+                if not any(isinstance(x, argparse._SubParsersAction) and x.required for x in parser._actions)}
+    assert {"compile", "fleet serve", "rollout create", "rollout pause", "simulate", "demo"} <= set(handlers)
+    elsewhere = sorted(p for p, fn in handlers.items() if getattr(fn, "__code__", None) is not closing)
+    assert not elsewhere, elsewhere
