@@ -31,13 +31,15 @@ the engine moves the same rollout), then **devices** (by id), then **targets** (
 **waves** (the counters). Report ingest, telemetry, statuses, a rollback and a new rollout's supersede all follow
 it; tests/test_pg_lock_order.py runs ingest and a rollback at once.
 
-The package, by part: ``spec`` (what an operator gives: RolloutSpec, Gates, ShadowGate, Selector, plan_waves),
-``gates`` (pure functions of a wave's recorded figures), ``moves`` (move_wave, move_targets, lock_rows: the only
-ways a wave's or a target's state changes) and ``engine`` (RolloutEngine, which drives them). The names other
-modules use are re-exported here.
+The package, by layer: ``spec`` (what an operator gives: RolloutSpec, Gates, ShadowGate, Selector, plan_waves);
+``queries`` (typed rows, a wave's figures, the row locks in the lock order: lock_rows); the pure rules, ``gates``
+(functions of a wave's recorded figures) and ``step`` (``step(rollout, wave, figures, now) -> moves``, and what a
+report makes of a target); ``moves`` (move_wave, move_targets: the only ways a wave's or a target's state changes);
+``status`` (a rollout as the API's schema models) and ``engine`` (RolloutEngine, the service that loads the rows,
+asks the rules, applies their moves and publishes). The names other modules use are re-exported here.
 """
 
-from edgefleet.fleet.rollout.engine import RolloutEngine, cpu_fallback, desired_message, target_json
+from edgefleet.fleet.rollout.engine import RolloutEngine, cpu_fallback, desired_message
 from edgefleet.fleet.rollout.gates import GateResult, WaveFigures, evaluate_gates, install_gate_lost
 from edgefleet.fleet.rollout.moves import AUDIT_DEVICES_PER_ROW, WAVE_ACTIONS, TargetMove, move_targets, move_wave
 from edgefleet.fleet.rollout.spec import MAX_GRACE_S, Gates, RolloutSpec, Selector, ShadowGate, plan_waves
@@ -45,5 +47,4 @@ from edgefleet.fleet.states import TRANSITIONS
 
 __all__ = ["AUDIT_DEVICES_PER_ROW", "MAX_GRACE_S", "TRANSITIONS", "WAVE_ACTIONS", "GateResult", "Gates",
            "RolloutEngine", "RolloutSpec", "Selector", "ShadowGate", "TargetMove", "WaveFigures", "cpu_fallback",
-           "desired_message", "evaluate_gates", "install_gate_lost", "move_targets", "move_wave", "plan_waves",
-           "target_json"]
+           "desired_message", "evaluate_gates", "install_gate_lost", "move_targets", "move_wave", "plan_waves"]

@@ -1,34 +1,31 @@
 """The engine: a rollout's life from creation through its waves (shadow, install, soak, gates) to its end,
 driven by device reports and telemetry (``on_reports``, ``on_telemetry_batch``) and by the tick (``advance``);
-leases let several replicas share the rollouts."""
+leases let several replicas share the rollouts.
+
+The engine is the service of the package's layers: it loads rows (fleet.rollout.queries), asks the rules what to do
+(fleet.rollout.step: ``step`` for a wave, ``next_target_state`` for a report), applies their moves (fleet.rollout.moves
+and ``transition``, each with its audit row) and publishes the devices' desired states after the commit."""
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import logging
 import re
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Protocol
 
-from sqlalchemy import BigInteger, Float, Table, and_, bindparam, case, cast, func, insert, or_, select, tuple_, update
+from sqlalchemy import BigInteger, Float, Table, bindparam, case, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from edgefleet.fleet.audit import ENGINE_ACTOR, audit
 from edgefleet.fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
 from edgefleet.fleet.drift import DriftBook
 from edgefleet.fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
-from edgefleet.fleet.rollout.gates import (
-    GateResult,
-    ShadowWaveFigures,
-    WaveFigures,
-    evaluate_gates,
-    evaluate_shadow,
-    install_gate_lost,
-)
+from edgefleet.fleet.rollout import queries as q
+from edgefleet.fleet.rollout.gates import ShadowWaveFigures, WaveFigures
 from edgefleet.fleet.rollout.moves import (
     AUDIT_DEVICES_PER_ROW,
     TargetMove,
@@ -37,23 +34,35 @@ from edgefleet.fleet.rollout.moves import (
     move_targets,
     move_wave,
 )
-from edgefleet.fleet.rollout.spec import (
-    RolloutSpec,
-    Selector,
-    plan_waves,
+from edgefleet.fleet.rollout.queries import ModelInfo, RolloutRow, WaveRow, lock_rollout, names, select_devices
+from edgefleet.fleet.rollout.spec import RolloutSpec, Selector, plan_waves
+from edgefleet.fleet.rollout.status import failure, rollout_status
+from edgefleet.fleet.rollout.step import (
+    FailShadow,
+    FailWave,
+    Finish,
+    Move,
+    NextWave,
+    PassShadow,
+    PassWave,
+    SetGates,
+    Soak,
+    StartWave,
+    Wait,
+    failure_status,
+    gate_failure,
+    next_target_state,
+    previous_bundle,
+    shadow_failure,
+    step,
 )
-from edgefleet.fleet.states import (
-    TARGET_DONE,
-    TARGET_FINAL,
-    TARGET_TRANSITIONS,
-    TRANSITIONS,
-    RolloutStatus,
-    TargetState,
-    WaveState,
-)
+from edgefleet.fleet.states import TARGET_DONE, TARGET_FINAL, TRANSITIONS, RolloutStatus, TargetState, WaveState
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.errors import EdgefleetError
 from edgefleet.protocol.profile import load_profile
+
+__all__ = ["REPORT_ACTOR", "ROLLBACK_FROM", "TELE_COUNT_CAP", "ModelInfo", "Publisher", "RolloutEngine", "cpu_fallback",
+           "desired_message"]
 
 log = logging.getLogger("edgefleet.fleet.rollout")
 
@@ -76,27 +85,12 @@ class Publisher(Protocol):
     def publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    id: int
-    name: str
-    version: str
-    profile: str
-    target_path: str
-    sha256: str
-    size_bytes: int
-
-
 def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float,
                     mode: str | None = None) -> tuple[str, bytes]:
     msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=m.name, version=m.version,
                              target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
                              mode=mode)  # type: ignore[arg-type]
     return proto.topic(device_id, "desired"), proto.encode(msg)
-
-
-def _iso(t: dt.datetime | None) -> str | None:
-    return None if t is None else t.replace(tzinfo=dt.UTC).isoformat()
 
 
 # a target's telemetry counters stop here (exact in a double; protocol.mqtt.MAX_COUNT per record, so ~8,000 records
@@ -108,15 +102,23 @@ ROLLBACK_FROM = frozenset({TargetState.PENDING, TargetState.DOWNLOADING, TargetS
                            TargetState.FAILED})
 
 
+class _WaveFigures:
+    """A wave's figures for the rules (fleet.rollout.step.Figures), each read from the database when first asked."""
 
+    def __init__(self, engine: RolloutEngine, s: Session, w: RolloutWave):
+        self._engine, self._s, self._w = engine, s, w
+        self._wave: WaveFigures | None = None
 
-def _failure(exc: BaseException) -> str:
-    """An exception as one line an operator can read (a database error without its SQL)."""
-    orig = getattr(exc, "orig", None)  # SQLAlchemy's DBAPIError wraps the driver's
-    text = f"{type(orig).__name__}: {orig}" if orig is not None else f"{type(exc).__name__}: {exc}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(
-        ("For further information", "[SQL:", "[parameters:", "(Background on"))]
-    return "; ".join(lines or [type(exc).__name__])[:500]
+    def wave(self) -> WaveFigures:
+        if self._wave is None:
+            self._wave = self._engine.figures(self._s, self._w)
+        return self._wave
+
+    def shadow(self) -> ShadowWaveFigures:
+        return q.shadow_figures(self._s, self._w.rollout_id, self._w.idx)
+
+    def outstanding_online(self) -> int:
+        return q.outstanding_online(self._s, self._w.rollout_id, self._w.idx)
 
 
 class RolloutEngine:
@@ -146,7 +148,7 @@ class RolloutEngine:
             row = s.get(Model, model_id)
             if row is None:
                 return None
-            m = ModelInfo(row.id, row.name, row.version, row.profile, row.target_path, row.sha256, row.size_bytes)
+            m = ModelInfo.of(row)
             with self._lock:
                 self._models[model_id] = m
         return m
@@ -157,8 +159,7 @@ class RolloutEngine:
             missing = sorted(i for i in model_ids if i is not None and i not in self._models)
         if not missing:
             return
-        found = {row.id: ModelInfo(row.id, row.name, row.version, row.profile, row.target_path, row.sha256,
-                                   row.size_bytes) for row in s.scalars(select(Model).where(Model.id.in_(missing)))}
+        found = {row.id: ModelInfo.of(row) for row in s.scalars(select(Model).where(Model.id.in_(missing)))}
         with self._lock:
             self._models.update(found)
 
@@ -194,7 +195,7 @@ class RolloutEngine:
                 raise BadRequest(f"profile {sel.profile!r} has no bundle of {name} {version}"
                                  + (f", nor has its CPU fallback {fb!r}" if fb else "")
                                  + f" (built for {', '.join(sorted(builds))})", 422)
-            devices = self._select(s, sel)
+            devices = select_devices(s, sel)
             chosen: list[tuple[Device, Model]] = []
             no_bundle: dict[str, list[str]] = {}
             by_fallback: dict[str, list[str]] = {}  # device profile -> devices that get its fallback's bundle
@@ -212,11 +213,11 @@ class RolloutEngine:
                     no_bundle.setdefault(prof, []).append(d.id)
             if unknown_profile:
                 raise BadRequest(f"{name} {version} exists for several profiles ({', '.join(sorted(builds))}) and "
-                                 f"these devices have no known hardware profile: {_names(unknown_profile)}; set "
+                                 f"these devices have no known hardware profile: {names(unknown_profile)}; set "
                                  "their profile or say which build with 'profile'", 422)
             if no_bundle:
                 raise BadRequest("no bundle of " + f"{name} {version} for " + "; ".join(
-                    f"profile {p} (devices {_names(ids)})"
+                    f"profile {p} (devices {names(ids)})"
                     + (f", nor for its CPU fallback {fb}" if (fb := cpu_fallback(p)) else "")
                     for p, ids in sorted(no_bundle.items()))
                     + f"; it is built for {', '.join(sorted(builds))}", 422)
@@ -250,38 +251,6 @@ class RolloutEngine:
         self._publish(superseded_msgs)
         self.advance_isolated(rid)  # the first wave goes out now, not at the next tick
         return rid
-
-    @staticmethod
-    def _select(s: Session, sel: Selector) -> list[Device]:
-        if sel.devices:
-            found = {d.id: d for d in s.scalars(select(Device).where(Device.id.in_(sel.devices)))}
-            missing = [d for d in sel.devices if d not in found]
-            if missing:
-                raise NotFound(f"unknown devices: {', '.join(missing)}; register them first")
-            devs = [found[d] for d in sel.devices]
-            wrong = [d.id for d in devs if sel.profile and d.profile and d.profile != sel.profile]
-            if wrong:
-                raise BadRequest(f"devices {_names(wrong)} are not {sel.profile} devices", 422)
-        else:
-            q = select(Device)
-            if sel.group:
-                if s.scalar(select(Device.id).where(Device.group_name == sel.group).limit(1)) is None:
-                    groups = sorted(g for g in s.scalars(select(Device.group_name).distinct()) if g)
-                    raise NotFound(f"unknown group {sel.group!r}: no device is in it (groups: "
-                                   f"{', '.join(groups) or 'none yet'})")
-                q = q.where(Device.group_name == sel.group)
-            if sel.profile:
-                q = q.where(Device.profile == sel.profile)
-            devs = list(s.scalars(q))
-        if sel.tags:
-            want = set(sel.tags)
-            devs = [d for d in devs if want <= set(d.tags or [])]
-        if sel.group and sel.devices:
-            devs = [d for d in devs if d.group_name == sel.group]
-        if not devs:
-            raise BadRequest("the selector picks no device (" + ", ".join(
-                f"{k}={v}" for k, v in asdict(sel).items() if v) + ")", 422)
-        return devs
 
     def _supersede(self, s: Session, devices: set[str], new_rollout: int, actor: str,
                    msgs: list[tuple[str, bytes]]) -> None:
@@ -323,59 +292,33 @@ class RolloutEngine:
         if not msgs:
             return []
         t: Table = RolloutTarget.__table__  # type: ignore[assignment]
-        keys = list({(m.rollout_id, m.device_id) for m in msgs})
-        cur = {(r.rollout_id, r.device_id): [TargetState(r.state), r.error, r.model_id, r.previous_model_id, r.wave]
-               for r in s.execute(select(t.c.rollout_id, t.c.device_id, t.c.state, t.c.error, t.c.model_id,
-                                         t.c.previous_model_id, t.c.wave)
-                                  .where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys))
-                                  .order_by(t.c.rollout_id, t.c.device_id)  # the lock order (lock_rows)
-                                  .with_for_update())}  # replicas that both got a report serialize here
+        rows = q.lock_targets(s, list({(m.rollout_id or 0, m.device_id) for m in msgs}))
+        now_at: dict[tuple[int, str], tuple[TargetState, str | None]] = {k: (r.state, r.error) for k, r in rows.items()}
         rejected: list[tuple[DeviceInputRejected, proto.ReportedState]] = []
         moves: list[TargetMove] = []
         new_errors: dict[tuple[int, str], dict[str, Any]] = {}
         for m in msgs:
             key = (m.rollout_id or 0, m.device_id)
-            row = cur.get(key)
+            row = rows.get(key)
             if row is None:
                 rejected.append((DeviceInputRejected("report_not_a_target", f"device {m.device_id} reported on "
                                                      f"rollout {m.rollout_id}, which does not target it"), m))
                 continue
-            old, err, model_id, prev_id, wave = row
-            new = self._next_state(old, m, self.model(s, model_id), self.model(s, prev_id))
+            old, err = now_at[key]
+            new = next_target_state(old, m, self.model(s, row.model_id), self.model(s, row.previous_model_id))
             if new is None or (new is old and m.error == err):
                 continue
-            row[0], row[1] = new, m.error
+            now_at[key] = (new, m.error)
             if new is old:  # the same state with another error: not a transition
                 new_errors[key] = {"b_r": key[0], "b_d": key[1], "error": m.error, "updated_at": utcnow()}
             else:
-                moves.append(TargetMove(key[0], key[1], wave, old, new, m.error))
+                moves.append(TargetMove(key[0], key[1], row.wave, old, new, m.error))
                 new_errors.pop(key, None)
         move_targets(s, moves, REPORT_ACTOR, "report")
         if new_errors:
             s.connection().execute(update(t).where(t.c.rollout_id == bindparam("b_r"),
                                                    t.c.device_id == bindparam("b_d")), list(new_errors.values()))
         return rejected
-
-    @staticmethod
-    def _next_state(old: TargetState, msg: proto.ReportedState, model: ModelInfo | None,
-                    prev: ModelInfo | None) -> TargetState | None:
-        """What a device's report makes of its target: a state ``TARGET_TRANSITIONS`` allows from ``old``,
-        ``old`` itself (only its error may change), or None (ignored: late, replayed or about another model)."""
-        if old is TargetState.ROLLING_BACK:
-            if msg.state == "installed" and prev is not None and msg.running_version == prev.version:
-                return TargetState.ROLLED_BACK
-            return TargetState.ROLLBACK_FAILED if msg.state == "failed" else None
-        new = TargetState.FAILED if msg.state == "rolled_back" else TargetState(msg.state)
-        if (new is TargetState.INSTALLED and model is not None and msg.version is not None
-                and msg.version != model.version):
-            return None  # an install of something else (an older retained report)
-        if new is old:
-            return old
-        if new not in TARGET_TRANSITIONS[old]:
-            return None  # a late progress message must not reopen a finished target
-        if old is TargetState.INSTALLED and (model is None or msg.running_version == model.version):
-            return None  # still running what was installed: a replayed old failure must not flip it
-        return new
 
     def on_shadow_batch(self, s: Session, msgs: list[proto.Telemetry]) -> None:
         """Shadow figures of devices whose target is shadowing a candidate: the newest per device is kept (the
@@ -444,7 +387,7 @@ class RolloutEngine:
         """Advance every in-progress rollout this replica holds the lease of; returns how many."""
         now = utcnow()
         with self.sessions() as s:
-            ids = list(s.scalars(select(Rollout.id).where(Rollout.status == RolloutStatus.IN_PROGRESS.value)))
+            ids = q.in_progress(s)
         for gone in self._failing.keys() - set(ids):
             self._failing.pop(gone, None)
         n = 0
@@ -453,11 +396,8 @@ class RolloutEngine:
             if failing is not None and time.monotonic() < failing[1]:
                 continue  # its last evaluation failed: it waits its turn, the others go on
             with self.sessions.begin() as s:
-                got = s.execute(update(Rollout).where(
-                    Rollout.id == rid, Rollout.status == RolloutStatus.IN_PROGRESS.value,
-                    or_(Rollout.lease_owner.is_(None), Rollout.lease_owner == self.owner, Rollout.lease_until < now))
-                    .values(lease_owner=self.owner, lease_until=now + dt.timedelta(seconds=self.LEASE_S)))
-            if got.rowcount == 1 and self.advance_isolated(rid):  # type: ignore[attr-defined]
+                held = q.claim_lease(s, rid, self.owner, now, self.LEASE_S)
+            if held and self.advance_isolated(rid):
                 n += 1
         return n
 
@@ -484,8 +424,8 @@ class RolloutEngine:
     @staticmethod
     def _mark_failed(s: Session, rollout_id: int, exc: BaseException) -> None:
         """Store why the rollout could not be evaluated (audited once per distinct reason)."""
-        r = s.get(Rollout, rollout_id, with_for_update=True)
-        why = _failure(exc)
+        r = lock_rollout(s, rollout_id)
+        why = failure(exc)
         if r is None or r.engine_error == why:
             return
         r.engine_error, r.engine_error_at = why, utcnow()
@@ -507,68 +447,62 @@ class RolloutEngine:
             self.publisher.publish(topic, payload, retain=True)
 
     def _advance_in(self, s: Session, rollout_id: int, msgs: list[tuple[str, bytes]]) -> None:
-        r = s.get(Rollout, rollout_id, with_for_update=True)
+        """Step the rollout (fleet.rollout.step) and apply its moves until one ends the pass (bounded: each step
+        moves one wave one step or ends)."""
+        r = lock_rollout(s, rollout_id)
         if r is None or r.status != RolloutStatus.IN_PROGRESS:
             return
         if r.engine_error is not None:  # it was failing; this time it is evaluated (or this raises again)
             audit(s, ENGINE_ACTOR, "rollout_engine_recovered", r.id, error=r.engine_error)
             r.engine_error = r.engine_error_at = None
         spec = RolloutSpec.model_validate(r.spec or {})
-        for _ in range(64):  # bounded: each pass moves one wave one step or returns
+        for _ in range(64):
             w = s.get(RolloutWave, (r.id, r.current_wave))
+            row = RolloutRow.of(r, spec)
             if w is None:
-                self.transition(s, r, RolloutStatus.SUCCEEDED, ENGINE_ACTOR, None)
+                moves = step(row, None, _NO_WAVE, utcnow())
+            else:
+                moves = step(row, WaveRow.of(w), _WaveFigures(self, s, w), utcnow())
+            for move in moves:
+                self._apply(s, r, w, row, move, msgs)
+            if moves[-1].ends:
                 return
-            now = utcnow()
-            if w.state == WaveState.PENDING:
-                self._start_wave(s, r, w, msgs, shadow=spec.shadow is not None)
-                continue
-            if w.state == WaveState.SHADOWING:
-                assert spec.shadow is not None
-                result = evaluate_shadow(self._shadow_figures(s, w), spec.shadow)
-                if result is None:
-                    return  # not enough mirrored requests yet
-                w.gates = [result.as_json()]
-                if not result.passed:
-                    self._fail_shadow(s, r, w, spec, result, msgs)
-                    return
-                audit(s, ENGINE_ACTOR, "wave_shadow_passed", r.id, wave=w.idx, gates=w.gates)
-                self._start_wave(s, r, w, msgs, shadow=False)  # promote: the real install
-                continue
-            if w.state in (WaveState.INSTALLING, WaveState.SOAKING):
-                f = WaveFigures(w.size, w.n_installed, w.n_failed, 0, 0, None, None, 0)
-                if install_gate_lost(f, spec.gates):
-                    self._fail_wave(s, r, w, spec, self._figures(s, w), msgs)
-                    return
-            if w.state == WaveState.INSTALLING:
-                outstanding = w.size - w.n_installed - w.n_failed
-                if outstanding > 0:
-                    started = w.started_at or now
-                    if (now - started).total_seconds() < spec.offline_grace_s or w.n_installed + w.n_failed == 0:
-                        return
-                    if self._outstanding_online(s, w) > 0:
-                        return
-                    audit(s, ENGINE_ACTOR, "wave_offline_deferred", r.id, wave=w.idx, devices=outstanding)
-                move_wave(s, w, WaveState.SOAKING, now=now, installed=w.n_installed, failed=w.n_failed,
-                          soak_s=w.soak_s)
-            if w.state == WaveState.SOAKING:
-                if w.soak_until is not None and now < w.soak_until:
-                    return
-                results = evaluate_gates(self._figures(s, w), spec.gates)
-                w.gates = [g for g in (w.gates or []) if g["name"] == "shadow_agreement"] + [
-                    g.as_json() for g in results]
-                if spec.require_telemetry and any(g.value is None for g in results if g.name != "install_success"):
-                    return  # not judged yet: soak on until the devices send figures
-                if not all(g.passed for g in results):
-                    self._fail_wave(s, r, w, spec, self._figures(s, w), msgs, results)
-                    return
-                move_wave(s, w, WaveState.PASSED, now=now, gates=w.gates)
-                r.current_wave += 1
-                continue
-            if w.state in (WaveState.PASSED, WaveState.FAILED):
-                r.current_wave += 1
-                continue
+
+    def _apply(self, s: Session, r: Rollout, w: RolloutWave | None, row: RolloutRow, move: Move,
+               msgs: list[tuple[str, bytes]]) -> None:
+        """One move of ``step``, written: the wave's or the rollout's one transition function, with its audit."""
+        if isinstance(move, Finish):
+            self.transition(s, r, move.status, ENGINE_ACTOR, None)
             return
+        assert w is not None
+        match move:
+            case Wait():
+                pass
+            case StartWave(shadow=shadow):
+                self._start_wave(s, r, w, msgs, shadow=shadow)
+            case SetGates(gates=gates):
+                w.gates = list(gates)
+            case PassShadow():
+                audit(s, ENGINE_ACTOR, "wave_shadow_passed", r.id, wave=w.idx, gates=w.gates)
+            case FailShadow(result=result):
+                self._drop_shadow(s, r, w, msgs)
+                self.transition(s, r, failure_status(row), ENGINE_ACTOR, shadow_failure(w.idx, result))
+            case Soak(deferred=deferred):
+                if deferred:
+                    audit(s, ENGINE_ACTOR, "wave_offline_deferred", r.id, wave=w.idx, devices=deferred)
+                move_wave(s, w, WaveState.SOAKING, now=utcnow(), installed=w.n_installed, failed=w.n_failed,
+                          soak_s=w.soak_s)
+            case FailWave(results=results):
+                w.gates = [g.as_json() for g in results]
+                move_wave(s, w, WaveState.FAILED, gates=w.gates)
+                if row.spec.rollback_on_failure:
+                    self._rollback_targets(s, r, ENGINE_ACTOR, msgs, wave=w.idx)
+                self.transition(s, r, failure_status(row), ENGINE_ACTOR, gate_failure(w.idx, results))
+            case PassWave():
+                move_wave(s, w, WaveState.PASSED, now=utcnow(), gates=w.gates)
+                r.current_wave += 1
+            case NextWave():
+                r.current_wave += 1
 
     def _start_wave(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]],
                     shadow: bool = False) -> None:
@@ -597,7 +531,14 @@ class RolloutEngine:
                 continue  # superseded meanwhile
             m = self.model(s, t.model_id)
             assert m is not None
-            t.previous_model_id = self._previous_model(s, d, m, running)
+            if d.running_model:  # what a rollback sends it back to
+                prof = d.profile or m.profile
+                fb = cpu_fallback(prof)
+                t.previous_model_id = previous_bundle(d.running_model, d.running_version or "",
+                                                      self.model(s, d.desired_model_id), (prof, *([fb] if fb else [])),
+                                                      running)
+            else:
+                t.previous_model_id = None
             tel = d.last_telemetry or {}
             if (tel.get("model"), tel.get("version")) == (d.running_model, d.running_version) and d.running_model:
                 t.p99_before = (tel.get("latency") or {}).get("p99_ms")
@@ -607,14 +548,6 @@ class RolloutEngine:
             sent += 1
         move_wave(s, w, WaveState.INSTALLING, devices=sent)
 
-    def _previous_model(self, s: Session, d: Device, m: ModelInfo,
-                        running: dict[tuple[str, str, str], int]) -> int | None:
-        """The bundle the device runs now (what a rollback sends it back to). A device reports the model's name
-        and version, not which profile's bundle: the one it was last sent when that is the same name and version,
-        else the bundle of its own profile, else its profile's CPU fallback's. The new bundle's profile says
-        nothing: a Jetson moving from its arm64-cpu fallback to a TensorRT build (or back) changes profile."""
-        if not d.running_model:
-            return None
         last = self.model(s, d.desired_model_id)
         if last is not None and (last.name, last.version) == (d.running_model, d.running_version):
             return last.id
@@ -625,32 +558,17 @@ class RolloutEngine:
                 return found
         return None
 
-    @staticmethod
-    def _outstanding_online(s: Session, w: RolloutWave) -> int:
-        return int(s.scalar(select(func.count()).select_from(RolloutTarget).join(
-            Device, Device.id == RolloutTarget.device_id).where(
-            RolloutTarget.rollout_id == w.rollout_id, RolloutTarget.wave == w.idx,
-            RolloutTarget.state.not_in([x.value for x in TARGET_DONE]), Device.online.is_(True))) or 0)
+    def figures(self, s: Session, w: RolloutWave) -> WaveFigures:
+        """The wave's gate figures: its counters, its telemetry (fleet.rollout.queries) and, when its rollout
+        gates on drift, its drift against the previous version."""
+        tele = q.telemetry_figures(s, w.rollout_id, w.idx)
+        drift_psi, drift_detail = q.drift_figure(s, self.drift, w)
+        return WaveFigures(w.size, w.n_installed, w.n_failed, tele.requests, tele.errors, tele.p99_before_ms,
+                           tele.p99_after_ms, tele.p99_devices, drift_psi, drift_detail)
 
-    @staticmethod
-    def _shadow_figures(s: Session, w: RolloutWave) -> ShadowWaveFigures:
-        sh, t = RolloutShadow, RolloutTarget
-        samples = cast(sh.samples, Float)  # summed as doubles: see _figures
-        row = s.execute(select(
-            func.count(), func.coalesce(func.sum(samples), 0.0),
-            func.sum(case((sh.agreement.is_not(None), samples * sh.agreement))),
-            func.sum(case((sh.agreement.is_not(None), samples))), func.max(sh.max_abs_error))
-            .join(t, and_(t.rollout_id == sh.rollout_id, t.device_id == sh.device_id))
-            .where(sh.rollout_id == w.rollout_id, t.wave == w.idx)).one()
-        judged = float(row[3] or 0)
-        return ShadowWaveFigures(int(row[0] or 0), int(row[1] or 0),
-                                 float(row[2]) / judged if judged else None,
-                                 None if row[4] is None else float(row[4]))
-
-    def _fail_shadow(self, s: Session, r: Rollout, w: RolloutWave, spec: RolloutSpec, result: GateResult,
-                     msgs: list[tuple[str, bytes]]) -> None:
-        """The candidate disagreed in shadow: nothing was installed; the devices drop the shadow (their
-        desired state goes back to what they run)."""
+    def _drop_shadow(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]]) -> None:
+        """The candidate disagreed in shadow: the wave fails, nothing was installed; its devices drop the shadow
+        (their desired state goes back to what they run)."""
         move_wave(s, w, WaveState.FAILED, gates=w.gates)
         now = time.time()
         dropped = []
@@ -663,54 +581,6 @@ class RolloutEngine:
             if cur is not None:
                 msgs.append(desired_message(d.id, cur, d.desired_rollout_id, now))
         move_targets(s, dropped, ENGINE_ACTOR, "shadow_failed")
-        value = "n/a" if result.value is None else f"{result.value:.4g}"
-        reason = (f"wave {w.idx + 1} failed in shadow, before any install: shadow_agreement {value} vs threshold "
-                  f"{result.threshold:g} ({result.detail})")
-        self.transition(s, r, RolloutStatus.PAUSED if spec.on_failure == "pause" else RolloutStatus.FAILED,
-                        ENGINE_ACTOR, reason)
-
-    def _figures(self, s: Session, w: RolloutWave) -> WaveFigures:
-        """The wave's gate figures. Counters are summed as doubles: an integer sum() overflows on SQLite (and
-        becomes NUMERIC on PostgreSQL) once a few targets hold counts near 2**62, which rows stored before the
-        counters were bounded may; a double sums any number of them (exactly up to 2**53)."""
-        both = and_(RolloutTarget.p99_before.is_not(None), RolloutTarget.p99_after.is_not(None),
-                    RolloutTarget.p99_before > 0)
-        row = s.execute(select(
-            func.coalesce(func.sum(cast(RolloutTarget.tele_requests, Float)), 0.0),
-            func.coalesce(func.sum(cast(RolloutTarget.tele_errors, Float)), 0.0),
-            func.sum(case((both, RolloutTarget.p99_before))), func.sum(case((both, RolloutTarget.p99_after))),
-            func.sum(case((both, 1), else_=0))).where(RolloutTarget.rollout_id == w.rollout_id,
-                                                      RolloutTarget.wave == w.idx)).one()
-        n = int(row[4] or 0)
-        drift_psi, drift_detail = self._drift_figure(s, w)
-        return WaveFigures(w.size, w.n_installed, w.n_failed, int(row[0]), int(row[1]),
-                           float(row[2]) / n if n else None, float(row[3]) / n if n else None, n, drift_psi,
-                           drift_detail)
-
-    def _drift_figure(self, s: Session, w: RolloutWave) -> tuple[float | None, str]:
-        """The wave's drift against the previous version, when its rollout gates on it (None: not judged)."""
-        r = s.get(Rollout, w.rollout_id)
-        if r is None or not r.model_name or not r.model_version:
-            return None, ""
-        if RolloutSpec.model_validate(r.spec or {}).gates.max_drift_psi is None:
-            return None, ""
-        wd = self.drift.wave(s, r.id, w.idx, r.model_name, r.model_version, w.started_at)
-        vs = wd.vs_previous
-        return (vs.psi if vs is not None and vs.level != "insufficient" else None), wd.detail
-
-    def _fail_wave(self, s: Session, r: Rollout, w: RolloutWave, spec: RolloutSpec, f: WaveFigures,
-                   msgs: list[tuple[str, bytes]], results: list[GateResult] | None = None) -> None:
-        results = results or evaluate_gates(f, spec.gates)
-        w.gates = [g.as_json() for g in results]
-        bad = [g for g in results if not g.passed]
-        reason = f"wave {w.idx + 1} failed its gates: " + "; ".join(
-            f"{g.name} {'n/a' if g.value is None else f'{g.value:.4g}'} vs threshold {g.threshold:g} ({g.detail})"
-            for g in bad)
-        move_wave(s, w, WaveState.FAILED, gates=w.gates)
-        if spec.rollback_on_failure:
-            self._rollback_targets(s, r, ENGINE_ACTOR, msgs, wave=w.idx)
-        self.transition(s, r, RolloutStatus.PAUSED if spec.on_failure == "pause" else RolloutStatus.FAILED,
-                        ENGINE_ACTOR, reason)
 
     def _rollback_targets(self, s: Session, r: Rollout, actor: str, msgs: list[tuple[str, bytes]],
                           wave: int | None = None) -> tuple[int, int]:
@@ -746,7 +616,7 @@ class RolloutEngine:
     def act(self, rollout_id: int, action: str, actor: str) -> None:
         msgs: list[tuple[str, bytes]] = []
         with self.sessions.begin() as s:
-            r = s.get(Rollout, rollout_id, with_for_update=True)
+            r = lock_rollout(s, rollout_id)
             if r is None:
                 raise NotFound(f"no rollout {rollout_id}")
             if action == "pause":
@@ -773,67 +643,10 @@ class RolloutEngine:
     # -- reading ---------------------------------------------------------------------------------
     def status(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
                live_gates: bool = True) -> dict[str, Any]:
-        """A rollout as the API shows it. Each part that reads all of a large rollout's targets can be left out where
-        it is not shown (the console): ``profiles`` (the bundles' profiles sent: empty when left out) and
-        ``live_gates`` (the running wave's gate values so far)."""
+        """A rollout as the API shows it (fleet.rollout.status builds it as schema models), as JSON."""
         with self.sessions() as s:
-            r = s.get(Rollout, rollout_id)
-            if r is None:
-                raise NotFound(f"no rollout {rollout_id}")
-            first = self.model(s, r.model_id)
-            assert first is not None
-            counts = {st: int(n) for st, n in s.execute(
-                select(RolloutTarget.state, func.count()).where(RolloutTarget.rollout_id == r.id)
-                .group_by(RolloutTarget.state))}
-            waves = list(s.scalars(select(RolloutWave).where(RolloutWave.rollout_id == r.id)
-                                   .order_by(RolloutWave.idx)))
-            sent = sorted({p for (p,) in s.execute(
-                select(Model.profile).join(RolloutTarget, RolloutTarget.model_id == Model.id)
-                .where(RolloutTarget.rollout_id == r.id).distinct())}) if profiles else []
-            out: dict[str, Any] = {
-                "id": r.id, "model": r.model_name or first.name, "version": r.model_version or first.version,
-                "profile": first.profile, "profiles": sent, "status": r.status, "reason": r.reason,
-                "created_by": r.created_by, "created_at": _iso(r.created_at), "finished_at": _iso(r.finished_at),
-                "current_wave": r.current_wave, "spec": r.spec if isinstance(r.spec, dict) else {},
-                "counts": counts, "engine_error": r.engine_error, "engine_error_at": _iso(r.engine_error_at),
-                "waves": [{"index": w.idx, "size": w.size, "soak_s": w.soak_s, "state": w.state,
-                           "installed": w.n_installed, "failed": w.n_failed, "started_at": _iso(w.started_at),
-                           "soak_until": _iso(w.soak_until), "gates": w.gates} for w in waves],
-            }
-            if with_targets:
-                out["targets"] = [target_json(t, p) for t, p in s.execute(
-                    select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
-                    .where(RolloutTarget.rollout_id == r.id).order_by(RolloutTarget.device_id))]
-            try:  # last: a failure here leaves the rest of the answer (and the listing) standing
-                if live_gates:
-                    self._live_gates(s, r, waves, out["waves"])
-            except Exception as exc:  # shown (while it runs) as the engine's own failure would be
-                log.debug("rollout %d: its live gate figures could not be read: %s", r.id, _failure(exc))
-                if r.status == RolloutStatus.IN_PROGRESS:
-                    out["engine_error"] = out["engine_error"] or _failure(exc)
-            return out
-
-    def _live_gates(self, s: Session, r: Rollout, waves: list[RolloutWave], out: list[dict[str, Any]]) -> None:
-        """Gates not judged yet: their values so far, into each wave's ``gates_live``."""
-        spec = RolloutSpec.model_validate(r.spec or {})
-        for wj, w in zip(out, waves, strict=True):
-            if w.state == WaveState.SHADOWING and spec.shadow is not None:
-                f = self._shadow_figures(s, w)
-                g = evaluate_shadow(f, spec.shadow) or GateResult(
-                    "shadow_agreement", f.agreement, spec.shadow.agreement_min, False,
-                    f"{f.samples} of {spec.shadow.min_samples} mirrored requests so far")
-                wj["gates_live"] = [g.as_json()]
-            elif w.state in (WaveState.INSTALLING, WaveState.SOAKING) and not any(
-                    g["name"] != "shadow_agreement" for g in (w.gates or [])):
-                wj["gates_live"] = [g.as_json() for g in evaluate_gates(self._figures(s, w), spec.gates)]
+            return rollout_status(s, rollout_id, self.model, self.figures, with_targets, profiles,
+                                  live_gates).model_dump(exclude_unset=True)
 
 
-def target_json(t: RolloutTarget, bundle_profile: str | None) -> dict[str, Any]:
-    """A target as the API shows it; ``bundle_profile`` is the profile of the bundle it was sent (its device's
-    own, or that profile's CPU fallback)."""
-    return {"device_id": t.device_id, "state": t.state, "error": t.error, "wave": t.wave,
-            "updated_at": _iso(t.updated_at), "bundle_profile": bundle_profile}
-
-
-def _names(ids: list[str], limit: int = 10) -> str:
-    return ", ".join(ids[:limit]) + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
+_NO_WAVE: Any = None  # no wave left: the rules ask for no figures

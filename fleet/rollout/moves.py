@@ -1,6 +1,6 @@
 """The only ways a wave's or a target's state changes: ``move_wave`` and ``move_targets`` refuse a transition
-fleet.states does not list (``Conflict``) and write the audit rows in the same transaction; ``lock_rows``
-takes row locks in the one lock order (see fleet.rollout)."""
+fleet.states does not list (``Conflict``) and write the audit rows in the same transaction. The row locks they rely on
+(``lock_rows``, in the one lock order: see fleet.rollout) are fleet.rollout.queries', re-exported here."""
 
 from __future__ import annotations
 
@@ -10,19 +10,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, bindparam, select, tuple_, update
+from sqlalchemy import Table, bindparam, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from edgefleet.fleet.audit import ENGINE_ACTOR, audit
-from edgefleet.fleet.db import Device, Rollout, RolloutTarget, RolloutWave, utcnow
+from edgefleet.fleet.db import RolloutTarget, RolloutWave, utcnow
 from edgefleet.fleet.errors import Conflict
+from edgefleet.fleet.rollout.queries import lock_rows, lock_wave_rows
 from edgefleet.fleet.states import (
     TARGET_TRANSITIONS,
     WAVE_TRANSITIONS,
     TargetState,
     WaveState,
 )
+
+__all__ = ["AUDIT_DEVICES_PER_ROW", "AUDIT_ERROR_CHARS", "WAVE_ACTIONS", "TargetMove", "lock_rows", "lock_wave_rows",
+           "move_targets", "move_wave"]
 
 WAVE_ACTIONS: dict[WaveState, str] = {  # the audit action of entering each state
     WaveState.SHADOWING: "wave_shadow_started", WaveState.INSTALLING: "wave_started",
@@ -59,35 +63,6 @@ class TargetMove:
     old: TargetState
     new: TargetState
     error: str | None = None
-
-
-def lock_rows(s: Session, rollouts: Sequence[int] = (), devices: Sequence[str] = (),
-              targets: Sequence[tuple[int, str]] = (), rollouts_shared: bool = False) -> None:
-    """Take row locks in the module's one order: rollouts, devices, targets, each sorted by key (FOR UPDATE; the
-    rollouts FOR KEY SHARE when ``rollouts_shared``). A no-op on SQLite (it has no row locks)."""
-    if s.get_bind().dialect.name != "postgresql":
-        return
-    if rollouts:
-        s.execute(select(Rollout.id).where(Rollout.id.in_(sorted(set(rollouts)))).order_by(Rollout.id)
-                  .with_for_update(read=rollouts_shared, key_share=rollouts_shared))
-    if devices:
-        s.execute(select(Device.id).where(Device.id.in_(sorted(set(devices)))).order_by(Device.id).with_for_update())
-    if targets:
-        t = RolloutTarget
-        s.execute(select(t.rollout_id).where(tuple_(t.rollout_id, t.device_id).in_(sorted(set(targets))))
-                  .order_by(t.rollout_id, t.device_id).with_for_update())
-
-
-def lock_wave_rows(s: Session, rollout_id: int, *where: Any) -> None:
-    """``lock_rows`` for the targets of one rollout that match ``where`` (and their devices), however many: the
-    rows are picked by a join, not listed (the caller holds the rollout)."""
-    if s.get_bind().dialect.name != "postgresql":
-        return
-    t = RolloutTarget
-    s.execute(select(Device.id).join(t, t.device_id == Device.id).where(t.rollout_id == rollout_id, *where)
-              .order_by(Device.id).with_for_update(of=Device))
-    s.execute(select(t.device_id).where(t.rollout_id == rollout_id, *where).order_by(t.device_id)
-              .with_for_update())
 
 
 def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str, **detail: Any) -> None:

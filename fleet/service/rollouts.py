@@ -8,8 +8,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
-from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutTarget
-from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message, target_json
+from edgefleet.fleet.db import AuditRow, Device, Rollout, RolloutTarget
+from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
+from edgefleet.fleet.rollout.status import targets_page
 from edgefleet.fleet.service.common import Publisher, check_labels, iso
 
 
@@ -61,10 +62,8 @@ class RolloutService:
             where.append(RolloutTarget.state == state)
         with self.sessions() as s:
             total = int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
-            rows = s.execute(select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
-                             .where(*where).order_by(RolloutTarget.device_id).offset(max(0, offset))
-                             .limit(max(0, limit)))
-            return [target_json(t, p) for t, p in rows], total
+            page = targets_page(s, rollout_id, *where[1:], offset=offset, limit=limit)
+            return [t.model_dump() for t in page], total
 
     def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[dict[str, Any]]:
         with self.sessions() as s:
