@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from edgefleet.fleet.keys import init_keys
-from edgefleet.fleet.server import FleetConfig, FleetServer
+from edgefleet.fleet.app import FleetConfig, FleetServer
 from tests.conftest import free_port
 from tests.waiting import wait_for
 

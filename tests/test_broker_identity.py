@@ -191,7 +191,7 @@ def env(request, tmp_path) -> Iterator[Env]:
         gen = _mosquitto(tmp_path, enroll)
         device_port, fleet_port, broker_pid = next(gen)
     else:
-        accounts = ActiveAccounts()  # the embedded broker's authorizer, as fleet/server.py feeds it
+        accounts = ActiveAccounts()  # the embedded broker's authorizer, as fleet/app.py feeds it
         enroll.on_change = accounts.update
         accounts.update(enroll.accounts())
         device_port = fleet_port = free_port()

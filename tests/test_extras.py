@@ -106,7 +106,7 @@ def test_fleet_serve_with_the_embedded_broker_but_no_broker_extra_names_it(tmp_p
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'edgefleet[broker]'" in lines[0] and "--mqtt-url" in lines[0], r.stderr
     # the library says the same to whoever builds a FleetServer with no broker URL
-    code = ("from pathlib import Path\nfrom edgefleet.fleet.server import FleetConfig, FleetServer\n"
+    code = ("from pathlib import Path\nfrom edgefleet.fleet.app import FleetConfig, FleetServer\n"
             "from edgefleet.protocol.errors import ConfigError\n"
             "try:\n"
             f"    FleetServer(FleetConfig(data_dir=Path({str(tmp_path / 'lib')!r}), keys_dir=Path({str(keys)!r}),"

@@ -17,9 +17,9 @@ from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.exits import ExitCode
 
 
-@command("fleet", imports=("edgefleet.fleet.server",))
+@command("fleet", imports=("edgefleet.fleet.app",))
 def cmd_fleet_serve(a: argparse.Namespace) -> int:
-    from edgefleet.fleet.server import FleetConfig, FleetServer
+    from edgefleet.fleet.app import FleetConfig, FleetServer
 
     if a.mqtt_url is None:
         try:
