@@ -548,16 +548,6 @@ class RolloutEngine:
             sent += 1
         move_wave(s, w, WaveState.INSTALLING, devices=sent)
 
-        last = self.model(s, d.desired_model_id)
-        if last is not None and (last.name, last.version) == (d.running_model, d.running_version):
-            return last.id
-        prof = d.profile or m.profile
-        fb = cpu_fallback(prof)
-        for p in (prof, *([fb] if fb else [])):
-            if (found := running.get((d.running_model, d.running_version or "", p))) is not None:
-                return found
-        return None
-
     def figures(self, s: Session, w: RolloutWave) -> WaveFigures:
         """The wave's gate figures: its counters, its telemetry (fleet.rollout.queries) and, when its rollout
         gates on drift, its drift against the previous version."""
