@@ -7,12 +7,14 @@ import argparse
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgefleet.cli.command import Formatter, UsageError, command
-from edgefleet.fleet import simulator
 from edgefleet.protocol.errors import ConfigError, EdgefleetError
 from edgefleet.protocol.exits import ExitCode
+
+if TYPE_CHECKING:
+    from edgefleet.fleet.simulator import Simulator
 
 
 def _pairs(items: list[str], what: str) -> dict[str, float]:
@@ -29,6 +31,8 @@ def _pairs(items: list[str], what: str) -> dict[str, float]:
 
 
 def add_parsers(sub: Any) -> None:
+    from edgefleet.fleet import simulator  # here, not above: importing edgefleet.cli loads nothing of the fleet
+
     sp = sub.add_parser("simulate", formatter_class=Formatter, help="run simulated agents against a broker",
                         description=simulator.__doc__.split("\n\n")[0] if simulator.__doc__ else None)
     sp.add_argument("--devices", type=int, required=True, help="how many simulated devices")
@@ -63,6 +67,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     import resource
     import sys
 
+    from edgefleet.fleet import simulator
     from edgefleet.fleet.client import FleetClientError, FleetUnreachable
     from edgefleet.protocol import mqtt as proto
 
@@ -117,7 +122,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-async def _write_stats(sim: simulator.Simulator, path: str) -> None:
+async def _write_stats(sim: Simulator, path: str) -> None:
     import os
 
     while True:
