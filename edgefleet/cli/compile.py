@@ -229,6 +229,12 @@ def cmd_compile_pipeline(a: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _image_options(c: argparse.ArgumentParser, calibration: str, preprocess: str) -> None:
+    """--calibration and --preprocess, which both compile commands take (each says what they mean to it)."""
+    c.add_argument("--calibration", type=Path, help=calibration)
+    c.add_argument("--preprocess", type=Path, help=preprocess)
+
+
 def _add_compile(sub: Any) -> None:
     c = sub.add_parser("compile", formatter_class=Formatter, help="compile an ONNX model into a bundle",
                        description="Check the graph, quantize (static INT8, QDQ) for the weakest CPU the profile "
@@ -240,13 +246,11 @@ def _add_compile(sub: Any) -> None:
                    help="hardware profile name (hw-profiles/NAME.yaml) or a YAML path; several as a comma list, or "
                         "'all': builds each, continues past a failed one, prints a summary table, and exits "
                         "non-zero if any failed")
-    c.add_argument("--calibration", type=Path,
-                   help="for INT8 calibration: an .npz keyed by input name, an .npy, or a folder of images "
-                        "(decoded with OpenCV through --preprocess)")
-    c.add_argument("--preprocess", type=Path,
-                   help="preprocess.yaml (input, height, width, color rgb|bgr|gray, layout nchw|nhwc, scale, mean, "
-                        "std): how an image becomes the input; recorded in the bundle for the agent's image "
-                        "endpoint (default with image folders: RGB in [0, 1] at the input's size)")
+    _image_options(c, "for INT8 calibration: an .npz keyed by input name, an .npy, or a folder of images (decoded "
+                      "with OpenCV through --preprocess)",
+                   "preprocess.yaml (input, height, width, color rgb|bgr|gray, layout nchw|nhwc, scale, mean, std): "
+                   "how an image becomes the input; recorded in the bundle for the agent's image endpoint (default "
+                   "with image folders: RGB in [0, 1] at the input's size)")
     c.add_argument("--eval", required=True, type=Path,
                    help=".npz with the input(s), and 'labels' if you have them, or a folder of images (one "
                         "subfolder per class gives labels): with labels the gate is top-1 accuracy against fp32, "
@@ -312,12 +316,10 @@ def _add_compile_pipeline(sub: Any) -> None:
                    help="the detector's input images: an .npz keyed by its input name (NCHW, normalized as "
                         "crop.source says), an .npy, or a folder of images (needs --preprocess); at least 10 boxes "
                         "must be found on them for the end-answer gate to judge")
-    c.add_argument("--calibration", type=Path,
-                   help="images INT8 calibrates on, same forms as --eval (default: the --eval images; the reader "
-                        "calibrates on the FP32 pipeline's crops of them)")
-    c.add_argument("--preprocess", type=Path,
-                   help="preprocess.yaml for the detector's input (its scale/mean/std must be crop.source's): recorded "
-                        "so the agent's /infer/image feeds the pipeline; needed with a folder of images")
+    _image_options(c, "images INT8 calibrates on, same forms as --eval (default: the --eval images; the reader "
+                      "calibrates on the FP32 pipeline's crops of them)",
+                   "preprocess.yaml for the detector's input (its scale/mean/std must be crop.source's): recorded so "
+                   "the agent's /infer/image feeds the pipeline; needed with a folder of images")
     c.add_argument("-o", "--out", type=Path,
                    help="the bundle file to write (default dist/<pipeline folder>-<profile>.bundle)")
     c.add_argument("--version", help="the bundle's version (default: pipeline.yaml's)")

@@ -95,27 +95,22 @@ def _bundle_command(sub: Any, name: str, fn: Command, help_: str, description: s
     return p
 
 
-def _add_bench(sub: Any) -> None:
-    b = _bundle_command(sub, "bench", cmd_bench, "benchmark a bundle on this box",
-                        "Run a bundle's engine through the agent's backend on this machine at the "
-                        "batch sizes the compiler benchmarked (or --batch-sizes), and print latency "
-                        "p50/p99 and throughput next to the build host's figures from the manifest "
-                        "(here vs build > 1 means faster here). Fixed iteration counts; nothing leaves "
-                        "the machine.")
+BENCH = ("Run a bundle's engine through the agent's backend on this machine at the batch sizes the compiler "
+         "benchmarked (or --batch-sizes), and print latency p50/p99 and throughput next to the build host's figures "
+         "from the manifest (here vs build > 1 means faster here). Fixed iteration counts; nothing leaves the machine.")
+VERIFY = ("Load a bundle through the agent's backend on this machine's CPU, run its self-test and, with --eval, "
+          "measure top-1 against the figure the compiler recorded (without labels in --eval: the gate's own metric "
+          "on those inputs against an fp32 engine run on the same inputs: the bundle's own, or --reference; refused "
+          "when there is none). Exit 0 if it holds, 3 if this CPU computes something else, 4 if this CPU lacks the "
+          "instruction sets the bundle needs or the data cannot be judged. Try it on an emulated AVX2-only CPU: "
+          "qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
+
+
+def add_parsers(sub: Any) -> None:
+    b = _bundle_command(sub, "bench", cmd_bench, "benchmark a bundle on this box", BENCH)
     b.add_argument("--batch-sizes", help="comma list, e.g. 1,16 (default: those in the manifest's benchmark)")
     b.add_argument("--iterations", type=int, default=30, help="timed runs per batch size")
-
-
-def _add_verify(sub: Any) -> None:
-    v = _bundle_command(sub, "verify", cmd_verify, "run a bundle on this CPU as an agent would",
-                        "Load a bundle through the agent's backend on this machine's CPU, run its "
-                        "self-test and, with --eval, measure top-1 against the figure the compiler "
-                        "recorded (without labels in --eval: the gate's own metric on those inputs "
-                        "against an fp32 engine run on the same inputs: the bundle's own, or "
-                        "--reference; refused when there is none). Exit 0 if it holds, 3 if this CPU "
-                        "computes something else, 4 if this CPU lacks the instruction sets the bundle "
-                        "needs or the data cannot be judged. Try it on an emulated "
-                        "AVX2-only CPU: qemu-x86_64 -cpu Haswell .venv/bin/python -m edgefleet.cli verify")
+    v = _bundle_command(sub, "verify", cmd_verify, "run a bundle on this CPU as an agent would", VERIFY)
     v.add_argument("--eval", type=Path, help=".npz with input(s) and 'labels' (e.g. models/digits/test.npz); "
                    "without labels, the gate's own metric on its inputs against fp32 (the bundle's fp32 engine, or "
                    "--reference)")
@@ -128,8 +123,3 @@ def _add_verify(sub: Any) -> None:
                         "bundle's own engine, the one an agent serves before it times them)")
     v.add_argument("--skip-cpu-check", action="store_true",
                    help="run even if this CPU lacks the features the bundle's profile promises (diagnostics)")
-
-
-def add_parsers(sub: Any) -> None:
-    _add_bench(sub)
-    _add_verify(sub)
