@@ -52,7 +52,8 @@ def render_index(service: FleetService, request: Request, operate: bool, message
                                           filters["state"] or None, filters["q"] or None,
                                           total=None if any(filters.values()) else fleet["devices"])
     rollouts = service.rollouts.list_rollouts(20, summary=True)
-    return console.render(page, service.models.list_models(), rollouts, operate, message,
+    models = [m.model_dump(mode="json") for m in service.models.list_models()]  # the console renders JSON
+    return console.render(page, models, rollouts, operate, message,
                           fleet=fleet, matching=matching, filters=filters, offset=offset)
 
 
@@ -61,8 +62,8 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
     """A rollout with its wave counters and one page of its targets (?state=&offset=), never all of them."""
     state, offset = _str_param(request, "state"), _int_param(request, "offset")
     r = service.rollouts.get_rollout(rollout_id, with_targets=False, profiles=False)  # the page does not show them
-    r["targets"], r["targets_total"] = service.rollouts.rollout_targets(rollout_id, console.PAGE_SIZE, offset,
-                                                               state or None)
+    page, r["targets_total"] = service.rollouts.rollout_targets(rollout_id, console.PAGE_SIZE, offset, state or None)
+    r["targets"] = [t.model_dump() for t in page]  # the console renders JSON
     devices = service.devices.devices_by_id([t["device_id"] for t in r["targets"]])
     # each wave over time: grouped in SQL from the rows the ingest summed per wave and time step (fleet.series)
     waves = series.rollout_series(service.sessions, service.engine.drift, rollout_id)

@@ -73,7 +73,7 @@ def router(fleet: Fleet) -> APIRouter:
         return devices.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
 
     @r.post("/api/v1/devices/batch", status_code=201, response_model=out.DeviceBatchResult)
-    def register_devices(body: DeviceBatchIn, c: Caller = Depends(operator)) -> dict[str, int]:
+    def register_devices(body: DeviceBatchIn, c: Caller = Depends(operator)) -> out.DeviceBatchResult:
         """Register up to MAX_BATCH_DEVICES devices at once (all or none): {"registered": new, "updated": known}."""
         return devices.register_devices([d.model_dump() for d in body.devices], c.name)
 
@@ -148,7 +148,7 @@ def router(fleet: Fleet) -> APIRouter:
         return drift.device_drift(service.sessions, service.engine.drift, device_id, limit)
 
     @r.get("/api/v1/groups", response_model=list[out.Group])
-    def list_groups(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def list_groups(_: Caller = Depends(viewer)) -> list[out.Group]:
         return devices.list_groups()
 
     return r

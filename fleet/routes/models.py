@@ -24,11 +24,11 @@ def router(fleet: Fleet) -> APIRouter:
     viewer, operator = fleet.roles.viewer, fleet.roles.operator
 
     @r.get("/api/v1/models", response_model=list[out.ModelBuild])
-    def list_models(_: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def list_models(_: Caller = Depends(viewer)) -> list[out.ModelBuild]:
         return models.list_models()
 
     @r.post("/api/v1/bundles", status_code=201, response_model=out.ModelBuild)
-    async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> dict[str, Any]:
+    async def upload_bundle(request: Request, _: Caller = Depends(operator)) -> out.ModelBuild:
         """Upload a bundle archive as the raw request body (Content-Type: application/x-tar)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_upload_bytes:

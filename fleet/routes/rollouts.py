@@ -99,12 +99,13 @@ def router(fleet: Fleet) -> APIRouter:
         return series.rollout_series(service.sessions, service.engine.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
-    def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[out.AuditEntry]:
         rollouts.get_rollout(rollout_id, with_targets=False)
         return rollouts.audit_log(rollout_id)
 
     @r.get("/api/v1/audit", response_model=list[out.AuditEntry])
-    def audit_log(limit: int = Query(default=200, ge=1, le=5000), _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+    def audit_log(limit: int = Query(default=200, ge=1, le=5000),
+                  _: Caller = Depends(viewer)) -> list[out.AuditEntry]:
         return rollouts.audit_log(None, limit)
 
     return r

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import Table, case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from edgefleet.fleet import schemas as out
 from edgefleet.fleet.audit import audit
 from edgefleet.fleet.db import Device, Model, TelemetryRow
 from edgefleet.fleet.errors import BadRequest, NotFound
@@ -42,7 +43,7 @@ class DeviceService:
             self._known.add(device_id)
             return self._device_json(s, dev)
 
-    def register_devices(self, items: list[dict[str, Any]], actor: str = "api") -> dict[str, int]:
+    def register_devices(self, items: list[dict[str, Any]], actor: str = "api") -> out.DeviceBatchResult:
         """Register many devices in one transaction (``items``: device_id, and optionally labels, group, tags,
         profile, as ``register_device`` takes them): every item is checked first, and one bad item refuses the
         whole batch (400/422 naming it); a device named twice is refused too. Costs a few statements whatever the
@@ -80,7 +81,7 @@ class DeviceService:
             ids = [it["device_id"] for it in items]
             audit(s, actor, "devices_registered", count=len(ids), new=len(new), devices=ids[:self.AUDIT_IDS])
         self._known.update(seen)
-        return {"registered": len(new), "updated": len(items) - len(new)}
+        return out.DeviceBatchResult(registered=len(new), updated=len(items) - len(new))
 
     AUDIT_IDS = 1000  # device ids named in a bulk registration's audit row
 
@@ -130,13 +131,13 @@ class DeviceService:
             s.flush()
             return self._device_json(s, dev)
 
-    def list_groups(self) -> list[dict[str, Any]]:
+    def list_groups(self) -> list[out.Group]:
         with self.sessions() as s:
             rows = s.execute(select(Device.group_name, func.count(), func.sum(case((Device.online.is_(True), 1),
                                                                                  else_=0)))
                              .where(Device.group_name.is_not(None)).group_by(Device.group_name)
                              .order_by(Device.group_name))
-            return [{"group": g, "devices": int(n), "online": int(o or 0)} for g, n, o in rows]
+            return [out.Group(group=g, devices=int(n), online=int(o or 0)) for g, n, o in rows]
 
     def _device_json(self, s: Session, d: Device, models: dict[int, Model] | None = None) -> dict[str, Any]:
         """A device as the API shows it; ``models``: the desired models by id, read beforehand for a page of devices

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from edgefleet.fleet import schemas as out
 from edgefleet.fleet.db import Model
 from edgefleet.fleet.errors import BadRequest, Conflict, RepositoryError
 from edgefleet.fleet.keys import bundle_target
@@ -25,7 +25,7 @@ class ModelService:
         self.sessions = sessions
         self.repo = repo
 
-    def upload_bundle(self, path: Path) -> dict[str, Any]:
+    def upload_bundle(self, path: Path) -> out.ModelBuild:
         """Check the whole archive with the agent's own reader (protocol.bundle.check_bundle: plain regular
         files only, exactly the ones the manifest lists with their sizes and sha256, a profile this fleet
         knows) before anything is signed or stored; a bad one is a 422 naming the problem (never ``path``,
@@ -58,22 +58,24 @@ class ModelService:
                           manifest=manifest.model_dump(mode="json"))
                 s.add(m)
                 s.flush()
-                return self._model_json(m)
+                return self._model(m)
         except (RepositoryError, IntegrityError) as exc:  # a concurrent upload of the same version won
             raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} was uploaded concurrently "
                            f"with other content or is already registered: {exc}") from exc
 
     @staticmethod
-    def _model_json(m: Model) -> dict[str, Any]:
-        return {"id": m.id, "name": m.name, "version": m.version, "profile": m.profile, "backend": m.backend,
-                "precision": m.precision, "target": m.target_path, "sha256": m.sha256, "size_bytes": m.size_bytes,
-                "accuracy": m.manifest["accuracy"], "uploaded_at": iso(m.uploaded_at),
-                "cpu_features": m.manifest.get("cpu_features", []), "quantization": m.manifest.get("quantization"),
-                "precision_choice": m.manifest.get("precision_choice"),
-                "selftest_summary": m.manifest.get("selftest_summary")}
+    def _model(m: Model) -> out.ModelBuild:
+        """The build as the API shows it (the manifest's own parts are the protocol's models)."""
+        man = m.manifest
+        return out.ModelBuild(id=m.id, name=m.name, version=m.version, profile=m.profile, backend=m.backend,
+                              precision=m.precision, target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
+                              accuracy=man["accuracy"], uploaded_at=iso(m.uploaded_at),
+                              cpu_features=man.get("cpu_features", []), quantization=man.get("quantization"),
+                              precision_choice=man.get("precision_choice"),
+                              selftest_summary=man.get("selftest_summary"))
 
-    def list_models(self) -> list[dict[str, Any]]:
+    def list_models(self) -> list[out.ModelBuild]:
         with self.sessions() as s:
             models = list(s.scalars(select(Model)))
         models.sort(key=lambda m: (m.name, version_key(m.version), m.profile))
-        return [self._model_json(m) for m in models]
+        return [self._model(m) for m in models]

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
+from edgefleet.fleet import schemas as out
 from edgefleet.fleet.db import AuditRow, Device, Rollout, RolloutTarget
 from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
 from edgefleet.fleet.rollout.status import targets_page
@@ -55,20 +56,19 @@ class RolloutService:
         return self.rollouts.status(rollout_id, with_targets, profiles, live_gates)
 
     def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
-                        state: str | None = None) -> tuple[list[dict[str, Any]], int]:
+                        state: str | None = None) -> tuple[list[out.RolloutTarget], int]:
         """One page of a rollout's targets by device id (``state`` filters), and how many match in all."""
         where = [RolloutTarget.rollout_id == rollout_id]
         if state:
             where.append(RolloutTarget.state == state)
         with self.sessions() as s:
             total = int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
-            page = targets_page(s, rollout_id, *where[1:], offset=offset, limit=limit)
-            return [t.model_dump() for t in page], total
+            return targets_page(s, rollout_id, *where[1:], offset=offset, limit=limit), total
 
-    def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[out.AuditEntry]:
         with self.sessions() as s:
             q = select(AuditRow).order_by(AuditRow.id.desc()).limit(max(1, min(limit, 5000)))
             if rollout_id is not None:
                 q = q.where(AuditRow.rollout_id == rollout_id)
-            return [{"id": a.id, "ts": iso(a.ts), "actor": a.actor, "action": a.action, "rollout_id": a.rollout_id,
-                     "device_id": a.device_id, "detail": a.detail} for a in s.scalars(q)]
+            return [out.AuditEntry(id=a.id, ts=iso(a.ts), actor=a.actor, action=a.action, rollout_id=a.rollout_id,
+                                   device_id=a.device_id, detail=a.detail) for a in s.scalars(q)]
