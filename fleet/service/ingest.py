@@ -16,7 +16,7 @@ from edgefleet.fleet.db import Device, Model, RolloutTarget, TelemetryRow, utcno
 from edgefleet.fleet.ingest import NotStored
 from edgefleet.fleet.presence import bound_s
 from edgefleet.fleet.rollout import RolloutEngine
-from edgefleet.fleet.rollout.moves import lock_rows
+from edgefleet.fleet.rollout.queries import lock_rows
 from edgefleet.fleet.service.common import DECOMMISSIONED
 from edgefleet.protocol import mqtt as proto
 
@@ -27,10 +27,10 @@ REPORT_CLOCK_AHEAD_S = 300.0
 
 
 class IngestService:
-    def __init__(self, sessions: sessionmaker, rollouts: RolloutEngine, rejections: Rejections, known: set[str],
+    def __init__(self, sessions: sessionmaker, engine: RolloutEngine, rejections: Rejections, known: set[str],
                  accept_unknown_devices: bool = True):
         self.sessions = sessions
-        self.rollouts = rollouts
+        self.engine = engine
         self.rejections = rejections
         self._known = known  # device ids this replica knows are in the database (shared with the registry)
         # True: a device seen on MQTT before registration is added (registered_via "mqtt"). Enrollment
@@ -185,7 +185,7 @@ class IngestService:
                                   "last_report_ts": order[m.device_id]}
                     for m in msgs}  # the newest report of a device wins
             s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), [rows[d] for d in sorted(rows)])
-            rejected = self.rollouts.on_reports(s, [m for m in msgs if m.rollout_id is not None])
+            rejected = self.engine.on_reports(s, [m for m in msgs if m.rollout_id is not None])
             for m in msgs:
                 if m.state == "installed" and m.selftest is not None:
                     s.connection().execute(update(dev).where(dev.c.id == m.device_id).values(
@@ -283,10 +283,10 @@ class IngestService:
             for group in (with_tel, without):
                 if group:
                     s.connection().execute(by_id, group)
-            self.rollouts.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
-            self.rollouts.on_shadow_batch(s, list(fresh.values()))
-            for device_id, why in self.rollouts.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
+            self.engine.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
+            self.engine.on_shadow_batch(s, list(fresh.values()))
+            for device_id, why in self.engine.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
                 self.rejections.add("drift_counts_refused", device_id, why)
             # each rollout wave's rows of the minute (fleet.series): last, its upserts take their rows in key order
-            series.on_telemetry(s, waves, list(fresh.values()), self.rollouts.drift)
+            series.on_telemetry(s, waves, list(fresh.values()), self.engine.drift)
             return len(fresh)

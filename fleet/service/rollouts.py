@@ -16,27 +16,27 @@ from edgefleet.fleet.service.common import Publisher, check_labels, iso
 
 
 class RolloutService:
-    def __init__(self, sessions: sessionmaker, publisher: Publisher, rollouts: RolloutEngine):
+    def __init__(self, sessions: sessionmaker, publisher: Publisher, engine: RolloutEngine):
         self.sessions = sessions
         self.publisher = publisher
-        self.rollouts = rollouts
+        self.engine = engine
 
     def create_rollout(self, name: str, version: str, devices: list[str] | None = None, profile: str | None = None,
                        group: str | None = None, tags: list[str] | None = None, spec: RolloutSpec | None = None,
                        actor: str = "api") -> dict[str, Any]:
         check_labels(None, tags)
         sel = Selector(devices=tuple(devices or ()), group=group, tags=tuple(tags or ()), profile=profile)
-        rid = self.rollouts.create(name, version, sel, spec or RolloutSpec(), actor)
+        rid = self.engine.create(name, version, sel, spec or RolloutSpec(), actor)
         return self.get_rollout(rid)
 
     def rollout_action(self, rollout_id: int, action: str, actor: str) -> dict[str, Any]:
-        self.rollouts.act(rollout_id, action, actor)
+        self.engine.act(rollout_id, action, actor)
         return self.get_rollout(rollout_id, with_targets=False)
 
     def republish_desired(self) -> int:
         """Publish every device's desired state again (retained), e.g. after a broker restart."""
         with self.sessions() as s:
-            rows = [(d.id, self.rollouts.model(s, d.desired_model_id), d.desired_rollout_id)
+            rows = [(d.id, self.engine.model(s, d.desired_model_id), d.desired_rollout_id)
                     for d in s.scalars(select(Device).where(Device.desired_model_id.is_not(None)))]
         now = time.time()
         for dev_id, model, rid in rows:
@@ -53,7 +53,7 @@ class RolloutService:
 
     def get_rollout(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
                     live_gates: bool = True) -> dict[str, Any]:
-        return self.rollouts.status(rollout_id, with_targets, profiles, live_gates)
+        return self.engine.status(rollout_id, with_targets, profiles, live_gates)
 
     def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
                         state: str | None = None) -> tuple[list[out.RolloutTarget], int]:
