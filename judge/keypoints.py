@@ -7,7 +7,11 @@ the candidate's: by box IoU >= ``iou`` when the task names the instances' boxes 
 number in the same order). Each FP32 point then counts as kept when the candidate's lies within ``pck`` (default
 0.05) of the instance's size: the longer side of FP32's box, or without boxes the longer side of the box around
 FP32's points. A lost instance loses all its points. The gate's bound is ``min_pck`` (default 0.98) on the kept
-share, and ``min_instances`` on the instances matched when boxes are named. Pure functions of arrays.
+share, and ``min_instances`` on the instances matched when boxes are named. A ``[2K]`` vector (or ``[I, 2K]`` rows)
+lays its points out as ``layout`` says: ``xy`` (default: x0, y0, x1, y1, ...) or ``xxyy`` (x0..xK-1, then y0..yK-1,
+as MTCNN's ONet does); undeclared, it is inferred only when the named boxes tell the two apart (one layout puts
+>= 90% of the points inside their boxes, the other <= 50%), else xy, and the report's note says which and why.
+Pure functions of arrays.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from edgefleet.judge.criteria import crit, mean_ci, wilson
 from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TaskCriterion
 
-__all__ = ["keypoints", "pck_criteria", "pck_hits"]
+__all__ = ["KEYPOINT_LAYOUTS", "keypoints", "pck_criteria", "pck_hits"]
+
+KEYPOINT_LAYOUTS = ("xy", "xxyy")  # a [2K] vector: x0, y0, x1, y1, ... or x0..xK-1 then y0..yK-1
 
 
 def pck_hits(ref: np.ndarray, cand: np.ndarray | None, size: float, fraction: float) -> np.ndarray:
@@ -44,15 +50,15 @@ def pck_criteria(hits: list[np.ndarray], bound: float, fraction: float,
              "instances_with_moved_points": float(moved)})
 
 
-def _instances(x: np.ndarray, where: str) -> np.ndarray:
-    """One sample's points as [I, K, 2+]."""
+def _instances(x: np.ndarray, where: str, layout: str = "xy") -> np.ndarray:
+    """One sample's points as [I, K, 2+] (a [2K] vector or [I, 2K] rows as ``layout`` says)."""
     x = np.asarray(x, np.float64)
     if x.ndim == 1 and x.size % 2 == 0:
-        return x.reshape(1, -1, 2)
+        return x.reshape(2, -1).T[None] if layout == "xxyy" else x.reshape(1, -1, 2)
     if x.ndim == 2 and x.shape[1] in (2, 3):
         return x[None]
     if x.ndim == 2 and x.shape[1] % 2 == 0:
-        return x.reshape(len(x), -1, 2)
+        return x.reshape(len(x), 2, -1).transpose(0, 2, 1) if layout == "xxyy" else x.reshape(len(x), -1, 2)
     if x.ndim == 3 and x.shape[2] in (2, 3):
         return x
     raise InputError(f"keypoints: {where} has shape {list(x.shape)} per sample; points are [2K], [K, 2], [K, 3], "
@@ -88,6 +94,38 @@ def _match(rb: np.ndarray, cb: np.ndarray, iou_t: float) -> list[tuple[int, int,
     return out
 
 
+def choose_layout(task: Any, ref: list[np.ndarray], others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None
+                  ) -> tuple[str, bool, str]:
+    """(layout, sure, why) of the task's [2K] points: as declared, else inferred only when the named boxes tell: one
+    layout puts at least 90% of fp32's points inside their instance's box (grown by 10%) and the other at most half;
+    otherwise the default xy, not sure."""
+    if "layout" in task.args:
+        return str(task.args["layout"]), True, "declared"
+    name = task.arg("boxes")
+    flat = all(np.ndim(r) == 1 or (np.ndim(r) == 2 and np.shape(r)[1] not in (2, 3)) for r in ref[:64])
+    if not flat:
+        return "xy", True, "points given as [.., K, 2]: no layout to choose"
+    if name is None or name not in (others or {}):
+        return "xy", False, "xy by default: without boxes= the values do not tell xy from xxyy (declare layout=)"
+    inside = {}
+    for layout in KEYPOINT_LAYOUTS:
+        hit = total = 0
+        for r, b in zip(ref[:64], (others or {})[name][0][:64], strict=False):
+            pts, box = _instances(r, "fp32's output", layout), _boxes(b)
+            if len(box) != len(pts):
+                return "xy", False, "xy by default: boxes and instances differ in number"
+            pad = 0.1 * (box[:, 2:] - box[:, :2])[:, None]
+            ok = (pts[..., :2] >= box[:, None, :2] - pad) & (pts[..., :2] <= box[:, None, 2:] + pad)
+            hit, total = hit + int(ok.all(axis=-1).sum()), total + ok.shape[0] * ok.shape[1]
+        inside[layout] = hit / max(total, 1)
+    best, other = sorted(KEYPOINT_LAYOUTS, key=lambda k: -inside[k])
+    sure = inside[best] >= 0.9 and inside[other] <= 0.5
+    shares = f"{inside['xy']:.0%} of points inside their boxes read xy, {inside['xxyy']:.0%} read xxyy"
+    if not sure:
+        return "xy", False, f"xy by default: the boxes do not tell ({shares}; declare layout=)"
+    return best, True, f"{best} inferred from the boxes ({shares})"
+
+
 def keypoints(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: float,
               others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None = None
               ) -> tuple[list[TaskCriterion], dict[str, float]]:
@@ -97,11 +135,12 @@ def keypoints(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: fl
         raise InputError(f"keypoints: boxes={name!r} is not one of the model's outputs {sorted(others or {})}")
     boxes = (others or {}).get(name) if name is not None else None
     fraction, iou_t = task.arg("pck"), task.arg("iou")
+    layout = choose_layout(task, ref, others)[0]
     hits: list[np.ndarray] = []
     n_ref = matched = 0
     ious: list[float] = []
     for s, (r, c) in enumerate(zip(ref, cand, strict=True)):
-        rp, cp = _instances(r, "fp32's output"), _instances(c, "the candidate's output")
+        rp, cp = _instances(r, "fp32's output", layout), _instances(c, "the candidate's output", layout)
         if boxes is not None:
             rb, cb = _boxes(boxes[0][s]), _boxes(boxes[1][s])
             if len(rb) != len(rp) or len(cb) != len(cp):

@@ -54,7 +54,7 @@ from edgefleet.judge.detection import (
     yolox_grid,
 )
 from edgefleet.judge.errors import InputError
-from edgefleet.judge.keypoints import keypoints
+from edgefleet.judge.keypoints import KEYPOINT_LAYOUTS, choose_layout, keypoints
 from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 
 __all__ = ["TASKS", "Outputs", "TaskSpec", "canonical_task", "infer_task", "judge", "load_task_file", "parse_task_args",
@@ -71,7 +71,7 @@ TASKS: dict[str, dict[str, Any]] = {
     "detection": {"format": "yolov8", "score": 0.25, "iou": 0.5, "nms": 0.7, "min_recall": 0.98,
                   "min_precision": 0.98, "min_iou": 0.8, "input_h": None, "input_w": None,
                   "wh": None, "offset": None, "landmarks": None, "top_k": 100, "pck": 0.05, "min_pck": 0.98},
-    "keypoints": {"boxes": None, "iou": 0.5, "pck": 0.05, "min_pck": 0.98, "min_instances": 0.98},
+    "keypoints": {"boxes": None, "layout": "xy", "iou": 0.5, "pck": 0.05, "min_pck": 0.98, "min_instances": 0.98},
     "ctc": {"blank": 0, "min_exact": 0.98, "max_cer": 0.02},  # at most 2% of the strings change
     "segmentation": {"threshold": None, "min_iou": 0.9, "min_instances": 0.98, "min_area": 10},
     "regression": {"threshold": None, "min_decision": None, "tol": None, "min_within": 0.99, "min_segments": None},
@@ -142,6 +142,11 @@ def _coerce(task: str, key: str, value: Any, where: str) -> Any:
     if key not in TASKS[task]:
         raise InputError(f"{where}: {task} takes no argument {key!r}; it takes "
                          f"{', '.join(['output', *TASKS[task]])}")
+    if key == "layout" and task == "keypoints":
+        if str(value) not in KEYPOINT_LAYOUTS:
+            raise InputError(f"{where}: keypoints layout={value!r} is not one of {', '.join(KEYPOINT_LAYOUTS)} (a [2K] "
+                             "vector of points: xy interleaved x0, y0, x1, y1, ... or xxyy: x0..xK-1, then y0..yK-1)")
+        return str(value)
     if key == "format":
         if str(value) not in DETECTION_FORMATS:
             raise InputError(f"{where}: detection format {value!r} is not one of {', '.join(DETECTION_FORMATS)} "
@@ -494,7 +499,10 @@ def judge(task: TaskSpec, ref: Outputs, cand: Outputs, min_agreement: float,
         crits.append(crit("unjudged_outputs_unchanged", same / len(unjudged), 1.0, "min", None))
         details["max_unjudged_rel_l2"] = float(max_unjudged_change)
     first = crits[0]
+    note = task.note + "".join(f"; keypoints {t.output!r}: layout {choose_layout(t, every[t.output][0], every)[2]}"
+                               for t in (task, *task.also()) if t.name == "keypoints" and "layout" not in t.args
+                               and t.output in every)
     return TaskReport(task=task.name, source=task.source, output=task.output,  # type: ignore[arg-type]
-                      args={k: str(v) for k, v in task.args.items()}, note=task.note, metric=first.name,
+                      args={k: str(v) for k, v in task.args.items()}, note=note[:2000], metric=first.name,
                       value=first.value, ci95=first.ci95, criteria=tuple(crits), passed=all(x.passed for x in crits),
                       details={k: round(v, 6) for k, v in details.items()})

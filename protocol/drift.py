@@ -9,7 +9,10 @@ task              features (one value per answer unless said)
 classification    ``class`` (arg-max; categorical: the reference's 63 most common classes, the rest "other"),
                   ``score`` (top-1 probability; softmax first when the row is not one)
 detection         ``boxes`` (anchors whose best class score >= ``score_threshold``, before NMS: moves with the
-                  number of objects in view), ``score`` (the best box score of the image)
+                  number of objects in view), ``score`` (the best box score of the image); a CenterNet or
+                  CenterFace head's: its heat map's peaks (3x3 local maxima >= ``score_threshold``) and the best peak
+keypoints         ``instances`` (instances of points in the answer), ``spread`` (per instance: the longer side of the
+                  box around its points, ``layout`` xy interleaved or xxyy: all x then all y)
 ctc               ``length`` (greedy-decoded string length), ``score`` (mean top probability per step)
 regression        ``positive_share`` (share of values >= ``threshold`` in the answer: a VAD's speech share),
                   ``value`` (the answer's values, at most 4,096 per answer)
@@ -104,8 +107,9 @@ MAX_PSI = 2 * (1 - PSI_EPSILON) * math.log(1 / PSI_EPSILON) + 1e-6  # two bins s
 DECILES = tuple(i / 10 for i in range(1, 10))
 UNIT_GRID = DECILES  # edges added to a [0, 1] feature whose deciles collapse
 
-Task = Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding", "pipeline"]
-FeatureName = Literal["class", "score", "boxes", "length", "positive_share", "foreground_share", "value", "norm"]
+Task = Literal["classification", "detection", "ctc", "segmentation", "regression", "embedding", "keypoints", "pipeline"]
+FeatureName = Literal["class", "score", "boxes", "length", "positive_share", "foreground_share", "value", "norm",
+                      "instances", "spread"]
 Level = Literal["insufficient", "stable", "watch", "drift"]
 TASK_FEATURES: dict[str, tuple[str, ...]] = {
     "classification": ("class", "score"),
@@ -114,11 +118,12 @@ TASK_FEATURES: dict[str, tuple[str, ...]] = {
     "regression": ("positive_share", "value"),
     "segmentation": ("foreground_share",),
     "embedding": ("norm", "value"),
+    "keypoints": ("instances", "spread"),
     "pipeline": ("boxes", "length", "class", "score"),  # length with read ctc, class with read topk
 }
 PIPELINE_FEATURES: dict[str, tuple[str, ...]] = {"ctc": ("boxes", "length", "score"),  # by the pipeline's read op
                                                  "topk": ("boxes", "class", "score")}
-INTEGER_FEATURES = frozenset({"boxes", "length"})
+INTEGER_FEATURES = frozenset({"boxes", "length", "instances"})
 UNIT_FEATURES = frozenset({"positive_share", "foreground_share"})  # always in [0, 1]
 
 
@@ -170,7 +175,8 @@ class DriftReference(StrictModel):
     # how answers are read (each only where its task uses it)
     blank: int | None = Field(default=None, ge=0, lt=2**31)  # ctc
     score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # detection
-    detection_format: Literal["yolov8", "yolov5", "yolox"] | None = None
+    detection_format: Literal["yolov8", "yolov5", "yolox", "centernet", "centerface"] | None = None
+    layout: Literal["xy", "xxyy"] | None = None  # keypoints: how a [2K] vector lays out its points
     threshold: float | None = Field(default=None, ge=-1e30, le=1e30)  # regression, segmentation
     read: Literal["ctc", "topk"] | None = None  # pipeline: how its reader's answers were decoded (spec.read.op)
     features: tuple[FeatureReference, ...] = Field(min_length=1, max_length=MAX_FEATURES)
@@ -183,6 +189,8 @@ class DriftReference(StrictModel):
                              f"once; got {names}")
         if self.read_as == "detection" and (self.score_threshold is None or self.detection_format is None):
             raise ValueError("a detection reference names its score_threshold and detection_format")
+        if (self.read_as == "keypoints") != (self.layout is not None):
+            raise ValueError("a keypoints reference names its points' layout (xy or xxyy); no other task has one")
         if (self.read_as == "pipeline") != (self.read is not None):
             raise ValueError("a pipeline reference names how its reader's answers were read (read: ctc or topk); "
                              "no other task has read")
@@ -292,9 +300,35 @@ def _pipeline_values(batch: Batch, read: str | None) -> dict[str, list[np.ndarra
     return out
 
 
+def _heat_peaks(a: np.ndarray) -> np.ndarray:
+    """A CenterNet heat map's ([C, H, W] or [H, W]; logits through a sigmoid) peak scores: the cells that are the
+    largest of their 3x3 neighbourhood."""
+    p = _sigmoid_if_logits(a.reshape((1, *a.shape) if a.ndim == 2 else a).astype(np.float64))
+    q = np.pad(p, [(0, 0), (1, 1), (1, 1)], constant_values=-np.inf)
+    h, w = p.shape[1:]
+    pooled = np.max(np.stack([q[:, i:i + h, j:j + w] for i in range(3) for j in range(3)]), axis=0)
+    return p[p >= pooled]
+
+
+def _points(a: np.ndarray, layout: str | None) -> np.ndarray:
+    """One answer's points as [I, K, 2] (judge.keypoints' shapes; a [2K] vector as ``layout`` says), at most
+    MAX_BOXES instances."""
+    if a.ndim == 1 and a.size % 2 == 0:
+        p = a.reshape(2, -1).T[None] if layout == "xxyy" else a.reshape(1, -1, 2)
+    elif a.ndim == 2 and a.shape[1] in (2, 3):
+        p = a[None, :, :2]
+    elif a.ndim == 2 and a.shape[1] % 2 == 0:
+        p = a.reshape(len(a), 2, -1).transpose(0, 2, 1) if layout == "xxyy" else a.reshape(len(a), -1, 2)
+    elif a.ndim == 3 and a.shape[2] in (2, 3):
+        p = a[..., :2]
+    else:
+        raise ValueError(f"keypoints answers are [2K], [K, 2|3], [I, 2K] or [I, K, 2|3]; got shape {list(a.shape)}")
+    return p[:MAX_BOXES]
+
+
 def feature_values(task: str, batch: Batch, *, blank: int | None = None, score_threshold: float | None = None,
                    detection_format: str | None = None, threshold: float | None = None,
-                   read: str | None = None) -> dict[str, np.ndarray]:
+                   read: str | None = None, layout: str | None = None) -> dict[str, np.ndarray]:
     """Each feature's values (float64, 1-D, finite) over ``batch``: the answers, samples on axis 0 (an array, or a
     list of per-answer arrays; a pipeline's: its five end outputs). Raises ValueError for answers its task cannot
     read."""
@@ -316,7 +350,17 @@ def feature_values(task: str, batch: Batch, *, blank: int | None = None, score_t
         for a in _answers(batch):
             if a.dtype.kind != "f":  # integer or boolean answers: read as floats (float32 ones stay as they are)
                 a = a.astype(np.float64)
-            if task == "detection":
+            if task == "detection" and detection_format in ("centernet", "centerface"):
+                if a.ndim not in (2, 3) or min(a.shape[-2:]) < 2:
+                    raise ValueError(f"a CenterNet heat map is [C, H, W] or [H, W] per image; got {list(a.shape)}")
+                s = _heat_peaks(a)
+                out["boxes"].append(np.array([float(np.sum(s >= (score_threshold or 0.0)))]))
+                out["score"].append(np.array([float(s.max()) if s.size else 0.0]))
+            elif task == "keypoints":
+                p = _points(a, layout)
+                out["instances"].append(np.array([float(len(p))]))
+                out["spread"].append(np.ptp(p, axis=1).max(axis=-1) if p.size else np.zeros(0))
+            elif task == "detection":
                 if a.ndim != 2:
                     raise ValueError(f"detection answers are 2-D per image; got shape {list(a.shape)}")
                 if detection_format == "yolov8":
@@ -368,7 +412,7 @@ def samples_of(task: str, batch: Batch) -> int:
 
 def _kwargs(ref: DriftReference) -> dict[str, Any]:
     return {"blank": ref.blank, "score_threshold": ref.score_threshold, "detection_format": ref.detection_format,
-            "threshold": ref.threshold, "read": ref.read}
+            "threshold": ref.threshold, "read": ref.read, "layout": ref.layout}
 
 
 def bin_counts(f: FeatureReference, values: np.ndarray) -> np.ndarray:
@@ -412,21 +456,26 @@ def reference_args(task: str, arg: Callable[[str], Any]) -> dict[str, Any]:
         return {"threshold": None if thr is None else float(thr)}
     if task == "pipeline":
         return {"read": str(arg("read"))}
+    if task == "keypoints":
+        return {"layout": str(arg("layout"))}
     return {}
 
 
 def build_reference(task: str, output: str, batch: Batch, *, blank: int | None = None,
                     score_threshold: float | None = None, detection_format: str | None = None,
-                    threshold: float | None = None, read: str | None = None, sure: bool = True) -> DriftReference:
+                    threshold: float | None = None, read: str | None = None, layout: str | None = None,
+                    sure: bool = True) -> DriftReference:
     """The reference of ``task`` from the answers ``batch`` (samples on axis 0) of output ``output`` (a pipeline's:
     its five end outputs, ``output`` the one its reader's answers are in, ``read`` its read step's op)."""
     kw: dict[str, Any] = {"blank": blank, "score_threshold": score_threshold, "detection_format": detection_format,
-          "threshold": threshold, "read": read}
+          "threshold": threshold, "read": read, "layout": layout}
     if task == "detection":
         kw["score_threshold"] = 0.25 if score_threshold is None else score_threshold
         kw["detection_format"] = detection_format or "yolov8"
     if task == "ctc":
         kw["blank"] = blank or 0
+    if task == "keypoints":
+        kw["layout"] = layout or "xy"
     values = feature_values(task, batch, **kw)
     n = samples_of(task, batch)
     feats = []

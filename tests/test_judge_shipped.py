@@ -1,0 +1,120 @@
+"""Issue 40's follow-ups from the corpus (models as they are shipped): drift references for CenterNet heads and
+keypoints, a layout that cannot be told apart said to be unsure, a multi-output model judged on the output that
+holds probabilities, landmarks laid out x0..x4, y0..y4, a detector whose boxes and scores are separate outputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgefleet.agent.core.drift import DriftRecorder
+from edgefleet.compiler.graph import check_model
+from edgefleet.judge.gate import GateSettings, evaluate_gate
+from edgefleet.judge.tasks import resolve_task
+from edgefleet.protocol.bundle import extract_bundle
+from tests.test_compiler import run_cli
+from tests.test_compiler_heads import _run, _save, centerface, faces, multihead
+
+
+def _compile_fp32(tmp_path, model, x, *task):
+    np.savez(tmp_path / "eval.npz", **x)
+    r = run_cli("compile", str(model), "--profile", "x86-cpu", "--eval", str(tmp_path / "eval.npz"), "--precision",
+                "fp32", *task, "--name", "m", "--json", "--no-benchmark", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)["manifest"], extract_bundle(next((tmp_path / "o").glob("*.tar")), tmp_path / "x")
+
+
+def _agent_counts(manifest, outputs):
+    """The agent's sketch of ``outputs`` (one answer's outputs per call), as telemetry would send it."""
+    rec = DriftRecorder(drain_every_s=0.01)
+    try:
+        for outs in outputs:
+            rec.offer(manifest, outs)
+        assert rec.wait_idle(30.0)
+        counts = rec.take(manifest.name, manifest.version)
+    finally:
+        rec.close()
+    assert counts is not None and rec.errors == 0
+    return {f.name: f.counts for f in counts.features}, counts.samples
+
+
+def test_a_centernet_detector_ships_a_drift_reference_the_agent_counts(tmp_path):
+    """Before: 'no drift reference: ... input_value='centernet'' (the reference knew only the YOLO formats)."""
+    model = centerface(tmp_path / "face.onnx")
+    x = faces(24, 11)
+    m, manifest = _compile_fp32(tmp_path, model, {"x": x})
+    drift = m["drift"]
+    assert drift is not None and (drift["read_as"], drift["detection_format"], drift["output"]) == (
+        "detection", "centernet", "hm"), m.get("build_notes")
+    assert [f["name"] for f in drift["features"]] == ["boxes", "score"]
+    outs = _run(model, {"x": x[:6]})
+    counts, n = _agent_counts(manifest, [[o[i:i + 1] for o in outs] for i in range(6)])
+    assert n == 6 and sum(counts["boxes"]) == 6 and sum(counts["score"]) == 6
+    # the faces in view are what the boxes feature counts: 2 or 3 per image, at the reference's bins
+    ref = manifest.drift.feature("boxes")
+    assert ref is not None and ref.edges and min(ref.edges) < 2 < max(ref.edges) + 1
+
+
+def test_a_keypoints_task_ships_a_drift_reference_of_instances_and_spread(tmp_path):
+    """Before: compiled with no drift (keypoints was no task drift read)."""
+    model = multihead(tmp_path / "m.onnx")
+    x = np.random.default_rng(6).normal(size=(32, 16)).astype(np.float32)
+    m, manifest = _compile_fp32(tmp_path, model, {"x": x}, "--task", "landmarks", "--task-args",
+                                "output=lms,boxes=box,layout=xy")
+    drift = m["drift"]
+    assert drift is not None and (drift["read_as"], drift["output"], drift["layout"]) == ("keypoints", "lms", "xy")
+    assert [f["name"] for f in drift["features"]] == ["instances", "spread"]
+    outs = _run(model, {"x": x[:5]})
+    counts, n = _agent_counts(manifest, [outs] * 2)  # two answers of 5 samples each
+    assert n == 10 and sum(counts["instances"]) == 10 and sum(counts["spread"]) == 10
+
+
+# -- 4: landmarks laid out x0..x4, y0..y4 ------------------------------------------------------------------------
+def xxyy_landmarks(path, moved_y: float = 0.0):
+    """x [N, 4] (a box's x0, y0, size w, size h) -> box [N, 4] xyxy, lms [N, 10] = five points inside the box laid
+    out x0..x4, y0..y4 (MTCNN's ONet). ``moved_y``: every y moved by that share of the box's height."""
+    fx = np.array([0.3, 0.7, 0.5, 0.35, 0.65], np.float32)
+    fy = np.array([0.35, 0.35, 0.55, 0.8, 0.8], np.float32) + moved_y
+    w = np.zeros((4, 10), np.float32)
+    w[0, :5], w[2, :5] = 1.0, fx  # x = x0 + fx * w
+    w[1, 5:], w[3, 5:] = 1.0, fy  # y = y0 + fy * h
+    wb = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [0, 0, 1, 0], [0, 0, 0, 1]], np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "wl"], ["lms"]), helper.make_node("MatMul", ["x", "wb"], ["box"])]
+    inits = [numpy_helper.from_array(w, "wl"), numpy_helper.from_array(wb, "wb")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", c]) for n, c in (("lms", 10), ("box", 4))]
+    return _save(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])], outs, path)
+
+
+def _boxes_in(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)  # boxes apart from the diagonal, so reading xy pairs wrongly leaves them
+    return np.stack([rng.uniform(0, 40, n), rng.uniform(100, 140, n), rng.uniform(20, 30, n),
+                     rng.uniform(20, 30, n)], axis=1).astype(np.float32)
+
+
+def test_landmarks_laid_out_xxyy_are_judged_as_such_and_inferred_from_the_boxes(tmp_path):
+    """Before: a [10] vector was read as interleaved (x, y) pairs, so ONet's y's moving by 30% of the face passed
+    half-judged: (x0, x1), (x2, x3), (x4, y0) ... are points of nonsense."""
+    model, moved = xxyy_landmarks(tmp_path / "l.onnx"), xxyy_landmarks(tmp_path / "m.onnx", moved_y=0.3)
+    info = check_model(model)
+    x = {"x": _boxes_in(40, 1)}
+    ref, bad = _run(model, x), _run(moved, x)
+    names = [o.name for o in info.outputs]
+    declared = resolve_task("keypoints", "output=lms,boxes=box,layout=xxyy", model, info.outputs)
+    r = evaluate_gate(names, ref, bad, None, "int8", GateSettings(), declared)
+    assert r.task is not None and r.task.value == 0.0, r.task  # every point moved 30% of the face
+    wrong = evaluate_gate(names, ref, bad, None, "int8", GateSettings(),
+                          resolve_task("keypoints", "output=lms,boxes=box,layout=xy", model, info.outputs))
+    assert wrong.task is not None and wrong.task.value == pytest.approx(0.4)  # (x0, x1), (x2, x3) "kept"
+    inferred = resolve_task("keypoints", "output=lms,boxes=box", model, info.outputs)
+    ri = evaluate_gate(names, ref, bad, None, "int8", GateSettings(), inferred)
+    assert ri.task is not None and ri.task.value == r.task.value
+    assert "xxyy inferred from the boxes" in ri.task.note, ri.task.note
+    # without boxes the values cannot tell: the default, and the note says so
+    alone = resolve_task("keypoints", "output=lms", model, info.outputs)
+    ra = evaluate_gate(names, ref, ref, None, "int8", GateSettings(), alone)
+    assert "xy by default" in ra.task.note and "declare layout=" in ra.task.note  # type: ignore[union-attr]
+    with pytest.raises(Exception, match="layout='yx' is not one of xy, xxyy"):
+        resolve_task("keypoints", "output=lms,layout=yx", model, info.outputs)
