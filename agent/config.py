@@ -141,6 +141,9 @@ class AgentConfig(StrictModel):
     # every answer from the fleet (bootstrap, metadata, a bundle) whole within this, plus its bound in bytes at
     # download_min_bytes_per_s (agent/link/fetch.py); a slower or longer answer ends the attempt, retried with backoff
     download_deadline_s: float = Field(default=60.0, gt=0, le=86400)
+    # a bundle download's rate cap on this box (0: none; else at least 4096, and never below twice
+    # download_min_bytes_per_s); a rollout's own cap (DesiredState.download_max_bytes_per_s) can only lower it
+    download_max_bytes_per_s: int = Field(default=0, ge=0, le=10_000_000_000)
     # the local clock is trusted only within this of the fleet's signed time (agent/link/clock.py); past it, the skew
     # is logged and reported in telemetry (clock_skew_s)
     clock_tolerance_s: float = Field(default=300.0, gt=0, le=86400)
@@ -152,6 +155,13 @@ class AgentConfig(StrictModel):
     # device telemetry: thermal zones under <sysfs_root>/class/thermal; Jetson's tegrastats when it exists
     sysfs_root: Path = Path("/sys")
     tegrastats: Path | None = Path("/usr/bin/tegrastats")
+
+    @field_validator("download_max_bytes_per_s")
+    @classmethod
+    def _pace(cls, v: int) -> int:
+        if 0 < v < 4096:
+            raise ValueError("a download rate cap is 0 (none) or at least 4096 bytes/s")
+        return v
 
     @field_validator("device_id")
     @classmethod

@@ -27,6 +27,7 @@ from edgefleet.agent.core.batching.dispatch import pin_thread
 from edgefleet.agent.core.batching.settings import BatchSettings
 from edgefleet.agent.core.host import ModelHost
 from edgefleet.agent.core.metrics import Metrics
+from edgefleet.agent.core.versions import VersionNumbers
 from edgefleet.agent.errors import FetchError, TrustError
 from edgefleet.agent.install.job import Installer
 from edgefleet.agent.install.steps import InstallRun
@@ -87,7 +88,8 @@ class Agent:
                                             queue_timeout_s=config.queue_timeout_ms / 1000,
                                             max_queue_size=config.max_queue_size,
                                             inline_max_us=config.inline_max_us), self.metrics,
-                              self.cpus[0] if self.cpus else None)
+                              self.cpus[0] if self.cpus else None,
+                              VersionNumbers(config.data_dir / "version-numbers.json"))
         self.store = ModelStore(config.data_dir / "store")
         self.spool = Spool(config.data_dir / "spool", config.max_spool_records)
         self.link: MqttLink | None = None
@@ -255,7 +257,7 @@ class Agent:
                                              boot["tuf_targets_url"], self.config.trusted_root, root_bytes,
                                              self.config.download_grace_s, self.config.download_min_bytes_per_s,
                                              self.config.download_deadline_s, f"{self.config.fleet_url}/api/v1/time",
-                                             self.config.clock_tolerance_s)
+                                             self.config.clock_tolerance_s, self.config.download_max_bytes_per_s)
                 self._check_clock()
                 mqtt_url = self.config.mqtt_url or boot["mqtt_url"]
                 security = mqtt_security(self.config, bool(boot.get("mqtt_auth", False)), self._http())

@@ -10,6 +10,7 @@
     ├── UpdateError         an update could not be installed; the running model keeps serving
     │   ├── TrustError      the repository's data failed verification (TUF, hashes, manifest)
     │   ├── FetchError      the fleet could not be reached or a download broke (retried)
+    │   │   └── DownloadCut a download broke after it moved forward (resumed; not counted as a failed try)
     │   ├── RefusedUpdate   the update is verified but not acceptable (downgrade, wrong profile, a CPU
     │   │                   that lacks the instruction sets the bundle needs)
     │   └── SelfTestFailed  the new model loaded but gave wrong answers on its own sample
@@ -26,6 +27,7 @@ from edgefleet.protocol.errors import EdgefleetError
 __all__ = [
     "AgentError",
     "BackendError",
+    "DownloadCut",
     "FetchError",
     "InferenceFailed",
     "ModelNotFound",
@@ -79,6 +81,10 @@ class TrustError(UpdateError):
 
 class FetchError(UpdateError):
     pass
+
+
+class DownloadCut(FetchError):
+    """A bundle download that moved its partial file forward before it broke: the retry resumes from there."""
 
 
 class RefusedUpdate(UpdateError):

@@ -145,6 +145,8 @@ class DesiredState(_Message):
     # "shadow": load the model next to the active one, mirror a sample of live requests to it off the
     # request path and report how well it agrees (Telemetry.shadow); keep serving the active model
     mode: Literal["shadow"] | None = None
+    # the rollout's cap on the bundle download's rate (None: none); the box takes the lower of it and its own
+    download_max_bytes_per_s: int | None = Field(default=None, ge=4096, le=10_000_000_000)
 
 
 class SelfTestResult(StrictModel):

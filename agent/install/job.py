@@ -27,13 +27,14 @@ from edgefleet.agent.core.batching.tuning import (
     layout_candidates,
 )
 from edgefleet.agent.core.host import IndexEntry, ModelHost
-from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, UpdateError
+from edgefleet.agent.errors import BackendError, DownloadCut, FetchError, RefusedUpdate, UpdateError
 from edgefleet.agent.install.bench import layout_trial_in_child, release_memory, slice_seconds
 from edgefleet.agent.install.precision import PrecisionPick, pick_precision
 from edgefleet.agent.install.runtime_choice import RuntimePick, pick_runtime_in_child
 from edgefleet.agent.install.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from edgefleet.agent.install.states import InstallState
 from edgefleet.agent.install.store import ModelStore, StagedModel
+from edgefleet.agent.install.trials import TrialRecord, TrialStore, trial_key
 from edgefleet.agent.install.trusted import check_cpu
 from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["Installer", "Report"]
 
 log = logging.getLogger("edgefleet.agent")
+MAX_RESUMES = 1000  # cuts of one download that moved it forward and were resumed, not counted as failed tries
 
 
 
@@ -86,6 +88,11 @@ class Installer:
         # the runtime each model's version serves on (agent.install.runtime_choice), by model:
         # (version, precision, pick)
         self.runtimes: dict[str, tuple[str, str, RuntimePick]] = {}
+        # the trials' results kept with each installed version (agent.install.trials): a restart with nothing
+        # changed serves from them; by version directory, the record being recalled or measured until tune_batches
+        self.trials = TrialStore(store.root / "trials")
+        self.records: dict[str, tuple[dict[str, Any], TrialRecord]] = {}
+        self.trial_runs = 0  # versions whose trials ran in this process (not served from a record)
 
     async def load_installed(self) -> None:
         """Serve every model on disk, the one installed last last (it is "current" for the fleet): its active
@@ -141,6 +148,7 @@ class Installer:
                 break
         if self.store.current is not None:
             self.max_rollout = self.store.current.rollout_id
+        self.trials.prune({e.installed.sha256 for pair in slots.values() for e in pair if e is not None})
 
     def drop_shadow(self) -> None:
         sh = self.host.end_shadow()
@@ -225,6 +233,10 @@ class Installer:
         sizes = batch_ladder(self.host.settings.max_batch_size) if manifest.batchable else (1,)
         candidates = layout_candidates(cores)
         t0 = time.monotonic()
+        record = self.records.get(str(directory))
+        if record is not None and record[1].recalled and record[1].layout is not None \
+                and {(f.instances, f.threads) for f in record[1].layout[1]} == set(candidates):
+            return self.use_layout(manifest, directory, loaded, *record[1].layout)
         try:
             # on the runtime that will serve it (chosen before: agent.install.runtime_choice), whose best layout and
             # batch size may differ from onnxruntime's
@@ -236,6 +248,20 @@ class Installer:
                 b.close()
             raise
         chosen = choose_layout(figures)
+        if record is not None and not record[1].recalled:
+            record[1].layout = ((chosen.instances, chosen.threads), tuple(figures))
+            record[1].timed_s["layout"] = time.monotonic() - t0
+        out = self.use_layout(manifest, directory, loaded, (chosen.instances, chosen.threads), tuple(figures))
+        log.info("%s %s: layout %s, timed in %.1f s (%s)", manifest.name, manifest.version, chosen.name,
+                 time.monotonic() - t0, "; ".join(f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms"
+                                                   for f in figures))
+        return out
+
+    def use_layout(self, manifest: Manifest, directory: Path, loaded: list[Engine], layout: tuple[int, int],
+                   figures: tuple[LayoutFigures, ...]) -> list[Engine]:
+        """The engines of the chosen ``layout`` (``loaded`` reused if it is that layout, else closed and the layout
+        loaded), its figures kept for :meth:`tune_batches`."""
+        chosen = next(f for f in figures if (f.instances, f.threads) == layout)
         if (chosen.instances, chosen.threads) == (len(loaded), self.config.intra_op_threads):
             out = loaded
         else:
@@ -247,9 +273,6 @@ class Installer:
         with self._layouts_lock:  # installs, rollbacks and start-up loads run on different threads
             self.measured_layouts = {k: v for k, v in self.measured_layouts.items() if not v[0].closed}  # failed ones
             self.measured_layouts[id(out[0])] = (out[0], chosen, tuple(figures))
-        log.info("%s %s: layout %s, timed in %.1f s (%s)", manifest.name, manifest.version, chosen.name,
-                 time.monotonic() - t0, "; ".join(f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms"
-                                                   for f in figures))
         return out
 
     def turn(self, name: str, instances: int) -> Turn:
@@ -293,6 +316,19 @@ class Installer:
         """The precision to serve a bundle in (agent.install.precision): the bundle's own, unless it carries several and
         ``precision: auto`` times them here; each call in turn with the version serving the model."""
         m = staged.manifest
+        key = trial_key(staged.bundle_sha256, self.config, self.host.settings.max_batch_size)
+        recalled = self.trials.recall(key)
+        if recalled is not None and recalled.precision is not None and recalled.runtime is not None \
+                and recalled.precision[0] in m.precisions:
+            self.records[str(staged.directory)] = (key, recalled)
+            precision, source, note, timings = recalled.precision
+            view = staged if precision == m.precision else \
+                StagedModel(m.as_variant(precision), staged.directory, staged.bundle_sha256)
+            self.runtimes[m.name] = (m.version, precision, recalled.runtime)
+            return PrecisionPick(view, source, timings, note)
+        record = TrialRecord()
+        self.records[str(staged.directory)] = (key, record)
+        t0 = time.monotonic()
 
         def load_one(manifest: Manifest) -> Engine:
             return self.load_instances(manifest, staged.directory, count=1)[0]
@@ -301,7 +337,14 @@ class Installer:
                               self.turn(m.name, self.config.instances))
         if pick.note:
             log.info("%s %s: precision %s", m.name, m.version, pick.note)
-        self.pick_runtime(pick.staged)  # then the runtime for that precision
+        if pick.source == "device":
+            record.timed_s["precision"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        runtime = self.pick_runtime(pick.staged)  # then the runtime for that precision
+        if runtime.source == "device":
+            record.timed_s["runtime"] = time.monotonic() - t1
+        record.precision = (pick.staged.manifest.precision, pick.source, pick.note, pick.timings)
+        record.runtime = runtime
         return pick
 
     def pick_runtime(self, staged: StagedModel) -> RuntimePick:
@@ -345,6 +388,30 @@ class Installer:
         return _runtime_record(got[2])
 
     def tune_batches(self, backend: Engine, staged: StagedModel, turn: Turn) -> tuple[BatchSettings, BatchTuning]:
+        """:meth:`batch_settings`, then the version's trial record (agent.install.trials) kept if its trials ran
+        here, or said to be served from if it was recalled."""
+        record = self.records.pop(str(staged.directory), None)
+        out = self.batch_settings(backend, staged, turn, None if record is None else record[1])
+        m = staged.manifest
+        if record is None:
+            pass
+        elif record[1].recalled:
+            self.host.metrics.model_event(m.name, m.version, "trials_recalled")
+            log.info("%s %s: served from its trial record (precision %s, runtime %s, layout %s), no trials run",
+                     m.name, m.version, m.precision, self.runtime_for(m) or "the bundle's",
+                     "x".join(map(str, out[1].layout)) if out[1].layout else "-")
+        else:
+            self.trials.keep(*record)
+            timed = record[1].timed_s
+            if timed:
+                self.trial_runs += 1
+                self.host.metrics.model_event(m.name, m.version, "trials_timed")
+                log.info("%s %s: trials (%s) took %.2f s; kept for the next start", m.name, m.version,
+                         ", ".join(timed), sum(timed.values()))
+        return out
+
+    def batch_settings(self, backend: Engine, staged: StagedModel, turn: Turn,
+                       record: TrialRecord | None) -> tuple[BatchSettings, BatchTuning]:
         """The batch settings a version serves with: the host's, unless ``batch_tuning: auto`` and the operator
         left max_batch_size unset; then measured on this device (each call in ``turn``) and the largest batch
         formed chosen from the figures, requests up to the configured max still accepted."""
@@ -366,8 +433,15 @@ class Installer:
         if not staged.manifest.batchable or base.max_batch_size == 1:
             return base, BatchTuning("off", **layout)
         # the layout's own figures (all its instances at once), else this instance's, measured now
-        figures = lay.images_per_s if lay is not None else \
-            measure_batch_sizes(backend, staged, batch_ladder(base.max_batch_size), turn)
+        if lay is not None:
+            figures = lay.images_per_s
+        elif record is not None and record.recalled and record.batch is not None:
+            figures = record.batch
+        else:
+            t0 = time.monotonic()
+            figures = measure_batch_sizes(backend, staged, batch_ladder(base.max_batch_size), turn)
+            if record is not None and not record.recalled:
+                record.batch, record.timed_s["batch"] = tuple(figures), time.monotonic() - t0
         chosen = choose_batch_size(figures)
         settings = BatchSettings(**{**base.__dict__, "max_batch_size": chosen,
                                     "preferred_batch_sizes": (chosen,) if chosen > 1 else (),
@@ -456,7 +530,7 @@ class Installer:
         (``protocol.backoff``: uniform in [0, min(30 s, 1 s * 2**retry)]): boxes a fleet-wide outage failed
         together do not all come back at the same moment."""
         backoff = Backoff(1.0, 30.0)
-        attempt = 0
+        attempt = resumed = 0
         while True:
             fetcher = self.fetcher()
             if fetcher is None:
@@ -464,9 +538,14 @@ class Installer:
             try:
                 return fetcher.fetch(
                     desired.target, desired.sha256,
-                    precheck=lambda custom: self.require_cpu(profile, custom.cpu_features))
+                    precheck=lambda custom: self.require_cpu(profile, custom.cpu_features),
+                    max_bytes_per_s=desired.download_max_bytes_per_s or 0)
             except FetchError as exc:
-                attempt += 1
+                # a cut that moved the download forward resumes and is not a failed try (at most MAX_RESUMES)
+                resumed += isinstance(exc, DownloadCut)
+                attempt += not isinstance(exc, DownloadCut) or resumed > MAX_RESUMES
+                if isinstance(exc, DownloadCut):
+                    backoff.reset()  # the link worked until the cut: the next wait is short again
                 if attempt > self.config.install_retries:
                     raise
                 delay = backoff.next_s()

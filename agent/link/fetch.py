@@ -186,8 +186,10 @@ class FleetHttp:
             raise self._late(url, started, max_bytes)
         return Answer(url, resp.status, conn, resp, started, max_bytes, watchdog)
 
-    def read(self, answer: Answer) -> Iterator[bytes]:
-        """The answer's body in chunks, within its bounds; the connection is closed at the end, or on any error."""
+    def read(self, answer: Answer, prior_bytes: int = 0, prior_s: float = 0.0) -> Iterator[bytes]:
+        """The answer's body in chunks, within its bounds; the connection is closed at the end, or on any error.
+        ``prior_bytes`` in ``prior_s`` seconds: what earlier answers of a resumed download brought, counted in the
+        speed check (agent/link/resume.py), so a link that drips a little per connection stays refused."""
         lim, max_bytes = self.limits, answer.max_bytes
         got = 0
         try:
@@ -206,11 +208,11 @@ class FleetHttp:
                 if got > max_bytes:
                     raise tuf_exc.DownloadLengthMismatchError(
                         f"GET {answer.url}: more than the {max_bytes} bytes expected (endless data?)")
-                elapsed = time.monotonic() - answer.started
-                if elapsed > lim.grace_s and got / elapsed < lim.min_bytes_per_s:
+                elapsed = time.monotonic() - answer.started + prior_s
+                if elapsed > lim.grace_s and (got + prior_bytes) / elapsed < lim.min_bytes_per_s:
                     raise tuf_exc.SlowRetrievalError(
-                        f"GET {answer.url}: {got} bytes in {elapsed:.0f}s, below the {lim.min_bytes_per_s} B/s "
-                        "minimum (slow-retrieval attack or a dying link)")
+                        f"GET {answer.url}: {got + prior_bytes} bytes in {elapsed:.0f}s, below the "
+                        f"{lim.min_bytes_per_s} B/s minimum (slow-retrieval attack or a dying link)")
                 yield chunk
         finally:
             answer.close()

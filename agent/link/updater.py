@@ -17,6 +17,7 @@ import contextlib
 import datetime as dt
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ from tuf.api import exceptions as tuf_exc
 from tuf.api.metadata import Metadata, Root
 from tuf.ngclient.fetcher import FetcherInterface
 
-from edgefleet.agent.errors import FetchError, TrustError
+from edgefleet.agent.errors import DownloadCut, FetchError, TrustError
 from edgefleet.agent.link.clock import ClockReading, TrustedClock, load_floor, save_floor
 from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
+from edgefleet.agent.link.resume import DownloadProgress, Pacer, PartialStore, download_resumable
 from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.fsutil import atomic_write
@@ -49,10 +51,24 @@ class GuardedFetcher(FetcherInterface):
                  user_agent: str = "edgefleet-agent", deadline_s: float = 60.0):
         self.http = FleetHttp(FetchLimits(deadline_s, grace_s, min_bytes_per_s, socket_timeout_s), user_agent)
         self._max_bytes = MAX_BUNDLE_BYTES  # the bound of the file being downloaded (download_file sets it)
+        self.bundle: _BundleDownload | None = None  # set for a bundle: downloaded resumably (agent/link/resume.py)
 
     def download_file(self, url: str, max_length: int) -> AbstractContextManager[IO[bytes]]:  # type: ignore[override]
         self._max_bytes = max_length
+        if self.bundle is not None:
+            return self._resumed(url, self.bundle, max_length)
         return super().download_file(url, max_length)
+
+    @contextlib.contextmanager
+    def _resumed(self, url: str, b: _BundleDownload, length: int) -> Iterator[IO[bytes]]:
+        """The whole bundle from its partial file, which python-tuf verifies against the signed length and hashes
+        inside this block and copies out; the partial goes afterwards, and also when it failed the check."""
+        path = download_resumable(self.http, url, b.store, b.target, b.sha256, length, b.pacer, b.progress)
+        try:
+            with path.open("rb") as f:
+                yield f
+        finally:
+            b.store.drop(b.sha256)
 
     def _fetch(self, url: str) -> Iterator[bytes]:
         answer = self.http.open(url, self._max_bytes)
@@ -60,6 +76,15 @@ class GuardedFetcher(FetcherInterface):
             answer.close()
             raise tuf_exc.DownloadHTTPError(f"GET {url}: HTTP {answer.status}", answer.status)
         return self.http.read(answer)
+
+
+@dataclass(frozen=True)
+class _BundleDownload:
+    store: PartialStore
+    target: str
+    sha256: str
+    pacer: Pacer
+    progress: Callable[[DownloadProgress], None]
 
 
 @dataclass(frozen=True)
@@ -73,13 +98,20 @@ class FetchedBundle:
 class BundleFetcher:
     def __init__(self, state_dir: Path, metadata_url: str, targets_url: str, trusted_root: Path | None,
                  root_from_fleet: bytes | None = None, grace_s: float = 30.0, min_bytes_per_s: int = 2048,
-                 deadline_s: float = 60.0, time_url: str | None = None, clock_tolerance_s: float = 300.0):
+                 deadline_s: float = 60.0, time_url: str | None = None, clock_tolerance_s: float = 300.0,
+                 max_bytes_per_s: int = 0):
         """``trusted_root`` (root.json from ``edgefleet keys init``) anchors trust. Without it the
         fleet's current root is trusted on first use (``root_from_fleet``), which the caller logs.
         Downloads are bounded as agent/link/fetch.py says (``deadline_s``, ``grace_s``, ``min_bytes_per_s``).
         ``time_url``: the fleet's signed time (``/api/v1/time``), required before each refresh when given;
-        TUF's expiry checks use the trusted time (agent/link/clock.py) rather than the local clock."""
+        TUF's expiry checks use the trusted time (agent/link/clock.py) rather than the local clock.
+        ``max_bytes_per_s``: the box's own cap on a bundle download's rate (0: none), agent/link/resume.py's pacer.
+        A bundle downloads resumably: its partial file (``state_dir/partial``) survives a cut and a restart."""
         self.grace_s = grace_s
+        self.max_bytes_per_s = max_bytes_per_s
+        self.partials = PartialStore(state_dir / "partial")
+        self.progress: DownloadProgress | None = None  # the bundle being downloaded, for telemetry
+        self.stop = threading.Event()  # set: a paced download stops waiting for its tokens
         self.min_bytes_per_s = min_bytes_per_s
         self.deadline_s = deadline_s
         self.http = FleetHttp(FetchLimits(deadline_s, grace_s, min_bytes_per_s))
@@ -148,11 +180,18 @@ class BundleFetcher:
         skew = self.clock.reading().skew_s
         return round(skew, 1) if skew is not None and abs(skew) > self.clock.tolerance_s else None
 
+    def pace_bytes_per_s(self, rollout_cap: int = 0) -> int:
+        """The rate a bundle downloads at: the lower of the box's and the rollout's caps (0: none), never below twice
+        the slow-retrieval guard's minimum (a cap under it would have the guard refuse every download)."""
+        caps = [c for c in (self.max_bytes_per_s, rollout_cap) if c > 0]
+        return max(min(caps), 2 * self.min_bytes_per_s) if caps else 0
+
     def _updater(self) -> Any:
         from tuf.ngclient import Updater, UpdaterConfig
 
+        self._fetcher = GuardedFetcher(self.grace_s, self.min_bytes_per_s, deadline_s=self.deadline_s)
         return Updater(str(self.metadata_dir), self.metadata_url, str(self.download_dir), self.targets_url,
-                       fetcher=GuardedFetcher(self.grace_s, self.min_bytes_per_s, deadline_s=self.deadline_s),
+                       fetcher=self._fetcher,
                        config=UpdaterConfig(app_user_agent="edgefleet-agent"), bootstrap=None)
 
     def _refreshed(self) -> Any:
@@ -175,12 +214,14 @@ class BundleFetcher:
         return updater
 
     def fetch(self, target: str, expected_sha256: str,
-              precheck: Callable[[TargetCustom], None] | None = None) -> FetchedBundle:
+              precheck: Callable[[TargetCustom], None] | None = None, max_bytes_per_s: int = 0) -> FetchedBundle:
         """Verify the metadata, call ``precheck`` with the target's signed custom fields (it raises to
         refuse the bundle before a byte of it is downloaded), then download and verify the bundle. Custom
         fields this agent cannot read (a field of a newer fleet, a wrong type) are a TrustError naming them.
-        An answer too slow or too long (agent/link/fetch.py) is a FetchError: the caller retries."""
+        An answer too slow or too long (agent/link/fetch.py) is a FetchError: the caller retries; a cut after the
+        partial file moved forward is a DownloadCut (a FetchError). ``max_bytes_per_s``: the rollout's rate cap."""
         self.clean()
+        before = self.partials.have(expected_sha256) if _hexdigest(expected_sha256) else 0
         try:
             updater = self._refreshed()
             info = updater.get_targetinfo(target)
@@ -197,14 +238,28 @@ class BundleFetcher:
             if precheck is not None:
                 precheck(custom)
             dest = self.download_dir / "bundle.tar"
+            self._fetcher.bundle = _BundleDownload(self.partials, target, signed_sha,
+                                                   Pacer(self.pace_bytes_per_s(max_bytes_per_s), self.stop),
+                                                   self._progressed)
             updater.download_target(info, str(dest))
         except tuf_exc.RepositoryError as exc:
             raise TrustError(f"TUF verification failed: {type(exc).__name__}: {exc}") from exc
         except tuf_exc.DownloadError as exc:  # a broken connection, or an answer too slow or too long
-            raise FetchError(f"download from the fleet failed: {type(exc).__name__}: {exc}") from exc
+            cut = self.partials.have(expected_sha256) > before
+            raise (DownloadCut if cut else FetchError)(
+                f"download from the fleet failed: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise FetchError(f"download from the fleet failed: {exc}") from exc
+        finally:
+            self.progress = None
         return FetchedBundle(dest, signed_sha, info.length, custom)
+
+    def _progressed(self, p: DownloadProgress) -> None:
+        self.progress = p
+
+
+def _hexdigest(s: str) -> bool:
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
 
 
 def _at(updater: Any, when: dt.datetime) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
+from edgefleet.fleet import ranges
 from edgefleet.fleet import schemas as out
 from edgefleet.fleet.auth import Caller
 from edgefleet.fleet.errors import BadRequest, RepositoryError
@@ -76,7 +78,7 @@ def router(fleet: Fleet) -> APIRouter:
     safe = re.compile(r"^[A-Za-z0-9._/-]+$")
 
     @r.get("/tuf/{kind}/{rel:path}")
-    def tuf_file(kind: str, rel: str) -> Response:
+    def tuf_file(kind: str, rel: str, request: Request) -> Response:
         if kind not in ("metadata", "targets") or not safe.match(rel):
             raise BadRequest("not found", 404)
         found = repo.serve(kind, rel)
@@ -84,11 +86,30 @@ def router(fleet: Fleet) -> APIRouter:
             raise BadRequest(f"{kind}/{rel} not found", 404)
         media = "application/json" if kind == "metadata" else "application/octet-stream"
         headers = {"Cache-Control": "no-store"}
+        asked = request.headers.get("range")
+        if kind == "targets" and asked is not None:  # a resumed download: fleet/ranges.py
+            return ranged(found, asked, media, headers)
+        if kind == "targets":
+            headers["Accept-Ranges"] = "bytes"
         if isinstance(found, Path):
             return FileResponse(found, media_type=media, headers=headers)
         if isinstance(found, bytes):
             return Response(found, media_type=media, headers=headers)
         size, chunks = found  # a target kept in the database, streamed a chunk at a time
         return StreamingResponse(chunks, media_type=media, headers={**headers, "Content-Length": str(size)})
+
+    def ranged(found: Path | bytes | tuple[int, Iterator[bytes]], asked: str, media: str,
+               headers: dict[str, str]) -> Response:
+        size = found.stat().st_size if isinstance(found, Path) else len(found) if isinstance(found, bytes) else found[0]
+        try:
+            want = ranges.parse_range(asked, size)
+        except ranges.RangeNotSatisfiable as exc:
+            return Response(f"{exc}\n", 416, {**headers, "Content-Range": f"bytes */{size}"}, "text/plain")
+        part = {**headers, "Content-Range": want.content_range(), "Content-Length": str(want.length),
+                "Accept-Ranges": "bytes"}
+        if isinstance(found, Path):
+            return StreamingResponse(ranges.slice_file(found, want), 206, part, media)
+        chunks = [found] if isinstance(found, bytes) else found[1]
+        return StreamingResponse(ranges.slice_chunks(chunks, want), 206, part, media)
 
     return r
