@@ -204,9 +204,13 @@ class ModelMetrics:
             return {
                 "name": self.model, "version": self.version, "last_inference": self.last_inference_ms,
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
+                # compute_input and compute_output: counted with compute_infer (as Triton does; perf_analyzer
+                # requires the three counts equal), their time inside compute_infer's (no separate copy is timed)
                 "inference_stats": {"success": self.success.doc(), "fail": self.fail.doc(), "queue": self.queue.doc(),
-                                    "compute_input": zero, "compute_infer": self.compute.doc(),
-                                    "compute_output": zero, "cache_hit": zero, "cache_miss": zero},
+                                    "compute_input": {"count": self.compute.count, "ns": 0},
+                                    "compute_infer": self.compute.doc(),
+                                    "compute_output": {"count": self.compute.count, "ns": 0},
+                                    "cache_hit": zero, "cache_miss": zero},
                 "batch_stats": [{"batch_size": size, "compute_input": {"count": d.count, "ns": 0},
                                  "compute_infer": d.doc(), "compute_output": {"count": d.count, "ns": 0}}
                                 for size, d in sorted(self.batch_stats.items())],
@@ -247,7 +251,9 @@ class Metrics:
                                     registry=r)
         self.queue_depth = Gauge("edgefleet_queue_depth", "Samples waiting in the batching queue", mv, registry=r)
         self.model_events = Counter("edgefleet_model_events", "Model lifecycle events (load, swap, unload, "
-                                    "load_failed, selftest_failed, rollback)", [*mv, "kind"], registry=r)
+                                    "load_failed, selftest_failed, rollback; trials_timed: a version's install "
+                                    "trials ran, trials_recalled: it served from their kept record)",
+                                    [*mv, "kind"], registry=r)
         self.serving = Gauge("edgefleet_model_serving", "1 for each model version being served", mv, registry=r)
         self._models: dict[tuple[str, str], ModelMetrics] = {}
 
