@@ -37,8 +37,6 @@ CLASSES_OVER: dict[str, str] = {
                                               "dispatch share its buffers and state",
     "agent/transports/shm.py::SharedMemory": "the registry of shared-memory regions: register/unregister/sweep "
                                              "and the bounded read/gather/write/scatter, all under one lock",
-    "fleet/rollout/engine.py::RolloutEngine": "queries, rules and publishing in one class: being layered (issue "
-                                              "42, fleet layers)",
     "fleet/tuf_repo.py::Repository": "the fleet's TUF repository: root and targets publishing, delegations, "
                                      "reading and serving metadata, under one lock and one set of keys",
 }
