@@ -305,8 +305,8 @@ def centernet_roles(shapes: dict[str, tuple[int, ...]], values: dict[str, list[n
     map has 1..C channels, the sizes and the offsets 2 each, landmarks 2L (10 for five face points). The shapes
     cannot tell sizes from offsets: the names do (wh/size, off/reg), or the values (offsets within a cell, sizes of
     several cells). Sure only when the values agree: a heat map with peaks, offsets within a cell of their own
-    (-1..2), sizes above 0.5. Log sizes (CenterFace's layout) are told only when they go below 0 at a peak; log sizes
-    that stay positive are read as linear, which makes the boxes smaller and the gate stricter, not looser."""
+    (-1..2), sizes above 0.5, and the sizes' layout (linear or CenterFace's log sizes) told (:func:`_size_layout`);
+    when it cannot be, the result is not sure and ``roles["other_format"]`` names the other candidate."""
     maps = {k: s for k, s in shapes.items() if len(s) == 3}
     grids = {s[1:] for s in maps.values()}
     if len(maps) < 3 or len(grids) != 1 or any(d != -1 and d < 4 for d in next(iter(grids))):
@@ -346,10 +346,50 @@ def centernet_roles(shapes: dict[str, tuple[int, ...]], values: dict[str, list[n
     wh_ok = max(float(np.asarray(x).max()) for x in values[roles["wh"]]) > 0.5
     peaks = any(float(x.max()) > 0.25 if in_unit(x) else float(x.max()) > -1.1 for x in heat_v)
     sure = off_ok and wh_ok and peaks
-    at_peaks = [np.asarray(w)[:, (np.asarray(h) >= (0.25 if in_unit(h) else -1.1)).any(axis=0)]
-                for w, h in zip(values[roles["wh"]], heat_v, strict=True)]
-    if any(a.size and float(a.min()) < 0 for a in at_peaks):  # sizes below 0 at faces: log sizes (CenterFace)
-        roles["format"] = "centerface"
-        what += "; sizes below 0 at the peaks are log sizes: CenterFace's layout"
+    layout, layout_sure, why = _size_layout([np.asarray(w, np.float64) for w in values[roles["wh"]]], heat_v)
+    roles["format"] = layout
+    what += f"; {why}"
+    if not layout_sure:
+        roles["other_format"] = "centerface" if layout == "centernet" else "centernet"
+    sure = sure and layout_sure
     return roles, sure, what + ("; values agree (offsets within a cell, sizes over a cell, heat peaks)" if sure
-                                else "; the values do not bear it out (offsets, sizes or peaks)")
+                                else "; the values do not bear it out (offsets, sizes, peaks or the size layout)")
+
+
+MIN_LAYOUT_PEAKS = 8  # peaks whose heat spread is measured before the size layout is told from it
+
+
+def _size_layout(wh: list[np.ndarray], heat: list[np.ndarray]) -> tuple[str, bool, str]:
+    """(format, sure, why): are the sizes at the heat map's peaks linear (centernet) or log sizes (centerface)?
+    Below 0 at a peak: log sizes. A log-size reading whose boxes outgrow the grid: linear. Else the heat spread
+    decides: a CenterNet heat map is a Gaussian whose sigma grows in proportion to the object's size, so the right
+    reading keeps log(size) - log(sigma) near constant over the peaks (sigma from each peak's four neighbours:
+    ratio q = exp(-1 / (2 sigma^2))); sure when its spread is at most half the other reading's, else unsure."""
+    grid = max(heat[0].shape[-2:]) if heat else 0
+    sizes, sigmas = [], []
+    for w, h in zip(wh, heat, strict=True):
+        p, w = h.reshape(-1, *h.shape[-2:]), w.reshape(-1, *w.shape[-2:])
+        p = p if in_unit(p) else 1 / (1 + np.exp(-np.clip(p, -60, 60)))
+        c, y, x = np.nonzero((p >= _pool3(p)) & (p >= 0.25))
+        if not len(y):
+            continue
+        sizes.append(w[:, y, x].T)
+        q = np.pad(p, [(0, 0), (1, 1), (1, 1)], mode="edge")
+        near = (q[c, y, x + 1] + q[c, y + 2, x + 1] + q[c, y + 1, x] + q[c, y + 1, x + 2]) / 4
+        sigmas.append(np.clip(near / np.maximum(p[c, y, x], 1e-9), 1e-6, 1 - 1e-6))
+    if not sizes:
+        return "centernet", False, "no heat peak shows how the sizes are laid out (centernet or centerface)"
+    s = np.concatenate(sizes)
+    if float(s.min()) < 0:
+        return "centerface", True, "sizes below 0 at the peaks are log sizes: CenterFace's layout"
+    if float(np.exp(np.clip(s, -20, 20)).max()) > 2 * grid:
+        return "centernet", True, f"sizes read as log sizes would outgrow the {grid}-cell grid: linear sizes"
+    log_sigma = 0.5 * np.log(-1 / (2 * np.log(np.concatenate(sigmas))))
+    spread = {"centernet": float(np.std(0.5 * np.log(np.maximum(s[:, 0] * s[:, 1], 1e-12)) - log_sigma)),
+              "centerface": float(np.std((s[:, 0] + s[:, 1]) / 2 - log_sigma))}
+    best, other = sorted(spread, key=lambda k: spread[k])
+    told = (f"{len(s)} peaks: log(size / heat sigma) spreads {spread['centernet']:.3f} read as linear sizes "
+            f"(centernet), {spread['centerface']:.3f} as log sizes (centerface)")
+    if len(s) >= MIN_LAYOUT_PEAKS and spread[best] <= 0.5 * spread[other]:
+        return best, True, f"{told}: {best}'s layout"
+    return best, False, f"sizes all above 0 and {told}: centernet and centerface cannot be told apart"

@@ -273,11 +273,13 @@ def _centernet(outputs: tuple[TensorSpec, ...], every: list[Outputs] | None) -> 
         return None
     roles, sure, what = found
     how = "sure" if sure else "UNSURE: a guess never gates int8"
-    args = {"format": roles.get("format", "centernet"), **{k: v for k, v in roles.items() if k not in ("heat",
-                                                                                                      "format")}}
+    fmt = roles.get("format", "centernet")
+    args = {"format": fmt, **{k: v for k, v in roles.items() if k not in ("heat", "format", "other_format")}}
+    named = ",".join(f"{k}={v}" for k, v in args.items() if k != "format")
+    hint = " or ".join(f"--task 'detection:format={f},output={roles['heat']},{named}'"
+                       for f in (fmt, roles.get("other_format")) if f)
     note = (f"task detection ({what}), inferred from the outputs' shapes{' and fp32 values' if values else ''} "
-            f"[{how}]; " + ("declare another with --task" if sure else "declare it with --task (e.g. --task "
-                            f"'detection:format=centernet,output={roles['heat']},wh={roles['wh']}')"))
+            f"[{how}]; " + ("declare another with --task" if sure else f"declare it with --task (e.g. {hint})"))
     return TaskSpec("detection", roles["heat"], args, "inferred", note, sure)
 
 

@@ -118,3 +118,45 @@ def test_landmarks_laid_out_xxyy_are_judged_as_such_and_inferred_from_the_boxes(
     assert "xy by default" in ra.task.note and "declare layout=" in ra.task.note  # type: ignore[union-attr]
     with pytest.raises(Exception, match="layout='yx' is not one of xy, xxyy"):
         resolve_task("keypoints", "output=lms,layout=yx", model, info.outputs)
+
+
+# -- 2: CenterFace's log sizes that never go below 0 ------------------------------------------------------------
+def _head(sizes_as: str, sigma_follows_size: bool = True, n: int = 12, seed: int = 3):
+    """fp32 outputs of a CenterNet face head on a 48 x 64 grid: Gaussian heat blobs (sigma 0.15 of the face's size
+    in cells, or 0.6 whatever the size), sizes 2.3..6.5 cells written ``sizes_as`` linear or log (0.83..1.87: above
+    0 everywhere, as CenterFace's own at the corpus's faces), offsets 0, ten landmark channels."""
+    rng = np.random.default_rng(seed)
+    hm, wh = np.zeros((n, 1, 48, 64), np.float32), np.zeros((n, 2, 48, 64), np.float32)
+    yy, xx = np.mgrid[0:48, 0:64]
+    for i in range(n):
+        for k in range(3):
+            cy, cx, size = 8 + 16 * k, int(rng.integers(8, 56)), float(rng.uniform(2.3, 6.5))
+            sigma = (0.15 * size if sigma_follows_size else 0.6) * float(rng.lognormal(0, 0.02))
+            hm[i, 0] = np.maximum(hm[i, 0], np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * sigma ** 2)))
+            near = (abs(yy - cy) <= 3) & (abs(xx - cx) <= 3)
+            wh[i, :, near] = np.log(size) if sizes_as == "log" else size
+    lms = rng.uniform(0.2, 0.8, size=(n, 10, 48, 64)).astype(np.float32)
+    values = [hm, wh, np.zeros((n, 2, 48, 64), np.float32), lms]
+    from edgefleet.protocol.manifest import TensorSpec
+
+    specs = tuple(TensorSpec(name=k, datatype="FP32", shape=(-1, c, 48, 64))
+                  for k, c in (("537", 1), ("538", 2), ("539", 2), ("540", 10)))
+    return specs, values
+
+
+def test_centerface_log_sizes_above_0_are_told_by_the_heat_spread_or_said_unsure():
+    """Before: sizes never below 0 were read as linear sizes, sure: CenterFace 800 x 480 was inferred centernet (its
+    log sizes 0.85..1.87 at the peaks) and its INT8 gated on that guess."""
+    from edgefleet.judge.tasks import infer_task
+
+    specs, values = _head("log")
+    face = infer_task(specs, values[0], values)
+    assert (face.arg("format"), face.sure) == ("centerface", True), face.note
+    assert "log(size / heat sigma)" in face.note
+    specs, values = _head("linear")
+    net = infer_task(specs, values[0], values)
+    assert (net.arg("format"), net.sure) == ("centernet", True), net.note
+    specs, values = _head("log", sigma_follows_size=False)  # the heat spread says nothing of the size
+    unsure = infer_task(specs, values[0], values)
+    assert not unsure.sure and "cannot be told apart" in unsure.note, unsure.note
+    assert "format=centernet" in unsure.note and "format=centerface" in unsure.note  # both candidates named
