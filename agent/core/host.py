@@ -28,6 +28,7 @@ from edgefleet.agent.core.batching.tuning import BATCH_TOLERANCE, BatchTuning
 from edgefleet.agent.core.drift import DriftRecorder
 from edgefleet.agent.core.metrics import Metrics, ModelMetrics
 from edgefleet.agent.core.request import InferRequest
+from edgefleet.agent.core.versions import VersionNumbers
 from edgefleet.agent.errors import ModelNotFound, RequestError, Unavailable
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
@@ -97,8 +98,11 @@ class ModelHost:
     them only through these verbs.
     """
 
-    def __init__(self, settings: BatchSettings, metrics: Metrics, inference_cpus: Collection[int] | None = None):
+    def __init__(self, settings: BatchSettings, metrics: Metrics, inference_cpus: Collection[int] | None = None,
+                 versions: VersionNumbers | None = None):
         self.settings = settings  # the default for models swapped in without their own
+        # each served version's integer number, for Triton's tools (agent/core/versions.py; None: in memory)
+        self.versions = versions or VersionNumbers()
         self.metrics = metrics
         self.inference_cpus = inference_cpus  # where every batcher's inference threads run (None: anywhere)
         self.models: dict[str, Served] = {}
@@ -173,6 +177,7 @@ class ModelHost:
             s = BatchSettings(**{**s.__dict__, "max_batch_size": 1, "preferred_batch_sizes": (),
                                  "max_request_batch_size": None})
             tuning = None
+        self.versions.number(manifest.name, manifest.version)
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
             batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
@@ -191,6 +196,7 @@ class ModelHost:
                              serving: proto.ServingChoice | None) -> None:
         from edgefleet.agent.core.pipeline import PipelineRunner
 
+        self.versions.number(manifest.name, manifest.version)
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
             runner = PipelineRunner(manifest, stages, self.metrics, self.gate(manifest.name, stages.permits),
@@ -252,9 +258,19 @@ class ModelHost:
             if not self.models:
                 raise Unavailable("no model is loaded yet; the agent is waiting for its first install")
             raise ModelNotFound(f"unknown model {name!r}; this agent serves {_names(self.models)}")
-        if version is not None and version != served.manifest.version:
-            raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {served.manifest.version}")
+        m = served.manifest
+        if version is not None and not self.versions.matches(name, m.version, version):
+            raise ModelNotFound(f"model {name!r} version {version!r} is not loaded; serving {m.version} (number "
+                                f"{self.version_number(served)})")
         return served
+
+    def version_number(self, served: Served) -> str:
+        """``served``'s integer version, as Triton's tools read one (agent/core/versions.py)."""
+        return str(self.versions.number(served.manifest.name, served.manifest.version))
+
+    def model_stats(self, served: Served) -> dict[str, Any]:
+        """Triton's statistics of ``served``, its version the integer (perf_analyzer looks them up by it)."""
+        return {**served.metrics.stats(), "version": self.version_number(served)}
 
     async def infer(self, served: Served, req: InferRequest) -> list[np.ndarray]:
         """Queue a decoded request in ``served``'s batcher and wait for its outputs (and offer it to a shadow
@@ -315,9 +331,10 @@ def _names(models: dict[str, Served]) -> str:
     return ", ".join(repr(n) for n in sorted(models))
 
 
-def model_config(served: Served) -> dict[str, Any]:
+def model_config(served: Served, number: str) -> dict[str, Any]:
     """Triton's model configuration layout (what ``tritonclient`` get_model_config returns). ``max_batch_size``
-    is the largest request accepted; ``batch_tuning`` (edgefleet's) says how the batches formed were sized."""
+    is the largest request accepted; ``batch_tuning`` (edgefleet's) says how the batches formed were sized;
+    ``number``: the version's integer (``version_policy``), the semantic one in ``version`` and ``parameters``."""
     m, s, t = served.manifest, served.settings, served.tuning
     batched = m.batchable and s.request_limit > 1
 
@@ -345,8 +362,9 @@ def model_config(served: Served) -> dict[str, Any]:
         "instance_group": [{"name": f"{m.name}_0", "kind": "KIND_GPU" if any(
             "CUDA" in b.device or "TensorRT" in b.device for b in served.backends if hasattr(b, "device"))
             else "KIND_CPU", "count": len(served.backends)}],
-        "version_policy": {"specific": {"versions": [m.version]}},
-        "parameters": {"precision": {"string_value": m.precision}, "profile": {"string_value": m.profile}},
+        "version_policy": {"specific": {"versions": [number]}},
+        "parameters": {"precision": {"string_value": m.precision}, "profile": {"string_value": m.profile},
+                       "semantic_version": {"string_value": m.version}},
         "image_preprocessing": m.preprocessing.model_dump() if m.preprocessing else None,
         "batch_tuning": None if t is None else {
             "mode": t.mode, "max_formed_batch_size": s.max_batch_size,

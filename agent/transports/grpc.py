@@ -2,8 +2,13 @@
 
 What ``tritonclient.grpc`` needs of a server: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
 ModelConfig, ModelInfer (tensors in ``raw_input_contents``, typed ``contents`` or system shared memory; outputs in
-``raw_output_contents`` or shared memory) and the system shared-memory calls (agent/transports/shm.py, shared with
-HTTP). Other calls answer UNIMPLEMENTED. Requests are decoded by the same code as HTTP's (agent/transports/kserve.py)
+``raw_output_contents`` or shared memory), the system shared-memory calls (agent/transports/shm.py, shared with
+HTTP), ModelStatistics and RepositoryIndex (what perf_analyzer asks): every call HTTP answers. RepositoryModelLoad
+and RepositoryModelUnload answer UNAVAILABLE, as Triton's do when its model control is not explicit: the agent
+loads what its fleet's desired state says, never at a local client's word. CUDA shared memory: status and
+unregister answer as for no region registered (as over HTTP), register INVALID_ARGUMENT. Other calls (streaming,
+trace and log settings) answer UNIMPLEMENTED.
+Requests are decoded by the same code as HTTP's (agent/transports/kserve.py)
 and queue in the same batcher: a gRPC request and an HTTP request can share a batch.
 
 gRPC's asyncio server runs on the agent's event loop (grpc.aio): a request is decoded there and queued in the
@@ -43,7 +48,13 @@ import numpy as np
 from edgefleet import protocol
 from edgefleet.agent.core.host import EXTENSIONS, ModelHost, Served, model_config
 from edgefleet.agent.errors import AgentError, RequestError
-from edgefleet.agent.transports.kserve import InferRequest, decode_request, ordered_outputs
+from edgefleet.agent.transports.kserve import (
+    CUDA_SHM_REFUSED,
+    MODEL_CONTROL_REFUSED,
+    InferRequest,
+    decode_request,
+    ordered_outputs,
+)
 from edgefleet.agent.transports.peer import PeerCell, tcp_peer
 from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.engines import NP_DTYPES
@@ -301,10 +312,44 @@ class _Servicer:
                     served = srv.served(request.name, request.version)
                 except AgentError as exc:
                     await srv.abort(context, exc)
-                doc = model_config(served)
-                doc.pop("version_policy", None)  # Triton's versions are integers; the agent's are semver
+                doc = model_config(served, srv.host.version_number(served))
                 cfg = json_format.ParseDict(doc, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
                 return pb.ModelConfigResponse(config=cfg)
+
+            async def ModelStatistics(self, request: Any, context: Any) -> Any:
+                from google.protobuf import json_format
+
+                try:
+                    if request.name:
+                        models = [srv.served(request.name, request.version)]
+                    else:
+                        models = [s for _, s in sorted(srv.host.models.items())]
+                except AgentError as exc:
+                    await srv.abort(context, exc)
+                return pb.ModelStatisticsResponse(model_stats=[json_format.ParseDict(
+                    srv.host.model_stats(s), pb.ModelStatistics(), ignore_unknown_fields=True) for s in models])
+
+            async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+                entry = pb.RepositoryIndexResponse.ModelIndex
+                return pb.RepositoryIndexResponse(models=[entry(**e) for e in srv.host.repository_index(request.ready)])
+
+            async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+                await context.abort(srv._grpc.StatusCode.UNAVAILABLE, MODEL_CONTROL_REFUSED)
+
+            async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+                await context.abort(srv._grpc.StatusCode.UNAVAILABLE, MODEL_CONTROL_REFUSED)
+
+            async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+                if request.name:
+                    await context.abort(srv._grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"no CUDA shared-memory region {request.name!r} is registered")
+                return pb.CudaSharedMemoryStatusResponse()
+
+            async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+                await context.abort(srv._grpc.StatusCode.INVALID_ARGUMENT, CUDA_SHM_REFUSED)
+
+            async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+                return pb.CudaSharedMemoryUnregisterResponse()
 
             async def ModelInfer(self, request: Any, context: Any) -> Any:
                 return await srv.infer(request, context)

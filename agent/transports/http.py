@@ -8,13 +8,16 @@
     GET  /v2/models/{m}[/versions/{v}]/config model configuration (Triton's layout: batching, instances)
     GET  /v2/models/{m}[/versions/{v}]/stats  statistics of one model; GET /v2/models/stats: every model
     POST /v2/repository/index                 the models this agent knows and their state
+    POST /v2/repository/models/{m}/load|unload  refused (503): the fleet's desired state says what is served
     POST /v2/models/{m}[/versions/{v}]/infer  tensors in, tensors out: JSON, or the binary tensor data
-                                              extension (header Inference-Header-Content-Length)
+                                              extension (header Inference-Header-Content-Length; 0: Triton's
+                                              raw binary request, the body the model's one input)
     POST /v2/models/{m}[/versions/{v}]/infer/image
                                               JPEG or PNG bytes in (the body is the file), the bundle's
                                               recorded preprocessing applied, JSON tensors out
     GET  /v2/systemsharedmemory[/region/{r}]/status, POST .../region/{r}/register, .../region/{r}/unregister,
          POST /v2/systemsharedmemory/unregister   Triton's system shared-memory extension (agent/transports/shm.py)
+    /v2/cudasharedmemory/...                  none can be registered (400); status and unregister answer as for none
     GET  /metrics                             Prometheus text exposition
     GET  /metrics/summary                     counters since start (JSON)
 
@@ -48,7 +51,14 @@ from edgefleet.agent.core.metrics import CONTENT_TYPE
 from edgefleet.agent.core.pipeline import image_answer
 from edgefleet.agent.errors import AgentError, PayloadTooLarge, RequestError, Unavailable
 from edgefleet.agent.transports.image import ImageLimits, check_image, decode_feeds
-from edgefleet.agent.transports.kserve import HEADER_LENGTH, InferRequest, encode_response, parse_body
+from edgefleet.agent.transports.kserve import (
+    CUDA_SHM_REFUSED,
+    HEADER_LENGTH,
+    MODEL_CONTROL_REFUSED,
+    InferRequest,
+    encode_response,
+    parse_body,
+)
 from edgefleet.agent.transports.openapi import openapi
 from edgefleet.agent.transports.peer import PeerCell, tcp_peer
 from edgefleet.agent.transports.shm import SharedMemory
@@ -123,7 +133,9 @@ class _HttpApi:
         return [Route("/v2/health/live", self.live, methods=GET), Route("/v2/health/ready", self.ready, methods=GET),
                 Route("/v2", self.server_meta, methods=GET),
                 Route("/v2/repository/index", self.repository_index, methods=POST),
-                Route("/v2/models/stats", self.stats, methods=GET)]
+                Route("/v2/models/stats", self.stats, methods=GET),
+                Route("/v2/repository/models/{name}/load", _model_control, methods=POST),
+                Route("/v2/repository/models/{name}/unload", _model_control, methods=POST)]
 
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -171,7 +183,9 @@ class _HttpApi:
             return _agent_error(exc)
         m = served.manifest
         return JSONResponse({
-            "name": m.name, "versions": [m.version], "platform": m.backend, "precision": m.precision,
+            # the bundle's semantic version; Triton's integer one (statistics, config) as version_number
+            "name": m.name, "versions": [m.version], "version_number": self.host.version_number(served),
+            "platform": m.backend, "precision": m.precision,
             "profile": m.profile,
             "inputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.inputs],
             "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in m.outputs],
@@ -190,15 +204,17 @@ class _HttpApi:
 
     async def config(self, request: Request) -> Response:
         try:
-            return JSONResponse(model_config(self.resolve(request)))
+            served = self.resolve(request)
+            return JSONResponse(model_config(served, self.host.version_number(served)))
         except AgentError as exc:
             return _agent_error(exc)
 
     async def stats(self, request: Request) -> Response:
         if "name" not in request.path_params:
-            return JSONResponse({"model_stats": [s.metrics.stats() for _, s in sorted(self.host.models.items())]})
+            host = self.host
+            return JSONResponse({"model_stats": [host.model_stats(s) for _, s in sorted(host.models.items())]})
         try:
-            return JSONResponse({"model_stats": [self.resolve(request).metrics.stats()]})
+            return JSONResponse({"model_stats": [self.host.model_stats(self.resolve(request))]})
         except AgentError as exc:
             return _agent_error(exc)
 
@@ -228,7 +244,7 @@ class _HttpApi:
                 req = parse_body(body, header_length, m.inputs, m.outputs, view)
             del body
             outs = await host.infer(served, req)
-            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req, view)
+            content, json_length = encode_response(m.name, m.version, outs, m.outputs, req, view, describe_shm=False)
             status = 200
             if json_length is None:
                 return 200, [(b"content-type", b"application/json")], content
@@ -299,7 +315,14 @@ class _HttpApi:
                 Route("/v2/systemsharedmemory/region/{region}/status", self.shm_status, methods=GET),
                 Route("/v2/systemsharedmemory/region/{region}/register", self.shm_register, methods=POST),
                 Route("/v2/systemsharedmemory/region/{region}/unregister", self.shm_unregister, methods=POST),
-                Route("/v2/systemsharedmemory/unregister", self.shm_unregister, methods=POST)]
+                Route("/v2/systemsharedmemory/unregister", self.shm_unregister, methods=POST),
+                # CUDA shared memory: none can be registered; status and unregister answer as for none registered
+                # (perf_analyzer unregisters both kinds at its end)
+                Route("/v2/cudasharedmemory/status", _cuda_status, methods=GET),
+                Route("/v2/cudasharedmemory/region/{region}/status", _cuda_status, methods=GET),
+                Route("/v2/cudasharedmemory/region/{region}/register", _cuda_register, methods=POST),
+                Route("/v2/cudasharedmemory/region/{region}/unregister", _cuda_unregister, methods=POST),
+                Route("/v2/cudasharedmemory/unregister", _cuda_unregister, methods=POST)]
 
     @staticmethod
     def no_shm() -> Response:
@@ -370,6 +393,27 @@ class _HttpApi:
     async def openapi_doc(self, request: Request) -> Response:
         return JSONResponse(openapi(protocol.__version__, self.max_body_bytes,
                                     {n: s.manifest.version for n, s in self.host.models.items()}))
+
+
+async def _model_control(request: Request) -> Response:
+    """Triton's model control (load, unload): refused with 503, Triton's answer when its model control is not
+    explicit, as over gRPC (UNAVAILABLE): the agent serves what its fleet's desired state names."""
+    return _error(503, MODEL_CONTROL_REFUSED)
+
+
+async def _cuda_status(request: Request) -> Response:
+    region = request.path_params.get("region")
+    if region is not None:
+        return _error(400, f"no CUDA shared-memory region {region!r} is registered ({CUDA_SHM_REFUSED})")
+    return JSONResponse([])
+
+
+async def _cuda_register(request: Request) -> Response:
+    return _error(400, CUDA_SHM_REFUSED)
+
+
+async def _cuda_unregister(request: Request) -> Response:
+    return JSONResponse({})
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

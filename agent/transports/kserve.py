@@ -37,9 +37,15 @@ from edgefleet.protocol.manifest import TensorSpec
 if TYPE_CHECKING:
     from edgefleet.agent.transports.shm import SharedMemory
 
-__all__ = ["HEADER_LENGTH", "InferRequest", "RequestTemplate", "decode_request", "encode_response", "parse_body",
-           "request_template"]
+__all__ = ["CUDA_SHM_REFUSED", "HEADER_LENGTH", "MODEL_CONTROL_REFUSED", "InferRequest", "RequestTemplate",
+           "decode_request", "encode_response", "parse_body", "raw_request", "request_template"]
 
+# what a model load or unload asked by a local client gets (UNAVAILABLE over gRPC, 503 over HTTP: Triton's answer
+# when its model control mode is not explicit)
+MODEL_CONTROL_REFUSED = ("explicit model load / unload is not allowed: this agent loads the models its fleet's "
+                         "desired state names (start a rollout from the fleet)")
+CUDA_SHM_REFUSED = ("CUDA shared memory is not supported by this agent; pass tensors in system shared memory "
+                    "(its status and unregister calls answer as for no region registered)")
 HEADER_LENGTH = "inference-header-content-length"  # the HTTP header (lower case, as ASGI gives headers)
 
 _REQ_KEYS = {"id", "parameters", "inputs", "outputs"}
@@ -57,6 +63,8 @@ def parse_body(body: bytes | memoryview, header_length: str | None, specs: tuple
         if not header_length.isdigit():
             raise RequestError(f"Inference-Header-Content-Length must be a byte count, got {header_length!r}")
         hl = int(header_length)
+        if hl == 0:  # Triton's raw binary request: the whole body is the model's one input
+            return decode_request(raw_request(len(body), specs), specs, out_specs, memoryview(body), shm=shm)
         if hl > len(body):
             raise RequestError(f"Inference-Header-Content-Length says the JSON header is {hl} bytes; the body has "
                                f"only {len(body)}")
@@ -72,6 +80,32 @@ def parse_body(body: bytes | memoryview, header_length: str | None, specs: tuple
     except RecursionError as exc:
         raise RequestError("the body's JSON is nested too deeply") from exc
     return decode_request(doc, specs, out_specs, binary, shm=shm)
+
+
+def raw_request(size: int, specs: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """The JSON request a raw binary request (``Inference-Header-Content-Length: 0``, the body one raw tensor) stands
+    for, as Triton reads one: the model must have one input; its datatype and shape come from the model, the batch
+    dimension (if any) from the body's length, ``size`` bytes; every output comes back binary. decode_request checks
+    the rest as for any request (the batch bound, NaN)."""
+    if len(specs) != 1:
+        raise RequestError(f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with one input; "
+                           f"this one has {len(specs)} ({', '.join(s.name for s in specs)}): send a JSON header")
+    spec = specs[0]
+    item = np.dtype(NP_DTYPES[spec.datatype]).itemsize
+    shape = list(spec.shape)
+    for i, d in enumerate(shape):
+        if d == -1 and i != spec.batch_axis:
+            raise RequestError(f"a raw binary request needs input {spec.name!r}'s shape fixed but for its batch "
+                               f"dimension; {shape} has another dynamic dimension ({i}): send a JSON header")
+    per_item = item * int(np.prod([d for i, d in enumerate(shape) if i != spec.batch_axis], dtype=np.int64))
+    if size == 0 or size % per_item or (spec.batch_axis is None and size != per_item):
+        raise RequestError(f"a raw binary request of {size} bytes is not whole {spec.datatype} tensors of input "
+                           f"{spec.name!r} ({shape}: {per_item} bytes each)")
+    if spec.batch_axis is not None:
+        shape[spec.batch_axis] = size // per_item
+    return {"inputs": [{"name": spec.name, "shape": shape, "datatype": spec.datatype,
+                        "parameters": {"binary_data_size": size}}],
+            "parameters": {"binary_data_output": True}}
 
 
 def _loads(text: bytes) -> Any:
@@ -404,11 +438,13 @@ def ordered_outputs(outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
 
 def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: tuple[TensorSpec, ...],
                     req: InferRequest, shm: SharedMemory | None = None,
-                    memo: dict[tuple, bytes] | None = None) -> tuple[bytes, int | None]:
+                    memo: dict[tuple, bytes] | None = None, describe_shm: bool = True) -> tuple[bytes, int | None]:
     """-> (the body, the length of its JSON header if binary data follows it, else None). Outputs the request
     placed in shared memory are written there (``shm``) and described without data. ``memo``: answers kept for
     requests of one RequestTemplate (its ``answers``): where every output goes to shared memory, the JSON depends only
-    on the outputs' shapes (and the model's version), so it is built once per shape."""
+    on the outputs' shapes (and the model's version), so it is built once per shape. ``describe_shm`` False: an output
+    written to shared memory gets no ``parameters`` (Triton's HTTP answer: its C++ client, perf_analyzer's, reads
+    an output's parameters as binary data and refuses ones without ``binary_data_size``)."""
     placed = ordered_outputs(outputs, specs, req)
     if memo is not None and shm is not None and req.shm_outputs and not req.binary_outputs \
             and len(req.shm_outputs) == len(outputs if req.outputs is None else req.outputs):
@@ -431,8 +467,9 @@ def encode_response(model: str, version: str, outputs: list[np.ndarray], specs: 
                 raise InferenceFailed(f"output {name!r}: the shared-memory regions are gone")
             region, off, size = req.shm_outputs[name]
             n = shm.write(region, off, size, _little(arr, spec), f"output {name!r}")
-            t["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": n,
-                               **({"shared_memory_offset": off} if off else {})}
+            if describe_shm:
+                t["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": n,
+                                   **({"shared_memory_offset": off} if off else {})}
         elif name in req.binary_outputs:
             data = _little(arr, spec).tobytes()
             t["parameters"] = {"binary_data_size": len(data)}
