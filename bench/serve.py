@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests (a rough look, about 2 minutes)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--clients", default="1,8,32", help="closed-loop client counts")
+    p.add_argument("--clients", help="closed-loop client counts (default 1,8,32; with --simulate 8,32,64)")
     p.add_argument("--requests", type=int, help="timed requests per level, digits (default 3000, quick 1000)")
     p.add_argument("--requests-big", type=int, help="timed requests per level, MobileNetV2 binary and naive (JSON: "
                                                     "a fifth) (default 600, quick 200)")
@@ -314,8 +314,22 @@ def main(argv: list[str] | None = None) -> int:
                         "every one installed here that runs the bundle; 'vs best' is against the fastest")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--work-dir", type=Path, help="keep bundles and logs here (default: a temp dir)")
+    sim = p.add_argument_group("simulated boxes (serve_sim.py, issue 44)")
+    sim.add_argument("--simulate", type=Path, metavar="FILE",
+                     help="serving curves (../shared/data/xeon16-serving.json): the agent on a simulated runtime "
+                          "that takes the curves' time (bench/sim_runtime.py) instead of the models above")
+    sim.add_argument("--sim-cores", default="4,8,16", help="the simulated boxes' CPUs (4, 8, 16)")
+    sim.add_argument("--sim-models", default="mobilenetv2-fp32,mobilenetv2-int8", help="the curves' models")
+    sim.add_argument("--sim-seconds", type=float, default=3.0, help="about this long per level")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="every simulated call takes this many times "
+                                                                   "its curve time (the limit divides by it)")
+    sim.add_argument("--frontend", action="store_true", help="the front end's CPU per request instead (1 KB and "
+                                                            "602 KB; HTTP, gRPC, local socket)")
+    sim.add_argument("--frontend-clients", type=int, default=32, help="clients of a --frontend level")
+    sim.add_argument("--frontend-requests", type=int, default=3000, help="timed requests of a --frontend level")
     args = p.parse_args(argv)
-    args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    args.clients = [int(c) for c in (args.clients or ("8,32,64" if args.simulate else "1,8,32")).split(",")
+                    if c.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     if args.pin:
         allowed = sorted(os.sched_getaffinity(0))
@@ -329,6 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         say(f"pinned: inference on CPU(s) {sorted(mine)}, event loops and the load generator on {sorted(rest)}; "
              f"{args.threads} inference thread(s)")
     args.requests = args.requests or (1000 if args.quick else 3000)
+    if args.simulate:  # the agent on simulated boxes (serve_sim.py): none of the models above is compiled
+        import serve_sim
+
+        args.sim_cores = [int(c) for c in args.sim_cores.split(",") if c.strip()]
+        args.sim_models = [m.strip() for m in args.sim_models.split(",") if m.strip()]
+        with contextlib.ExitStack() as stack:
+            work = args.work_dir.resolve() if args.work_dir else Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="edgefleet-serve-sim-")))
+            return serve_sim.main(args, work)
     args.requests_big = args.requests_big or (200 if args.quick else 600)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS + MORE_MODELS]

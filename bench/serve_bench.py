@@ -120,9 +120,12 @@ class AgentProcess:
     """``python -m edgefleet.cli agent`` on a free loopback port; a context manager that always stops it."""
 
     def __init__(self, data_dir: Path, log_path: Path, delay_us: int, max_batch_size: int | None, threads: int | None,
-                 ready_timeout_s: float, instances: int | None = 1, extra_args: tuple[str, ...] = ()):
-        """``max_batch_size``, ``threads``, ``instances``: None leaves the flag out (the agent's own choice)."""
+                 ready_timeout_s: float, instances: int | None = 1, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
+        """``max_batch_size``, ``threads``, ``instances``: None leaves the flag out (the agent's own choice). ``env``:
+        more environment for the agent (bench/sim_runtime.py's simulation_env: the agent on a simulated runtime)."""
         self.data_dir, self.log_path = data_dir, log_path
+        self.env = env or {}
         self.extra_args = extra_args  # more `edgefleet agent` flags, e.g. ("--inference-cpus", "1")
         self.delay_us, self.max_batch_size, self.threads = delay_us, max_batch_size, threads
         self.instances = instances
@@ -143,7 +146,7 @@ class AgentProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                         cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                                          preexec_fn=_die_with_parent)
         try:
             self._wait_ready()

@@ -144,10 +144,11 @@ async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
 
 
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
-                 warmup: int, timed: Callable[[], object] | None = None) -> dict[str, Any]:
+                 warmup: int, timed: Callable[[], object] | None = None,
+                 shape: list[int] | None = None) -> dict[str, Any]:
     """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
     if kind in ("local", "local-inline"):
-        return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed)
+        return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed, shape)
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
     if kind in ("grpc", "shm"):
@@ -243,7 +244,8 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
 
 
 async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
-                        total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+                        total: int, warmup: int, timed: Callable[[], object] | None,
+                        shape: list[int] | None = None) -> dict[str, Any]:
     """The agent's on-box socket (agent/transports/local_client.py): every client on one connection, its requests
     pipelined. ``local``: the input and the output in one shared-memory region (each client its own slice, as for
     ``shm``); ``local-inline``: the input bytes in the frame (``reqs`` are prebuilt INFER bodies), the output in the
@@ -267,8 +269,8 @@ async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes],
         key = f"edgefleet-bench-{os.getpid()}"
         region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
         await conn.register_region(key, "/" + key, slot_bytes * clients)
-        # the digits model (the only one this variant runs for): input [N, 1, 8, 8], output logits
-        prebuilt = [infer_request(path.split("/")[3], {"input": (key, s * slot_bytes, in_bytes, [1, 1, 8, 8])},
+        # input [1, *shape] (default: the digits model's [1, 1, 8, 8]), output logits
+        prebuilt = [infer_request(path.split("/")[3], {"input": (key, s * slot_bytes, in_bytes, shape or [1, 1, 8, 8])},
                                   outputs={"logits": (key, s * slot_bytes + in_bytes, out_bytes)})
                     for s in range(clients)]
         buf = region.buf
@@ -303,9 +305,9 @@ def _load_worker(args: tuple, results: Any, cpus: frozenset[int] | None = None) 
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)  # --pin: the load generator off the inference CPUs
-        url, kind, path, reqs, labels, clients, total, warmup = args
+        url, kind, path, reqs, labels, clients, total, warmup, shape = args
         results.put(asyncio.run(_drive(url, kind, path, reqs, labels, clients, total, warmup,
-                                       timed=lambda: results.put({"timed": True}))))
+                                       timed=lambda: results.put({"timed": True}), shape=shape)))
     except BaseException as exc:
         results.put({"fatal": f"{type(exc).__name__}: {exc}"})
 
@@ -324,14 +326,15 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
 
 def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
               warmup: int, timeout_s: float = 600, server_pid: int | None = None,
-              stats_url: str | None = None) -> dict[str, Any]:
+              stats_url: str | None = None, shape: list[int] | None = None) -> dict[str, Any]:
     """One closed-loop level from a separate (spawned) load-generator process. With ``server_pid``, also where
     the machine's CPU went during the timed phase, in cores: the server's main (event-loop) thread, its other
     threads (inference), and the load generator. With ``stats_url`` (the agent's Triton statistics), the mean
-    time its runtime took per batch-1 call during the timed phase: the raw call of that very run."""
+    time its runtime took per batch-1 call during the timed phase: the raw call of that very run. ``shape``: the
+    ``local`` variant's input shape, [1, ...] (default: digits')."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup), results,
+    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup, shape), results,
                                                serve_limit.PIN[1] if serve_limit.PIN else None), daemon=True)
     w.start()
     before: dict[str, float] = {}

@@ -195,6 +195,7 @@ class Busy:
 
 BUSY = Busy()
 _CURVE: list[Curve] = []  # the curve of the run registered now (registered, install_from_env)
+_HELD: list[Any] = []  # install_from_env's registration, held for the process's life
 
 
 def _overshoot_s() -> float:
@@ -245,7 +246,8 @@ class SimulatedEngine(Engine):
             shape = [n if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
             k = math.prod(d for i, d in enumerate(shape) if i != spec.batch_axis)
             vals = rows[:, :k] if k <= rows.shape[1] else np.zeros((n, k), np.float32)
-            outs.append(np.ascontiguousarray(vals, dtype=np.float32).reshape(shape))
+            outs.append(np.array(vals, dtype=np.float32, order="C").reshape(shape))  # a copy: never a view of the
+            # input (a batch buffer the agent reuses), as a runtime answers
         left = due - (time.perf_counter() - t0) - (SimulatedEngine._slack_s or 0.0)
         if left > 0:
             time.sleep(left)
@@ -293,7 +295,9 @@ def install_from_env() -> Curve | None:
     if not raw:
         return None
     curve = Curve.from_json(json.loads(raw))
-    registered(curve).__enter__()  # for the process's life: never exited
+    held = registered(curve)
+    held.__enter__()  # for the process's life: never exited (and kept: a collected one would restore the registry)
+    _HELD.append(held)
     cpus = set(range(curve.cores))
     os.sched_getaffinity = lambda _pid: set(cpus)  # type: ignore[assignment]
     os.sched_setaffinity = lambda _pid, _mask: None  # type: ignore[assignment]
