@@ -2,13 +2,13 @@
 
 For each zoo model (models/zoo/make_zoo.py: MobileNetV2-like and ResNet-18-like, built on first use):
 
-1. compile it with ``compiler.pipeline.compile_model`` for ``x86-cpu``, and for ``x86-cpu-vnni`` unless this
+1. compile it with ``compiler.compile.compile_model`` for ``x86-cpu``, and for ``x86-cpu-vnni`` unless this
    CPU saturates full-range int8 (AVX2 without VNNI, where the compiler refuses to gate that profile),
    with ``precision="int8"``, ``max_accuracy_drop=1.0`` (speed only: no gate can stop it) and no benchmark;
    then compile again with identical options, timing both (with a fresh build cache, so the first compile
    is cold and the second may be a cache hit; ``--no-cache`` builds both times);
 2. time the FP32 source model against the bundle's INT8 engine in onnxruntime at batch 1 and 16: warm-up,
-   then a fixed number of iterations alternating which runs first (``compiler.evaluate.benchmark_pair``);
+   then a fixed number of iterations alternating which runs first (``compiler.benchmark.benchmark_pair``);
    the medians and their ratio are reported. Both run through ``engines.load``, the code the compiler's gate
    and the agent share (the profile's intra-op threads, 2; one inter-op thread; thread spinning off). For
    ``arm64-cpu`` (LiteRT), the FP32 and full-integer INT8 ``.tflite`` engines the compiler builds are timed
@@ -41,7 +41,7 @@ BATCHES = (1, 16)
 # (warm-up, timed iterations) per batch size; every loop is bounded
 ITERATIONS = {1: (5, 60), 16: (2, 15)}
 QUICK_ITERATIONS = {1: (2, 15), 16: (1, 4)}
-Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # as compiler.evaluate.Runner
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]  # as compiler.benchmark.Runner
 
 
 def _progress(step: int, total: int, what: str) -> None:
@@ -51,7 +51,7 @@ def _progress(step: int, total: int, what: str) -> None:
 def compile_twice(model_dir: Path, name: str, profile: str, work: Path, use_cache: bool,
                   precision: str = "int8", times_: int = 2) -> dict[str, Any]:
     """Compile the same inputs twice; -> the bundle, its manifest and both wall times."""
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     opts = CompileOptions(
         model=model_dir / "model.onnx", profile=profile, calibration=model_dir / "calibration.npz",
@@ -86,7 +86,7 @@ def _runners(sessions: str, fp32_model: Path, engine: Path, profile: Any, manife
 def measure(model_dir: Path, engine: Path, profile_name: str, manifest: Any, sessions: str,
             iterations: dict[int, tuple[int, int]], fp32_engine: Path | None = None) -> dict[str, Any]:
     """FP32 source vs INT8 engine: batch timings (alternating) and top-1 agreement over eval.npz."""
-    from edgefleet.compiler.evaluate import benchmark_pair
+    from edgefleet.compiler.benchmark import benchmark_pair
     from edgefleet.judge.data import Dataset
     from edgefleet.judge.predict import predict_all
     from edgefleet.protocol.profile import load_profile

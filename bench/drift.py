@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefleet.agent.core.drift import DriftRecorder
-from edgefleet.compiler.pipeline import CompileOptions, compile_model
+from edgefleet.compiler.compile import CompileOptions, compile_model
 from edgefleet.engines import load_bundle_engine
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.drift import DriftAccumulator

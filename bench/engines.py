@@ -47,7 +47,7 @@ BASELINE = "onnxruntime FP32"
 
 
 def build_int8(model_dir: Path, work: Path) -> tuple[Path, Any]:
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.protocol.bundle import extract_bundle
     from edgefleet.protocol.cpu import VNNI_FEATURES, cpu_features
 

@@ -231,7 +231,7 @@ def stats(client: httpx.Client) -> dict:
 
 
 def build_bundle(work: Path) -> Path:
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     digits = REPO / "models" / "digits"
     return compile_model(CompileOptions(

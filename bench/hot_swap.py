@@ -51,7 +51,7 @@ AFTER_SWAP_S = 0.5  # a swap window reaches this far past the switch
 
 def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile versions 1.0.0 and 1.1.0 and install both (1.1.0 serves, 1.0.0 is kept for rollback)."""
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from tests.agent_harness import preinstall
 
     model, calib, evalp, precision, model_name = model_files(name)

@@ -75,7 +75,7 @@ MORE_MODELS = ("mobilenetv2-bf16",)
 def prepare(name: str, work: Path) -> dict[str, Any]:
     """Compile and install one model; -> data dir, engine, images and labels for the load."""
     from edgefleet.agent.install.store import ModelStore
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.protocol.bundle import sha256_file
 
     model, calib, evalp, precision, model_name = model_files(name)

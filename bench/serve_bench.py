@@ -54,7 +54,7 @@ UNREACHABLE_FLEET = "http://127.0.0.1:9"  # discard port: the agent serves its i
 def compile_and_install(work: Path) -> tuple[Path, Path, Any]:
     """Compile the digits model and commit it into ``work/agent/store``; -> (data dir, engine path, manifest)."""
     from edgefleet.agent.install.store import ModelStore
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.protocol.bundle import sha256_file
 
     result = compile_model(CompileOptions(

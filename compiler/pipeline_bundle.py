@@ -7,7 +7,7 @@
 2. The FP32 pipeline (both source models run by onnxruntime on this CPU, the steps of
    :class:`~edgefleet.judge.pipeline.Chain`) runs once over the evaluation images (and the calibration images):
    its end answers are the reference, and its crops are the reader's own evaluation and calibration data.
-3. Each stage is compiled by the single-model compiler (:func:`compiler.pipeline.compile_model`: its precision
+3. Each stage is compiled by the single-model compiler (:func:`compiler.compile.compile_model`: its precision
    chosen, quantized, gated on its own task -- ``segmentation`` for a probability-map detector at the map's
    threshold, ``detection`` for a YOLO head, ``ctc`` or ``classification`` for the reader -- benchmarked): the
    detector on the evaluation images, the reader on the FP32 pipeline's crops of them.
@@ -36,7 +36,7 @@ int8 there uses 7-bit weights so an x86 build host's gate computes what ARM comp
 the evaluation images (step 2's, the answers the end gate judges against; a single model's reference is its fp32
 answers too), read as protocol/drift.py's task ``pipeline`` (:func:`~edgefleet.judge.pipeline.drift_reference`):
 boxes per image (``count``), each string's length in characters (``text``) or top class (``classes``) and each
-string's score. It is recorded as :func:`compiler.pipeline.with_drift` records a single model's; agents count their
+string's score. It is recorded as :func:`compiler.compile.with_drift` records a single model's; agents count their
 live end answers into it (agent/core/drift.py) and the fleet scores them as any model's. Each stage's own manifest keeps
 the reference its compile recorded (the detector's map as segmentation: foreground share; the reader's crops as
 ctc: string length and score); agents do not count those (a stage's answers never leave the pipeline).
@@ -57,7 +57,7 @@ import numpy as np
 
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError
 from edgefleet.compiler.graph import GraphInfo, check_model
-from edgefleet.compiler.pipeline import (
+from edgefleet.compiler.compile import (
     REFERENCE_RUNTIME,
     CompileOptions,
     Progress,
@@ -434,7 +434,7 @@ def _kept(report: TaskReport) -> str:
 
 
 def _task_line(report: TaskReport) -> str:
-    from edgefleet.compiler.pipeline import task_figures
+    from edgefleet.compiler.compile import task_figures
 
     d = report.details
     return (f"{task_figures(report)} ({int(d.get('same_answers', 0))} of {int(d.get('fp32_boxes', 0))} fp32 answers "
@@ -576,7 +576,7 @@ def _one_precision(m: Manifest) -> Manifest:
 def _stage_speedup(stages: dict[str, StageBuild], quantized: list[str], back: str) -> float:
     """How much faster than fp32 the stages kept quantized are when ``back`` falls back (their benchmarks'
     geometric mean; 1.0 when not benchmarked)."""
-    from edgefleet.compiler.pipeline import _geomean
+    from edgefleet.compiler.compile.choose import geomean
 
     gain = 1.0
     for n in quantized:
@@ -584,7 +584,7 @@ def _stage_speedup(stages: dict[str, StageBuild], quantized: list[str], back: st
             continue
         b = stages[n].manifest.benchmark
         if b is not None and b.candidate_precision == stages[n].manifest.precision:
-            gain *= _geomean(b.points)
+            gain *= geomean(b.points)
     return gain
 
 

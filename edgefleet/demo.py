@@ -209,7 +209,7 @@ def _say(msg: str) -> None:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.protocol.errors import EdgefleetError
 
     work = opts.work_dir.resolve()

@@ -99,7 +99,7 @@ def _build_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The digits model compiled for x86-cpu (static INT8), once per test session."""
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("dist")
     result = compile_model(CompileOptions(
@@ -110,7 +110,7 @@ def digits_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def digits_bundle_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("dist2")
     return compile_model(CompileOptions(
@@ -126,7 +126,7 @@ def two_precision_bundle(tmp_path_factory: pytest.TempPathFactory, digits_bundle
     host); assembled from two real x86-cpu builds so that an agent on this machine can run it."""
     import shutil
 
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
     from edgefleet.protocol.manifest import MANIFEST_VERSION, parse_manifest
 
@@ -159,7 +159,7 @@ def two_precision_bundle(tmp_path_factory: pytest.TempPathFactory, digits_bundle
 def image_bundle(tmp_path_factory):
     """Digits compiled with recorded image preprocessing: 8x8 gray, pixels / 255 (the test set's pixels / 16,
     stored as 8-bit PNG values pixel * 255 / 16)."""
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     d = tmp_path_factory.mktemp("imgbundle")
     (d / "preprocess.yaml").write_text("input: input\nheight: 8\nwidth: 8\ncolor: gray\nlayout: nchw\n"

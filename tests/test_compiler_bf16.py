@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgefleet import engines
 from edgefleet.compiler.errors import AccuracyGateFailed
-from edgefleet.compiler.pipeline import CompileOptions, Measured, choose_precision, compile_model
+from edgefleet.compiler.compile import CompileOptions, Measured, choose_precision, compile_model
 from edgefleet.protocol.bundle import check_bundle, extract_bundle, sha256_file, write_bundle
 from edgefleet.protocol.errors import EdgefleetError, SchemaError
 from edgefleet.protocol.manifest import BenchmarkPoint, parse_manifest

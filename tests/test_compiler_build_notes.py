@@ -67,7 +67,7 @@ def test_a_forced_quantizer_retry_is_named_in_the_manifest_and_the_report(tmp_pa
     QDQDisableWeightAdjustForInt32Bias builds it: whichever precision ships, the manifest and the report name the
     retry with onnxruntime's reason."""
     from edgefleet.cli.compile import _compile_summary
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.compiler.targets import onnxruntime as ort_target
 
     monkeypatch.setattr(ort_target, "gemm_biases_1d", lambda path: [])

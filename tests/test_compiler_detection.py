@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgefleet.compiler.errors import AccuracyGateFailed
-from edgefleet.compiler.pipeline import CompileOptions, compile_model
+from edgefleet.compiler.compile import CompileOptions, compile_model
 from edgefleet.judge.tasks import infer_task
 from edgefleet.protocol.manifest import TensorSpec
 from tests.test_compiler import run_cli

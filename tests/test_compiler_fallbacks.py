@@ -98,7 +98,7 @@ def _unloadable_quantize(prepared, profile, calibration, out_path, keep_float=()
 def test_an_int8_engine_onnxruntime_cannot_load_ships_fp32_under_auto_and_is_exit_4_under_int8(
         tmp_path, monkeypatch, precision):
     import edgefleet.compiler.targets.onnxruntime as target
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     monkeypatch.setattr(target, "quantize", _unloadable_quantize)
     calib, evals = _data(tmp_path)

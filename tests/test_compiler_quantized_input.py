@@ -156,7 +156,7 @@ def test_an_explicit_precision_for_an_already_quantized_model_is_exit_4_asking_f
 
 def test_no_int8_build_is_tried_on_an_already_quantized_model(tmp_path, monkeypatch):
     import edgefleet.compiler.targets.onnxruntime as target
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     def refuse(*_a, **_k):
         raise AssertionError("an int8 build was tried on an already quantized model")

@@ -160,7 +160,7 @@ def test_a_failed_fallback_says_both_and_exits_as_the_toolchain_error(tmp_path):
 # -- the fleet -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def arm64_bundle(tflite_toolchain, tmp_path_factory) -> Path:
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     return compile_model(CompileOptions(
         model=DIGITS / "model.onnx", profile="arm64-cpu", calibration=DIGITS / "calibration.npz",

@@ -88,7 +88,7 @@ def _permuted_digits(out: Path) -> Path:
 @pytest.mark.timeout(400)
 def test_the_drift_gate_halts_a_wave_whose_model_answers_differently(tmp_path, mosquitto: Mosquitto, digits_bundle,
                                                                       digits_bundle_v2, test_images):
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     images, labels = test_images
     seen = np.concatenate([images[labels < 3]] * 3)  # this box's camera sees the digits 0, 1 and 2

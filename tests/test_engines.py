@@ -278,7 +278,7 @@ def test_litert_not_a_tflite_file_is_a_one_line_error(digits_x86, tmp_path):
 # -- LiteRT: the digits model through onnx2tf, served over HTTP --------------------------------------------
 @pytest.mark.timeout(1800)  # the first use installs the toolchain
 def test_litert_digits_bundle_served_over_http_keeps_its_accuracy(tflite_toolchain, tmp_path):  # noqa: F811
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     # a LiteRT profile this x86 box runs (arm64-cpu's needs NEON, which the agent rightly refuses here)
     arm = (REPO / "hw-profiles" / "arm64-cpu.yaml").read_text()
@@ -316,7 +316,7 @@ def test_litert_digits_bundle_served_over_http_keeps_its_accuracy(tflite_toolcha
 # -- TensorRT against the fakes ---------------------------------------------------------------------------
 @pytest.fixture
 def jetson_bundle(monkeypatch, tmp_path) -> tuple[Manifest, Path]:
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     install_fake_gpu(monkeypatch)  # TensorRT 10.3.0, sm87
     result = compile_model(CompileOptions(
@@ -390,7 +390,7 @@ def test_tensorrt_without_cuda_bindings_says_what_to_install(monkeypatch, jetson
 
 @pytest.mark.skipif(REAL_TENSORRT_MISSING is not None, reason=REAL_TENSORRT_MISSING or "")
 def test_real_tensorrt_backend_matches_onnxruntime(tmp_path, reference, test_images):
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     result = compile_model(CompileOptions(
         model=DIGITS / "model.onnx", profile="jetson-orin-nano", calibration=DIGITS / "calibration.npz",

@@ -20,8 +20,6 @@ MAX_METHODS = 25
 
 # path -> why it is over MAX_LINES
 MODULES_OVER: dict[str, str] = {
-    "compiler/pipeline.py": "the compile front door, one walk through every step: being split into a package by "
-                            "step (issue 42, the compile front door)",
     "bench/corpus.py": "the corpus of 13 pinned real models, each with its input maker and its own decoder for the "
                        "truth (kept apart from the judge's code on purpose); not split yet: the makers and decoders "
                        "could move beside it as corpus_faces.py did",

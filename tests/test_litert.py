@@ -218,7 +218,7 @@ def test_changed_pins_make_a_new_environment(tmp_path, monkeypatch):
 
 
 def test_compile_pipeline_builds_a_litert_int8_bundle(tflite_toolchain, tmp_path):
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
     from edgefleet.protocol.bundle import extract_bundle
 
     result = compile_model(CompileOptions(

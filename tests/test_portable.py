@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from edgefleet.compiler.pipeline import CompileOptions, Measured, choose_precision, compile_model
+from edgefleet.compiler.compile import CompileOptions, Measured, choose_precision, compile_model
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.cpu import cpu_features, u8s8_saturates
 from edgefleet.protocol.manifest import BenchmarkPoint

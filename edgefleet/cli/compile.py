@@ -16,7 +16,7 @@ from edgefleet.protocol.errors import EdgefleetError
 from edgefleet.protocol.exits import ExitCode, exit_for
 
 
-@command("compiler", imports=("edgefleet.compiler.pipeline", "edgefleet.compiler.fallback"))
+@command("compiler", imports=("edgefleet.compiler.compile", "edgefleet.compiler.fallback"))
 def cmd_compile(a: argparse.Namespace) -> int:
     from edgefleet.compiler.fallback import choose as choose_fallback
     from edgefleet.protocol.profile import list_profiles
@@ -63,7 +63,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
 def _compile_one(a: argparse.Namespace, profile: str, label: str) -> dict[str, Any]:
     """One build; a failure is a result (``ok`` false, its exit code), not an exception."""
     from edgefleet.compiler.cache import default_cache_dir
-    from edgefleet.compiler.pipeline import CompileOptions, compile_model
+    from edgefleet.compiler.compile import CompileOptions, compile_model
 
     opts = CompileOptions(
         model=a.model, profile=profile, calibration=a.calibration, eval=a.eval, out_dir=a.out,
@@ -112,7 +112,7 @@ def _compile_summary(bundle: Path, m: Any, cached: bool) -> str:
              f"model     {m.name} {m.version}  profile {m.profile}  {m.backend} {m.precision}",
              f"accuracy  {figure}"]
     if acc.task is not None:
-        from edgefleet.compiler.pipeline import task_figures
+        from edgefleet.compiler.compile import task_figures
 
         t = acc.task
         lines.append(f"task      {t.task} ({t.source}) on output {t.output!r}: {task_figures(t)}")
@@ -212,7 +212,7 @@ def cmd_compile_pipeline(a: argparse.Namespace) -> int:
                           "stage_seconds": r.stage_seconds, "notes": list(r.notes), "gate": list(r.gate),
                           "manifest": m.model_dump(mode="json")}, indent=2))
         return ExitCode.OK
-    from edgefleet.compiler.pipeline import task_figures
+    from edgefleet.compiler.compile import task_figures
 
     assert m.pipeline is not None and m.accuracy.task is not None
     lines = [f"bundle    {r.bundle}",
