@@ -39,9 +39,17 @@ report makes of a target); ``moves`` (move_wave, move_targets: the only ways a w
 asks the rules, applies their moves and publishes). The names other modules use are re-exported here.
 """
 
-from edgefleet.fleet.rollout.engine import RolloutEngine, cpu_fallback, desired_message
+from edgefleet.fleet.rollout.engine import RolloutEngine
 from edgefleet.fleet.rollout.gates import GateResult, WaveFigures, evaluate_gates, install_gate_lost
-from edgefleet.fleet.rollout.moves import AUDIT_DEVICES_PER_ROW, WAVE_ACTIONS, TargetMove, move_targets, move_wave
+from edgefleet.fleet.rollout.moves import (
+    AUDIT_DEVICES_PER_ROW,
+    WAVE_ACTIONS,
+    TargetMove,
+    desired_message,
+    move_targets,
+    move_wave,
+)
+from edgefleet.fleet.rollout.queries import cpu_fallback
 from edgefleet.fleet.rollout.spec import MAX_GRACE_S, Gates, RolloutSpec, Selector, ShadowGate, plan_waves
 from edgefleet.fleet.states import TRANSITIONS
 

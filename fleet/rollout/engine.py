@@ -8,10 +8,7 @@ and ``transition``, each with its audit row) and publishes the devices' desired 
 
 from __future__ import annotations
 
-import functools
 import logging
-import re
-import threading
 import time
 import uuid
 from dataclasses import asdict
@@ -28,78 +25,44 @@ from edgefleet.fleet.rollout import queries as q
 from edgefleet.fleet.rollout.gates import ShadowWaveFigures, WaveFigures
 from edgefleet.fleet.rollout.moves import (
     AUDIT_DEVICES_PER_ROW,
+    ROLLBACK_FROM,
     TargetMove,
+    apply,
+    desired_message,
     lock_rows,
-    lock_wave_rows,
+    move_rollout,
     move_targets,
-    move_wave,
+    rollback_targets,
 )
-from edgefleet.fleet.rollout.queries import ModelInfo, RolloutRow, WaveRow, lock_rollout, names, select_devices
+from edgefleet.fleet.rollout.queries import (
+    ModelCache,
+    ModelInfo,
+    RolloutRow,
+    WaveRow,
+    cpu_fallback,
+    lock_rollout,
+    names,
+    select_devices,
+)
 from edgefleet.fleet.rollout.spec import RolloutSpec, Selector, plan_waves
 from edgefleet.fleet.rollout.status import failure, rollout_status
-from edgefleet.fleet.rollout.step import (
-    FailShadow,
-    FailWave,
-    Finish,
-    Move,
-    NextWave,
-    PassShadow,
-    PassWave,
-    SetGates,
-    Soak,
-    StartWave,
-    Wait,
-    failure_status,
-    gate_failure,
-    next_target_state,
-    previous_bundle,
-    shadow_failure,
-    step,
-)
-from edgefleet.fleet.states import TARGET_DONE, TARGET_FINAL, TRANSITIONS, RolloutStatus, TargetState, WaveState
+from edgefleet.fleet.rollout.step import next_target_state, step
+from edgefleet.fleet.states import TARGET_DONE, TARGET_FINAL, RolloutStatus, TargetState, WaveState
 from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.errors import EdgefleetError
-from edgefleet.protocol.profile import load_profile
 
 __all__ = ["REPORT_ACTOR", "ROLLBACK_FROM", "TELE_COUNT_CAP", "ModelInfo", "Publisher", "RolloutEngine", "cpu_fallback",
            "desired_message"]
 
 log = logging.getLogger("edgefleet.fleet.rollout")
 
-_PROFILE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-
-
-@functools.lru_cache(maxsize=256)
-def cpu_fallback(profile: str) -> str | None:
-    """The CPU profile whose bundle devices of ``profile`` run when a version has none of their own (its
-    ``cpu_fallback`` in hw-profiles/); None for a profile without one or one this fleet does not know."""
-    if not _PROFILE_NAME_RE.fullmatch(profile) or profile.endswith((".yaml", ".yml")):
-        return None  # a device's profile is a name, never a path to read
-    try:
-        return load_profile(profile).cpu_fallback
-    except (EdgefleetError, OSError):
-        return None
-
-
 class Publisher(Protocol):
     def publish(self, topic: str, payload: bytes, retain: bool) -> None: ...
-
-
-def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float,
-                    mode: str | None = None) -> tuple[str, bytes]:
-    msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=m.name, version=m.version,
-                             target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
-                             mode=mode)  # type: ignore[arg-type]
-    return proto.topic(device_id, "desired"), proto.encode(msg)
 
 
 # a target's telemetry counters stop here (exact in a double; protocol.mqtt.MAX_COUNT per record, so ~8,000 records
 # of the largest counts a device may send): adding to them never overflows a BIGINT, whatever the device sends
 TELE_COUNT_CAP = 2**53
 REPORT_ACTOR = "devices"  # the actor of moves the devices' own reports make
-# a rollback sends back the targets that were sent something (pending ones only if their desired state went out)
-ROLLBACK_FROM = frozenset({TargetState.PENDING, TargetState.DOWNLOADING, TargetState.INSTALLING, TargetState.INSTALLED,
-                           TargetState.FAILED})
 
 
 class _WaveFigures:
@@ -134,49 +97,25 @@ class RolloutEngine:
         self.sessions = sessions
         self.publisher = publisher
         self.owner = owner or f"fleet-{uuid.uuid4().hex[:12]}"
-        self._models: dict[int, ModelInfo] = {}
-        self._lock = threading.Lock()
+        self.bundles = ModelCache()
         self._failing: dict[int, tuple[int, float]] = {}  # rollout -> (failures in a row, monotonic next try)
         self.drift = DriftBook()  # drift scores: stored from telemetry, read by the max_drift_psi gate
 
-    # -- models (immutable rows, cached) ---------------------------------------------------------
+    # -- models (immutable rows, cached: fleet.rollout.queries.ModelCache) -----------------------------------
     def model(self, s: Session, model_id: int | None) -> ModelInfo | None:
-        if model_id is None:
-            return None
-        m = self._models.get(model_id)
-        if m is None:
-            row = s.get(Model, model_id)
-            if row is None:
-                return None
-            m = ModelInfo.of(row)
-            with self._lock:
-                self._models[model_id] = m
-        return m
+        return self.bundles.get(s, model_id)
 
     def models(self, s: Session, model_ids: set[int | None]) -> None:
         """Read the models of ``model_ids`` not cached yet in one query, so that ``model`` finds them."""
-        with self._lock:
-            missing = sorted(i for i in model_ids if i is not None and i not in self._models)
-        if not missing:
-            return
-        found = {row.id: ModelInfo.of(row) for row in s.scalars(select(Model).where(Model.id.in_(missing)))}
-        with self._lock:
-            self._models.update(found)
+        self.bundles.load(s, model_ids)
 
     # -- transitions -----------------------------------------------------------------------------
     @staticmethod
     def transition(s: Session, r: Rollout, new: RolloutStatus, actor: str, reason: str | None = None,
                    **detail: Any) -> None:
-        """The only way a rollout's status changes: as ``TRANSITIONS`` allows (else ``Conflict``), audited."""
-        old = RolloutStatus(r.status)
-        if new not in TRANSITIONS[old]:
-            raise Conflict(f"rollout {r.id} is {old}; it cannot become {new}")
-        r.status = new.value
-        r.reason = reason
-        r.engine_error = r.engine_error_at = None  # whatever failed before, the rollout has moved on
-        if new not in (RolloutStatus.IN_PROGRESS, RolloutStatus.PAUSED):
-            r.finished_at = utcnow()
-        audit(s, actor, f"rollout_{new}", r.id, from_state=old.value, reason=reason, **detail)
+        """The only way a rollout's status changes (fleet.rollout.moves.move_rollout: as ``TRANSITIONS`` allows,
+        else ``Conflict``; audited)."""
+        move_rollout(s, r, new, actor, reason, **detail)
 
     # -- create ----------------------------------------------------------------------------------
     def create(self, name: str, version: str, sel: Selector, spec: RolloutSpec, actor: str) -> int:
@@ -464,89 +403,9 @@ class RolloutEngine:
             else:
                 moves = step(row, WaveRow.of(w), _WaveFigures(self, s, w), utcnow())
             for move in moves:
-                self._apply(s, r, w, row, move, msgs)
+                apply(s, self.bundles, r, w, row, move, msgs)
             if moves[-1].ends:
                 return
-
-    def _apply(self, s: Session, r: Rollout, w: RolloutWave | None, row: RolloutRow, move: Move,
-               msgs: list[tuple[str, bytes]]) -> None:
-        """One move of ``step``, written: the wave's or the rollout's one transition function, with its audit."""
-        if isinstance(move, Finish):
-            self.transition(s, r, move.status, ENGINE_ACTOR, None)
-            return
-        assert w is not None
-        match move:
-            case Wait():
-                pass
-            case StartWave(shadow=shadow):
-                self._start_wave(s, r, w, msgs, shadow=shadow)
-            case SetGates(gates=gates):
-                w.gates = list(gates)
-            case PassShadow():
-                audit(s, ENGINE_ACTOR, "wave_shadow_passed", r.id, wave=w.idx, gates=w.gates)
-            case FailShadow(result=result):
-                self._drop_shadow(s, r, w, msgs)
-                self.transition(s, r, failure_status(row), ENGINE_ACTOR, shadow_failure(w.idx, result))
-            case Soak(deferred=deferred):
-                if deferred:
-                    audit(s, ENGINE_ACTOR, "wave_offline_deferred", r.id, wave=w.idx, devices=deferred)
-                move_wave(s, w, WaveState.SOAKING, now=utcnow(), installed=w.n_installed, failed=w.n_failed,
-                          soak_s=w.soak_s)
-            case FailWave(results=results):
-                w.gates = [g.as_json() for g in results]
-                move_wave(s, w, WaveState.FAILED, gates=w.gates)
-                if row.spec.rollback_on_failure:
-                    self._rollback_targets(s, r, ENGINE_ACTOR, msgs, wave=w.idx)
-                self.transition(s, r, failure_status(row), ENGINE_ACTOR, gate_failure(w.idx, results))
-            case PassWave():
-                move_wave(s, w, WaveState.PASSED, now=utcnow(), gates=w.gates)
-                r.current_wave += 1
-            case NextWave():
-                r.current_wave += 1
-
-    def _start_wave(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]],
-                    shadow: bool = False) -> None:
-        """Send the wave its desired states: in shadow (the devices keep what they run) or to install."""
-        lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx)  # its devices, then its targets: the lock order
-        pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
-                               .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
-        if shadow:
-            now_ts = time.time()
-            n = 0
-            for t, d in pairs:
-                if t.state != TargetState.PENDING:
-                    continue
-                m = self.model(s, t.model_id)
-                assert m is not None
-                msgs.append(desired_message(d.id, m, r.id, now_ts, mode="shadow"))
-                n += 1
-            move_wave(s, w, WaveState.SHADOWING, devices=n)
-            return
-        running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
-            select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
-        now = time.time()
-        sent = 0
-        for t, d in pairs:
-            if t.state not in (TargetState.PENDING, TargetState.SHADOWING):
-                continue  # superseded meanwhile
-            m = self.model(s, t.model_id)
-            assert m is not None
-            if d.running_model:  # what a rollback sends it back to
-                prof = d.profile or m.profile
-                fb = cpu_fallback(prof)
-                t.previous_model_id = previous_bundle(d.running_model, d.running_version or "",
-                                                      self.model(s, d.desired_model_id), (prof, *([fb] if fb else [])),
-                                                      running)
-            else:
-                t.previous_model_id = None
-            tel = d.last_telemetry or {}
-            if (tel.get("model"), tel.get("version")) == (d.running_model, d.running_version) and d.running_model:
-                t.p99_before = (tel.get("latency") or {}).get("p99_ms")
-            d.desired_model_id = m.id
-            d.desired_rollout_id = r.id
-            msgs.append(desired_message(d.id, m, r.id, now))
-            sent += 1
-        move_wave(s, w, WaveState.INSTALLING, devices=sent)
 
     def figures(self, s: Session, w: RolloutWave) -> WaveFigures:
         """The wave's gate figures: its counters, its telemetry (fleet.rollout.queries) and, when its rollout
@@ -555,52 +414,6 @@ class RolloutEngine:
         drift_psi, drift_detail = q.drift_figure(s, self.drift, w)
         return WaveFigures(w.size, w.n_installed, w.n_failed, tele.requests, tele.errors, tele.p99_before_ms,
                            tele.p99_after_ms, tele.p99_devices, drift_psi, drift_detail)
-
-    def _drop_shadow(self, s: Session, r: Rollout, w: RolloutWave, msgs: list[tuple[str, bytes]]) -> None:
-        """The candidate disagreed in shadow: the wave fails, nothing was installed; its devices drop the shadow
-        (their desired state goes back to what they run)."""
-        move_wave(s, w, WaveState.FAILED, gates=w.gates)
-        now = time.time()
-        dropped = []
-        for dev, state, d in s.execute(select(RolloutTarget.device_id, RolloutTarget.state, Device)
-                                       .join(Device, Device.id == RolloutTarget.device_id)
-                                       .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)):
-            if state == TargetState.SHADOWING:
-                dropped.append(TargetMove(r.id, dev, w.idx, TargetState.SHADOWING, TargetState.PENDING))
-            cur = self.model(s, d.desired_model_id) if d.desired_model_id else None
-            if cur is not None:
-                msgs.append(desired_message(d.id, cur, d.desired_rollout_id, now))
-        move_targets(s, dropped, ENGINE_ACTOR, "shadow_failed")
-
-    def _rollback_targets(self, s: Session, r: Rollout, actor: str, msgs: list[tuple[str, bytes]],
-                          wave: int | None = None) -> tuple[int, int]:
-        """Send the started targets back to their previous model; returns (sent back, without a previous)."""
-        t = RolloutTarget
-        q = select(t.device_id, t.state, t.wave, t.previous_model_id, Device).join(
-            Device, Device.id == t.device_id).where(t.rollout_id == r.id, t.state.in_([x.value for x in ROLLBACK_FROM]))
-        q = q.where(t.wave == wave) if wave is not None else q.where(t.wave <= r.current_wave)
-        # the devices, then the targets, locked before their states are read (the lock order: the rollout is held):
-        # a report ingested meanwhile waits, instead of moving a target under this move (a Conflict) or holding a
-        # device this waits for (a deadlock)
-        lock_wave_rows(s, r.id, t.state.in_([x.value for x in ROLLBACK_FROM]),
-                       t.wave == wave if wave is not None else t.wave <= r.current_wave)
-        now = time.time()
-        moves: list[TargetMove] = []
-        stuck = 0
-        for dev, state, w, prev_id, d in s.execute(q):
-            if state == TargetState.PENDING and d.desired_rollout_id != r.id:
-                continue  # never sent
-            prev = self.model(s, prev_id)
-            if prev is None:
-                stuck += 1
-                continue
-            moves.append(TargetMove(r.id, dev, w, TargetState(state), TargetState.ROLLING_BACK))
-            if d.desired_rollout_id == r.id:
-                d.desired_model_id = prev.id
-                msgs.append(desired_message(d.id, prev, r.id, now))
-        move_targets(s, moves, actor, "rollback")
-        audit(s, actor, "rollback_sent", r.id, wave=wave, devices=len(moves), without_previous_model=stuck)
-        return len(moves), stuck
 
     # -- operator actions ----------------------------------------------------------------------------
     def act(self, rollout_id: int, action: str, actor: str) -> None:
@@ -621,7 +434,7 @@ class RolloutEngine:
             elif action == "rollback":
                 if r.status == RolloutStatus.ROLLED_BACK:
                     raise Conflict(f"rollout {rollout_id} is already rolled back")
-                back, stuck = self._rollback_targets(s, r, actor, msgs)
+                back, stuck = rollback_targets(s, self.bundles, r, actor, msgs)
                 self.transition(s, r, RolloutStatus.ROLLED_BACK, actor, f"rolled back by {actor}: {back} devices "
                                 "sent to their previous model" + (f", {stuck} had none" if stuck else ""))
             else:

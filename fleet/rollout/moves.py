@@ -1,32 +1,62 @@
-"""The only ways a wave's or a target's state changes: ``move_wave`` and ``move_targets`` refuse a transition
-fleet.states does not list (``Conflict``) and write the audit rows in the same transaction. The row locks they rely on
-(``lock_rows``, in the one lock order: see fleet.rollout) are fleet.rollout.queries', re-exported here."""
+"""The only ways a rollout's, a wave's or a target's state changes: ``move_rollout``, ``move_wave`` and
+``move_targets`` refuse a transition fleet.states does not list (``Conflict``) and write the audit rows in the same
+transaction; ``apply`` writes a move of fleet.rollout.step through them (a wave started, its shadow dropped, its
+targets rolled back, each with the devices' desired states it sends, published by the engine after the commit).
+The row locks they rely on (``lock_rows``, in the one lock order: see fleet.rollout) are fleet.rollout.queries',
+re-exported here."""
 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, bindparam, update
+from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from edgefleet.fleet.audit import ENGINE_ACTOR, audit
-from edgefleet.fleet.db import RolloutTarget, RolloutWave, utcnow
+from edgefleet.fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave, utcnow
 from edgefleet.fleet.errors import Conflict
-from edgefleet.fleet.rollout.queries import lock_rows, lock_wave_rows
+from edgefleet.fleet.rollout.queries import ModelCache, ModelInfo, RolloutRow, cpu_fallback, lock_rows, lock_wave_rows
+from edgefleet.fleet.rollout.step import (
+    FailShadow,
+    FailWave,
+    Finish,
+    Move,
+    NextWave,
+    PassShadow,
+    PassWave,
+    SetGates,
+    Soak,
+    StartWave,
+    Wait,
+    failure_status,
+    gate_failure,
+    previous_bundle,
+    shadow_failure,
+)
 from edgefleet.fleet.states import (
     TARGET_TRANSITIONS,
+    TRANSITIONS,
     WAVE_TRANSITIONS,
+    RolloutStatus,
     TargetState,
     WaveState,
 )
+from edgefleet.protocol import mqtt as proto
 
-__all__ = ["AUDIT_DEVICES_PER_ROW", "AUDIT_ERROR_CHARS", "WAVE_ACTIONS", "TargetMove", "lock_rows", "lock_wave_rows",
-           "move_targets", "move_wave"]
+__all__ = ["AUDIT_DEVICES_PER_ROW", "AUDIT_ERROR_CHARS", "ROLLBACK_FROM", "WAVE_ACTIONS", "Messages", "TargetMove",
+           "apply", "desired_message", "lock_rows", "lock_wave_rows", "move_rollout", "move_targets", "move_wave",
+           "rollback_targets", "start_wave"]
+
+Messages = list[tuple[str, bytes]]  # (topic, payload) of desired states, published once the transaction commits
+# a rollback sends back the targets that were sent something (pending ones only if their desired state went out)
+ROLLBACK_FROM = frozenset({TargetState.PENDING, TargetState.DOWNLOADING, TargetState.INSTALLING, TargetState.INSTALLED,
+                           TargetState.FAILED})
 
 WAVE_ACTIONS: dict[WaveState, str] = {  # the audit action of entering each state
     WaveState.SHADOWING: "wave_shadow_started", WaveState.INSTALLING: "wave_started",
@@ -117,3 +147,155 @@ def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str
             audit(s, actor, f"targets_{new}", rid, chunk[0].device_id if len(chunk) == 1 else None, wave=wave,
                   cause=cause, count=len(chunk), devices=[m.device_id for m in chunk],
                   **{"from": dict(Counter(m.old.value for m in chunk))}, **said, **detail)
+
+
+def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float,
+                    mode: str | None = None) -> tuple[str, bytes]:
+    msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=m.name, version=m.version,
+                             target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
+                             mode=mode)  # type: ignore[arg-type]
+    return proto.topic(device_id, "desired"), proto.encode(msg)
+
+
+def move_rollout(s: Session, r: Rollout, new: RolloutStatus, actor: str, reason: str | None = None,
+                 **detail: Any) -> None:
+    """The only way a rollout's status changes: as ``TRANSITIONS`` allows (else ``Conflict``), audited."""
+    old = RolloutStatus(r.status)
+    if new not in TRANSITIONS[old]:
+        raise Conflict(f"rollout {r.id} is {old}; it cannot become {new}")
+    r.status = new.value
+    r.reason = reason
+    r.engine_error = r.engine_error_at = None  # whatever failed before, the rollout has moved on
+    if new not in (RolloutStatus.IN_PROGRESS, RolloutStatus.PAUSED):
+        r.finished_at = utcnow()
+    audit(s, actor, f"rollout_{new}", r.id, from_state=old.value, reason=reason, **detail)
+
+
+def apply(s: Session, models: ModelCache, r: Rollout, w: RolloutWave | None, row: RolloutRow, move: Move,
+          msgs: Messages) -> None:
+    """One move of ``step``, written through the rollout's, the wave's or the targets' one transition function."""
+    if isinstance(move, Finish):
+        move_rollout(s, r, move.status, ENGINE_ACTOR, None)
+        return
+    assert w is not None
+    match move:
+        case Wait():
+            pass
+        case StartWave(shadow=shadow):
+            start_wave(s, models, r, w, msgs, shadow=shadow)
+        case SetGates(gates=gates):
+            w.gates = list(gates)
+        case PassShadow():
+            audit(s, ENGINE_ACTOR, "wave_shadow_passed", r.id, wave=w.idx, gates=w.gates)
+        case FailShadow(result=result):
+            _drop_shadow(s, models, r, w, msgs)
+            move_rollout(s, r, failure_status(row), ENGINE_ACTOR, shadow_failure(w.idx, result))
+        case Soak(deferred=deferred):
+            if deferred:
+                audit(s, ENGINE_ACTOR, "wave_offline_deferred", r.id, wave=w.idx, devices=deferred)
+            move_wave(s, w, WaveState.SOAKING, now=utcnow(), installed=w.n_installed, failed=w.n_failed,
+                      soak_s=w.soak_s)
+        case FailWave(results=results):
+            w.gates = [g.as_json() for g in results]
+            move_wave(s, w, WaveState.FAILED, gates=w.gates)
+            if row.spec.rollback_on_failure:
+                rollback_targets(s, models, r, ENGINE_ACTOR, msgs, wave=w.idx)
+            move_rollout(s, r, failure_status(row), ENGINE_ACTOR, gate_failure(w.idx, results))
+        case PassWave():
+            move_wave(s, w, WaveState.PASSED, now=utcnow(), gates=w.gates)
+            r.current_wave += 1
+        case NextWave():
+            r.current_wave += 1
+
+
+def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs: Messages,
+               shadow: bool = False) -> None:
+    """Send the wave its desired states: in shadow (the devices keep what they run) or to install."""
+    lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx)  # its devices, then its targets: the lock order
+    pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
+                           .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
+    if shadow:
+        now_ts = time.time()
+        n = 0
+        for t, d in pairs:
+            if t.state != TargetState.PENDING:
+                continue
+            m = models.get(s, t.model_id)
+            assert m is not None
+            msgs.append(desired_message(d.id, m, r.id, now_ts, mode="shadow"))
+            n += 1
+        move_wave(s, w, WaveState.SHADOWING, devices=n)
+        return
+    running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
+        select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
+    now = time.time()
+    sent = 0
+    for t, d in pairs:
+        if t.state not in (TargetState.PENDING, TargetState.SHADOWING):
+            continue  # superseded meanwhile
+        m = models.get(s, t.model_id)
+        assert m is not None
+        if d.running_model:  # what a rollback sends it back to
+            prof = d.profile or m.profile
+            fb = cpu_fallback(prof)
+            t.previous_model_id = previous_bundle(d.running_model, d.running_version or "",
+                                                  models.get(s, d.desired_model_id), (prof, *([fb] if fb else [])),
+                                                  running)
+        else:
+            t.previous_model_id = None
+        tel = d.last_telemetry or {}
+        if (tel.get("model"), tel.get("version")) == (d.running_model, d.running_version) and d.running_model:
+            t.p99_before = (tel.get("latency") or {}).get("p99_ms")
+        d.desired_model_id = m.id
+        d.desired_rollout_id = r.id
+        msgs.append(desired_message(d.id, m, r.id, now))
+        sent += 1
+    move_wave(s, w, WaveState.INSTALLING, devices=sent)
+
+
+def _drop_shadow(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs: Messages) -> None:
+    """The candidate disagreed in shadow: the wave fails, nothing was installed; its devices drop the shadow
+    (their desired state goes back to what they run)."""
+    move_wave(s, w, WaveState.FAILED, gates=w.gates)
+    now = time.time()
+    dropped = []
+    for dev, state, d in s.execute(select(RolloutTarget.device_id, RolloutTarget.state, Device)
+                                   .join(Device, Device.id == RolloutTarget.device_id)
+                                   .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)):
+        if state == TargetState.SHADOWING:
+            dropped.append(TargetMove(r.id, dev, w.idx, TargetState.SHADOWING, TargetState.PENDING))
+        cur = models.get(s, d.desired_model_id) if d.desired_model_id else None
+        if cur is not None:
+            msgs.append(desired_message(d.id, cur, d.desired_rollout_id, now))
+    move_targets(s, dropped, ENGINE_ACTOR, "shadow_failed")
+
+
+def rollback_targets(s: Session, models: ModelCache, r: Rollout, actor: str, msgs: Messages,
+                     wave: int | None = None) -> tuple[int, int]:
+    """Send the started targets back to their previous model; returns (sent back, without a previous)."""
+    t = RolloutTarget
+    q = select(t.device_id, t.state, t.wave, t.previous_model_id, Device).join(
+        Device, Device.id == t.device_id).where(t.rollout_id == r.id, t.state.in_([x.value for x in ROLLBACK_FROM]))
+    q = q.where(t.wave == wave) if wave is not None else q.where(t.wave <= r.current_wave)
+    # the devices, then the targets, locked before their states are read (the lock order: the rollout is held):
+    # a report ingested meanwhile waits, instead of moving a target under this move (a Conflict) or holding a
+    # device this waits for (a deadlock)
+    lock_wave_rows(s, r.id, t.state.in_([x.value for x in ROLLBACK_FROM]),
+                   t.wave == wave if wave is not None else t.wave <= r.current_wave)
+    now = time.time()
+    moves: list[TargetMove] = []
+    stuck = 0
+    for dev, state, w, prev_id, d in s.execute(q):
+        if state == TargetState.PENDING and d.desired_rollout_id != r.id:
+            continue  # never sent
+        prev = models.get(s, prev_id)
+        if prev is None:
+            stuck += 1
+            continue
+        moves.append(TargetMove(r.id, dev, w, TargetState(state), TargetState.ROLLING_BACK))
+        if d.desired_rollout_id == r.id:
+            d.desired_model_id = prev.id
+            msgs.append(desired_message(d.id, prev, r.id, now))
+    move_targets(s, moves, actor, "rollback")
+    audit(s, actor, "rollback_sent", r.id, wave=wave, devices=len(moves), without_previous_model=stuck)
+    return len(moves), stuck

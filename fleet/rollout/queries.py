@@ -7,6 +7,9 @@ Nothing here decides: fleet.rollout.step does, over these rows; the engine write
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import re
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,6 +23,8 @@ from edgefleet.fleet.errors import BadRequest, NotFound
 from edgefleet.fleet.rollout.gates import ShadowWaveFigures
 from edgefleet.fleet.rollout.spec import RolloutSpec, Selector
 from edgefleet.fleet.states import TARGET_DONE, RolloutStatus, TargetState, WaveState
+from edgefleet.protocol.errors import EdgefleetError
+from edgefleet.protocol.profile import load_profile
 
 
 # -- typed rows ----------------------------------------------------------------------------------------------
@@ -38,6 +43,52 @@ class ModelInfo:
     @classmethod
     def of(cls, row: Model) -> ModelInfo:
         return cls(row.id, row.name, row.version, row.profile, row.target_path, row.sha256, row.size_bytes)
+
+
+class ModelCache:
+    """The bundles the fleet holds, by id: read once (the rows never change once uploaded), then from memory."""
+
+    def __init__(self) -> None:
+        self._models: dict[int, ModelInfo] = {}
+        self._lock = threading.Lock()
+
+    def get(self, s: Session, model_id: int | None) -> ModelInfo | None:
+        if model_id is None:
+            return None
+        m = self._models.get(model_id)
+        if m is None:
+            row = s.get(Model, model_id)
+            if row is None:
+                return None
+            m = ModelInfo.of(row)
+            with self._lock:
+                self._models[model_id] = m
+        return m
+
+    def load(self, s: Session, model_ids: set[int | None]) -> None:
+        """Read the models of ``model_ids`` not cached yet in one query, so that ``get`` finds them."""
+        with self._lock:
+            missing = sorted(i for i in model_ids if i is not None and i not in self._models)
+        if not missing:
+            return
+        found = {row.id: ModelInfo.of(row) for row in s.scalars(select(Model).where(Model.id.in_(missing)))}
+        with self._lock:
+            self._models.update(found)
+
+
+_PROFILE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+@functools.lru_cache(maxsize=256)
+def cpu_fallback(profile: str) -> str | None:
+    """The CPU profile whose bundle devices of ``profile`` run when a version has none of their own (its
+    ``cpu_fallback`` in hw-profiles/); None for a profile without one or one this fleet does not know."""
+    if not _PROFILE_NAME_RE.fullmatch(profile) or profile.endswith((".yaml", ".yml")):
+        return None  # a device's profile is a name, never a path to read
+    try:
+        return load_profile(profile).cpu_fallback
+    except (EdgefleetError, OSError):
+        return None
 
 
 @dataclass(frozen=True)
