@@ -368,9 +368,14 @@ class Agent:
             last = now
             fetcher = self.fetcher
             skew = fetcher.clock_skew_s() if fetcher is not None else None  # the box's clock vs the trusted time
+            got = fetcher.progress if fetcher is not None else None  # a bundle download in progress
+            download = proto.DownloadFigures(
+                target=got.target, bytes_done=got.bytes_done, bytes_total=got.bytes_total,
+                bytes_per_s=got.bytes_per_s, eta_s=None if got.eta_s is None else round(min(got.eta_s, 2.5e6), 1),
+                resumes=got.resumes) if got is not None else None
 
             def make(seq: int, snap=snap, cur=cur, cpu=cpu, rss=rss, interval=interval, drift=drift,
-                     stages=stages, skew=skew) -> bytes:
+                     stages=stages, skew=skew, download=download) -> bytes:
                 return proto.encode(proto.Telemetry(
                     device_id=self.config.device_id, ts=time.time(), stream=self.spool.stream, seq=seq,
                     interval_s=round(interval, 3),
@@ -383,7 +388,7 @@ class Agent:
                     device=_device_summary(self.device_stats),
                     shadow=self.host.shadow.figures() if self.host.shadow is not None else None,
                     serving=cur.serving if cur else None, drift=drift, stages=stages,
-                    clock_skew_s=skew))
+                    clock_skew_s=skew, download=download))
 
             try:
                 self.spool.append(make)

@@ -19,6 +19,7 @@ from markupsafe import Markup
 
 from edgefleet.fleet.charts import device_time_charts, wave_time_charts
 from edgefleet.fleet.states import TargetState
+from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.signed_time import describe_skew
 
 __all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
@@ -384,7 +385,21 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[
                  serves=_serving(_serving_source(d)), records=len(rows), time_charts=time_charts, charts=charts,
                  stages=_stages(newest), stages_of=(newest.get("model"), newest.get("version"),
                                                     newest.get("interval_s")),
-                 clock=_clock(newest.get("clock_skew_s")))
+                 clock=_clock(newest.get("clock_skew_s")), download=_download(newest.get("download")))
+
+
+def _download(d: Any) -> dict[str, Any] | None:
+    """The bundle download in progress in the device's newest telemetry (protocol.mqtt.DownloadFigures), as the page
+    shows it; None when there is none or it does not parse."""
+    try:
+        f = proto.DownloadFigures.model_validate(d) if d is not None else None
+    except ValueError:
+        return None
+    if f is None:
+        return None
+    return {"target": f.target, "done": f"{f.bytes_done / 1e6:.1f} MB", "total": f"{f.bytes_total / 1e6:.1f} MB",
+            "pct": f"{100 * f.bytes_done / f.bytes_total:.0f}", "rate": f"{f.bytes_per_s / 1e3:.0f} kB/s",
+            "eta": None if f.eta_s is None else f"{f.eta_s:.0f} s", "resumes": f.resumes}
 
 
 def _clock(skew_s: Any) -> str | None:

@@ -240,6 +240,8 @@ class RolloutTarget(ApiModel):
     # the profile of the bundle this device is sent: its own, or its profile's cpu_fallback (e.g. arm64-cpu for a
     # Jetson while the version has no TensorRT bundle)
     bundle_profile: str | None = None
+    # the bundle download in progress, from the device's newest telemetry (bytes, rate, ETA); None otherwise
+    download: proto.DownloadFigures | None = None
 
 
 class Rollout(ApiModel):

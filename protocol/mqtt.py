@@ -35,6 +35,7 @@ __all__ = [
     "MAX_TS",
     "MESSAGE_VERSION",
     "DesiredState",
+    "DownloadFigures",
     "MessageError",
     "MessageVersionError",
     "PrecisionTiming",
@@ -273,6 +274,18 @@ class StageFigures(StrictModel):
     batch_size_max: int | None = Field(default=None, ge=0, lt=MAX_COUNT)
 
 
+class DownloadFigures(StrictModel):
+    """The bundle download in progress when the record was made (agent/link/resume.py): bytes kept of the signed
+    length, the current attempt's rate, the time left at that rate (None: not known yet), tries after the first."""
+
+    target: str = Field(max_length=256)
+    bytes_done: int = Field(ge=0, lt=MAX_INT)
+    bytes_total: int = Field(gt=0, lt=MAX_INT)
+    bytes_per_s: float = Field(ge=0.0, le=MAX_RATE)
+    eta_s: float | None = Field(default=None, ge=0.0, le=MAX_DURATION_S)
+    resumes: int = Field(default=0, ge=0, lt=MAX_COUNT)
+
+
 class Telemetry(_Message):
     kind: Literal["telemetry"] = "telemetry"
     # (stream, seq) identifies a record: stream is random per spool (a re-imaged device starts a new
@@ -306,6 +319,8 @@ class Telemetry(_Message):
     # the box's clock minus the time it trusts (the fleet's signed time, agent/link/clock.py), when past the agent's
     # tolerance (2 days fast: +172800); left out otherwise, so a fleet of the previous release reads the rest
     clock_skew_s: float | None = Field(default=None, ge=-MAX_TS, le=MAX_TS)
+    # a bundle download in progress; left out otherwise, so a fleet of the previous release reads the rest
+    download: DownloadFigures | None = None
 
 
 class TelemetryAck(_Message):

@@ -24,7 +24,7 @@ LINK_CUTS = 3
 def test_a_bundle_installs_over_a_slow_lossy_link_cut_during_the_download(tmp_path, digits_bundle, caplog):
     from tests.agent_harness import installed_agent, served_version
     from tests.conftest import running_mosquitto
-    from tests.fleet_harness import running_fleet
+    from tests.fleet_harness import api, running_fleet
     from tests.test_tuf_bundles import rebundle
 
     device = "edge-bad-link"
@@ -42,16 +42,31 @@ def test_a_bundle_installs_over_a_slow_lossy_link_cut_during_the_download(tmp_pa
                              max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
             wait_for(lambda: fs.service.devices.get_device(device)["online"], 60, "agent online")
             before = link.proxy.down_bytes
-            fs.service.rollouts.create_rollout("digits", "1.1.0", [device])
+            rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [device])["id"]
             wait_for(lambda: link.proxy.down_bytes - before > 300_000, 60, "the bundle's first bytes")
             cutter = threading.Thread(target=lambda: [link.cut(1.0) for _ in range(LINK_CUTS)], daemon=True)
             cutter.start()
-            wait_for(lambda: served_version(agent_url) == "1.1.0", 240, "1.1.0 installed over the bad link")
+            seen: list[dict] = []  # the download's progress as `edgefleet rollout status --json` reads it
+            pages: list[str] = []
+
+            def installed() -> bool:
+                t = api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0]
+                if t.get("download"):
+                    seen.append(t["download"])
+                    if not pages:  # the device's console page, while it downloads
+                        pages.append(api.get(f"{url}/devices/{device}").text)
+                return served_version(agent_url) == "1.1.0"
+
+            wait_for(installed, 240, "1.1.0 installed over the bad link")
             cutter.join(30)
+            pages.append(api.get(f"{url}/devices/{device}").text)
     lines = [r.getMessage() for r in caplog.records if "fetch attempt" in r.getMessage()]
     assert len(lines) >= size // 600_000, lines  # the relay's cuts at least
     assert not any("verification" in s or "Mismatch" in s for s in lines), lines
     assert not [r for r in caplog.records if "TrustError" in r.getMessage() or "verification failed" in r.getMessage()]
+    assert seen and all(d["bytes_total"] == size and 0 <= d["bytes_done"] <= size for d in seen), seen[-3:]
+    assert len({d["bytes_done"] for d in seen}) > 1 and any(d["bytes_per_s"] > 0 and d["eta_s"] for d in seen)
+    assert 'id="download"' in pages[0] and 'id="download"' not in pages[-1], pages[0][:300]  # during, after
     carried = link.proxy.down_bytes - before
     print(f"bad link ({link.emulation}): {size} B bundle, {carried} B carried, {len(lines)} retried cuts, "
           f"{link.proxy.cuts} relay cuts, {LINK_CUTS} link downs")

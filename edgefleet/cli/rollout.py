@@ -74,8 +74,18 @@ def cmd_create(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
 def cmd_status(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
     r = c.get_rollout(a.id, targets=a.targets)
     human = _human(r) + "".join(f"\n   {t.device_id:<24} wave {t.wave + 1}  {t.state}"
-                                + (f"  ({t.error})" if t.error else "") for t in r.targets or [])
+                                + (f"  ({t.error})" if t.error else "") + _download(t.download)
+                                for t in r.targets or [])
     return r, human, ExitCode.OK
+
+
+def _download(d: Any) -> str:
+    """A target's download in progress, from its newest telemetry: percent, rate, time left."""
+    if d is None:
+        return ""
+    eta = f", {d.eta_s:.0f}s left" if d.eta_s is not None else ""
+    done = 100 * d.bytes_done / d.bytes_total
+    return f"  downloading {done:.0f}% of {d.bytes_total} B at {d.bytes_per_s:.0f} B/s{eta}"
 
 
 def cmd_list(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:

@@ -3,6 +3,7 @@ with the gates judged (and, while a wave runs, the values so far), its targets, 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 from collections.abc import Callable
@@ -12,12 +13,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from edgefleet.fleet import schemas as out
-from edgefleet.fleet.db import Model, Rollout, RolloutTarget, RolloutWave
+from edgefleet.fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave
 from edgefleet.fleet.errors import NotFound
 from edgefleet.fleet.rollout.gates import GateResult, WaveFigures, evaluate_gates, evaluate_shadow
 from edgefleet.fleet.rollout.queries import ModelInfo, shadow_figures
 from edgefleet.fleet.rollout.spec import RolloutSpec
 from edgefleet.fleet.states import RolloutStatus, WaveState
+from edgefleet.protocol import mqtt as proto
 
 log = logging.getLogger("edgefleet.fleet.rollout")
 
@@ -35,21 +37,28 @@ def failure(exc: BaseException) -> str:
     return "; ".join(lines or [type(exc).__name__])[:500]
 
 
-def target_model(t: RolloutTarget, bundle_profile: str | None) -> out.RolloutTarget:
+def target_model(t: RolloutTarget, bundle_profile: str | None, bundle_target: str | None = None,
+                 download: Any = None) -> out.RolloutTarget:
     """A target as the API shows it; ``bundle_profile`` is the profile of the bundle it was sent (its device's
-    own, or that profile's CPU fallback)."""
+    own, or that profile's CPU fallback); ``download``: its newest telemetry's download in progress, shown when it
+    is of the bundle it was sent (``bundle_target``) and readable."""
+    got = None
+    if isinstance(download, dict) and bundle_target is not None and download.get("target") == bundle_target:
+        with contextlib.suppress(ValueError):
+            got = proto.DownloadFigures.model_validate(download)
     return out.RolloutTarget(device_id=t.device_id, state=t.state, error=t.error, wave=t.wave,
-                             updated_at=iso(t.updated_at), bundle_profile=bundle_profile)
+                             updated_at=iso(t.updated_at), bundle_profile=bundle_profile, download=got)
 
 
 def targets_page(s: Session, rollout_id: int, *where: Any, offset: int = 0,
                  limit: int | None = None) -> list[out.RolloutTarget]:
     """A rollout's targets by device id (``where`` filters), with the profile of the bundle each was sent."""
-    q = (select(RolloutTarget, Model.profile).outerjoin(Model, Model.id == RolloutTarget.model_id)
+    q = (select(RolloutTarget, Model.profile, Model.target_path, Device.last_telemetry["download"])
+         .outerjoin(Model, Model.id == RolloutTarget.model_id).outerjoin(Device, Device.id == RolloutTarget.device_id)
          .where(RolloutTarget.rollout_id == rollout_id, *where).order_by(RolloutTarget.device_id))
     if offset or limit is not None:
         q = q.offset(max(0, offset)).limit(None if limit is None else max(0, limit))
-    return [target_model(t, p) for t, p in s.execute(q)]
+    return [target_model(t, p, bt, dl) for t, p, bt, dl in s.execute(q)]
 
 
 def rollout_status(s: Session, rollout_id: int, model: Callable[[Session, int | None], ModelInfo | None],
