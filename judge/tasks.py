@@ -258,6 +258,20 @@ def _rows_are_distributions(v: np.ndarray) -> bool:
     return False
 
 
+def _probability_output(outputs: tuple[TensorSpec, ...], every: list[Outputs] | None) -> int | None:
+    """The index of the one output whose fp32 answers are probability rows (each sample a vector in [0, 1] summing
+    to 1), when exactly one of several is; else None."""
+    if every is None or len(outputs) < 2:
+        return None
+    found = []
+    for i, out in enumerate(every):
+        v = [np.asarray(x, np.float64) for x in samples(out)[:64]]
+        v = [x.reshape([d for d in x.shape if d != 1]) for x in v]
+        if v and all(x.ndim == 1 and _rows_are_distributions(x) and x.min() >= -1e-6 for x in v):
+            found.append(i)
+    return found[0] if len(found) == 1 else None
+
+
 def _per_sample_shapes(outputs: tuple[TensorSpec, ...]) -> dict[str, tuple[int, ...]]:
     """Each output's shape without its batch axis (a fixed batch of 1: without that leading 1)."""
     drop = {o.name: 0 if o.batch_axis is None and o.shape[:1] == (1,) else o.batch_axis for o in outputs}
@@ -293,6 +307,16 @@ def infer_task(outputs: tuple[TensorSpec, ...], values: Outputs | None = None,
     head = _centernet(outputs, every) if len(outputs) >= 3 else None
     if head is not None:
         return head
+    pick = _probability_output(outputs, every)
+    if pick:  # another output than the first holds the answers' probabilities (MTCNN's ONet: box, landmarks, softmax)
+        found = infer_task((outputs[pick],), every[pick]) if every is not None else None
+        if found is not None and found.name == "classification":
+            rest = [o.name for i, o in enumerate(outputs) if i != pick]
+            note = found.note.replace("inferred from output", f"inferred from the one of {len(outputs)} outputs "
+                                      "holding probabilities, output", 1) + (
+                f"; not judged: {', '.join(map(repr, rest))} (under auto an int8 engine that moves any of them "
+                "more than 1% does not ship; declare their tasks with a --task list)")
+            return TaskSpec(found.name, found.output, found.args, found.source, note, found.sure)
     spec = outputs[0]
     dims = list(spec.shape)
     v = [np.asarray(x, np.float64) for x in samples(values)][:64] if values is not None else None

@@ -160,3 +160,35 @@ def test_centerface_log_sizes_above_0_are_told_by_the_heat_spread_or_said_unsure
     unsure = infer_task(specs, values[0], values)
     assert not unsure.sure and "cannot be told apart" in unsure.note, unsure.note
     assert "format=centernet" in unsure.note and "format=centerface" in unsure.note  # both candidates named
+
+
+# -- 3: a multi-output stage judged on the output that holds probabilities ----------------------------------------
+def onet_like(path, moved: float = 0.0):
+    """MTCNN's ONet's outputs: x [N, 16] -> dense_5 [N, 4] box regression, dense_6 [N, 10] landmarks, softmax_2
+    [N, 2] face probability (in that order, as the wheel's onet.onnx lists them). ``moved``: the box head shifted."""
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array((rng.normal(size=(16, c)) / 4 + (moved if n == "wb" else 0)).astype(np.float32),
+                                     n) for n, c in (("wb", 4), ("wl", 10), ("wc", 2))]
+    nodes = [helper.make_node("MatMul", ["x", "wb"], ["dense_5"]), helper.make_node("MatMul", ["x", "wl"], ["dense_6"]),
+             helper.make_node("MatMul", ["x", "wc"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["softmax_2"], axis=1)]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", c])
+            for n, c in (("dense_5", 4), ("dense_6", 10), ("softmax_2", 2))]
+    return _save(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])], outs, path)
+
+
+def test_a_multi_output_stage_is_judged_on_its_probabilities_and_lists_the_others(tmp_path):
+    """Before: inferred classification of its first output, the box regression dense_5 (unnormalised scores)."""
+    from edgefleet.judge.tasks import infer_task
+
+    model, moved = onet_like(tmp_path / "onet.onnx"), onet_like(tmp_path / "moved.onnx", moved=0.2)
+    info = check_model(model)
+    x = {"x": np.random.default_rng(2).normal(size=(64, 16)).astype(np.float32)}
+    ref, bad = _run(model, x), _run(moved, x)
+    task = infer_task(info.outputs, ref[0], ref)
+    assert (task.name, task.output, task.sure) == ("classification", "softmax_2", True), task.note
+    assert "not judged: 'dense_5', 'dense_6'" in task.note, task.note
+    names = [o.name for o in info.outputs]
+    auto = evaluate_gate(names, ref, bad, None, "int8", GateSettings(max_unjudged_change=1e-2), task)
+    assert auto.not_judged == ("dense_5", "dense_6") and not auto.passed  # the box regression moved
+    assert auto.task is not None and auto.task.criteria[0].passed  # the probabilities did not
