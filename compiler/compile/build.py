@@ -101,8 +101,8 @@ def build_candidates(plan: Plan, engines: CompileEngines, work: Path, ref_out: l
     int8 = built.get("int8")
     if int8 is not None and not int8.accuracy.passed and not plan.given:  # measured only if the refusal needs advice
         plan.causes = lambda: _causes(plan, engines, work, source, ref_out, built["int8"], gate_task)
-    if int8 is not None and not int8.accuracy.passed and opts.fallback and plan.calib is not None \
-            and min_opset is not None:
+    if (int8 is not None and not int8.accuracy.passed and opts.fallback and plan.calib is not None
+            and min_opset is not None):
         timed = opts.benchmark and plan.profile.accelerator == "cpu"
         plan.progress(4, plan.total, "int8 over budget: keeping the most sensitive layers in float")
         built["int8"] = fell = float_fallback(int8, source, target, engines, plan.calib, work, plan.eval_set,
@@ -185,8 +185,8 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: CompileEngines, p
     # int8 calibrates on the calibration set; a TensorRT float build still needs sample inputs: it
     # fixes the dynamic dimensions other than the batch (a detector's H and W) at their size
     data = calib if precision == "int8" else eval_set.head(1) if target.float_build_needs_samples else None
-    if precision == "int8" and target.qdq_int8_min_opset is not None and task is not None and task.name == "detection" \
-            and data is not None:
+    if (precision == "int8" and target.qdq_int8_min_opset is not None and task is not None
+            and task.name == "detection" and data is not None):
         from edgefleet.compiler.sensitivity import quantize_keeping_head  # boxes and scores keep their own ranges
 
         quant = quantize_keeping_head(model, profile, data, engine, task.output)

@@ -38,8 +38,8 @@ def geomean(points: tuple[BenchmarkPoint, ...]) -> float:
 
 
 def _speed_phrase(precision: str, points: tuple[BenchmarkPoint, ...]) -> str:
-    return f"{precision} is " + " and ".join(f"{p.speedup:.2f}x at batch {p.batch_size}" for p in points) \
-        + " of fp32 on this model"
+    return (f"{precision} is " + " and ".join(f"{p.speedup:.2f}x at batch {p.batch_size}" for p in points)
+            + " of fp32 on this model")
 
 
 def choose_precision(measured: list[Measured], benchmarked: bool) -> tuple[str, str] | None:

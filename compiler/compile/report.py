@@ -18,8 +18,8 @@ def fallback_note(b: Built) -> str | None:
     kept = len(b.quantization.float_nodes) if b.quantization is not None else 0
     if not b.accuracy.passed:
         return f"float fallback tried {len(steps) - 1} step(s): {steps[-1]}"
-    wide = next((s.split(": ", 1)[0] for s in steps[1:] if s.startswith("8-bit weights")), None) \
-        if b.quantization is not None and b.quantization.weight_bits == 8 else None
+    wide = (next((s.split(": ", 1)[0] for s in steps[1:] if s.startswith("8-bit weights")), None)
+            if b.quantization is not None and b.quantization.weight_bits == 8 else None)
     if wide is not None and steps[-1].startswith("8-bit weights"):
         return f"fallback: {wide}"
     return f"float fallback: {kept} layers kept in float" + (f", {wide.split(',')[0]}" if wide else "")
