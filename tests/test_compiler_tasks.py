@@ -255,7 +255,7 @@ def test_a_damaged_engine_is_refused_with_advice_that_never_loosens_a_bound(tmp_
     ref, bad = _run(model, x, False), _run(damaged, x, False)
     spec = infer_task(check_model(model).outputs, ref)
     r = evaluate_gate(["mask"], [ref], [bad], None, "int8", GateSettings(), spec)
-    from edgefleet.compiler.gate import advice
+    from edgefleet.compiler.advice import advice
 
     assert not r.passed and spec.sure
     text = advice(r, spec, "tried")

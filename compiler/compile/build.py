@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from edgefleet.compiler import bf16 as _bf16
+from edgefleet.compiler.advice import Causes, measure_causes
 from edgefleet.compiler.buildnotes import note
 from edgefleet.compiler.compile.candidates import Built, CompileEngines
 from edgefleet.compiler.compile.float_fallback import float_fallback, full_weights
 from edgefleet.compiler.compile.plan import Plan
 from edgefleet.compiler.compile.report import one_line
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
-from edgefleet.compiler.gate import Causes, measure_causes
 from edgefleet.compiler.graph import (
     GraphInfo,
     ensure_opset,
@@ -126,7 +126,7 @@ def build_candidates(plan: Plan, engines: CompileEngines, work: Path, ref_out: l
 
 def _causes(plan: Plan, engines: CompileEngines, work: Path, source: Path, ref_out: list[Any], b: Built,
             task: TaskSpec | None) -> Causes:
-    """Why ``b`` (int8) failed the gate, measured (compiler.gate.measure_causes): its answers against fp32's, its
+    """Why ``b`` (int8) failed the gate, measured (compiler.advice.measure_causes): its answers against fp32's, its
     calibration range, its layers (when the float fallback was off) and a trial on half the calibration set."""
     info, calib = plan.info, plan.calib
     cand = predict_all(b.runner, plan.eval_set, output_axes=[o.batch_axis for o in info.outputs])

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from edgefleet.compiler.advice import advice
 from edgefleet.compiler.benchmark import benchmark_pair
 from edgefleet.compiler.compile.candidates import Built
 from edgefleet.compiler.compile.plan import Plan
 from edgefleet.compiler.compile.report import fallback_note, gate_summary, per_output_report
 from edgefleet.compiler.errors import AccuracyGateFailed
-from edgefleet.compiler.gate import advice
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.predict import Runner
 from edgefleet.protocol.cpu import cpu_arch, cpu_features

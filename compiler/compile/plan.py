@@ -10,10 +10,10 @@ from pathlib import Path
 
 from edgefleet import protocol
 from edgefleet.compiler import bf16 as _bf16
+from edgefleet.compiler.advice import Causes
 from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.compile.options import MIN_CALIBRATION_SAMPLES, CompileOptions, Progress
 from edgefleet.compiler.errors import InputError, ToolchainError
-from edgefleet.compiler.gate import Causes
 from edgefleet.compiler.graph import (
     GraphInfo,
     probe_batching,
