@@ -192,3 +192,18 @@ def test_a_multi_output_stage_is_judged_on_its_probabilities_and_lists_the_other
     auto = evaluate_gate(names, ref, bad, None, "int8", GateSettings(max_unjudged_change=1e-2), task)
     assert auto.not_judged == ("dense_5", "dense_6") and not auto.passed  # the box regression moved
     assert auto.task is not None and auto.task.criteria[0].passed  # the probabilities did not
+
+
+# -- 6: edgefleet verify names the outputs no task reads ---------------------------------------------------------
+def test_verify_prints_the_outputs_not_judged(tmp_path):
+    """Before: the manifest listed them, verify's text and --json did not."""
+    model = multihead(tmp_path / "m.onnx")
+    x = np.random.default_rng(6).normal(size=(32, 16)).astype(np.float32)
+    m, _ = _compile_fp32(tmp_path, model, {"x": x}, "--task", "classification", "--task-args", "output=prob")
+    assert m["accuracy"]["not_judged"] == ["lms", "box"]
+    bundle = str(next((tmp_path / "o").glob("*.tar")))
+    doc = run_cli("verify", bundle, "--json")
+    assert doc.returncode == 0, doc.stdout + doc.stderr
+    assert json.loads(doc.stdout)["not_judged"] == ["lms", "box"]
+    text = run_cli("verify", bundle)
+    assert "not judged lms, box" in text.stdout, text.stdout

@@ -93,6 +93,7 @@ class VerifyResult:
             "drop_vs_fp32": self.drop_vs_fp32, "max_drop": self.manifest.accuracy.max_drop,
             "gate": None if self.gate is None else self.gate.model_dump(mode="json"),
             "gate_reference": self.gate_reference, "gate_note": self.gate_note,
+            "not_judged": list(self.manifest.accuracy.not_judged),
         }
 
 

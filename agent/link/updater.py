@@ -36,7 +36,7 @@ from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.fsutil import atomic_write
 from edgefleet.protocol.signed_time import MAX_DOCUMENT_BYTES, describe_skew, verify_time
-from edgefleet.protocol.target import TargetCustom
+from edgefleet.protocol.tuf_target import TargetCustom
 
 __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 

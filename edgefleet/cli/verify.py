@@ -46,6 +46,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
         note = f"; {r.gate_note}" if r.gate_note else ""
         lines.append(f"gate      {what} on {g.eval_samples} samples of {a.eval} (no labels), this CPU against "
                      f"{r.gate_reference}{note}: {'holds' if g.passed else 'FAILS'}")
+    if m.accuracy.not_judged:
+        lines.append(f"not judged {', '.join(m.accuracy.not_judged)}: no task reads these outputs (the build measured "
+                     "only how far they moved from fp32)")
     if r.selftest is not None or r.selftest_error:
         lines.append("computes  " + ("as gated: the same answers the compiler measured" if r.computes_as_gated
                                      else "NOT as gated: this CPU gives other answers than the ones gated"))
