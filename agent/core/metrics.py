@@ -201,15 +201,26 @@ class ModelMetrics:
         self.fold()
         stages = [m.stats() for _, m in sorted(self.stages.items())]
         with self._lock:
+            queue, compute = self.queue.doc(), self.compute.doc()
+            inferences, executions = self.inference_count, self.execution_count
+            if stages:  # a pipeline: its queue and compute are its stages', summed per request (as Triton's
+                # ensembles sum their composing models'), its inferences and executions its entry stage's
+                # (perf_analyzer finds the version a run used by the growth of its queue count)
+                n = self.success.count + self.fail.count
+                queue = {"count": n, "ns": sum(int(st["inference_stats"]["queue"]["ns"]) for st in stages)}
+                compute = {"count": n, "ns": sum(int(st["inference_stats"]["compute_infer"]["ns"]) for st in stages)}
+                entry = next((m for m in self.stages.values() if m._entry), None)
+                if entry is not None:
+                    inferences, executions = entry.inference_count, entry.execution_count
             return {
                 "name": self.model, "version": self.version, "last_inference": self.last_inference_ms,
-                "inference_count": self.inference_count, "execution_count": self.execution_count,
+                "inference_count": inferences, "execution_count": executions,
                 # compute_input and compute_output: counted with compute_infer (as Triton does; perf_analyzer
                 # requires the three counts equal), their time inside compute_infer's (no separate copy is timed)
-                "inference_stats": {"success": self.success.doc(), "fail": self.fail.doc(), "queue": self.queue.doc(),
-                                    "compute_input": {"count": self.compute.count, "ns": 0},
-                                    "compute_infer": self.compute.doc(),
-                                    "compute_output": {"count": self.compute.count, "ns": 0},
+                "inference_stats": {"success": self.success.doc(), "fail": self.fail.doc(), "queue": queue,
+                                    "compute_input": {"count": compute["count"], "ns": 0},
+                                    "compute_infer": compute,
+                                    "compute_output": {"count": compute["count"], "ns": 0},
                                     "cache_hit": zero, "cache_miss": zero},
                 "batch_stats": [{"batch_size": size, "compute_input": {"count": d.count, "ns": 0},
                                  "compute_infer": d.doc(), "compute_output": {"count": d.count, "ns": 0}}
