@@ -32,6 +32,7 @@ from edgefleet.agent.errors import FetchError, TrustError
 from edgefleet.agent.install.job import Installer
 from edgefleet.agent.install.steps import InstallRun
 from edgefleet.agent.install.store import ModelStore
+from edgefleet.agent.link.by_content import installed_files
 from edgefleet.agent.link.enroll import mqtt_security
 from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
 from edgefleet.agent.link.mqtt import MqttLink
@@ -257,7 +258,8 @@ class Agent:
                                              boot["tuf_targets_url"], self.config.trusted_root, root_bytes,
                                              self.config.download_grace_s, self.config.download_min_bytes_per_s,
                                              self.config.download_deadline_s, f"{self.config.fleet_url}/api/v1/time",
-                                             self.config.clock_tolerance_s, self.config.download_max_bytes_per_s)
+                                             self.config.clock_tolerance_s, self.config.download_max_bytes_per_s,
+                                             lambda: installed_files(self.store.root / "models"))
                 self._check_clock()
                 mqtt_url = self.config.mqtt_url or boot["mqtt_url"]
                 security = mqtt_security(self.config, bool(boot.get("mqtt_auth", False)), self._http())

@@ -21,6 +21,7 @@ window close, so the box's telemetry and its clients keep their share of a cappe
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -38,6 +39,7 @@ __all__ = ["MIN_PACE_BYTES_PER_S", "DownloadProgress", "Pacer", "Partial", "Part
 
 CHECKPOINT_BYTES = 1024 * 1024  # fsync the data and record the count at least this often
 MIN_PACE_BYTES_PER_S = 4096  # the lowest rate cap a config or a rollout may set (0: none)
+log = logging.getLogger("edgefleet.agent.updater")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RECORD_MAX_BYTES = 4096
 
@@ -65,6 +67,8 @@ class Partial:
     received: int = 0  # bytes received over the network for it, restarts included
     attempts: int = 0
     restarts: int = 0  # times it went back to byte 0 (a server that ignored the range)
+    by_content: bool = True  # still to be assembled from files held here where it can (agent/link/by_content.py)
+    copied: int = 0  # bytes of it copied from files held here
 
 
 class PartialStore:
@@ -144,16 +148,65 @@ def _expected_range(have: int, length: int) -> str:
     return f"bytes {have}-{length - 1}/{length}"
 
 
+def _by_content(http: FleetHttp, url: str, store: PartialStore, p: Partial, held: dict[str, Path],
+                pacer: Pacer | None, target: str, progress: Callable[[DownloadProgress], None] | None) -> Partial:
+    """The partial carried as far as agent/link/by_content.py gets it (the whole bundle, or up to a cut: then the
+    DownloadError goes on up with the bytes kept; or up to where it cannot go on: then plain downloads from there)."""
+    from edgefleet.agent.link.by_content import NotAssembled, assemble
+
+    with store.data(p.sha256).open("r+b") as f:
+        f.seek(p.have)
+        fetched, started = 0, time.monotonic()
+
+        def take(n: int) -> None:  # each piece from the fleet: paced, and reported
+            nonlocal fetched
+            fetched += n
+            if progress is not None:
+                done, elapsed = min(f.tell() + n, p.length), time.monotonic() - started
+                rate = fetched / elapsed if elapsed > 0 else 0.0
+                progress(DownloadProgress(target, done, p.length, round(rate, 1),
+                                          (p.length - done) / rate if rate > 0 else None, p.attempts - 1))
+            if pacer is not None:
+                pacer.take(n)
+
+        try:
+            got = assemble(http, url, p.length, f, p.have, held, take, (p.received, p.spent_s))
+            p = replace(p, copied=p.copied + got.copied)
+        except NotAssembled as exc:
+            log.info("bundle %s… not assembled by content (%s): downloading it", p.sha256[:12], exc)
+            p = replace(p, by_content=False)
+        except tuf_exc.SlowRetrievalError:
+            f.close()
+            store.drop(p.sha256)
+            raise
+        except tuf_exc.DownloadError:
+            f.flush()
+            os.fsync(f.fileno())
+            store.save(replace(p, have=f.tell(), received=p.received + fetched,
+                               spent_s=p.spent_s + time.monotonic() - started))
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+        p = replace(p, have=f.tell(), received=p.received + fetched, spent_s=p.spent_s + time.monotonic() - started)
+    store.save(p)
+    return p
+
+
 def download_resumable(http: FleetHttp, url: str, store: PartialStore, target: str, sha256: str, length: int,
-                       pacer: Pacer | None = None,
-                       progress: Callable[[DownloadProgress], None] | None = None) -> Path:
-    """One attempt at the bundle ``url``: the bytes still missing from its partial file are asked for and appended.
+                       pacer: Pacer | None = None, progress: Callable[[DownloadProgress], None] | None = None,
+                       held: dict[str, Path] | None = None) -> Path:
+    """One attempt at the bundle ``url``: the bytes still missing from its partial file are asked for and appended
+    (``held``: files held here by sha256, which the archive is first assembled from where it can).
     Returns the whole file (``length`` bytes, still to be verified by the caller); raises python-tuf's
     DownloadError (a cut, a refused range) or SlowRetrievalError (then the partial is dropped)."""
     p = store.load(sha256, length)
     if p.have == length:
         return store.data(sha256)
     p = replace(p, attempts=p.attempts + 1)
+    if held and p.by_content:
+        p = _by_content(http, url, store, p, held, pacer, target, progress)
+        if p.have == length:
+            return store.data(sha256)
     resumes = p.attempts - 1
     headers = {"Range": f"bytes={p.have}-"} if p.have else {}
     lim = http.limits

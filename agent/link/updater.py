@@ -63,7 +63,8 @@ class GuardedFetcher(FetcherInterface):
     def _resumed(self, url: str, b: _BundleDownload, length: int) -> Iterator[IO[bytes]]:
         """The whole bundle from its partial file, which python-tuf verifies against the signed length and hashes
         inside this block and copies out; the partial goes afterwards, and also when it failed the check."""
-        path = download_resumable(self.http, url, b.store, b.target, b.sha256, length, b.pacer, b.progress)
+        path = download_resumable(self.http, url, b.store, b.target, b.sha256, length, b.pacer, b.progress,
+                                  b.held() if b.held is not None else None)
         try:
             with path.open("rb") as f:
                 yield f
@@ -85,6 +86,7 @@ class _BundleDownload:
     sha256: str
     pacer: Pacer
     progress: Callable[[DownloadProgress], None]
+    held: Callable[[], dict[str, Path]] | None = None  # files held here by sha256 (agent/link/by_content.py)
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,17 @@ class BundleFetcher:
     def __init__(self, state_dir: Path, metadata_url: str, targets_url: str, trusted_root: Path | None,
                  root_from_fleet: bytes | None = None, grace_s: float = 30.0, min_bytes_per_s: int = 2048,
                  deadline_s: float = 60.0, time_url: str | None = None, clock_tolerance_s: float = 300.0,
-                 max_bytes_per_s: int = 0):
+                 max_bytes_per_s: int = 0, held_files: Callable[[], dict[str, Path]] | None = None):
         """``trusted_root`` (root.json from ``edgefleet keys init``) anchors trust. Without it the
         fleet's current root is trusted on first use (``root_from_fleet``), which the caller logs.
         Downloads are bounded as agent/link/fetch.py says (``deadline_s``, ``grace_s``, ``min_bytes_per_s``).
         ``time_url``: the fleet's signed time (``/api/v1/time``), required before each refresh when given;
         TUF's expiry checks use the trusted time (agent/link/clock.py) rather than the local clock.
         ``max_bytes_per_s``: the box's own cap on a bundle download's rate (0: none), agent/link/resume.py's pacer.
-        A bundle downloads resumably: its partial file (``state_dir/partial``) survives a cut and a restart."""
+        A bundle downloads resumably: its partial file (``state_dir/partial``) survives a cut and a restart.
+        ``held_files``: the files this box holds by sha256 (installed models): a bundle's file among them is copied,
+        not downloaded (agent/link/by_content.py)."""
+        self.held_files = held_files
         self.grace_s = grace_s
         self.max_bytes_per_s = max_bytes_per_s
         self.partials = PartialStore(state_dir / "partial")
@@ -240,7 +245,7 @@ class BundleFetcher:
             dest = self.download_dir / "bundle.tar"
             self._fetcher.bundle = _BundleDownload(self.partials, target, signed_sha,
                                                    Pacer(self.pace_bytes_per_s(max_bytes_per_s), self.stop),
-                                                   self._progressed)
+                                                   self._progressed, self.held_files)
             updater.download_target(info, str(dest))
         except tuf_exc.RepositoryError as exc:
             raise TrustError(f"TUF verification failed: {type(exc).__name__}: {exc}") from exc
