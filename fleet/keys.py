@@ -42,8 +42,8 @@ from typing import Any
 
 from edgefleet.fleet.errors import KeyStoreError
 from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.target import TargetCustom
-from edgefleet.protocol.target import target_path as _target_path
+from edgefleet.protocol.tuf_target import TargetCustom
+from edgefleet.protocol.tuf_target import target_path as _target_path
 
 __all__ = [
     "BUNDLES_ROLE",

@@ -8,7 +8,7 @@ from pydantic import TypeAdapter
 
 from edgefleet.fleet import schemas
 from edgefleet.protocol.errors import SchemaError
-from edgefleet.protocol.target import TargetCustom
+from edgefleet.protocol.tuf_target import TargetCustom
 from tests.fleet_harness import api, running_fleet
 
 
