@@ -111,3 +111,21 @@ def test_a_damaged_record_is_never_trusted(tmp_path, damage):
     else:
         path.write_text("[1, 2]")
     assert store.recall(key) is None
+
+
+def test_runtime_and_layout_trials_are_kept_together(tmp_path, digits_bundle):
+    """runtime: auto with two runtimes here: the layout trial runs in the runtime trial's child, on the runtime
+    chosen, and both are kept; the restart times neither."""
+    from edgefleet.engines import runtime_installed
+
+    if not (runtime_installed("onnxruntime") and runtime_installed("openvino")):
+        pytest.skip("needs onnxruntime and OpenVINO (edgefleet[openvino]) for a runtime trial")
+    data = tmp_path / "agent"
+    preinstall(data, digits_bundle)
+    timed, recalled, first_config = _start(data, runtime="auto")
+    assert (timed, recalled) == (1, 0)
+    kept = json.loads(_record(data).read_text())["record"]
+    assert kept["runtime"]["source"] == "device" and len(kept["runtime"]["timings"]) == 2
+    assert kept["layout"] is not None and len(kept["layout"]["figures"]) >= 1
+    timed, recalled, config = _start(data, runtime="auto")
+    assert (timed, recalled) == (0, 1) and config == first_config

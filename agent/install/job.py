@@ -90,7 +90,7 @@ class Installer:
         self.runtimes: dict[str, tuple[str, str, RuntimePick]] = {}
         # the trials' results kept with each installed version (agent.install.trials): a restart with nothing
         # changed serves from them; by version directory, the record being recalled or measured until tune_batches
-        self.trials = TrialStore(store.root / "trials")
+        self.trials = TrialStore(store.root / "trials" if store is not None else None)
         self.records: dict[str, tuple[dict[str, Any], TrialRecord]] = {}
         self.trial_runs = 0  # versions whose trials ran in this process (not served from a record)
 
@@ -195,10 +195,14 @@ class Installer:
         ``batch_tuning: auto`` and neither instances nor intra_op_threads set by the operator: the layout measured
         here (:meth:`measure_layouts`), its figures kept for :meth:`tune_batches`."""
         out: list[Engine] = []
+        record = self.records.get(str(directory)) if count is None else None
+        n = self.config.instances if count is None else count
+        if record is not None and record[1].layout is not None:
+            n, threads = record[1].layout[0]  # the layout its kept trial chose: loaded at once, not reloaded
+        threads = threads or self.config.intra_op_threads
         try:
-            for _ in range(self.config.instances if count is None else count):
-                out.append(load_bundle_engine(manifest, directory / manifest.engine,
-                                              threads or self.config.intra_op_threads,
+            for _ in range(n):
+                out.append(load_bundle_engine(manifest, directory / manifest.engine, threads,
                                               self.config.onnxruntime_providers,
                                               runtime or self.runtime_for(manifest)))
         except BaseException as exc:
@@ -211,14 +215,15 @@ class Installer:
         if count is None and self.config.batch_tuning == "auto" and "CUDA" not in device and "Tensorrt" not in device \
                 and not {"instances", "intra_op_threads"} & self.config.model_fields_set:
             try:
-                out = self.measure_layouts(manifest, directory, out)
+                out = self.measure_layouts(manifest, directory, out, threads)
             except BaseException:
                 for b in out:
                     b.close()
                 raise
         return out
 
-    def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine]) -> list[Engine]:
+    def measure_layouts(self, manifest: Manifest, directory: Path, loaded: list[Engine],
+                        threads: int) -> list[Engine]:
         """Each layout of this box's inference CPUs (agent.core.batching.tuning.layout_candidates: 1x2 and 2x1 on
         two, 1x1 alone on one) timed as bench/serve.py times the runtime's limit (agent.install.bench.layout_trial: all
         its instances driven at once, each on its own thread on the serving threads' CPUs, at the batch sizes the
@@ -227,16 +232,12 @@ class Installer:
         (agent.core.batching.tuning.choose_layout), loaded here; ``loaded`` (the configured layout) is reused if chosen,
         else closed first. While another version serves the model, the trial shares its cores with it for the trial's
         few seconds (no turns: a turn per call cannot run several instances at once)."""
-        cpus = self.config.inference_cpus
-        cores = len(cpus) if cpus else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
-        sizes = batch_ladder(self.host.settings.max_batch_size) if manifest.batchable else (1,)
-        candidates = layout_candidates(cores)
+        cpus, candidates, sizes = self.layout_plan(manifest)
         t0 = time.monotonic()
         record = self.records.get(str(directory))
-        if record is not None and record[1].recalled and record[1].layout is not None \
+        if record is not None and record[1].layout is not None \
                 and {(f.instances, f.threads) for f in record[1].layout[1]} == set(candidates):
-            return self.use_layout(manifest, directory, loaded, *record[1].layout)
+            return self.use_layout(manifest, directory, loaded, threads, *record[1].layout)
         try:
             # on the runtime that will serve it (chosen before: agent.install.runtime_choice), whose best layout and
             # batch size may differ from onnxruntime's
@@ -251,18 +252,28 @@ class Installer:
         if record is not None and not record[1].recalled:
             record[1].layout = ((chosen.instances, chosen.threads), tuple(figures))
             record[1].timed_s["layout"] = time.monotonic() - t0
-        out = self.use_layout(manifest, directory, loaded, (chosen.instances, chosen.threads), tuple(figures))
+        out = self.use_layout(manifest, directory, loaded, threads, (chosen.instances, chosen.threads),
+                              tuple(figures))
         log.info("%s %s: layout %s, timed in %.1f s (%s)", manifest.name, manifest.version, chosen.name,
                  time.monotonic() - t0, "; ".join(f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms"
                                                    for f in figures))
         return out
 
-    def use_layout(self, manifest: Manifest, directory: Path, loaded: list[Engine], layout: tuple[int, int],
-                   figures: tuple[LayoutFigures, ...]) -> list[Engine]:
-        """The engines of the chosen ``layout`` (``loaded`` reused if it is that layout, else closed and the layout
-        loaded), its figures kept for :meth:`tune_batches`."""
+    def layout_plan(self, manifest: Manifest) -> tuple[tuple[int, ...] | None, tuple[tuple[int, int], ...],
+                                                       tuple[int, ...]]:
+        """The layout trial's CPUs (None: this process's), candidate layouts and batch sizes for ``manifest``."""
+        cpus = self.config.inference_cpus
+        cores = len(cpus) if cpus else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        sizes = batch_ladder(self.host.settings.max_batch_size) if manifest.batchable else (1,)
+        return cpus, layout_candidates(cores), sizes
+
+    def use_layout(self, manifest: Manifest, directory: Path, loaded: list[Engine], threads: int,
+                   layout: tuple[int, int], figures: tuple[LayoutFigures, ...]) -> list[Engine]:
+        """The engines of the chosen ``layout`` (``loaded``, of ``threads`` each, reused if it is that layout, else
+        closed and the layout loaded), its figures kept for :meth:`tune_batches`."""
         chosen = next(f for f in figures if (f.instances, f.threads) == layout)
-        if (chosen.instances, chosen.threads) == (len(loaded), self.config.intra_op_threads):
+        if (chosen.instances, chosen.threads) == (len(loaded), threads):
             out = loaded
         else:
             for b in loaded:
@@ -342,7 +353,7 @@ class Installer:
         t1 = time.monotonic()
         runtime = self.pick_runtime(pick.staged)  # then the runtime for that precision
         if runtime.source == "device":
-            record.timed_s["runtime"] = time.monotonic() - t1
+            record.timed_s["runtime, layout" if record.layout is not None else "runtime"] = time.monotonic() - t1
         record.precision = (pick.staged.manifest.precision, pick.source, pick.note, pick.timings)
         record.runtime = runtime
         return pick
@@ -353,8 +364,22 @@ class Installer:
         m = staged.manifest
         # timed in a child process (agent.install.runtime_choice.pick_runtime_in_child): a runtime not chosen leaves its
         # libraries and memory there, not here
+        record = self.records.get(str(staged.directory))
+        layout, layouts = None, []  # the layout trial in the same child, where load_instances would run one
+        if record is not None and self.config.batch_tuning == "auto" \
+                and not {"instances", "intra_op_threads"} & self.config.model_fields_set \
+                and set(self.config.onnxruntime_providers or ()) <= {"CPUExecutionProvider"}:
+            cpus, candidates, sizes = self.layout_plan(m)
+            layout = {"candidates": [list(c) for c in candidates], "sizes": list(sizes), "cpus": cpus,
+                      "seconds": slice_seconds(len(candidates), len(sizes))}
         pick = pick_runtime_in_child(staged, self.config.runtime, self.host.settings.max_batch_size,
-                                     self.config.intra_op_threads, self.config.onnxruntime_providers)
+                                     self.config.intra_op_threads, self.config.onnxruntime_providers,
+                                     layout=layout, layouts_out=layouts)
+        if layouts and record is not None:
+            chosen = choose_layout(layouts)
+            record[1].layout = ((chosen.instances, chosen.threads), tuple(layouts))
+            log.info("%s %s: layout %s, timed with the runtimes (%s)", m.name, m.version, chosen.name,
+                     "; ".join(f"{f.name}: best {f.best:g} images/s, lone call {f.lone_ms:g} ms" for f in layouts))
         log.info("%s %s: runtime %s", m.name, m.version, pick.note)
         self.runtimes[m.name] = (m.version, m.precision, pick)
         return pick

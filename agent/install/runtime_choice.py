@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from edgefleet.agent.core.batching.tuning import LayoutFigures
 from edgefleet.agent.core.runtime_pick import RuntimePick, RuntimeTiming
 from edgefleet.agent.errors import BackendError, SelfTestFailed
 from edgefleet.agent.install.selftest import Turn, now, self_test
@@ -134,12 +136,16 @@ def _loader(staged: StagedModel, threads: int, providers: tuple[str, ...] | None
 
 def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int, threads: int,
                           providers: tuple[str, ...] | None = None, timeout_s: float = TRIAL_TIMEOUT_S,
-                          installed: Callable[[str], bool] = runtime_installed) -> RuntimePick:
+                          installed: Callable[[str], bool] = runtime_installed,
+                          layout: dict[str, Any] | None = None,
+                          layouts_out: list[LayoutFigures] | None = None) -> RuntimePick:
     """:func:`pick_runtime` with the candidates loaded, self-tested and timed in a child process (``python -m
     edgefleet.agent.install.runtime_choice --trial``, from the calling thread: on its CPUs), each engine of ``threads``
     threads: their libraries and memory leave with it. An untimed choice (pinned, or one runtime here) starts no
     child. Failures come back as in-process: the first failure raised (BackendError or SelfTestFailed) when no
-    runtime is left; a child that outlives ``timeout_s`` is a SelfTestFailed."""
+    runtime is left; a child that outlives ``timeout_s`` is a SelfTestFailed. ``layout`` (candidates, sizes, seconds,
+    cpus: agent.install.bench.layout_trial's) runs the layout trial too, in the same child on the runtime chosen, its
+    figures appended to ``layouts_out``: one interpreter start (and its imports) for both trials."""
     import json
     import subprocess
     import sys
@@ -149,7 +155,8 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
     if len(names) == 1:
         return _untimed(staged, names, source)
     doc = {"manifest": m.model_dump(mode="json"), "directory": str(staged.directory), "names": list(names),
-           "max_batch_size": max_batch_size, "threads": threads, "providers": list(providers) if providers else None}
+           "max_batch_size": max_batch_size, "threads": threads, "providers": list(providers) if providers else None,
+           "layout": layout}
     try:
         done = subprocess.run([sys.executable, "-m", "edgefleet.agent.install.runtime_choice", "--trial"],
                               input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
@@ -163,6 +170,10 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
         if line.startswith("WARNING "):
             log.warning("runtime trial: %s", line.removeprefix("WARNING "))
     out = child_answer(done, "runtime trial")
+    if layouts_out is not None:
+        layouts_out.extend(LayoutFigures(int(f["instances"]), int(f["threads"]),
+                                         tuple((int(n), float(v)) for n, v in f["images_per_s"]), float(f["lone_ms"]))
+                           for f in out.get("layouts") or ())
     timings = tuple(RuntimeTiming(str(t["runtime"]), float(t["items_per_s"]),
                                   tuple((int(n), float(v)) for n, v in t["timings"])) for t in out["timings"])
     return RuntimePick(str(out["runtime"]), str(out["source"]), timings, str(out["note"]))
@@ -180,10 +191,18 @@ def _trial_main() -> int:
     staged = StagedModel(parse_manifest(doc["manifest"]), Path(doc["directory"]), "")
     names = tuple(doc["names"])
     try:
-        pick = pick_runtime(staged, "auto", _loader(staged, int(doc["threads"]),
-                                                    tuple(doc["providers"]) if doc["providers"] else None),
+        providers = tuple(doc["providers"]) if doc["providers"] else None
+        pick = pick_runtime(staged, "auto", _loader(staged, int(doc["threads"]), providers),
                             int(doc["max_batch_size"]), installed=lambda r: r in names)
-    except BackendError as exc:
+        figures = []
+        if doc.get("layout"):  # then the layouts, on the runtime chosen
+            from edgefleet.agent.install.bench import layout_trial
+
+            lay = doc["layout"]
+            figures = layout_trial(staged.manifest, staged.directory, [(int(i), int(t)) for i, t in lay["candidates"]],
+                                   tuple(lay["sizes"]), float(lay["seconds"]), lay["cpus"], providers,
+                                   runtime=pick.runtime)
+    except (BackendError, EngineError) as exc:
         print(json.dumps({"error": str(exc), "kind": "backend"}))
         return 3
     except SelfTestFailed as exc:
@@ -191,7 +210,9 @@ def _trial_main() -> int:
         return 3
     print(json.dumps({"runtime": pick.runtime, "source": pick.source, "note": pick.note,
                       "timings": [{"runtime": t.runtime, "items_per_s": t.items_per_s, "timings": t.timings}
-                                  for t in pick.timings]}))
+                                  for t in pick.timings],
+                      "layouts": [{"instances": f.instances, "threads": f.threads, "images_per_s": f.images_per_s,
+                                   "lone_ms": f.lone_ms} for f in figures]}))
     return 0
 
 

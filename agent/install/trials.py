@@ -152,18 +152,22 @@ def _pairs(v: Any) -> tuple[tuple[int, float], ...]:
 
 
 class TrialStore:
-    """The trial records under ``<store>/trials``."""
+    """The trial records under ``<store>/trials`` (``root`` None: none kept, none recalled)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path | None):
         self.root = root
 
     def path(self, bundle_sha256: str) -> Path:
+        if self.root is None:
+            raise ValueError("no folder for trial records")
         if len(bundle_sha256) != 64 or not all(c in "0123456789abcdef" for c in bundle_sha256):
             raise ValueError(f"not a sha256: {bundle_sha256!r}")
         return self.root / f"{bundle_sha256}.json"
 
     def recall(self, key: dict[str, Any]) -> TrialRecord | None:
         """The record kept for ``key``'s bundle if it was measured under ``key``; None (logged) otherwise."""
+        if self.root is None:
+            return None
         path = self.path(key["bundle_sha256"])
         try:
             with path.open("rb") as f:
@@ -191,6 +195,8 @@ class TrialStore:
 
     def keep(self, key: dict[str, Any], record: TrialRecord) -> None:
         """Write ``record`` for ``key`` atomically (an OSError is logged: the next start times again)."""
+        if self.root is None:
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path(key["bundle_sha256"]),
@@ -200,7 +206,7 @@ class TrialStore:
 
     def prune(self, keep: set[str]) -> None:
         """Remove the records of bundles no longer installed (``keep``: the sha256s still in the store)."""
-        if not self.root.is_dir():
+        if self.root is None or not self.root.is_dir():
             return
         for p in self.root.iterdir():
             if (p.suffix == ".json" and p.stem not in keep) or p.name.endswith(".tmp"):
