@@ -15,10 +15,7 @@ from edgefleet.compiler.compile.float_fallback import float_fallback, full_weigh
 from edgefleet.compiler.compile.plan import Plan
 from edgefleet.compiler.compile.report import one_line
 from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
-from edgefleet.compiler.graph import (
-    GraphInfo,
-    ensure_opset,
-)
+from edgefleet.compiler.graph import GraphInfo, ensure_opset
 from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.engines import EngineError
 from edgefleet.judge.data import Dataset
@@ -27,9 +24,7 @@ from edgefleet.judge.errors import JudgeError
 from edgefleet.judge.gate import GateSettings, evaluate_gate, uses_labels
 from edgefleet.judge.predict import predict_all
 from edgefleet.judge.tasks import TaskSpec, infer_task, judge
-from edgefleet.protocol.manifest import (
-    AccuracyReport,
-)
+from edgefleet.protocol.manifest import AccuracyReport
 
 
 def _gate_task(plan: Plan, ref_out: list[Any]) -> TaskSpec | None:

@@ -21,9 +21,7 @@ from edgefleet.compiler.compile.choose import choose
 from edgefleet.compiler.compile.options import SELFTEST_MAX_BYTES, SELFTEST_MAX_INPUT_BYTES, SELFTEST_MAX_SAMPLES
 from edgefleet.compiler.compile.plan import Plan
 from edgefleet.compiler.compile.report import one_line
-from edgefleet.compiler.graph import (
-    GraphInfo,
-)
+from edgefleet.compiler.graph import GraphInfo
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.predict import Runner
 from edgefleet.protocol.bundle import sha256_file, write_bundle

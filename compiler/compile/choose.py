@@ -15,11 +15,7 @@ from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.predict import Runner
 from edgefleet.protocol.cpu import cpu_arch, cpu_features
-from edgefleet.protocol.manifest import (
-    BenchmarkPoint,
-    PrecisionCandidate,
-    PrecisionChoice,
-)
+from edgefleet.protocol.manifest import BenchmarkPoint, PrecisionCandidate, PrecisionChoice
 from edgefleet.protocol.profile import HardwareProfile
 
 

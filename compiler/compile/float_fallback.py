@@ -18,9 +18,7 @@ from edgefleet.judge.errors import JudgeError
 from edgefleet.judge.gate import GateSettings, evaluate_gate
 from edgefleet.judge.predict import predict_all
 from edgefleet.judge.tasks import TaskSpec
-from edgefleet.protocol.manifest import (
-    Int8Scheme,
-)
+from edgefleet.protocol.manifest import Int8Scheme
 
 
 def full_weights(first: Built, fell: Built, scheme: Int8Scheme, source: Path, target: BuildTarget,

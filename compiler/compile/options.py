@@ -15,11 +15,7 @@ from edgefleet.judge.errors import InputError as JudgeInputError
 from edgefleet.judge.errors import JudgeError
 from edgefleet.judge.gate import GateSettings
 from edgefleet.judge.tasks import parse_tasks
-from edgefleet.protocol.manifest import (
-    NAME_RE,
-    VERSION_RE,
-    Manifest,
-)
+from edgefleet.protocol.manifest import NAME_RE, VERSION_RE, Manifest
 from edgefleet.protocol.profile import HardwareProfile
 
 SELFTEST_MAX_SAMPLES = 64

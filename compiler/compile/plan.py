@@ -14,12 +14,7 @@ from edgefleet.compiler.advice import Causes
 from edgefleet.compiler.cache import BuildCache
 from edgefleet.compiler.compile.options import MIN_CALIBRATION_SAMPLES, CompileOptions, Progress
 from edgefleet.compiler.errors import InputError, ToolchainError
-from edgefleet.compiler.graph import (
-    GraphInfo,
-    probe_batching,
-    quantized_ops,
-    quantized_phrase,
-)
+from edgefleet.compiler.graph import GraphInfo, probe_batching, quantized_ops, quantized_phrase
 from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.judge.data import Dataset, load_for_model
 from edgefleet.judge.gate import GateSettings, uses_labels

@@ -6,9 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgefleet.compiler.compile.candidates import Built
-from edgefleet.protocol.manifest import (
-    AccuracyReport,
-)
+from edgefleet.protocol.manifest import AccuracyReport
 
 
 def fallback_note(b: Built) -> str | None:
