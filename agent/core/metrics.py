@@ -207,8 +207,9 @@ class ModelMetrics:
                 # ensembles sum their composing models'), its inferences and executions its entry stage's
                 # (perf_analyzer finds the version a run used by the growth of its queue count)
                 n = self.success.count + self.fail.count
-                queue = {"count": n, "ns": sum(int(st["inference_stats"]["queue"]["ns"]) for st in stages)}
-                compute = {"count": n, "ns": sum(int(st["inference_stats"]["compute_infer"]["ns"]) for st in stages)}
+                parts = list(self.stages.values())
+                queue = {"count": n, "ns": sum(st.queue.ns for st in parts)}
+                compute = {"count": n, "ns": sum(st.compute.ns for st in parts)}
                 entry = next((m for m in self.stages.values() if m._entry), None)
                 if entry is not None:
                     inferences, executions = entry.inference_count, entry.execution_count
