@@ -32,11 +32,11 @@ def fleet(tmp_path_factory, digits_bundle) -> Iterator[tuple[str, Path, str, str
     with running_mosquitto(tmp) as broker, running_fleet(tmp, broker.url) as (_fs, url):
         up = api.post(f"{url}/api/v1/bundles", content=big.read_bytes())
         assert up.status_code == 201, up.text
-        yield url, tmp / "keys" / "root.json", up.json()["target"], up.json()["sha256"], big
+        yield url, tmp / "keys" / "root.json", up.json()["target"], up.json()["sha256"], big, (_fs, broker)
 
 
 def _target_url(fleet) -> str:
-    url, _root, target, sha, _big = fleet
+    url, _root, target, sha, _big, _ = fleet
     d, _, base = target.rpartition("/")
     return f"{url}/tuf/targets/{d}/{sha}.{base}"
 
@@ -49,7 +49,7 @@ def _client(state: Path, fleet, port: int | None = None, **kw) -> BundleFetcher:
 
 def _fetch_until_whole(state: Path, fleet, port: int, tries: int, **kw) -> tuple[FetchedBundle, list[FetchError]]:
     """Fetch with a fresh client (an agent restart) each try until the bundle is whole; the errors on the way."""
-    _url, _root, target, sha, _big = fleet
+    _url, _root, target, sha, _big, _ = fleet
     errors: list[FetchError] = []
     for _ in range(tries):
         try:
@@ -122,7 +122,7 @@ def test_a_link_that_drips_a_little_per_connection_stays_refused(tmp_path, fleet
     proxy = CuttingProxy(int(fleet[0].rsplit(":", 1)[1]), cut_every=2000, head_delay_s=0.3)
     port = proxy.start()
     errors: list[FetchError] = []
-    _url, _root, target, sha, _big = fleet
+    _url, _root, target, sha, _big, _ = fleet
     state = tmp_path / "agent"
     try:
         for _ in range(12):
@@ -150,3 +150,54 @@ def test_caps_combine_and_the_desired_state_bounds_its_cap(tmp_path, fleet):
     for bad in (0, 4095, 10**11):
         with pytest.raises(ValueError):
             DesiredState.model_validate({**ok, "download_max_bytes_per_s": bad})
+
+
+def test_a_rollouts_download_cap_goes_out_with_its_desired_state(fleet):
+    """RolloutSpec.download_max_bytes_per_s reaches the device in DesiredState (the agent paces at the lower of it
+    and its own download_max_bytes_per_s)."""
+    import paho.mqtt.client as mqtt
+
+    from edgefleet.fleet.rollout.spec import RolloutSpec
+    from edgefleet.protocol import mqtt as proto
+    from tests.waiting import wait_for
+
+    fs, broker = fleet[5]
+    device = "edge-paced"
+    fs.service.devices.register_device(device)
+    got: list[bytes] = []
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    c.on_message = lambda _c, _u, msg: got.append(msg.payload)
+    c.connect("127.0.0.1", broker.port)
+    c.subscribe(proto.topic(device, "desired"))
+    c.loop_start()
+    try:
+        fs.service.rollouts.create_rollout("digits", "1.1.0", [device],
+                                           spec=RolloutSpec(download_max_bytes_per_s=50_000))
+        wait_for(lambda: got, 30, "the desired state")
+    finally:
+        c.loop_stop()
+        c.disconnect()
+    assert DesiredState.model_validate_json(got[-1]).download_max_bytes_per_s == 50_000
+
+
+def test_the_pacer_holds_a_download_to_its_rate_on_a_clock_it_is_given():
+    """resume.Pacer with a fake clock that moves only when it sleeps: 2 MiB in 64 KiB reads at 100 kB/s take the
+    time the rate says, less the one second of bytes the bucket starts with; no cap never sleeps."""
+    from edgefleet.agent.link.resume import Pacer
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    pacer = Pacer(100_000, clock=lambda: now[0], sleep=sleep)
+    for _ in range(32):
+        pacer.take(65_536)
+    assert round(now[0], 6) == round((32 * 65_536 - 100_000) / 100_000, 6)
+    free = Pacer(0, clock=lambda: now[0], sleep=sleep)
+    n = len(slept)
+    for _ in range(32):
+        free.take(65_536)
+    assert len(slept) == n

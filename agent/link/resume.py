@@ -128,20 +128,22 @@ class Pacer:
     """A token bucket: ``take(n)`` sleeps until ``n`` bytes fit under ``bytes_per_s`` (0: never sleeps). The bucket
     holds at most a second of bytes, so a pause is not followed by a burst."""
 
-    def __init__(self, bytes_per_s: int, stop: threading.Event | None = None):
+    def __init__(self, bytes_per_s: int, stop: threading.Event | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] | None = None):
         self.rate = bytes_per_s
         self.stop = stop or threading.Event()
+        self.clock, self.sleep = clock, sleep or self.stop.wait  # a stop ends a wait at once
         self._tokens = float(bytes_per_s)
-        self._at = time.monotonic()
+        self._at = clock()
 
     def take(self, n: int) -> None:
         if self.rate <= 0:
             return
-        now = time.monotonic()
+        now = self.clock()
         self._tokens = min(float(self.rate), self._tokens + (now - self._at) * self.rate) - n
         self._at = now
         if self._tokens < 0:
-            self.stop.wait(-self._tokens / self.rate)
+            self.sleep(-self._tokens / self.rate)
 
 
 def _expected_range(have: int, length: int) -> str:

@@ -150,10 +150,10 @@ def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str
 
 
 def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float,
-                    mode: str | None = None) -> tuple[str, bytes]:
+                    mode: str | None = None, download_max_bytes_per_s: int | None = None) -> tuple[str, bytes]:
     msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=m.name, version=m.version,
                              target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
-                             mode=mode)  # type: ignore[arg-type]
+                             mode=mode, download_max_bytes_per_s=download_max_bytes_per_s)  # type: ignore[arg-type]
     return proto.topic(device_id, "desired"), proto.encode(msg)
 
 
@@ -214,6 +214,7 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
     lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx)  # its devices, then its targets: the lock order
     pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
                            .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
+    pace = (r.spec or {}).get("download_max_bytes_per_s")  # the rollout's download rate cap (RolloutSpec), if any
     if shadow:
         now_ts = time.time()
         n = 0
@@ -248,7 +249,7 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
             t.p99_before = (tel.get("latency") or {}).get("p99_ms")
         d.desired_model_id = m.id
         d.desired_rollout_id = r.id
-        msgs.append(desired_message(d.id, m, r.id, now))
+        msgs.append(desired_message(d.id, m, r.id, now, download_max_bytes_per_s=pace))
         sent += 1
     move_wave(s, w, WaveState.INSTALLING, devices=sent)
 

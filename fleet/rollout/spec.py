@@ -53,6 +53,8 @@ class RolloutSpec(BaseModel):
     offline_grace_s: float = Field(default=300.0, ge=0.0, le=MAX_GRACE_S)  # then a wave stops waiting for offline ones
     # True: a wave whose telemetry gates have no figures yet keeps soaking until they do
     require_telemetry: bool = False
+    # each device's bundle download held to this rate (the agent takes the lower of it and its own cap); None: none
+    download_max_bytes_per_s: int | None = Field(default=None, ge=4096, le=10_000_000_000)
 
     @field_validator("waves")
     @classmethod

@@ -37,6 +37,8 @@ class RolloutIn(Body):
     rollback_on_failure: bool = False
     offline_grace_s: float = Field(default=300.0, ge=0, le=MAX_GRACE_S)
     require_telemetry: bool = False
+    download_max_bytes_per_s: int | None = Field(default=None, ge=4096, le=10_000_000_000,
+                                                 description="each device's bundle download rate cap, bytes/s")
 
 
 def router(fleet: Fleet) -> APIRouter:
@@ -56,7 +58,8 @@ def router(fleet: Fleet) -> APIRouter:
         try:
             spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates, shadow=body.shadow,
                                on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
-                               offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry)
+                               offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry,
+                               download_max_bytes_per_s=body.download_max_bytes_per_s)
         except ValueError as exc:
             raise BadRequest(f"bad rollout spec: {exc}", 422) from exc
         return rollouts.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,
