@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import say
 from serve_bench import AgentProcess, _free_port
+from serve_limit import _rss_mb
 from serve_load import bodies, run_level
 from sim_runtime import Curve, build_bundle, simulation_env
 
@@ -69,9 +70,10 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _samples(shape: tuple[int, ...], n: int = 64) -> tuple[np.ndarray, list[int]]:
+def _samples(shape: tuple[int, ...], n: int = 64, classes: int = 10) -> tuple[np.ndarray, list[int]]:
+    """``n`` random inputs and the simulated model's answers (the argmax of each one's first ``classes`` values)."""
     x = np.random.default_rng(7).random((n, *shape), dtype=np.float32)
-    return x, [int(v) for v in x.reshape(n, -1)[:, :10].argmax(1)]
+    return x, [int(v) for v in x.reshape(n, -1)[:, :classes].argmax(1)]
 
 
 def bound(curve: Curve, instances: int, clients: int) -> float:
@@ -137,11 +139,11 @@ def run_frontend(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     curve = sim_curve(args.simulate, "mobilenetv2-int8", 16, args.time_scale)
     out = []
     for label, shape in (("1KB", SMALL), ("602KB", BIG)):
-        bundle = build_bundle(work / f"bundle-{label}", shape, classes=1000 if shape == BIG else 10,
-                              name=MODEL)
+        classes = 1000 if shape == BIG else 10
+        bundle = build_bundle(work / f"bundle-{label}", shape, classes=classes, name=MODEL)
         data_dir = work / f"frontend-{label}" / "agent"
         install(bundle, data_dir)
-        images, labels = _samples(shape, 16 if shape == BIG else 64)
+        images, labels = _samples(shape, 16 if shape == BIG else 64, classes)
         grpc_port = _free_port()
         sock = data_dir / "local.sock"
         with AgentProcess(data_dir, work / "logs" / f"frontend-{label}.log", 0, None, None, 300, instances=None,
@@ -161,12 +163,12 @@ def run_frontend(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                        "cpu_us_per_req": 1e6 * cores / r["req_per_s"] if r["req_per_s"] else float("nan"),
                        "req_per_core_s": r["req_per_s"] / cores if cores else float("nan"),
                        "load_cores": r["load_cores"], "errors": r["errors"], "wrong": r["wrong"],
-                       "loadavg": [load0, _load()]}
+                       "loadavg": [load0, _load()], "agent_rss_mb": _rss_mb(agent.proc.pid) if agent.proc else None}
                 out.append(row)
                 say(f"  front end {label:>5} {kind:>6}: {row['req_per_s']:8.1f} req/s, agent {cores:.2f} cores "
                     f"(loop {row['loop_cores'] or 0:.2f}) = {row['cpu_us_per_req']:.0f} us CPU a request = "
-                    f"{row['req_per_core_s']:.0f} req/s per core; load {row['loadavg']}; errors {row['errors']} "
-                    f"wrong {row['wrong']}")
+                    f"{row['req_per_core_s']:.0f} req/s per core; RSS {row['agent_rss_mb']:.0f} MB; load "
+                    f"{row['loadavg']}; errors {row['errors']} wrong {row['wrong']}")
     return out
 
 
@@ -198,7 +200,8 @@ def main(args: argparse.Namespace, work: Path) -> int:
     doc: dict[str, Any] = {"benchmark": "edgefleet bench/serve.py --simulate", "curves": str(args.simulate),
                            "time_scale": args.time_scale, "cpus_here": os.cpu_count()}
     if args.frontend:
-        doc["frontend_target_req_s"] = round(2 * sim_curve(args.simulate, "mobilenetv2-int8", 16, 1.0).best()[0])
+        # the issue's target: 2x the INT8 limit measured on the 16-core Xeon (its 'unpinned 8 CPUs' set-up, 1,766)
+        doc["frontend_target_req_s"] = round(2 * sim_curve(args.simulate, "mobilenetv2-int8", 8, 1.0).best()[0])
         doc["frontend"] = run_frontend(args, work)
     else:
         bundle = build_bundle(work / "bundle", SMALL, classes=10, name=MODEL)
