@@ -365,7 +365,8 @@ class Installer:
         # timed in a child process (agent.install.runtime_choice.pick_runtime_in_child): a runtime not chosen leaves its
         # libraries and memory there, not here
         record = self.records.get(str(staged.directory))
-        layout, layouts = None, []  # the layout trial in the same child, where load_instances would run one
+        layout: dict[str, Any] | None = None
+        layouts: list[LayoutFigures] = []  # the layout trial in the same child, where load_instances would run one
         if record is not None and self.config.batch_tuning == "auto" \
                 and not {"instances", "intra_op_threads"} & self.config.model_fields_set \
                 and set(self.config.onnxruntime_providers or ()) <= {"CPUExecutionProvider"}:
