@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import say
 
-from tests.bad_link import bad_link, namespaces_allowed
+from tests.bad_link import agent_behind_bad_link, namespaces_allowed
 
 
 class _Lines(logging.Handler):
@@ -51,9 +51,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         from edgefleet.compiler.compile import CompileOptions, compile_model
     except ImportError:  # before the compiler's split into compiler/compile/
         from edgefleet.compiler.pipeline import CompileOptions, compile_model  # type: ignore[no-redef]
-    from tests.agent_harness import installed_agent, served_version
-    from tests.conftest import DIGITS, running_mosquitto
-    from tests.fleet_harness import running_fleet
+    from tests.agent_harness import served_version
+    from tests.conftest import DIGITS
     from tests.test_tuf_bundles import rebundle
     from tests.waiting import wait_for
 
@@ -69,33 +68,24 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     size = big.stat().st_size
     expected_s = size * 8 / _rate_bits(args.rate)
     device = "edge-bench"
-    with running_mosquitto(tmp) as broker, \
-            bad_link(0, rate=args.rate, delay_ms=args.delay_ms, loss_pct=args.loss_pct,
-                     cut_every=size // args.cuts + 1) as link, \
-            running_fleet(tmp, broker.url, rollout_tick_s=0.05, public_url=link.url) as (fs, url):
-        link.proxy.upstream_port = int(url.rsplit(":", 1)[1])
-        fs.service.devices.register_device(device)
-        fs.service.models.upload_bundle(big)
-        with installed_agent(tmp / "agent", base, device_id=device, fleet_url=link.url,
-                             trusted_root=tmp / "keys" / "root.json", install_retries=50,
-                             max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
-            wait_for(lambda: fs.service.devices.get_device(device)["online"], 120, "agent online")
-            before = link.proxy.down_bytes
-            say(f"rolling out {size} B over {link.emulation}; ~{expected_s:.0f}s at the link's rate")
-            started = time.monotonic()
-            fs.service.rollouts.create_rollout("digits", "1.1.0", [device])
-            gap = expected_s / (args.cuts + 1)
+    with agent_behind_bad_link(tmp, base, big, device, 50, 120, rate=args.rate, delay_ms=args.delay_ms,
+                           loss_pct=args.loss_pct, cut_every=size // args.cuts + 1) as (fs, _url, link, agent_url):
+        before = link.proxy.down_bytes
+        say(f"rolling out {size} B over {link.emulation}; ~{expected_s:.0f}s at the link's rate")
+        started = time.monotonic()
+        fs.service.rollouts.create_rollout("digits", "1.1.0", [device])
+        gap = expected_s / (args.cuts + 1)
 
-            def cutter() -> None:
-                for _ in range(args.cuts):
-                    time.sleep(gap)
-                    link.cut(args.down_s)
+        def cutter() -> None:
+            for _ in range(args.cuts):
+                time.sleep(gap)
+                link.cut(args.down_s)
 
-            t = threading.Thread(target=cutter, daemon=True)
-            t.start()
-            wait_for(lambda: served_version(agent_url) == "1.1.0", args.timeout_s, "1.1.0 installed")
-            took = time.monotonic() - started
-            t.join(args.timeout_s)
+        t = threading.Thread(target=cutter, daemon=True)
+        t.start()
+        wait_for(lambda: served_version(agent_url) == "1.1.0", args.timeout_s, "1.1.0 installed")
+        took = time.monotonic() - started
+        t.join(args.timeout_s)
     retried = [s for s in lines.lines if "fetch attempt" in s]
     carried = link.proxy.down_bytes - before
     return {"bundle_bytes": size, "carried_bytes": carried, "ratio": round(carried / size, 4),

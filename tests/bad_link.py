@@ -19,10 +19,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.cutting_proxy import CuttingProxy
 
-__all__ = ["BadLink", "bad_link", "namespaces_allowed"]
+__all__ = ["BadLink", "agent_behind_bad_link", "bad_link", "namespaces_allowed"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,3 +114,26 @@ def bad_link(fleet_port: int, rate: str = "1mbit", delay_ms: int = 150, loss_pct
             proxy.stop()
         _ip("link", "del", near, check=False)
         _ip("netns", "del", ns, check=False)
+
+
+@contextlib.contextmanager
+def agent_behind_bad_link(tmp: Path, installed: Path, new: Path, device: str, install_retries: int,
+                          online_s: float, **link: Any) -> Iterator[tuple[Any, str, BadLink, str]]:
+    """A real Mosquitto, a real fleet holding ``new`` and a real agent serving ``installed``, the agent's HTTP to the
+    fleet through ``bad_link(**link)``: (fleet server, fleet URL, the link, the agent's inference URL), the agent
+    online."""
+    from tests.agent_harness import installed_agent
+    from tests.conftest import running_mosquitto
+    from tests.fleet_harness import running_fleet
+    from tests.waiting import wait_for
+
+    with running_mosquitto(tmp) as broker, bad_link(0, **link) as bad, \
+            running_fleet(tmp, broker.url, rollout_tick_s=0.05, public_url=bad.url) as (fs, url):
+        bad.proxy.upstream_port = int(url.rsplit(":", 1)[1])  # the fleet's answers name URLs through the link
+        fs.service.devices.register_device(device)
+        fs.service.models.upload_bundle(new)
+        with installed_agent(tmp / "agent", installed, device_id=device, fleet_url=bad.url,
+                             trusted_root=tmp / "keys" / "root.json", install_retries=install_retries,
+                             max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
+            wait_for(lambda: fs.service.devices.get_device(device)["online"], online_s, "agent online")
+            yield fs, url, bad, agent_url

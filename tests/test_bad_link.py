@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from tests.bad_link import bad_link, namespaces_allowed
+from tests.bad_link import agent_behind_bad_link, namespaces_allowed
 from tests.waiting import wait_for
 
 WHY_NOT = namespaces_allowed()
@@ -22,44 +22,35 @@ LINK_CUTS = 3
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"needs network namespaces and root: {WHY_NOT}")
 def test_a_bundle_installs_over_a_slow_lossy_link_cut_during_the_download(tmp_path, digits_bundle, caplog):
-    from tests.agent_harness import installed_agent, served_version
-    from tests.conftest import running_mosquitto
-    from tests.fleet_harness import api, running_fleet
+    from tests.agent_harness import served_version
+    from tests.fleet_harness import api
     from tests.test_tuf_bundles import rebundle
 
     device = "edge-bad-link"
     caplog.set_level(logging.WARNING, logger="edgefleet.agent")
     big = rebundle(digits_bundle, tmp_path / "v110.tar", pad_bytes=PAD_BYTES, version="1.1.0")
     size = big.stat().st_size
-    with running_mosquitto(tmp_path) as broker, \
-            bad_link(0, rate="4mbit", delay_ms=25, loss_pct=5, cut_every=600_000) as link, \
-            running_fleet(tmp_path, broker.url, rollout_tick_s=0.05, public_url=link.url) as (fs, url):
-        link.proxy.upstream_port = int(url.rsplit(":", 1)[1])  # the fleet's answers name URLs through the link
-        fs.service.devices.register_device(device)
-        fs.service.models.upload_bundle(big)
-        with installed_agent(tmp_path / "agent", digits_bundle, device_id=device, fleet_url=link.url,
-                             trusted_root=tmp_path / "keys" / "root.json", install_retries=20,
-                             max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
-            wait_for(lambda: fs.service.devices.get_device(device)["online"], 60, "agent online")
-            before = link.proxy.down_bytes
-            rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [device])["id"]
-            wait_for(lambda: link.proxy.down_bytes - before > 300_000, 60, "the bundle's first bytes")
-            cutter = threading.Thread(target=lambda: [link.cut(1.0) for _ in range(LINK_CUTS)], daemon=True)
-            cutter.start()
-            seen: list[dict] = []  # the download's progress as `edgefleet rollout status --json` reads it
-            pages: list[str] = []
+    with agent_behind_bad_link(tmp_path, digits_bundle, big, device, 20, 60, rate="4mbit", delay_ms=25,
+                               loss_pct=5, cut_every=600_000) as (fs, url, link, agent_url):
+        before = link.proxy.down_bytes
+        rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [device])["id"]
+        wait_for(lambda: link.proxy.down_bytes - before > 300_000, 60, "the bundle's first bytes")
+        cutter = threading.Thread(target=lambda: [link.cut(1.0) for _ in range(LINK_CUTS)], daemon=True)
+        cutter.start()
+        seen: list[dict] = []  # the download's progress as `edgefleet rollout status --json` reads it
+        pages: list[str] = []
 
-            def installed() -> bool:
-                t = api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0]
-                if t.get("download"):
-                    seen.append(t["download"])
-                    if not pages:  # the device's console page, while it downloads
-                        pages.append(api.get(f"{url}/devices/{device}").text)
-                return served_version(agent_url) == "1.1.0"
+        def installed() -> bool:
+            t = api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0]
+            if t.get("download"):
+                seen.append(t["download"])
+                if not pages:  # the device's console page, while it downloads
+                    pages.append(api.get(f"{url}/devices/{device}").text)
+            return served_version(agent_url) == "1.1.0"
 
-            wait_for(installed, 240, "1.1.0 installed over the bad link")
-            cutter.join(30)
-            pages.append(api.get(f"{url}/devices/{device}").text)
+        wait_for(installed, 240, "1.1.0 installed over the bad link")
+        cutter.join(30)
+        pages.append(api.get(f"{url}/devices/{device}").text)
     lines = [r.getMessage() for r in caplog.records if "fetch attempt" in r.getMessage()]
     assert len(lines) >= size // 600_000, lines  # the relay's cuts at least
     assert not any("verification" in s or "Mismatch" in s for s in lines), lines
