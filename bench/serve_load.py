@@ -225,7 +225,9 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
                                                                                prebuilt[slot].encode(), "json"))
             if status != 200:
                 raise RuntimeError(f"{status}: {content[:200]!r}")
-            n = json.loads(content)["outputs"][0]["parameters"]["shared_memory_byte_size"]
+            # the output's size from its shape (FP32): an HTTP answer describes a shared-memory output by no
+            # parameters, as Triton's does (its C++ client reads output parameters as binary data)
+            n = 4 * int(np.prod(json.loads(content)["outputs"][0]["shape"]))
             return int(np.frombuffer(buf[base + in_bytes:base + in_bytes + n], np.float32).argmax())
 
     async def one(slot: int, i: int) -> tuple[str | None, bool]:
