@@ -5,7 +5,6 @@ memory answered as none), with tritonclient.grpc and with the generated stubs, a
 
 import json
 
-import grpc
 import httpx
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from tritonclient.utils import InferenceServerException
 from edgefleet.agent.core.versions import MAX_FILE_BYTES, VersionNumbers
 from tests.agent_harness import installed_agent, preinstall, running_agent
 
+grpc = pytest.importorskip("grpc", reason="gRPC needs edgefleet[grpc] (grpcio, tritonclient[grpc])")
 tgrpc = pytest.importorskip("tritonclient.grpc", reason="gRPC needs edgefleet[grpc] (grpcio, tritonclient[grpc])")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
@@ -29,9 +29,8 @@ def agent(tmp_path_factory, digits_bundle):
 
 @pytest.fixture
 def gclient(agent):
-    c = tgrpc.InferenceServerClient(f"127.0.0.1:{agent[0].grpc_port}")
-    yield c
-    c.close()
+    with tgrpc.InferenceServerClient(f"127.0.0.1:{agent[0].grpc_port}") as c:
+        yield c
 
 
 @pytest.fixture
