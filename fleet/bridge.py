@@ -42,6 +42,12 @@ RETAINED_STATUS = "status_retained"
 # once: publish() waits for room instead (bounded by PUBLISH_WAIT_S), so none is refused
 MAX_OUTSTANDING = 60_000
 PUBLISH_WAIT_S = 300.0
+# a publish paho refuses anyway (a message id still in use: QoS 0 acks draw ids from the same 16-bit counter, so it
+# wraps onto ids still outstanding; or a full queue) waits in the retry set, the latest payload per topic, and goes
+# out again when an acknowledgement makes room (or RETRY_POLL_S passes, or the fleet reconnects). The set holds at
+# most RETRY_MAX topics: past that, publish() waits for room (PUBLISH_WAIT_S), then keeps the topic anyway and says so
+RETRY_MAX = 1_000_000
+RETRY_POLL_S = 1.0
 
 
 class _SupervisedClient(mqtt.Client):
@@ -74,9 +80,13 @@ class _SupervisedClient(mqtt.Client):
 class MqttBridge:
     def __init__(self, url: str, shared_group: str | None = None, client_id: str | None = None,
                  username: str | None = None, password: str | None = None, ca_file: Path | None = None,
-                 cert_file: Path | None = None, key_file: Path | None = None):
+                 cert_file: Path | None = None, key_file: Path | None = None, max_queued: int = 0):
         """``mqtts://`` URLs (or a ``ca_file``) connect over TLS, verifying the broker against ``ca_file`` (the
-        system's CAs if None); ``cert_file`` + ``key_file`` present a client certificate (mutual TLS)."""
+        system's CAs if None); ``cert_file`` + ``key_file`` present a client certificate (mutual TLS).
+        ``max_queued``: paho's bound on unacknowledged QoS 1 publishes (0: none but its 65,535 message ids; a small
+        one forces a full queue, as the tests do)."""
+        if not 0 <= max_queued <= MAX_OUTSTANDING:
+            raise ValueError(f"max_queued must be in [0, {MAX_OUTSTANDING}], not {max_queued}")
         self.host, self.port = proto.parse_mqtt_url(url)
         self.shared_group = shared_group
         self.connected = threading.Event()
@@ -104,25 +114,39 @@ class MqttBridge:
             self._client.tls_set(ca_certs=str(ca_file) if ca_file else None,
                                  certfile=str(cert_file) if cert_file else None,
                                  keyfile=str(key_file) if key_file else None, tls_version=ssl.PROTOCOL_TLS_CLIENT)
-        self._client.max_queued_messages_set(0)  # unbounded: a wave's desired states are queued at once
+        self._client.max_queued_messages_set(max_queued)  # 0: a wave's desired states are queued at once
         self._client.max_inflight_messages_set(1000)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_connect_fail = self._on_connect_fail
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
+        self._client.on_publish = self._on_publish
         self._rereads: dict[int, list[str]] = {}  # subscribe mid -> topics to unsubscribe once acked
         self._rereads_lock = threading.Lock()
+        # topic -> (payload, retain) of publishes paho refused, oldest first; taken before paho's own locks, never
+        # on paho's thread (which calls on_publish holding them): the retrier thread sends them again
+        self._retry: dict[str, tuple[bytes, bool]] = {}
+        self._retry_lock = threading.Lock()
+        self._room = threading.Event()
+        self._retrier: threading.Thread | None = None
+        self.republished = 0  # refused publishes sent again from the retry set
 
     def start(self) -> None:
         self._stopping.clear()
         self._client.connect_async(self.host, self.port, keepalive=30)
         self._client.loop_start()
+        self._retrier = threading.Thread(target=self._retry_loop, name="mqtt-retry", daemon=True)
+        self._retrier.start()
 
     def stop(self) -> None:
         self._stopping.set()
+        self._room.set()
         self._client.disconnect()
         self._client.loop_stop()
+        if self._retrier is not None:
+            self._retrier.join(timeout=10)
+            self._retrier = None
 
     def alive(self) -> bool:
         """The network loop is running (whether or not the broker is reachable right now)."""
@@ -140,20 +164,70 @@ class MqttBridge:
         return not self._stopping.wait(full_jitter(self.restarts, 0.1, 10.0))
 
     def publish(self, topic: str, payload: bytes, retain: bool) -> None:
-        """Queue a QoS 1 publish; paho keeps it and sends it once the broker is reachable. With MAX_OUTSTANDING
-        publishes unacknowledged, wait for room (at most PUBLISH_WAIT_S; never on paho's own thread, which reads
-        the acknowledgements)."""
-        if threading.current_thread() is not self._client._thread:
-            deadline = time.monotonic() + PUBLISH_WAIT_S
-            while self.outstanding() >= MAX_OUTSTANDING:
-                if time.monotonic() > deadline:
-                    log.error("%d publishes wait for the broker's acknowledgement; queueing %s anyway",
-                              self.outstanding(), topic)
-                    break
-                time.sleep(0.02)
+        """Queue a QoS 1 publish of a state topic (the latest payload per topic is what counts); paho keeps it and
+        sends it once the broker is reachable. With MAX_OUTSTANDING publishes unacknowledged, wait for room (at most
+        PUBLISH_WAIT_S; never on paho's own thread, which reads the acknowledgements). One paho refuses still goes
+        out: it waits in the retry set until an acknowledgement makes room."""
+        off_paho = threading.current_thread() is not self._client._thread
+        if off_paho:
+            self._wait_for_room(topic, lambda: self.outstanding() < MAX_OUTSTANDING, "the broker's acknowledgement")
+            self._wait_for_room(topic, lambda: len(self._retry) < RETRY_MAX, "a retry")
+        with self._retry_lock:
+            self._retry.pop(topic, None)  # this payload supersedes one still waiting
+            if not self._publish_now(topic, payload, retain):
+                self._retry[topic] = (payload, retain)
+                log.warning("paho refused a publish to %s; it waits in the retry set (%d)", topic, len(self._retry))
+
+    def _wait_for_room(self, topic: str, room: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while not room():
+            if time.monotonic() > deadline or self._stopping.is_set():
+                log.error("publishes wait for %s (%d outstanding, %d to retry); queueing %s anyway", what,
+                          self.outstanding(), len(self._retry), topic)
+                return
+            time.sleep(0.02)
+
+    def _publish_now(self, topic: str, payload: bytes, retain: bool) -> bool:
+        """Hand one QoS 1 publish to paho: False when paho refused it (its queue or message ids are full)."""
         info = self._client.publish(topic, payload, qos=1, retain=retain)
-        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
-            log.error("could not queue publish to %s: %s", topic, mqtt.error_string(info.rc))
+        if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            return True
+        if info.rc != mqtt.MQTT_ERR_QUEUE_SIZE:
+            log.error("could not queue publish to %s: %s (it waits in the retry set)", topic,
+                      mqtt.error_string(info.rc))
+        return False
+
+    def retrying(self) -> int:
+        """Publishes paho refused that wait to be sent again."""
+        return len(self._retry)
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        """paho's thread, holding paho's queue lock: only signal the retrier."""
+        if self._retry:
+            self._room.set()
+
+    def _retry_loop(self) -> None:
+        """Send the retry set's publishes again while paho takes them: woken by acknowledgements (room) and
+        reconnects, and at least every RETRY_POLL_S."""
+        while not self._stopping.is_set():
+            self._room.wait(RETRY_POLL_S)
+            self._room.clear()
+            try:
+                self._flush_retries()
+            except Exception:
+                log.exception("sending refused publishes again failed; trying again")
+
+    def _flush_retries(self) -> None:
+        with self._retry_lock:
+            for _ in range(len(self._retry)):
+                if self.outstanding() >= MAX_OUTSTANDING or not self._retry:
+                    return
+                topic = next(iter(self._retry))
+                payload, retain = self._retry[topic]
+                if not self._publish_now(topic, payload, retain):
+                    return  # still no room: the next acknowledgement wakes the retrier
+                del self._retry[topic]
+                self.republished += 1
 
     def outstanding(self) -> int:
         """QoS 1 messages paho holds unacknowledged (paho has no public count: its queue's length)."""
@@ -171,6 +245,7 @@ class MqttBridge:
             tele = f"$share/{self.shared_group}/{tele}"
         client.subscribe([(proto.subscription("status"), 1), (proto.subscription("reported"), 1), (tele, 1)])
         self.connected.set()
+        self._room.set()  # publishes refused before the connection go out again
         if self.on_connected:
             hook = self.on_connected
 
