@@ -64,7 +64,9 @@ def cmd_create(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
                          rollback_on_failure=a.rollback_on_failure, offline_grace_s=a.offline_grace_s,
                          require_telemetry=a.require_telemetry,
                          **({"download_max_bytes_per_s": a.download_max_bytes_per_s}
-                            if a.download_max_bytes_per_s else {}))
+                            if a.download_max_bytes_per_s else {}),
+                         **({"max_concurrent_downloads": a.max_concurrent_downloads}
+                            if a.max_concurrent_downloads else {}))
     if not a.wait:
         return r, _human(r), ExitCode.OK
     r = c.wait_rollout(r.id, a.wait_s, targets=False, progress=None if a.json else _progress)
@@ -171,6 +173,8 @@ def add_create_parser(sub: Any, name: str, help_: str = "roll a model version ou
     c.add_argument("--require-telemetry", action="store_true", help="soak until telemetry gates have figures")
     c.add_argument("--download-max-bytes-per-s", type=int, default=0,
                    help="hold each device's bundle download to this rate (>= 4096; 0: no cap)")
+    c.add_argument("--max-concurrent-downloads", type=int, default=0,
+                   help="send a wave's update to at most this many devices at a time, more as they finish (0: all)")
     c.add_argument("--on-failure", choices=("pause", "abort"), default="pause", help="what a failed gate does")
     c.add_argument("--rollback-on-failure", action="store_true", help="send a failed wave back to its previous model")
     c.add_argument("--offline-grace-s", type=float, default=300.0, help="then a wave stops waiting for offline devices")

@@ -83,6 +83,9 @@ class _WaveFigures:
     def outstanding_online(self) -> int:
         return q.outstanding_online(self._s, self._w.rollout_id, self._w.idx)
 
+    def downloads(self) -> tuple[int, int]:
+        return q.downloads(self._s, self._w.rollout_id, self._w.idx)
+
 
 class RolloutEngine:
     """Fault isolation: a rollout whose evaluation raises is marked (``Rollout.engine_error``, with its time and an

@@ -30,6 +30,7 @@ from edgefleet.fleet.rollout.step import (
     NextWave,
     PassShadow,
     PassWave,
+    Release,
     SetGates,
     Soak,
     StartWave,
@@ -183,6 +184,9 @@ def apply(s: Session, models: ModelCache, r: Rollout, w: RolloutWave | None, row
             pass
         case StartWave(shadow=shadow):
             start_wave(s, models, r, w, msgs, shadow=shadow)
+        case Release(n=n):
+            sent = _send_installs(s, models, r, w, msgs, n)
+            audit(s, ENGINE_ACTOR, "wave_released", r.id, wave=w.idx, devices=sent)
         case SetGates(gates=gates):
             w.gates = list(gates)
         case PassShadow():
@@ -214,7 +218,6 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
     lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx)  # its devices, then its targets: the lock order
     pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
                            .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
-    pace = (r.spec or {}).get("download_max_bytes_per_s")  # the rollout's download rate cap (RolloutSpec), if any
     if shadow:
         now_ts = time.time()
         n = 0
@@ -227,6 +230,23 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
             n += 1
         move_wave(s, w, WaveState.SHADOWING, devices=n)
         return
+    pairs.sort(key=lambda td: (not td[1].online, td[1].id))  # online devices first, when a cap sends only some
+    sent = _send_installs(s, models, r, w, msgs, (r.spec or {}).get("max_concurrent_downloads"), pairs)
+    move_wave(s, w, WaveState.INSTALLING, devices=sent)
+
+
+def _send_installs(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs: Messages, limit: int | None,
+                   pairs: list[Any] | None = None) -> int:
+    """Send up to ``limit`` (None: all) of the wave's targets not sent yet their desired state to install, online
+    devices first (a rollout's download cap, RolloutSpec.max_concurrent_downloads); returns how many."""
+    if pairs is None:
+        unsent = RolloutTarget.state.in_([TargetState.PENDING.value, TargetState.SHADOWING.value])
+        lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx, unsent)
+        pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
+                               .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx, unsent)
+                               .order_by(Device.online.desc(), Device.id)))
+        pairs = [(t, d) for t, d in pairs if d.desired_rollout_id != r.id]
+    pace = (r.spec or {}).get("download_max_bytes_per_s")  # the rollout's download rate cap (RolloutSpec), if any
     running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
         select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
     now = time.time()
@@ -234,6 +254,8 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
     for t, d in pairs:
         if t.state not in (TargetState.PENDING, TargetState.SHADOWING):
             continue  # superseded meanwhile
+        if limit is not None and sent >= limit:
+            break
         m = models.get(s, t.model_id)
         assert m is not None
         if d.running_model:  # what a rollback sends it back to
@@ -251,7 +273,7 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
         d.desired_rollout_id = r.id
         msgs.append(desired_message(d.id, m, r.id, now, download_max_bytes_per_s=pace))
         sent += 1
-    move_wave(s, w, WaveState.INSTALLING, devices=sent)
+    return sent
 
 
 def _drop_shadow(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs: Messages) -> None:

@@ -252,6 +252,21 @@ def outstanding_online(s: Session, rollout_id: int, wave: int) -> int:
         RolloutTarget.state.not_in([x.value for x in TARGET_DONE]), Device.online.is_(True))) or 0)
 
 
+def downloads(s: Session, rollout_id: int, wave: int) -> tuple[int, int]:
+    """The wave's targets sent their desired state and not finished (pending, downloading or installing: a
+    pending one's device holds this rollout's desired state), and those not sent it yet (pending or shadowing, the
+    device's desired state from elsewhere): what a download cap counts."""
+    t = RolloutTarget
+    sent = Device.desired_rollout_id == rollout_id
+    row = s.execute(select(
+        func.sum(case((and_(t.state.in_([TargetState.DOWNLOADING.value, TargetState.INSTALLING.value])), 1),
+                      (and_(t.state == TargetState.PENDING.value, sent), 1), else_=0)),
+        func.sum(case((and_(t.state.in_([TargetState.PENDING.value, TargetState.SHADOWING.value]),
+                            or_(Device.desired_rollout_id.is_(None), ~sent)), 1), else_=0)))
+        .join(Device, Device.id == t.device_id).where(t.rollout_id == rollout_id, t.wave == wave)).one()
+    return int(row[0] or 0), int(row[1] or 0)
+
+
 def shadow_figures(s: Session, rollout_id: int, wave: int) -> ShadowWaveFigures:
     sh, t = RolloutShadow, RolloutTarget
     samples = cast(sh.samples, Float)  # summed as doubles: see telemetry_figures

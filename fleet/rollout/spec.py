@@ -17,6 +17,7 @@ _WAVE_RE = re.compile(r"^(\d+(?:\.\d+)?)%$|^(\d+)$")
 MAX_P99_RATIO = 1000.0
 MAX_GRACE_S = 30 * 86400.0
 MAX_ABS_ERROR = 1e30
+MAX_CONCURRENT_DOWNLOADS = 1_000_000
 MAX_DRIFT_PSI = 20.0  # PSI with protocol.drift's epsilon never exceeds 18.5 (every share swapped between two bins)
 
 
@@ -55,6 +56,9 @@ class RolloutSpec(BaseModel):
     require_telemetry: bool = False
     # each device's bundle download held to this rate (the agent takes the lower of it and its own cap); None: none
     download_max_bytes_per_s: int | None = Field(default=None, ge=4096, le=10_000_000_000)
+    # at most this many devices of a wave are sent their desired state and not finished at once (downloading,
+    # installing, or sent and not answered); more are sent as those finish. None: the whole wave at once
+    max_concurrent_downloads: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_DOWNLOADS)
 
     @field_validator("waves")
     @classmethod

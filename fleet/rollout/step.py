@@ -35,6 +35,8 @@ class Figures(Protocol):
 
     def outstanding_online(self) -> int: ...
 
+    def downloads(self) -> tuple[int, int]: ...  # (sent and not finished, not sent yet) of the wave's targets
+
 
 # -- the moves: what a step asks the engine to write (``ends``: the engine's pass over the rollout stops there) ----
 @dataclass(frozen=True)
@@ -47,6 +49,12 @@ class Wait:  # nothing to do until something changes (a report, a soak's end, te
 class StartWave:  # send the wave its desired states: in shadow (devices keep what they run) or to install
     shadow: bool
     ends: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Release:  # send ``n`` more of the installing wave's targets their desired state (its download cap has room)
+    n: int
+    ends: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ class Finish:  # no wave is left: the rollout ends in ``status``
     ends: ClassVar[bool] = True
 
 
-Move = Wait | StartWave | SetGates | PassShadow | FailShadow | Soak | FailWave | PassWave | NextWave | Finish
+Move = Wait | StartWave | Release | SetGates | PassShadow | FailShadow | Soak | FailWave | PassWave | NextWave | Finish
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -121,6 +129,11 @@ def step(rollout: RolloutRow, wave: WaveRow | None, figures: Figures, now: dt.da
     if install_gate_lost(counted, spec.gates):
         return [FailWave(tuple(evaluate_gates(figures.wave(), spec.gates)))]
     if state is WaveState.INSTALLING:
+        cap = spec.max_concurrent_downloads
+        if cap is not None:
+            in_flight, unsent = figures.downloads()
+            if unsent > 0 and in_flight < cap:
+                return [Release(min(cap - in_flight, unsent))]
         return [_installed(rollout, wave, figures, now)]
     return _judged(rollout, wave, figures, now)
 

@@ -12,6 +12,7 @@ from edgefleet.fleet import schemas as out
 from edgefleet.fleet.auth import Caller
 from edgefleet.fleet.errors import BadRequest
 from edgefleet.fleet.rollout import MAX_GRACE_S, Gates, RolloutSpec, ShadowGate
+from edgefleet.fleet.rollout.spec import MAX_CONCURRENT_DOWNLOADS
 from edgefleet.fleet.routes.context import Body, Fleet, Offset, RolloutId, Tags
 
 
@@ -39,6 +40,8 @@ class RolloutIn(Body):
     require_telemetry: bool = False
     download_max_bytes_per_s: int | None = Field(default=None, ge=4096, le=10_000_000_000,
                                                  description="each device's bundle download rate cap, bytes/s")
+    max_concurrent_downloads: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_DOWNLOADS,
+                                                 description="devices of a wave sent their update at once")
 
 
 def router(fleet: Fleet) -> APIRouter:
@@ -59,7 +62,8 @@ def router(fleet: Fleet) -> APIRouter:
             spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates, shadow=body.shadow,
                                on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
                                offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry,
-                               download_max_bytes_per_s=body.download_max_bytes_per_s)
+                               download_max_bytes_per_s=body.download_max_bytes_per_s,
+                               max_concurrent_downloads=body.max_concurrent_downloads)
         except ValueError as exc:
             raise BadRequest(f"bad rollout spec: {exc}", 422) from exc
         return rollouts.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,

@@ -1,0 +1,79 @@
+"""A rollout's per-wave cap on concurrent downloads (issue 43.2, fleet side): the engine sends desired states to at
+most ``max_concurrent_downloads`` devices of a wave at a time and releases more as those finish. Driven through the
+real engine on a real (SQLite) database; the devices are simulated by their reports."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from edgefleet.fleet.db import Device, Rollout, RolloutTarget, make_engine
+from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector
+from edgefleet.fleet.states import RolloutStatus, TargetState
+from edgefleet.protocol import mqtt as proto
+from tests.fleet_harness import RecordingPublisher
+from tests.test_rollout_states import seed
+
+N, CAP = 1000, 50
+UNDONE = [TargetState.PENDING.value, TargetState.DOWNLOADING.value, TargetState.INSTALLING.value]
+
+
+def _in_flight(sessions, rid: int) -> int:
+    """Targets whose desired state went out and that have not finished: the fleet's own count."""
+    with sessions() as s:
+        return int(s.scalar(select(func.count()).select_from(RolloutTarget).join(
+            Device, Device.id == RolloutTarget.device_id).where(
+            RolloutTarget.rollout_id == rid, RolloutTarget.state.in_(UNDONE), Device.desired_rollout_id == rid)))
+
+
+def _report(rid: int, dev: str, state: str) -> proto.ReportedState:
+    return proto.ReportedState(device_id=dev, ts=time.time(), state=state, rollout_id=rid,  # type: ignore[arg-type]
+                               model="m", version="1.0.0", running_model="m",
+                               running_version="1.0.0" if state == "installed" else "0.9.0")
+
+
+def test_a_wave_of_1000_with_a_cap_of_50_never_has_more_than_50_in_flight_and_completes(tmp_path):
+    engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
+    seed(sessions, N)
+    pub = RecordingPublisher()
+    eng = RolloutEngine(sessions, pub)
+    rid = eng.create("m", "1.0.0", Selector(profile="x86-cpu"),
+                     RolloutSpec(max_concurrent_downloads=CAP), "op")
+    seen: set[str] = set()  # devices that were sent their desired state
+    stage: dict[str, str] = {}  # each simulated box's last report
+    peak = 0
+    for rounds in range(1, 200):  # bounded: 1000 / 50 waves of releases, two reports each
+        peak = max(peak, _in_flight(sessions, rid))
+        sent_now = {t.split("/")[-2] for t in pub.sent if t.endswith("/desired")}
+        new = sorted(sent_now - seen)
+        seen |= sent_now
+        reports = []
+        for dev in sorted(seen):  # each box moves one step a round: downloading, installing, installed
+            nxt = {None: "downloading", "downloading": "installing", "installing": "installed"}.get(stage.get(dev))
+            if nxt is not None:
+                stage[dev] = nxt
+                reports.append(_report(rid, dev, nxt))
+        assert new or reports or rounds > 1
+        with sessions.begin() as s:
+            assert eng.on_reports(s, reports) == []
+        peak = max(peak, _in_flight(sessions, rid))
+        eng.advance(rid)
+        with sessions() as s:
+            if s.get(Rollout, rid).status == RolloutStatus.SUCCEEDED:
+                break
+    with sessions() as s:
+        states = dict(s.execute(select(RolloutTarget.state, func.count()).where(RolloutTarget.rollout_id == rid)
+                                .group_by(RolloutTarget.state)).all())
+    engine.dispose()
+    assert states == {TargetState.INSTALLED.value: N}
+    assert len(seen) == N
+    assert peak == CAP  # the cap was reached, never passed
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1_000_001])
+def test_the_cap_is_bounded(bad):
+    with pytest.raises(ValidationError, match="max_concurrent_downloads"):
+        RolloutSpec(max_concurrent_downloads=bad)
