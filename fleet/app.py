@@ -220,7 +220,9 @@ class FleetServer:
         return {"id": self.service.engine.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
                 "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested,
-                "presence_expired": self.presence.expired}
+                "presence_expired": self.presence.expired,
+                # desired states paho refused (its queue full) that wait to go out again / that went out again
+                "publishes_retrying": self.bridge.retrying(), "publishes_resent": self.bridge.republished}
 
     def _resign_loop(self) -> None:
         while not self._stop.wait(self.config.resign_interval_s):
