@@ -251,6 +251,66 @@ def _db_bytes(work: Path, db_url: str | None) -> int:
     return int(row[0]) if row else 0
 
 
+def _brokers_memory(pids: list[int]) -> dict:
+    """The broker processes' resident memory (bytes, summed) and open descriptors (summed; and the most one holds:
+    a process's descriptor limit bounds its devices)."""
+    import psutil
+
+    procs = [psutil.Process(p) for p in pids]
+    fds = [p.num_fds() for p in procs]
+    return {"rss_bytes": sum(p.memory_info().rss for p in procs), "fds": sum(fds), "max_fds_per_process": max(fds),
+            "processes": len(procs)}
+
+
+def _pg_tables(db_url: str | None) -> dict[str, list[int]]:
+    """The fleet's tables in its PostgreSQL database: name -> [rows, pg_total_relation_size bytes] (with indexes and
+    TOAST); {} on SQLite."""
+    if db_url is None:
+        return {}
+    import psycopg
+
+    name = db_url.rsplit("/", 1)[-1]
+    with psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={name}", connect_timeout=2) as conn:
+        tables = [r[0] for r in conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY tablename").fetchall()]
+        out = {}
+        for t in tables:  # names from the catalogue, quoted
+            rows = conn.execute(f'SELECT count(*) FROM "{t}"').fetchone()
+            size = conn.execute("SELECT pg_total_relation_size(%s)", (f'public."{t}"',)).fetchone()
+            out[t] = [int(rows[0]) if rows else 0, int(size[0]) if size else 0]
+    return out
+
+
+def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points (slope 0 through one point: y / x)."""
+    n = len(xs)
+    if n == 1:
+        return (ys[0] / xs[0] if xs[0] else 0.0), 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return b, my - b * mx
+
+
+def slopes(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per device, over the rollout runs' sizes: fleet CPU s, simulator CPU s, the brokers' RSS bytes and
+    descriptors, the database's rows and bytes (PostgreSQL runs); each a least-squares line y = slope * devices +
+    intercept."""
+    series = {"fleet_cpu_s": lambda r: r["fleet_cpu_s"], "reports_handled": lambda r: r["reports_handled"],
+              "sim_cpu_s": lambda r: r["sim_connect_cpu_s"] + r["sim_rollout_cpu_s"],
+              "broker_rss_bytes": lambda r: r["brokers"]["rss_bytes"], "broker_fds": lambda r: r["brokers"]["fds"],
+              "db_rows": lambda r: sum(v[0] for v in r["tables"].values()),
+              "db_bytes": lambda r: sum(v[1] for v in r["tables"].values())}
+    xs = [float(r["devices"]) for r in runs]
+    out = {}
+    for name, get in series.items():
+        if name.startswith("db_") and not all(r["tables"] for r in runs):
+            continue
+        b, a = least_squares(xs, [float(get(r)) for r in runs])
+        out[name] = {"per_device": b, "intercept": a}
+    return out
+
+
 def _cpu_s(pid: int) -> float:
     import psutil
 
@@ -347,6 +407,8 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             broker_cpu = sum(_cpu_s(p) for p in broker_pids) - broker_cpu0
             sim_rollout_cpu = sum(_cpu_s(p) for p in sim_pids) - sim_cpu0
             box_rollout_cores = (_box_busy_s() - box1) / max(took, 1e-9)
+            resent = sum(stats(c)["replica"].get("publishes_resent", 0) for c in clients)  # refused, sent again
+            brokers = _brokers_memory(broker_pids)  # every device connected, its status, report and desired retained
             handled = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients) - handled0
             rejected = stats(client)["rejected"]
             reread = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients) - reread0
@@ -356,7 +418,10 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
                   f"rollout; box busy {box_connect_cores:.2f} / {box_rollout_cores:.2f} cores",
                   file=sys.stderr, flush=True)  # at once: stopping the processes on a loaded box may fail after
         db_bytes = _db_bytes(work, db_url)
-    return {"devices": n, "broker": kind, "db": "postgresql" if db_url else "sqlite",
+        tables = _pg_tables(db_url)
+    return {"brokers": brokers, "tables": tables, "publishes_resent": resent,
+            "load_avg": [round(x, 1) for x in os.getloadavg()],
+            "devices": n, "broker": kind, "db": "postgresql" if db_url else "sqlite",
             "broker_cpu_s": round(broker_cpu, 1),
             "replicas": replicas, "register_s": round(register_s, 1), "connect_s": round(connect_s, 1),
             "online_s": round(online_s, 1),
@@ -480,12 +545,25 @@ def main() -> int:
                       f"{res['connect_s']} s, online in the fleet after "
                       f"{res['online_s']} s, POST took {res['create_s']} s; installed 50/90/99%: "
                       f"{'/'.join(str(v) for v in res['installed_at'].values())} s; reports read back from retained "
-                      f"copies: {res['reports_reread']}; brokers' CPU {res['broker_cpu_s']} s; simulator CPU "
+                      f"copies: {res['reports_reread']}; desired states refused by paho and sent again: "
+                      f"{res['publishes_resent']}; brokers' CPU {res['broker_cpu_s']} s; simulator CPU "
                       f"{res['sim_connect_cpu_s']} s connecting ({res['sim_connect_cpu_ms_per_device']} ms a device), "
                       f"{res['sim_rollout_cpu_s']} s in the rollout ({res['sim_rollout_cpu_ms_per_device']} ms a "
                       f"device); box busy {res['box_busy_cores']['connect']} cores connecting, "
                       f"{res['box_busy_cores']['rollout']} in the rollout, of {res['box_busy_cores']['of']}",
                       flush=True)
+    if results["rollout"]:
+        results["slopes"] = slopes(results["rollout"])
+        for r in results["rollout"]:
+            print(f"{r['devices']:>7} devices: brokers {r['brokers']['rss_bytes'] / 2**20:.1f} MiB RSS in "
+                  f"{r['brokers']['processes']} processes ({r['brokers']['rss_bytes'] / r['devices']:.0f} B a device), "
+                  f"{r['brokers']['fds']} descriptors (most in one process {r['brokers']['max_fds_per_process']}); "
+                  f"database {sum(v[0] for v in r['tables'].values())} rows, "
+                  f"{sum(v[1] for v in r['tables'].values()) / 2**20:.1f} MiB in its tables {r['tables']}; load "
+                  f"average at the end {r['load_avg']}", flush=True)
+        print("per device (least-squares slope over " + ", ".join(str(r["devices"]) for r in results["rollout"])
+              + " devices): " + "; ".join(f"{k} {v['per_device']:.6g} (+ {v['intercept']:.4g})"
+                                          for k, v in results["slopes"].items()), flush=True)
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:
