@@ -94,3 +94,33 @@ def test_eight_simulated_instances_are_all_kept_busy(tmp_path):
     # every instance ran a batch nearly all the time: 24 requests waited for one throughout
     assert share >= 0.8, (f"busy share {share:.3f}: {calls} calls, {answered_samples} samples in {wall:.2f}s "
                           f"({busy_s:.2f}s of runtime over {INSTANCES} instances)")
+
+
+def test_the_simulated_runtime_plays_the_curve_and_answers_as_its_bundle(tmp_path):
+    """The curve's arithmetic (a measured point, a batch size between two, a layout between two, the doubled box)
+    and one engine's answers: the first K input values, copied (a view of the caller's buffer changed under the
+    agent's reused batch buffers: 102 wrong answers of 2,400 before)."""
+    from edgefleet.engines import load_bundle_engine
+    from edgefleet.protocol.bundle import extract_bundle
+
+    doc = {"setups": {"box": {"m": {"1x4": {"1": 100.0, "4": 200.0}, "4x1": {"1": 400.0, "4": 400.0}}}}}
+    (tmp_path / "curves.json").write_text(json.dumps(doc))
+    curve = Curve.from_file(tmp_path / "curves.json", "box", "m")
+    assert curve.cores == 4 and curve.best() == (400.0, "4x1", 1)
+    assert curve.call_s(threads=1, batch=1) == 4 * 1 / 400.0  # 4x1: 4 instances x 1 / 400 img/s
+    assert curve.call_s(threads=4, batch=2) == 1 * 2 / (100.0 + (200.0 - 100.0) * 1 / 3)  # batch 2: between 1 and 4
+    assert curve.rate(2, 1) == (100.0 + 400.0) / 2  # 2x2: halfway between 1x4 and 4x1 in log2(instances)
+    big = curve.doubled()
+    assert big.cores == 8 and big.best() == (800.0, "8x1", 1) and big.call_s(1, 1) == curve.call_s(1, 1)
+    bundle = build_bundle(tmp_path / "b", SHAPE, classes=10)
+    manifest = extract_bundle(bundle, tmp_path / "x")
+    with registered(curve):
+        engine = load_bundle_engine(manifest, tmp_path / "x" / manifest.engine, 1)
+        x = np.random.default_rng(2).random((1, *SHAPE), dtype=np.float32)  # batch 1: a (1, K) slice of it is
+        # contiguous, so only an explicit copy is not a view of it
+        before = BUSY.snapshot()
+        (out,) = engine.infer({"input": x})
+        after = BUSY.snapshot()
+    assert engine.device.startswith("simulated") and np.array_equal(out, x.reshape(1, -1)[:, :10])
+    x[:] = 0  # the caller's buffer reused: the answer given stays
+    assert out.any() and (after[1] - before[1], after[2] - before[2]) == (1, 1)
