@@ -18,6 +18,11 @@ centerface     the same maps as CenterFace lays them out: log sizes (h, w), offs
                y + oy + 0.5) -/+ exp(w, h)/2, landmarks (y, x) per point as shares of the box from its top left
 =============  =================================================================================================
 
+A detector whose boxes and scores are separate outputs names them: ``boxes=`` ([A, 4] or [4, A] per sample, each box
+``box_format`` xyxy (default) or cxcywh, in pixels) and ``scores=`` (or the task's output: [A, C], [C, A] or [A];
+logits through a sigmoid), e.g. ``--task 'detection:boxes=bboxes,scores=scores'``; NMS and the score threshold as
+for the formats above.
+
 FP32's boxes are matched one to one by the candidate's of the same class at IoU >= ``iou``: recall (lost boxes),
 precision (added boxes), mean IoU of the matches; with landmarks, each matched face's points are judged as
 :mod:`judge.keypoints` does (PCK: within ``pck`` of the FP32 box's longer side). Pure functions of arrays.
@@ -34,10 +39,11 @@ from edgefleet.judge.criteria import crit, in_unit, mean_ci, wilson
 from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TaskCriterion
 
-__all__ = ["DETECTION_FORMATS", "MIN_REFERENCE_BOXES", "centernet_decode", "detection", "detection_layout",
-           "yolox_grid"]
+__all__ = ["BOX_FORMATS", "DETECTION_FORMATS", "MIN_REFERENCE_BOXES", "centernet_decode", "detection",
+           "detection_layout", "yolox_grid"]
 
 DETECTION_FORMATS = ("yolov8", "yolov5", "yolox", "centernet", "centerface")
+BOX_FORMATS = ("xyxy", "cxcywh")  # a separate boxes= output's layout of each box
 CENTER_FORMATS = ("centernet", "centerface")
 YOLOX_STRIDES = (8, 16, 32)
 MAX_ANCHORS = 1 << 20  # work bound on one sample's candidate boxes
@@ -185,6 +191,38 @@ def _centernet_maps(task: Any, others: dict[str, tuple[list[np.ndarray], list[np
     return sides[0], sides[1]
 
 
+def _separate(task: Any, ref: list[np.ndarray], cand: list[np.ndarray],
+              others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None) -> list[Any]:
+    """Per sample, fp32's and the candidate's decoded boxes of a detector whose boxes (``boxes=``: [A, 4] or [4, A],
+    ``box_format`` xyxy or cxcywh) and class scores (the task's output, or ``scores=``: [A, C], [C, A] or [A]) are
+    separate outputs."""
+    got = others or {}
+    names = [task.arg("boxes"), task.arg("scores") or task.output]
+    missing = [n for n in names if n not in got]
+    if missing:
+        raise InputError(f"detection: output {missing[0]!r} (boxes=/scores=) is not one of the model's outputs "
+                         f"{sorted(got)}")
+    (rb, cb), (rs, cs) = got[names[0]], got[names[1]]
+    out = []
+    for i in range(len(ref)):
+        pair = []
+        for boxes, scores in ((rb[i], rs[i]), (cb[i], cs[i])):
+            b = np.asarray(boxes, np.float64).reshape([d for d in np.shape(boxes) if d != 1] or [1])
+            b = b.T if b.ndim == 2 and b.shape[0] == 4 and b.shape[1] != 4 else b
+            sc = np.asarray(scores, np.float64)
+            sc = sc.reshape(-1, 1) if sc.size == len(b) else sc.reshape([d for d in sc.shape if d != 1])
+            sc = sc.T if sc.ndim == 2 and sc.shape[0] != len(b) and sc.shape[1] == len(b) else sc
+            if b.ndim != 2 or b.shape[1] != 4 or sc.ndim != 2 or len(sc) != len(b):
+                raise InputError(f"detection with boxes=: boxes [A, 4] and scores [A, C] per sample, with the same A; "
+                                 f"got {list(np.shape(boxes))} and {list(np.shape(scores))}")
+            if task.arg("box_format") == "xyxy":
+                b = np.concatenate([(b[:, :2] + b[:, 2:]) / 2, b[:, 2:] - b[:, :2]], axis=1)
+            pair.append((*_boxes(np.concatenate([b, _probabilities(sc)], axis=1).T, "yolov8", task.arg("score"),
+                                 task.arg("nms")), None))
+        out.append(tuple(pair))
+    return out
+
+
 def _pool3(p: np.ndarray) -> np.ndarray:
     """3x3 max pool (stride 1, same size) over the last two axes."""
     q = np.pad(p, [(0, 0)] * (p.ndim - 2) + [(1, 1), (1, 1)], constant_values=-np.inf)
@@ -245,6 +283,8 @@ def detection(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: fl
         found = [(centernet_decode(r[0], r[1], r[2], r[3], score, task.arg("top_k"), logits, fmt),
                   centernet_decode(c[0], c[1], c[2], c[3], score, task.arg("top_k"), logits, fmt))
                  for r, c in zip(ref_s, cand_s, strict=True)]
+    elif task.arg("boxes") is not None:
+        found = _separate(task, ref, cand, others)
     else:
         found = []
         for r, c in zip(ref, cand, strict=True):

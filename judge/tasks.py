@@ -9,8 +9,9 @@ task               criteria (each with a bound; the gate passes when all hold)
 =================  ==========================================================================
 classification     top-1 agreement with FP32 (per sample)
 detection          FP32's boxes (score >= ``score``, NMS) matched by IoU >= ``iou`` with the same
-                   class: recall and precision of FP32's boxes, mean IoU of the matches; YOLO heads or a
-                   CenterNet head's maps, with its landmarks judged as keypoints (:mod:`judge.detection`)
+                   class: recall and precision of FP32's boxes, mean IoU of the matches; YOLO heads, boxes and
+                   scores as separate outputs (``boxes=``, ``scores=``), or a CenterNet head's maps, with its
+                   landmarks judged as keypoints (:mod:`judge.detection`)
 keypoints          instances matched (box IoU, or the model's own order), then PCK: the share of FP32's points
                    the candidate keeps within ``pck`` of the instance's size (:mod:`judge.keypoints`)
 ctc                greedy CTC decoding (arg-max, collapse repeats, drop ``blank``): exact-string
@@ -46,6 +47,7 @@ import numpy as np
 from edgefleet.judge.criteria import Outputs, crit, in_unit, mean_ci, samples, wilson
 from edgefleet.judge.dense import embedding, regression, segmentation
 from edgefleet.judge.detection import (
+    BOX_FORMATS,
     DETECTION_FORMATS,
     _boxes,  # noqa: F401  (judge.pipeline decodes a detector's boxes with it)
     centernet_roles,
@@ -70,7 +72,8 @@ TASKS: dict[str, dict[str, Any]] = {
     "classification": {"min_top1": None},
     "detection": {"format": "yolov8", "score": 0.25, "iou": 0.5, "nms": 0.7, "min_recall": 0.98,
                   "min_precision": 0.98, "min_iou": 0.8, "input_h": None, "input_w": None,
-                  "wh": None, "offset": None, "landmarks": None, "top_k": 100, "pck": 0.05, "min_pck": 0.98},
+                  "wh": None, "offset": None, "landmarks": None, "top_k": 100, "pck": 0.05, "min_pck": 0.98,
+                  "boxes": None, "scores": None, "box_format": "xyxy"},
     "keypoints": {"boxes": None, "layout": "xy", "iou": 0.5, "pck": 0.05, "min_pck": 0.98, "min_instances": 0.98},
     "ctc": {"blank": 0, "min_exact": 0.98, "max_cer": 0.02},  # at most 2% of the strings change
     "segmentation": {"threshold": None, "min_iou": 0.9, "min_instances": 0.98, "min_area": 10},
@@ -78,7 +81,7 @@ TASKS: dict[str, dict[str, Any]] = {
     "embedding": {"min_cosine": None, "min_retrieval": 0.98},
 }
 # arguments that name another output the task reads (detection format centernet, keypoints' boxes)
-OUTPUT_ARGS = ("wh", "offset", "landmarks", "boxes")
+OUTPUT_ARGS = ("wh", "offset", "landmarks", "boxes", "scores")
 MAX_TASKS = 8  # tasks in one --task list
 # the bound --min-agreement sets, per task, when --task-args does not set it
 PRIMARY_BOUND = {"classification": "min_top1", "detection": "min_recall", "ctc": "min_exact",
@@ -146,6 +149,11 @@ def _coerce(task: str, key: str, value: Any, where: str) -> Any:
         if str(value) not in KEYPOINT_LAYOUTS:
             raise InputError(f"{where}: keypoints layout={value!r} is not one of {', '.join(KEYPOINT_LAYOUTS)} (a [2K] "
                              "vector of points: xy interleaved x0, y0, x1, y1, ... or xxyy: x0..xK-1, then y0..yK-1)")
+        return str(value)
+    if key == "box_format" and task == "detection":
+        if str(value) not in BOX_FORMATS:
+            raise InputError(f"{where}: detection box_format={value!r} is not one of {', '.join(BOX_FORMATS)} (how the "
+                             "boxes= output gives each box: corners x0, y0, x1, y1 or centre and size cx, cy, w, h)")
         return str(value)
     if key == "format":
         if str(value) not in DETECTION_FORMATS:
@@ -399,7 +407,7 @@ def resolve_task(declared: str | None, task_args: str | None, model: Path,
                              "(--task 'detection:format=centernet,output=HEAT,wh=SIZES,offset=OFFSETS,landmarks=...')")
         args = {**{k: v for k, v in roles[0].items() if k not in ("heat", "format")}, "output": roles[0]["heat"],
                 **args}
-    output = str(args.pop("output", names[0]))
+    output = str(args.pop("output", args.get("scores", names[0])))
     if output not in names:
         raise InputError(f"task {task}: output {output!r} is not one of the model's outputs {names}")
     spec = next(o for o in outputs if o.name == output)

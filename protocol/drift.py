@@ -10,7 +10,8 @@ classification    ``class`` (arg-max; categorical: the reference's 63 most commo
                   ``score`` (top-1 probability; softmax first when the row is not one)
 detection         ``boxes`` (anchors whose best class score >= ``score_threshold``, before NMS: moves with the
                   number of objects in view), ``score`` (the best box score of the image); a CenterNet or
-                  CenterFace head's: its heat map's peaks (3x3 local maxima >= ``score_threshold``) and the best peak
+                  CenterFace head's: its heat map's peaks (3x3 local maxima >= ``score_threshold``) and the best peak;
+                  a detector whose boxes are another output (format ``scores``): read from its class scores
 keypoints         ``instances`` (instances of points in the answer), ``spread`` (per instance: the longer side of the
                   box around its points, ``layout`` xy interleaved or xxyy: all x then all y)
 ctc               ``length`` (greedy-decoded string length), ``score`` (mean top probability per step)
@@ -175,7 +176,8 @@ class DriftReference(StrictModel):
     # how answers are read (each only where its task uses it)
     blank: int | None = Field(default=None, ge=0, lt=2**31)  # ctc
     score_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # detection
-    detection_format: Literal["yolov8", "yolov5", "yolox", "centernet", "centerface"] | None = None
+    # scores: a detector whose boxes are another output (its class scores [A, C], [C, A] or [A] read)
+    detection_format: Literal["yolov8", "yolov5", "yolox", "centernet", "centerface", "scores"] | None = None
     layout: Literal["xy", "xxyy"] | None = None  # keypoints: how a [2K] vector lays out its points
     threshold: float | None = Field(default=None, ge=-1e30, le=1e30)  # regression, segmentation
     read: Literal["ctc", "topk"] | None = None  # pipeline: how its reader's answers were decoded (spec.read.op)
@@ -356,6 +358,11 @@ def feature_values(task: str, batch: Batch, *, blank: int | None = None, score_t
                 s = _heat_peaks(a)
                 out["boxes"].append(np.array([float(np.sum(s >= (score_threshold or 0.0)))]))
                 out["score"].append(np.array([float(s.max()) if s.size else 0.0]))
+            elif task == "detection" and detection_format == "scores":
+                p = _sigmoid_if_logits(a)  # [A, C], [C, A] (the fewer are the classes) or [A]
+                s = p.reshape(-1) if p.ndim < 2 else p.max(axis=0 if p.shape[0] < p.shape[1] else 1)
+                out["boxes"].append(np.array([float(np.sum(s >= (score_threshold or 0.0)))]))
+                out["score"].append(np.array([float(s.max()) if s.size else 0.0]))
             elif task == "keypoints":
                 p = _points(a, layout)
                 out["instances"].append(np.array([float(len(p))]))
@@ -450,7 +457,9 @@ def reference_args(task: str, arg: Callable[[str], Any]) -> dict[str, Any]:
     if task == "ctc":
         return {"blank": int(arg("blank"))}
     if task == "detection":
-        return {"score_threshold": float(arg("score")), "detection_format": str(arg("format"))}
+        separate = arg("format") not in ("centernet", "centerface") and arg("boxes") is not None
+        fmt = "scores" if separate else str(arg("format"))
+        return {"score_threshold": float(arg("score")), "detection_format": fmt}
     if task in ("regression", "segmentation"):
         thr = arg("threshold")
         return {"threshold": None if thr is None else float(thr)}

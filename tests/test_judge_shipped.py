@@ -207,3 +207,52 @@ def test_verify_prints_the_outputs_not_judged(tmp_path):
     assert json.loads(doc.stdout)["not_judged"] == ["lms", "box"]
     text = run_cli("verify", bundle)
     assert "not judged lms, box" in text.stdout, text.stdout
+
+
+# -- 5: a detector whose boxes and scores are separate outputs ----------------------------------------------------
+def split_detector(path, shift: float = 0.0):
+    """x [N, 200, 6] (per anchor: x0, y0, x1, y1 and 2 class logits) -> bboxes [N, 200, 4] xyxy (shifted right by
+    ``shift`` pixels) and scores [N, 200, 2] (sigmoid)."""
+    shift_w = numpy_helper.from_array(np.array([shift, 0, shift, 0], np.float32), "shift")
+    nodes = [helper.make_node("Slice", ["x", "s0", "s4", "ax"], ["b0"]), helper.make_node("Add", ["b0", "shift"],
+                                                                                          ["bboxes"]),
+             helper.make_node("Slice", ["x", "s4", "s6", "ax"], ["logits"]),
+             helper.make_node("Sigmoid", ["logits"], ["scores"])]
+    inits = [shift_w] + [numpy_helper.from_array(np.array([v], np.int64), n)
+                         for n, v in (("s0", 0), ("s4", 4), ("s6", 6), ("ax", 2))]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 200, c]) for n, c in (("bboxes", 4),
+                                                                                           ("scores", 2))]
+    return _save(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 200, 6])], outs, path)
+
+
+def _anchors(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = np.zeros((n, 200, 6), np.float32)
+    xy = rng.uniform(0, 600, size=(n, 200, 2))
+    x[..., :2], x[..., 2:4] = xy, xy + rng.uniform(20, 60, size=(n, 200, 2))
+    x[..., 4:] = -6.0
+    x[:, :4, 4] = 6.0  # four objects of class 0 per image
+    return x
+
+
+def test_a_detector_with_separate_boxes_and_scores_outputs_is_judged_on_both(tmp_path):
+    """Before: detection read one output ([N, 4+C, A] or [N, A, 5+C]); boxes= was no detection argument."""
+    model, moved = split_detector(tmp_path / "d.onnx"), split_detector(tmp_path / "m.onnx", shift=30.0)
+    info = check_model(model)
+    x = {"x": _anchors(8, 4)}
+    ref, bad = _run(model, x), _run(moved, x)
+    names = [o.name for o in info.outputs]
+    task = resolve_task("detection", "boxes=bboxes,scores=scores", model, info.outputs)
+    assert task.output == "scores" and task.reads() == ("scores", "bboxes")
+    same = evaluate_gate(names, ref, _run(model, x), None, "int8", GateSettings(), task)
+    assert same.passed and same.task is not None and same.task.details["fp32_boxes"] == 32 and same.not_judged == ()
+    r = evaluate_gate(names, ref, bad, None, "int8", GateSettings(), task)
+    crit = {c.name: c for c in r.task.criteria} if r.task else {}
+    assert not r.passed and crit["box_recall"].value < 0.5, r.task  # 30 px right on 20..60 px boxes
+    cx = resolve_task("detection", "boxes=bboxes,scores=scores,box_format=cxcywh", model, info.outputs)
+    assert cx.arg("box_format") == "cxcywh"
+    m, manifest = _compile_fp32(tmp_path, model, {"x": x["x"]}, "--task", "detection", "--task-args",
+                                "boxes=bboxes,scores=scores")
+    assert (m["drift"]["detection_format"], m["drift"]["output"]) == ("scores", "scores"), m.get("build_notes")
+    counts, n = _agent_counts(manifest, [[o[i:i + 1] for o in ref] for i in range(4)])
+    assert n == 4 and sum(counts["boxes"]) == 4
