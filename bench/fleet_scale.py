@@ -311,6 +311,24 @@ def slopes(runs: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def print_run(r: dict) -> None:
+    """One rollout run's brokers and database, and the run as one JSON line (``--fit`` reads these back)."""
+    print(f"{r['devices']:>7} devices: brokers {r['brokers']['rss_bytes'] / 2**20:.1f} MiB RSS in "
+          f"{r['brokers']['processes']} processes ({r['brokers']['rss_bytes'] / r['devices']:.0f} B a device), "
+          f"{r['brokers']['fds']} descriptors (most in one process {r['brokers']['max_fds_per_process']}); "
+          f"database {sum(v[0] for v in r['tables'].values())} rows, "
+          f"{sum(v[1] for v in r['tables'].values()) / 2**20:.1f} MiB in its tables {r['tables']}; load "
+          f"average at the end {r['load_avg']}", flush=True)
+    print("RUN " + json.dumps(r), flush=True)
+
+
+def print_slopes(results: dict) -> None:
+    results["slopes"] = slopes(results["rollout"])
+    print("per device (least-squares slope over " + ", ".join(str(r["devices"]) for r in results["rollout"])
+          + " devices): " + "; ".join(f"{k} {v['per_device']:.6g} (+ {v['intercept']:.4g})"
+                                      for k, v in results["slopes"].items()), flush=True)
+
+
 def _cpu_s(pid: int) -> float:
     import psutil
 
@@ -521,7 +539,16 @@ def main() -> int:
     ap.add_argument("--skip-halt", action="store_true")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="no telemetry runs on PostgreSQL (one replica, then two on a shared subscription)")
+    ap.add_argument("--fit", nargs="+", type=Path, metavar="LOG",
+                    help="run nothing: read the 'RUN {...}' lines of earlier runs' output and print the slopes")
     a = ap.parse_args()
+    if a.fit:
+        fitted = {"rollout": sorted((json.loads(ln[4:]) for f in a.fit for ln in f.read_text().splitlines()
+                                     if ln.startswith("RUN {")), key=lambda r: r["devices"])}
+        if not fitted["rollout"]:
+            raise SystemExit("error: no 'RUN {...}' lines in " + ", ".join(map(str, a.fit)))
+        print_slopes(fitted)
+        return 0
     base = Path(tempfile.mkdtemp(prefix="fleet-scale-"))
     bundle = build_bundle(base)
     results: dict = {"rollout": []}
@@ -537,6 +564,7 @@ def main() -> int:
                 res = bench_rollout(base, bundle, n, broker == "tuned", db_url, a.replicas if db_url else 1,
                                     -(-n // a.devices_per_sim), cluster=broker == "cluster")
                 results["rollout"].append(res)
+                print_run(res)
                 print(f"rollout to {n:>6} devices, {broker} broker, {res['db']} x{res['replicas']}: "
                       f"every desired state received after {res['desired_s']} s, all installed after "
                       f"{res['rollout_s']:>6.1f} s ({res['status']}, {res['counts']}); fleet CPU "
@@ -553,17 +581,7 @@ def main() -> int:
                       f"{res['box_busy_cores']['rollout']} in the rollout, of {res['box_busy_cores']['of']}",
                       flush=True)
     if results["rollout"]:
-        results["slopes"] = slopes(results["rollout"])
-        for r in results["rollout"]:
-            print(f"{r['devices']:>7} devices: brokers {r['brokers']['rss_bytes'] / 2**20:.1f} MiB RSS in "
-                  f"{r['brokers']['processes']} processes ({r['brokers']['rss_bytes'] / r['devices']:.0f} B a device), "
-                  f"{r['brokers']['fds']} descriptors (most in one process {r['brokers']['max_fds_per_process']}); "
-                  f"database {sum(v[0] for v in r['tables'].values())} rows, "
-                  f"{sum(v[1] for v in r['tables'].values()) / 2**20:.1f} MiB in its tables {r['tables']}; load "
-                  f"average at the end {r['load_avg']}", flush=True)
-        print("per device (least-squares slope over " + ", ".join(str(r["devices"]) for r in results["rollout"])
-              + " devices): " + "; ".join(f"{k} {v['per_device']:.6g} (+ {v['intercept']:.4g})"
-                                          for k, v in results["slopes"].items()), flush=True)
+        print_slopes(results)
     if not a.skip_telemetry:
         runs: list[tuple[str | None, int]] = [(None, 1)]
         if not a.skip_replicas:
