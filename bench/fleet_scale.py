@@ -543,8 +543,13 @@ def main() -> int:
                     help="run nothing: read the 'RUN {...}' lines of earlier runs' output and print the slopes")
     a = ap.parse_args()
     if a.fit:
-        fitted = {"rollout": sorted((json.loads(ln[4:]) for f in a.fit for ln in f.read_text().splitlines()
-                                     if ln.startswith("RUN {")), key=lambda r: r["devices"])}
+        runs_read: dict[int, dict] = {}  # devices -> the run (the last one read of each size)
+        for ln in (ln for f in a.fit for ln in f.read_text().splitlines()):
+            if ln.startswith("RUN {"):
+                runs_read[json.loads(ln[4:])["devices"]] = json.loads(ln[4:])
+            elif ln.startswith('{"rollout": '):  # the whole output's last line
+                runs_read.update({r["devices"]: r for r in json.loads(ln)["rollout"]})
+        fitted = {"rollout": [runs_read[n] for n in sorted(runs_read)]}
         if not fitted["rollout"]:
             raise SystemExit("error: no 'RUN {...}' lines in " + ", ".join(map(str, a.fit)))
         print_slopes(fitted)
