@@ -17,7 +17,7 @@ from edgefleet.fleet import schemas as out
 from edgefleet.fleet.auth import ROLES, TokenStore
 from edgefleet.fleet.enroll import Enrollment
 from edgefleet.fleet.errors import FleetError, Unauthorized
-from edgefleet.fleet.routes import console, devices, models, rollouts
+from edgefleet.fleet.routes import console, devices, models, rollouts, windows
 from edgefleet.fleet.routes import health as health_routes
 from edgefleet.fleet.routes import tokens as tokens_routes
 from edgefleet.fleet.routes.console import COOKIE
@@ -168,7 +168,7 @@ def create_app(service: FleetService, repo: Repository, bootstrap: dict[str, Any
     store = tokens or TokenStore(service.sessions)
     fleet = Fleet(service, repo, store, roles(store), bootstrap, health, max_upload_bytes, enrollment, replica_stats)
     _error_handlers(app, service)
-    for area in (health_routes, devices, models, rollouts, tokens_routes, console):
+    for area in (health_routes, devices, models, rollouts, windows, tokens_routes, console):
         app.include_router(area.router(fleet))
     app.add_middleware(BodyLimit, on_reject=lambda who, what: service.rejections.add("api_body_too_large", who,
                                                                                        what))

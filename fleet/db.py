@@ -272,9 +272,20 @@ class WaveDriftBinRow(Base):
     count: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
-SCHEMA_VERSION = 8  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+class WindowRow(Base):
+    """A maintenance window (protocol.window.MaintenanceWindow as JSON) of a device group or of one device (schema
+    9); a device's own wins over its group's."""
+
+    __tablename__ = "maintenance_windows"
+    scope: Mapped[str] = mapped_column(String(8), primary_key=True)  # "group" or "device"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)  # the group's name or the device's id
+    window: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+SCHEMA_VERSION = 9  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007", 8: "0008"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007", 8: "0008", 9: "0009"}
 
 
 class Meta(Base):

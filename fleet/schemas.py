@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from edgefleet.protocol import manifest as pm
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.window import MaintenanceWindow
 
 __all__ = [
     "MAX_OFFSET",
@@ -180,6 +181,14 @@ class Group(ApiModel):
     group: str
     devices: int
     online: int
+
+
+class Window(ApiModel):
+    """A group's or a device's maintenance window (fleet.windows)."""
+
+    scope: Literal["group", "device"]
+    name: str
+    window: MaintenanceWindow
 
 
 class ModelBuild(ApiModel):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 from edgefleet.protocol._strict import StrictModel
 from edgefleet.protocol.drift import DriftCounts
 from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
+from edgefleet.protocol.window import MaintenanceWindow
 
 __all__ = [
     "MAX_COUNT",
@@ -148,6 +149,9 @@ class DesiredState(_Message):
     mode: Literal["shadow"] | None = None
     # the rollout's cap on the bundle download's rate (None: none); the box takes the lower of it and its own
     download_max_bytes_per_s: int | None = Field(default=None, ge=4096, le=10_000_000_000)
+    # the device's maintenance window (protocol.window): download at once, install only inside it, judged on the
+    # time the box trusts; None: install at once (no window, or the rollout is urgent)
+    install_window: MaintenanceWindow | None = None
 
 
 class SelfTestResult(StrictModel):

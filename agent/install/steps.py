@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from edgefleet.agent.core.batching.settings import BatchSettings
 from edgefleet.agent.core.batching.tuning import BatchTuning
 from edgefleet.agent.core.shadow import PipelineShadow, ShadowMirror
-from edgefleet.agent.errors import BackendError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
 from edgefleet.agent.install.job import Installer
 from edgefleet.agent.install.selftest import self_test, warm_up
 from edgefleet.agent.install.states import (
@@ -31,10 +31,12 @@ from edgefleet.agent.install.states import (
 )
 from edgefleet.agent.install.store import StagedModel
 from edgefleet.agent.install.trusted import Decision, decide
+from edgefleet.agent.install.window import wait_for_window
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import Manifest
+from edgefleet.protocol.window import MaintenanceWindow
 
 if TYPE_CHECKING:
     from edgefleet.agent.core.pipeline import PipelineStages
@@ -162,12 +164,23 @@ class InstallRun:
                 if (signed.name, signed.version, signed.profile) != said:
                     raise TrustError(f"signed target says {signed.name} {signed.version} {signed.profile}, "
                                      f"desired state says {' '.join(said)}")
+            if self.fetched is not None and d.install_window is not None and not self.shadow \
+                    and not self.in_window(d.install_window):
+                self.fetched = None  # downloaded, and superseded (or stopping) before its window opened
             # None: superseded by a newer desired state, or stopping
             event = Event(InstallEvent.FETCHED if self.fetched is not None else InstallEvent.SUPERSEDED)
         except (UpdateError, ContractError, OSError) as exc:
             self.forget(exc)
             event = Event(InstallEvent.BROKE, error=str(exc))
         return event
+
+    def in_window(self, window: MaintenanceWindow) -> bool:
+        """Wait, downloaded, until the time this box trusts is inside its maintenance window (agent.install.window);
+        False when stopping or superseded meanwhile."""
+        fetcher = self.job.fetcher()
+        if fetcher is None:
+            raise FetchError("not connected to the fleet: no trusted time to judge the maintenance window on")
+        return wait_for_window(window, lambda: fetcher.clock.reading().trusted, self.job.stop, self.job.desired_pending)
 
     def load_and_swap(self) -> Event:
         """``installing``: the bundle staged, loaded, self-tested and warmed up beside the version serving, then

@@ -66,7 +66,7 @@ def cmd_create(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
                          **({"download_max_bytes_per_s": a.download_max_bytes_per_s}
                             if a.download_max_bytes_per_s else {}),
                          **({"max_concurrent_downloads": a.max_concurrent_downloads}
-                            if a.max_concurrent_downloads else {}))
+                            if a.max_concurrent_downloads else {}), **({"urgent": True} if a.urgent else {}))
     if not a.wait:
         return r, _human(r), ExitCode.OK
     r = c.wait_rollout(r.id, a.wait_s, targets=False, progress=None if a.json else _progress)
@@ -175,6 +175,7 @@ def add_create_parser(sub: Any, name: str, help_: str = "roll a model version ou
                    help="hold each device's bundle download to this rate (>= 4096; 0: no cap)")
     c.add_argument("--max-concurrent-downloads", type=int, default=0,
                    help="send a wave's update to at most this many devices at a time, more as they finish (0: all)")
+    c.add_argument("--urgent", action="store_true", help="install at once, not waiting for maintenance windows")
     c.add_argument("--on-failure", choices=("pause", "abort"), default="pause", help="what a failed gate does")
     c.add_argument("--rollback-on-failure", action="store_true", help="send a failed wave back to its previous model")
     c.add_argument("--offline-grace-s", type=float, default=300.0, help="then a wave stops waiting for offline devices")

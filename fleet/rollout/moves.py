@@ -48,7 +48,9 @@ from edgefleet.fleet.states import (
     TargetState,
     WaveState,
 )
+from edgefleet.fleet.windows import effective as effective_windows
 from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.window import MaintenanceWindow
 
 __all__ = ["AUDIT_DEVICES_PER_ROW", "AUDIT_ERROR_CHARS", "ROLLBACK_FROM", "WAVE_ACTIONS", "Messages", "TargetMove",
            "apply", "desired_message", "lock_rows", "lock_wave_rows", "move_rollout", "move_targets", "move_wave",
@@ -151,10 +153,12 @@ def move_targets(s: Session, moves: Sequence[TargetMove], actor: str, cause: str
 
 
 def desired_message(device_id: str, m: ModelInfo, rollout_id: int | None, now: float,
-                    mode: str | None = None, download_max_bytes_per_s: int | None = None) -> tuple[str, bytes]:
+                    mode: str | None = None, download_max_bytes_per_s: int | None = None,
+                    window: MaintenanceWindow | None = None) -> tuple[str, bytes]:
     msg = proto.DesiredState(device_id=device_id, ts=now, rollout_id=rollout_id, model=m.name, version=m.version,
                              target=m.target_path, sha256=m.sha256, size_bytes=m.size_bytes,
-                             mode=mode, download_max_bytes_per_s=download_max_bytes_per_s)  # type: ignore[arg-type]
+                             mode=mode, download_max_bytes_per_s=download_max_bytes_per_s,  # type: ignore[arg-type]
+                             install_window=window)
     return proto.topic(device_id, "desired"), proto.encode(msg)
 
 
@@ -247,6 +251,8 @@ def _send_installs(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, m
                                .order_by(Device.online.desc(), Device.id)))
         pairs = [(t, d) for t, d in pairs if d.desired_rollout_id != r.id]
     pace = (r.spec or {}).get("download_max_bytes_per_s")  # the rollout's download rate cap (RolloutSpec), if any
+    # each device's maintenance window goes with its desired state, unless the rollout is urgent
+    windows = {} if (r.spec or {}).get("urgent") else effective_windows(s, (d for _, d in pairs))
     running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
         select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
     now = time.time()
@@ -271,7 +277,7 @@ def _send_installs(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, m
             t.p99_before = (tel.get("latency") or {}).get("p99_ms")
         d.desired_model_id = m.id
         d.desired_rollout_id = r.id
-        msgs.append(desired_message(d.id, m, r.id, now, download_max_bytes_per_s=pace))
+        msgs.append(desired_message(d.id, m, r.id, now, download_max_bytes_per_s=pace, window=windows.get(d.id)))
         sent += 1
     return sent
 

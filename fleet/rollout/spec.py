@@ -59,6 +59,8 @@ class RolloutSpec(BaseModel):
     # at most this many devices of a wave are sent their desired state and not finished at once (downloading,
     # installing, or sent and not answered); more are sent as those finish. None: the whole wave at once
     max_concurrent_downloads: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_DOWNLOADS)
+    # True: devices install at once; False: each installs only inside its maintenance window (fleet.windows)
+    urgent: bool = False
 
     @field_validator("waves")
     @classmethod

@@ -42,6 +42,7 @@ class RolloutIn(Body):
                                                  description="each device's bundle download rate cap, bytes/s")
     max_concurrent_downloads: int | None = Field(default=None, ge=1, le=MAX_CONCURRENT_DOWNLOADS,
                                                  description="devices of a wave sent their update at once")
+    urgent: bool = Field(default=False, description="install at once, not waiting for devices' maintenance windows")
 
 
 def router(fleet: Fleet) -> APIRouter:
@@ -63,7 +64,7 @@ def router(fleet: Fleet) -> APIRouter:
                                on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
                                offline_grace_s=body.offline_grace_s, require_telemetry=body.require_telemetry,
                                download_max_bytes_per_s=body.download_max_bytes_per_s,
-                               max_concurrent_downloads=body.max_concurrent_downloads)
+                               max_concurrent_downloads=body.max_concurrent_downloads, urgent=body.urgent)
         except ValueError as exc:
             raise BadRequest(f"bad rollout spec: {exc}", 422) from exc
         return rollouts.create_rollout(body.model, body.version, body.devices, body.profile, body.group, body.tags,

@@ -1,0 +1,70 @@
+"""Maintenance windows of device groups and devices (issue 43.4): stored as protocol.window.MaintenanceWindow JSON
+(fleet.db.WindowRow), a device's own winning over its group's. A rollout's desired state carries the device's window
+unless the rollout is urgent (fleet.rollout.moves); the agent downloads at once and installs inside it. ``waiting``
+says, on the fleet's clock, which devices are outside their window now and when it next opens (the console)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session
+
+from edgefleet.fleet.audit import audit
+from edgefleet.fleet.db import Device, WindowRow, utcnow
+from edgefleet.fleet.errors import BadRequest
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.window import MaintenanceWindow, next_window
+
+__all__ = ["Scope", "effective", "list_windows", "next_opening", "set_window"]
+
+Scope = Literal["group", "device"]
+
+
+def set_window(s: Session, scope: Scope, name: str, window: MaintenanceWindow | None, actor: str) -> None:
+    """Give a group or a device its window (None: remove it), audited."""
+    if scope == "device" and proto.device_id_problem(name) is not None:
+        raise BadRequest(proto.device_id_problem(name) or "", 422)
+    if not 1 <= len(name) <= 64:
+        raise BadRequest(f"a {scope} name is 1-64 characters", 422)
+    row = s.get(WindowRow, (scope, name))
+    if window is None:
+        if row is not None:
+            s.delete(row)
+    elif row is None:
+        s.add(WindowRow(scope=scope, name=name, window=window.model_dump(mode="json"), updated_at=utcnow()))
+    else:
+        row.window, row.updated_at = window.model_dump(mode="json"), utcnow()
+    audit(s, actor, "window_set" if window is not None else "window_removed", device_id=name if scope == "device"
+          else None, scope=scope, name=name, window=window.model_dump(mode="json") if window else None)
+
+
+def list_windows(s: Session) -> list[dict[str, Any]]:
+    return [{"scope": r.scope, "name": r.name, "window": r.window}
+            for r in s.scalars(select(WindowRow).order_by(WindowRow.scope, WindowRow.name))]
+
+
+def effective(s: Session, devices: Iterable[Device]) -> dict[str, MaintenanceWindow]:
+    """The window of each device that has one (its own, else its group's), in one query."""
+    devs = list(devices)
+    keys = {("device", d.id) for d in devs} | {("group", d.group_name) for d in devs if d.group_name}
+    if not keys:
+        return {}
+    rows = {(r.scope, r.name): MaintenanceWindow.model_validate(r.window)
+            for r in s.scalars(select(WindowRow).where(tuple_(WindowRow.scope, WindowRow.name).in_(sorted(keys))))}
+    found: dict[str, MaintenanceWindow] = {}
+    for d in devs:
+        w = rows.get(("device", d.id)) or (rows.get(("group", d.group_name)) if d.group_name else None)
+        if w is not None:
+            found[d.id] = w
+    return found
+
+
+def next_opening(w: MaintenanceWindow | None, now: dt.datetime) -> tuple[bool, dt.datetime | None]:
+    """(inside a window now, when the next one opens: None when inside or with no window), on the fleet's clock."""
+    if w is None:
+        return True, None
+    opens, _ = next_window(w, now)
+    return (True, None) if opens <= now else (False, opens)
