@@ -8,6 +8,7 @@ plain values (numbers formatted, links built); the templates hold all the markup
 
 from __future__ import annotations
 
+import datetime as dt
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from edgefleet.fleet.charts import device_time_charts, wave_time_charts
 from edgefleet.fleet.states import TargetState
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.signed_time import describe_skew
+from edgefleet.protocol.window import MaintenanceWindow, next_window
 
 __all__ = ["PAGE_SIZE", "STATE_STYLES", "render"]
 
@@ -274,7 +276,7 @@ def login_page(error: str | None = None) -> str:
 
 def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_operate: bool,
                  message: str | None = None, state: str = "", offset: int = 0,
-                 series: dict[str, Any] | None = None) -> str:
+                 series: dict[str, Any] | None = None, waits: dict[int, str | None] | None = None) -> str:
     """One rollout: progress, each wave with its gates against their thresholds, the buttons, each started wave's
     latency, throughput, errors and drift over time (``series``: fleet.series.rollout_series), and one page of
     its targets (``r["targets"]``, ``offset`` into ``r["targets_total"]`` matching ``state``; ``devices``
@@ -288,7 +290,7 @@ def rollout_page(r: dict[str, Any], devices: dict[str, dict[str, Any]], can_oper
         waves.append(SimpleNamespace(index=w["index"], size=w["size"], state=w["state"], installed=w["installed"],
                                      failed=w["failed"], bar=_bar(w["installed"], w["failed"], w["size"]),
                                      gates=_gates(gates, live), live=live, soak=f'{w["soak_s"]:.0f} s soak',
-                                     soak_until=w["soak_until"]))
+                                     soak_until=w["soak_until"], waits=(waits or {}).get(w["index"])))
     targets = []
     for t in r.get("targets", []):
         d = devices.get(t["device_id"], {})
@@ -355,7 +357,8 @@ def _chart(title: str, series: dict[str, list[float | None]], unit: str) -> Simp
     return SimpleNamespace(title=title, lines=lines, legend=legend, top=f"{top:.3g}", unit=unit, w=w, h=h)
 
 
-def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[dict[str, Any]] | None = None) -> str:
+def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[dict[str, Any]] | None = None,
+                window: MaintenanceWindow | None = None) -> str:
     """One device: what it runs, its self-test, and charts of its telemetry by model version; latency, throughput,
     errors and drift over time with time axes (fleet.charts)."""
     rows = list(reversed(telemetry))  # oldest first
@@ -385,7 +388,20 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[
                  serves=_serving(_serving_source(d)), records=len(rows), time_charts=time_charts, charts=charts,
                  stages=_stages(newest), stages_of=(newest.get("model"), newest.get("version"),
                                                     newest.get("interval_s")),
-                 clock=_clock(newest.get("clock_skew_s")), download=_download(newest.get("download")))
+                 clock=_clock(newest.get("clock_skew_s")), download=_download(newest.get("download")),
+                 window=_window(window))
+
+
+def _window(w: MaintenanceWindow | None) -> dict[str, str] | None:
+    """A device's maintenance window as its page shows it: the schedule, and open now or when it next opens (on the
+    fleet's clock)."""
+    if w is None:
+        return None
+    now = dt.datetime.now(dt.UTC)
+    opens, closes = next_window(w, now)
+    when = (f"open now, until {closes.isoformat(timespec='minutes')}" if opens <= now
+            else f"next opens {opens.isoformat(timespec='minutes')}")
+    return {"what": f"{','.join(w.days)} {w.start} {w.tz}, {w.duration_min} min", "when": when}
 
 
 def _download(d: Any) -> dict[str, Any] | None:

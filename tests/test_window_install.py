@@ -56,6 +56,12 @@ def test_a_device_downloads_outside_its_window_and_installs_once_time_enters_it(
             assert served_version(agent_url) == "1.0.0"
             target = api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0]
             assert target["state"] == "downloading", target
+            # the console: the device's window and its next opening; where the wave waits
+            first = opens.isoformat(timespec="minutes")
+            page = api.get(f"{url}/devices/{DEVICE}").text
+            assert 'id="window"' in page and f"next opens {first}" in page and "60 min" in page, page[:2000]
+            page = api.get(f"{url}/rollouts/{rid}").text
+            assert f"waits: 1 device outside their maintenance window (the first opens {first})" in page
             # the box's own clock set into the window: not trusted (beyond the tolerance from the signed time)
             shift["wall"] = AHEAD_S + 60.0
             time.sleep(3 * 1.0)  # three of the agent's reads of the trusted time (agent.install.window.POLL_S)
@@ -66,3 +72,38 @@ def test_a_device_downloads_outside_its_window_and_installs_once_time_enters_it(
             wait_for(lambda: served_version(agent_url) == "1.1.0", 120, "1.1.0 installed inside the window")
             wait_for(lambda: api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0]["state"] == "installed",
                      30, "the fleet told")
+
+
+def test_the_desired_state_carries_the_devices_window_unless_the_rollout_is_urgent(tmp_path):
+    from edgefleet.fleet import windows
+    from edgefleet.fleet.db import Device, make_engine
+    from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector
+    from edgefleet.protocol import mqtt as proto
+    from edgefleet.protocol.window import MaintenanceWindow
+    from tests.test_rollout_states import seed
+
+    class Keeping:
+        def __init__(self) -> None:
+            self.sent: list[proto.DesiredState] = []
+
+        def publish(self, topic: str, payload: bytes, retain: bool) -> None:
+            self.sent.append(proto.decode(proto.DesiredState, payload, source=topic))
+
+    engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
+    seed(sessions, 3)  # d00000..d00002
+    group = MaintenanceWindow(days=("sat",), start="22:00", duration_min=240, tz="Europe/Berlin")
+    own = MaintenanceWindow(days=("sun",), start="03:00", duration_min=60, tz="UTC")
+    with sessions.begin() as s:
+        for d in s.query(Device):
+            d.group_name = "stores"
+        windows.set_window(s, "group", "stores", group, "op")
+        windows.set_window(s, "device", "d00001", own, "op")  # a device's own window wins over its group's
+    pub = Keeping()
+    eng = RolloutEngine(sessions, pub)
+    eng.create("m", "1.0.0", Selector(group="stores"), RolloutSpec(), "op")
+    assert {m.device_id: m.install_window for m in pub.sent} == {"d00000": group, "d00001": own, "d00002": group}
+    pub.sent.clear()
+    eng.create("m", "1.0.0", Selector(group="stores"), RolloutSpec(urgent=True), "op")
+    desired = [m for m in pub.sent if m.model == "m" and m.rollout_id == 2]
+    assert len(desired) == 3 and all(m.install_window is None for m in desired)
+    engine.dispose()

@@ -16,9 +16,11 @@ from edgefleet.fleet import schemas as out
 from edgefleet.fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave
 from edgefleet.fleet.errors import NotFound
 from edgefleet.fleet.rollout.gates import GateResult, WaveFigures, evaluate_gates, evaluate_shadow
-from edgefleet.fleet.rollout.queries import ModelInfo, shadow_figures
+from edgefleet.fleet.rollout.queries import ModelInfo, downloads, shadow_figures
 from edgefleet.fleet.rollout.spec import RolloutSpec
 from edgefleet.fleet.states import RolloutStatus, WaveState
+from edgefleet.fleet.windows import effective as effective_windows
+from edgefleet.fleet.windows import next_opening
 from edgefleet.protocol import mqtt as proto
 
 log = logging.getLogger("edgefleet.fleet.rollout")
@@ -119,3 +121,28 @@ def _live_gates(s: Session, r: Rollout, waves: list[RolloutWave],
         elif w.state in (WaveState.INSTALLING, WaveState.SOAKING) and not any(
                 g["name"] != "shadow_agreement" for g in (w.gates or [])):
             live[w.idx] = evaluate_gates(wave_figures(s, w), spec.gates)
+
+
+def wave_waits(s: Session, rollout_id: int, wave: int, now: dt.datetime) -> str | None:
+    """Where an installing wave waits, in words (the console): its devices outside their maintenance window now
+    (fleet.windows, on the fleet's clock) and when the first of those opens, and its devices not sent their update
+    yet because of the rollout's download cap. None when it waits on neither."""
+    r = s.get(Rollout, rollout_id)
+    if r is None:
+        return None
+    spec = RolloutSpec.model_validate(r.spec or {})
+    said = []
+    if not spec.urgent:
+        devs = list(s.scalars(select(Device).join(RolloutTarget, RolloutTarget.device_id == Device.id).where(
+            RolloutTarget.rollout_id == rollout_id, RolloutTarget.wave == wave,
+            RolloutTarget.state.in_(("pending", "downloading", "installing")))))
+        now = now.replace(tzinfo=dt.UTC) if now.tzinfo is None else now
+        opens = [o for w in effective_windows(s, devs).values() if (o := next_opening(w, now)[1]) is not None]
+        if opens:
+            said.append(f"{len(opens)} device{'s' if len(opens) != 1 else ''} outside their maintenance window "
+                        f"(the first opens {min(opens).isoformat(timespec='minutes')})")
+    if spec.max_concurrent_downloads is not None:
+        in_flight, unsent = downloads(s, rollout_id, wave)
+        if unsent:
+            said.append(f"{unsent} not sent yet: {in_flight} of at most {spec.max_concurrent_downloads} downloading")
+    return "; ".join(said) or None

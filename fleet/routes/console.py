@@ -9,10 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from edgefleet.fleet import console, drift, series
+from edgefleet.fleet import console, drift, series, windows
 from edgefleet.fleet.auth import ROLES, Caller, TokenStore
+from edgefleet.fleet.db import Device, utcnow
 from edgefleet.fleet.errors import BadRequest, FleetError, Forbidden, Unauthorized
 from edgefleet.fleet.rollout import Gates, RolloutSpec, ShadowGate
+from edgefleet.fleet.rollout.status import wave_waits
 from edgefleet.fleet.routes.context import Fleet, RolloutId
 from edgefleet.fleet.service import FleetService
 
@@ -67,7 +69,11 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
     devices = service.devices.devices_by_id([t["device_id"] for t in r["targets"]])
     # each wave over time: grouped in SQL from the rows the ingest summed per wave and time step (fleet.series)
     waves = series.rollout_series(service.sessions, service.engine.drift, rollout_id)
-    return console.rollout_page(r, devices, operate, message, state=state, offset=offset, series=waves)
+    with service.sessions() as s:  # where each installing wave waits: maintenance windows, the download cap
+        now = utcnow()
+        waits = {w["index"]: wave_waits(s, rollout_id, w["index"], now) for w in r["waves"]
+                 if w["state"] == "installing"}
+    return console.rollout_page(r, devices, operate, message, state=state, offset=offset, series=waves, waits=waits)
 
 
 def _same_origin(service: FleetService, request: Request) -> None:
@@ -147,8 +153,13 @@ def router(fleet: Fleet) -> APIRouter:
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
         devices = service.devices
-        return console.device_page(devices.get_device(device_id), devices.device_telemetry(device_id, 200),
-                                   drift.device_drift(service.sessions, service.engine.drift, device_id, 200))
+        d = devices.get_device(device_id)
+        with service.sessions() as s:  # its maintenance window (its own or its group's) and when it next opens
+            dev = s.get(Device, device_id)
+            window = windows.effective(s, [dev]).get(device_id) if dev is not None else None
+        return console.device_page(d, devices.device_telemetry(device_id, 200),
+                                   drift.device_drift(service.sessions, service.engine.drift, device_id, 200),
+                                   window=window)
 
     @web.post("/console/rollouts", include_in_schema=False)
     async def console_create_rollout(request: Request) -> Any:
