@@ -77,3 +77,28 @@ def test_a_wave_of_1000_with_a_cap_of_50_never_has_more_than_50_in_flight_and_co
 def test_the_cap_is_bounded(bad):
     with pytest.raises(ValidationError, match="max_concurrent_downloads"):
         RolloutSpec(max_concurrent_downloads=bad)
+
+
+def test_a_device_that_downloaded_and_waits_for_its_window_frees_its_place_under_the_cap(tmp_path):
+    """A capped wave outside its devices' maintenance windows goes on downloading: a device whose newest telemetry
+    says its download is whole (the agent waits for the window) no longer counts as downloading."""
+    engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
+    seed(sessions, 5)
+    pub = RecordingPublisher()
+    eng = RolloutEngine(sessions, pub)
+    rid = eng.create("m", "1.0.0", Selector(profile="x86-cpu"), RolloutSpec(max_concurrent_downloads=2), "op")
+    first = sorted({t.split("/")[-2] for t in pub.sent if t.endswith("/desired")})
+    assert len(first) == 2
+    with sessions.begin() as s:
+        assert eng.on_reports(s, [_report(rid, d, "downloading") for d in first]) == []
+    eng.advance(rid)
+    assert _in_flight(sessions, rid) == 2 and len(pub.sent) == 2  # still downloading: nothing more released
+    with sessions.begin() as s:
+        s.get(Device, first[0]).last_telemetry = {"download": {"target": "m/1.0.0/x86-cpu.tar", "bytes_done": 1,
+                                                               "bytes_total": 1, "bytes_per_s": 0.0, "eta_s": 0.0}}
+        s.get(Device, first[1]).last_telemetry = {"download": {"target": "m/1.0.0/x86-cpu.tar", "bytes_done": 0,
+                                                               "bytes_total": 1, "bytes_per_s": 0.0, "eta_s": None}}
+    eng.advance(rid)
+    sent = [t.split("/")[-2] for t in pub.sent if t.endswith("/desired")]
+    assert len(sent) == 3 and sent[2] not in first  # the whole one's place went to the next device
+    engine.dispose()

@@ -56,6 +56,12 @@ def test_a_device_downloads_outside_its_window_and_installs_once_time_enters_it(
             assert served_version(agent_url) == "1.0.0"
             target = api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0]
             assert target["state"] == "downloading", target
+
+            def whole() -> bool:  # its telemetry: the download at its end while it waits (the cap counts it out)
+                d = api.get(f"{url}/api/v1/rollouts/{rid}").json()["targets"][0].get("download")
+                return bool(d) and d["bytes_done"] == d["bytes_total"] == new.stat().st_size
+
+            wait_for(whole, 30, "telemetry saying the download is whole")
             # the console: the device's window and its next opening; where the wave waits
             first = opens.isoformat(timespec="minutes")
             page = api.get(f"{url}/devices/{DEVICE}").text

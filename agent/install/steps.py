@@ -32,6 +32,7 @@ from edgefleet.agent.install.states import (
 from edgefleet.agent.install.store import StagedModel
 from edgefleet.agent.install.trusted import Decision, decide
 from edgefleet.agent.install.window import wait_for_window
+from edgefleet.agent.link.resume import DownloadProgress
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.errors import ContractError
@@ -180,7 +181,13 @@ class InstallRun:
         fetcher = self.job.fetcher()
         if fetcher is None:
             raise FetchError("not connected to the fleet: no trusted time to judge the maintenance window on")
-        return wait_for_window(window, lambda: fetcher.clock.reading().trusted, self.job.stop, self.job.desired_pending)
+        n = self.fetched.length
+        fetcher.progress = DownloadProgress(self.desired.target, n, n, 0.0, 0.0, 0)  # telemetry: whole, waiting
+        try:
+            return wait_for_window(window, lambda: fetcher.clock.reading().trusted, self.job.stop,
+                                   self.job.desired_pending)
+        finally:
+            fetcher.progress = None
 
     def load_and_swap(self) -> Event:
         """``installing``: the bundle staged, loaded, self-tested and warmed up beside the version serving, then

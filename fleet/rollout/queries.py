@@ -255,7 +255,8 @@ def outstanding_online(s: Session, rollout_id: int, wave: int) -> int:
 def downloads(s: Session, rollout_id: int, wave: int) -> tuple[int, int]:
     """The wave's targets sent their desired state and not finished (pending, downloading or installing: a
     pending one's device holds this rollout's desired state), and those not sent it yet (pending or shadowing, the
-    device's desired state from elsewhere): what a download cap counts."""
+    device's desired state from elsewhere): what a download cap counts. A device whose telemetry says its download
+    is whole (it waits for its maintenance window) is not counted."""
     t = RolloutTarget
     sent = Device.desired_rollout_id == rollout_id
     row = s.execute(select(
@@ -264,7 +265,14 @@ def downloads(s: Session, rollout_id: int, wave: int) -> tuple[int, int]:
         func.sum(case((and_(t.state.in_([TargetState.PENDING.value, TargetState.SHADOWING.value]),
                             or_(Device.desired_rollout_id.is_(None), ~sent)), 1), else_=0)))
         .join(Device, Device.id == t.device_id).where(t.rollout_id == rollout_id, t.wave == wave)).one()
-    return int(row[0] or 0), int(row[1] or 0)
+    # a device that downloaded the whole bundle and waits for its maintenance window (its telemetry's download at its
+    # end: agent/install/steps.py) downloads no more: it leaves the count
+    fetched = select(Device.last_telemetry["download"]).join(t, t.device_id == Device.id).where(
+        t.rollout_id == rollout_id, t.wave == wave, t.state == TargetState.DOWNLOADING.value)
+    waiting = sum(1 for d in s.scalars(fetched)
+                  if isinstance(d, dict) and isinstance(d.get("bytes_total"), int) and d["bytes_total"] > 0
+                  and d.get("bytes_done") == d["bytes_total"])
+    return max(0, int(row[0] or 0) - waiting), int(row[1] or 0)
 
 
 def shadow_figures(s: Session, rollout_id: int, wave: int) -> ShadowWaveFigures:
