@@ -46,14 +46,23 @@ def list_windows(s: Session) -> list[dict[str, Any]]:
             for r in s.scalars(select(WindowRow).order_by(WindowRow.scope, WindowRow.name))]
 
 
+# (scope, name) pairs in one IN list: PostgreSQL parses one such list recursively, and 20,000 pairs overflowed its stack
+# ('stack depth limit exceeded', max_stack_depth 2 MB), so a wave of that many devices was never started
+KEYS_PER_QUERY = 1000
+
+
 def effective(s: Session, devices: Iterable[Device]) -> dict[str, MaintenanceWindow]:
-    """The window of each device that has one (its own, else its group's), in one query."""
+    """The window of each device that has one (its own, else its group's), in a query per KEYS_PER_QUERY devices
+    and groups."""
     devs = list(devices)
     keys = {("device", d.id) for d in devs} | {("group", d.group_name) for d in devs if d.group_name}
     if not keys:
         return {}
+    ordered = sorted(keys)
     rows = {(r.scope, r.name): MaintenanceWindow.model_validate(r.window)
-            for r in s.scalars(select(WindowRow).where(tuple_(WindowRow.scope, WindowRow.name).in_(sorted(keys))))}
+            for i in range(0, len(ordered), KEYS_PER_QUERY)
+            for r in s.scalars(select(WindowRow).where(
+                tuple_(WindowRow.scope, WindowRow.name).in_(ordered[i:i + KEYS_PER_QUERY])))}
     found: dict[str, MaintenanceWindow] = {}
     for d in devs:
         w = rows.get(("device", d.id)) or (rows.get(("group", d.group_name)) if d.group_name else None)
