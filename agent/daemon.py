@@ -21,33 +21,34 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from edgefleet.agent._compat import run_with_loop
-from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.core.batching.dispatch import pin_thread
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.host import ModelHost
-from edgefleet.agent.core.metrics import Metrics
-from edgefleet.agent.core.versions import VersionNumbers
-from edgefleet.agent.errors import FetchError, TrustError
-from edgefleet.agent.install.job import Installer
-from edgefleet.agent.install.steps import InstallRun
-from edgefleet.agent.install.store import ModelStore
-from edgefleet.agent.link.by_content import installed_files
-from edgefleet.agent.link.enroll import mqtt_security
-from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
-from edgefleet.agent.link.mqtt import MqttLink
-from edgefleet.agent.link.spool import Spool
-from edgefleet.agent.link.telemetry import DeviceSampler, DeviceStats
-from edgefleet.agent.link.updater import BundleFetcher
-from edgefleet.agent.systemd import sd_notify
-from edgefleet.agent.transports.http import create_app, peer_tagging
-from edgefleet.agent.transports.image import ImageLimits
-from edgefleet.agent.transports.shm import SharedMemory
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.httpguard import HttpLimits, guarded
 from edgefleet.protocol.manifest import Manifest
+
+from ._compat import run_with_loop
+from .config import AgentConfig
+from .core.batching.dispatch import pin_thread
+from .core.batching.settings import BatchSettings
+from .core.host import ModelHost
+from .core.metrics import Metrics
+from .core.versions import VersionNumbers
+from .errors import FetchError, TrustError
+from .install.job import Installer
+from .install.steps import InstallRun
+from .install.store import ModelStore
+from .link.by_content import installed_files
+from .link.enroll import mqtt_security
+from .link.fetch import FetchLimits, FleetHttp
+from .link.mqtt import MqttLink
+from .link.spool import Spool
+from .link.telemetry import DeviceSampler, DeviceStats
+from .link.updater import BundleFetcher
+from .systemd import sd_notify
+from .transports.http import create_app, peer_tagging
+from .transports.image import ImageLimits
+from .transports.shm import SharedMemory
 
 __all__ = ["Agent", "event_loop_factory", "require_trust_anchor", "run_agent", "run_until_stopped"]
 
@@ -159,7 +160,7 @@ class Agent:
         self._server = server
         grpc_server = None
         if self.config.grpc_port is not None:
-            from edgefleet.agent.transports.grpc import GrpcServer, grpc_concurrency, grpc_limits
+            from .transports.grpc import GrpcServer, grpc_concurrency, grpc_limits
 
             grpc_server = GrpcServer(self.host, self.shm if self.shm.enabled else None, self.config.device_id,
                                      self.config.max_body_bytes,
@@ -168,7 +169,7 @@ class Agent:
             self.grpc_port = await grpc_server.start(self.config.http_host, self.config.grpc_port)
         local_server = None
         if self.config.local_socket is not None:  # the on-box socket (agent/transports/local.py)
-            from edgefleet.agent.transports.local import LocalServer
+            from .transports.local import LocalServer
 
             local_server = LocalServer(self.host, self.shm if self.shm.enabled else None, self.config.max_body_bytes,
                                        self.config.local_max_connections, self.config.local_max_inflight,

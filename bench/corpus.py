@@ -795,8 +795,8 @@ def faces(wheels: Path, w: Files) -> list[Entry]:
 
 
 def _compile(e: Entry, work: Path, declared: bool) -> dict[str, Any]:
-    from edgefleet.compiler.errors import CompilerError
     from edgefleet.compiler.compile import CompileOptions, compile_model
+    from edgefleet.compiler.errors import CompilerError
     from edgefleet.protocol.errors import EdgefleetError
 
     keep = work / ("declared" if declared else "inferred")

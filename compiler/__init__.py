@@ -3,6 +3,6 @@
 Importing this package imports no heavy toolchain; each build target loads its own lazily.
 """
 
-from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
+from .errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
 
 __all__ = ["AccuracyGateFailed", "CompilerError", "InputError", "ToolchainError"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgefleet.compiler.errors import InputError
+from .errors import InputError
 
 __all__ = ["MAX_EMBEDDED_BYTES", "data_files", "embedded"]
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.compiler.errors import InputError
 from edgefleet.judge.data import Dataset, sample_axes
 from edgefleet.protocol.manifest import TensorSpec
+
+from .errors import InputError
 
 __all__ = ["QUANTIZED_OPS", "GraphInfo", "all_nodes", "check_model", "ensure_opset", "is_quantized_op", "name_nodes",
            "probe_batching", "quantized_ops", "quantized_phrase"]

@@ -55,16 +55,6 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError
-from edgefleet.compiler.graph import GraphInfo, check_model
-from edgefleet.compiler.compile import (
-    REFERENCE_RUNTIME,
-    CompileOptions,
-    Progress,
-    compile_model,
-    compiler_errors,
-    with_drift,
-)
 from edgefleet.engines import Engine, EngineSpec, load, load_bundle_engine
 from edgefleet.engines.onnxruntime import CPU
 from edgefleet.judge.data import load_dataset
@@ -86,6 +76,17 @@ from edgefleet.protocol.manifest import (
 from edgefleet.protocol.pipeline import PipelineFile, PipelineSpec, StageSource, load_pipeline_file
 from edgefleet.protocol.preprocess import Preprocessing, load_preprocessing
 from edgefleet.protocol.profile import load_profile
+
+from .compile import (
+    REFERENCE_RUNTIME,
+    CompileOptions,
+    Progress,
+    compile_model,
+    compiler_errors,
+    with_drift,
+)
+from .errors import AccuracyGateFailed, CompilerError, InputError
+from .graph import GraphInfo, check_model
 
 __all__ = ["PipelineOptions", "PipelineResult", "compile_pipeline", "resolve_charset"]
 
@@ -434,7 +435,7 @@ def _kept(report: TaskReport) -> str:
 
 
 def _task_line(report: TaskReport) -> str:
-    from edgefleet.compiler.compile import task_figures
+    from .compile import task_figures
 
     d = report.details
     return (f"{task_figures(report)} ({int(d.get('same_answers', 0))} of {int(d.get('fp32_boxes', 0))} fp32 answers "
@@ -576,7 +577,7 @@ def _one_precision(m: Manifest) -> Manifest:
 def _stage_speedup(stages: dict[str, StageBuild], quantized: list[str], back: str) -> float:
     """How much faster than fp32 the stages kept quantized are when ``back`` falls back (their benchmarks'
     geometric mean; 1.0 when not benchmarked)."""
-    from edgefleet.compiler.compile.choose import geomean
+    from .compile.choose import geomean
 
     gain = 1.0
     for n in quantized:

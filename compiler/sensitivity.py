@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.compiler.graph import name_nodes  # also the onnxruntime target's: in graph, below both
+from .graph import name_nodes  # also the onnxruntime target's: in graph, below both
 
 __all__ = ["COMPUTE_OPS", "head_nodes", "input_layers", "name_nodes", "quantize_keeping_head",
            "rank_sensitive_nodes"]
@@ -178,7 +178,7 @@ def quantize_keeping_head(source: Path, profile: Any, calibration: Any, out_path
     (:func:`input_layers`). The result's ``float_nodes`` name them, so the fallbacks keep them float too."""
     import tempfile
 
-    from edgefleet.compiler.targets.onnxruntime import check_quantized, prepare_or_raw, quantize
+    from .targets.onnxruntime import check_quantized, prepare_or_raw, quantize
 
     with tempfile.TemporaryDirectory(prefix="edgefleet-quant-") as tmp:
         prepared, how = prepare_or_raw(source, Path(tmp) / "prepared.onnx")

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from edgefleet.compiler.batch import dynamic_batch
-from edgefleet.compiler.buildnotes import note
-from edgefleet.compiler.external import embedded
+from .batch import dynamic_batch
+from .buildnotes import note
+from .external import embedded
 
 __all__ = ["source_model"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgefleet.compiler.errors import InputError, ToolchainError
+from .errors import InputError, ToolchainError
 
 __all__ = ["TOOLCHAINS", "ToolchainSpec", "ToolchainStatus", "ensure", "install", "last_meaningful_line",
            "python", "run_tool", "spec", "status", "toolchain_root"]

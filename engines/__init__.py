@@ -23,9 +23,10 @@ import importlib.util
 import pkgutil
 from pathlib import Path
 
-from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec, Runtime
-from edgefleet.engines.errors import EngineClosed, EngineError, EngineInputError, EngineLoadError, EngineRunError
 from edgefleet.protocol.manifest import Manifest
+
+from .base import NP_DTYPES, Engine, EngineSpec, Runtime
+from .errors import EngineClosed, EngineError, EngineInputError, EngineLoadError, EngineRunError
 
 __all__ = ["EXTRAS", "KINDS", "NP_DTYPES", "RUNTIMES", "Engine", "EngineClosed", "EngineError", "EngineInputError",
            "EngineLoadError", "EngineRunError", "EngineSpec", "Runtime", "load", "load_bundle_engine", "record",

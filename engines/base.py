@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.engines.errors import EngineClosed, EngineInputError, EngineRunError
 from edgefleet.protocol.manifest import Manifest, TensorSpec
+
+from .errors import EngineClosed, EngineInputError, EngineRunError
 
 __all__ = ["NP_DTYPES", "Engine", "EngineSpec", "Runtime"]
 

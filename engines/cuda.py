@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edgefleet.engines.errors import EngineLoadError, EngineRunError
+from .errors import EngineLoadError, EngineRunError
 
 __all__ = ["CudaRuntime", "Device", "DeviceBuffers", "PyCuda", "one_line", "open_device"]
 

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import Engine, EngineSpec, Runtime
-from edgefleet.engines.errors import EngineLoadError, EngineRunError
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol.errors import ContractError
+
+from .base import Engine, EngineSpec, Runtime
+from .errors import EngineLoadError, EngineRunError
 
 __all__ = [
     "IO_FORMAT",

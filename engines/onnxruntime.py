@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import Engine, EngineSpec, Runtime
-from edgefleet.engines.errors import EngineLoadError, EngineRunError
+from .base import Engine, EngineSpec, Runtime
+from .errors import EngineLoadError, EngineRunError
 
 __all__ = ["CPU", "CUDA", "RUNTIME", "TENSORRT", "OnnxRuntimeEngine", "providers_for", "session_options"]
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import NP_DTYPES, Engine, EngineSpec, Runtime
-from edgefleet.engines.errors import EngineLoadError, EngineRunError
+from .base import NP_DTYPES, Engine, EngineSpec, Runtime
+from .errors import EngineLoadError, EngineRunError
 
 __all__ = ["EXTRA", "HINTS", "RUNTIME", "OpenVINOEngine", "bf16_capable", "compile_config", "core", "installed",
            "precision_hint"]

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.base import Engine, EngineSpec, Runtime
-from edgefleet.engines.cuda import Device, DeviceBuffers, one_line, open_device
-from edgefleet.engines.errors import EngineLoadError, EngineRunError
+from .base import Engine, EngineSpec, Runtime
+from .cuda import Device, DeviceBuffers, one_line, open_device
+from .errors import EngineLoadError, EngineRunError
 
 __all__ = ["RUNTIME", "BindingIO", "TensorIO", "TensorRTEngine", "import_tensorrt", "logged_errors", "make_logger"]
 

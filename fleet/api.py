@@ -13,19 +13,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.auth import ROLES, TokenStore
-from edgefleet.fleet.enroll import Enrollment
-from edgefleet.fleet.errors import FleetError, Unauthorized
-from edgefleet.fleet.routes import console, devices, models, rollouts, windows
-from edgefleet.fleet.routes import health as health_routes
-from edgefleet.fleet.routes import tokens as tokens_routes
-from edgefleet.fleet.routes.console import COOKIE
-from edgefleet.fleet.routes.context import Fleet, roles
-from edgefleet.fleet.service import FleetService
-from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol.errors import ContractError
+
+from . import schemas as out
+from .auth import ROLES, TokenStore
+from .enroll import Enrollment
+from .errors import FleetError, Unauthorized
+from .routes import console, devices, models, rollouts, windows
+from .routes import health as health_routes
+from .routes import tokens as tokens_routes
+from .routes.console import COOKIE
+from .routes.context import Fleet, roles
+from .service import FleetService
+from .tuf_repo import Repository
 
 __all__ = ["COOKIE", "CSP", "MAX_BODY_BYTES", "BodyLimit", "SecurityHeaders", "create_app"]
 

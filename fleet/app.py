@@ -11,24 +11,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.fleet.acl import FLEET_USER, Account, ActiveAccounts, reload_mosquitto, write_mosquitto_files
-from edgefleet.fleet.auth import TokenStore
-from edgefleet.fleet.bridge import RETAINED_STATUS, MqttBridge
-from edgefleet.fleet.broker_limits import BrokerLimits
-from edgefleet.fleet.db import make_engine
-from edgefleet.fleet.enroll import Enrollment
-from edgefleet.fleet.ingest import IngestWorker
-from edgefleet.fleet.keys import KeyStore
-from edgefleet.fleet.presence import PresenceSweeper
-from edgefleet.fleet.reconcile import Reconciler
-from edgefleet.fleet.service import FleetService
-from edgefleet.fleet.tuf_repo import Repository
-from edgefleet.fleet.tuf_store import DirStore, SqlStore
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.httpguard import HttpLimits, guarded
 
+from .acl import FLEET_USER, Account, ActiveAccounts, reload_mosquitto, write_mosquitto_files
+from .auth import TokenStore
+from .bridge import RETAINED_STATUS, MqttBridge
+from .broker_limits import BrokerLimits
+from .db import make_engine
+from .enroll import Enrollment
+from .ingest import IngestWorker
+from .keys import KeyStore
+from .presence import PresenceSweeper
+from .reconcile import Reconciler
+from .service import FleetService
+from .tuf_repo import Repository
+from .tuf_store import DirStore, SqlStore
+
 if TYPE_CHECKING:
-    from edgefleet.fleet.broker import EmbeddedBroker
+    from .broker import EmbeddedBroker
 
 __all__ = ["FleetConfig", "FleetServer"]
 
@@ -107,7 +108,7 @@ class FleetServer:
             "EDGEFLEET_MQTT_PASSWORD")
         if config.mqtt_url is None:
             try:  # amqtt is edgefleet[broker]: a fleet on Mosquitto never imports it
-                from edgefleet.fleet.broker import EmbeddedBroker
+                from .broker import EmbeddedBroker
             except ImportError as exc:
                 raise ConfigError(f"the embedded MQTT broker needs edgefleet[broker] ({exc.name} is not installed): "
                                   "pip install 'edgefleet[broker]', or set mqtt_url to an external broker") from exc
@@ -173,7 +174,7 @@ class FleetServer:
                           "the old accounts until it is reloaded", n, cfg.mosquitto_pid_file, exc)
 
     def app(self):
-        from edgefleet.fleet.api import create_app
+        from .api import create_app
 
         return create_app(self.service, self.repo, self.bootstrap, self.health,
                           self.config.max_upload_bytes, self.tokens, self.enrollment, self._replica_stats)

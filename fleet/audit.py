@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet.db import AuditRow
+from .db import AuditRow
 
 __all__ = ["ENGINE_ACTOR", "Rejections", "audit"]
 

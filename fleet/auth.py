@@ -23,9 +23,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from edgefleet.fleet.audit import audit
-from edgefleet.fleet.db import ApiToken, utcnow
-from edgefleet.fleet.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
+from .audit import audit
+from .db import ApiToken, utcnow
+from .errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 
 __all__ = ["ROLES", "Caller", "TokenStore"]
 

@@ -23,11 +23,12 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from edgefleet.fleet.audit import Rejections
-from edgefleet.fleet.ingest import IngestWorker
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff, full_jitter, paho_next_delay
 from edgefleet.protocol.errors import ContractError
+
+from .audit import Rejections
+from .ingest import IngestWorker
 
 __all__ = ["RETAINED_STATUS", "MqttBridge"]
 

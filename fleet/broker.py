@@ -63,9 +63,10 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import OutgoingApplicationMessage
 from amqtt.utils import gen_client_id
 
-from edgefleet.fleet.acl import MAX_PACKET_BYTES, allowed, client_id_allowed
-from edgefleet.fleet.broker_limits import BrokerLimits, ConnectionGate
 from edgefleet.protocol.errors import ConfigError
+
+from .acl import MAX_PACKET_BYTES, allowed, client_id_allowed
+from .broker_limits import BrokerLimits, ConnectionGate
 
 __all__ = ["Authorizer", "EmbeddedBroker", "FleetBroker"]
 

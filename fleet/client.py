@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from edgefleet.fleet import schemas as s
 from edgefleet.protocol import jsonlimits
 from edgefleet.protocol.errors import ContractError, EdgefleetError
 from edgefleet.protocol.exits import ExitCode
+
+from . import schemas as s
 
 __all__ = ["FleetBadAnswer", "FleetClient", "FleetClientError", "FleetHTTPError", "FleetUnreachable"]
 
@@ -112,8 +113,9 @@ class FleetClient:
         """Upload a bundle. With ``sign_key`` (the compiler CI's ``bundles`` key, for a fleet that does not
         sign): first sign it into the fleet's current bundles metadata, here, and publish that."""
         if sign_key is not None:
-            from edgefleet.fleet.keys import bundle_target, sign_bundle
             from edgefleet.protocol.bundle import read_manifest
+
+            from .keys import bundle_target, sign_bundle
 
             target, custom = bundle_target(read_manifest(bundle))
             current = self._raw("GET", "/api/v1/bundles/signed-metadata")

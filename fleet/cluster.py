@@ -39,7 +39,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.fleet.acl import (
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.fsutil import atomic_write
+from edgefleet.protocol.processes import stop_processes
+
+from .acl import (
     FLEET_USER,
     MAX_PACKET_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -48,9 +52,6 @@ from edgefleet.fleet.acl import (
     flow_limits_conf,
     hash_password,
 )
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.fsutil import atomic_write
-from edgefleet.protocol.processes import stop_processes
 
 __all__ = ["BRIDGE_USER", "QUEUE_BYTES", "QUEUE_MESSAGES", "ClusterPlan", "core_conf", "edge_conf", "run_cluster",
            "write_cluster"]

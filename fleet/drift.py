@@ -31,9 +31,10 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet.db import DriftScoreRow, Model, RolloutTarget, utcnow
 from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto
+
+from .db import DriftScoreRow, Model, RolloutTarget, utcnow
 
 __all__ = ["BEFORE_S", "MAX_ROWS", "WINDOW_RECORDS", "WINDOW_S", "DriftBook", "DriftRecord", "RolloutDrift",
            "WaveDrift", "add_counts", "device_drift", "rollout_drift"]
@@ -277,8 +278,8 @@ def row_json(x: DriftScoreRow) -> dict[str, Any]:
 
 def device_drift(sessions: Any, book: DriftBook, device_id: str, limit: int = 200) -> list[dict[str, Any]]:
     """A device's drift rows, newest first (NotFound for an unknown device)."""
-    from edgefleet.fleet.db import Device
-    from edgefleet.fleet.errors import NotFound
+    from .db import Device
+    from .errors import NotFound
 
     with sessions() as s:
         if s.get(Device, device_id) is None:
@@ -288,8 +289,8 @@ def device_drift(sessions: Any, book: DriftBook, device_id: str, limit: int = 20
 
 def rollout_drift(sessions: Any, book: DriftBook, rollout_id: int) -> dict[str, Any]:
     """Each wave of a rollout: its new version against the reference and against the previous version."""
-    from edgefleet.fleet.db import Rollout, RolloutWave
-    from edgefleet.fleet.errors import NotFound
+    from .db import Rollout, RolloutWave
+    from .errors import NotFound
 
     with sessions() as s:
         r = s.get(Rollout, rollout_id)

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from edgefleet.fleet.acl import FLEET_USER, Account, hash_password
-from edgefleet.fleet.errors import BadRequest, NotFound
 from edgefleet.protocol import mqtt as proto
+
+from .acl import FLEET_USER, Account, hash_password
+from .errors import BadRequest, NotFound
 
 __all__ = ["DeviceCredentials", "Enrollment"]
 

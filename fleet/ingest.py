@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from edgefleet.fleet.audit import Rejections
+from .audit import Rejections
 
 __all__ = ["IngestWorker", "NotStored"]
 

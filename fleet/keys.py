@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgefleet.fleet.errors import KeyStoreError
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.tuf_target import TargetCustom
 from edgefleet.protocol.tuf_target import target_path as _target_path
+
+from .errors import KeyStoreError
 
 __all__ = [
     "BUNDLES_ROLE",

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from sqlalchemy import Table, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.fleet.db import Device
+from .db import Device
 
 __all__ = ["PresenceSweeper", "bound_s"]
 

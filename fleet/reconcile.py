@@ -28,7 +28,7 @@ from collections.abc import Callable
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.fleet.db import Device, Rollout, RolloutTarget, RolloutWave
+from .db import Device, Rollout, RolloutTarget, RolloutWave
 
 __all__ = ["Reconciler"]
 

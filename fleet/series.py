@@ -35,11 +35,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet.db import Rollout, RolloutWave, WaveDriftBinRow, WaveSeriesRow
-from edgefleet.fleet.drift import DriftBook
-from edgefleet.fleet.errors import NotFound
 from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto
+
+from .db import Rollout, RolloutWave, WaveDriftBinRow, WaveSeriesRow
+from .drift import DriftBook
+from .errors import NotFound
 
 __all__ = ["AFTER_S", "MAX_BUCKETS", "MAX_GROUPS", "MAX_SPAN_S", "STEPS", "RolloutSeries", "on_telemetry",
            "rollout_series", "window"]

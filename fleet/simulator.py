@@ -482,7 +482,7 @@ def enroll_all(fleet_url: str, device_ids: list[str], token: str | None, concurr
     """Enroll simulated devices through the fleet's API: device id -> MQTT password."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from edgefleet.fleet.client import FleetClient
+    from .client import FleetClient
 
     client = FleetClient(fleet_url, token=token)
 

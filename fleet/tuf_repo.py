@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from edgefleet.fleet.errors import RepositoryError
-from edgefleet.fleet.keys import BUNDLES_ROLE, KeyStore
-from edgefleet.fleet.tuf_store import DirStore, SqlStore
+from .errors import RepositoryError
+from .keys import BUNDLES_ROLE, KeyStore
+from .tuf_store import DirStore, SqlStore
 
 __all__ = ["EXPIRY", "Repository"]
 

@@ -12,11 +12,12 @@ from typing import Any, Literal
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet.audit import audit
-from edgefleet.fleet.db import Device, WindowRow, utcnow
-from edgefleet.fleet.errors import BadRequest
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.window import MaintenanceWindow, next_window
+
+from .audit import audit
+from .db import Device, WindowRow, utcnow
+from .errors import BadRequest
 
 __all__ = ["Scope", "effective", "list_windows", "next_opening", "set_window"]
 

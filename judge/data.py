@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TensorSpec
 from edgefleet.protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
+
+from .errors import InputError
 
 __all__ = ["Dataset", "load_dataset", "load_for_model", "sample_axes"]
 

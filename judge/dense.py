@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.judge.criteria import crit as _crit
-from edgefleet.judge.criteria import mean_ci as _mean_ci
-from edgefleet.judge.criteria import wilson as _wilson
-from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TaskCriterion
+
+from .criteria import crit as _crit
+from .criteria import mean_ci as _mean_ci
+from .criteria import wilson as _wilson
+from .errors import InputError
 
 __all__ = ["embedding", "regression", "segmentation"]
 

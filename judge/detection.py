@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.judge.criteria import crit, in_unit, mean_ci, wilson
-from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TaskCriterion
+
+from .criteria import crit, in_unit, mean_ci, wilson
+from .errors import InputError
 
 __all__ = ["BOX_FORMATS", "DETECTION_FORMATS", "MIN_REFERENCE_BOXES", "centernet_decode", "detection",
            "detection_layout", "yolox_grid"]
@@ -270,7 +271,7 @@ def detection(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: fl
               others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None = None
               ) -> tuple[list[TaskCriterion], dict[str, float]]:
     """FP32's boxes matched by the candidate's (``task``: a judge.tasks.TaskSpec of task detection)."""
-    from edgefleet.judge.keypoints import pck_criteria, pck_hits
+    from .keypoints import pck_criteria, pck_hits
 
     fmt, score, iou_t, nms = task.arg("format"), task.arg("score"), task.arg("iou"), task.arg("nms")
     n_ref = n_cand = tp = 0

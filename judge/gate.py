@@ -34,9 +34,10 @@ from typing import Literal
 
 import numpy as np
 
-from edgefleet.judge.errors import InputError
-from edgefleet.judge.tasks import Outputs, TaskSpec, judge, samples
 from edgefleet.protocol.manifest import AccuracyReport, OutputAgreement
+
+from .errors import InputError
+from .tasks import Outputs, TaskSpec, judge, samples
 
 __all__ = ["GateSettings", "evaluate_gate", "label_axis", "top1_hits", "uses_labels"]
 

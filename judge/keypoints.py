@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.judge.criteria import crit, mean_ci, wilson
-from edgefleet.judge.errors import InputError
 from edgefleet.protocol.manifest import TaskCriterion
+
+from .criteria import crit, mean_ci, wilson
+from .errors import InputError
 
 __all__ = ["KEYPOINT_LAYOUTS", "keypoints", "pck_criteria", "pck_hits"]
 

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.judge.errors import InputError
-from edgefleet.judge.tasks import _boxes, _crit, _mean_ci, _wilson, edit_distance
 from edgefleet.protocol.drift import DriftReference, build_reference
 from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 from edgefleet.protocol.pipeline import BoxesStep, PipelineSpec, ReadStep, end_output_names
+
+from .errors import InputError
+from .tasks import _boxes, _crit, _mean_ci, _wilson, edit_distance
 
 __all__ = ["MAX_REGIONS", "Chain", "Found", "ImageAnswers", "compare_image", "decode_text", "drift_reference",
            "end_specs", "judge_pipeline"]

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.tasks import Outputs
+from .data import Dataset
+from .tasks import Outputs
 
 __all__ = ["Outputs", "Runner", "predict_all"]
 

@@ -44,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.judge.criteria import Outputs, crit, in_unit, mean_ci, samples, wilson
-from edgefleet.judge.dense import embedding, regression, segmentation
-from edgefleet.judge.detection import (
+from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
+
+from .criteria import Outputs, crit, in_unit, mean_ci, samples, wilson
+from .dense import embedding, regression, segmentation
+from .detection import (
     BOX_FORMATS,
     DETECTION_FORMATS,
     _boxes,  # noqa: F401  (judge.pipeline decodes a detector's boxes with it)
@@ -55,9 +57,8 @@ from edgefleet.judge.detection import (
     detection_layout,
     yolox_grid,
 )
-from edgefleet.judge.errors import InputError
-from edgefleet.judge.keypoints import KEYPOINT_LAYOUTS, choose_layout, keypoints
-from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
+from .errors import InputError
+from .keypoints import KEYPOINT_LAYOUTS, choose_layout, keypoints
 
 __all__ = ["TASKS", "Outputs", "TaskSpec", "canonical_task", "infer_task", "judge", "load_task_file", "parse_task_args",
            "parse_tasks", "resolve_task", "samples", "yolox_grid"]

@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from edgefleet.protocol.errors import SchemaError
+from .errors import SchemaError
 
 __all__ = ["StrictModel", "parse_document", "problems_from"]
 

@@ -38,9 +38,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from edgefleet.protocol.roles import Opener, role_problem
+from .errors import ContractError
+from .manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .roles import Opener, role_problem
 
 __all__ = [
     "MAX_BUNDLE_BYTES",

@@ -64,7 +64,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from edgefleet.protocol._strict import StrictModel
+from ._strict import StrictModel
 
 __all__ = [
     "DRIFT_PSI",

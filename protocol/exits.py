@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from edgefleet.protocol.errors import EdgefleetError
+from .errors import EdgefleetError
 
 __all__ = ["MEANING", "ExitCode", "exit_for", "table"]
 

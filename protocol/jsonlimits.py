@@ -13,7 +13,7 @@ from typing import Any
 
 import pydantic_core
 
-from edgefleet.protocol.errors import SchemaError
+from .errors import SchemaError
 
 __all__ = ["MAX_DEPTH", "check_depth", "loads"]
 

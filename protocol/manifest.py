@@ -52,12 +52,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from edgefleet.protocol import jsonlimits
-from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.drift import DriftReference
-from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
-from edgefleet.protocol.pipeline import PipelineSpec, end_output_names
-from edgefleet.protocol.preprocess import Preprocessing
+from . import jsonlimits
+from ._strict import StrictModel, parse_document
+from .drift import DriftReference
+from .errors import SchemaError, UnsupportedVersionError
+from .pipeline import PipelineSpec, end_output_names
+from .preprocess import Preprocessing
 
 __all__ = [
     "BF16_VERSION",

@@ -23,10 +23,10 @@ from typing import Annotated, Any, Literal, TypeVar
 import pydantic_core
 from pydantic import BaseModel, Field, ValidationError
 
-from edgefleet.protocol._strict import StrictModel
-from edgefleet.protocol.drift import DriftCounts
-from edgefleet.protocol.errors import SchemaError, UnsupportedVersionError
-from edgefleet.protocol.window import MaintenanceWindow
+from ._strict import StrictModel
+from .drift import DriftCounts
+from .errors import SchemaError, UnsupportedVersionError
+from .window import MaintenanceWindow
 
 __all__ = [
     "MAX_COUNT",
@@ -482,7 +482,7 @@ def parse_mqtt_url(url: str) -> tuple[str, int]:
     """``mqtt://host[:1883]`` or ``mqtts://host[:8883]`` (TLS) -> (host, port)."""
     from urllib.parse import urlsplit
 
-    from edgefleet.protocol.errors import ConfigError
+    from .errors import ConfigError
 
     parts = urlsplit(url)
     if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:

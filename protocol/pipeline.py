@@ -30,8 +30,8 @@ from typing import Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.errors import SchemaError
+from ._strict import StrictModel, parse_document
+from .errors import SchemaError
 
 __all__ = [
     "BOX_FORMATS",

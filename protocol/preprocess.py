@@ -17,8 +17,8 @@ import numpy as np
 import yaml
 from pydantic import Field, model_validator
 
-from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.errors import SchemaError
+from ._strict import StrictModel, parse_document
+from .errors import SchemaError
 
 __all__ = ["IMAGE_SUFFIXES", "Preprocessing", "decode_image", "default_preprocessing", "load_preprocessing"]
 

@@ -9,10 +9,10 @@ from typing import Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.cpu import BF16_FEATURES, KNOWN_FEATURES, VNNI_FEATURES
-from edgefleet.protocol.errors import SchemaError
-from edgefleet.protocol.manifest import Backend, Int8Scheme, Precision
+from ._strict import StrictModel, parse_document
+from .cpu import BF16_FEATURES, KNOWN_FEATURES, VNNI_FEATURES
+from .errors import SchemaError
+from .manifest import Backend, Int8Scheme, Precision
 
 __all__ = ["HardwareProfile", "list_profiles", "load_profile", "profile_dir", "resolve_fallback_path",
            "resolve_profile_path"]

@@ -28,7 +28,7 @@ import zipfile
 from collections.abc import Callable
 from typing import IO
 
-from edgefleet.protocol.manifest import Manifest
+from .manifest import Manifest
 
 __all__ = ["MAX_NPZ_DIRECTORY_BYTES", "MAX_NPZ_MEMBERS", "MAX_ONNX_FIELDS", "engine_problem", "role_problem",
            "selftest_problem"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from edgefleet.protocol.errors import ConfigError
+from .errors import ConfigError
 
 __all__ = ["cli_command", "fill", "plain", "write_unit"]
 
@@ -35,7 +35,7 @@ def fill(template: str, fields: dict[str, str]) -> str:
 
 def write_unit(unit_text: str, unit_dir: Path, name: str) -> Path:
     """Write the unit ``name``.service atomically into ``unit_dir`` (mode 0644)."""
-    from edgefleet.protocol.fsutil import atomic_write
+    from .fsutil import atomic_write
 
     if not unit_dir.is_dir():
         raise ConfigError(f"{unit_dir}: no such directory for the unit file")

@@ -21,8 +21,8 @@ from typing import Any
 from securesystemslib.formats import encode_canonical
 from securesystemslib.signer import Signature
 
-from edgefleet.protocol import jsonlimits
-from edgefleet.protocol.errors import SchemaError
+from . import jsonlimits
+from .errors import SchemaError
 
 __all__ = ["MAX_DOCUMENT_BYTES", "NONCE_RE", "TYPE", "describe_skew", "sign_time", "verify_time"]
 

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.manifest import NAME_RE, VERSION_RE, Backend, Manifest, Precision
+from ._strict import StrictModel, parse_document
+from .manifest import NAME_RE, VERSION_RE, Backend, Manifest, Precision
 
 __all__ = ["TargetCustom", "target_path"]
 

@@ -21,7 +21,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import Field, field_validator
 
-from edgefleet.protocol._strict import StrictModel
+from ._strict import StrictModel
 
 __all__ = ["DAYS", "MAX_DURATION_MIN", "MaintenanceWindow", "next_window", "window_at"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from edgefleet.fleet.keys import init_keys
 from edgefleet.fleet.app import FleetConfig, FleetServer
+from edgefleet.fleet.keys import init_keys
 from tests.conftest import free_port
 from tests.waiting import wait_for
 

@@ -21,8 +21,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgefleet import engines
-from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.compiler.compile import CompileOptions, Measured, choose_precision, compile_model
+from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.protocol.bundle import check_bundle, extract_bundle, sha256_file, write_bundle
 from edgefleet.protocol.errors import EdgefleetError, SchemaError
 from edgefleet.protocol.manifest import BenchmarkPoint, parse_manifest

@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.compiler.compile import CompileOptions, compile_model
+from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.judge.tasks import infer_task
 from edgefleet.protocol.manifest import TensorSpec
 from tests.test_compiler import run_cli

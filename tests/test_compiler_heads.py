@@ -268,4 +268,5 @@ def test_a_keypoints_model_compiles_with_its_task_in_a_version_8_manifest(tmp_pa
     m = json.loads(r.stdout)["manifest"]
     task = m["accuracy"]["task"]
     assert (task["task"], task["metric"], m["manifest_version"]) == ("keypoints", "pck", 8)
-    assert m["accuracy"]["not_judged"] == ["prob"] and m["drift"]["read_as"] == "keypoints"  # drift since 40's follow-up
+    # drift since 40's follow-up
+    assert m["accuracy"]["not_judged"] == ["prob"] and m["drift"]["read_as"] == "keypoints"

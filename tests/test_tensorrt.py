@@ -18,9 +18,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from edgefleet.compiler.compile import CompileOptions, compile_model
 from edgefleet.compiler.errors import InputError, ToolchainError
 from edgefleet.compiler.graph import GraphInfo, check_model
-from edgefleet.compiler.compile import CompileOptions, compile_model
 from edgefleet.compiler.targets import get_target
 from edgefleet.compiler.targets.tensorrt import TensorRTTarget, l4t_release
 from edgefleet.engines import EngineInputError, EngineLoadError, EngineSpec

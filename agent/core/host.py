@@ -20,24 +20,25 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgefleet.agent.core.batching.batcher import Batcher
-from edgefleet.agent.core.batching.gate import ComputeGate
-from edgefleet.agent.core.batching.request_queue import HIGH, NORMAL
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.batching.tuning import BATCH_TOLERANCE, BatchTuning
-from edgefleet.agent.core.drift import DriftRecorder
-from edgefleet.agent.core.metrics import Metrics, ModelMetrics
-from edgefleet.agent.core.request import InferRequest
-from edgefleet.agent.core.versions import VersionNumbers
-from edgefleet.agent.errors import ModelNotFound, RequestError, Unavailable
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.drift import DriftCounts
 from edgefleet.protocol.manifest import Manifest
 
+from ..errors import ModelNotFound, RequestError, Unavailable
+from .batching.batcher import Batcher
+from .batching.gate import ComputeGate
+from .batching.request_queue import HIGH, NORMAL
+from .batching.settings import BatchSettings
+from .batching.tuning import BATCH_TOLERANCE, BatchTuning
+from .drift import DriftRecorder
+from .metrics import Metrics, ModelMetrics
+from .request import InferRequest
+from .versions import VersionNumbers
+
 if TYPE_CHECKING:
-    from edgefleet.agent.core.pipeline import PipelineRunner, PipelineStages
-    from edgefleet.agent.core.shadow import ShadowMirror
+    from .pipeline import PipelineRunner, PipelineStages
+    from .shadow import ShadowMirror
 
 __all__ = ["EXTENSIONS", "LARGE_BODY", "IndexEntry", "ModelHost", "Served", "model_config"]
 
@@ -194,7 +195,7 @@ class ModelHost:
 
     async def _swap_pipeline(self, manifest: Manifest, stages: PipelineStages,
                              serving: proto.ServingChoice | None) -> None:
-        from edgefleet.agent.core.pipeline import PipelineRunner
+        from .pipeline import PipelineRunner
 
         self.versions.number(manifest.name, manifest.version)
         async with self._swap_lock:

@@ -46,21 +46,22 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.agent.core.batching.batcher import Batcher
-from edgefleet.agent.core.batching.dispatch import Outputs
-from edgefleet.agent.core.batching.gate import ComputeGate
-from edgefleet.agent.core.batching.request_queue import HIGH, NORMAL
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.batching.tuning import BatchTuning
-from edgefleet.agent.core.metrics import Metrics, ModelMetrics
-from edgefleet.agent.core.request import InferRequest
-from edgefleet.agent.core.runtime_pick import RuntimePick
-from edgefleet.agent.errors import AgentError, InferenceFailed, QueueFull, RequestError, Unavailable
 from edgefleet.engines import Engine
 from edgefleet.judge.errors import InputError
 from edgefleet.judge.pipeline import Chain
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.manifest import Manifest
+
+from ..errors import AgentError, InferenceFailed, QueueFull, RequestError, Unavailable
+from .batching.batcher import Batcher
+from .batching.dispatch import Outputs
+from .batching.gate import ComputeGate
+from .batching.request_queue import HIGH, NORMAL
+from .batching.settings import BatchSettings
+from .batching.tuning import BatchTuning
+from .metrics import Metrics, ModelMetrics
+from .request import InferRequest
+from .runtime_pick import RuntimePick
 
 __all__ = ["PipelineRunner", "PipelineStages", "Stage", "image_answer"]
 

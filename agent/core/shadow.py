@@ -42,7 +42,7 @@ from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.manifest import Manifest
 
 if TYPE_CHECKING:
-    from edgefleet.agent.core.pipeline import PipelineStages
+    from .pipeline import PipelineStages
 
 __all__ = ["PipelineShadow", "ShadowMirror"]
 

@@ -25,16 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.agent.core.batching.dispatch import pin_thread
-from edgefleet.agent.core.batching.tuning import LayoutFigures, in_the_running
-from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.install.selftest import Turn, now
-from edgefleet.agent.install.store import StagedModel
-from edgefleet.agent.install.timed_choice import child_answer
 from edgefleet.engines import Engine, load_bundle_engine
 from edgefleet.protocol.bundle import extract_bundle
 from edgefleet.protocol.cpu import cpu_features
 from edgefleet.protocol.manifest import Manifest
+
+from ..core.batching.dispatch import pin_thread
+from ..core.batching.tuning import LayoutFigures, in_the_running
+from ..errors import BackendError, SelfTestFailed
+from .selftest import Turn, now
+from .store import StagedModel
+from .timed_choice import child_answer
 
 __all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "layout_trial",
            "layout_trial_in_child", "lone_call_ms", "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]

@@ -16,27 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.batching.tuning import (
-    BatchTuning,
-    LayoutFigures,
-    batch_ladder,
-    choose_batch_size,
-    choose_layout,
-    layout_candidates,
-)
-from edgefleet.agent.core.host import IndexEntry, ModelHost
-from edgefleet.agent.errors import BackendError, DownloadCut, FetchError, RefusedUpdate, UpdateError
-from edgefleet.agent.install.bench import layout_trial_in_child, release_memory, slice_seconds
-from edgefleet.agent.install.precision import PrecisionPick, pick_precision
-from edgefleet.agent.install.runtime_choice import RuntimePick, pick_runtime_in_child
-from edgefleet.agent.install.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
-from edgefleet.agent.install.states import InstallState
-from edgefleet.agent.install.store import ModelStore, StagedModel
-from edgefleet.agent.install.trials import TrialRecord, TrialStore, trial_key
-from edgefleet.agent.install.trusted import check_cpu
-from edgefleet.agent.link.updater import BundleFetcher
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff
@@ -45,8 +24,30 @@ from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.profile import load_profile
 
+from ..config import AgentConfig
+from ..core.batching.settings import BatchSettings
+from ..core.batching.tuning import (
+    BatchTuning,
+    LayoutFigures,
+    batch_ladder,
+    choose_batch_size,
+    choose_layout,
+    layout_candidates,
+)
+from ..core.host import IndexEntry, ModelHost
+from ..errors import BackendError, DownloadCut, FetchError, RefusedUpdate, UpdateError
+from ..link.updater import BundleFetcher
+from .bench import layout_trial_in_child, release_memory, slice_seconds
+from .precision import PrecisionPick, pick_precision
+from .runtime_choice import RuntimePick, pick_runtime_in_child
+from .selftest import Turn, measure_batch_sizes, now, self_test, warm_up
+from .states import InstallState
+from .store import ModelStore, StagedModel
+from .trials import TrialRecord, TrialStore, trial_key
+from .trusted import check_cpu
+
 if TYPE_CHECKING:
-    from edgefleet.agent.core.pipeline import PipelineStages
+    from ..core.pipeline import PipelineStages
 
 __all__ = ["Installer", "Report"]
 
@@ -297,7 +298,7 @@ class Installer:
     def prepare_pipeline(self, staged: StagedModel) -> PipelineStages:
         """A pipeline bundle's stages loaded, self-tested (each stage, then end to end) and warmed up
         (agent.install.pipeline.prepare), each call in turn with the version serving the model."""
-        from edgefleet.agent.install.pipeline import prepare
+        from .pipeline import prepare
 
         m = staged.manifest
         return prepare(staged, self.config, self.host.settings, self.turn(m.name, self.config.instances))

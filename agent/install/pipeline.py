@@ -30,20 +30,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.batching.tuning import BatchTuning, batch_ladder, choose_batch_size
-from edgefleet.agent.core.pipeline import PipelineStages, Stage
-from edgefleet.agent.errors import BackendError, SelfTestFailed, TrustError
-from edgefleet.agent.install.runtime_choice import RuntimePick, pick_runtime
-from edgefleet.agent.install.selftest import Turn, measure_batch_sizes, now, self_test, warm_up
-from edgefleet.agent.install.store import StagedModel
 from edgefleet.engines import Engine, EngineError, load_bundle_engine
 from edgefleet.judge.errors import InputError
 from edgefleet.judge.pipeline import Chain
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.roles import role_problem
+
+from ..config import AgentConfig
+from ..core.batching.settings import BatchSettings
+from ..core.batching.tuning import BatchTuning, batch_ladder, choose_batch_size
+from ..core.pipeline import PipelineStages, Stage
+from ..errors import BackendError, SelfTestFailed, TrustError
+from .runtime_choice import RuntimePick, pick_runtime
+from .selftest import Turn, measure_batch_sizes, now, self_test, warm_up
+from .store import StagedModel
 
 __all__ = ["BOX_TOL_PX", "BOX_TOL_REL", "SCORE_TOL", "end_to_end_self_test", "prepare"]
 

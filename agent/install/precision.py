@@ -18,14 +18,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.install.selftest import Turn, now, self_test
-from edgefleet.agent.install.store import StagedModel
-from edgefleet.agent.install.timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.cpu import BF16_FEATURES, bf16_feature
 from edgefleet.protocol.manifest import Manifest
+
+from ..errors import BackendError, SelfTestFailed
+from .selftest import Turn, now, self_test
+from .store import StagedModel
+from .timed_choice import geomean, keep_unless_faster, time_in_alternation, timing_sizes
 
 __all__ = ["TIE", "PrecisionPick", "cannot_run", "pick_precision"]
 

@@ -27,19 +27,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edgefleet.agent.core.batching.tuning import LayoutFigures
-from edgefleet.agent.core.runtime_pick import RuntimePick, RuntimeTiming
-from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.install.selftest import Turn, now, self_test
-from edgefleet.agent.install.store import StagedModel
-from edgefleet.agent.install.timed_choice import (
+from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
+
+from ..core.batching.tuning import LayoutFigures
+from ..core.runtime_pick import RuntimePick, RuntimeTiming
+from ..errors import BackendError, SelfTestFailed
+from .selftest import Turn, now, self_test
+from .store import StagedModel
+from .timed_choice import (
     child_answer,
     geomean,
     keep_unless_faster,
     time_in_alternation,
     timing_sizes,
 )
-from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
 
 __all__ = ["TIE", "TRIAL_TIMEOUT_S", "RuntimePick", "RuntimeTiming", "candidates", "pick_runtime",
            "pick_runtime_in_child"]
@@ -196,7 +197,7 @@ def _trial_main() -> int:
                             int(doc["max_batch_size"]), installed=lambda r: r in names)
         figures = []
         if doc.get("layout"):  # then the layouts, on the runtime chosen
-            from edgefleet.agent.install.bench import layout_trial
+            from .bench import layout_trial
 
             lay = doc["layout"]
             figures = layout_trial(staged.manifest, staged.directory, [(int(i), int(t)) for i, t in lay["candidates"]],

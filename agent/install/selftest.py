@@ -12,10 +12,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edgefleet.agent.errors import SelfTestFailed
-from edgefleet.agent.install.store import StagedModel
 from edgefleet.engines import Engine
 from edgefleet.protocol import mqtt as proto
+
+from ..errors import SelfTestFailed
+from .store import StagedModel
 
 __all__ = [
     "TUNE_BUDGET_S",

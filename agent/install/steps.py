@@ -14,13 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.batching.tuning import BatchTuning
-from edgefleet.agent.core.shadow import PipelineShadow, ShadowMirror
-from edgefleet.agent.errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
-from edgefleet.agent.install.job import Installer
-from edgefleet.agent.install.selftest import self_test, warm_up
-from edgefleet.agent.install.states import (
+from edgefleet.engines import Engine
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.errors import ContractError
+from edgefleet.protocol.manifest import Manifest
+from edgefleet.protocol.window import MaintenanceWindow
+
+from ..core.batching.settings import BatchSettings
+from ..core.batching.tuning import BatchTuning
+from ..core.shadow import PipelineShadow, ShadowMirror
+from ..errors import BackendError, FetchError, RefusedUpdate, SelfTestFailed, TrustError, UpdateError
+from ..link.resume import DownloadProgress
+from .job import Installer
+from .selftest import self_test, warm_up
+from .states import (
     FINAL,
     REPORTED,
     TRANSITIONS,
@@ -29,18 +36,12 @@ from edgefleet.agent.install.states import (
     InstallState,
     next_state,
 )
-from edgefleet.agent.install.store import StagedModel
-from edgefleet.agent.install.trusted import Decision, decide
-from edgefleet.agent.install.window import wait_for_window
-from edgefleet.agent.link.resume import DownloadProgress
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.window import MaintenanceWindow
+from .store import StagedModel
+from .trusted import Decision, decide
+from .window import wait_for_window
 
 if TYPE_CHECKING:
-    from edgefleet.agent.core.pipeline import PipelineStages
+    from ..core.pipeline import PipelineStages
 
 __all__ = ["InstallRun", "Ready"]
 

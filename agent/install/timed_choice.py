@@ -13,10 +13,11 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from edgefleet.agent.errors import BackendError, SelfTestFailed
-from edgefleet.agent.install.selftest import Turn, measure_batch_sizes
-from edgefleet.agent.install.store import StagedModel
 from edgefleet.engines import Engine
+
+from ..errors import BackendError, SelfTestFailed
+from .selftest import Turn, measure_batch_sizes
+from .store import StagedModel
 
 __all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "child_answer", "geomean", "keep_unless_faster",
            "time_in_alternation", "timing_sizes"]

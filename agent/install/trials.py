@@ -21,11 +21,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from edgefleet.agent.core.batching.tuning import LayoutFigures
-from edgefleet.agent.core.runtime_pick import RuntimePick, RuntimeTiming
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.cpu import cpu_arch, cpu_features
 from edgefleet.protocol.fsutil import atomic_write
+
+from ..core.batching.tuning import LayoutFigures
+from ..core.runtime_pick import RuntimePick, RuntimeTiming
 
 __all__ = ["FORMAT", "MAX_RECORD_BYTES", "TrialRecord", "TrialStore", "trial_key"]
 

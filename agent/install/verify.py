@@ -20,10 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.agent.errors import SelfTestFailed
-from edgefleet.agent.install.selftest import self_test
-from edgefleet.agent.install.store import StagedModel
-from edgefleet.agent.install.trusted import check_cpu
 from edgefleet.engines import Engine, load_bundle_engine
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.gate import label_axis, top1_hits
@@ -32,6 +28,11 @@ from edgefleet.protocol.bundle import extract_bundle, sha256_file
 from edgefleet.protocol.cpu import cpu_arch, cpu_features
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.manifest import AccuracyReport, Manifest
+
+from ..errors import SelfTestFailed
+from .selftest import self_test
+from .store import StagedModel
+from .trusted import check_cpu
 
 __all__ = ["MAX_EVAL_SAMPLES", "VerifyResult", "verify_bundle"]
 

@@ -18,12 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edgefleet.agent.config import AgentConfig
-from edgefleet.agent.errors import FetchError
-from edgefleet.agent.link.fetch import FleetHttp
-from edgefleet.agent.link.mqtt import MqttSecurity
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.fsutil import atomic_write
+
+from ..config import AgentConfig
+from ..errors import FetchError
+from .fetch import FleetHttp
+from .mqtt import MqttSecurity
 
 __all__ = ["CREDENTIALS_FILE", "EnrollmentRefused", "mqtt_security"]
 

@@ -32,8 +32,9 @@ from pathlib import Path
 
 from tuf.api import exceptions as tuf_exc
 
-from edgefleet.agent.link.fetch import FleetHttp
 from edgefleet.protocol.fsutil import atomic_write
+
+from .fetch import FleetHttp
 
 __all__ = ["MIN_PACE_BYTES_PER_S", "DownloadProgress", "Pacer", "Partial", "PartialStore", "download_resumable"]
 
@@ -154,7 +155,7 @@ def _by_content(http: FleetHttp, url: str, store: PartialStore, p: Partial, held
                 pacer: Pacer | None, target: str, progress: Callable[[DownloadProgress], None] | None) -> Partial:
     """The partial carried as far as agent/link/by_content.py gets it (the whole bundle, or up to a cut: then the
     DownloadError goes on up with the bytes kept; or up to where it cannot go on: then plain downloads from there)."""
-    from edgefleet.agent.link.by_content import NotAssembled, assemble
+    from .by_content import NotAssembled, assemble
 
     with store.data(p.sha256).open("r+b") as f:
         f.seek(p.have)

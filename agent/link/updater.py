@@ -28,15 +28,16 @@ from tuf.api import exceptions as tuf_exc
 from tuf.api.metadata import Metadata, Root
 from tuf.ngclient.fetcher import FetcherInterface
 
-from edgefleet.agent.errors import DownloadCut, FetchError, TrustError
-from edgefleet.agent.link.clock import ClockReading, TrustedClock, load_floor, save_floor
-from edgefleet.agent.link.fetch import FetchLimits, FleetHttp
-from edgefleet.agent.link.resume import DownloadProgress, Pacer, PartialStore, download_resumable
 from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
 from edgefleet.protocol.errors import SchemaError
 from edgefleet.protocol.fsutil import atomic_write
 from edgefleet.protocol.signed_time import MAX_DOCUMENT_BYTES, describe_skew, verify_time
 from edgefleet.protocol.tuf_target import TargetCustom
+
+from ..errors import DownloadCut, FetchError, TrustError
+from .clock import ClockReading, TrustedClock, load_floor, save_floor
+from .fetch import FetchLimits, FleetHttp
+from .resume import DownloadProgress, Pacer, PartialStore, download_resumable
 
 __all__ = ["BundleFetcher", "FetchedBundle", "GuardedFetcher"]
 

@@ -46,19 +46,20 @@ from typing import Any
 import numpy as np
 
 from edgefleet import protocol
-from edgefleet.agent.core.host import EXTENSIONS, ModelHost, Served, model_config
-from edgefleet.agent.errors import AgentError, RequestError
-from edgefleet.agent.transports.kserve import (
+from edgefleet.engines import NP_DTYPES
+from edgefleet.protocol.errors import ConfigError
+
+from ..core.host import EXTENSIONS, ModelHost, Served, model_config
+from ..errors import AgentError, RequestError
+from .kserve import (
     CUDA_SHM_REFUSED,
     MODEL_CONTROL_REFUSED,
     InferRequest,
     decode_request,
     ordered_outputs,
 )
-from edgefleet.agent.transports.peer import PeerCell, tcp_peer
-from edgefleet.agent.transports.shm import SharedMemory
-from edgefleet.engines import NP_DTYPES
-from edgefleet.protocol.errors import ConfigError
+from .peer import PeerCell, tcp_peer
+from .shm import SharedMemory
 
 __all__ = ["GrpcLimits", "GrpcServer", "grpc_concurrency", "grpc_limits"]
 

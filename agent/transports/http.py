@@ -46,12 +46,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from edgefleet import protocol
-from edgefleet.agent.core.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
-from edgefleet.agent.core.metrics import CONTENT_TYPE
-from edgefleet.agent.core.pipeline import image_answer
-from edgefleet.agent.errors import AgentError, PayloadTooLarge, RequestError, Unavailable
-from edgefleet.agent.transports.image import ImageLimits, check_image, decode_feeds
-from edgefleet.agent.transports.kserve import (
+
+from ..core.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
+from ..core.metrics import CONTENT_TYPE
+from ..core.pipeline import image_answer
+from ..errors import AgentError, PayloadTooLarge, RequestError, Unavailable
+from .image import ImageLimits, check_image, decode_feeds
+from .kserve import (
     CUDA_SHM_REFUSED,
     HEADER_LENGTH,
     MODEL_CONTROL_REFUSED,
@@ -59,9 +60,9 @@ from edgefleet.agent.transports.kserve import (
     encode_response,
     parse_body,
 )
-from edgefleet.agent.transports.openapi import openapi
-from edgefleet.agent.transports.peer import PeerCell, tcp_peer
-from edgefleet.agent.transports.shm import SharedMemory
+from .openapi import openapi
+from .peer import PeerCell, tcp_peer
+from .shm import SharedMemory
 
 __all__ = ["connection_peer", "create_app", "peer_tagging"]
 

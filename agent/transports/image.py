@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefleet.agent.errors import NotInstalled, PayloadTooLarge, RequestError
 from edgefleet.protocol.manifest import Manifest
 from edgefleet.protocol.preprocess import Preprocessing
+
+from ..errors import NotInstalled, PayloadTooLarge, RequestError
 
 __all__ = ["DEFAULT_MAX_DECODED_BYTES", "DEFAULT_MAX_SCANS", "MAX_PNG_CHUNKS", "ImageHeader", "ImageLimits",
            "UnsupportedImage", "check_budget", "check_image", "decode_feeds", "image_bytes", "image_header",

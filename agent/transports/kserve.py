@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from edgefleet.agent.core.request import InferRequest
-from edgefleet.agent.errors import InferenceFailed, RequestError
 from edgefleet.engines import NP_DTYPES
 from edgefleet.protocol.manifest import TensorSpec
 
+from ..core.request import InferRequest
+from ..errors import InferenceFailed, RequestError
+
 if TYPE_CHECKING:
-    from edgefleet.agent.transports.shm import SharedMemory
+    from .shm import SharedMemory
 
 __all__ = ["CUDA_SHM_REFUSED", "HEADER_LENGTH", "MODEL_CONTROL_REFUSED", "InferRequest", "RequestTemplate",
            "decode_request", "encode_response", "parse_body", "raw_request", "request_template"]

@@ -49,19 +49,20 @@ from typing import Any
 
 import orjson
 
-from edgefleet.agent.core.host import LARGE_BODY, ModelHost, Served
-from edgefleet.agent.errors import AgentError, RequestError
-from edgefleet.agent.transports.kserve import (
+from edgefleet.protocol import local as wire
+from edgefleet.protocol.manifest import TensorSpec
+
+from ..core.host import LARGE_BODY, ModelHost, Served
+from ..errors import AgentError, RequestError
+from .kserve import (
     InferRequest,
     RequestTemplate,
     encode_response,
     parse_body,
     request_template,
 )
-from edgefleet.agent.transports.peer import Peer, PeerCell, unix_peer
-from edgefleet.agent.transports.shm import SharedMemory
-from edgefleet.protocol import local as wire
-from edgefleet.protocol.manifest import TensorSpec
+from .peer import Peer, PeerCell, unix_peer
+from .shm import SharedMemory
 
 __all__ = ["LocalServer"]
 

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.agent.errors import PayloadTooLarge, RequestError
-from edgefleet.agent.transports.peer import Peer, PeerCell
+from ..errors import PayloadTooLarge, RequestError
+from .peer import Peer, PeerCell
 
 __all__ = ["NotPermitted", "Region", "SharedMemory"]
 

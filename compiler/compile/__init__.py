@@ -20,13 +20,20 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from edgefleet.compiler.buildnotes import collecting
-from edgefleet.compiler.cache import BuildCache
-from edgefleet.compiler.compile.build import build_candidates
-from edgefleet.compiler.compile.bundle import make_bundle, with_drift
-from edgefleet.compiler.compile.candidates import CompileEngines
-from edgefleet.compiler.compile.choose import Measured, choose_precision
-from edgefleet.compiler.compile.options import (
+from edgefleet.engines.onnxruntime import CPU
+from edgefleet.judge.predict import predict_all
+from edgefleet.protocol.profile import load_profile
+
+from ..buildnotes import collecting
+from ..cache import BuildCache
+from ..graph import check_model
+from ..source import source_model
+from ..targets import get_target
+from .build import build_candidates
+from .bundle import make_bundle, with_drift
+from .candidates import CompileEngines
+from .choose import Measured, choose_precision
+from .options import (
     REFERENCE_RUNTIME,
     CompileOptions,
     CompileResult,
@@ -36,14 +43,8 @@ from edgefleet.compiler.compile.options import (
     no_progress,
     validate,
 )
-from edgefleet.compiler.compile.plan import build_cache_key, make_plan, quantized_input
-from edgefleet.compiler.compile.report import task_figures
-from edgefleet.compiler.graph import check_model
-from edgefleet.compiler.source import source_model
-from edgefleet.compiler.targets import get_target
-from edgefleet.engines.onnxruntime import CPU
-from edgefleet.judge.predict import predict_all
-from edgefleet.protocol.profile import load_profile
+from .plan import build_cache_key, make_plan, quantized_input
+from .report import task_figures
 
 __all__ = ["REFERENCE_RUNTIME", "CompileOptions", "CompileResult", "Measured", "Progress", "choose_precision",
            "compile_model", "compiler_errors", "task_figures", "with_drift"]

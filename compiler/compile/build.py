@@ -7,16 +7,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from edgefleet.compiler import bf16 as _bf16
-from edgefleet.compiler.advice import Causes, measure_causes
-from edgefleet.compiler.buildnotes import note
-from edgefleet.compiler.compile.candidates import Built, CompileEngines
-from edgefleet.compiler.compile.float_fallback import float_fallback, full_weights
-from edgefleet.compiler.compile.plan import Plan
-from edgefleet.compiler.compile.report import one_line
-from edgefleet.compiler.errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
-from edgefleet.compiler.graph import GraphInfo, ensure_opset
-from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.engines import EngineError
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.errors import InputError as JudgeInputError
@@ -25,6 +15,17 @@ from edgefleet.judge.gate import GateSettings, evaluate_gate, uses_labels
 from edgefleet.judge.predict import predict_all
 from edgefleet.judge.tasks import TaskSpec, infer_task, judge
 from edgefleet.protocol.manifest import AccuracyReport
+
+from .. import bf16 as _bf16
+from ..advice import Causes, measure_causes
+from ..buildnotes import note
+from ..errors import AccuracyGateFailed, CompilerError, InputError, ToolchainError
+from ..graph import GraphInfo, ensure_opset
+from ..targets.base import BuildTarget
+from .candidates import Built, CompileEngines
+from .float_fallback import float_fallback, full_weights
+from .plan import Plan
+from .report import one_line
 
 
 def _gate_task(plan: Plan, ref_out: list[Any]) -> TaskSpec | None:
@@ -128,7 +129,7 @@ def _causes(plan: Plan, engines: CompileEngines, work: Path, source: Path, ref_o
     names = [o.name for o in info.outputs]
 
     def rank() -> list[tuple[tuple[str, ...], float]]:
-        from edgefleet.compiler.sensitivity import rank_sensitive_nodes
+        from ..sensitivity import rank_sensitive_nodes
 
         assert calib is not None
         prepared = plan.target.prepare_float(source, work / "prepared.onnx")
@@ -182,7 +183,7 @@ def _build_and_gate(target: BuildTarget, model: Path, engines: CompileEngines, p
     data = calib if precision == "int8" else eval_set.head(1) if target.float_build_needs_samples else None
     if (precision == "int8" and target.qdq_int8_min_opset is not None and task is not None
             and task.name == "detection" and data is not None):
-        from edgefleet.compiler.sensitivity import quantize_keeping_head  # boxes and scores keep their own ranges
+        from ..sensitivity import quantize_keeping_head  # boxes and scores keep their own ranges
 
         quant = quantize_keeping_head(model, profile, data, engine, task.output)
     else:

@@ -14,14 +14,6 @@ from typing import Any
 import numpy as np
 
 from edgefleet import protocol
-from edgefleet.compiler import bf16 as _bf16
-from edgefleet.compiler.buildnotes import with_build_notes
-from edgefleet.compiler.compile.candidates import Built, CompileEngines
-from edgefleet.compiler.compile.choose import choose
-from edgefleet.compiler.compile.options import SELFTEST_MAX_BYTES, SELFTEST_MAX_INPUT_BYTES, SELFTEST_MAX_SAMPLES
-from edgefleet.compiler.compile.plan import Plan
-from edgefleet.compiler.compile.report import one_line
-from edgefleet.compiler.graph import GraphInfo
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.predict import Runner
 from edgefleet.protocol.bundle import sha256_file, write_bundle
@@ -39,6 +31,15 @@ from edgefleet.protocol.manifest import (
     Manifest,
     SelfTestSummary,
 )
+
+from .. import bf16 as _bf16
+from ..buildnotes import with_build_notes
+from ..graph import GraphInfo
+from .candidates import Built, CompileEngines
+from .choose import choose
+from .options import SELFTEST_MAX_BYTES, SELFTEST_MAX_INPUT_BYTES, SELFTEST_MAX_SAMPLES
+from .plan import Plan
+from .report import one_line
 
 
 def make_bundle(plan: Plan, engines: CompileEngines, work: Path, built: dict[str, Built], reference: Runner,

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.compiler.graph import GraphInfo
 from edgefleet.engines import Engine, EngineSpec, Runtime, record
 from edgefleet.engines import load as load_engine
 from edgefleet.judge.predict import Runner
 from edgefleet.protocol.manifest import AccuracyReport, BenchmarkPoint, QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile
+
+from ..graph import GraphInfo
 
 
 @dataclass

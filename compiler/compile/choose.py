@@ -6,17 +6,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from edgefleet.compiler.advice import advice
-from edgefleet.compiler.benchmark import benchmark_pair
-from edgefleet.compiler.compile.candidates import Built
-from edgefleet.compiler.compile.plan import Plan
-from edgefleet.compiler.compile.report import fallback_note, gate_summary, per_output_report
-from edgefleet.compiler.errors import AccuracyGateFailed
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.predict import Runner
 from edgefleet.protocol.cpu import cpu_arch, cpu_features
 from edgefleet.protocol.manifest import BenchmarkPoint, PrecisionCandidate, PrecisionChoice
 from edgefleet.protocol.profile import HardwareProfile
+
+from ..advice import advice
+from ..benchmark import benchmark_pair
+from ..errors import AccuracyGateFailed
+from .candidates import Built
+from .plan import Plan
+from .report import fallback_note, gate_summary, per_output_report
 
 
 @dataclass(frozen=True)

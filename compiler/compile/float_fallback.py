@@ -6,12 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edgefleet.compiler.buildnotes import note
-from edgefleet.compiler.compile.candidates import Built, CompileEngines
-from edgefleet.compiler.compile.choose import benchmark_points
-from edgefleet.compiler.compile.report import gate_summary, one_line
-from edgefleet.compiler.errors import CompilerError
-from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.engines import EngineError
 from edgefleet.judge.data import Dataset
 from edgefleet.judge.errors import JudgeError
@@ -19,6 +13,13 @@ from edgefleet.judge.gate import GateSettings, evaluate_gate
 from edgefleet.judge.predict import predict_all
 from edgefleet.judge.tasks import TaskSpec
 from edgefleet.protocol.manifest import Int8Scheme
+
+from ..buildnotes import note
+from ..errors import CompilerError
+from ..targets.base import BuildTarget
+from .candidates import Built, CompileEngines
+from .choose import benchmark_points
+from .report import gate_summary, one_line
 
 
 def full_weights(first: Built, fell: Built, scheme: Int8Scheme, source: Path, target: BuildTarget,
@@ -63,7 +64,7 @@ def float_fallback(full: Built, source: Path, target: BuildTarget, engines: Comp
     target prepares and quantizes (a target whose int8 is ONNX QDQ: ``qdq_int8_min_opset``), in ``full``'s scheme."""
     import onnx
 
-    from edgefleet.compiler.sensitivity import rank_sensitive_nodes
+    from ..sensitivity import rank_sensitive_nodes
 
     info, profile = engines.info, engines.profile
     prepared = target.prepare_float(source, work / "prepared.onnx")

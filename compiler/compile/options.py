@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.compiler.errors import CompilerError, InputError, ToolchainError
 from edgefleet.engines import EngineError, EngineInputError
 from edgefleet.judge.errors import InputError as JudgeInputError
 from edgefleet.judge.errors import JudgeError
@@ -17,6 +16,8 @@ from edgefleet.judge.gate import GateSettings
 from edgefleet.judge.tasks import parse_tasks
 from edgefleet.protocol.manifest import NAME_RE, VERSION_RE, Manifest
 from edgefleet.protocol.profile import HardwareProfile
+
+from ..errors import CompilerError, InputError, ToolchainError
 
 SELFTEST_MAX_SAMPLES = 64
 

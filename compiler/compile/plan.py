@@ -9,13 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgefleet import protocol
-from edgefleet.compiler import bf16 as _bf16
-from edgefleet.compiler.advice import Causes
-from edgefleet.compiler.cache import BuildCache
-from edgefleet.compiler.compile.options import MIN_CALIBRATION_SAMPLES, CompileOptions, Progress
-from edgefleet.compiler.errors import InputError, ToolchainError
-from edgefleet.compiler.graph import GraphInfo, probe_batching, quantized_ops, quantized_phrase
-from edgefleet.compiler.targets.base import BuildTarget
 from edgefleet.judge.data import Dataset, load_for_model
 from edgefleet.judge.gate import GateSettings, uses_labels
 from edgefleet.judge.tasks import TaskSpec, resolve_task
@@ -23,6 +16,14 @@ from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
 from edgefleet.protocol.manifest import MANIFEST_VERSION
 from edgefleet.protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
 from edgefleet.protocol.profile import HardwareProfile, resolve_profile_path
+
+from .. import bf16 as _bf16
+from ..advice import Causes
+from ..cache import BuildCache
+from ..errors import InputError, ToolchainError
+from ..graph import GraphInfo, probe_batching, quantized_ops, quantized_phrase
+from ..targets.base import BuildTarget
+from .options import MIN_CALIBRATION_SAMPLES, CompileOptions, Progress
 
 
 @dataclass

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from edgefleet.compiler.compile.candidates import Built
 from edgefleet.protocol.manifest import AccuracyReport
+
+from .candidates import Built
 
 
 def fallback_note(b: Built) -> str | None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import importlib
 
 from edgefleet import engines
-from edgefleet.compiler.errors import ToolchainError
-from edgefleet.compiler.targets.base import BuildTarget
+
+from ..errors import ToolchainError
+from .base import BuildTarget
 
 __all__ = ["BuildTarget", "get_target"]
 

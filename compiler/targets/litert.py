@@ -27,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.compiler import toolchain
-from edgefleet.compiler.errors import InputError, ToolchainError
-from edgefleet.compiler.graph import GraphInfo
 from edgefleet.engines.errors import EngineError
 from edgefleet.engines.litert import IO_METADATA, IOMap, Port, interpreter_class
 from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import QuantizationInfo, TensorSpec
 from edgefleet.protocol.profile import HardwareProfile
+
+from .. import toolchain
+from ..errors import InputError, ToolchainError
+from ..graph import GraphInfo
 
 __all__ = ["LiteRTTarget"]
 

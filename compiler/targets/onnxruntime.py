@@ -19,14 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.compiler.batch import fixed_input_batch
-from edgefleet.compiler.buildnotes import note
-from edgefleet.compiler.errors import InputError, ToolchainError
-from edgefleet.compiler.graph import GraphInfo, all_nodes, is_quantized_op
 from edgefleet.engines.onnxruntime import session_options
 from edgefleet.judge.data import Dataset
 from edgefleet.protocol.manifest import Int8Scheme, QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile
+
+from ..batch import fixed_input_batch
+from ..buildnotes import note
+from ..errors import InputError, ToolchainError
+from ..graph import GraphInfo, all_nodes, is_quantized_op
 
 __all__ = ["OnnxRuntimeTarget"]
 
@@ -110,7 +111,7 @@ def prepare_or_raw(source: Path, out_path: Path) -> tuple[Path, str]:
     """:func:`prepare`, and which path it took: onnxruntime's ``quant_pre_process`` (shape inference and
     fusions), or, when that fails on a graph (it does on some real exports, e.g. "The truth value of an array
     ... is ambiguous"), the raw graph as it is, which ``quantize_static`` can still quantize."""
-    from edgefleet.compiler.graph import name_nodes
+    from ..graph import name_nodes
 
     try:
         from onnxruntime.quantization.shape_inference import quant_pre_process

@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.compiler.errors import CompilerError, InputError, ToolchainError
-from edgefleet.compiler.graph import GraphInfo
 from edgefleet.engines.cuda import Device, DeviceBuffers, one_line, open_device
 from edgefleet.engines.errors import EngineError
 from edgefleet.engines.tensorrt import import_tensorrt, logged_errors, make_logger
@@ -33,6 +31,9 @@ from edgefleet.judge.data import Dataset
 from edgefleet.protocol.fsutil import atomic_write
 from edgefleet.protocol.manifest import QuantizationInfo
 from edgefleet.protocol.profile import HardwareProfile, TensorRTSettings
+
+from ..errors import CompilerError, InputError, ToolchainError
+from ..graph import GraphInfo
 
 __all__ = ["TensorRTTarget", "l4t_release"]
 

@@ -39,9 +39,10 @@ report makes of a target); ``moves`` (move_wave, move_targets: the only ways a w
 asks the rules, applies their moves and publishes). The names other modules use are re-exported here.
 """
 
-from edgefleet.fleet.rollout.engine import RolloutEngine
-from edgefleet.fleet.rollout.gates import GateResult, WaveFigures, evaluate_gates, install_gate_lost
-from edgefleet.fleet.rollout.moves import (
+from ..states import TRANSITIONS
+from .engine import RolloutEngine
+from .gates import GateResult, WaveFigures, evaluate_gates, install_gate_lost
+from .moves import (
     AUDIT_DEVICES_PER_ROW,
     WAVE_ACTIONS,
     TargetMove,
@@ -49,9 +50,8 @@ from edgefleet.fleet.rollout.moves import (
     move_targets,
     move_wave,
 )
-from edgefleet.fleet.rollout.queries import cpu_fallback
-from edgefleet.fleet.rollout.spec import MAX_GRACE_S, Gates, RolloutSpec, Selector, ShadowGate, plan_waves
-from edgefleet.fleet.states import TRANSITIONS
+from .queries import cpu_fallback
+from .spec import MAX_GRACE_S, Gates, RolloutSpec, Selector, ShadowGate, plan_waves
 
 __all__ = ["AUDIT_DEVICES_PER_ROW", "MAX_GRACE_S", "TRANSITIONS", "WAVE_ACTIONS", "GateResult", "Gates",
            "RolloutEngine", "RolloutSpec", "Selector", "ShadowGate", "TargetMove", "WaveFigures", "cpu_fallback",

@@ -17,13 +17,16 @@ from typing import Any, Protocol
 from sqlalchemy import BigInteger, Float, Table, bindparam, case, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.fleet.audit import ENGINE_ACTOR, audit
-from edgefleet.fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
-from edgefleet.fleet.drift import DriftBook
-from edgefleet.fleet.errors import BadRequest, Conflict, DeviceInputRejected, NotFound
-from edgefleet.fleet.rollout import queries as q
-from edgefleet.fleet.rollout.gates import ShadowWaveFigures, WaveFigures
-from edgefleet.fleet.rollout.moves import (
+from edgefleet.protocol import mqtt as proto
+
+from ..audit import ENGINE_ACTOR, audit
+from ..db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
+from ..drift import DriftBook
+from ..errors import BadRequest, Conflict, DeviceInputRejected, NotFound
+from ..states import TARGET_DONE, TARGET_FINAL, RolloutStatus, TargetState, WaveState
+from . import queries as q
+from .gates import ShadowWaveFigures, WaveFigures
+from .moves import (
     AUDIT_DEVICES_PER_ROW,
     ROLLBACK_FROM,
     TargetMove,
@@ -34,7 +37,7 @@ from edgefleet.fleet.rollout.moves import (
     move_targets,
     rollback_targets,
 )
-from edgefleet.fleet.rollout.queries import (
+from .queries import (
     ModelCache,
     ModelInfo,
     RolloutRow,
@@ -44,11 +47,9 @@ from edgefleet.fleet.rollout.queries import (
     names,
     select_devices,
 )
-from edgefleet.fleet.rollout.spec import RolloutSpec, Selector, plan_waves
-from edgefleet.fleet.rollout.status import failure, rollout_status
-from edgefleet.fleet.rollout.step import next_target_state, step
-from edgefleet.fleet.states import TARGET_DONE, TARGET_FINAL, RolloutStatus, TargetState, WaveState
-from edgefleet.protocol import mqtt as proto
+from .spec import RolloutSpec, Selector, plan_waves
+from .status import failure, rollout_status
+from .step import next_target_state, step
 
 __all__ = ["REPORT_ACTOR", "ROLLBACK_FROM", "TELE_COUNT_CAP", "ModelInfo", "Publisher", "RolloutEngine", "cpu_fallback",
            "desired_message"]

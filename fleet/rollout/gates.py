@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from edgefleet.fleet.rollout.spec import Gates, ShadowGate
+from .spec import Gates, ShadowGate
 
 
 @dataclass(frozen=True)

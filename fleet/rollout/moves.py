@@ -18,11 +18,23 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from edgefleet.fleet.audit import ENGINE_ACTOR, audit
-from edgefleet.fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave, utcnow
-from edgefleet.fleet.errors import Conflict
-from edgefleet.fleet.rollout.queries import ModelCache, ModelInfo, RolloutRow, cpu_fallback, lock_rows, lock_wave_rows
-from edgefleet.fleet.rollout.step import (
+from edgefleet.protocol import mqtt as proto
+from edgefleet.protocol.window import MaintenanceWindow
+
+from ..audit import ENGINE_ACTOR, audit
+from ..db import Device, Model, Rollout, RolloutTarget, RolloutWave, utcnow
+from ..errors import Conflict
+from ..states import (
+    TARGET_TRANSITIONS,
+    TRANSITIONS,
+    WAVE_TRANSITIONS,
+    RolloutStatus,
+    TargetState,
+    WaveState,
+)
+from ..windows import effective as effective_windows
+from .queries import ModelCache, ModelInfo, RolloutRow, cpu_fallback, lock_rows, lock_wave_rows
+from .step import (
     FailShadow,
     FailWave,
     Finish,
@@ -40,17 +52,6 @@ from edgefleet.fleet.rollout.step import (
     previous_bundle,
     shadow_failure,
 )
-from edgefleet.fleet.states import (
-    TARGET_TRANSITIONS,
-    TRANSITIONS,
-    WAVE_TRANSITIONS,
-    RolloutStatus,
-    TargetState,
-    WaveState,
-)
-from edgefleet.fleet.windows import effective as effective_windows
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.window import MaintenanceWindow
 
 __all__ = ["AUDIT_DEVICES_PER_ROW", "AUDIT_ERROR_CHARS", "ROLLBACK_FROM", "WAVE_ACTIONS", "Messages", "TargetMove",
            "apply", "desired_message", "lock_rows", "lock_wave_rows", "move_rollout", "move_targets", "move_wave",

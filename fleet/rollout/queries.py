@@ -17,14 +17,15 @@ from typing import Any
 from sqlalchemy import Float, Table, and_, case, cast, func, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet.db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave
-from edgefleet.fleet.drift import DriftBook
-from edgefleet.fleet.errors import BadRequest, NotFound
-from edgefleet.fleet.rollout.gates import ShadowWaveFigures
-from edgefleet.fleet.rollout.spec import RolloutSpec, Selector
-from edgefleet.fleet.states import TARGET_DONE, RolloutStatus, TargetState, WaveState
 from edgefleet.protocol.errors import EdgefleetError
 from edgefleet.protocol.profile import load_profile
+
+from ..db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave
+from ..drift import DriftBook
+from ..errors import BadRequest, NotFound
+from ..states import TARGET_DONE, RolloutStatus, TargetState, WaveState
+from .gates import ShadowWaveFigures
+from .spec import RolloutSpec, Selector
 
 
 # -- typed rows ----------------------------------------------------------------------------------------------

@@ -12,16 +12,17 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave
-from edgefleet.fleet.errors import NotFound
-from edgefleet.fleet.rollout.gates import GateResult, WaveFigures, evaluate_gates, evaluate_shadow
-from edgefleet.fleet.rollout.queries import ModelInfo, downloads, shadow_figures
-from edgefleet.fleet.rollout.spec import RolloutSpec
-from edgefleet.fleet.states import RolloutStatus, WaveState
-from edgefleet.fleet.windows import effective as effective_windows
-from edgefleet.fleet.windows import next_opening
 from edgefleet.protocol import mqtt as proto
+
+from .. import schemas as out
+from ..db import Device, Model, Rollout, RolloutTarget, RolloutWave
+from ..errors import NotFound
+from ..states import RolloutStatus, WaveState
+from ..windows import effective as effective_windows
+from ..windows import next_opening
+from .gates import GateResult, WaveFigures, evaluate_gates, evaluate_shadow
+from .queries import ModelInfo, downloads, shadow_figures
+from .spec import RolloutSpec
 
 log = logging.getLogger("edgefleet.fleet.rollout")
 

@@ -13,7 +13,10 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from edgefleet.fleet.rollout.gates import (
+from edgefleet.protocol import mqtt as proto
+
+from ..states import TARGET_TRANSITIONS, RolloutStatus, TargetState, WaveState
+from .gates import (
     GateResult,
     ShadowWaveFigures,
     WaveFigures,
@@ -21,9 +24,7 @@ from edgefleet.fleet.rollout.gates import (
     evaluate_shadow,
     install_gate_lost,
 )
-from edgefleet.fleet.rollout.queries import ModelInfo, RolloutRow, WaveRow
-from edgefleet.fleet.states import TARGET_TRANSITIONS, RolloutStatus, TargetState, WaveState
-from edgefleet.protocol import mqtt as proto
+from .queries import ModelInfo, RolloutRow, WaveRow
 
 
 class Figures(Protocol):

@@ -12,9 +12,10 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.routes.context import Fleet
 from edgefleet.protocol.signed_time import NONCE_RE, sign_time
+
+from .. import schemas as out
+from .context import Fleet
 
 __all__ = ["MAX_PER_S", "router"]
 

@@ -9,14 +9,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from edgefleet.fleet import console, drift, series, windows
-from edgefleet.fleet.auth import ROLES, Caller, TokenStore
-from edgefleet.fleet.db import Device, utcnow
-from edgefleet.fleet.errors import BadRequest, FleetError, Forbidden, Unauthorized
-from edgefleet.fleet.rollout import Gates, RolloutSpec, ShadowGate
-from edgefleet.fleet.rollout.status import wave_waits
-from edgefleet.fleet.routes.context import Fleet, RolloutId
-from edgefleet.fleet.service import FleetService
+from .. import console, drift, series, windows
+from ..auth import ROLES, Caller, TokenStore
+from ..db import Device, utcnow
+from ..errors import BadRequest, FleetError, Forbidden, Unauthorized
+from ..rollout import Gates, RolloutSpec, ShadowGate
+from ..rollout.status import wave_waits
+from ..service import FleetService
+from .context import Fleet, RolloutId
 
 __all__ = ["COOKIE", "router"]
 

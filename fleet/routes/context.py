@@ -10,12 +10,12 @@ from fastapi import Depends, Header, Query
 from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet import service as svc
-from edgefleet.fleet.auth import Caller, TokenStore
-from edgefleet.fleet.enroll import Enrollment
-from edgefleet.fleet.service import FleetService
-from edgefleet.fleet.tuf_repo import Repository
+from .. import schemas as out
+from .. import service as svc
+from ..auth import Caller, TokenStore
+from ..enroll import Enrollment
+from ..service import FleetService
+from ..tuf_repo import Repository
 
 __all__ = ["NAME", "Body", "Fleet", "Offset", "Roles", "RolloutId", "Tags", "roles"]
 

@@ -8,13 +8,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import Field, StringConstraints
 
-from edgefleet.fleet import drift
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet import service as svc
-from edgefleet.fleet.auth import Caller
-from edgefleet.fleet.enroll import Enrollment
-from edgefleet.fleet.errors import BadRequest, NotFound
-from edgefleet.fleet.routes.context import NAME, Body, Fleet, Offset, Tags
+from .. import drift
+from .. import schemas as out
+from .. import service as svc
+from ..auth import Caller
+from ..enroll import Enrollment
+from ..errors import BadRequest, NotFound
+from .context import NAME, Body, Fleet, Offset, Tags
 
 # label keys and values and tags have a length (fleet.service.check_labels says the same for the console and CLI)
 LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=svc.MAX_LABEL_KEY_CHARS)]

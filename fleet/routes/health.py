@@ -6,10 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.auth import Caller
-from edgefleet.fleet.routes import clock
-from edgefleet.fleet.routes.context import Fleet
+from .. import schemas as out
+from ..auth import Caller
+from . import clock
+from .context import Fleet
 
 
 def router(fleet: Fleet) -> APIRouter:

@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from edgefleet.fleet import ranges
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.auth import Caller
-from edgefleet.fleet.errors import BadRequest, RepositoryError
-from edgefleet.fleet.routes.context import Fleet
+from .. import ranges
+from .. import schemas as out
+from ..auth import Caller
+from ..errors import BadRequest, RepositoryError
+from .context import Fleet
 
 
 def router(fleet: Fleet) -> APIRouter:

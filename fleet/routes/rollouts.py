@@ -7,13 +7,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field, StringConstraints
 
-from edgefleet.fleet import drift, series
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.auth import Caller
-from edgefleet.fleet.errors import BadRequest
-from edgefleet.fleet.rollout import MAX_GRACE_S, Gates, RolloutSpec, ShadowGate
-from edgefleet.fleet.rollout.spec import MAX_CONCURRENT_DOWNLOADS
-from edgefleet.fleet.routes.context import Body, Fleet, Offset, RolloutId, Tags
+from .. import drift, series
+from .. import schemas as out
+from ..auth import Caller
+from ..errors import BadRequest
+from ..rollout import MAX_GRACE_S, Gates, RolloutSpec, ShadowGate
+from ..rollout.spec import MAX_CONCURRENT_DOWNLOADS
+from .context import Body, Fleet, Offset, RolloutId, Tags
 
 
 class RolloutIn(Body):

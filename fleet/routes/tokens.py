@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import Field
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.auth import Caller
-from edgefleet.fleet.routes.context import Body, Fleet
+from .. import schemas as out
+from ..auth import Caller
+from .context import Body, Fleet
 
 
 class TokenIn(Body):

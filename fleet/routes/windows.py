@@ -8,11 +8,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Path
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet import windows
-from edgefleet.fleet.auth import Caller
-from edgefleet.fleet.routes.context import Fleet
 from edgefleet.protocol.window import MaintenanceWindow
+
+from .. import schemas as out
+from .. import windows
+from ..auth import Caller
+from .context import Fleet
 
 __all__ = ["router"]
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from sqlalchemy.orm import sessionmaker
 
-from edgefleet.fleet.audit import Rejections
-from edgefleet.fleet.rollout import RolloutEngine
-from edgefleet.fleet.service.common import (
+from ..audit import Rejections
+from ..rollout import RolloutEngine
+from ..tuf_repo import Repository
+from .common import (
     MAX_LABEL_KEY_CHARS,
     MAX_LABEL_VALUE_CHARS,
     MAX_LABELS,
@@ -26,11 +27,10 @@ from edgefleet.fleet.service.common import (
     Publisher,
     check_labels,
 )
-from edgefleet.fleet.service.devices import DeviceService
-from edgefleet.fleet.service.ingest import REPORT_CLOCK_AHEAD_S, IngestService
-from edgefleet.fleet.service.models import ModelService
-from edgefleet.fleet.service.rollouts import RolloutService
-from edgefleet.fleet.tuf_repo import Repository
+from .devices import DeviceService
+from .ingest import REPORT_CLOCK_AHEAD_S, IngestService
+from .models import ModelService
+from .rollouts import RolloutService
 
 __all__ = ["MAX_LABELS", "MAX_LABEL_KEY_CHARS", "MAX_LABEL_VALUE_CHARS", "MAX_TAGS", "MAX_TAG_CHARS",
            "REPORT_CLOCK_AHEAD_S", "DeviceService", "FleetService", "IngestService", "ModelService", "Publisher",

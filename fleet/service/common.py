@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Protocol
 
-from edgefleet.fleet.errors import BadRequest
+from ..errors import BadRequest
 
 __all__ = ["DECOMMISSIONED", "MAX_LABELS", "MAX_LABEL_KEY_CHARS", "MAX_LABEL_VALUE_CHARS", "MAX_TAGS",
            "MAX_TAG_CHARS", "Publisher", "check_labels", "iso"]

@@ -8,12 +8,13 @@ from typing import Any
 from sqlalchemy import Table, case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.audit import audit
-from edgefleet.fleet.db import Device, Model, TelemetryRow
-from edgefleet.fleet.errors import BadRequest, NotFound
-from edgefleet.fleet.service.common import DECOMMISSIONED, check_labels, iso
 from edgefleet.protocol import mqtt as proto
+
+from .. import schemas as out
+from ..audit import audit
+from ..db import Device, Model, TelemetryRow
+from ..errors import BadRequest, NotFound
+from .common import DECOMMISSIONED, check_labels, iso
 
 
 class DeviceService:

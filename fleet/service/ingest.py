@@ -10,15 +10,16 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.fleet import series
-from edgefleet.fleet.audit import Rejections
-from edgefleet.fleet.db import Device, Model, RolloutTarget, TelemetryRow, utcnow
-from edgefleet.fleet.ingest import NotStored
-from edgefleet.fleet.presence import bound_s
-from edgefleet.fleet.rollout import RolloutEngine
-from edgefleet.fleet.rollout.queries import lock_rows
-from edgefleet.fleet.service.common import DECOMMISSIONED
 from edgefleet.protocol import mqtt as proto
+
+from .. import series
+from ..audit import Rejections
+from ..db import Device, Model, RolloutTarget, TelemetryRow, utcnow
+from ..ingest import NotStored
+from ..presence import bound_s
+from ..rollout import RolloutEngine
+from ..rollout.queries import lock_rows
+from .common import DECOMMISSIONED
 
 # reports are ordered by their ``ts`` (the device's clock): one older than the newest stored is dropped. A ts
 # further ahead of the fleet's clock than this orders as if it were this far ahead, so a device whose clock ran

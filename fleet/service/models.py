@@ -8,16 +8,17 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.db import Model
-from edgefleet.fleet.errors import BadRequest, Conflict, RepositoryError
-from edgefleet.fleet.keys import bundle_target
-from edgefleet.fleet.service.common import iso
-from edgefleet.fleet.tuf_repo import Repository
 from edgefleet.protocol.bundle import check_bundle
 from edgefleet.protocol.errors import ContractError
 from edgefleet.protocol.manifest import version_key
 from edgefleet.protocol.profile import list_profiles
+
+from .. import schemas as out
+from ..db import Model
+from ..errors import BadRequest, Conflict, RepositoryError
+from ..keys import bundle_target
+from ..tuf_repo import Repository
+from .common import iso
 
 
 class ModelService:

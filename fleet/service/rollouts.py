@@ -8,11 +8,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
-from edgefleet.fleet import schemas as out
-from edgefleet.fleet.db import AuditRow, Device, Rollout, RolloutTarget
-from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector, desired_message
-from edgefleet.fleet.rollout.status import targets_page
-from edgefleet.fleet.service.common import Publisher, check_labels, iso
+from .. import schemas as out
+from ..db import AuditRow, Device, Rollout, RolloutTarget
+from ..rollout import RolloutEngine, RolloutSpec, Selector, desired_message
+from ..rollout.status import targets_page
+from .common import Publisher, check_labels, iso
 
 
 class RolloutService:

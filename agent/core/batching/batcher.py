@@ -24,14 +24,15 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from edgefleet.agent.core.batching.dispatch import Dispatcher, Instance
-from edgefleet.agent.core.batching.forming import BatchFormer
-from edgefleet.agent.core.batching.gate import ComputeGate
-from edgefleet.agent.core.batching.request_queue import HIGH, NORMAL, Pending, RequestQueue
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.metrics import Metrics, ModelMetrics
-from edgefleet.agent.errors import Unavailable
 from edgefleet.engines import Engine
+
+from ...errors import Unavailable
+from ..metrics import Metrics, ModelMetrics
+from .dispatch import Dispatcher, Instance
+from .forming import BatchFormer
+from .gate import ComputeGate
+from .request_queue import HIGH, NORMAL, Pending, RequestQueue
+from .settings import BatchSettings
 
 __all__ = ["Batcher"]
 

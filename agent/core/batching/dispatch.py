@@ -27,12 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefleet.agent.core.batching.gate import ComputeGate
-from edgefleet.agent.core.batching.request_queue import Pending, RequestQueue
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.core.metrics import ModelMetrics
-from edgefleet.agent.errors import InferenceFailed
 from edgefleet.engines import Engine
+
+from ...errors import InferenceFailed
+from ..metrics import ModelMetrics
+from .gate import ComputeGate
+from .request_queue import Pending, RequestQueue
+from .settings import BatchSettings
 
 __all__ = ["Dispatcher", "Instance", "Outputs", "Staged", "pin_thread"]
 

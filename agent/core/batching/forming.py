@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from edgefleet.agent.core.batching.dispatch import Dispatcher
-from edgefleet.agent.core.batching.request_queue import Pending, RequestQueue
-from edgefleet.agent.core.batching.settings import BatchSettings
+from .dispatch import Dispatcher
+from .request_queue import Pending, RequestQueue
+from .settings import BatchSettings
 
 __all__ = ["BatchFormer"]
 

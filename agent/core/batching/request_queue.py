@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.agent.errors import QueueFull, RequestError, Unavailable
+from ...errors import QueueFull, RequestError, Unavailable
+from .settings import BatchSettings
 
 __all__ = ["DEAD_MAX", "HIGH", "NORMAL", "Pending", "RequestQueue"]
 
