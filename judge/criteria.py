@@ -8,7 +8,7 @@ import numpy as np
 
 from edgefleet.protocol.manifest import TaskCriterion
 
-__all__ = ["Outputs", "crit", "in_unit", "mean_ci", "samples", "wilson"]
+__all__ = ["Outputs", "crit", "in_unit", "match_boxes", "mean_ci", "samples", "wilson"]
 
 # an output over the evaluation set: samples on axis 0, or one array per sample when their shapes differ
 Outputs = np.ndarray | list[np.ndarray]
@@ -44,3 +44,25 @@ def crit(name: str, value: float, bound: float, kind: str, ci: tuple[float, floa
 
 def in_unit(v: np.ndarray) -> bool:
     return bool(v.size and v.min() >= 0 and v.max() <= 1)
+
+
+def match_boxes(rb: np.ndarray, cb: np.ndarray, iou_t: float) -> list[tuple[int, int, float]]:
+    """FP32's boxes matched one to one by the candidate's, largest IoU first, at IoU >= ``iou_t``."""
+    if not len(rb) or not len(cb):
+        return []
+    lt, br = np.maximum(rb[:, None, :2], cb[None, :, :2]), np.minimum(rb[:, None, 2:], cb[None, :, 2:])
+    inter = np.prod(np.clip(br - lt, 0, None), axis=-1)
+    area = lambda b: np.prod(np.clip(b[:, 2:] - b[:, :2], 0, None), axis=-1)  # noqa: E731
+    iou = inter / np.maximum(area(rb)[:, None] + area(cb)[None] - inter, 1e-9)
+    used_r: set[int] = set()
+    used_c: set[int] = set()
+    out = []
+    for flat in np.argsort(-iou, axis=None, kind="stable"):
+        i, j = divmod(int(flat), iou.shape[1])
+        if iou[i, j] < iou_t:
+            break
+        if i not in used_r and j not in used_c:
+            used_r.add(i)
+            used_c.add(j)
+            out.append((i, j, float(iou[i, j])))
+    return out

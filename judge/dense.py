@@ -12,6 +12,7 @@ import numpy as np
 from edgefleet.protocol.manifest import TaskCriterion
 
 from .criteria import crit as _crit
+from .criteria import match_boxes
 from .criteria import mean_ci as _mean_ci
 from .criteria import wilson as _wilson
 from .errors import InputError
@@ -78,24 +79,8 @@ def _instances(mask: np.ndarray, min_area: float) -> np.ndarray:
 
 
 def _match_boxes(ref: np.ndarray, cand: np.ndarray, iou_t: float) -> int:
-    """FP32's boxes matched one to one by the candidate's, largest IoU first, at IoU >= ``iou_t``."""
-    if not len(ref) or not len(cand):
-        return 0
-    lt = np.maximum(ref[:, None, :2], cand[None, :, :2])
-    rb = np.minimum(ref[:, None, 2:], cand[None, :, 2:])
-    inter = np.prod(np.clip(rb - lt, 0, None), axis=-1)
-    area = lambda b: np.prod(b[:, 2:] - b[:, :2], axis=-1)  # noqa: E731
-    iou = inter / np.maximum(area(ref)[:, None] + area(cand)[None] - inter, 1e-9)
-    used_r, used_c, hits = set(), set(), 0
-    for flat in np.argsort(-iou, axis=None):
-        i, j = divmod(int(flat), iou.shape[1])
-        if iou[i, j] < iou_t:
-            break
-        if i not in used_r and j not in used_c:
-            used_r.add(i)
-            used_c.add(j)
-            hits += 1
-    return hits
+    """How many of FP32's boxes the candidate's match one to one, largest IoU first, at IoU >= ``iou_t``."""
+    return len(match_boxes(ref, cand, iou_t))
 
 
 def regression(task: Any, ref: list[np.ndarray], cand: list[np.ndarray],

@@ -22,7 +22,7 @@ import numpy as np
 
 from edgefleet.protocol.manifest import TaskCriterion
 
-from .criteria import crit, mean_ci, wilson
+from .criteria import crit, match_boxes, mean_ci, wilson
 from .errors import InputError
 
 __all__ = ["KEYPOINT_LAYOUTS", "keypoints", "pck_criteria", "pck_hits"]
@@ -71,28 +71,6 @@ def _boxes(x: np.ndarray) -> np.ndarray:
     if x.size % 4:
         raise InputError(f"keypoints: boxes= needs [4] or [I, 4] (x0, y0, x1, y1) per sample; got {x.size} values")
     return x.reshape(-1, 4)
-
-
-def _match(rb: np.ndarray, cb: np.ndarray, iou_t: float) -> list[tuple[int, int, float]]:
-    """FP32's boxes matched one to one by the candidate's, largest IoU first, at IoU >= ``iou_t``."""
-    if not len(rb) or not len(cb):
-        return []
-    lt, br = np.maximum(rb[:, None, :2], cb[None, :, :2]), np.minimum(rb[:, None, 2:], cb[None, :, 2:])
-    inter = np.prod(np.clip(br - lt, 0, None), axis=-1)
-    area = lambda b: np.prod(np.clip(b[:, 2:] - b[:, :2], 0, None), axis=-1)  # noqa: E731
-    iou = inter / np.maximum(area(rb)[:, None] + area(cb)[None] - inter, 1e-9)
-    used_r: set[int] = set()
-    used_c: set[int] = set()
-    out = []
-    for flat in np.argsort(-iou, axis=None, kind="stable"):
-        i, j = divmod(int(flat), iou.shape[1])
-        if iou[i, j] < iou_t:
-            break
-        if i not in used_r and j not in used_c:
-            used_r.add(i)
-            used_c.add(j)
-            out.append((i, j, float(iou[i, j])))
-    return out
 
 
 def choose_layout(task: Any, ref: list[np.ndarray], others: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] | None
@@ -147,7 +125,7 @@ def keypoints(task: Any, ref: list[np.ndarray], cand: list[np.ndarray], _min: fl
             if len(rb) != len(rp) or len(cb) != len(cp):
                 raise InputError(f"keypoints: {len(rb)} boxes and {len(rp)} instances of points in sample {s}; "
                                  "boxes= must give one box per instance")
-            pairs = {i: (j, u) for i, j, u in _match(rb, cb, iou_t)}
+            pairs = {i: (j, u) for i, j, u in match_boxes(rb, cb, iou_t)}
             sizes = np.maximum(rb[:, 2] - rb[:, 0], rb[:, 3] - rb[:, 1])
         else:
             if len(rp) != len(cp):

@@ -184,14 +184,19 @@ class ModelHost:
             batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
             batcher.start()
             served = Served(manifest, instances, batcher, s, mm, tuning=tuning, serving=serving)
-            old = self.models.get(manifest.name)
-            self.models[manifest.name] = served
-            self._current = served
-            self.metrics.model_event(manifest.name, manifest.version, "swap" if old is not None else "load")
-            if old is not None:
-                await self._retire(old)
+            await self._put(served)
         log.info("now serving %s %s (%d instance%s)", manifest.name, manifest.version, len(instances),
                  "" if len(instances) == 1 else "s")
+
+    async def _put(self, served: Served) -> None:
+        """``served`` takes its model's place (the caller holds the swap lock); the one it replaces is retired."""
+        name, version = served.manifest.name, served.manifest.version
+        old = self.models.get(name)
+        self.models[name] = served
+        self._current = served
+        self.metrics.model_event(name, version, "swap" if old is not None else "load")
+        if old is not None:
+            await self._retire(old)
 
     async def _swap_pipeline(self, manifest: Manifest, stages: PipelineStages,
                              serving: proto.ServingChoice | None) -> None:
@@ -206,12 +211,7 @@ class ModelHost:
             det = stages.detector
             served = Served(manifest, det.backends, runner.detector, det.settings, mm, serving=serving,
                             pipeline=runner)
-            old = self.models.get(manifest.name)
-            self.models[manifest.name] = served
-            self._current = served
-            self.metrics.model_event(manifest.name, manifest.version, "swap" if old is not None else "load")
-            if old is not None:
-                await self._retire(old)
+            await self._put(served)
         log.info("now serving the pipeline %s %s (%s then %s)", manifest.name, manifest.version,
                  stages.detector.manifest.name, stages.reader.manifest.name)
 
