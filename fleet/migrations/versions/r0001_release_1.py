@@ -3,7 +3,7 @@
 Revision ID: 0001
 """
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0001"
 down_revision = None

@@ -8,7 +8,7 @@ Revision ID: 0003
 
 from alembic import op
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0003"
 down_revision = "0002"

@@ -5,7 +5,7 @@ Revision ID: 0004
 
 from alembic import op
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0004"
 down_revision = "0003"

@@ -7,7 +7,7 @@ of the previous release refuses this database instead of running without the tab
 Revision ID: 0005
 """
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0005"
 down_revision = "0004"

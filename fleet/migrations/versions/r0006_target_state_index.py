@@ -10,7 +10,7 @@ Revision ID: 0006
 
 from alembic import op
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0006"
 down_revision = "0005"

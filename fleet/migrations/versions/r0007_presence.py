@@ -9,7 +9,7 @@ Revision ID: 0007
 
 from alembic import op
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0007"
 down_revision = "0006"

@@ -9,7 +9,7 @@ the previous release refuses this database instead of running without the tables
 Revision ID: 0008
 """
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0008"
 down_revision = "0007"

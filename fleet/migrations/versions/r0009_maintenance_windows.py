@@ -7,7 +7,7 @@ before). The revision marks the schema that has it, so a fleet of the previous r
 Revision ID: 0009
 """
 
-from .. import no_downgrade
+from edgefleet.fleet.migrations import no_downgrade
 
 revision = "0009"
 down_revision = "0008"
