@@ -120,7 +120,8 @@ def test_the_agent_extra_imports_and_decodes_images_on_a_box_without_x11_or_gl(t
              "names = sorted(n for n in (d.metadata['Name'].lower() for d in md.distributions()) if 'opencv' in n)\n"
              "print(json.dumps({'gone': gone, 'cv2': names, 'shape': list(img.shape)}))\n")
     r = subprocess.run(["qemu-aarch64", "-L", str(bare), str(venv / "bin" / "python"), "-c", probe],
-                       env={**os.environ, "QEMU_CPU": CPUS[0]}, capture_output=True, text=True, timeout=600)
+                       env={**os.environ, "QEMU_CPU": CPUS[0]}, capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)  # not the checkout's root: its edgefleet/ would shadow the wheel's
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["gone"] == ["libX11.so.6", "libxcb.so.1", "libGL.so.1", "libgthread-2.0.so.0"], doc
