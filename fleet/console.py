@@ -389,7 +389,8 @@ def device_page(d: dict[str, Any], telemetry: list[dict[str, Any]], drift: list[
                  serves=_serving(_serving_source(d)), records=len(rows), time_charts=time_charts, charts=charts,
                  stages=_stages(newest), stages_of=(newest.get("model"), newest.get("version"),
                                                     newest.get("interval_s")),
-                 clock=_clock(newest.get("clock_skew_s")), download=_download(newest.get("download")),
+                 clock=_clock(newest.get("clock_skew_s")),
+                 download=_download(newest.get("download"), (d.get("running_model"), d.get("running_version"))),
                  window=_window(window))
 
 
@@ -405,14 +406,15 @@ def _window(w: MaintenanceWindow | None) -> dict[str, str] | None:
     return {"what": f"{','.join(w.days)} {w.start} {w.tz}, {w.duration_min} min", "when": when}
 
 
-def _download(d: Any) -> dict[str, Any] | None:
+def _download(d: Any, running: tuple[Any, Any] = (None, None)) -> dict[str, Any] | None:
     """The bundle download in progress in the device's newest telemetry (protocol.mqtt.DownloadFigures), as the page
-    shows it; None when there is none or it does not parse."""
+    shows it; None when there is none, it does not parse, or it is of the version the device already runs (``running``:
+    model, version; the record was made before the install its state report says finished)."""
     try:
         f = proto.DownloadFigures.model_validate(d) if d is not None else None
     except ValueError:
         return None
-    if f is None:
+    if f is None or (running[0] is not None and f.target.split("/")[:2] == [running[0], running[1]]):
         return None
     return {"target": f.target, "done": f"{f.bytes_done / 1e6:.1f} MB", "total": f"{f.bytes_total / 1e6:.1f} MB",
             "pct": f"{100 * f.bytes_done / f.bytes_total:.0f}", "rate": f"{f.bytes_per_s / 1e3:.0f} kB/s",

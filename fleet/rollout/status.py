@@ -17,7 +17,7 @@ from edgefleet.protocol import mqtt as proto
 from .. import schemas as out
 from ..db import Device, Model, Rollout, RolloutTarget, RolloutWave
 from ..errors import NotFound
-from ..states import RolloutStatus, WaveState
+from ..states import RolloutStatus, TargetState, WaveState
 from ..windows import effective as effective_windows
 from ..windows import next_opening
 from .gates import GateResult, WaveFigures, evaluate_gates, evaluate_shadow
@@ -44,9 +44,11 @@ def target_model(t: RolloutTarget, bundle_profile: str | None, bundle_target: st
                  download: Any = None) -> out.RolloutTarget:
     """A target as the API shows it; ``bundle_profile`` is the profile of the bundle it was sent (its device's
     own, or that profile's CPU fallback); ``download``: its newest telemetry's download in progress, shown when it
-    is of the bundle it was sent (``bundle_target``) and readable."""
+    is of the bundle it was sent (``bundle_target``), readable, and the target not yet past its install (a record
+    made during the download outlives it until the device's next one)."""
     got = None
-    if isinstance(download, dict) and bundle_target is not None and download.get("target") == bundle_target:
+    if (t.state in (TargetState.PENDING, TargetState.DOWNLOADING, TargetState.INSTALLING)
+            and isinstance(download, dict) and bundle_target is not None and download.get("target") == bundle_target):
         with contextlib.suppress(ValueError):
             got = proto.DownloadFigures.model_validate(download)
     return out.RolloutTarget(device_id=t.device_id, state=t.state, error=t.error, wave=t.wave,
