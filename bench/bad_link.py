@@ -1,11 +1,12 @@
 """A rollout over a bad link (issue 43): how much a cut, slow link costs a bundle download, and whether it installs.
 
 A real fleet, a real Mosquitto and a real agent on this machine; the agent's HTTP to the fleet crosses a veth pair
-into a network namespace and back (tests/bad_link.py: netem where the kernel has it, else tbf for the rate and a
-relay's queue for the delay, with no packet loss). During the bundle's download the link is set down ``--cuts`` times
-for ``--down-s`` seconds, evenly spread over the download's expected time, and the relay cuts each connection after
-1/``--cuts`` of the bundle. Reported: the bundle's size, the bytes the link carried from the fleet (bundle and
-metadata, all tries), their ratio, the agent's retried cuts, the wall time, and what the link really was.
+into a network namespace and back (tests/bad_link.py: netem where the kernel has it, else tbf for the rate, a
+relay's queue for the delay and nftables dropping packets at random for the loss). During the bundle's download the
+link is set down ``--cuts`` times for ``--down-s`` seconds, evenly spread over the download's expected time, and the
+relay cuts each connection after 1/``--cuts`` of the bundle. Reported: the bundle's size, the bytes the link carried
+from the fleet (bundle and metadata, all tries), their ratio, the agent's retried cuts, the packets lost, the wall
+time, and what the link really was.
 
 Needs root and network namespaces. Run from the repository root:
     .venv/bin/python bench/bad_link.py [--bundle-mb 20] [--rate 1mbit] [--delay-ms 150] [--loss-pct 5] [--cuts 10]
@@ -86,12 +87,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         wait_for(lambda: served_version(agent_url) == "1.1.0", args.timeout_s, "1.1.0 installed")
         took = time.monotonic() - started
         t.join(args.timeout_s)
+        dropped = link.dropped()
     retried = [s for s in lines.lines if "fetch attempt" in s]
     carried = link.proxy.down_bytes - before
     return {"bundle_bytes": size, "carried_bytes": carried, "ratio": round(carried / size, 4),
             "link_downs": args.cuts, "relay_cuts": link.proxy.cuts, "retried_fetches": len(retried),
             "verification_failures": sum("verification" in s for s in lines.lines), "install_s": round(took, 1),
-            "link": link.emulation}
+            "packets_dropped": dropped, "link": link.emulation}
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """A real bad link between an agent and its fleet (issue 43): a network namespace joined to this one by a veth pair,
-``tc netem`` (rate, delay, loss) on both ends, and ``ip link set down/up`` to cut it. Needs root and iproute2
+``tc netem`` (rate, delay, loss) on both ends, and ``ip link set down/up`` to cut it; on a kernel without netem, tbf
+for the rate, the relay for the delay and nftables for the loss. Needs root, iproute2 and nftables
 (.ci/ensure-system-deps); ``namespaces_allowed()`` says whether this machine lets us (containers often do not).
 
 The agent and the fleet stay in this namespace. The agent talks to ``far`` (the namespace's end of the veth), where a
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,12 +50,39 @@ def namespaces_allowed() -> str | None:
         _ip("netns", "del", name, check=False)
 
 
+def _nft_loss(ns: str, far: str, loss_pct: float) -> str:
+    """Without netem, packet loss from nftables in the namespace: ``loss_pct`` of the packets that arrive on ``far``
+    (the fleet's answers, towards the agent) dropped at random (``numgen random``), so TCP retransmits as on a lossy
+    link. -> what was set, or why there is no loss (no ``nft``: Debian's nftables; a kernel without nf_tables)."""
+    if loss_pct <= 0:
+        return "no packet loss"
+    per_mille = round(loss_pct * 10)
+    rules = (f"table inet efloss {{\n chain input {{\n  type filter hook input priority 0; policy accept;\n"
+             f"  iifname \"{far}\" numgen random mod 1000 < {per_mille} counter drop\n }}\n}}\n")
+    try:
+        r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"no packet loss (nft: {exc})"
+    if r.returncode:
+        return f"no packet loss (nft: {r.stderr.strip()[:200]})"
+    return f"{per_mille / 10:g}% of the packets towards the agent dropped by nftables"
+
+
 @dataclass
 class BadLink:
     url: str  # http://far:port: the fleet through the bad link
     proxy: CuttingProxy  # this side's relay: bytes carried, cuts
     near_if: str
     emulation: str  # what the link really is (netem, or what stands in for it)
+    ns: str = ""  # the namespace of the link's far end
+
+    def dropped(self) -> int | None:
+        """Packets the emulated loss dropped so far (nftables' counter); None where netem or nothing drops them."""
+        r = subprocess.run(["ip", "netns", "exec", self.ns, "nft", "list", "table", "inet", "efloss"],
+                           capture_output=True, text=True, timeout=30, check=False)
+        m = re.search(r"counter packets (\d+)", r.stdout) if r.returncode == 0 else None
+        return int(m.group(1)) if m else None
 
     def cut(self, down_s: float) -> None:
         """The link down for ``down_s`` seconds, then up again."""
@@ -97,7 +126,7 @@ def bad_link(fleet_port: int, rate: str = "1mbit", delay_ms: int = 150, loss_pct
                                timeout=30)
             relay_delay_s = 2 * delay_ms / 1000
             emulation = (f"no netem in this kernel: tbf {rate} each way, {2 * delay_ms} ms added by the relay, "
-                         "no packet loss")
+                         f"{_nft_loss(ns, far, loss_pct)}")
         proxy = CuttingProxy(fleet_port, host=near_ip, cut_every=cut_every)
         near_port = proxy.start()
         relay = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(ROOT / "tests" / "cutting_proxy.py"),
@@ -105,7 +134,7 @@ def bad_link(fleet_port: int, rate: str = "1mbit", delay_ms: int = 150, loss_pct
                                  stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert relay.stdout is not None and relay.stdout.readline().strip() == "relaying", "the relay did not start"
-        yield BadLink(f"http://{far_ip}:8080", proxy, near, emulation)
+        yield BadLink(f"http://{far_ip}:8080", proxy, near, emulation, ns)
     finally:
         if relay is not None:
             relay.kill()

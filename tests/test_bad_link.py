@@ -51,6 +51,7 @@ def test_a_bundle_installs_over_a_slow_lossy_link_cut_during_the_download(tmp_pa
         wait_for(installed, 240, "1.1.0 installed over the bad link")
         cutter.join(30)
         pages.append(api.get(f"{url}/devices/{device}").text)
+        dropped = link.dropped()
     lines = [r.getMessage() for r in caplog.records if "fetch attempt" in r.getMessage()]
     assert len(lines) >= size // 600_000, lines  # the relay's cuts at least
     assert not any("verification" in s or "Mismatch" in s for s in lines), lines
@@ -60,5 +61,5 @@ def test_a_bundle_installs_over_a_slow_lossy_link_cut_during_the_download(tmp_pa
     assert 'id="download"' in pages[0] and 'id="download"' not in pages[-1], pages[0][:300]  # during, after
     carried = link.proxy.down_bytes - before
     print(f"bad link ({link.emulation}): {size} B bundle, {carried} B carried, {len(lines)} retried cuts, "
-          f"{link.proxy.cuts} relay cuts, {LINK_CUTS} link downs")
+          f"{link.proxy.cuts} relay cuts, {LINK_CUTS} link downs, {dropped} packets dropped")
     assert carried <= 1.1 * size + 200_000, (carried, size, link.emulation)  # the bundle once, plus metadata
