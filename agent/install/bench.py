@@ -35,7 +35,7 @@ from ..core.batching.tuning import LayoutFigures, in_the_running
 from ..errors import BackendError, SelfTestFailed
 from .selftest import Turn, now
 from .store import StagedModel
-from .timed_choice import child_answer
+from .timed_choice import child_answer, layout_doc, layout_figures, run_child
 
 __all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "layout_trial",
            "layout_trial_in_child", "lone_call_ms", "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]
@@ -251,27 +251,14 @@ def layout_trial_in_child(manifest: Manifest, directory: Path, candidates: Seque
     the agent's own memory (its peak included) holds only the sessions it serves (measured, MobileNetV2 FP32 on 2
     cores: in-process trials left the agent's peak at 3.4x that of the served sessions alone). An engine that fails
     in the trial is a SelfTestFailed as in-process; a trial that outlives ``timeout_s`` is killed and is one too."""
-    import json
-    import subprocess
-    import sys
-
     doc = {"manifest": manifest.model_dump(mode="json"), "directory": str(directory),
            "candidates": [list(c) for c in candidates], "sizes": list(sizes), "seconds": seconds,
            "cpus": sorted(cpus) if cpus else None, "providers": list(providers) if providers else None,
            "runtime": runtime}
-    try:
-        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.install.bench", "--layout-trial"],
-                              input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise SelfTestFailed(f"layout trial: not done in {timeout_s:g} s (killed)") from exc
-    except OSError as exc:  # this interpreter cannot start itself (a box without exec rights, or qemu-user
-        # without binfmt, where sys.executable is a foreign binary): the trial runs here, its memory kept
-        log.warning("layout trial: could not start a child process (%s); timing in this process instead", exc)
+    done = run_child("edgefleet.agent.install.bench", "--layout-trial", doc, timeout_s, "layout trial", log)
+    if done is None:
         return layout_trial(manifest, directory, candidates, sizes, seconds, cpus, providers, runtime=runtime)
-    out = child_answer(done, "layout trial")
-    return [LayoutFigures(int(f["instances"]), int(f["threads"]),
-                          tuple((int(n), float(v)) for n, v in f["images_per_s"]), float(f["lone_ms"]))
-            for f in out["figures"]]
+    return layout_figures(child_answer(done, "layout trial")["figures"])
 
 
 def _layout_trial_main() -> int:
@@ -295,8 +282,7 @@ def _layout_trial_main() -> int:
     except SelfTestFailed as exc:
         print(json.dumps({"error": str(exc), "kind": "selftest"}))
         return 3
-    print(json.dumps({"figures": [{"instances": f.instances, "threads": f.threads, "images_per_s": f.images_per_s,
-                                   "lone_ms": f.lone_ms} for f in figures]}))
+    print(json.dumps({"figures": layout_doc(figures)}))
     return 0
 
 

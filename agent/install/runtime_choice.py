@@ -38,6 +38,9 @@ from .timed_choice import (
     child_answer,
     geomean,
     keep_unless_faster,
+    layout_doc,
+    layout_figures,
+    run_child,
     time_in_alternation,
     timing_sizes,
 )
@@ -147,10 +150,6 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
     runtime is left; a child that outlives ``timeout_s`` is a SelfTestFailed. ``layout`` (candidates, sizes, seconds,
     cpus: agent.install.bench.layout_trial's) runs the layout trial too, in the same child on the runtime chosen, its
     figures appended to ``layouts_out``: one interpreter start (and its imports) for both trials."""
-    import json
-    import subprocess
-    import sys
-
     m = staged.manifest
     names, source = candidates(m.backend, m.precision, setting, installed)
     if len(names) == 1:
@@ -158,13 +157,8 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
     doc = {"manifest": m.model_dump(mode="json"), "directory": str(staged.directory), "names": list(names),
            "max_batch_size": max_batch_size, "threads": threads, "providers": list(providers) if providers else None,
            "layout": layout}
-    try:
-        done = subprocess.run([sys.executable, "-m", "edgefleet.agent.install.runtime_choice", "--trial"],
-                              input=json.dumps(doc).encode(), capture_output=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise SelfTestFailed(f"runtime trial: not done in {timeout_s:g} s (killed)") from exc
-    except OSError as exc:  # this interpreter cannot start itself: time them here, their memory kept
-        log.warning("runtime trial: could not start a child process (%s); timing in this process instead", exc)
+    done = run_child("edgefleet.agent.install.runtime_choice", "--trial", doc, timeout_s, "runtime trial", log)
+    if done is None:
         return pick_runtime(staged, setting, _loader(staged, threads, providers), max_batch_size,
                             installed=installed)
     for line in done.stderr.decode(errors="replace").splitlines():  # the child's warnings: each runtime dropped
@@ -172,9 +166,7 @@ def pick_runtime_in_child(staged: StagedModel, setting: str, max_batch_size: int
             log.warning("runtime trial: %s", line.removeprefix("WARNING "))
     out = child_answer(done, "runtime trial")
     if layouts_out is not None:
-        layouts_out.extend(LayoutFigures(int(f["instances"]), int(f["threads"]),
-                                         tuple((int(n), float(v)) for n, v in f["images_per_s"]), float(f["lone_ms"]))
-                           for f in out.get("layouts") or ())
+        layouts_out.extend(layout_figures(out.get("layouts") or ()))
     timings = tuple(RuntimeTiming(str(t["runtime"]), float(t["items_per_s"]),
                                   tuple((int(n), float(v)) for n, v in t["timings"])) for t in out["timings"])
     return RuntimePick(str(out["runtime"]), str(out["source"]), timings, str(out["note"]))
@@ -212,8 +204,7 @@ def _trial_main() -> int:
     print(json.dumps({"runtime": pick.runtime, "source": pick.source, "note": pick.note,
                       "timings": [{"runtime": t.runtime, "items_per_s": t.items_per_s, "timings": t.timings}
                                   for t in pick.timings],
-                      "layouts": [{"instances": f.instances, "threads": f.threads, "images_per_s": f.images_per_s,
-                                   "lone_ms": f.lone_ms} for f in figures]}))
+                      "layouts": layout_doc(figures)}))
     return 0
 
 

@@ -3,24 +3,30 @@ runtime (agent/install/runtime_choice.py) are picked the same way. Each candidat
 batch formed (:func:`timing_sizes`), :data:`ROUNDS` times in alternation (every call in its turn with the version
 serving: ``turn``), the best figure per batch size counting; the candidates are compared by the geometric mean over
 the batch sizes, and the bundle's own is kept unless another is more than a tie faster (:func:`keep_unless_faster`).
+The trials that run in a child process (the runtime trial, the layout trial) start it with :func:`run_child` and read
+its answer with :func:`child_answer`; layout figures cross as JSON through :func:`layout_doc` and
+:func:`layout_figures`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from edgefleet.engines import Engine
 
+from ..core.batching.tuning import LayoutFigures
 from ..errors import BackendError, SelfTestFailed
 from .selftest import Turn, measure_batch_sizes
 from .store import StagedModel
 
 __all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "child_answer", "geomean", "keep_unless_faster",
-           "time_in_alternation", "timing_sizes"]
+           "layout_doc", "layout_figures", "run_child", "time_in_alternation", "timing_sizes"]
 
 ROUNDS = 3  # each candidate is timed this many times, in alternation; the best figure per batch size counts
 ROUND_BUDGET_S = 0.1  # seconds of calls per candidate per round (0.3 before issue 41: the trials bounded)
@@ -78,6 +84,34 @@ def keep_unless_faster(own: str, figures: dict[str, float], tie: float, sizes: t
     shown = ", ".join(f"{k} {v:g}/s" for k, v in figures.items())
     return chosen, (f"{chosen}: timed here ({shown}, geometric mean over batch sizes {sizes})"
                     + ("" if chosen != own or fastest == own else f"; {fastest} is within {tie:.0%}, {own_kept} kept"))
+
+
+def run_child(module: str, flag: str, doc: dict[str, Any], timeout_s: float, what: str,
+              log: logging.Logger) -> subprocess.CompletedProcess | None:
+    """``python -m MODULE FLAG`` with ``doc`` as JSON on stdin, for at most ``timeout_s`` (past it, killed: a
+    SelfTestFailed naming ``what``). None, with a warning on ``log``, when this interpreter cannot start itself (a box
+    without exec rights, or qemu-user without binfmt, where sys.executable is a foreign binary): the caller then
+    times in this process, the memory kept."""
+    try:
+        return subprocess.run([sys.executable, "-m", module, flag], input=json.dumps(doc).encode(),
+                              capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SelfTestFailed(f"{what}: not done in {timeout_s:g} s (killed)") from exc
+    except OSError as exc:
+        log.warning("%s: could not start a child process (%s); timing in this process instead", what, exc)
+        return None
+
+
+def layout_doc(figures: Iterable[LayoutFigures]) -> list[dict[str, Any]]:
+    """Layout figures as a trial's child prints them (JSON); :func:`layout_figures` reads them back."""
+    return [{"instances": f.instances, "threads": f.threads, "images_per_s": f.images_per_s, "lone_ms": f.lone_ms}
+            for f in figures]
+
+
+def layout_figures(docs: Iterable[dict[str, Any]]) -> list[LayoutFigures]:
+    return [LayoutFigures(int(f["instances"]), int(f["threads"]),
+                          tuple((int(n), float(v)) for n, v in f["images_per_s"]), float(f["lone_ms"]))
+            for f in docs]
 
 
 def child_answer(done: subprocess.CompletedProcess, what: str) -> dict[str, Any]:
