@@ -8,12 +8,14 @@ the FP32 pipeline judged against itself), never a compiler's.
 :func:`fp32_run` runs the same two ONNX files through judge.pipeline.Chain with onnxruntime directly: the
 independent answers the agent's must match. ``ocr_bundle(drift_pages=...)`` records the FP32 pipeline's end answers on
 those pages as the manifest's drift reference, with the function the compiler records it with
-(judge.pipeline.drift_reference, on its evaluation set).
+(judge.pipeline.drift_reference, on its evaluation set). :func:`body` and :func:`texts` are the two ends of a KServe v2
+request to the pipeline served: pages in as a binary tensor, each page's strings out.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ from edgefleet.protocol.manifest import (
 from edgefleet.protocol.pipeline import PipelineSpec
 from edgefleet.protocol.preprocess import Preprocessing
 
-__all__ = ["HEIGHT", "WIDTH", "WORDS", "fp32_run", "models_dir", "ocr_bundle", "ocr_spec", "pages", "strings"]
+__all__ = ["HEIGHT", "WIDTH", "WORDS", "body", "fp32_run", "models_dir", "ocr_bundle", "ocr_spec", "pages", "strings",
+           "texts"]
 
 HEIGHT, WIDTH = 320, 480
 WORDS = ("edgefleet", "INVOICE 2026", "total 42.00", "ship it", "v1.0.0", "hello world", "ACME Corp")
@@ -89,6 +92,23 @@ def pages(n: int, seed: int = 0, lines: int = 4) -> np.ndarray:
                         float(rng.uniform(0.8, 1.2)), (20, 20, 20), 2)
         out.append(((img.astype(np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1))
     return np.ascontiguousarray(np.stack(out))
+
+
+def body(images: np.ndarray, outputs: tuple[str, ...] = ("count", "text")) -> tuple[bytes, dict[str, str]]:
+    """A KServe v2 binary-tensor request for ``images`` (FP32 NCHW), its ``outputs`` answered as JSON."""
+    x = np.ascontiguousarray(images, np.float32)
+    head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": n} for n in outputs]}).encode()
+    return head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
+
+
+def texts(doc: dict) -> list[list[str]]:
+    """Each image's strings from a JSON answer holding 'count' and 'text'."""
+    outs = {o["name"]: o for o in doc["outputs"]}
+    count = outs["count"]["data"]
+    t = np.asarray(outs["text"]["data"], np.uint8).reshape(outs["text"]["shape"])
+    return [[bytes(row).rstrip(b"\0").decode() for row in t[i, :count[i]]] for i in range(len(count))]
 
 
 def _sessions(threads: int = 2) -> tuple[Any, Any]:

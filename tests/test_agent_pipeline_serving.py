@@ -10,7 +10,6 @@ telemetry, with the pipeline's own p99 as the model's."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tests.agent_harness import metric, ocr_pipeline_or_skip, preinstall, runnin
 from tests.waiting import concurrently, wait_for
 
 ocr = ocr_pipeline_or_skip()
+body, texts = ocr.body, ocr.texts
 
 MAX_CROPS = 64  # 16 boxes an image: at most 4 images a request
 
@@ -50,23 +50,6 @@ def agent(tmp_path_factory, bundles):
     with running_agent(data, grpc_port=0, local_socket="local.sock", max_batch_size=16,
                        max_queue_delay_us=20_000, queue_timeout_ms=120_000) as (a, url):
         yield a, url
-
-
-def body(images: np.ndarray, outputs: tuple[str, ...] = ("count", "text")) -> tuple[bytes, dict[str, str]]:
-    """A KServe v2 binary-tensor request for ``images`` (FP32 NCHW), its ``outputs`` answered as JSON."""
-    x = np.ascontiguousarray(images, np.float32)
-    head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                                   "parameters": {"binary_data_size": x.nbytes}}],
-                       "outputs": [{"name": n} for n in outputs]}).encode()
-    return head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
-
-
-def texts(doc: dict) -> list[list[str]]:
-    """Each image's strings from a JSON answer holding 'count' and 'text'."""
-    outs = {o["name"]: o for o in doc["outputs"]}
-    count = outs["count"]["data"]
-    t = np.asarray(outs["text"]["data"], np.uint8).reshape(outs["text"]["shape"])
-    return [[bytes(row).rstrip(b"\0").decode() for row in t[i, :count[i]]] for i in range(len(count))]
 
 
 def infer(url: str, images: np.ndarray, client: httpx.Client | None = None) -> httpx.Response:

@@ -9,7 +9,6 @@ pipeline, and a pipeline shadowing a single model, are refused with the reason."
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tests.agent_harness import ocr_pipeline_or_skip, preinstall, running_agent
 from tests.waiting import wait_for
 
 ocr = ocr_pipeline_or_skip()
+body, texts = ocr.body, ocr.texts
 
 MAX_CROPS = 64
 
@@ -77,21 +77,6 @@ def world(tmp_path_factory, digits_bundle):
         yield repo, bundles, {k: repo.add(b) for k, b in bundles.items()}
     finally:
         repo.server.close()
-
-
-def body(images: np.ndarray) -> tuple[bytes, dict[str, str]]:
-    x = np.ascontiguousarray(images, np.float32)
-    head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                                   "parameters": {"binary_data_size": x.nbytes}}],
-                       "outputs": [{"name": "count"}, {"name": "text"}]}).encode()
-    return head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
-
-
-def texts(doc: dict) -> list[list[str]]:
-    outs = {o["name"]: o for o in doc["outputs"]}
-    count = outs["count"]["data"]
-    t = np.asarray(outs["text"]["data"], np.uint8).reshape(outs["text"]["shape"])
-    return [[bytes(row).rstrip(b"\0").decode() for row in t[i, :count[i]]] for i in range(len(count))]
 
 
 def expected(images: np.ndarray, upper: bool = False) -> list[list[str]]:
