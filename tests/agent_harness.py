@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -236,6 +236,43 @@ def shm_object(prefix: str, size: int = 64 * 1024) -> Iterator[tuple[str, shared
             r.unlink()
         except FileNotFoundError:
             pass
+
+
+class Load:
+    """What the clients of :func:`under_load` record: one (status, version served, answer right) per request, and
+    the failures' texts; ``stopped`` is set when the load is to end."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.results: list[tuple[int, str | None, bool]] = []
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, result: tuple[int, str | None, bool], failure: str | None = None) -> None:
+        with self._lock:
+            self.results.append(result)
+            if failure is not None:
+                self.failures.append(failure)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.results)
+
+
+@contextmanager
+def under_load(client: Callable[[Load, int], None], clients: int, join_s: float) -> Iterator[Load]:
+    """``client(load, seed)`` in ``clients`` threads (seeds 0, 1, ...) for the time of the block (e.g. a hot swap):
+    each requests until ``load.stopped``, which the block's end sets, then each thread is joined (``join_s``)."""
+    load = Load()
+    threads = [threading.Thread(target=client, args=(load, s)) for s in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield load
+    finally:
+        load.stopped.set()
+        for t in threads:
+            t.join(join_s)
 
 
 def ocr_pipeline_or_skip():

@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import tarfile
-import threading
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 
 from edgefleet.agent.errors import SelfTestFailed
 from edgefleet.agent.install.store import ModelStore
-from tests.agent_harness import preinstall, running_agent
+from tests.agent_harness import Load, preinstall, running_agent, under_load
 from tests.conftest import wait_for
 
 
@@ -87,15 +86,12 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
     images, labels = test_images
     with running_agent(data, instances=2) as (agent, url):
         assert len(agent.host.models["digits"].backends) == 2
-        stop = threading.Event()
-        results: list[tuple[int, str | None, bool]] = []  # (status, version, all predictions right)
-        lock = threading.Lock()
 
-        def client(seed: int) -> None:
+        def client(load: Load, seed: int) -> None:
             rng = np.random.default_rng(seed)
             with httpx.Client(timeout=30) as c:
                 for _ in range(100_000):  # bounded; stopped by the event long before
-                    if stop.is_set():
+                    if load.stopped.is_set():
                         return
                     i = int(rng.integers(0, len(images) - 4))
                     r = c.post(f"{url}/v2/models/digits/infer", json=infer_body(images[i:i + 4]))
@@ -103,18 +99,10 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
                     version = r.json().get("model_version") if ok else None
                     right = ok and bool((np.array(r.json()["outputs"][0]["data"]).reshape(4, 10).argmax(1)
                                          == labels[i:i + 4]).mean() >= 0.5)
-                    with lock:
-                        results.append((r.status_code, version, right))
+                    load.add((r.status_code, version, right))  # (status, version, all predictions right)
 
-        threads = [threading.Thread(target=client, args=(s,)) for s in range(6)]
-        for t in threads:
-            t.start()
-        try:
-            def count() -> int:
-                with lock:
-                    return len(results)
-
-            wait_for(lambda: count() >= 50, 60, "load before the swap")
+        with under_load(client, 6, join_s=60) as load:
+            wait_for(lambda: load.count() >= 50, 60, "load before the swap")
             assert agent._loop is not None
             # the other version's self-test and warm-up take turns with the serving batches on one gate
             gate = agent.host.models["digits"].batcher.gate
@@ -127,12 +115,9 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
             assert turns[:5] == ["infer"] * (3 + 2) and len(turns) > 5 and set(turns[5:]) == {"_timed"}
             assert agent.host.models["digits"].batcher.gate is gate
             assert swapped.version == "1.0.0"
-            before = count()
-            wait_for(lambda: count() >= before + 50, 60, "load after the swap")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
+            before = load.count()
+            wait_for(lambda: load.count() >= before + 50, 60, "load after the swap")
+    results = load.results
     statuses = {s for s, _, _ in results}
     versions = [v for _, v, _ in results]
     assert statuses == {200}, [r for r in results if r[0] != 200][:5]

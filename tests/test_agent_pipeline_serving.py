@@ -10,7 +10,6 @@ telemetry, with the pipeline's own p99 as the model's."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 from edgefleet.protocol import mqtt as proto
-from tests.agent_harness import metric, ocr_pipeline_or_skip, preinstall, running_agent
+from tests.agent_harness import Load, metric, ocr_pipeline_or_skip, preinstall, running_agent, under_load
 from tests.waiting import concurrently, wait_for
 
 ocr = ocr_pipeline_or_skip()
@@ -226,48 +225,31 @@ def test_hot_swap_under_load_fails_no_request_and_each_answer_is_one_versions(tm
     # calls (self-tests, batch sizes timed, warm-up) take turns with the serving batches, each request needs a turn
     # of each stage, and on a loaded 2-core box that passed the default 5 s (a latency bound, not what this tests)
     with running_agent(data, queue_timeout_ms=120_000) as (a, url):
-        stop = threading.Event()
-        results: list[tuple[int, str | None, bool]] = []
-        failures: list[str] = []
-        lock = threading.Lock()
-
-        def client(seed: int) -> None:
+        def client(load: Load, seed: int) -> None:
             with httpx.Client(timeout=60) as c:
                 for k in range(100_000):  # bounded; stopped by the event long before
-                    if stop.is_set():
+                    if load.stopped.is_set():
                         return
                     i = (seed + k) % len(images)
                     r = infer(url, images[i], c)
                     version = r.json().get("model_version") if r.status_code == 200 else None
                     right = version is not None and texts(r.json())[0] == want[version][i]
-                    with lock:
-                        results.append((r.status_code, version, right))
-                        if r.status_code != 200:
-                            failures.append(f"{r.status_code}: {r.text[:300]}")
+                    load.add((r.status_code, version, right),
+                             f"{r.status_code}: {r.text[:300]}" if r.status_code != 200 else None)
 
-        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        try:
-            def count() -> int:
-                with lock:
-                    return len(results)
-
+        with under_load(client, 4, join_s=120) as load:
             # left to choose, the device measured each stage's batch sizes
             stages = httpx.get(f"{url}/v2/models/ocr/config", timeout=10).json()["pipeline"]["stages"]
             assert all(s["batch_tuning"]["mode"] == "measured" and "1" in s["batch_tuning"]["items_per_second"]
                        and s["max_batch_size"] in {int(n) for n in s["batch_tuning"]["items_per_second"]}
                        for s in stages), stages
-            wait_for(lambda: count() >= 8, 120, "load before the swap")
+            wait_for(lambda: load.count() >= 8, 120, "load before the swap")
             assert a._loop is not None
             swapped = asyncio.run_coroutine_threadsafe(a.rollback("ocr"), a._loop).result(300)
             assert swapped.version == "1.0.0"
-            before = count()
-            wait_for(lambda: count() >= before + 8, 120, "load after the swap")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
+            before = load.count()
+            wait_for(lambda: load.count() >= before + 8, 120, "load after the swap")
+    results, failures = load.results, load.failures
     assert {s for s, _, _ in results} == {200}, failures[:5]
     assert all(right for _, _, right in results), [r for r in results if not r[2]][:5]
     versions = [v for _, v, _ in results]
