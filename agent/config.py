@@ -105,10 +105,13 @@ class AgentConfig(StrictModel):
     inference_cpus: tuple[int, ...] | None = None
     # the Open Inference Protocol over gRPC (tritonclient.grpc) on http_host; None: off, 0: a free port
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
-    # its connections (agent/transports/grpc.py): at most this many at once (and at most a quarter of RLIMIT_NOFILE);
+    # its connections (agent/transports/grpc.py): at most this many at once (and at most a twelfth of RLIMIT_NOFILE);
     # one that sends no HTTP/2 preface and SETTINGS within grpc_handshake_timeout_s, or has no call in progress
     # for grpc_idle_timeout_s, is closed
     grpc_max_connections: int = Field(default=256, ge=1, le=65536)
+    # of them, at most this many from one address (None: half the cap); at the cap the one with no call in progress
+    # for the longest is closed for a new one
+    grpc_max_connections_per_peer: int | None = Field(default=None, ge=1, le=65536)
     grpc_handshake_timeout_s: float = Field(default=10.0, gt=0, le=300)
     grpc_idle_timeout_s: float = Field(default=300.0, gt=0, le=86400)
     # Triton's system shared-memory extension (clients on the box pass tensors by reference, HTTP and gRPC): a

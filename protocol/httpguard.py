@@ -30,10 +30,11 @@ import json
 import logging
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HttpLimits", "connection_cap", "guarded"]
+__all__ = ["Gate", "HttpLimits", "connection_cap", "guarded"]
 
 log = logging.getLogger("edgefleet.http")
 
@@ -76,22 +77,27 @@ def connection_cap(limits: HttpLimits) -> int:
     return max(1, min(limits.max_connections, int((soft - limits.reserve_fds) * limits.fd_share)))
 
 
-class _Gate:
-    """The connections one listener holds, in all and per address (used on its event loop only)."""
+class Gate:
+    """The connections one listener holds, in all and per address (used on its event loop only). Its
+    connections are objects it keeps as keys; ``evict(connection)`` closes one to make room (by default its
+    ``transport.close()``), and the listener calls :meth:`release` once it is gone. Also the gRPC port's
+    (agent/transports/grpc_front.py); ``what`` names the listener in the log."""
 
-    def __init__(self, limits: HttpLimits):
-        self.cap = connection_cap(limits)
-        self.per_peer = min(limits.max_connections_per_peer, self.cap)
+    def __init__(self, cap: int, per_peer: int, what: str = "HTTP",
+                 evict: Callable[[Any], None] = lambda c: c.transport.close()):
+        self.cap = cap
+        self.per_peer = min(per_peer, cap)
+        self.what, self.evict = what, evict
         self.total = 0
         self.peers: dict[str, int] = {}
-        self.idle: dict[Any, None] = {}  # admitted connections waiting for a request's first byte, oldest first
+        self.idle: dict[Any, None] = {}  # admitted connections with nothing in progress, idle the longest first
         self.refused: dict[str, int] = {}  # why -> how many since the last log line
         self.logged_at = 0.0
 
     def admit(self, peer: str) -> bool:
         """Whether a new connection from ``peer`` may stay. At the total cap, the connection idle the longest
-        (nothing sent since it opened or since its last answer) is closed to make room: connections from many
-        addresses that send nothing cannot lock the others out. Past ``peer``'s own cap, or with none idle: no."""
+        (nothing in progress for the longest time) is closed to make room: connections from many addresses that
+        send nothing cannot lock the others out. Past ``peer``'s own cap, or with none idle: no."""
         held = self.peers.get(peer, 0)
         if held >= self.per_peer:
             self.note("connections refused at the per-address cap")
@@ -102,7 +108,7 @@ class _Gate:
                 return False
             oldest = next(iter(self.idle))
             del self.idle[oldest]
-            oldest.transport.close()  # released when it is lost: the total stays within the cap and this one
+            self.evict(oldest)  # released when it is lost: the total stays within the cap and this one
             self.note("idle connections closed at the cap for a new one")
         self.total += 1
         self.peers[peer] = held + 1
@@ -118,7 +124,7 @@ class _Gate:
         self.refused[why] = self.refused.get(why, 0) + 1
         now = time.monotonic()
         if now - self.logged_at >= _LOG_EVERY_S:
-            log.warning("HTTP: %s in the last %.0f s (%d connections held, cap %d, %d per address)",
+            log.warning("%s: %s in the last %.0f s (%d connections held, cap %d, %d per address)", self.what,
                         ", ".join(f"{n} {w}" for w, n in self.refused.items()), _LOG_EVERY_S, self.total,
                         self.cap, self.per_peer)
             self.refused.clear()
@@ -147,7 +153,7 @@ _HEAD, _BODY, _BETWEEN = 0, 1, 2  # where the parser is: in a head, in a body, b
 def guarded(base: type, limits: HttpLimits) -> type:
     """uvicorn's httptools protocol class ``base`` with :class:`HttpLimits` held on every connection; the
     returned class's connections share one cap (make one class per listener)."""
-    gate = _Gate(limits)
+    gate = Gate(connection_cap(limits), limits.max_connections_per_peer)
     uvicorn_log = logging.getLogger("uvicorn.error")
     if _quiet not in uvicorn_log.filters:
         uvicorn_log.addFilter(_quiet)

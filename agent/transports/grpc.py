@@ -19,14 +19,19 @@ its calls hold is bounded by how many may be in progress at once: ``grpc_concurr
 / max_body_bytes, at least 64 and at most 1024; 64 calls of up to 16 MiB at the defaults); beyond that gRPC
 answers RESOURCE_EXHAUSTED.
 
-Connections (issue 45.1), from gRPC core's own options: at most ``grpc_max_connections`` at once (and never more
-than a quarter of the process's descriptor limit, RLIMIT_NOFILE: headroom for the agent's own work); one more is
-closed as it is accepted. A connection that has not sent HTTP/2's preface and SETTINGS within
-``grpc_handshake_timeout_s`` is closed; one with no call in progress for ``grpc_idle_timeout_s`` is sent GOAWAY and
-closed (a client's channel reconnects by itself); request metadata over ``GRPC_MAX_METADATA_BYTES`` is refused;
-pings without calls are refused past gRPC's default strikes (keepalive enforcement). gRPC core shows a connection
-to no code before its first call, so there is no per-peer cap on this port: on loopback a peer's address tells
-nothing anyway (a local user picks any source in 127.0.0.0/8); the local socket has one per user.
+Connections (issue 45.1): gRPC core listens on a Unix socket in a private folder, and the public port is a front
+(agent/transports/grpc_front.py) that splices each connection it admits to it. At most ``grpc_max_connections`` at
+once (and never more than a twelfth of the process's descriptor limit, RLIMIT_NOFILE: each takes three, the
+client's and both ends of the inner one, so a quarter of the table at most), of them at most
+``grpc_max_connections_per_peer`` from one address (half the cap by default): one more from that address is
+closed as it is accepted, and at the total cap the connection with no call in progress for the longest is closed
+to make room. gRPC core's own options bound each inner connection: one that has not sent HTTP/2's preface and
+SETTINGS within ``grpc_handshake_timeout_s`` is closed; one with no call in progress for ``grpc_idle_timeout_s``
+is sent GOAWAY and closed (a client's channel reconnects by itself); request metadata over
+``GRPC_MAX_METADATA_BYTES`` is refused; pings without calls are refused past gRPC's default strikes (keepalive
+enforcement). A client that reads none of its answers for ``grpc_handshake_timeout_s`` is cut off. On loopback a
+peer's address tells little (a local user picks any source in 127.0.0.0/8, so the total cap and its room for new
+connections are what hold there); the local socket has a cap per user.
 Every error is a gRPC status with a message: INVALID_ARGUMENT (a bad request),
 NOT_FOUND (no such model), RESOURCE_EXHAUSTED (a full queue), UNAVAILABLE (no model yet, being replaced, queue
 timeout), INTERNAL.
@@ -38,7 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +59,7 @@ from edgefleet.protocol.errors import ConfigError
 
 from ..core.host import EXTENSIONS, ModelHost, Served, model_config
 from ..errors import AgentError, RequestError
+from .grpc_front import GrpcFront
 from .kserve import (
     CUDA_SHM_REFUSED,
     MODEL_CONTROL_REFUSED,
@@ -130,16 +139,21 @@ class GrpcLimits:
     max_connections: int = 256
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
+    max_connections_per_peer: int | None = None  # None: half of connection_cap
 
     def connection_cap(self) -> int:
-        """max_connections, at most a quarter of the soft descriptor limit (at least 1)."""
+        """max_connections, at most a twelfth of the soft descriptor limit (at least 1): three descriptors each."""
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return self.max_connections if soft == resource.RLIM_INFINITY else max(1, min(self.max_connections,
-                                                                                      soft // 4))
+                                                                                      soft // 12))
 
-    def options(self) -> list[tuple[str, int]]:
-        """gRPC core's channel arguments for these bounds."""
-        return [("grpc.max_allowed_incoming_connections", self.connection_cap()),
+    def per_peer_cap(self, cap: int) -> int:
+        return min(cap, self.max_connections_per_peer or max(1, cap // 2))
+
+    def options(self, cap: int) -> list[tuple[str, int]]:
+        """gRPC core's channel arguments for these bounds. Only the front reaches its socket: its cap is the
+        front's with room for connections being replaced (one closed for a new one is still open for a moment)."""
+        return [("grpc.max_allowed_incoming_connections", 2 * cap),
                 ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
                 ("grpc.max_metadata_size", GRPC_MAX_METADATA_BYTES),
@@ -148,7 +162,8 @@ class GrpcLimits:
 
 def grpc_limits(config: Any) -> GrpcLimits:
     """The agent's config (agent.config.AgentConfig) -> its gRPC connection bounds."""
-    return GrpcLimits(config.grpc_max_connections, config.grpc_handshake_timeout_s, config.grpc_idle_timeout_s)
+    return GrpcLimits(config.grpc_max_connections, config.grpc_handshake_timeout_s, config.grpc_idle_timeout_s,
+                      config.grpc_max_connections_per_peer)
 
 
 def grpc_concurrency(max_inflight_body_bytes: int, max_body_bytes: int) -> int:
@@ -165,6 +180,8 @@ class GrpcServer:
         self.max_message_bytes = max_message_bytes
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._server: Any = None
+        self._front: GrpcFront | None = None
+        self._folder: str | None = None
         self.port = 0
         self.bind_host: str | None = None
 
@@ -178,35 +195,52 @@ class GrpcServer:
                               f"edgefleet[grpc] ({exc})") from exc
 
         self._grpc, self._pb = grpc, service_pb2
+        cap = self.limits.connection_cap()
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", max(self.max_message_bytes, 64 * 1024 * 1024)),
-                ("grpc.so_reuseport", 0), *self.limits.options()]
+                *self.limits.options(cap)]
         server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self, service_pb2_grpc), server)
-        addr = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
-        self.port = server.add_insecure_port(addr)
-        if not self.port:
-            raise OSError(f"gRPC could not listen on {addr}")
-        await server.start()
-        self._server = server
+        self._folder = tempfile.mkdtemp(prefix="edgefleet-grpc-")  # mode 0700: the front alone reaches the socket
+        inner = os.path.join(self._folder, "grpc.sock")
+        try:
+            if not server.add_insecure_port(f"unix:{inner}"):
+                raise OSError(f"gRPC could not listen on {inner}")
+            await server.start()
+            self._server = server
+            front = GrpcFront(inner, cap, self.limits.per_peer_cap(cap), self.limits.handshake_timeout_s)
+            self.port = await front.start(bind_host, port)
+        except BaseException:
+            await self.stop(0)
+            raise
+        self._front = front
         self.bind_host = bind_host
         return self.port
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls; the calls in progress get ``grace_s`` to finish."""
+        if self._front is not None:
+            self._front.stop_accepting()
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self._front is not None:
+            await self._front.stop()
+            self._front = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     # -- helpers ------------------------------------------------------------------------------------
 
     def caller_shm(self, context: Any) -> tuple[SharedMemory | None, PeerCell]:
         """The shared-memory registry as this call's client may use it, and the client's cell
-        (agent/transports/peer.py). gRPC shows no connection, only its peer address, and an address and port may be
-        another user's once the connection closes: the user is told per call, and only when the call uses a region
-        (about 25-50 us)."""
-        host, port = _peer_address(context.peer())
-        cell = PeerCell(lambda: tcp_peer(host, port, self.port, self.bind_host))
+        (agent/transports/peer.py). gRPC shows no connection, only its peer (the front's inner connection, mapped
+        back to the client's address), and an address and port may be another user's once the connection closes:
+        the user is told per call, and only when the call uses a region (about 25-50 us)."""
+        origin = self._front.origin(context.peer()) if self._front is not None else None
+        host, port, reached = origin or (None, None, None)
+        cell = PeerCell(lambda: tcp_peer(host, port, self.port, reached))
         return (None if self.shm is None else self.shm.as_caller(cell)), cell
 
     def served(self, name: str, version: str) -> Served:
@@ -395,12 +429,3 @@ class _Servicer:
 
         return Servicer()
 
-
-def _peer_address(peer: str) -> tuple[str | None, int | None]:
-    """gRPC's peer ("ipv4:127.0.0.1:5555", "ipv6:[::1]:5555") -> (address, port); (None, None) for any other kind
-    ("unix:...")."""
-    kind, _, rest = peer.partition(":")
-    host, _, port = rest.rpartition(":")
-    if kind not in ("ipv4", "ipv6") or not port.isdigit():
-        return None, None
-    return host.strip("[]"), int(port)
