@@ -148,16 +148,21 @@ def test_predict_all_keeps_samples_of_different_shapes_apart():
     assert r.passed and r.outputs[0].cosine == 1.0
 
 
+def _save(g: onnx.GraphProto, path: Path) -> Path:
+    """``g`` as an opset-13, IR-8 model at ``path``."""
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return path
+
+
 def _folding(path: Path) -> Path:
     """x [N, 4] -> boxes [N*4, 1]: the batch folded into the box axis (declared [M, 1])."""
     shape = numpy_helper.from_array(np.array([-1, 1], np.int64), "shape")
     g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["boxes"])], "fold",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
                           [helper.make_tensor_value_info("boxes", TensorProto.FLOAT, ["M", 1])], [shape])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    onnx.save(m, path)
-    return path
+    return _save(g, path)
 
 
 def test_a_model_whose_outputs_do_not_keep_the_batch_is_refused_batching(tmp_path):
@@ -181,9 +186,7 @@ def test_state_exported_with_two_dynamic_axes_takes_its_batch_axis_from_data_and
     g = helper.make_graph(nodes, "state", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
                                            helper.make_tensor_value_info("h", TensorProto.FLOAT, ["L", "B", 8])],
                           [helper.make_tensor_value_info("h_out", TensorProto.FLOAT, ["L", "B", 8])], [w])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    onnx.save(m, tmp_path / "state.onnx")
+    _save(g, tmp_path / "state.onnx")
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "d.npz", x=rng.normal(size=(40, 4)).astype(np.float32),
              h=rng.normal(size=(2, 40, 8)).astype(np.float32))
@@ -207,10 +210,7 @@ def _if_model(path: Path) -> Path:
     g = helper.make_graph(nodes, "iff", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])],
                           [w, numpy_helper.from_array(np.array(0, np.float32), "zero")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    onnx.save(m, path)
-    return path
+    return _save(g, path)
 
 
 def test_an_int8_build_with_no_quantized_op_is_never_called_int8(tmp_path):
@@ -295,9 +295,7 @@ def test_the_self_test_sample_stays_within_1_mib_with_large_outputs(tmp_path):
                            helper.make_node("MatMul", ["xu", "w"], ["y"])], "big",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64, 1024])], [w, axes])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    onnx.save(m, tmp_path / "big.onnx")
+    _save(g, tmp_path / "big.onnx")
     np.savez(tmp_path / "d.npz", x=rng.normal(size=(64, 64)).astype(np.float32))
     r = run_cli("compile", str(tmp_path / "big.onnx"), "--profile", "x86-cpu", "--eval", str(tmp_path / "d.npz"),
                 "--precision", "fp32", "--task", "embedding", "--name", "big", "--out", str(tmp_path),
