@@ -97,8 +97,9 @@ class _Remote:
     def _ranged(self, start: int, end: int) -> bytes:
         return b"".join(self._chunks(start, end))
 
-    def get(self, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the bundle (a header, a manifest: small)."""
+    def get(self, start: int, end: int, ahead: int = WINDOW) -> bytes:
+        """Bytes [start, end) of the bundle (a header, a manifest: small), read on to ``start + ahead`` when fetched;
+        a window that holds the first part is read on from its end, not fetched again."""
         if end > self.length or end - start > MAX_MANIFEST_BYTES + WINDOW:
             raise NotAssembled(f"a member past the end of the {self.length}-byte archive")
         if end <= self.have:
@@ -106,9 +107,12 @@ class _Remote:
             data = self.out.read(end - start)
             self.out.seek(0, 2)
             return data
-        if not (self._win_at <= start and end <= self._win_at + len(self._win)):
+        win_end = self._win_at + len(self._win)
+        if not (self._win_at <= start and end <= win_end):
+            upto = min(self.length, max(end, start + ahead))
+            kept = self._win[start - self._win_at:] if self._win_at <= start <= win_end else b""
             self._win_at = start
-            self._win = self._ranged(start, min(self.length, max(end, start + WINDOW)))
+            self._win = kept + self._ranged(start + len(kept), upto)
         return self._win[start - self._win_at:end - self._win_at]
 
     def emit(self, start: int, end: int) -> None:
@@ -152,12 +156,16 @@ def assemble(http: FleetHttp, url: str, length: int, out: IO[bytes], have: int, 
     ``prior``: bytes and seconds of the earlier tries, for the slow-retrieval guard (agent/link/fetch.py)."""
     r = _Remote(http, url, length, out, have, take, prior)
     files: dict[str, tuple[str, int]] | None = None  # member name -> (sha256, size), from the manifest
+    to_come: list[str] = []  # the members still expected, in the order write_bundle writes them (sorted)
     copied = off = 0
     pax: dict[str, str] = {}
     for _ in range(MAX_MEMBERS):
         if off + BLOCK > length:
             raise NotAssembled("the archive ends inside a header")
-        head = r.get(off, off + BLOCK)
+        # a header is read on into its member's data (one request for a small member), unless the member expected
+        # next is one held here: its data is copied, and bytes read ahead of it would be fetched for nothing
+        nxt = (files or {}).get(to_come[0]) if to_come else None
+        head = r.get(off, off + BLOCK, BLOCK if nxt is not None and nxt[0] in held else WINDOW)
         if head == b"\0" * BLOCK:  # the end-of-archive blocks and the record's padding: as they are on the fleet
             r.emit(off, length)
             return Assembled(r.fetched, copied)
@@ -175,17 +183,22 @@ def assemble(http: FleetHttp, url: str, length: int, out: IO[bytes], have: int, 
         if ti.type in (tarfile.XHDTYPE, tarfile.XGLTYPE):
             if size > WINDOW:
                 raise NotAssembled(f"a PAX header of {size} bytes")
-            pax = _pax_records(r.get(data_at, data_at + size)) if ti.type == tarfile.XHDTYPE else pax
+            # read on to the member's own header (which follows the records), and no further
+            records = r.get(data_at, data_at + size, padded + BLOCK)
+            pax = _pax_records(records) if ti.type == tarfile.XHDTYPE else pax
             r.emit(data_at, data_at + padded)
         elif name == MANIFEST_FILENAME and files is None:
-            try:
-                m = parse_manifest(r.get(data_at, data_at + size), "the new bundle's manifest")
+            try:  # read with its padding: one request, the next header's read starts where it ends
+                m = parse_manifest(r.get(data_at, data_at + padded, 0)[:size], "the new bundle's manifest")
             except ContractError as exc:
                 raise NotAssembled(str(exc)) from exc
             files = {n: (e.sha256, e.size_bytes) for n, e in m.files.items()}
+            to_come = sorted(files)
             r.emit(data_at, data_at + padded)
             pax = {}
         else:
+            if name in to_come:
+                to_come.remove(name)
             want = (files or {}).get(name)
             src = held.get(want[0]) if want is not None and want[1] == size else None
             if src is not None and data_at >= r.have and want is not None and _copy(src, want[0], size, out):
