@@ -22,6 +22,7 @@ from edgefleet.protocol.errors import ConfigError
 from tests.agent_harness import preinstall
 from tests.conftest import REPO, free_port, wait_for
 from tests.systemd_units import unit_fields, verify_unit
+from tests.waiting import recv_until
 
 
 def write_config(path: Path, data_dir: Path, extra: str = "") -> Path:
@@ -186,19 +187,12 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_cleanly(tmp_path, dig
         proc.send_signal(signal.SIGTERM)
         wait_for(lambda: _refused(port), 30, "the agent to stop accepting connections")
         conn.sendall(body)
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = conn.recv(65536)
-            assert chunk, "the connection closed before the response"
-            head += chunk
+        head = recv_until(conn, lambda got: b"\r\n\r\n" in got, "the connection closed before the response")
         status, rest = head.split(b"\r\n", 1)
         assert status == b"HTTP/1.1 200 OK", head
         headers, payload = rest.split(b"\r\n\r\n", 1)
         length = int(next(h.split(b":")[1] for h in headers.split(b"\r\n") if h.lower().startswith(b"content-length")))
-        while len(payload) < length:
-            chunk = conn.recv(65536)
-            assert chunk
-            payload += chunk
+        payload = recv_until(conn, lambda got: len(got) >= length, "the connection closed before the body", payload)
         out = json.loads(payload)["outputs"][0]
         assert np.array_equal(np.array(out["data"]).reshape(4, 10).argmax(1), labels[:4])
         assert proc.wait(60) == 0

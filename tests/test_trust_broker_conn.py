@@ -42,7 +42,7 @@ from edgefleet.fleet.broker import EmbeddedBroker
 from edgefleet.fleet.broker_limits import BrokerLimits
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import free_port
-from tests.waiting import wait_for
+from tests.waiting import recv_until, wait_for
 
 DEVICE, PASSWORD, FLEET_PASSWORD = "edge-a", "device-secret", "fleet-secret"
 WAIT_S = 20.0
@@ -185,11 +185,7 @@ def test_a_qos2_flood_to_a_forbidden_topic_is_refused_when_received(broker):
     victim = raw_connect(port, "edge-b", "edge-b", PASSWORD)
     victim.sendall(subscribe_packet(proto.topic("edge-b", "desired")))
     victim.settimeout(WAIT_S)
-    got = b""
-    while b"for b" not in got:
-        chunk = victim.recv(4096)
-        assert chunk, "edge-b was disconnected before its desired state came"
-        got += chunk
+    recv_until(victim, lambda got: b"for b" in got, "edge-b was disconnected before its desired state came", size=4096)
     victim.close()
     fleet.close()
 

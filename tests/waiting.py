@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -119,3 +120,13 @@ def concurrently(fn: Callable[[int], object], n: int, timeout_s: float = 60.0) -
             errors[i].append(AssertionError(f"thread {i} still running after {timeout_s:g}s"))
     return [e for per in errors for e in per]
 
+
+def recv_until(sock: socket.socket, done: Callable[[bytes], bool], what: str, got: bytes = b"",
+               size: int = 65536) -> bytes:
+    """Read ``sock`` (each read bounded by its own timeout) until ``done`` holds of all read so far (``got`` first):
+    all of it; an AssertionError naming ``what`` if the other side closes the connection before."""
+    while not done(got):
+        chunk = sock.recv(size)
+        assert chunk, what
+        got += chunk
+    return got
