@@ -20,7 +20,7 @@ from edgefleet.protocol import drift as D
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.bundle import read_manifest
 from tests.fleet_harness import api, running_fleet
-from tests.waiting import wait_for
+from tests.waiting import at_once, wait_for
 
 CLOCK = re.compile(r">\d\d:\d\d(:\d\d)?</text>")  # a tick label of a chart's time axis (UTC clock time)
 
@@ -184,7 +184,6 @@ def test_replicas_storing_one_wave_s_telemetry_at_once_neither_deadlock_nor_lose
     orders and batches: every batch adds to the same rows of the minute, ten minutes and hour, upserted in key order;
     none deadlocks, and each row's sums are exactly the records'. PostgreSQL (SQLite takes one lock for all)."""
     import random
-    import threading
 
     from sqlalchemy import select
 
@@ -214,31 +213,21 @@ def test_replicas_storing_one_wave_s_telemetry_at_once_neither_deadlock_nor_lose
         svc.engine.tick()
         assert all(d["desired"] and d["desired"]["rollout_id"] == rid for d in svc.devices.list_devices())
         now = time.time()
-        errors: list[BaseException] = []
-        start = threading.Barrier(4)
 
         def writer(k: int) -> None:
             order = ids[:]
             random.Random(k).shuffle(order)
             stream = f"{k:016x}"
-            try:
-                start.wait(10)
-                for seq in range(3):
-                    for i in range(0, len(order), 45):
-                        svc.ingest.store_telemetry([proto.Telemetry(
-                            device_id=d, ts=now, stream=stream, seq=seq, interval_s=10.0, model="digits",
-                            version="1.1.0", requests=7, errors=1,
-                            latency=proto.LatencySummary(p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, max_ms=4.0), batches=7,
-                            batch_size_mean=1.0, batch_size_max=1, cpu_percent=1.0, rss_mb=1.0)
-                            for d in order[i:i + 45]])
-            except BaseException as exc:  # every failure is the test's finding
-                errors.append(exc)
+            for seq in range(3):
+                for i in range(0, len(order), 45):
+                    svc.ingest.store_telemetry([proto.Telemetry(
+                        device_id=d, ts=now, stream=stream, seq=seq, interval_s=10.0, model="digits",
+                        version="1.1.0", requests=7, errors=1,
+                        latency=proto.LatencySummary(p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, max_ms=4.0), batches=7,
+                        batch_size_mean=1.0, batch_size_max=1, cpu_percent=1.0, rss_mb=1.0)
+                        for d in order[i:i + 45]])
 
-        threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        threads, errors = at_once([lambda k=k: writer(k) for k in range(4)], join_s=120)
         assert not any(t.is_alive() for t in threads), "a writer is still waiting: a deadlock nobody detected"
         assert not errors, [f"{type(e).__name__}: {e}"[:300] for e in errors]
         with sessions() as s:

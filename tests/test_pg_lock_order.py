@@ -6,7 +6,6 @@ none fails because another moved a row under it; the wave counters end equal to 
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from edgefleet.fleet.tuf_store import SqlStore
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import postgres_db
 from tests.fleet_harness import RecordingPublisher
+from tests.waiting import at_once
 
 DEVICES = 300
 
@@ -68,17 +68,6 @@ def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service)
         order = ids[:]
         random.Random(seed).shuffle(order)
         batches.append([order[i:i + 37] for i in range(0, len(order), 37)])
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
-
-    def guarded(fn):
-        def run() -> None:
-            try:
-                start.wait(10)
-                fn()
-            except BaseException as exc:  # every failure is the test's finding
-                errors.append(exc)
-        return run
 
     def replica(k: int):
         def go() -> None:
@@ -98,11 +87,7 @@ def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service)
         time.sleep(0.05)  # in the middle of the ingest
         svc.rollouts.rollout_action(rid, "rollback", "operator")
 
-    threads = [threading.Thread(target=guarded(f)) for f in (replica(0), replica(1), statuses, rollback)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    threads, errors = at_once((replica(0), replica(1), statuses, rollback), join_s=120)
     assert not any(t.is_alive() for t in threads), "a writer is still waiting: a deadlock nobody detected"
     assert not errors, [f"{type(e).__name__}: {e}"[:300] for e in errors]
     with svc.sessions() as s:

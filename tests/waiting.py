@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import socket
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -100,8 +101,6 @@ def begun(task: asyncio.Future) -> bool:
 def concurrently(fn: Callable[[int], object], n: int, timeout_s: float = 60.0) -> list[BaseException]:
     """Run ``fn(0) .. fn(n - 1)`` in n threads at once and wait for them (``timeout_s`` in all); every exception a
     thread raised, and an AssertionError for each thread still running at the end, in thread order."""
-    import threading
-
     errors: list[list[BaseException]] = [[] for _ in range(n)]
 
     def run(i: int) -> None:
@@ -119,6 +118,31 @@ def concurrently(fn: Callable[[int], object], n: int, timeout_s: float = 60.0) -
         if t.is_alive():
             errors[i].append(AssertionError(f"thread {i} still running after {timeout_s:g}s"))
     return [e for per in errors for e in per]
+
+
+def at_once(fns: Sequence[Callable[[], object]], join_s: float = 120.0) -> tuple[list[threading.Thread],
+                                                                               list[BaseException]]:
+    """Run each of ``fns`` in its thread, the threads let go together (a barrier, at most 10 s), and join each (at most
+    ``join_s``): the threads (one still alive is a writer still waiting) and every exception they raised (each the
+    test's finding), for the test to assert on."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(fns))
+
+    def guarded(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                start.wait(10)
+                fn()
+            except BaseException as exc:  # every failure is the test's finding
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=guarded(f)) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return threads, errors
 
 
 def recv_until(sock: socket.socket, done: Callable[[bytes], bool], what: str, got: bytes = b"",
