@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["H", "W", "models_dir", "page_png", "pages", "run_ocr_step", "write_inputs"]
+__all__ = ["H", "W", "detector_input", "models_dir", "page_png", "pages", "run_ocr_step", "write_inputs"]
 
 H, W = 256, 320
 WORDS = ["edgefleet", "INVOICE 2026", "total 42.00", "ship it", "v1.0.0", "hello world", "ACME Corp", "Order 7731",
@@ -32,8 +32,8 @@ def models_dir() -> Path | None:
     return d if (d / "ch_PP-OCRv4_det_infer.onnx").is_file() and (d / "ch_PP-OCRv4_rec_infer.onnx").is_file() else None
 
 
-def pages(n: int, seed: int) -> np.ndarray:
-    """``n`` BGR pages (uint8, H x W x 3) of three printed lines each."""
+def pages(n: int, seed: int, words: Sequence[str] = WORDS) -> np.ndarray:
+    """``n`` BGR pages (uint8, H x W x 3) of three printed lines each, drawn from ``words``."""
     import cv2
 
     rng = np.random.default_rng(seed)
@@ -41,10 +41,15 @@ def pages(n: int, seed: int) -> np.ndarray:
     for _ in range(n):
         img = np.full((H, W, 3), 240, np.uint8)
         for k in range(3):
-            cv2.putText(img, str(rng.choice(WORDS)), (int(rng.integers(5, 60)), 50 + 75 * k),
+            cv2.putText(img, str(rng.choice(words)), (int(rng.integers(5, 60)), 50 + 75 * k),
                         cv2.FONT_HERSHEY_SIMPLEX, float(rng.uniform(0.8, 1.0)), (20, 20, 20), 2)
         out.append(img)
     return np.stack(out)
+
+
+def detector_input(pages: np.ndarray) -> np.ndarray:
+    """BGR pages as PP-OCR's detector takes them: [n, 3, H, W] FP32, (x / 255 - 0.5) / 0.5."""
+    return np.ascontiguousarray(((pages.astype(np.float32) / 255 - 0.5) / 0.5).transpose(0, 3, 1, 2))
 
 
 def page_png(page: np.ndarray) -> bytes:
@@ -83,8 +88,7 @@ pipeline:
     prep = folder / "preprocess.yaml"
     prep.write_text(f"input: x\nheight: {H}\nwidth: {W}\ncolor: bgr\nmean: [0.5, 0.5, 0.5]\nstd: [0.5, 0.5, 0.5]\n",
                     encoding="utf-8")
-    x = ((pages(16, seed=3).astype(np.float32) / 255 - 0.5) / 0.5).transpose(0, 3, 1, 2)
-    np.savez(folder / "eval.npz", x=np.ascontiguousarray(x))
+    np.savez(folder / "eval.npz", x=detector_input(pages(16, seed=3)))
     return spec, prep, folder / "eval.npz"
 
 

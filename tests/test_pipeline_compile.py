@@ -14,16 +14,18 @@ import json
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from edgefleet import demo_ocr
 from edgefleet.protocol.bundle import check_bundle
 from edgefleet.protocol.drift import DriftAccumulator
 from edgefleet.protocol.pipeline import end_output_names
 from tests.emulation import python_argv
 
-H, W = 256, 320
+H, W = demo_ocr.H, demo_ocr.W
 WORDS = ["edgefleet", "INVOICE 2026", "total 42.00", "ship it", "v1.0.0", "hello world", "ACME Corp", "Order 7731",
          "paid", "Room 12B"]
 
@@ -41,18 +43,9 @@ def _models() -> Path:
 
 
 def pages(n: int, seed: int) -> np.ndarray:
-    """``n`` pages of three printed lines, [n, 3, H, W], (x / 255 - 0.5) / 0.5 as PP-OCR's detector takes them."""
-    import cv2
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        img = np.full((H, W, 3), 240, np.uint8)
-        for k in range(3):
-            cv2.putText(img, str(rng.choice(WORDS)), (int(rng.integers(5, 60)), 50 + 75 * k),
-                        cv2.FONT_HERSHEY_SIMPLEX, float(rng.uniform(0.8, 1.0)), (20, 20, 20), 2)
-        out.append(((img.astype(np.float32) / 255 - 0.5) / 0.5).transpose(2, 0, 1))
-    return np.stack(out)
+    """``n`` pages of three printed lines of WORDS (drawn as the demo draws its own), [n, 3, H, W], (x / 255 - 0.5) /
+    0.5 as PP-OCR's detector takes them."""
+    return demo_ocr.detector_input(demo_ocr.pages(n, seed, WORDS))
 
 
 def write_pipeline(folder: Path, det: Path, rec: Path, precision: str = "fp32", charset: str = "model:character",
@@ -138,18 +131,26 @@ def strings_of(arrays: dict[str, np.ndarray], key: str = "expected") -> list[lis
     return [sorted(bytes(row).rstrip(b"\0").decode() for row in text[i, : count[i]]) for i in range(len(count))]
 
 
+def compile_ocr(folder: Path, eval_npz: Path, *options: str, profile: str = "x86-cpu", out: str = "ocr.bundle",
+                **pipeline: Any) -> tuple[subprocess.CompletedProcess, Path]:
+    """``edgefleet compile-pipeline`` of the PP-OCRv4 pair (its pipeline.yaml written into ``folder`` by
+    :func:`write_pipeline` with ``pipeline``'s options) for ``profile`` on ``eval_npz``, the bundle to ``folder /
+    out``, with ``options``: what the command did, and the bundle's path."""
+    models = _models()
+    pipe = write_pipeline(folder, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
+                          **pipeline)
+    return run_cli("compile-pipeline", str(pipe), "--profile", profile, "--eval", str(eval_npz), "-o",
+                   str(folder / out), *options), folder / out
+
+
 # -- the tests -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp32_bundle(tmp_path_factory):
-    models = _models()
     folder = tmp_path_factory.mktemp("ocr")
     np.savez(folder / "eval.npz", x=pages(12, seed=0))
-    pipe = write_pipeline(folder, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx")
-    out = folder / "ocr.bundle"
-    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(folder / "eval.npz"),
-                "--preprocess", str(write_prep(folder)), "-o", str(out), "--no-cache", "--json")
+    r, out = compile_ocr(folder, folder / "eval.npz", "--preprocess", str(write_prep(folder)), "--no-cache", "--json")
     assert r.returncode == 0, r.stderr
-    return out, json.loads(r.stdout), models
+    return out, json.loads(r.stdout), _models()
 
 
 def test_a_pipeline_compiles_into_one_bundle_that_describes_the_whole(fp32_bundle):
@@ -207,26 +208,20 @@ def test_the_self_test_holds_what_the_fp32_models_read(fp32_bundle):
 
 
 def test_a_charset_that_does_not_fit_the_readers_classes_is_refused(tmp_path):
-    models = _models()
     (tmp_path / "chars.txt").write_text("a\nb\nc\n")
     np.savez(tmp_path / "eval.npz", x=pages(2, seed=1))
-    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
-                          charset="file:chars.txt")
-    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(tmp_path / "eval.npz"),
-                "-o", str(tmp_path / "x.bundle"), "--no-cache")
+    r, _ = compile_ocr(tmp_path, tmp_path / "eval.npz", "--no-cache", out="x.bundle", charset="file:chars.txt")
     assert r.returncode == 4, r.stderr
     assert "3 entries" in r.stderr and "6625 classes" in r.stderr
     assert not (tmp_path / "x.bundle").exists()
 
 
 def test_a_preprocessing_that_is_not_the_crops_source_is_refused(tmp_path):
-    models = _models()
     np.savez(tmp_path / "eval.npz", x=pages(2, seed=1))
-    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx")
     prep = tmp_path / "prep.yaml"
     prep.write_text(f"input: x\nheight: {H}\nwidth: {W}\n")  # [0, 1]: the crops would be cut from wrong pixels
-    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(tmp_path / "eval.npz"),
-                "--preprocess", str(prep), "-o", str(tmp_path / "x.bundle"), "--no-cache", "--json")
+    r, _ = compile_ocr(tmp_path, tmp_path / "eval.npz", "--preprocess", str(prep), "--no-cache", "--json",
+                       out="x.bundle")
     assert r.returncode == 4, r.stderr
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and "crop.source" in doc["error"]
@@ -244,12 +239,8 @@ def sixteen_pages(tmp_path_factory):
 
 def test_an_explicit_int8_stage_whose_end_answers_change_is_refused_with_the_combination_that_passes(sixteen_pages,
                                                                                                      tmp_path):
-    models = _models()
-    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
-                          precision="int8", rec_precision="fp32")
-    out = tmp_path / "ocr.bundle"
-    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(sixteen_pages / "eval.npz"),
-                "-o", str(out), "--no-cache", "--no-benchmark", "--json")
+    r, out = compile_ocr(tmp_path, sixteen_pages / "eval.npz", "--no-cache", "--no-benchmark", "--json",
+                         precision="int8", rec_precision="fp32")
     assert r.returncode == 3, r.stderr
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["exit_code"] == 3
@@ -262,12 +253,8 @@ def test_an_explicit_int8_stage_whose_end_answers_change_is_refused_with_the_com
 
 
 def test_under_auto_the_stage_falls_back_to_fp32_and_the_bundle_records_the_gate(sixteen_pages, tmp_path):
-    models = _models()
-    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx",
-                          precision="auto", rec_precision="fp32")
-    out = tmp_path / "ocr.bundle"
-    r = run_cli("compile-pipeline", str(pipe), "--profile", "x86-cpu", "--eval", str(sixteen_pages / "eval.npz"),
-                "-o", str(out), "--no-cache", "--no-benchmark", "--json")
+    r, out = compile_ocr(tmp_path, sixteen_pages / "eval.npz", "--no-cache", "--no-benchmark", "--json",
+                         precision="auto", rec_precision="fp32")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert [(g["stages"], g["how"], g["passed"], g["kept"], g["of"]) for g in doc["gate"]] == [
@@ -291,12 +278,10 @@ def test_under_auto_the_stage_falls_back_to_fp32_and_the_bundle_records_the_gate
 def test_the_pipeline_builds_for_arm64_on_onnxruntime_and_reads_as_on_x86(fp32_bundle, tmp_path):
     """arm64-cpu-onnx (onnxruntime on aarch64): the PP-OCRv4 pair does not convert to LiteRT with onnx2tf (see
     compiler/pipeline_bundle.py), so ARM64 boxes get the pipeline as ONNX files; same pages, same strings."""
-    x86, _, models = fp32_bundle
+    x86, _, _ = fp32_bundle
     np.savez(tmp_path / "eval.npz", x=pages(12, seed=0))
-    pipe = write_pipeline(tmp_path, models / "ch_PP-OCRv4_det_infer.onnx", models / "ch_PP-OCRv4_rec_infer.onnx")
-    out = tmp_path / "ocr-arm64.bundle"
-    r = run_cli("compile-pipeline", str(pipe), "--profile", "arm64-cpu-onnx", "--eval", str(tmp_path / "eval.npz"),
-                "--preprocess", str(write_prep(tmp_path)), "-o", str(out), "--no-cache", "--json")
+    r, out = compile_ocr(tmp_path, tmp_path / "eval.npz", "--preprocess", str(write_prep(tmp_path)), "--no-cache",
+                         "--json", profile="arm64-cpu-onnx", out="ocr-arm64.bundle")
     assert r.returncode == 0, r.stderr
     m = check_bundle(out)
     assert m.profile == "arm64-cpu-onnx" and m.backend == "onnxruntime" and m.cpu_features == ("neon",)
