@@ -113,20 +113,37 @@ def half_sent_calls(src: str, port: int, n: int) -> socket.socket:
 
 @pytest.mark.trust("gRPC calls whose request message never comes")
 def test_half_sent_calls_are_cut_off(tmp_path):
-    """127.0.0.3 begins 200 ModelInfer calls over 4 connections and sends none of their messages: each held a slot
-    of the agent's concurrent calls (64 here), so every other call, health too, got RESOURCE_EXHAUSTED for as long
-    as it liked (no deadline on a call's request). Now a call's message must arrive within grpc_handshake_timeout_s
-    (plus a second per 64 KiB of it): the connections are closed, the slots come back, and a client on 127.0.0.1 is
-    answered."""
+    """127.0.0.3 begins 10 ModelInfer calls and sends none of their messages (within its share, below). Each held a
+    slot of the agent's concurrent calls for as long as its client liked (gRPC core sets no deadline on a call's
+    request: 200 of them left every other call, health too, RESOURCE_EXHAUSTED). Now a call's message must arrive
+    within grpc_handshake_timeout_s (plus a second per 64 KiB of it): the connection is closed, the descriptors
+    return, and a client on 127.0.0.1 is answered. Before: never closed."""
     with running_agent(tmp_path, grpc_port=0, grpc_handshake_timeout_s=1) as (a, _url):
         port = a.grpc_port
         before = open_fds()
-        socks = [half_sent_calls("127.0.0.3", port, 50) for _ in range(4)]
+        s = half_sent_calls("127.0.0.3", port, 10)
         try:
-            wait_for(lambda: all(closed_by_server(s) for s in socks), 30, "the half-sent calls' connections closed",
+            wait_for(lambda: closed_by_server(s), 30, "the half-sent calls' connection closed", interval_s=0.2)
+            assert live(port)
+        finally:
+            s.close()
+        wait_for(lambda: open_fds() <= before, 30, "the descriptors back to where they were", interval_s=0.2)
+
+
+@pytest.mark.trust("gRPC calls begun and never sent from one address, within their deadline")
+def test_one_address_holds_at_most_its_share_of_half_sent_calls(tmp_path):
+    """Within the request deadline (60 s here), 127.0.0.3 begins 10 calls on each of 8 connections and sends none:
+    80 would hold every slot of the agent's 64 concurrent calls until the deadline. An address may have at most a
+    quarter of them (16) begun and unsent: the connection whose call passes that is closed, the first one's 10 stay
+    held, and a client on 127.0.0.1 is answered meanwhile. Before: RESOURCE_EXHAUSTED until the deadline."""
+    with running_agent(tmp_path, grpc_port=0, grpc_handshake_timeout_s=60) as (a, _url):
+        port = a.grpc_port
+        socks = [half_sent_calls("127.0.0.3", port, 10) for _ in range(8)]
+        try:
+            wait_for(lambda: all(closed_by_server(s) for s in socks[2:]), 30, "the connections past the share closed",
                      interval_s=0.2)
             assert live(port)
+            assert not closed_by_server(socks[0])
         finally:
             for s in socks:
                 s.close()
-        wait_for(lambda: open_fds() <= before, 30, "the descriptors back to where they were", interval_s=0.2)

@@ -208,7 +208,8 @@ class GrpcServer:
                 raise OSError(f"gRPC could not listen on {inner}")
             await server.start()
             self._server = server
-            front = GrpcFront(inner, cap, self.limits.per_peer_cap(cap), self.limits.handshake_timeout_s)
+            front = GrpcFront(inner, cap, self.limits.per_peer_cap(cap), self.limits.handshake_timeout_s,
+                              sending_per_peer=max(4, self.max_concurrent_rpcs // 4))
             self.port = await front.start(bind_host, port)
         except BaseException:
             await self.stop(0)

@@ -18,7 +18,9 @@ A call's request must arrive within ``stall_timeout_s`` of its HEADERS, plus a s
 ``MIN_REQUEST_BYTES_PER_S`` of it received (its END_STREAM ends the count); else its connection is closed, and gRPC
 core cancels its calls. gRPC core has no such deadline: calls begun and never sent held every slot of the agent's
 concurrent calls (``grpc_concurrency``), so that every other call, health too, got RESOURCE_EXHAUSTED for as long
-as their client liked.
+as their client liked. Within the deadline one address may have at most ``sending_per_peer`` calls begun and not
+wholly sent (a quarter of the slots): the connection whose call passes that is closed. A client that sends each
+request whole at once (as gRPC's do for a small message) never comes near it.
 
 Back-pressure passes through: a side whose buffer is full pauses reading the other. A client that reads none of
 its answers for ``stall_timeout_s`` is cut off (its buffered bytes dropped). The handshake and idle timeouts are
@@ -93,8 +95,10 @@ class _Frames:
 class GrpcFront:
     """The public TCP listener in front of the gRPC server's Unix socket ``upstream``."""
 
-    def __init__(self, upstream: str, cap: int, per_peer: int, stall_timeout_s: float):
+    def __init__(self, upstream: str, cap: int, per_peer: int, stall_timeout_s: float, sending_per_peer: int = 16):
         self.upstream, self.stall_timeout_s = upstream, stall_timeout_s
+        self.sending_per_peer = sending_per_peer
+        self.sending_by_peer: dict[str, int] = {}  # calls begun and not yet wholly sent, per address
         self.gate = Gate(cap, per_peer, "gRPC", evict=lambda c: c.close())
         self.origins: dict[str, tuple[str, int, str]] = {}  # inner connection's abstract name -> the client's
         # (address, port) and the address it reached
@@ -119,6 +123,15 @@ class GrpcFront:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+
+    def sending(self, peer: str, change: int) -> bool:
+        """Count ``change`` calls begun (or, negative, sent or gone) by ``peer`` -> whether it is within its share."""
+        n = self.sending_by_peer.get(peer, 0) + change
+        if n > 0:
+            self.sending_by_peer[peer] = n
+        else:
+            self.sending_by_peer.pop(peer, None)
+        return n <= self.sending_per_peer
 
     def origin(self, peer: str) -> tuple[str, int, str] | None:
         """gRPC's peer of a call -> the client's (address, port) and the address it connected to; None: no client
@@ -223,7 +236,7 @@ class _Client(asyncio.Protocol):
             if kind == _DATA:
                 if sid in sending:
                     if flags & _END_STREAM:
-                        del sending[sid]
+                        self._sent(sid)
                     else:
                         sending[sid] += length / MIN_REQUEST_BYTES_PER_S
             elif kind == _HEADERS and sid not in self.calls and sid & 1:  # a call begins (its trailers add none)
@@ -232,12 +245,16 @@ class _Client(asyncio.Protocol):
                 self.calls.add(sid)
                 if not flags & _END_STREAM:
                     sending[sid] = asyncio.get_running_loop().time() + self.front.stall_timeout_s
+                    if not self.front.sending(self.peer, 1):
+                        self.front.gate.note("connections closed: their address's share of calls being sent")
+                        self.transport.abort()
+                        return
                 if len(self.calls) > MAX_OPEN_STREAMS:
                     self.front.gate.note("connections closed: too many calls open")
                     self.transport.abort()
                     return
             elif kind == _HEADERS and flags & _END_STREAM:  # a request's trailers end it
-                sending.pop(sid, None)
+                self._sent(sid)
             elif kind == _RST_STREAM:
                 self._ended(sid)
         if sending and self.deadline is None:
@@ -263,8 +280,12 @@ class _Client(asyncio.Protocol):
             if (kind == _HEADERS and flags & _END_STREAM) or kind == _RST_STREAM:
                 self._ended(sid)
 
+    def _sent(self, sid: int) -> None:
+        if self.sending.pop(sid, None) is not None:
+            self.front.sending(self.peer, -1)
+
     def _ended(self, sid: int) -> None:
-        self.sending.pop(sid, None)
+        self._sent(sid)
         if sid in self.calls:
             self.calls.discard(sid)
             if not self.calls and self.admitted:
@@ -308,6 +329,9 @@ class _Client(asyncio.Protocol):
             self.front.conns.discard(self)
         if self.key is not None:
             self.front.origins.pop(self.key, None)
+        if self.sending:
+            self.front.sending(self.peer, -len(self.sending))
+            self.sending.clear()
         for timer in (self.stall, self.deadline):
             if timer is not None:
                 timer.cancel()
