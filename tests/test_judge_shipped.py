@@ -27,6 +27,12 @@ def _compile_fp32(tmp_path, model, x, *task):
     return json.loads(r.stdout)["manifest"], extract_bundle(next((tmp_path / "o").glob("*.tar")), tmp_path / "x")
 
 
+def _fp32_and_moved(model, moved, x):
+    """``model``'s outputs (check_model's), their names, and what ``model`` and its ``moved`` copy answer on ``x``."""
+    info = check_model(model)
+    return info, [o.name for o in info.outputs], _run(model, x), _run(moved, x)
+
+
 def _agent_counts(manifest, outputs):
     """The agent's sketch of ``outputs`` (one answer's outputs per call), as telemetry would send it."""
     rec = DriftRecorder(drain_every_s=0.01)
@@ -98,10 +104,7 @@ def test_landmarks_laid_out_xxyy_are_judged_as_such_and_inferred_from_the_boxes(
     """Before: a [10] vector was read as interleaved (x, y) pairs, so ONet's y's moving by 30% of the face passed
     half-judged: (x0, x1), (x2, x3), (x4, y0) ... are points of nonsense."""
     model, moved = xxyy_landmarks(tmp_path / "l.onnx"), xxyy_landmarks(tmp_path / "m.onnx", moved_y=0.3)
-    info = check_model(model)
-    x = {"x": _boxes_in(40, 1)}
-    ref, bad = _run(model, x), _run(moved, x)
-    names = [o.name for o in info.outputs]
+    info, names, ref, bad = _fp32_and_moved(model, moved, {"x": _boxes_in(40, 1)})
     declared = resolve_task("keypoints", "output=lms,boxes=box,layout=xxyy", model, info.outputs)
     r = evaluate_gate(names, ref, bad, None, "int8", GateSettings(), declared)
     assert r.task is not None and r.task.value == 0.0, r.task  # every point moved 30% of the face
@@ -182,13 +185,11 @@ def test_a_multi_output_stage_is_judged_on_its_probabilities_and_lists_the_other
     from edgefleet.judge.tasks import infer_task
 
     model, moved = onet_like(tmp_path / "onet.onnx"), onet_like(tmp_path / "moved.onnx", moved=0.2)
-    info = check_model(model)
     x = {"x": np.random.default_rng(2).normal(size=(64, 16)).astype(np.float32)}
-    ref, bad = _run(model, x), _run(moved, x)
+    info, names, ref, bad = _fp32_and_moved(model, moved, x)
     task = infer_task(info.outputs, ref[0], ref)
     assert (task.name, task.output, task.sure) == ("classification", "softmax_2", True), task.note
     assert "not judged: 'dense_5', 'dense_6'" in task.note, task.note
-    names = [o.name for o in info.outputs]
     auto = evaluate_gate(names, ref, bad, None, "int8", GateSettings(max_unjudged_change=1e-2), task)
     assert auto.not_judged == ("dense_5", "dense_6") and not auto.passed  # the box regression moved
     assert auto.task is not None and auto.task.criteria[0].passed  # the probabilities did not
@@ -238,10 +239,8 @@ def _anchors(n: int, seed: int) -> np.ndarray:
 def test_a_detector_with_separate_boxes_and_scores_outputs_is_judged_on_both(tmp_path):
     """Before: detection read one output ([N, 4+C, A] or [N, A, 5+C]); boxes= was no detection argument."""
     model, moved = split_detector(tmp_path / "d.onnx"), split_detector(tmp_path / "m.onnx", shift=30.0)
-    info = check_model(model)
     x = {"x": _anchors(8, 4)}
-    ref, bad = _run(model, x), _run(moved, x)
-    names = [o.name for o in info.outputs]
+    info, names, ref, bad = _fp32_and_moved(model, moved, x)
     task = resolve_task("detection", "boxes=bboxes,scores=scores", model, info.outputs)
     assert task.output == "scores" and task.reads() == ("scores", "bboxes")
     same = evaluate_gate(names, ref, _run(model, x), None, "int8", GateSettings(), task)
