@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session
 
 from edgefleet.fleet import console
 from edgefleet.fleet.audit import ENGINE_ACTOR
@@ -37,6 +38,7 @@ from edgefleet.fleet.states import (
     TRANSITIONS,
     WAVE_TRANSITIONS,
     RolloutStatus,
+    State,
     TargetState,
     WaveState,
 )
@@ -99,6 +101,19 @@ def audit_rows(sessions, rid: int) -> list[AuditRow]:
         return list(s.scalars(select(AuditRow).where(AuditRow.rollout_id == rid).order_by(AuditRow.id)))
 
 
+def attempt(sessions, move: Callable[[Session], object], old: State, new: State, legal: bool, refusal: str) -> None:
+    """``move`` (``old`` -> ``new``) in one transaction: allowed if the table lists it (``legal``), else refused with a
+    Conflict that says ``refusal``."""
+    try:
+        with sessions.begin() as s:
+            move(s)
+    except Conflict as exc:
+        assert not legal, exc
+        assert refusal in str(exc)
+    else:
+        assert legal, f"{old} -> {new} is not in the table but was allowed"
+
+
 def assert_counters_match(sessions, rid: int) -> None:
     with sessions() as s:
         for w in s.scalars(select(RolloutWave).where(RolloutWave.rollout_id == rid)):
@@ -150,14 +165,8 @@ def test_a_rollout_moves_only_as_its_table_says_and_each_move_is_audited(db, old
     with sessions.begin() as s:
         s.get(Rollout, rid).status = old.value
     legal = new in TRANSITIONS[old]
-    try:
-        with sessions.begin() as s:
-            RolloutEngine.transition(s, s.get(Rollout, rid), new, "tester", "why")
-    except Conflict as exc:
-        assert not legal, exc
-        assert f"rollout {rid} is {old.value}; it cannot become {new.value}" in str(exc)
-    else:
-        assert legal, f"{old} -> {new} is not in the table but was allowed"
+    attempt(sessions, lambda s: RolloutEngine.transition(s, s.get(Rollout, rid), new, "tester", "why"), old, new,
+            legal, f"rollout {rid} is {old.value}; it cannot become {new.value}")
     with sessions() as s:
         assert s.get(Rollout, rid).status == (new if legal else old).value
     assert [(a.action, a.detail) for a in audit_rows(sessions, rid)] == (
@@ -169,14 +178,8 @@ def test_a_wave_moves_only_as_its_table_says_and_each_move_is_audited(db, old, n
     _, sessions = db
     rid = make_rollout(sessions, [(old, [TargetState.PENDING])])
     legal = new in WAVE_TRANSITIONS[old]
-    try:
-        with sessions.begin() as s:
-            move_wave(s, s.get(RolloutWave, (rid, 0)), new, "tester", why="test")
-    except Conflict as exc:
-        assert not legal, exc
-        assert re.search(f"wave 1 of rollout {rid} is {old.value}; it cannot become {new.value}", str(exc))
-    else:
-        assert legal, f"{old} -> {new} is not in the table but was allowed"
+    attempt(sessions, lambda s: move_wave(s, s.get(RolloutWave, (rid, 0)), new, "tester", why="test"), old, new,
+            legal, f"wave 1 of rollout {rid} is {old.value}; it cannot become {new.value}")
     with sessions() as s:
         w = s.get(RolloutWave, (rid, 0))
         assert w.state == (new if legal else old).value
@@ -200,14 +203,8 @@ def test_a_target_moves_only_as_its_table_says_and_each_move_is_audited(db, old,
     rid = make_rollout(sessions, [(WaveState.INSTALLING, [old, TargetState.PENDING])])
     legal = new in TARGET_TRANSITIONS[old]
     move = TargetMove(rid, "d00000", 0, old, new, "boom" if new is TargetState.FAILED else None)
-    try:
-        with sessions.begin() as s:
-            move_targets(s, [move], "tester", "test")
-    except Conflict as exc:
-        assert not legal, exc
-        assert f"d00000 in rollout {rid} is {old.value}; it cannot become {new.value}" in str(exc)
-    else:
-        assert legal, f"{old} -> {new} is not in the table but was allowed"
+    attempt(sessions, lambda s: move_targets(s, [move], "tester", "test"), old, new, legal,
+            f"d00000 in rollout {rid} is {old.value}; it cannot become {new.value}")
     with sessions() as s:
         assert s.get(RolloutTarget, (rid, "d00000")).state == (new if legal else old).value
     assert_counters_match(sessions, rid)
