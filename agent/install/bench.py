@@ -32,10 +32,10 @@ from edgefleet.protocol.manifest import Manifest
 
 from ..core.batching.dispatch import pin_thread
 from ..core.batching.tuning import LayoutFigures, in_the_running
-from ..errors import BackendError, SelfTestFailed
+from ..errors import SelfTestFailed
 from .selftest import Turn, now
 from .store import StagedModel
-from .timed_choice import child_answer, layout_doc, layout_figures, run_child
+from .timed_choice import child_answer, child_reply, layout_doc, layout_figures, run_child
 
 __all__ = ["LAYOUT_BUDGET_S", "BenchPoint", "Driven", "bench_bundle", "drive_together", "layout_trial",
            "layout_trial_in_child", "lone_call_ms", "measure_layout", "release_memory", "slice_seconds", "trial_feeds"]
@@ -266,24 +266,13 @@ def _layout_trial_main() -> int:
     import json
     import sys
 
-    from edgefleet.engines import EngineError
     from edgefleet.protocol.manifest import parse_manifest
 
     doc = json.loads(sys.stdin.buffer.read(1 << 22))
-    try:
-        figures = layout_trial(parse_manifest(doc["manifest"]), Path(doc["directory"]),
-                               [(int(i), int(t)) for i, t in doc["candidates"]], tuple(doc["sizes"]),
-                               float(doc["seconds"]), doc["cpus"],
-                               tuple(doc["providers"]) if doc["providers"] else None,
-                               runtime=doc.get("runtime"))
-    except (EngineError, BackendError) as exc:
-        print(json.dumps({"error": str(exc), "kind": "backend"}))
-        return 3
-    except SelfTestFailed as exc:
-        print(json.dumps({"error": str(exc), "kind": "selftest"}))
-        return 3
-    print(json.dumps({"figures": layout_doc(figures)}))
-    return 0
+    return child_reply(lambda: {"figures": layout_doc(layout_trial(
+        parse_manifest(doc["manifest"]), Path(doc["directory"]), [(int(i), int(t)) for i, t in doc["candidates"]],
+        tuple(doc["sizes"]), float(doc["seconds"]), doc["cpus"], tuple(doc["providers"]) if doc["providers"] else None,
+        runtime=doc.get("runtime")))})
 
 
 def _recorded_p50(manifest: Manifest) -> dict[int, float]:

@@ -36,6 +36,7 @@ from .selftest import Turn, now, self_test
 from .store import StagedModel
 from .timed_choice import (
     child_answer,
+    child_reply,
     geomean,
     keep_unless_faster,
     layout_doc,
@@ -183,7 +184,8 @@ def _trial_main() -> int:
     doc = json.loads(sys.stdin.buffer.read(1 << 22))
     staged = StagedModel(parse_manifest(doc["manifest"]), Path(doc["directory"]), "")
     names = tuple(doc["names"])
-    try:
+
+    def answer() -> dict[str, Any]:
         providers = tuple(doc["providers"]) if doc["providers"] else None
         pick = pick_runtime(staged, "auto", _loader(staged, int(doc["threads"]), providers),
                             int(doc["max_batch_size"]), installed=lambda r: r in names)
@@ -195,17 +197,12 @@ def _trial_main() -> int:
             figures = layout_trial(staged.manifest, staged.directory, [(int(i), int(t)) for i, t in lay["candidates"]],
                                    tuple(lay["sizes"]), float(lay["seconds"]), lay["cpus"], providers,
                                    runtime=pick.runtime)
-    except (BackendError, EngineError) as exc:
-        print(json.dumps({"error": str(exc), "kind": "backend"}))
-        return 3
-    except SelfTestFailed as exc:
-        print(json.dumps({"error": str(exc), "kind": "selftest"}))
-        return 3
-    print(json.dumps({"runtime": pick.runtime, "source": pick.source, "note": pick.note,
-                      "timings": [{"runtime": t.runtime, "items_per_s": t.items_per_s, "timings": t.timings}
-                                  for t in pick.timings],
-                      "layouts": layout_doc(figures)}))
-    return 0
+        return {"runtime": pick.runtime, "source": pick.source, "note": pick.note,
+                "timings": [{"runtime": t.runtime, "items_per_s": t.items_per_s, "timings": t.timings}
+                            for t in pick.timings],
+                "layouts": layout_doc(figures)}
+
+    return child_reply(answer)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ batch formed (:func:`timing_sizes`), :data:`ROUNDS` times in alternation (every 
 serving: ``turn``), the best figure per batch size counting; the candidates are compared by the geometric mean over
 the batch sizes, and the bundle's own is kept unless another is more than a tie faster (:func:`keep_unless_faster`).
 The trials that run in a child process (the runtime trial, the layout trial) start it with :func:`run_child` and read
-its answer with :func:`child_answer`; layout figures cross as JSON through :func:`layout_doc` and
-:func:`layout_figures`.
+its answer with :func:`child_answer`, which the child prints with :func:`child_reply`; layout figures cross as JSON
+through :func:`layout_doc` and :func:`layout_figures`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from edgefleet.engines import Engine
+from edgefleet.engines import Engine, EngineError
 
 from ..core.batching.tuning import LayoutFigures
 from ..errors import BackendError, SelfTestFailed
 from .selftest import Turn, measure_batch_sizes
 from .store import StagedModel
 
-__all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "child_answer", "geomean", "keep_unless_faster",
-           "layout_doc", "layout_figures", "run_child", "time_in_alternation", "timing_sizes"]
+__all__ = ["MAX_BATCH_TIMED", "ROUNDS", "ROUND_BUDGET_S", "child_answer", "child_reply", "geomean",
+           "keep_unless_faster", "layout_doc", "layout_figures", "run_child", "time_in_alternation", "timing_sizes"]
 
 ROUNDS = 3  # each candidate is timed this many times, in alternation; the best figure per batch size counts
 ROUND_BUDGET_S = 0.1  # seconds of calls per candidate per round (0.3 before issue 41: the trials bounded)
@@ -127,3 +127,18 @@ def child_answer(done: subprocess.CompletedProcess, what: str) -> dict[str, Any]
     if "error" in out:
         raise (BackendError if out.get("kind") == "backend" else SelfTestFailed)(str(out["error"]))
     return out
+
+
+def child_reply(answer: Callable[[], dict[str, Any]]) -> int:
+    """A trial child's side of :func:`child_answer`: the document ``answer()`` makes, printed as JSON (exit 0), or
+    the error it raised, of kind "backend" (EngineError, BackendError) or "selftest" (SelfTestFailed) (exit 3)."""
+    try:
+        doc = answer()
+    except (EngineError, BackendError) as exc:
+        print(json.dumps({"error": str(exc), "kind": "backend"}))
+        return 3
+    except SelfTestFailed as exc:
+        print(json.dumps({"error": str(exc), "kind": "selftest"}))
+        return 3
+    print(json.dumps(doc))
+    return 0
