@@ -19,13 +19,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.backoff import Backoff
 from edgefleet.protocol.errors import ConfigError
 from edgefleet.protocol.httpguard import HttpLimits, guarded
-from edgefleet.protocol.manifest import Manifest
 
 from ._compat import run_with_loop
 from .config import AgentConfig
@@ -36,19 +35,24 @@ from .core.metrics import Metrics
 from .core.versions import VersionNumbers
 from .errors import FetchError, TrustError
 from .install.job import Installer
-from .install.steps import InstallRun
 from .install.store import ModelStore
-from .link.by_content import installed_files
-from .link.enroll import mqtt_security
-from .link.fetch import FetchLimits, FleetHttp
-from .link.mqtt import MqttLink
 from .link.spool import Spool
-from .link.telemetry import DeviceSampler, DeviceStats
-from .link.updater import BundleFetcher
 from .systemd import sd_notify
 from .transports.http import create_app, peer_tagging
 from .transports.image import ImageLimits
 from .transports.shm import SharedMemory
+
+if TYPE_CHECKING:
+    from edgefleet.protocol.manifest import Manifest
+
+    from .link.fetch import FleetHttp
+    from .link.mqtt import MqttLink
+    from .link.telemetry import DeviceSampler, DeviceStats
+    from .link.updater import BundleFetcher
+
+# The serving start (issue 41: a restart serves in a second) imports what serving needs; the fleet link (TUF, MQTT,
+# enrolment, telemetry sampling) and an install's steps are imported by their threads once the agent listens
+# (tests/test_agent_start_imports.py names what stays off the start).
 
 __all__ = ["Agent", "event_loop_factory", "require_trust_anchor", "run_agent", "run_until_stopped"]
 
@@ -179,16 +183,17 @@ class Agent:
                                        frame_timeout_s=self.config.local_frame_timeout_s)
             self.local_socket = await local_server.start(self.config.data_dir / self.config.local_socket)
         sweeper = self._loop.create_task(self._sweep_shm())
-        for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
-                             (self._telemetry_loop, "telemetry")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
         cur = self.host.current
         serving = f"{cur.manifest.name} {cur.manifest.version}" if cur else "no model yet"
         grpc_note = f" and grpc {self.config.http_host}:{self.grpc_port}" if grpc_server is not None else ""
         print(f"edgefleet agent {self.config.device_id}: KServe v2 on {self.inference_url}{grpc_note} ({serving}); "
               f"following {self.config.fleet_url}", file=sys.stderr, flush=True)
+        # the fleet link, the installer and telemetry import their modules on their threads, from here on
+        for target, name in ((self._connect_and_follow, "fleet-link"), (self._install_loop, "installer"),
+                             (self._telemetry_loop, "telemetry")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
         self.ready.set()
         self._own_signals()
         sd_notify(f"READY=1\nSTATUS=serving {serving} on {self.inference_url}")
@@ -240,11 +245,18 @@ class Agent:
 
     # -- fleet connection -----------------------------------------------------------------------
     def _http(self) -> FleetHttp:
+        from .link.fetch import FetchLimits, FleetHttp
+
         c = self.config
         return FleetHttp(FetchLimits(c.download_deadline_s, c.download_grace_s, c.download_min_bytes_per_s,
                                      socket_timeout_s=min(30.0, c.download_deadline_s)))
 
     def _connect_and_follow(self) -> None:
+        from .link.by_content import installed_files
+        from .link.enroll import mqtt_security
+        from .link.mqtt import MqttLink
+        from .link.updater import BundleFetcher
+
         # every wait a full-jitter draw (protocol.backoff): boxes back from one outage do not ask at once
         unreachable, misconfigured = Backoff(1.0, 30.0), Backoff(1.0, 300.0)
         while not self._stop.is_set():
@@ -334,6 +346,8 @@ class Agent:
 
     def install(self, desired: proto.DesiredState) -> None:
         """Install (or shadow) ``desired``; the running version serves until the new one is ready."""
+        from .install.steps import InstallRun
+
         InstallRun(self.installer, desired).walk()
 
     async def rollback(self, name: str) -> Manifest:
@@ -343,6 +357,8 @@ class Agent:
     # -- telemetry ------------------------------------------------------------------------------
     def _telemetry_loop(self) -> None:
         import psutil
+
+        from .link.telemetry import DeviceSampler
 
         proc = psutil.Process()
         proc.cpu_percent(None)

@@ -35,11 +35,9 @@ from ..core.batching.tuning import (
     layout_candidates,
 )
 from ..core.host import IndexEntry, ModelHost
+from ..core.runtime_pick import RuntimePick
 from ..errors import BackendError, DownloadCut, FetchError, RefusedUpdate, UpdateError
-from ..link.updater import BundleFetcher
-from .bench import layout_trial_in_child, release_memory, slice_seconds
 from .precision import PrecisionPick, pick_precision
-from .runtime_choice import RuntimePick, pick_runtime_in_child
 from .selftest import Turn, measure_batch_sizes, now, self_test, warm_up
 from .states import InstallState
 from .store import ModelStore, StagedModel
@@ -48,6 +46,10 @@ from .trusted import check_cpu
 
 if TYPE_CHECKING:
     from ..core.pipeline import PipelineStages
+    from ..link.updater import BundleFetcher
+
+# the layout and runtime trials (.bench, .runtime_choice) are imported where they run: a restart served from its trial
+# record (issue 41) runs neither, nor does it need the fleet link's TUF client (..link.updater)
 
 __all__ = ["Installer", "Report"]
 
@@ -239,6 +241,8 @@ class Installer:
         if record is not None and record[1].layout is not None \
                 and {(f.instances, f.threads) for f in record[1].layout[1]} == set(candidates):
             return self.use_layout(manifest, directory, loaded, threads, *record[1].layout)
+        from .bench import layout_trial_in_child, slice_seconds
+
         try:
             # on the runtime that will serve it (chosen before: agent.install.runtime_choice), whose best layout and
             # batch size may differ from onnxruntime's
@@ -277,6 +281,8 @@ class Installer:
         if (chosen.instances, chosen.threads) == (len(loaded), threads):
             out = loaded
         else:
+            from .bench import release_memory
+
             for b in loaded:
                 b.close()
             release_memory()
@@ -362,6 +368,9 @@ class Installer:
     def pick_runtime(self, staged: StagedModel) -> RuntimePick:
         """The runtime to serve a bundle (as its chosen precision's) on (agent.install.runtime_choice), remembered for
         load_instances; each call in turn with the version serving the model."""
+        from .bench import slice_seconds
+        from .runtime_choice import pick_runtime_in_child
+
         m = staged.manifest
         # timed in a child process (agent.install.runtime_choice.pick_runtime_in_child): a runtime not chosen leaves its
         # libraries and memory there, not here

@@ -49,7 +49,6 @@ from edgefleet import protocol
 
 from ..core.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
 from ..core.metrics import CONTENT_TYPE
-from ..core.pipeline import image_answer
 from ..errors import AgentError, PayloadTooLarge, RequestError, Unavailable
 from .image import ImageLimits, check_image, decode_feeds
 from .kserve import (
@@ -295,6 +294,8 @@ class _HttpApi:
             req = InferRequest(feeds, None, frozenset())
             outs = await self.host.infer(served, req)
             if served.pipeline is not None:  # its boxes and what it read in each, decoded (agent.core.pipeline)
+                from ..core.pipeline import image_answer  # a pipeline's (and the judge's): not on a model's start
+
                 status = 200
                 return JSONResponse(image_answer(m, outs))
             content, _ = encode_response(m.name, m.version, outs, m.outputs, req)

@@ -31,10 +31,10 @@ def _pairs(items: list[str], what: str) -> dict[str, float]:
 
 
 def add_parsers(sub: Any) -> None:
-    from edgefleet.fleet import simulator  # here, not above: importing edgefleet.cli loads nothing of the fleet
-
+    # the description is fleet/simulator.py's first line, written here: building the parser (every command does, the
+    # agent's restart too) imports nothing of the fleet
     sp = sub.add_parser("simulate", formatter_class=Formatter, help="run simulated agents against a broker",
-                        description=simulator.__doc__.split("\n\n")[0] if simulator.__doc__ else None)
+                        description="A fleet of simulated agents: one MQTT connection each, on one asyncio loop.")
     sp.add_argument("--devices", type=int, required=True, help="how many simulated devices")
     sp.add_argument("--mqtt-url", default="mqtt://127.0.0.1:1883", help="the fleet's broker (mqtts://: over TLS)")
     sp.add_argument("--mqtt-ca-file", help="for mqtts:// brokers: the CA of the broker's certificate (default: the "
