@@ -139,8 +139,11 @@ def test_the_choice_and_its_figures_show_in_the_model_config(tmp_path, digits_bu
     with running_agent(data) as (_agent, url):
         cfg = httpx.get(f"{url}/v2/models/digits/config", timeout=10).json()
     t = cfg["batch_tuning"]
-    assert t["mode"] == "measured" and list(t["images_per_second"]) == ["1", "2", "4", "8", "16"]
     figures = [(int(n), v) for n, v in t["images_per_second"].items()]
+    # the ladder 1..16, or its start: the trial stops when its time budget is spent (agent/install/selftest.py
+    # measure_batch_sizes: on a loaded box before 16) and leaves the sizes not reached out, as the config then says
+    sizes = [n for n, _ in figures]
+    assert t["mode"] == "measured" and len(sizes) >= 2 and sizes == [1, 2, 4, 8, 16][:len(sizes)], sizes
     assert t["max_formed_batch_size"] == choose_batch_size(figures)
     assert cfg["max_batch_size"] == 16  # Triton's field: the largest request accepted
     chosen = t["max_formed_batch_size"]
