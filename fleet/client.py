@@ -174,6 +174,19 @@ class FleetClient:
     def rollout_audit(self, rollout_id: int) -> list[s.AuditEntry]:
         return self._call(list[s.AuditEntry], "GET", f"/api/v1/rollouts/{rollout_id}/audit")
 
+    def windows(self) -> list[s.Window]:
+        """GET /api/v1/windows: every group's and device's maintenance window."""
+        return self._call(list[s.Window], "GET", "/api/v1/windows")
+
+    def set_window(self, scope: str, name: str, window: dict[str, Any]) -> s.Window:
+        """PUT /api/v1/windows/{scope}/{name}: give a group or a device (``scope``) its window (days, start,
+        duration_min, tz), replacing the one it had."""
+        return self._call(s.Window, "PUT", f"/api/v1/windows/{_seg(scope)}/{_seg(name)}", window)
+
+    def delete_window(self, scope: str, name: str) -> None:
+        """DELETE /api/v1/windows/{scope}/{name} (a FleetHTTPError 404 when it had none)."""
+        self._raw("DELETE", f"/api/v1/windows/{_seg(scope)}/{_seg(name)}")
+
     def wait_rollout(self, rollout_id: int, timeout_s: float, interval_s: float = 0.5, targets: bool = True,
                      progress: Callable[[s.Rollout], None] | None = None) -> s.Rollout:
         """Poll until the rollout leaves ``in_progress`` or ``timeout_s`` passes (then it is returned as it is:

@@ -17,7 +17,7 @@ from edgefleet.protocol.window import MaintenanceWindow, next_window
 
 from .audit import audit
 from .db import Device, WindowRow, utcnow
-from .errors import BadRequest
+from .errors import BadRequest, NotFound
 
 __all__ = ["Scope", "effective", "list_windows", "next_opening", "set_window"]
 
@@ -25,15 +25,16 @@ Scope = Literal["group", "device"]
 
 
 def set_window(s: Session, scope: Scope, name: str, window: MaintenanceWindow | None, actor: str) -> None:
-    """Give a group or a device its window (None: remove it), audited."""
+    """Give a group or a device its window (None: remove it; NotFound when it has none), audited."""
     if scope == "device" and proto.device_id_problem(name) is not None:
         raise BadRequest(proto.device_id_problem(name) or "", 422)
     if not 1 <= len(name) <= 64:
         raise BadRequest(f"a {scope} name is 1-64 characters", 422)
     row = s.get(WindowRow, (scope, name))
     if window is None:
-        if row is not None:
-            s.delete(row)
+        if row is None:
+            raise NotFound(f"{scope} {name!r} has no maintenance window")
+        s.delete(row)
     elif row is None:
         s.add(WindowRow(scope=scope, name=name, window=window.model_dump(mode="json"), updated_at=utcnow()))
     else:

@@ -1,5 +1,5 @@
 """``edgefleet``: one command line for the compiler, the fleet, the agent and the demo, a module per command group
-(compile, verify, toolchain, keys, fleet, agent, demo, simulate, rollout).
+(compile, verify, toolchain, keys, fleet, agent, demo, simulate, rollout, windows).
 
 Every command opens and closes the same way (``command`` in command.py): the extras it needs are checked first, and
 an error it raises ends it with one line on stderr and its exit code, from the one table (protocol/exits.py, printed
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from edgefleet.cli import agent, demo, fleet, keys, rollout, simulate, toolchain, verify
+from edgefleet.cli import agent, demo, fleet, keys, rollout, simulate, toolchain, verify, windows
 from edgefleet.cli import compile as compiling  # the module, not the builtin
 from edgefleet.cli.command import Formatter
 from edgefleet.protocol.exits import table
 
 __all__ = ["build_parser", "main"]
 
-GROUPS = (compiling, verify, toolchain, keys, fleet, agent, demo, simulate, rollout)  # in the help's order
+GROUPS = (compiling, verify, toolchain, keys, fleet, agent, demo, simulate, rollout, windows)  # the help's order
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,10 +20,11 @@ from typing import Any
 from edgefleet.protocol.errors import ConfigError, EdgefleetError
 from edgefleet.protocol.exits import ExitCode, exit_for
 
-__all__ = ["EXTRAS", "Command", "Formatter", "UsageError", "bundle_file", "command", "fleet_options", "need",
-           "print_answer", "require", "show", "unit_written"]
+__all__ = ["EXTRAS", "ApiCommand", "Command", "Formatter", "UsageError", "api_command", "bundle_file", "command",
+           "fleet_options", "need", "print_answer", "require", "show", "unit_written"]
 
 Command = Callable[[argparse.Namespace], int]
+ApiCommand = Callable[[argparse.Namespace, Any], tuple[Any, str, int]]  # (args, FleetClient) -> (answer, text, exit)
 
 
 class UsageError(Exception):
@@ -131,6 +132,26 @@ def fleet_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", default=os.environ.get("EDGEFLEET_URL", "http://127.0.0.1:8700"),
                    help="fleet server URL (default: $EDGEFLEET_URL, else http://127.0.0.1:8700)")
     p.add_argument("--token", help="API token (default: $EDGEFLEET_TOKEN)")
+
+
+def api_command(p: argparse.ArgumentParser, fn: ApiCommand) -> argparse.ArgumentParser:
+    """``p`` as a command that talks to the fleet's API: the fleet's URL and token, ``--json`` and ``--timeout-s``;
+    ``fn`` is called with a ``FleetClient`` through the one ``command`` path (a failed call: one line on stderr and
+    its exit code, 6 for the fleet's refusal or silence) and its answer printed (``--json``: as the fleet sent it)."""
+
+    @command()
+    def run(a: argparse.Namespace) -> int:
+        from edgefleet.fleet.client import FleetClient
+
+        answer, human, code = fn(a, FleetClient(a.fleet, a.timeout_s, a.token))
+        print_answer(answer, a.json, human)
+        return code
+
+    fleet_options(p)
+    p.add_argument("--json", action="store_true", help="print the fleet's answer as JSON")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="HTTP timeout")
+    p.set_defaults(fn=run)
+    return p
 
 
 def _shown(value: Any) -> str:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.cli.command import Formatter, command, fleet_options, print_answer
+from edgefleet.cli.command import Formatter, api_command
 from edgefleet.protocol.exits import ExitCode
 
 if TYPE_CHECKING:
@@ -113,21 +113,6 @@ def cmd_audit(a: argparse.Namespace, c: FleetClient) -> tuple[Any, str, int]:
                            f"{json.dumps(x.detail) if x.detail else ''}" for x in reversed(rows)), ExitCode.OK
 
 
-def _run(fn: Command) -> Callable[[argparse.Namespace], int]:
-    """The command with a client, through the one ``command`` path (a failed call: one line on stderr and its exit
-    code, 6 for the fleet's refusal or silence); the answer printed (``--json``: as the fleet sent it)."""
-
-    @command()
-    def run(a: argparse.Namespace) -> int:
-        from edgefleet.fleet.client import FleetClient
-
-        answer, human, code = fn(a, FleetClient(a.fleet, a.timeout_s, a.token))
-        print_answer(answer, a.json, human)
-        return code
-
-    return run
-
-
 def _split(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
@@ -139,20 +124,12 @@ def _floats(value: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of seconds") from None
 
 
-def _common(p: argparse.ArgumentParser, fn: Command) -> argparse.ArgumentParser:
-    fleet_options(p)
-    p.add_argument("--json", action="store_true", help="print the fleet's answer as JSON")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="HTTP timeout")
-    p.set_defaults(fn=_run(fn))
-    return p
-
-
 def add_create_parser(sub: Any, name: str, help_: str = "roll a model version out in waves",
                       listed: bool = True) -> argparse.ArgumentParser:
     """``edgefleet rollout create``; ``edgefleet fleet rollout`` is this parser under another name (``listed``
     false: no line in its group's help)."""
     listing = {"help": help_} if listed else {}
-    c = _common(sub.add_parser(name, formatter_class=Formatter, description=help_, **listing), cmd_create)
+    c = api_command(sub.add_parser(name, formatter_class=Formatter, description=help_, **listing), cmd_create)
     c.add_argument("model")
     c.add_argument("version")
     c.add_argument("--devices", type=_split, help="comma-separated device ids")
@@ -190,7 +167,7 @@ def add_parsers(sub: Any) -> None:
     rs = ro.add_subparsers(dest="rollout_cmd", required=True)
 
     def common(name: str, help_: str, fn: Command) -> argparse.ArgumentParser:
-        return _common(rs.add_parser(name, formatter_class=Formatter, help=help_, description=help_), fn)
+        return api_command(rs.add_parser(name, formatter_class=Formatter, help=help_, description=help_), fn)
 
     add_create_parser(rs, "create")
     st = common("status", "show a rollout: waves, gates, device counts", cmd_status)

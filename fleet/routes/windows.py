@@ -1,6 +1,6 @@
 """Maintenance windows (fleet.windows): ``PUT /api/v1/windows/{group|device}/{name}`` sets a group's or a device's
-window (protocol.window.MaintenanceWindow: days, start, duration_min, tz), ``DELETE`` removes it, ``GET
-/api/v1/windows`` lists them."""
+window (protocol.window.MaintenanceWindow: days, start, duration_min, tz), ``DELETE`` removes it (404 when it has
+none), ``GET /api/v1/windows`` lists them (``edgefleet windows list|set|delete``)."""
 
 from __future__ import annotations
 
