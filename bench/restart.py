@@ -13,7 +13,11 @@ For each model (digits INT8, MobileNetV2-like FP32 from models/zoo/make_zoo.py),
    version serves at once (agent/install/trials.py); the same two times.
 
 Ratios are against the bare session load measured in the same run. The agent runs with its own choices (runtime
-auto, layout and batch auto), as a device runs by default.
+auto, layout and batch auto), as a device runs by default. Beside each agent's CPU seconds to the first answer (the
+whole process) stand its main thread's (the serving start: imports, the store's check, the load, the listening; the
+fleet link, installer and telemetry threads start once it listens). ``--bytecode-cache`` runs every measured process
+with compiled bytecode kept in the work dir (``PYTHONPYCACHEPREFIX``), as a wheel pip installed has it; without it a
+checkout run with ``PYTHONDONTWRITEBYTECODE=1`` compiles the project's modules at every start.
 
 Run from the repository root:  .venv/bin/python bench/restart.py [--models digits,mobilenetv2-fp32] [--runs 3]
 """
@@ -96,6 +100,12 @@ def _status(url: str, body: bytes | None = None) -> int:
         return 0
 
 
+def _thread_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid``'s main thread so far (Linux /proc): the agent's serving start."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:13]) / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds of process ``pid`` and its waited-for children so far (Linux /proc): on a box other work loads,
     close to what the wall time would be on a quiet one where the work is one thread at a time (imports, loads)."""
@@ -117,7 +127,7 @@ def agent_start(m: dict[str, Any], log_path: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
                                 preexec_fn=_die_with_parent)
-    ready = answer = cpu = None
+    ready = answer = cpu = main_cpu = None
     try:
         while time.monotonic() - t0 < DEADLINE_S and answer is None:
             if proc.poll() is not None:
@@ -126,7 +136,7 @@ def agent_start(m: dict[str, Any], log_path: Path) -> dict[str, Any]:
                 ready = time.monotonic() - t0
             if ready is not None and _status(f"{url}/v2/models/{m['model']}/infer", body) == 200:
                 answer = time.monotonic() - t0
-                cpu = _cpu_s(proc.pid)
+                cpu, main_cpu = _cpu_s(proc.pid), _thread_cpu_s(proc.pid)
             else:
                 time.sleep(0.02)
     finally:
@@ -134,11 +144,14 @@ def agent_start(m: dict[str, Any], log_path: Path) -> dict[str, Any]:
     if answer is None:
         raise RuntimeError(f"no answer after {DEADLINE_S:g} s: {log_path.read_text()[-2000:]}")
     trials = [(what, float(s)) for what, s in TRIALS_LINE.findall(log_path.read_text(errors="replace"))]
-    return {"ready_s": ready, "answer_s": answer, "cpu_s": cpu, "trials_s": sum(s for _, s in trials),
+    return {"ready_s": ready, "answer_s": answer, "cpu_s": cpu, "main_cpu_s": main_cpu,
+            "trials_s": sum(s for _, s in trials),
             "trials": [w for w, _ in trials]}
 
 
-def bench_model(m: dict[str, Any], runs: int, work: Path) -> dict[str, Any]:
+def bench_model(m: dict[str, Any], runs: int, work: Path, warm: bool = False) -> dict[str, Any]:
+    if warm:  # one unmeasured bare process writes the bytecode cache (the first start writes the agent's)
+        bare(m, 2)
     bares = [bare(m, 2) for _ in range(runs)]
     firsts, restarts = [], []
     for i in range(runs):
@@ -146,7 +159,7 @@ def bench_model(m: dict[str, Any], runs: int, work: Path) -> dict[str, Any]:
         firsts.append(agent_start(m, work / f"{m['name']}-first-{i}.log"))
         restarts.append(agent_start(m, work / f"{m['name']}-restart-{i}.log"))
     med = {k: statistics.median(b[k] for b in bares) for k in bares[0]}
-    keys = ("ready_s", "answer_s", "cpu_s", "trials_s")
+    keys = ("ready_s", "answer_s", "cpu_s", "main_cpu_s", "trials_s")
     return {"model": m["name"], "runs": runs, "bare": med,
             "first_start": {k: statistics.median(r[k] for r in firsts) for k in keys},
             "restart": {k: statistics.median(r[k] for r in restarts) for k in keys},
@@ -156,16 +169,17 @@ def bench_model(m: dict[str, Any], runs: int, work: Path) -> dict[str, Any]:
 def print_report(docs: list[dict[str, Any]]) -> None:
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'model':17} {'bare: load':>10} {'proc':>6} {'cpu':>5} | {'first: answer':>13} {'trials':>6} | "
-          f"{'restart: ready':>14} {'answer':>6} {'cpu':>5} | {'answer/proc':>11} {'cpu/cpu':>7}")
+          f"{'restart: ready':>14} {'answer':>6} {'cpu':>5} {'main':>5} | {'answer/proc':>11} {'cpu/cpu':>7}")
     for d in docs:
         b, f, r = d["bare"], d["first_start"], d["restart"]
         print(f"{d['model']:17} {b['session_load_s']:9.3f}s {b['process_to_answer_s']:5.2f}s {b['cpu_s']:4.2f}s | "
               f"{f['answer_s']:12.2f}s {f['trials_s']:5.2f}s | "
-              f"{r['ready_s']:13.2f}s {r['answer_s']:5.2f}s {r['cpu_s']:4.2f}s | "
+              f"{r['ready_s']:13.2f}s {r['answer_s']:5.2f}s {r['cpu_s']:4.2f}s {r['main_cpu_s']:4.2f}s | "
               f"{r['answer_s'] / b['process_to_answer_s']:10.2f}x {r['cpu_s'] / b['cpu_s']:6.2f}x")
     print("bare: a python process importing onnxruntime, loading the session (load) and answering once (proc, its CPU "
           "seconds: cpu). first: the agent started with no trial record (the install's trials run; trials: their "
-          "time, from the agent's log). restart: started again, nothing changed (no trial runs). Medians of --runs.")
+          "time, from the agent's log). restart: started again, nothing changed (no trial runs); cpu: the process's "
+          "CPU seconds to the answer, main: its main thread's (the serving start). Medians of --runs.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,16 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="digits,mobilenetv2-fp32")
     p.add_argument("--runs", type=int, default=3, choices=range(1, 21), metavar="N (1-20)")
     p.add_argument("--json", action="store_true", help="print the JSON document too")
+    p.add_argument("--bytecode-cache", action="store_true",
+                   help="measured processes keep compiled bytecode in the work dir, as an installed wheel has it")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ef-restart-") as tmp:
         work = Path(tmp)
+        if args.bytecode_cache:  # inherited by the bare process and the agents (the first start writes it)
+            os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+            os.environ["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
         docs = []
         for name in args.models.split(","):
             (work / name).mkdir(parents=True)
             say(f"{name}: compiling and installing")
             m = prepare(name, work)
             say(f"{name}: timing {args.runs} bare loads, first starts and restarts")
-            docs.append(bench_model(m, args.runs, work))
+            docs.append(bench_model(m, args.runs, work, warm=args.bytecode_cache))
     print_report(docs)
     if args.json:
         print(json.dumps(docs, indent=2))
