@@ -31,7 +31,8 @@ NOT_ON_THE_SERVING_START = (
     "edgefleet.agent.core.pipeline",
     "edgefleet.fleet", "edgefleet.compiler",
 )
-IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|( *)(\S+)\s*$")
+# a self time below 0: another thread imported meanwhile
+IMPORTED = re.compile(r"^import time:\s+-?\d+ \|\s+\d+ \|( *)(\S+)\s*$")
 LISTENING = "KServe v2 on http://"
 
 
