@@ -1,6 +1,8 @@
 """A rollout's per-wave cap on concurrent downloads (issue 43.2, fleet side): the engine sends desired states to at
 most ``max_concurrent_downloads`` devices of a wave at a time and releases more as those finish. Driven through the
-real engine on a real (SQLite) database; the devices are simulated by their reports."""
+real engine on a real (SQLite) database, the devices simulated by their reports; and end to end, a real fleet
+over a real Mosquitto to 1,000 simulated devices (fleet.simulator), each counting on its own side what it has been
+told to install and not yet reported done."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.fleet_harness import RecordingPublisher
 from tests.test_rollout_states import seed
 
 N, CAP = 1000, 50
+INSTALL_S = 0.5  # each simulated install's time (over MQTT): long enough for 50 to overlap
 UNDONE = [TargetState.PENDING.value, TargetState.DOWNLOADING.value, TargetState.INSTALLING.value]
 
 
@@ -102,3 +105,54 @@ def test_a_device_that_downloaded_and_waits_for_its_window_frees_its_place_under
     sent = [t.split("/")[-2] for t in pub.sent if t.endswith("/desired")]
     assert len(sent) == 3 and sent[2] not in first  # the whole one's place went to the next device
     engine.dispose()
+
+
+@pytest.mark.timeout(300)
+def test_1000_simulated_boxes_over_mqtt_never_hold_more_than_50_desired_states_at_once(tmp_path, mosquitto,
+                                                                                       digits_bundle, monkeypatch):
+    """The count the goal names, taken at the boxes: a simulated device holds a desired state from the moment it
+    arrives until it reports the install's end (downloading, then installed or failed after INSTALL_S); the peak over
+    all 1,000 at any instant is at most the cap, and the cap is used. 5% of the installs fail (the gate allows it):
+    a failed device frees its place too."""
+    from edgefleet.fleet.simulator import SimConfig, SimDevice, Simulator
+    from tests.fleet_harness import running_fleet
+    from tests.waiting import wait_for
+
+    held = {"now": 0, "peak": 0, "told": 0}
+    apply = SimDevice._apply
+
+    async def counted(self: SimDevice, d: proto.DesiredState) -> None:  # on the simulator's one event loop
+        if d.mode == "shadow" or self.installed_sha == d.sha256:
+            return await apply(self, d)
+        held["now"] += 1
+        held["told"] += 1
+        held["peak"] = max(held["peak"], held["now"])
+        try:
+            await apply(self, d)
+        finally:
+            held["now"] -= 1
+
+    monkeypatch.setattr(SimDevice, "_apply", counted)
+    with running_fleet(tmp_path, mosquitto.url, rollout_tick_s=0.05) as (fs, url):
+        fs.service.models.upload_bundle(digits_bundle)
+        sim = Simulator(SimConfig(mqtt_url=mosquitto.url, devices=N, install_s=INSTALL_S, failure_rate=0.05,
+                                  progress_reports=True, prefix="cap"))
+        sim.start()
+        try:
+            wait_for(lambda: fs.service.devices.device_counts()["online"] == N, 120,
+                     f"{N} simulated devices online at the fleet", interval_s=0.5)
+            spec = RolloutSpec(max_concurrent_downloads=CAP, gates={"install_success_min": 0.9})
+            rid = fs.service.rollouts.create_rollout("digits", "1.0.0", profile="x86-cpu", spec=spec)["id"]
+            wait_for(lambda: fs.service.rollouts.get_rollout(rid, with_targets=False)["status"] != "in_progress",
+                     240, "the capped wave done", interval_s=0.5)
+            r = fs.service.rollouts.get_rollout(rid, with_targets=False)
+        finally:
+            sim.stop()
+    print(f"\n{N} boxes, cap {CAP}: at most {held['peak']} held a desired state at once; {held['told']} told, "
+          f"{sim.stats.installed} installed, {sim.stats.failed} failed")
+    assert r["status"] == "succeeded", r
+    assert (sim.stats.installed, sim.stats.failed) == (N - N // 20, N // 20)
+    assert held["told"] == N  # each told once
+    assert held["peak"] == CAP  # the cap was reached at the boxes, never passed
+
+
