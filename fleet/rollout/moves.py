@@ -223,19 +223,26 @@ def start_wave(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, msgs:
     lock_wave_rows(s, r.id, RolloutTarget.wave == w.idx)  # its devices, then its targets: the lock order
     pairs = list(s.execute(select(RolloutTarget, Device).join(Device, Device.id == RolloutTarget.device_id)
                            .where(RolloutTarget.rollout_id == r.id, RolloutTarget.wave == w.idx)))
+    pairs.sort(key=lambda td: (not td[1].online, td[1].id))  # online devices first, when a cap sends only some
     if shadow:
+        # a shadow downloads the bundle as an install does: held to the rollout's rate cap, and under a download
+        # cap only that many devices shadow (the shadow's sample; the rest join at the install). No maintenance
+        # window: a shadow changes no answer, and it judges the candidate on live requests (docs/rollouts.md)
+        spec = r.spec or {}
+        cap, pace = spec.get("max_concurrent_downloads"), spec.get("download_max_bytes_per_s")
         now_ts = time.time()
         n = 0
         for t, d in pairs:
             if t.state != TargetState.PENDING:
                 continue
+            if cap is not None and n >= cap:
+                break
             m = models.get(s, t.model_id)
             assert m is not None
-            msgs.append(desired_message(d.id, m, r.id, now_ts, mode="shadow"))
+            msgs.append(desired_message(d.id, m, r.id, now_ts, mode="shadow", download_max_bytes_per_s=pace))
             n += 1
         move_wave(s, w, WaveState.SHADOWING, devices=n)
         return
-    pairs.sort(key=lambda td: (not td[1].online, td[1].id))  # online devices first, when a cap sends only some
     sent = _send_installs(s, models, r, w, msgs, (r.spec or {}).get("max_concurrent_downloads"), pairs)
     move_wave(s, w, WaveState.INSTALLING, devices=sent)
 
