@@ -153,13 +153,17 @@ class Installer:
             self.max_rollout = self.store.current.rollout_id
         self.trials.prune({e.installed.sha256 for pair in slots.values() for e in pair if e is not None})
 
-    def drop_shadow(self) -> None:
+    def drop_shadow(self, keep_files: bool = False) -> None:
+        """End the shadow; its files are removed, unless ``keep_files`` (the install of that very bundle follows: its
+        download copies them by content, and the store stages the bundle into the same folder; a later install's
+        collection removes them if that install never commits)."""
         sh = self.host.end_shadow()
         if sh is not None:
             sh.close()
-            if sh.staged is not None:
+            if sh.staged is not None and not keep_files:
                 self.store.discard(sh.staged)
-            log.info("dropped the shadow of %s %s", sh.manifest.name, sh.manifest.version)
+            log.info("dropped the shadow of %s %s%s", sh.manifest.name, sh.manifest.version,
+                     " (its files kept for its install)" if keep_files else "")
 
     def check_shadow(self, m: Manifest, size: tuple[int, int] | None = None) -> None:
         """A candidate in shadow is compared with the version of its name serving here, so both must answer alike:

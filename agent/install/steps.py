@@ -125,8 +125,10 @@ class InstallRun:
         d = self.desired
         sh = self.job.host.shadow
         held = self.shadow and sh is not None and (sh.manifest.name, sh.manifest.version) == (d.model, d.version)
-        if not held:
-            self.job.drop_shadow()  # any other desired state ends a shadow
+        if not held:  # any other desired state ends a shadow; the install of the bundle it ran keeps its files
+            promoted = not self.shadow and sh is not None and sh.staged is not None \
+                and sh.staged.bundle_sha256 == d.sha256
+            self.job.drop_shadow(keep_files=promoted)
         if held:
             event = Event(InstallEvent.SHADOW_HELD)  # already shadowing it (a re-sent desired state)
         elif d.rollout_id is not None and self.job.max_rollout is not None and d.rollout_id < self.job.max_rollout:
