@@ -6,8 +6,11 @@ full-jitter draw (``protocol.backoff``: uniform in [0, min(10 s, 1 s * 2**attemp
 out of that thread: every payload is read by the bounded parsers of ``protocol`` (size and nesting depth
 checked before any JSON library recurses), and each message's handling is guarded. If the loop dies
 anyway, the thread restarts it (counted in ``restarts``, shown as degraded in ``/api/v1/health``).
-Telemetry can be consumed through an MQTT shared subscription (``$share/<group>/...``) so several fleet
-replicas split the load.
+Telemetry and reports can be consumed through an MQTT shared subscription (``$share/<group>/...``) so several
+fleet replicas split the load: each report is stored by one replica, which orders it against the device's newest
+(its ``ts``, under the device's row lock: fleet.service.ingest), so two replicas handing a device's reports apart
+agree. Statuses stay unshared: a status carries no stored order, and a device's ``online`` and its will split
+across two replicas could be applied the wrong way round; every replica applies every status, in order.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class MqttBridge:
         self.last_failure: tuple[float, str] | None = None  # (time.time(), what killed the loop)
         self._stopping = threading.Event()
         self.handled: dict[str, int] = {"status": 0, "reported": 0, "telemetry": 0}
+        # live messages received (not retained copies): how fast each stream flows now (fleet.reconcile)
+        self.received: dict[str, int] = {"status": 0, "reported": 0, "telemetry": 0}
         self.on_status: Callable[[proto.StatusMessage], object] | None = None
         self.on_reported: Callable[[proto.ReportedState], object] | None = None
         self.on_telemetry: Callable[[proto.Telemetry], object] | None = None
@@ -241,10 +246,10 @@ class MqttBridge:
         log.info("connected to MQTT broker %s:%s", self.host, self.port)
         self.reconnects.reset()
         self._connected_at = time.monotonic()
-        tele = proto.subscription("telemetry")
-        if self.shared_group:
-            tele = f"$share/{self.shared_group}/{tele}"
-        client.subscribe([(proto.subscription("status"), 1), (proto.subscription("reported"), 1), (tele, 1)])
+        tele, reported = proto.subscription("telemetry"), proto.subscription("reported")
+        if self.shared_group:  # each record and report to one replica (a new subscription still gets the retained)
+            tele, reported = f"$share/{self.shared_group}/{tele}", f"$share/{self.shared_group}/{reported}"
+        client.subscribe([(proto.subscription("status"), 1), (reported, 1), (tele, 1)])
         self.connected.set()
         self._room.set()  # publishes refused before the connection go out again
         if self.on_connected:
@@ -367,6 +372,8 @@ class MqttBridge:
                 model, bytes(message.payload), source=message.topic)
             if msg.device_id != device_id:
                 raise ContractError(f"{message.topic}: payload says device {msg.device_id!r}")
+            if not message.retain:
+                self.received[kind] += 1
             if self.ingest is not None:  # stored in a batch; acked by stored() after its commit
                 self.ingest.put(RETAINED_STATUS if kind == "status" and message.retain else kind, msg)
                 return
