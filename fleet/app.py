@@ -148,7 +148,7 @@ class FleetServer:
         self.bridge.on_connected = self.service.rollouts.republish_desired
         self.reconciler = Reconciler(self.sessions, self.bridge.reread_reported,
                                      config.report_reconcile_after_s or 5.0, reread_status=self.bridge.reread_status,
-                                     backlog=self.ingest.backlog)
+                                     backlog=self.ingest.backlog, intake=self.bridge.received.__getitem__)
         public = config.public_url or f"http://{config.host}:{config.port}"
         self.bootstrap = {
             "mqtt_url": config.agent_mqtt_url or self.mqtt_url,
@@ -221,6 +221,8 @@ class FleetServer:
         return {"id": self.service.engine.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
                 "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested,
+                # reconciler ticks that read back no reports / statuses because their live stream flowed
+                "reread_deferred": dict(self.reconciler.deferred),
                 "presence_expired": self.presence.expired,
                 # desired states paho refused (its queue full) that wait to go out again / that went out again
                 "publishes_retrying": self.bridge.retrying(), "publishes_resent": self.bridge.republished}

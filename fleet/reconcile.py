@@ -15,6 +15,16 @@ reconciler walks the devices the fleet holds as offline (by id, a window a tick,
 one walk; one that is really offline answers with its retained will (or nothing) and stays offline, and is asked
 again after ``after_s``, then twice that, ... up to ``STATUS_MAX_S`` (so a fleet with many devices off costs a
 trickle, not a constant stream of rereads).
+
+Neither is read back while its live stream flows: while more than ``batch`` live reports (statuses) arrived in the
+last ``after_s`` (``intake``, the bridge's count of live messages), a report not here yet is most likely on its way
+(queued in the broker, which forwards to the fleet in order), and reading it back would only send it twice and slow
+the stream; once the stream slows, whatever is still missing is read back. A stream that never slows defers them at
+most ``defer_max_s``. (A 20,000-device wave through the bridged cluster read back 8,255 reports, 6,625 of them
+duplicates of reports still on their way, and a connect burst of 20,000 devices asked for 15,600 statuses a replica;
+docs/scaling.md.) A target's wait is counted from when its desired state was sent (fleet.rollout.moves stamps it)
+and from when this reconciler first saw it waiting, whichever is later: a wave's desired states go out after the
+transaction that stamps them commits, which takes a while for a large wave.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import datetime as dt
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from sqlalchemy import and_, or_, select
@@ -48,7 +59,8 @@ def _utcnow() -> dt.datetime:
 class Reconciler:
     def __init__(self, sessions: sessionmaker[Session], reread: Callable[[list[str]], object], after_s: float,
                  batch: int = 400, reread_status: Callable[[list[str]], object] | None = None,
-                 status_cycle_s: float = 5.0, backlog: Callable[[], int] | None = None):
+                 status_cycle_s: float = 5.0, backlog: Callable[[], int] | None = None,
+                 intake: Callable[[str], int] | None = None, defer_max_s: float = 60.0):
         self.sessions = sessions
         self.reread = reread  # asks the broker for these devices' retained reports (MqttBridge.reread_reported)
         self.reread_status = reread_status  # ... and their retained status (MqttBridge.reread_status); None: not
@@ -61,6 +73,15 @@ class Reconciler:
         # missing may only be queued here, and reading it back would add to the queue, not shorten it
         self.backlog = backlog
         self.skipped_busy = 0  # ticks skipped for that reason
+        # live messages of a kind ("reported", "status") received so far (MqttBridge.received): while more than a batch
+        # arrived in the last after_s, that kind is not read back (at most defer_max_s in a row)
+        self.intake = intake
+        self.defer_max_s = defer_max_s
+        self.deferred = {"reported": 0, "status": 0}  # ticks that did not read a kind back because its stream flowed
+        now = time.monotonic()
+        self._seen: dict[str, deque[tuple[float, int]]] = {  # (monotonic time, intake then), from the start
+            k: deque([(now, intake(k))] if intake is not None else []) for k in self.deferred}
+        self._read_at = dict.fromkeys(self.deferred, now)  # when each kind was last free to be read back
         self._asked: dict[str, float] = {}  # device -> monotonic time it was last asked for
         self._status_after: str | None = None  # the walk's position (a device id); None: no walk under way
         self._status_walk_at = -1e18  # monotonic time the last walk started
@@ -128,15 +149,38 @@ class Reconciler:
         log.info("asked the broker again for the retained status of %d devices held as offline", len(due))
         return len(due)
 
+    def flowing(self, kind: str, now: float) -> bool:
+        """More than ``batch`` live messages of ``kind`` arrived in the last ``after_s`` (and it was last free to be
+        read back less than ``defer_max_s`` ago): it is not read back this tick."""
+        if self.intake is None:
+            return False
+        seen = self._seen[kind]
+        count = self.intake(kind)
+        seen.append((now, count))
+        while len(seen) > 1 and seen[1][0] <= now - self.after_s:  # keep one sample at or before the window's start
+            seen.popleft()
+        if count - seen[0][1] > self.batch and now - self._read_at[kind] < self.defer_max_s:
+            self.deferred[kind] += 1
+            return True
+        self._read_at[kind] = now
+        return False
+
     def tick(self) -> int:
         """Reports first (a rollout waits on them), then statuses with what is left of ``batch``; nothing while the
-        fleet's own ingest is more than a batch behind."""
+        fleet's own ingest is more than a batch behind, and neither kind while its live stream flows."""
         if self.backlog is not None and self.backlog() > self.batch:
             self.skipped_busy += 1
             return 0
         now = time.monotonic()
-        due = [d for d in self.stale_devices() if now - self._asked.get(d, -1e18) >= self.after_s][:self.batch]
-        if len(due) < self.batch:
+        reports_flow, statuses_flow = self.flowing("reported", now), self.flowing("status", now)
+        due: list[str] = []
+        for d in [] if reports_flow else self.stale_devices():
+            at = self._asked.get(d)
+            if at is None:  # first seen waiting: its wait is counted from here (its desired state may only now be out)
+                self._asked[d] = now
+            elif now - at >= self.after_s and len(due) < self.batch:
+                due.append(d)
+        if len(due) < self.batch and not statuses_flow:
             self.status_tick(self.batch - len(due))
         if not due:
             return 0

@@ -153,3 +153,68 @@ def test_nothing_is_read_back_while_the_fleets_own_ingest_is_behind(tmp_path):
     r.tick()
     assert asked == [[f"d-{i}" for i in range(5)]]  # the offline devices' statuses, read back now
     engine.dispose()
+
+
+def test_nothing_is_read_back_while_its_live_stream_flows(tmp_path):
+    """A report (status) not here yet while more than a batch of live ones arrived in the last after_s is most likely
+    queued in the broker, not lost: that kind is not read back until its stream slows (a 20,000-device wave read back
+    8,255 reports, 6,625 of them still on their way), and a stream that never slows defers it at most defer_max_s."""
+    import time
+
+    from edgefleet.fleet.db import Device, make_engine
+    from edgefleet.fleet.reconcile import Reconciler
+
+    engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
+    with sessions.begin() as s:
+        s.add_all([Device(id=f"d-{i}", labels={}, registered_via="api") for i in range(5)])
+    asked: list[list[str]] = []
+    live = {"reported": 0, "status": 0}
+    r = Reconciler(sessions, asked.append, after_s=1.0, batch=10, reread_status=asked.append, status_cycle_s=0.0,
+                   intake=live.__getitem__, defer_max_s=3600.0)
+    live["status"] += 11  # a connect burst: more than a batch of live statuses within after_s
+    assert r.tick() == 0 and asked == [] and r.deferred["status"] == 1
+    time.sleep(1.1)  # the burst is over: nothing new arrived in the last after_s
+    r.tick()
+    assert asked == [[f"d-{i}" for i in range(5)]] and r.deferred["status"] == 1
+
+    asked.clear()
+    r = Reconciler(sessions, asked.append, after_s=1.0, batch=10, reread_status=asked.append, status_cycle_s=0.0,
+                   intake=live.__getitem__, defer_max_s=0.5)
+    time.sleep(0.6)  # the stream never slows: it defers the statuses no longer than defer_max_s
+    live["status"] += 11
+    r.tick()
+    assert asked == [[f"d-{i}" for i in range(5)]] and r.deferred["status"] == 0
+    engine.dispose()
+
+
+def test_a_report_is_read_back_once_it_waited_after_s_since_the_reconciler_first_saw_it(tmp_path):
+    """A wave's desired states go out only after the transaction that sent them commits (tens of seconds for a large
+    wave): a target's wait is counted from when the reconciler first saw it waiting, so what it reads back at the start
+    of a wave is not the first reports, still on their way."""
+    import datetime as dt
+    import time
+
+    from edgefleet.fleet.db import Device, Model, Rollout, RolloutTarget, RolloutWave, make_engine
+    from edgefleet.fleet.reconcile import Reconciler
+
+    engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
+    long_ago = dt.datetime.now(dt.UTC).replace(tzinfo=None) - dt.timedelta(seconds=60)
+    with sessions.begin() as s:
+        s.add(Device(id="d-0", labels={}, registered_via="api"))
+        m = Model(name="m", version="1", profile="x86-cpu", backend="onnxruntime", precision="int8", target_path="t",
+                  sha256="0" * 64, size_bytes=1, accuracy=1.0, manifest={})
+        s.add(m)
+        s.flush()
+        r = Rollout(model_id=m.id, model_name="m", model_version="1", spec={}, current_wave=0, created_by="t",
+                    status="in_progress")
+        s.add(r)
+        s.flush()
+        s.add(RolloutWave(rollout_id=r.id, idx=0, size=1, soak_s=0, state="installing"))
+        s.add(RolloutTarget(rollout_id=r.id, device_id="d-0", state="pending", wave=0, model_id=m.id,
+                            updated_at=long_ago))  # sent a minute ago, as far as the database says
+    asked: list[list[str]] = []
+    rec = Reconciler(sessions, asked.append, after_s=0.5, batch=10)
+    assert rec.tick() == 0 and asked == []  # first seen waiting now
+    time.sleep(0.6)
+    assert rec.tick() == 1 and asked == [["d-0"]]
+    engine.dispose()

@@ -263,7 +263,7 @@ def _send_installs(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, m
     windows = {} if (r.spec or {}).get("urgent") else effective_windows(s, (d for _, d in pairs))
     running = {(m.name, m.version, m.profile): m.id for m in s.scalars(
         select(Model).where(Model.name.in_({d.running_model for _, d in pairs if d.running_model})))}
-    now = time.time()
+    now, sent_at = time.time(), utcnow()
     sent = 0
     for t, d in pairs:
         if t.state not in (TargetState.PENDING, TargetState.SHADOWING):
@@ -285,6 +285,7 @@ def _send_installs(s: Session, models: ModelCache, r: Rollout, w: RolloutWave, m
             t.p99_before = (tel.get("latency") or {}).get("p99_ms")
         d.desired_model_id = m.id
         d.desired_rollout_id = r.id
+        t.updated_at = sent_at  # its wait for a report starts now (fleet.reconcile reads back what waited too long)
         msgs.append(desired_message(d.id, m, r.id, now, download_max_bytes_per_s=pace, window=windows.get(d.id)))
         sent += 1
     return sent
