@@ -136,10 +136,10 @@ class Batcher:
             while not (d.idle and q.peek() is not None):
                 if d.idle and d.steal():
                     continue  # a free instance takes the batch waiting behind a busy one
+                d.top_up()  # open batches below their target first; then a new one behind a busy instance
                 staged = d.stageable()
                 if staged is not None:
                     break
-                d.top_up()
                 if q.closed and q.peek() is None and not d.running:
                     return
                 self._wake.clear()

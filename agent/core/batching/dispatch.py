@@ -9,6 +9,17 @@ copied into one array on the event loop) and queued on the instance's thread, wh
 running batch ends: the runtime never waits for the event loop between two batches under load. At most one
 batch waits on a thread this way, and only when nothing else waits for a turn on the cores.
 
+Which batch a waiting request joins (:meth:`Dispatcher.top_up`): the batches queued behind running ones are filled
+to a *target* size before another instance's is opened, the target being the samples the model holds (queued,
+waiting on threads, running) per instance, rounded up from seven eighths, at most the batch size the install chose:
+with two requests per instance (32 clients, 16 instances) the batches run at 2, where spreading one request per
+instance ran every batch at 1 and gave up the runtime's batch efficiency (the Xeon's INT8 curve: 94.9% of its best
+at 1, 98.4% at 2). Fewer requests than that, and they are spread one per instance as before (every instance kept
+busy first). A new one opens on the instance whose running batch started first (the one to finish first).
+What it trades: a filled batch leaves another instance with none queued, which a free instance then takes back
+(``steal``) or waits for; it pays where a client's round trip is short against a call (bench/serve.py --simulate,
+docs/scaling.md: on a loaded 2-core box the batch counts change, images/s within the box's noise).
+
 A batch whose outputs do not match its inputs, or that raises, fails every request in it with the same error.
 """
 
@@ -66,6 +77,7 @@ class Instance:
         self.slot: Staged | None = None  # the batch its thread starts next; taken under ``lock``
         self.lock = threading.Lock()
         self.buffers: list[dict[str, np.ndarray]] = []  # batch buffers not in use (two at most: one runs, one fills)
+        self.since = 0.0  # when its running batch started (monotonic, as the loop saw it): the first to finish
 
 
 @dataclass(eq=False)
@@ -134,15 +146,35 @@ class Dispatcher:
         if self.queue.closed or self.gate.waiting or self.queue.samples < (1 if self.open else
                                                                            self.settings.max_batch_size):
             return None
-        # inflight 1 and an empty slot: one batch runs (or is about to), none waits behind it
-        return next((i for i in self.instances if i.inflight == 1 and i.slot is None), None)
+        # inflight 1 and an empty slot: one batch runs (or is about to), none waits behind it; of those, the one
+        # whose batch started first (it finishes first, batches of a size taking about the same time)
+        return min((i for i in self.instances if i.inflight == 1 and i.slot is None), key=lambda i: i.since,
+                   default=None)
+
+    def held_samples(self) -> int:
+        """The samples this model holds: queued, in batches waiting on threads, and running (a batch taken back
+        and not yet dropped by its thread may count twice, briefly)."""
+        running = sum(p.n for batch in self.running.values() for p in batch
+                      if p.dispatched and not p.waiting_on_thread and not p.future.done())
+        return self.queue.samples + self.staged_samples + running
+
+    def target(self) -> int:
+        """The size a batch queued behind a running one is filled to before another instance's is opened: the
+        samples held per instance, rounded up from seven eighths (30 of 32 requests in 16 instances' hands: 2; the
+        rest are on their way back from a client), at least 1, at most ``open_cap``. Filled beyond what is held,
+        instances that finish would find nothing to run while others' batches wait: below seven eighths of a
+        second batch per instance, the requests are spread one per instance (every instance fed first)."""
+        m = len(self.instances)
+        return max(1, min(self.open_cap, (8 * self.held_samples() + m) // (8 * m)))
 
     def top_up(self) -> None:
         """Requests queued while open batches wait on busy threads join them (copied into their next rows), oldest
-        first, each into the open batch with the fewest samples that it fits and stacks with, until their threads
-        take them."""
+        first, until their threads take them: each into the fullest open batch below :meth:`target` that it fits
+        and stacks with; when none is below it, a busy instance with none queued gets a new one (``stageable``:
+        left to the batching loop), and only when there is none, the open batch with the fewest samples."""
         if not self.open or self.queue.closed or self.gate.waiting:
             return
+        target = 0  # computed once the first request finds an open batch
         while True:
             p = self.queue.peek()
             if p is None:
@@ -151,7 +183,14 @@ class Dispatcher:
                     and st.n + p.n <= self.open_cap and p.stackable_with(st.batch[0], self.in_axes)]
             if not fits:
                 return  # first in, first out: nothing jumps the request at the head of the queue
-            inst = min(fits, key=lambda i: i.slot.n if i.slot is not None else 0)
+            target = target or self.target()
+            below = [i for i in fits if i.slot is not None and i.slot.n < target]
+            if below:
+                inst = max(below, key=lambda i: (i.slot.n if i.slot is not None else 0, -i.since))
+            elif any(i.inflight == 1 and i.slot is None for i in self.instances):
+                return  # a new batch opens behind a busy instance (the loop's stageable) before these grow further
+            else:
+                inst = min(fits, key=lambda i: i.slot.n if i.slot is not None else 0)
             with inst.lock:
                 st = inst.slot
                 if st is None or st.buffers is None or st.n + p.n > self.open_cap:
@@ -206,6 +245,8 @@ class Dispatcher:
                 if not p.future.done():
                     p.future.set_exception(err)
             return
+        if inst.inflight == 0:
+            inst.since = time.monotonic()
         inst.inflight += 1
         self.arrived_while_running = 0
         task = (self.loop or asyncio.get_running_loop()).create_task(self._run_batch(inst, st))
@@ -218,6 +259,8 @@ class Dispatcher:
         if inst.inflight == 0:  # here, not in the task: a task cancelled before it started never runs its finally
             self.idle.append(inst)
             self.gate.release()
+        else:  # the batch queued behind has started on its thread
+            inst.since = time.monotonic()
         self._wake.set()
 
     def _stack(self, batch: list[Pending]) -> dict[str, np.ndarray]:

@@ -37,12 +37,16 @@ class BatchFormer:
     def _cap(self, staged: bool) -> int:
         """The samples the batch formed now may take: ``max_batch_size`` (an open batch queued behind a running one:
         at most what its buffer holds); when several instances can take a batch now, the queue split evenly between
-        them, so each starts on its share at once instead of one taking everything while the others idle."""
+        them, so each starts on its share at once instead of one taking everything while the others idle (a batch
+        queued behind a running one: at least the dispatcher's target, which the open batches are filled to)."""
         d = self._dispatch
         cap = d.open_cap if staged and d.open else self.settings.max_batch_size
         takers = d.takers(staged)
         if takers > 1:
-            cap = max(1, min(cap, -(-self._queue.samples // takers)))
+            share = -(-self._queue.samples // takers)
+            if staged and d.open:
+                share = max(share, d.target())
+            cap = max(1, min(cap, share))
         return cap
 
     async def form(self, staged: bool = False) -> list[Pending]:
