@@ -27,7 +27,7 @@ import pytest
 import edgefleet.fleet.tuf_repo as tuf_repo
 from tests.conftest import REPO, running_mosquitto
 from tests.fleet_harness import api, running_fleet
-from tests.waiting import wait_for
+from tests.waiting import stop_process, wait_for
 
 LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
 pytestmark = pytest.mark.skipif(LIBFAKETIME is None, reason="libfaketime is not installed (Debian: apt-get install "
@@ -72,12 +72,7 @@ def agent_with_clock(w: World, device: str, offset: str) -> Iterator[Path]:
         try:
             yield log
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc)
 
 
 def _skew(w: World, device: str) -> float:

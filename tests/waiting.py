@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -154,3 +155,13 @@ def recv_until(sock: socket.socket, done: Callable[[bytes], bool], what: str, go
         assert chunk, what
         got += chunk
     return got
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to ``proc``, SIGKILL if it has not ended within ``grace_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
