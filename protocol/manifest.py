@@ -550,9 +550,9 @@ class Manifest(StrictModel):
 
 def _json(v: Any, depth: int = 0) -> str:
     """``json.dumps(v, indent=2, sort_keys=True)``, except that a list of plain values (a charset, a shape, labels)
-    stays on one line, without spaces: a reader's 6,625-character charset written one entry a line made an OCR pipeline's manifest
-    153 KB, which every version of the bundle downloads again (issue 43: a one-stage change costs the stage plus the
-    manifest). The same JSON value either way: any JSON reader parses both the same."""
+    stays on one line, without spaces: a reader's 6,625-character charset written one entry a line made an OCR
+    pipeline's manifest 153 KB, which every version of the bundle downloads again (issue 43: a one-stage change costs
+    the stage plus the manifest). The same JSON value either way: any JSON reader parses both the same."""
     pad = "  " * (depth + 1)
     if isinstance(v, dict) and v:
         items = [f"{pad}{json.dumps(k)}: {_json(v[k], depth + 1)}" for k in sorted(v)]
