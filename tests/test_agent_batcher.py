@@ -786,3 +786,43 @@ def test_a_free_instance_takes_the_batch_waiting_behind_a_busy_one():
     assert a.batches[0] == 1 and sum(a.batches) + sum(c.batches) == 8
     for i, o in enumerate(outs):
         np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+
+
+def _waiting_batches(per_instance: int) -> tuple[list[int], list[int]]:
+    """Two instances, each running a batch of ``per_instance`` held in the runtime; two requests arrive one by one
+    while they run; then the first instance's batch ends, the second's stays held until the arrivals are answered
+    -> (the batches each instance ran)."""
+    async def main():
+        (a, c), b = gated_many(2, BatchSettings(max_batch_size=4))
+        n = 2 * per_instance
+        running = [b.enqueue(x(1, start=10 * i)).future for i in range(n)]  # queued before the loop looks
+        await until(lambda: a.started.is_set() and c.started.is_set(), 5, "both instances running")
+        waiting = []
+        for i in range(n, n + 2):
+            waiting.append(asyncio.ensure_future(b.submit(x(1, start=10 * i))))
+            # queued, and out of the queue into a batch waiting on a thread
+            await until(lambda i=i: b.queued_samples == i - n + 1 and not any(b._queues), 5, f"request {i} queued")
+        a.gate.set()  # the first instance's batch ends (it started first); the second's stays held
+        await until(lambda: all(f.done() for f in waiting), 5, "the arrivals answered (a free instance takes what "
+                    "waits behind a held one)")
+        first = list(a.batches)
+        c.gate.set()
+        outs = await asyncio.gather(*running, *waiting)
+        await b.close()
+        for i, o in enumerate(outs):
+            np.testing.assert_array_equal(o[0], x(1, start=10 * i)["x"] * 2)
+        return first, c.batches
+
+    return run(main())
+
+
+def test_waiting_requests_fill_the_batch_behind_the_first_to_finish_when_enough_are_held():
+    """Four requests held per instance (a batch of 4 running on each, 2 arriving): the two arrivals are queued
+    together behind the instance that started first, half of what each instance holds (one batch running, one
+    behind), and it runs them as one batch of 2; spread one per instance, each would run a batch of 1 and give up what
+    the runtime gains from 1 to 2 (issue 44). With one request running on each, two arrivals are spread: one behind
+    each instance, every instance fed first (the first, once free, takes the one behind the held second)."""
+    first, second = _waiting_batches(4)
+    assert (first, second) == ([4, 2], [4])  # spread: [4, 1, 1], [4]
+    first, second = _waiting_batches(1)
+    assert (first, second) == ([1, 1, 1], [1])

@@ -10,15 +10,12 @@ running batch ends: the runtime never waits for the event loop between two batch
 batch waits on a thread this way, and only when nothing else waits for a turn on the cores.
 
 Which batch a waiting request joins (:meth:`Dispatcher.top_up`): the batches queued behind running ones are filled
-to a *target* size before another instance's is opened, the target being the samples the model holds (queued,
-waiting on threads, running) per instance, rounded up from seven eighths, at most the batch size the install chose:
-with two requests per instance (32 clients, 16 instances) the batches run at 2, where spreading one request per
-instance ran every batch at 1 and gave up the runtime's batch efficiency (the Xeon's INT8 curve: 94.9% of its best
-at 1, 98.4% at 2). Fewer requests than that, and they are spread one per instance as before (every instance kept
-busy first). A new one opens on the instance whose running batch started first (the one to finish first).
-What it trades: a filled batch leaves another instance with none queued, which a free instance then takes back
-(``steal``) or waits for; it pays where a client's round trip is short against a call (bench/serve.py --simulate,
-docs/scaling.md: on a loaded 2-core box the batch counts change, images/s within the box's noise).
+to a *target* size before another instance's is opened, the target being half the samples the model holds (queued,
+waiting on threads, running) per instance (one batch running and one behind on each), at most the batch size the
+install chose: with 4 requests per instance (64 clients, 16 instances) every instance runs batches of 2 or more with
+one behind, where spreading them one per open batch first ran a mix of 1s and larger ones. Fewer held, and they are
+spread one per instance (every instance kept fed first). A new one opens on the instance whose running batch
+started first (the one to finish first).
 
 A batch whose outputs do not match its inputs, or that raises, fails every request in it with the same error.
 """
@@ -159,13 +156,15 @@ class Dispatcher:
         return self.queue.samples + self.staged_samples + running
 
     def target(self) -> int:
-        """The size a batch queued behind a running one is filled to before another instance's is opened: the
-        samples held per instance, rounded up from seven eighths (30 of 32 requests in 16 instances' hands: 2; the
-        rest are on their way back from a client), at least 1, at most ``open_cap``. Filled beyond what is held,
-        instances that finish would find nothing to run while others' batches wait: below seven eighths of a
-        second batch per instance, the requests are spread one per instance (every instance fed first)."""
+        """The size a batch queued behind a running one is filled to before another instance's is opened: half the
+        samples held per instance (each instance one batch running, one queued behind it), rounded up from seven
+        eighths, at least 1, at most ``open_cap``. Filled beyond that, an instance that finishes finds nothing
+        queued and waits for the next request. Tried and measured (bench/serve.py --simulate, 16x1 INT8, 32
+        clients): filling to the samples held per instance (2) ran 1.4-1.8 samples a call instead of 1.05-1.1, kept
+        the instances busy 90-95% instead of 95-97%, and served 1-3 points less of the limit with batches allowed up
+        to 8, none more with up to 2 (docs/scaling.md)."""
         m = len(self.instances)
-        return max(1, min(self.open_cap, (8 * self.held_samples() + m) // (8 * m)))
+        return max(1, min(self.open_cap, (8 * self.held_samples() + 2 * m) // (16 * m)))
 
     def top_up(self) -> None:
         """Requests queued while open batches wait on busy threads join them (copied into their next rows), oldest
