@@ -122,11 +122,17 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
                    "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "errors": r["errors"], "wrong": r["wrong"],
                    "loop_cores": r.get("server_main_cores"), "other_cores": r.get("server_other_cores"),
                    "load_cores": r["load_cores"], "loadavg": [load0, _load()], "agent_ms": r.get("agent_ms")}
+            formed = row["batches"] or {}
+            row["mean_batch"] = (sum(int(b) * c for b, c in formed.items()) / sum(formed.values())
+                                 if formed else float("nan"))
+            # the load generator's own CPU: it shares this box's cores with the agent
+            row["gen_us_per_req"] = 1e6 * row["load_cores"] / row["req_per_s"] if row["req_per_s"] else float("nan")
             rows.append(row)
             say(f"  {name} {clients:>3} clients: {row['req_per_s']:8.1f} req/s = {row['vs_limit']:.1%} of the limit, "
-                f"{row['vs_bound']:.1%} of the bound; busy {row['busy_share']:.1%}; batches {row['batches']}; "
-                f"loop {row['loop_cores'] or 0:.2f} cores; load {row['loadavg']}; errors {row['errors']} "
-                f"wrong {row['wrong']}")
+                f"{row['vs_bound']:.1%} of the bound; busy {row['busy_share']:.1%}; batches {row['batches']} "
+                f"(mean {row['mean_batch']:.2f}); loop {row['loop_cores'] or 0:.2f} cores; generator "
+                f"{row['load_cores']:.2f} cores ({row['gen_us_per_req']:.0f} us a request); load {row['loadavg']}; "
+                f"errors {row['errors']} wrong {row['wrong']}")
     chosen_best = curve.layout_best(instances)
     return {"model": model, "cores": cores, "curve": curve.label, "limit": limit, "best_layout": best_layout,
             "best_batch": best_batch, "chosen_layout": chosen, "chosen_layout_best": chosen_best,
@@ -179,12 +185,14 @@ def print_sim_report(doc: dict[str, Any]) -> None:
               f"img/s ({box['best_layout']} at batch {box['best_batch']}); the agent chose {box['chosen_layout']} "
               f"(the curve's best for it {box['chosen_layout_best']:.1f} = {box['layout_vs_best']:.1%} of the limit), "
               f"batches of at most {box['max_batch']}")
-        print(f"{'clients':>7} {'req/s':>9} {'vs limit':>9} {'vs bound':>9} {'busy':>6} {'loop':>5} {'p50 ms':>7} "
-              f"{'p99 ms':>7} {'load':>11}  batches formed")
+        print(f"{'clients':>7} {'req/s':>9} {'vs limit':>9} {'vs bound':>9} {'busy':>6} {'loop':>5} {'gen':>5} "
+              f"{'batch':>5} {'p50 ms':>7} {'p99 ms':>7} {'load':>11}  batches formed")
         for r in box["rows"]:
             print(f"{r['clients']:>7} {r['req_per_s']:>9.1f} {r['vs_limit']:>9.1%} {r['vs_bound']:>9.1%} "
-                  f"{r['busy_share']:>6.1%} {r['loop_cores'] or 0:>5.2f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
+                  f"{r['busy_share']:>6.1%} {r['loop_cores'] or 0:>5.2f} {r['load_cores']:>5.2f} "
+                  f"{r.get('mean_batch', float('nan')):>5.2f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} "
                   f"{r['loadavg']!s:>11}  {r['batches']}")
+        print("(loop: the agent's event loop, gen: the load generator, in cores; batch: the mean batch formed)")
     if doc.get("frontend"):
         print(f"\nthe front end (simulated 16-CPU INT8 box, the runtime using no CPU; target {target} req/s: 2x its "
               "limit)")
