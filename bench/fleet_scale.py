@@ -426,6 +426,8 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             handled0 = sum(stats(c)["replica"]["mqtt_handled"]["reported"] for c in clients)
             reread0 = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients)
             status_reread_connect = sum(stats(c)["replica"].get("statuses_reread", 0) for c in clients)
+            batches0 = [sum(stats(c)["replica"].get(k, 0) for c in clients)
+                        for k in ("ingest_batches", "ingest_messages")]
             pg0 = _pg_backends_cpu(db_url)
             t0 = time.monotonic()
             r = client.post("/api/v1/rollouts", json={"model": "digits", "version": "1.0.0", "profile": "x86-cpu"},
@@ -476,6 +478,8 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             reread = sum(stats(c)["replica"].get("reports_reread", 0) for c in clients) - reread0
             replica_stats = [stats(c)["replica"] for c in clients]
             status_reread = sum(r.get("statuses_reread", 0) for r in replica_stats) - status_reread_connect
+            batches, batched = (sum(r.get(k, 0) for r in replica_stats) - v0
+                                for k, v0 in zip(("ingest_batches", "ingest_messages"), batches0, strict=True))
             deferred = {k: sum(r.get("reread_deferred", {}).get(k, 0) for r in replica_stats)
                         for k in ("reported", "status")}
             pg1 = _pg_backends_cpu(db_url)
@@ -496,6 +500,7 @@ def bench_rollout(base: Path, bundle: Path, n: int, tuned: bool = False, db_url:
             "create_s": round(created_s, 2), "installed_at": {f"{int(k * 100)}%": v for k, v in marks.items()},
             "reports_reread": reread, "statuses_reread_connecting": status_reread_connect,
             "statuses_reread": status_reread, "reread_deferred_ticks": deferred,
+            "ingest_mean_batch": round(batched / batches, 1) if batches else None,
             "db_cpu_s": round(pg_cpu, 1) if db_url else None,
             "db_cpu_ms_per_device": round(1000 * pg_cpu / n, 3) if db_url else None,
             "lost": n - int(final["counts"].get("installed", 0)),
@@ -642,7 +647,8 @@ def main() -> int:
                       f"{'/'.join(str(v) for v in res['installed_at'].values())} s; reports read back from retained "
                       f"copies: {res['reports_reread']}; statuses read back {res['statuses_reread_connecting']} while "
                       f"connecting, {res['statuses_reread']} in the rollout; reconciler ticks deferred while a stream "
-                      f"flowed {res['reread_deferred_ticks']}; desired states refused by paho and sent again: "
+                      f"flowed {res['reread_deferred_ticks']}; messages a stored batch {res['ingest_mean_batch']}; "
+                      f"desired states refused by paho and sent again: "
                       f"{res['publishes_resent']}; brokers' CPU {res['broker_cpu_s']} s; simulator CPU "
                       f"{res['sim_connect_cpu_s']} s connecting ({res['sim_connect_cpu_ms_per_device']} ms a device), "
                       f"{res['sim_rollout_cpu_s']} s in the rollout ({res['sim_rollout_cpu_ms_per_device']} ms a "

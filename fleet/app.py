@@ -220,6 +220,7 @@ class FleetServer:
     def _replica_stats(self) -> dict[str, Any]:
         return {"id": self.service.engine.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
+                "ingest_batches": self.ingest.batches, "ingest_messages": self.ingest.batched,
                 "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested,
                 # reconciler ticks that read back no reports / statuses because their live stream flowed
                 "reread_deferred": dict(self.reconciler.deferred),

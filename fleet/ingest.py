@@ -55,6 +55,8 @@ class IngestWorker:
         self.restarts = 0  # times the loop died and was started again
         self.last_failure: tuple[float, str] | None = None  # (time.time(), what killed the loop)
         self.dropped = 0  # messages refused because the backlog stayed full
+        self.batches = 0  # batches formed, and the messages in them: their mean size is what a message costs
+        self.batched = 0
         self._q: queue.Queue[tuple[str, Any] | None] = queue.Queue(max_backlog)
         self._thread: threading.Thread | None = None
 
@@ -110,6 +112,8 @@ class IngestWorker:
                     break
                 batch.append(nxt)
             if batch:
+                self.batches += 1
+                self.batched += len(batch)
                 self._process(batch)
             if stop:
                 return
