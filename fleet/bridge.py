@@ -122,9 +122,9 @@ class MqttBridge:
                                  keyfile=str(key_file) if key_file else None, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         self._client.max_queued_messages_set(max_queued)  # 0: a wave's desired states are queued at once
         # no window of its own: with one, paho scans its whole queue of unacknowledged messages at each
-        # acknowledgement for the next to send (Client._update_inflight), 0.23 ms of the fleet's CPU a desired state
-        # in a 20,000-device wave (py-spy; about half the fleet's CPU per device). What is outstanding stays bounded:
-        # publish() waits past MAX_OUTSTANDING
+        # acknowledgement for the next to send (Client._update_inflight): 47% of the MQTT thread of the replica that
+        # published a 20,000-device wave (py-spy; docs/scaling.md). What is outstanding stays bounded: publish()
+        # waits past MAX_OUTSTANDING
         self._client.max_inflight_messages_set(0)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
