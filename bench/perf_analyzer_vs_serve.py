@@ -16,6 +16,8 @@ perf_analyzer comes from bench/perf_analyzer.sh; its windows are --measurement-i
 after --warmup per client.
 
 Run from the repository root:  .venv/bin/python bench/perf_analyzer_vs_serve.py [--clients 1,8,32] [--json out.json]
+[--split-cpus 0:1]: the agent on CPU 0, both generators on CPU 1 (on a 2-core box, without it the generator that
+costs more CPU takes more of the agent's cores, and the two compare load generators more than the agent)
 """
 
 from __future__ import annotations
@@ -91,7 +93,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="perf_analyzer: windows agree within this (default: any three; a shared box rarely meets 10%%)")
     p.add_argument("--work-dir", type=Path, help="keep the compiled bundle and the agent's data here")
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--split-cpus", metavar="AGENT:CLIENTS",
+                   help="e.g. 0:1: the agent on these CPUs, both load generators on those (each side its own cores, "
+                        "so neither generator takes the agent's; default: all share every CPU)")
     args = p.parse_args(argv)
+    split = None
+    if args.split_cpus:
+        a, c = (frozenset(int(x) for x in side.split(",")) for side in args.split_cpus.split(":"))
+        split = (a, c)
+        os.sched_setaffinity(0, a)  # the agent started below inherits these; the generators later get the others
     pa = perf_analyzer_path()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pa-vs-serve-"))
     m = prepare("digits", work)
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with AgentProcess(m["data_dir"], work / "logs" / "agent.log", 0, None, None, 120, instances=None,
                       extra_args=("--grpc-port", str(grpc_port))) as agent:
+        if split is not None:  # perf_analyzer and serve.py's spawned generator inherit the clients' CPUs
+            os.sched_setaffinity(0, split[1])
         host = agent.url.removeprefix("http://")
         for clients in [int(c) for c in args.clients.split(",")]:
             for i, proto in enumerate(args.protocols.split(",")):
