@@ -27,9 +27,11 @@ import csv
 import io
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +62,24 @@ def run_pa(pa: str, model: str, url: str, proto_args: tuple[str, ...], clients: 
         cmd = [pa, "-m", model, "-u", url, *proto_args, "--concurrency-range", f"{clients}:{clients}",
                "--measurement-interval", str(interval_ms), "--stability-percentage", str(stability),
                "--max-trials", "20", "-f", str(out)]
+        before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - t0
         if p.returncode != 0:
             return {"error": (p.stdout + p.stderr).strip()[-300:]}
         row = next(csv.DictReader(io.StringIO(out.read_text())))
-    return {"req_per_s": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1000,
-            "p99_ms": float(row["p99 latency"]) / 1000}
+    rate = float(row["Inferences/Second"])
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    # its CPU over its whole run (start and every window) per request at its measured rate: an upper bound
+    return {"req_per_s": rate, "p50_ms": float(row["p50 latency"]) / 1000, "p99_ms": float(row["p99 latency"]) / 1000,
+            "client_us_per_req": 1e6 * cpu_s / wall / rate if wall > 0 and rate > 0 else None}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows, perf_analyzer beside serve.py (throughput, its ratio, p50 and p99 in ms)."""
     print(f"{'clients':>7} {'protocol':>8} {'perf_analyzer/s':>16} {'serve.py/s':>11} {'ratio':>6} "
-          f"{'pa p50 ms':>9} {'serve p50 ms':>12} {'pa p99 ms':>9} {'serve p99 ms':>12}")
+          f"{'pa p50 ms':>9} {'serve p50 ms':>12} {'pa p99 ms':>9} {'serve p99 ms':>12} "
+          f"{'client CPU us/req pa / serve':>29}")
     for r in rows:
         a, s = r["pa"], r["serve"]
         if "error" in a:
@@ -79,7 +87,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         print(f"{r['clients']:>7} {r['protocol']:>8} {a['req_per_s']:>16.0f} {s['req_per_s']:>11.0f} "
               f"{r['pa_vs_serve']:>6.2f} {a['p50_ms']:>9.2f} {s['p50_ms']:>12.2f} {a['p99_ms']:>9.2f} "
-              f"{s['p99_ms']:>12.2f}")
+              f"{s['p99_ms']:>12.2f} {_us(a.get('client_us_per_req')):>14} / {_us(s.get('client_us_per_req')):<12}")
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         path, reqs, _ = bodies(kind, m["model"], m["images"])
                         r = run_level(url, kind, path, reqs, m["labels"], clients, args.requests, args.warmup)
                         got["serve"] = {k: r[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
+                        got["serve"]["client_us_per_req"] = 1e6 * r["load_cores"] / r["req_per_s"]
                 row = {"clients": clients, "protocol": proto, "first": order[0], **got}
                 if "req_per_s" in got["pa"]:
                     row["pa_vs_serve"] = got["pa"]["req_per_s"] / got["serve"]["req_per_s"]
