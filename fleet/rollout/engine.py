@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict
 from typing import Any, Protocol
 
-from sqlalchemy import BigInteger, Float, Table, bindparam, case, func, insert, select, tuple_, update
+from sqlalchemy import BigInteger, Float, Table, bindparam, case, func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from edgefleet.protocol import mqtt as proto
@@ -278,7 +278,7 @@ class RolloutEngine:
         self.models(s, {model_id for _, _, model_id in rows})
         # the rows stored before, in one query (not one per target)
         have = {(x.rollout_id, x.device_id): x for x in s.scalars(select(sh).where(
-            tuple_(sh.rollout_id, sh.device_id).in_([(rid, dev) for rid, dev, _ in rows])))}
+            q.keys_in(sh.rollout_id, sh.device_id, [(rid, dev) for rid, dev, _ in rows])))}
         for rid, dev, model_id in rows:
             fig = newest[dev]
             info = self.model(s, model_id)
@@ -295,12 +295,12 @@ class RolloutEngine:
         """Figures for the gates: requests, errors and newest p99 on the rollout's model, per target (the targets
         and the models not cached read in one query each, the counters in one executemany, whatever the batch)."""
         t: Table = RolloutTarget.__table__  # type: ignore[assignment]
-        keys = list({(rollout_of[m.device_id], m.device_id) for m in msgs
-                     if rollout_of.get(m.device_id) is not None and m.version is not None})
+        keys = list({(rid, m.device_id) for m in msgs
+                     if (rid := rollout_of.get(m.device_id)) is not None and m.version is not None})
         if not keys:
             return
         models = {(r.rollout_id, r.device_id): r.model_id for r in s.execute(
-            select(t.c.rollout_id, t.c.device_id, t.c.model_id).where(tuple_(t.c.rollout_id, t.c.device_id).in_(keys)))}
+            select(t.c.rollout_id, t.c.device_id, t.c.model_id).where(q.keys_in(t.c.rollout_id, t.c.device_id, keys)))}
         self.models(s, set(models.values()))  # those not cached, in one query
         acc: dict[tuple[int, str], dict[str, Any]] = {}
         for m in msgs:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Float, Table, and_, case, cast, func, or_, select, tuple_, update
+from sqlalchemy import Float, Table, and_, case, cast, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from edgefleet.protocol.errors import EdgefleetError
@@ -145,6 +145,18 @@ class TargetRow:
     wave: int
 
 
+def keys_in(rollout_col: Any, device_col: Any, keys: Sequence[tuple[int, str]]) -> Any:
+    """``(rollout, device) IN keys`` as one ``rollout = r AND device IN (...)`` per rollout. PostgreSQL turns a row
+    IN list into an OR of its pairs, a filter it tried on every target of the rollout (1,000 keys of a 20,000-target
+    rollout: 336 ms; the keys of a wave come in batches, so a wave cost its targets squared); a plain IN list is one
+    hashed ``= ANY`` (6 ms). Empty ``keys`` match nothing."""
+    by_rollout: dict[int, list[str]] = {}
+    for rid, dev in keys:
+        by_rollout.setdefault(rid, []).append(dev)
+    return or_(false(), *(and_(rollout_col == rid, device_col.in_(sorted(set(devs))))
+                          for rid, devs in sorted(by_rollout.items())))
+
+
 # -- locks -------------------------------------------------------------------------------------------------
 def lock_rows(s: Session, rollouts: Sequence[int] = (), devices: Sequence[str] = (),
               targets: Sequence[tuple[int, str]] = (), rollouts_shared: bool = False) -> None:
@@ -159,7 +171,7 @@ def lock_rows(s: Session, rollouts: Sequence[int] = (), devices: Sequence[str] =
         s.execute(select(Device.id).where(Device.id.in_(sorted(set(devices)))).order_by(Device.id).with_for_update())
     if targets:
         t = RolloutTarget
-        s.execute(select(t.rollout_id).where(tuple_(t.rollout_id, t.device_id).in_(sorted(set(targets))))
+        s.execute(select(t.rollout_id).where(keys_in(t.rollout_id, t.device_id, targets))
                   .order_by(t.rollout_id, t.device_id).with_for_update())
 
 
@@ -183,7 +195,7 @@ def lock_targets(s: Session, keys: Sequence[tuple[int, str]]) -> dict[tuple[int,
                                                    r.model_id, r.previous_model_id, r.wave)
             for r in s.execute(select(t.c.rollout_id, t.c.device_id, t.c.state, t.c.error, t.c.model_id,
                                       t.c.previous_model_id, t.c.wave)
-                               .where(tuple_(t.c.rollout_id, t.c.device_id).in_(list(keys)))
+                               .where(keys_in(t.c.rollout_id, t.c.device_id, keys))
                                .order_by(t.c.rollout_id, t.c.device_id)
                                .with_for_update())}
 
