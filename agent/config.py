@@ -20,9 +20,9 @@ from typing import Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from edgefleet.protocol._strict import StrictModel, parse_document
-from edgefleet.protocol.errors import ConfigError, SchemaError
-from edgefleet.protocol.mqtt import device_id_ok
+from ..protocol._strict import StrictModel, parse_document
+from ..protocol.errors import ConfigError, SchemaError
+from ..protocol.mqtt import device_id_ok
 
 __all__ = ["AgentConfig", "default_profiles", "load_config"]
 

@@ -21,11 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.backoff import Backoff
-from edgefleet.protocol.errors import ConfigError
-from edgefleet.protocol.httpguard import HttpLimits, guarded
-
+from ..protocol import mqtt as proto
+from ..protocol.backoff import Backoff
+from ..protocol.errors import ConfigError
+from ..protocol.httpguard import HttpLimits, guarded
 from ._compat import run_with_loop
 from .config import AgentConfig
 from .core.batching.dispatch import pin_thread
@@ -43,8 +42,7 @@ from .transports.image import ImageLimits
 from .transports.shm import SharedMemory
 
 if TYPE_CHECKING:
-    from edgefleet.protocol.manifest import Manifest
-
+    from ..protocol.manifest import Manifest
     from .link.fetch import FleetHttp
     from .link.mqtt import MqttLink
     from .link.telemetry import DeviceSampler, DeviceStats

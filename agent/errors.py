@@ -22,7 +22,7 @@ Errors from onnxruntime, python-tuf and paho are translated at the boundary and 
 
 from __future__ import annotations
 
-from edgefleet.protocol.errors import EdgefleetError
+from ..protocol.errors import EdgefleetError
 
 __all__ = [
     "AgentError",

@@ -8,8 +8,7 @@ import os
 import socket
 from pathlib import Path
 
-from edgefleet.protocol.sdunit import cli_command, fill, plain, write_unit
-
+from ..protocol.sdunit import cli_command, fill, plain, write_unit
 from .config import AgentConfig
 
 __all__ = ["SERVICE_NAME", "install_unit", "render_unit", "sd_notify"]

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.gate import GateSettings, uses_labels
-from edgefleet.judge.tasks import Outputs, TaskSpec, samples
-from edgefleet.protocol.manifest import AccuracyReport
+from ..judge.data import Dataset
+from ..judge.gate import GateSettings, uses_labels
+from ..judge.tasks import Outputs, TaskSpec, samples
+from ..protocol.manifest import AccuracyReport
 
 __all__ = ["Causes", "advice", "measure_causes"]
 

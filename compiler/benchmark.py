@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.predict import Runner, predict_all
+from ..judge.data import Dataset
+from ..judge.predict import Runner, predict_all
 
 __all__ = ["benchmark_pair", "top1"]
 

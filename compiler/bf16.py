@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from edgefleet.protocol.cpu import BF16_FEATURES, bf16_feature, cpu_arch, cpu_features
-from edgefleet.protocol.manifest import BF16_VERSION
-from edgefleet.protocol.profile import HardwareProfile
+from ..protocol.cpu import BF16_FEATURES, bf16_feature, cpu_arch, cpu_features
+from ..protocol.manifest import BF16_VERSION
+from ..protocol.profile import HardwareProfile
 
 __all__ = ["cache_key", "host_cannot_run_bf16", "manifest_version", "runtime", "toolchain_versions"]
 
@@ -28,14 +28,14 @@ __all__ = ["cache_key", "host_cannot_run_bf16", "manifest_version", "runtime", "
 def runtime(profile: HardwareProfile) -> str | None:
     """The runtime that runs (and so gates) ``profile``'s bf16 engines: the first the engine registry lists for its
     backend's files in bf16 (None: no runtime here runs them)."""
-    from edgefleet.engines import runtimes_for
+    from ..engines import runtimes_for
 
     return next(iter(runtimes_for(profile.backend, "bf16")), None)
 
 
 def _versions(name: str) -> dict[str, str]:
     """The installed version of each distribution that provides runtime ``name`` (its record's modules)."""
-    from edgefleet.engines import record
+    from ..engines import record
 
     out = {}
     for module in record(name).modules:
@@ -57,7 +57,7 @@ def host_cannot_run_bf16(profile: HardwareProfile, have: frozenset[str] | None =
         return (f"the build host's CPU has neither {' nor '.join(sorted(BF16_FEATURES))}, so it cannot run the bf16 "
                 f"engine {profile.name} devices would run, and the gate would judge answers no device computes; "
                 "build bf16 on a CPU with avx512_bf16 (AMD Zen 4, Intel Cooper Lake or Sapphire Rapids and newer)")
-    from edgefleet.engines import EXTRAS, record, runtime_installed
+    from ..engines import EXTRAS, record, runtime_installed
 
     name = runtime(profile)
     if name is None:

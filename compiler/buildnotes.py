@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-from edgefleet.protocol.manifest import BUILD_NOTES_VERSION, FIXED_BATCH_VERSION, BuildNote, Manifest
+from ..protocol.manifest import BUILD_NOTES_VERSION, FIXED_BATCH_VERSION, BuildNote, Manifest
 
 __all__ = ["collecting", "note", "with_build_notes"]
 

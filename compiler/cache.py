@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgefleet.protocol.bundle import read_manifest, sha256_file
-from edgefleet.protocol.manifest import Manifest
+from ..protocol.bundle import read_manifest, sha256_file
+from ..protocol.manifest import Manifest
 
 __all__ = ["BuildCache", "default_cache_dir"]
 

@@ -13,9 +13,9 @@ exit code from the one table, ``protocol/exits.py``.
 
 from __future__ import annotations
 
-from edgefleet.judge.errors import InputError as JudgeInputError
-from edgefleet.protocol.errors import EdgefleetError
-from edgefleet.protocol.exits import ExitCode
+from ..judge.errors import InputError as JudgeInputError
+from ..protocol.errors import EdgefleetError
+from ..protocol.exits import ExitCode
 
 __all__ = ["AccuracyGateFailed", "CompilerError", "InputError", "ToolchainError"]
 

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from edgefleet.protocol.profile import (
+from ..protocol.profile import (
     HardwareProfile,
     load_profile,
     profile_dir,
@@ -69,7 +69,7 @@ class CpuFallback:
 def choose(profile_arg: str) -> CpuFallback | None:
     """The fallback to build instead of ``profile_arg`` (a name or a path) on this host, or None: build it as
     asked (its toolchain may be here, it names no fallback, or it does not load, which the build will report)."""
-    from edgefleet.protocol.errors import EdgefleetError
+    from ..protocol.errors import EdgefleetError
 
     try:
         profile = load_profile(profile_arg)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.judge.data import Dataset, sample_axes
-from edgefleet.protocol.manifest import TensorSpec
-
+from ..judge.data import Dataset, sample_axes
+from ..protocol.manifest import TensorSpec
 from .errors import InputError
 
 __all__ = ["QUANTIZED_OPS", "GraphInfo", "all_nodes", "check_model", "ensure_opset", "is_quantized_op", "name_nodes",

@@ -55,13 +55,13 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines import Engine, EngineSpec, load, load_bundle_engine
-from edgefleet.engines.onnxruntime import CPU
-from edgefleet.judge.data import load_dataset
-from edgefleet.judge.pipeline import Chain, drift_reference, end_specs, judge_pipeline
-from edgefleet.protocol.bundle import extract_bundle, sha256_file, write_bundle
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import (
+from ..engines import Engine, EngineSpec, load, load_bundle_engine
+from ..engines.onnxruntime import CPU
+from ..judge.data import load_dataset
+from ..judge.pipeline import Chain, drift_reference, end_specs, judge_pipeline
+from ..protocol.bundle import extract_bundle, sha256_file, write_bundle
+from ..protocol.errors import ContractError
+from ..protocol.manifest import (
     PIPELINE_VERSION,
     AccuracyReport,
     EngineVariant,
@@ -73,10 +73,9 @@ from edgefleet.protocol.manifest import (
     SelfTestSummary,
     TaskReport,
 )
-from edgefleet.protocol.pipeline import PipelineFile, PipelineSpec, StageSource, load_pipeline_file
-from edgefleet.protocol.preprocess import Preprocessing, load_preprocessing
-from edgefleet.protocol.profile import load_profile
-
+from ..protocol.pipeline import PipelineFile, PipelineSpec, StageSource, load_pipeline_file
+from ..protocol.preprocess import Preprocessing, load_preprocessing
+from ..protocol.profile import load_profile
 from .compile import (
     REFERENCE_RUNTIME,
     CompileOptions,

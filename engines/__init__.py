@@ -23,8 +23,7 @@ import importlib.util
 import pkgutil
 from pathlib import Path
 
-from edgefleet.protocol.manifest import Manifest
-
+from ..protocol.manifest import Manifest
 from .base import NP_DTYPES, Engine, EngineSpec, Runtime
 from .errors import EngineClosed, EngineError, EngineInputError, EngineLoadError, EngineRunError
 

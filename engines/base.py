@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.protocol.manifest import Manifest, TensorSpec
-
+from ..protocol.manifest import Manifest, TensorSpec
 from .errors import EngineClosed, EngineInputError, EngineRunError
 
 __all__ = ["NP_DTYPES", "Engine", "EngineSpec", "Runtime"]

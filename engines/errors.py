@@ -14,7 +14,7 @@ build toolchain that failed).
 
 from __future__ import annotations
 
-from edgefleet.protocol.errors import EdgefleetError
+from ..protocol.errors import EdgefleetError
 
 __all__ = ["EngineClosed", "EngineError", "EngineInputError", "EngineLoadError", "EngineRunError"]
 

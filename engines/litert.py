@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol import jsonlimits
-from edgefleet.protocol.errors import ContractError
-
+from ..protocol import jsonlimits
+from ..protocol.errors import ContractError
 from .base import Engine, EngineSpec, Runtime
 from .errors import EngineLoadError, EngineRunError
 

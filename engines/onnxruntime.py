@@ -34,8 +34,8 @@ KNOWN_PROVIDERS = (TENSORRT, CUDA, CPU)
 def providers_for(profile: str | None) -> tuple[str, ...]:
     """The providers an engine built for ``profile`` asks for, best first: the profile's accelerator decides
     (gpu: TensorRT, then CUDA, then CPU). None, or a profile this box does not know, is a CPU one."""
-    from edgefleet.protocol.errors import EdgefleetError
-    from edgefleet.protocol.profile import load_profile
+    from ..protocol.errors import EdgefleetError
+    from ..protocol.profile import load_profile
 
     try:
         accelerator = load_profile(profile).accelerator if profile else "cpu"

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.fsutil import atomic_write
-
+from ..protocol import mqtt as proto
+from ..protocol.fsutil import atomic_write
 from .broker_limits import BrokerLimits
 
 __all__ = ["FLEET_USER", "LEGACY_AGENT_PREFIX", "MAX_DEVICE_CONNECTIONS", "MAX_PACKET_BYTES", "MAX_PAYLOAD_BYTES",

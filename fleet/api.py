@@ -13,9 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgefleet.protocol import jsonlimits
-from edgefleet.protocol.errors import ContractError
-
+from ..protocol import jsonlimits
+from ..protocol.errors import ContractError
 from . import schemas as out
 from .auth import ROLES, TokenStore
 from .enroll import Enrollment

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.protocol.errors import ConfigError
-from edgefleet.protocol.httpguard import HttpLimits, guarded
-
+from ..protocol.errors import ConfigError
+from ..protocol.httpguard import HttpLimits, guarded
 from .acl import FLEET_USER, Account, ActiveAccounts, reload_mosquitto, write_mosquitto_files
 from .auth import TokenStore
 from .bridge import RETAINED_STATUS, MqttBridge

@@ -26,10 +26,9 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.backoff import Backoff, full_jitter, paho_next_delay
-from edgefleet.protocol.errors import ContractError
-
+from ..protocol import mqtt as proto
+from ..protocol.backoff import Backoff, full_jitter, paho_next_delay
+from ..protocol.errors import ContractError
 from .audit import Rejections
 from .ingest import IngestWorker
 

@@ -63,8 +63,7 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import OutgoingApplicationMessage
 from amqtt.utils import gen_client_id
 
-from edgefleet.protocol.errors import ConfigError
-
+from ..protocol.errors import ConfigError
 from .acl import MAX_PACKET_BYTES, allowed, client_id_allowed
 from .broker_limits import BrokerLimits, ConnectionGate
 

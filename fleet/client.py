@@ -24,10 +24,9 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from edgefleet.protocol import jsonlimits
-from edgefleet.protocol.errors import ContractError, EdgefleetError
-from edgefleet.protocol.exits import ExitCode
-
+from ..protocol import jsonlimits
+from ..protocol.errors import ContractError, EdgefleetError
+from ..protocol.exits import ExitCode
 from . import schemas as s
 
 __all__ = ["FleetBadAnswer", "FleetClient", "FleetClientError", "FleetHTTPError", "FleetUnreachable"]
@@ -113,8 +112,7 @@ class FleetClient:
         """Upload a bundle. With ``sign_key`` (the compiler CI's ``bundles`` key, for a fleet that does not
         sign): first sign it into the fleet's current bundles metadata, here, and publish that."""
         if sign_key is not None:
-            from edgefleet.protocol.bundle import read_manifest
-
+            from ..protocol.bundle import read_manifest
             from .keys import bundle_target, sign_bundle
 
             target, custom = bundle_target(read_manifest(bundle))

@@ -39,10 +39,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.fsutil import atomic_write
-from edgefleet.protocol.processes import stop_processes
-
+from ..protocol import mqtt as proto
+from ..protocol.fsutil import atomic_write
+from ..protocol.processes import stop_processes
 from .acl import (
     FLEET_USER,
     MAX_PACKET_BYTES,

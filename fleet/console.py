@@ -18,10 +18,9 @@ from urllib.parse import urlencode
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, Template
 from markupsafe import Markup
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.signed_time import describe_skew
-from edgefleet.protocol.window import MaintenanceWindow, next_window
-
+from ..protocol import mqtt as proto
+from ..protocol.signed_time import describe_skew
+from ..protocol.window import MaintenanceWindow, next_window
 from .charts import device_time_charts, wave_time_charts
 from .states import TargetState
 

@@ -24,7 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from edgefleet.protocol.errors import ConfigError
+from ..protocol.errors import ConfigError
 
 __all__ = ["ApiToken", "AuditRow", "Base", "Device", "DriftScoreRow",
            "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow", "WaveDriftBinRow", "WaveSeriesRow",

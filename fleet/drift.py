@@ -31,9 +31,8 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
-from edgefleet.protocol import drift as D
-from edgefleet.protocol import mqtt as proto
-
+from ..protocol import drift as D
+from ..protocol import mqtt as proto
 from .db import DriftScoreRow, Model, RolloutTarget, utcnow
 
 __all__ = ["BEFORE_S", "MAX_ROWS", "WINDOW_RECORDS", "WINDOW_S", "DriftBook", "DriftRecord", "RolloutDrift",

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from edgefleet.protocol import mqtt as proto
-
+from ..protocol import mqtt as proto
 from .acl import FLEET_USER, Account, hash_password
 from .errors import BadRequest, NotFound
 

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from edgefleet.protocol.errors import EdgefleetError
+from ..protocol.errors import EdgefleetError
 
 __all__ = ["BadRequest", "Conflict", "DeviceInputRejected", "FleetError", "Forbidden", "KeyStoreError", "NotFound",
            "RepositoryError", "Unauthorized"]

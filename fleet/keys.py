@@ -40,10 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.tuf_target import TargetCustom
-from edgefleet.protocol.tuf_target import target_path as _target_path
-
+from ..protocol.manifest import Manifest
+from ..protocol.tuf_target import TargetCustom
+from ..protocol.tuf_target import target_path as _target_path
 from .errors import KeyStoreError
 
 __all__ = [
@@ -466,7 +465,7 @@ def sign_bundle(key: Path, current: bytes, target_path: str, bundle: Path, custo
     fleet publishes it) with ``bundle`` added as ``target_path``, signed with the CI key."""
     from tuf.api.metadata import Metadata, TargetFile, Targets
 
-    from edgefleet.protocol.bundle import check_bundle
+    from ..protocol.bundle import check_bundle
 
     signer = _uri_signer(key, BUNDLES_ROLE) if key.name.endswith(URI_SUFFIX) else load_signer(key, BUNDLES_ROLE)
     check_bundle(bundle)  # never sign an archive the agent would refuse (BundleError names the problem)

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgefleet.protocol import manifest as pm
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.window import MaintenanceWindow
+from ..protocol import manifest as pm
+from ..protocol import mqtt as proto
+from ..protocol.window import MaintenanceWindow
 
 __all__ = [
     "MAX_OFFSET",

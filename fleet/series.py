@@ -35,9 +35,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from edgefleet.protocol import drift as D
-from edgefleet.protocol import mqtt as proto
-
+from ..protocol import drift as D
+from ..protocol import mqtt as proto
 from .db import Rollout, RolloutWave, WaveDriftBinRow, WaveSeriesRow
 from .drift import DriftBook
 from .errors import NotFound

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, full_jitter
+from ..protocol import mqtt as proto
+from ..protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, full_jitter
 
 __all__ = ["SimConfig", "Simulator", "enroll_all", "fails"]
 

@@ -26,7 +26,7 @@ from typing import Protocol
 from sqlalchemy import BigInteger, Engine, Integer, LargeBinary, String, delete, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from edgefleet.protocol.fsutil import atomic_write
+from ..protocol.fsutil import atomic_write
 
 __all__ = ["CHUNK_BYTES", "DirStore", "SqlStore", "TufStore"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgefleet.protocol.sdunit import cli_command, fill, plain, write_unit
+from ..protocol.sdunit import cli_command, fill, plain, write_unit
 
 __all__ = ["SERVICE_NAME", "install_unit", "render_unit"]
 

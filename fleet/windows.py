@@ -12,9 +12,8 @@ from typing import Any, Literal
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.window import MaintenanceWindow, next_window
-
+from ..protocol import mqtt as proto
+from ..protocol.window import MaintenanceWindow, next_window
 from .audit import audit
 from .db import Device, WindowRow, utcnow
 from .errors import BadRequest, NotFound

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from edgefleet.protocol.manifest import TaskCriterion
+from ..protocol.manifest import TaskCriterion
 
 __all__ = ["Outputs", "crit", "in_unit", "match_boxes", "mean_ci", "samples", "wilson"]
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.protocol.manifest import TensorSpec
-from edgefleet.protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
-
+from ..protocol.manifest import TensorSpec
+from ..protocol.preprocess import IMAGE_SUFFIXES, Preprocessing, decode_image
 from .errors import InputError
 
 __all__ = ["Dataset", "load_dataset", "load_for_model", "sample_axes"]

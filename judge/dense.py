@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol.manifest import TaskCriterion
-
+from ..protocol.manifest import TaskCriterion
 from .criteria import crit as _crit
 from .criteria import match_boxes
 from .criteria import mean_ci as _mean_ci

@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol.manifest import TaskCriterion
-
+from ..protocol.manifest import TaskCriterion
 from .criteria import crit, in_unit, mean_ci, wilson
 from .errors import InputError
 

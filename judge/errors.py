@@ -10,8 +10,8 @@ catches this one catches a bad input whichever side found it; ``edgefleet verify
 
 from __future__ import annotations
 
-from edgefleet.protocol.errors import EdgefleetError
-from edgefleet.protocol.exits import ExitCode
+from ..protocol.errors import EdgefleetError
+from ..protocol.exits import ExitCode
 
 __all__ = ["InputError", "JudgeError"]
 

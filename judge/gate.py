@@ -34,8 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from edgefleet.protocol.manifest import AccuracyReport, OutputAgreement
-
+from ..protocol.manifest import AccuracyReport, OutputAgreement
 from .errors import InputError
 from .tasks import Outputs, TaskSpec, judge, samples
 

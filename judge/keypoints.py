@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol.manifest import TaskCriterion
-
+from ..protocol.manifest import TaskCriterion
 from .criteria import crit, match_boxes, mean_ci, wilson
 from .errors import InputError
 

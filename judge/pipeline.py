@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol.drift import DriftReference, build_reference
-from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
-from edgefleet.protocol.pipeline import BoxesStep, PipelineSpec, ReadStep, end_output_names
-
+from ..protocol.drift import DriftReference, build_reference
+from ..protocol.manifest import TaskCriterion, TaskReport, TensorSpec
+from ..protocol.pipeline import BoxesStep, PipelineSpec, ReadStep, end_output_names
 from .errors import InputError
 from .tasks import _boxes, _crit, _mean_ci, _wilson, edit_distance
 

@@ -44,8 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol.manifest import TaskCriterion, TaskReport, TensorSpec
-
+from ..protocol.manifest import TaskCriterion, TaskReport, TensorSpec
 from .criteria import Outputs, crit, in_unit, mean_ci, samples, wilson
 from .dense import embedding, regression, segmentation
 from .detection import (

@@ -149,3 +149,50 @@ def test_agent_core_imports_no_other_room():
     up = [f"{a} -> {b}" for a in core for b in sorted(graph.get(a, ()))
           if any(b == r or b.startswith(r + ".") for r in rooms)]
     assert not up, up
+
+
+def _by_position(path: Path, node: ast.ImportFrom) -> list[Path | None]:
+    """The files a relative import names when read by the importing file's place in the repository, as a tool that
+    knows nothing of package-dir reads it (an editor without the venv, a drawing of the imports)."""
+    base = path.parent
+    for _ in range(node.level - 1):
+        base = base.parent
+    if node.module:
+        base = base.joinpath(*node.module.split("."))
+    found: list[Path | None] = []
+    for a in node.names:
+        cands = (base / a.name / "__init__.py", base / f"{a.name}.py", base / "__init__.py", base.with_suffix(".py"))
+        found.append(next((c for c in cands if c.is_file()), None))
+    return found
+
+
+def test_imports_across_parts_name_the_file_by_its_place():
+    """One path per module, for tools too (issue 42): the parts name each other relatively, climbing to the package
+    root (``from ...protocol import mqtt`` in agent/core/), so the file a relative import names by its place in the
+    repository is the file the wheel's package-dir mapping gives, and a tool that reads imports by position draws
+    the arrows between parts. Absolute ``edgefleet.<part>`` imports stay only where a file is not loaded as a
+    package module (Alembic's migration scripts, loaded by path) and in ``edgefleet/`` (the CLI and the demo, whose
+    package is not a folder of the parts)."""
+    mods = _modules()
+    by_name = {p: n for n, p in mods.items()}
+    absolute, wrong = [], []
+    for name, path in mods.items():
+        rel = path.relative_to(REPO).parts
+        if rel[0] == "edgefleet" or rel[-2:-1] == ("versions",):
+            continue
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if not node.level:
+                parts = (node.module or "").split(".")
+                if parts[0] == "edgefleet" and (len(parts) > 1 or any(a.name in FLOOR for a in node.names)):
+                    absolute.append(f"{path.relative_to(REPO)}:{node.lineno}: from {node.module}")
+                continue
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            for target in _by_position(path, node):
+                got = by_name.get(target) if target else None
+                if got is None or not (got == base or got.startswith(base + ".")):
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: {base} is {got} by position")
+    assert not absolute, absolute
+    assert not wrong, wrong

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgefleet.protocol.drift import DriftAccumulator, DriftCounts
-from edgefleet.protocol.manifest import Manifest
+from ...protocol.drift import DriftAccumulator, DriftCounts
+from ...protocol.manifest import Manifest
 
 __all__ = ["DriftRecorder"]
 

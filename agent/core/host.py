@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.drift import DriftCounts
-from edgefleet.protocol.manifest import Manifest
-
+from ...engines import Engine
+from ...protocol import mqtt as proto
+from ...protocol.drift import DriftCounts
+from ...protocol.manifest import Manifest
 from ..errors import ModelNotFound, RequestError, Unavailable
 from .batching.batcher import Batcher
 from .batching.gate import ComputeGate

@@ -46,12 +46,11 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines import Engine
-from edgefleet.judge.errors import InputError
-from edgefleet.judge.pipeline import Chain
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.manifest import Manifest
-
+from ...engines import Engine
+from ...judge.errors import InputError
+from ...judge.pipeline import Chain
+from ...protocol import mqtt as proto
+from ...protocol.manifest import Manifest
 from ..errors import AgentError, InferenceFailed, QueueFull, RequestError, Unavailable
 from .batching.batcher import Batcher
 from .batching.dispatch import Outputs

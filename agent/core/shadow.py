@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.manifest import Manifest
+from ...engines import Engine
+from ...protocol import mqtt as proto
+from ...protocol.manifest import Manifest
 
 if TYPE_CHECKING:
     from .pipeline import PipelineStages
@@ -164,7 +164,7 @@ class PipelineShadow(ShadowMirror):
 
     def __init__(self, manifest: Manifest, stages: PipelineStages, sample_rate: float, staged: Any = None,
                  max_pending: int = 2, seed: int | None = None):
-        from edgefleet.judge.pipeline import Chain
+        from ...judge.pipeline import Chain
 
         p = manifest.pipeline
         assert p is not None
@@ -183,7 +183,7 @@ class PipelineShadow(ShadowMirror):
                               lambda b: self.reader.infer({self.rec_input: np.ascontiguousarray(b)}), self.rec_batch)
 
     def _compare(self, feeds: dict[str, np.ndarray], outputs: list[np.ndarray], got: list[np.ndarray]) -> _Tally:
-        from edgefleet.judge.pipeline import compare_image
+        from ...judge.pipeline import compare_image
 
         n = int(np.asarray(outputs[2]).shape[0])
         answers = kept = 0

@@ -18,7 +18,7 @@ import logging
 import threading
 from pathlib import Path
 
-from edgefleet.protocol.fsutil import atomic_write
+from ...protocol.fsutil import atomic_write
 
 __all__ = ["MAX_FILE_BYTES", "MAX_VERSIONS_PER_MODEL", "VersionNumbers"]
 

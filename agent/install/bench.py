@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.engines import Engine, load_bundle_engine
-from edgefleet.protocol.bundle import extract_bundle
-from edgefleet.protocol.cpu import cpu_features
-from edgefleet.protocol.manifest import Manifest
-
+from ...engines import Engine, load_bundle_engine
+from ...protocol.bundle import extract_bundle
+from ...protocol.cpu import cpu_features
+from ...protocol.manifest import Manifest
 from ..core.batching.dispatch import pin_thread
 from ..core.batching.tuning import LayoutFigures, in_the_running
 from ..errors import SelfTestFailed
@@ -266,7 +265,7 @@ def _layout_trial_main() -> int:
     import json
     import sys
 
-    from edgefleet.protocol.manifest import parse_manifest
+    from ...protocol.manifest import parse_manifest
 
     doc = json.loads(sys.stdin.buffer.read(1 << 22))
     return child_reply(lambda: {"figures": layout_doc(layout_trial(

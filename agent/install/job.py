@@ -16,14 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edgefleet.engines import Engine, EngineError, load_bundle_engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.backoff import Backoff
-from edgefleet.protocol.cpu import cpu_features
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.profile import load_profile
-
+from ...engines import Engine, EngineError, load_bundle_engine
+from ...protocol import mqtt as proto
+from ...protocol.backoff import Backoff
+from ...protocol.cpu import cpu_features
+from ...protocol.errors import ContractError
+from ...protocol.manifest import Manifest
+from ...protocol.profile import load_profile
 from ..config import AgentConfig
 from ..core.batching.settings import BatchSettings
 from ..core.batching.tuning import (

@@ -30,13 +30,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgefleet.engines import Engine, EngineError, load_bundle_engine
-from edgefleet.judge.errors import InputError
-from edgefleet.judge.pipeline import Chain
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.roles import role_problem
-
+from ...engines import Engine, EngineError, load_bundle_engine
+from ...judge.errors import InputError
+from ...judge.pipeline import Chain
+from ...protocol import mqtt as proto
+from ...protocol.manifest import Manifest
+from ...protocol.roles import role_problem
 from ..config import AgentConfig
 from ..core.batching.settings import BatchSettings
 from ..core.batching.tuning import BatchTuning, batch_ladder, choose_batch_size

@@ -18,11 +18,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.cpu import BF16_FEATURES, bf16_feature
-from edgefleet.protocol.manifest import Manifest
-
+from ...engines import Engine
+from ...protocol import mqtt as proto
+from ...protocol.cpu import BF16_FEATURES, bf16_feature
+from ...protocol.manifest import Manifest
 from ..errors import BackendError, SelfTestFailed
 from .selftest import Turn, now, self_test
 from .store import StagedModel

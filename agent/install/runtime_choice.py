@@ -27,8 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edgefleet.engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
-
+from ...engines import EXTRAS, Engine, EngineError, load_bundle_engine, runtime_installed, runtimes_for
 from ..core.batching.tuning import LayoutFigures
 from ..core.runtime_pick import RuntimePick, RuntimeTiming
 from ..errors import BackendError, SelfTestFailed
@@ -178,7 +177,7 @@ def _trial_main() -> int:
     import json
     import sys
 
-    from edgefleet.protocol.manifest import parse_manifest
+    from ...protocol.manifest import parse_manifest
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
     doc = json.loads(sys.stdin.buffer.read(1 << 22))

@@ -12,9 +12,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-
+from ...engines import Engine
+from ...protocol import mqtt as proto
 from ..errors import SelfTestFailed
 from .store import StagedModel
 

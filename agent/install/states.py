@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from edgefleet.protocol import mqtt as proto
+from ...protocol import mqtt as proto
 
 __all__ = ["FINAL", "REPORTED", "TRANSITIONS", "Event", "InstallEvent", "InstallState", "next_state"]
 

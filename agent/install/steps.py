@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.engines import Engine
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.window import MaintenanceWindow
-
+from ...engines import Engine
+from ...protocol import mqtt as proto
+from ...protocol.errors import ContractError
+from ...protocol.manifest import Manifest
+from ...protocol.window import MaintenanceWindow
 from ..core.batching.settings import BatchSettings
 from ..core.batching.tuning import BatchTuning
 from ..core.shadow import PipelineShadow, ShadowMirror

@@ -18,8 +18,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from edgefleet.engines import Engine, EngineError
-
+from ...engines import Engine, EngineError
 from ..core.batching.tuning import LayoutFigures
 from ..errors import BackendError, SelfTestFailed
 from .selftest import Turn, measure_batch_sizes

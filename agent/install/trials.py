@@ -21,10 +21,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.cpu import cpu_arch, cpu_features
-from edgefleet.protocol.fsutil import atomic_write
-
+from ...protocol import mqtt as proto
+from ...protocol.cpu import cpu_arch, cpu_features
+from ...protocol.fsutil import atomic_write
 from ..core.batching.tuning import LayoutFigures
 from ..core.runtime_pick import RuntimePick, RuntimeTiming
 

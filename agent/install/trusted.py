@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from edgefleet.protocol.cpu import missing_features
-from edgefleet.protocol.manifest import version_key
-
+from ...protocol.cpu import missing_features
+from ...protocol.manifest import version_key
 from ..errors import RefusedUpdate
 
 __all__ = ["RECORD_VERSION", "Decision", "Installed", "Seen", "TrustedRecord", "check_cpu", "decide"]

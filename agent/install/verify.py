@@ -20,15 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.engines import Engine, load_bundle_engine
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.gate import label_axis, top1_hits
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.bundle import extract_bundle, sha256_file
-from edgefleet.protocol.cpu import cpu_arch, cpu_features
-from edgefleet.protocol.errors import ConfigError
-from edgefleet.protocol.manifest import AccuracyReport, Manifest
-
+from ...engines import Engine, load_bundle_engine
+from ...judge.data import Dataset
+from ...judge.gate import label_axis, top1_hits
+from ...protocol import mqtt as proto
+from ...protocol.bundle import extract_bundle, sha256_file
+from ...protocol.cpu import cpu_arch, cpu_features
+from ...protocol.errors import ConfigError
+from ...protocol.manifest import AccuracyReport, Manifest
 from ..errors import SelfTestFailed
 from .selftest import self_test
 from .store import StagedModel
@@ -101,8 +100,8 @@ class VerifyResult:
 def _load_eval(path: Path, manifest: Manifest) -> Dataset:
     """``--eval`` read as the compiler read its evaluation set (judge.data.load_for_model: one loader for both), the
     samples on the axes the compiler put them; with labels when it has a 'labels' array."""
-    from edgefleet.judge.data import load_for_model
-    from edgefleet.judge.errors import JudgeError
+    from ...judge.data import load_for_model
+    from ...judge.errors import JudgeError
 
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -123,7 +122,7 @@ def per_sample(manifest: Manifest) -> bool:
 
 def _top1(backend: Engine, manifest: Manifest, data: Dataset, batch: int) -> tuple[float, int]:
     """Top-1 of the first output against the data's labels, scored as the compiler's gate scores it."""
-    from edgefleet.judge.predict import predict_all
+    from ...judge.predict import predict_all
 
     assert data.labels is not None
     labels = data.labels
@@ -205,8 +204,8 @@ def _fp32_reference(manifest: Manifest, whole: Manifest, folder: Path, reference
     """The fp32 engine to judge ``engine`` against, and what it is: the engine itself when it is fp32 (None), the
     bundle's fp32 variant, or the source model ``reference`` once it reproduces the fp32 outputs the bundle
     recorded. Refuses (ConfigError) when there is none."""
-    from edgefleet.engines import EngineError, EngineSpec
-    from edgefleet.engines import load as load_engine
+    from ...engines import EngineError, EngineSpec
+    from ...engines import load as load_engine
 
     if manifest.precision == "fp32":
         return None, "itself (the engine is fp32: the fp32 reference)"
@@ -247,11 +246,11 @@ def _gate_on_data(engine: Engine, manifest: Manifest, whole: Manifest, folder: P
     """The gate's own metric on the samples of ``eval_path``: this CPU's engine against an fp32 reference computed on
     the same samples (:func:`_fp32_reference`), judged by the recorded task, or by output agreement with the recorded
     budget. The judge (the compiler's gate too) is numpy only: it imports no toolchain."""
-    from edgefleet.engines import EngineError
-    from edgefleet.judge.errors import JudgeError
-    from edgefleet.judge.gate import GateSettings, evaluate_gate
-    from edgefleet.judge.predict import predict_all
-    from edgefleet.judge.tasks import TaskSpec
+    from ...engines import EngineError
+    from ...judge.errors import JudgeError
+    from ...judge.gate import GateSettings, evaluate_gate
+    from ...judge.predict import predict_all
+    from ...judge.tasks import TaskSpec
 
     note = None
     if len(data) > MAX_EVAL_SAMPLES:

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from edgefleet.protocol.window import MaintenanceWindow, next_window
+from ...protocol.window import MaintenanceWindow, next_window
 
 __all__ = ["POLL_S", "wait_for_window"]
 

@@ -26,9 +26,8 @@ from typing import IO
 
 from tuf.api import exceptions as tuf_exc
 
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, parse_manifest
-
+from ...protocol.errors import ContractError
+from ...protocol.manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, parse_manifest
 from .fetch import FleetHttp
 
 __all__ = ["Assembled", "NotAssembled", "assemble", "installed_files"]

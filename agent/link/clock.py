@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.protocol.fsutil import atomic_write
+from ...protocol.fsutil import atomic_write
 
 __all__ = ["ClockReading", "TrustedClock", "load_floor", "save_floor"]
 

@@ -18,9 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edgefleet.protocol.errors import ConfigError
-from edgefleet.protocol.fsutil import atomic_write
-
+from ...protocol.errors import ConfigError
+from ...protocol.fsutil import atomic_write
 from ..config import AgentConfig
 from ..errors import FetchError
 from .fetch import FleetHttp

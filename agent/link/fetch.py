@@ -40,9 +40,8 @@ from urllib.parse import unquote, urlsplit
 
 from tuf.api import exceptions as tuf_exc
 
-from edgefleet.protocol import jsonlimits
-from edgefleet.protocol.errors import ContractError
-
+from ...protocol import jsonlimits
+from ...protocol.errors import ContractError
 from ..errors import FetchError
 
 __all__ = ["SMALL_ANSWER_BYTES", "FetchLimits", "FleetHttp", "proxy_for"]

@@ -27,13 +27,12 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from edgefleet import protocol
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, paho_next_delay
-from edgefleet.protocol.cpu import cpu_arch, cpu_features
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.fsutil import atomic_write
-
+from ... import protocol
+from ...protocol import mqtt as proto
+from ...protocol.backoff import MQTT_RECONNECT_BASE_S, MQTT_RECONNECT_CAP_S, Backoff, paho_next_delay
+from ...protocol.cpu import cpu_arch, cpu_features
+from ...protocol.errors import ContractError
+from ...protocol.fsutil import atomic_write
 from .spool import Spool
 
 __all__ = ["MqttLink", "MqttSecurity"]

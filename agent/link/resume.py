@@ -32,8 +32,7 @@ from pathlib import Path
 
 from tuf.api import exceptions as tuf_exc
 
-from edgefleet.protocol.fsutil import atomic_write
-
+from ...protocol.fsutil import atomic_write
 from .fetch import FleetHttp
 
 __all__ = ["MIN_PACE_BYTES_PER_S", "DownloadProgress", "Pacer", "Partial", "PartialStore", "download_resumable"]

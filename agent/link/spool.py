@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from edgefleet.protocol.fsutil import atomic_write
+from ...protocol.fsutil import atomic_write
 
 __all__ = ["Spool"]
 

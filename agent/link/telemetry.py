@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgefleet.protocol.processes import stop_processes
+from ...protocol.processes import stop_processes
 
 __all__ = ["DeviceSampler", "DeviceStats", "GpuStats", "TegraStats", "parse_tegrastats", "read_thermal_zones"]
 

@@ -28,12 +28,11 @@ from tuf.api import exceptions as tuf_exc
 from tuf.api.metadata import Metadata, Root
 from tuf.ngclient.fetcher import FetcherInterface
 
-from edgefleet.protocol.bundle import MAX_BUNDLE_BYTES
-from edgefleet.protocol.errors import SchemaError
-from edgefleet.protocol.fsutil import atomic_write
-from edgefleet.protocol.signed_time import MAX_DOCUMENT_BYTES, describe_skew, verify_time
-from edgefleet.protocol.tuf_target import TargetCustom
-
+from ...protocol.bundle import MAX_BUNDLE_BYTES
+from ...protocol.errors import SchemaError
+from ...protocol.fsutil import atomic_write
+from ...protocol.signed_time import MAX_DOCUMENT_BYTES, describe_skew, verify_time
+from ...protocol.tuf_target import TargetCustom
 from ..errors import DownloadCut, FetchError, TrustError
 from .clock import ClockReading, TrustedClock, load_floor, save_floor
 from .fetch import FetchLimits, FleetHttp

@@ -53,10 +53,9 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet import protocol
-from edgefleet.engines import NP_DTYPES
-from edgefleet.protocol.errors import ConfigError
-
+from ... import protocol
+from ...engines import NP_DTYPES
+from ...protocol.errors import ConfigError
 from ..core.host import EXTENSIONS, ModelHost, Served, model_config
 from ..errors import AgentError, RequestError
 from .grpc_front import GrpcFront

@@ -43,7 +43,7 @@ import socket
 import struct
 from typing import Any, cast
 
-from edgefleet.protocol.httpguard import Gate
+from ...protocol.httpguard import Gate
 
 __all__ = ["MAX_OPEN_STREAMS", "GrpcFront"]
 

@@ -45,8 +45,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from edgefleet import protocol
-
+from ... import protocol
 from ..core.host import EXTENSIONS, LARGE_BODY, ModelHost, Served, model_config
 from ..core.metrics import CONTENT_TYPE
 from ..errors import AgentError, PayloadTooLarge, RequestError, Unavailable

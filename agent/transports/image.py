@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefleet.protocol.manifest import Manifest
-from edgefleet.protocol.preprocess import Preprocessing
-
+from ...protocol.manifest import Manifest
+from ...protocol.preprocess import Preprocessing
 from ..errors import NotInstalled, PayloadTooLarge, RequestError
 
 __all__ = ["DEFAULT_MAX_DECODED_BYTES", "DEFAULT_MAX_SCANS", "MAX_PNG_CHUNKS", "ImageHeader", "ImageLimits",

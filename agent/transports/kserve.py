@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from edgefleet.engines import NP_DTYPES
-from edgefleet.protocol.manifest import TensorSpec
-
+from ...engines import NP_DTYPES
+from ...protocol.manifest import TensorSpec
 from ..core.request import InferRequest
 from ..errors import InferenceFailed, RequestError
 

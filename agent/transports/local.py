@@ -49,9 +49,8 @@ from typing import Any
 
 import orjson
 
-from edgefleet.protocol import local as wire
-from edgefleet.protocol.manifest import TensorSpec
-
+from ...protocol import local as wire
+from ...protocol.manifest import TensorSpec
 from ..core.host import LARGE_BODY, ModelHost, Served
 from ..errors import AgentError, RequestError
 from .kserve import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.protocol import local as wire
+from ...protocol import local as wire
 
 __all__ = ["AsyncLocalClient", "LocalClient", "LocalError", "decode_result", "infer_request"]
 

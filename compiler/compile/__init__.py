@@ -20,10 +20,9 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from edgefleet.engines.onnxruntime import CPU
-from edgefleet.judge.predict import predict_all
-from edgefleet.protocol.profile import load_profile
-
+from ...engines.onnxruntime import CPU
+from ...judge.predict import predict_all
+from ...protocol.profile import load_profile
 from ..buildnotes import collecting
 from ..cache import BuildCache
 from ..graph import check_model

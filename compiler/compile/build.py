@@ -7,15 +7,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from edgefleet.engines import EngineError
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.errors import InputError as JudgeInputError
-from edgefleet.judge.errors import JudgeError
-from edgefleet.judge.gate import GateSettings, evaluate_gate, uses_labels
-from edgefleet.judge.predict import predict_all
-from edgefleet.judge.tasks import TaskSpec, infer_task, judge
-from edgefleet.protocol.manifest import AccuracyReport
-
+from ...engines import EngineError
+from ...judge.data import Dataset
+from ...judge.errors import InputError as JudgeInputError
+from ...judge.errors import JudgeError
+from ...judge.gate import GateSettings, evaluate_gate, uses_labels
+from ...judge.predict import predict_all
+from ...judge.tasks import TaskSpec, infer_task, judge
+from ...protocol.manifest import AccuracyReport
 from .. import bf16 as _bf16
 from ..advice import Causes, measure_causes
 from ..buildnotes import note

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet import protocol
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.predict import Runner
-from edgefleet.protocol.bundle import sha256_file, write_bundle
-from edgefleet.protocol.cpu import cpu_arch, cpu_features
-from edgefleet.protocol.drift import DriftReference, build_reference, reference_args
-from edgefleet.protocol.manifest import (
+from ... import protocol
+from ...judge.data import Dataset
+from ...judge.predict import Runner
+from ...protocol.bundle import sha256_file, write_bundle
+from ...protocol.cpu import cpu_arch, cpu_features
+from ...protocol.drift import DriftReference, build_reference, reference_args
+from ...protocol.manifest import (
     DRIFT_VERSION,
     JUDGED_VERSION,
     TASK_GATE_VERSION,
@@ -31,7 +31,6 @@ from edgefleet.protocol.manifest import (
     Manifest,
     SelfTestSummary,
 )
-
 from .. import bf16 as _bf16
 from ..buildnotes import with_build_notes
 from ..graph import GraphInfo

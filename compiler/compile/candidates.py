@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.engines import Engine, EngineSpec, Runtime, record
-from edgefleet.engines import load as load_engine
-from edgefleet.judge.predict import Runner
-from edgefleet.protocol.manifest import AccuracyReport, BenchmarkPoint, QuantizationInfo
-from edgefleet.protocol.profile import HardwareProfile
-
+from ...engines import Engine, EngineSpec, Runtime, record
+from ...engines import load as load_engine
+from ...judge.predict import Runner
+from ...protocol.manifest import AccuracyReport, BenchmarkPoint, QuantizationInfo
+from ...protocol.profile import HardwareProfile
 from ..graph import GraphInfo
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.predict import Runner
-from edgefleet.protocol.cpu import cpu_arch, cpu_features
-from edgefleet.protocol.manifest import BenchmarkPoint, PrecisionCandidate, PrecisionChoice
-from edgefleet.protocol.profile import HardwareProfile
-
+from ...judge.data import Dataset
+from ...judge.predict import Runner
+from ...protocol.cpu import cpu_arch, cpu_features
+from ...protocol.manifest import BenchmarkPoint, PrecisionCandidate, PrecisionChoice
+from ...protocol.profile import HardwareProfile
 from ..advice import advice
 from ..benchmark import benchmark_pair
 from ..errors import AccuracyGateFailed

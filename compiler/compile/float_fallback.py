@@ -6,14 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edgefleet.engines import EngineError
-from edgefleet.judge.data import Dataset
-from edgefleet.judge.errors import JudgeError
-from edgefleet.judge.gate import GateSettings, evaluate_gate
-from edgefleet.judge.predict import predict_all
-from edgefleet.judge.tasks import TaskSpec
-from edgefleet.protocol.manifest import Int8Scheme
-
+from ...engines import EngineError
+from ...judge.data import Dataset
+from ...judge.errors import JudgeError
+from ...judge.gate import GateSettings, evaluate_gate
+from ...judge.predict import predict_all
+from ...judge.tasks import TaskSpec
+from ...protocol.manifest import Int8Scheme
 from ..buildnotes import note
 from ..errors import CompilerError
 from ..targets.base import BuildTarget

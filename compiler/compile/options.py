@@ -9,14 +9,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgefleet.engines import EngineError, EngineInputError
-from edgefleet.judge.errors import InputError as JudgeInputError
-from edgefleet.judge.errors import JudgeError
-from edgefleet.judge.gate import GateSettings
-from edgefleet.judge.tasks import parse_tasks
-from edgefleet.protocol.manifest import NAME_RE, VERSION_RE, Manifest
-from edgefleet.protocol.profile import HardwareProfile
-
+from ...engines import EngineError, EngineInputError
+from ...judge.errors import InputError as JudgeInputError
+from ...judge.errors import JudgeError
+from ...judge.gate import GateSettings
+from ...judge.tasks import parse_tasks
+from ...protocol.manifest import NAME_RE, VERSION_RE, Manifest
+from ...protocol.profile import HardwareProfile
 from ..errors import CompilerError, InputError, ToolchainError
 
 SELFTEST_MAX_SAMPLES = 64

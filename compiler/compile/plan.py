@@ -8,15 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgefleet import protocol
-from edgefleet.judge.data import Dataset, load_for_model
-from edgefleet.judge.gate import GateSettings, uses_labels
-from edgefleet.judge.tasks import TaskSpec, resolve_task
-from edgefleet.protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
-from edgefleet.protocol.manifest import MANIFEST_VERSION
-from edgefleet.protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
-from edgefleet.protocol.profile import HardwareProfile, resolve_profile_path
-
+from ... import protocol
+from ...judge.data import Dataset, load_for_model
+from ...judge.gate import GateSettings, uses_labels
+from ...judge.tasks import TaskSpec, resolve_task
+from ...protocol.cpu import cpu_arch, cpu_features, u8s8_saturates
+from ...protocol.manifest import MANIFEST_VERSION
+from ...protocol.preprocess import Preprocessing, default_preprocessing, load_preprocessing
+from ...protocol.profile import HardwareProfile, resolve_profile_path
 from .. import bf16 as _bf16
 from ..advice import Causes
 from ..cache import BuildCache

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edgefleet.protocol.manifest import AccuracyReport
-
+from ...protocol.manifest import AccuracyReport
 from .candidates import Built
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from edgefleet import engines
-
+from ... import engines
 from ..errors import ToolchainError
 from .base import BuildTarget
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from edgefleet.judge.data import Dataset
-from edgefleet.protocol.manifest import Int8Scheme, QuantizationInfo
-from edgefleet.protocol.profile import HardwareProfile
-
+from ...judge.data import Dataset
+from ...protocol.manifest import Int8Scheme, QuantizationInfo
+from ...protocol.profile import HardwareProfile
 from ..graph import GraphInfo
 
 __all__ = ["BuildTarget"]

@@ -27,12 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.errors import EngineError
-from edgefleet.engines.litert import IO_METADATA, IOMap, Port, interpreter_class
-from edgefleet.judge.data import Dataset
-from edgefleet.protocol.manifest import QuantizationInfo, TensorSpec
-from edgefleet.protocol.profile import HardwareProfile
-
+from ...engines.errors import EngineError
+from ...engines.litert import IO_METADATA, IOMap, Port, interpreter_class
+from ...judge.data import Dataset
+from ...protocol.manifest import QuantizationInfo, TensorSpec
+from ...protocol.profile import HardwareProfile
 from .. import toolchain
 from ..errors import InputError, ToolchainError
 from ..graph import GraphInfo

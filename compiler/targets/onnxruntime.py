@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefleet.engines.onnxruntime import session_options
-from edgefleet.judge.data import Dataset
-from edgefleet.protocol.manifest import Int8Scheme, QuantizationInfo
-from edgefleet.protocol.profile import HardwareProfile
-
+from ...engines.onnxruntime import session_options
+from ...judge.data import Dataset
+from ...protocol.manifest import Int8Scheme, QuantizationInfo
+from ...protocol.profile import HardwareProfile
 from ..batch import fixed_input_batch
 from ..buildnotes import note
 from ..errors import InputError, ToolchainError

@@ -24,14 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from edgefleet.engines.cuda import Device, DeviceBuffers, one_line, open_device
-from edgefleet.engines.errors import EngineError
-from edgefleet.engines.tensorrt import import_tensorrt, logged_errors, make_logger
-from edgefleet.judge.data import Dataset
-from edgefleet.protocol.fsutil import atomic_write
-from edgefleet.protocol.manifest import QuantizationInfo
-from edgefleet.protocol.profile import HardwareProfile, TensorRTSettings
-
+from ...engines.cuda import Device, DeviceBuffers, one_line, open_device
+from ...engines.errors import EngineError
+from ...engines.tensorrt import import_tensorrt, logged_errors, make_logger
+from ...judge.data import Dataset
+from ...protocol.fsutil import atomic_write
+from ...protocol.manifest import QuantizationInfo
+from ...protocol.profile import HardwareProfile, TensorRTSettings
 from ..errors import CompilerError, InputError, ToolchainError
 from ..graph import GraphInfo
 

@@ -17,8 +17,7 @@ from typing import Any, Protocol
 from sqlalchemy import BigInteger, Float, Table, bindparam, case, func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.protocol import mqtt as proto
-
+from ...protocol import mqtt as proto
 from ..audit import ENGINE_ACTOR, audit
 from ..db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
 from ..drift import DriftBook

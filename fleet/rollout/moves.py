@@ -18,9 +18,8 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from edgefleet.protocol import mqtt as proto
-from edgefleet.protocol.window import MaintenanceWindow
-
+from ...protocol import mqtt as proto
+from ...protocol.window import MaintenanceWindow
 from ..audit import ENGINE_ACTOR, audit
 from ..db import Device, Model, Rollout, RolloutTarget, RolloutWave, utcnow
 from ..errors import Conflict

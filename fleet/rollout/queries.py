@@ -17,9 +17,8 @@ from typing import Any
 from sqlalchemy import Float, Table, and_, case, cast, false, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from edgefleet.protocol.errors import EdgefleetError
-from edgefleet.protocol.profile import load_profile
-
+from ...protocol.errors import EdgefleetError
+from ...protocol.profile import load_profile
 from ..db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave
 from ..drift import DriftBook
 from ..errors import BadRequest, NotFound

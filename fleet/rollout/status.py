@@ -12,8 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from edgefleet.protocol import mqtt as proto
-
+from ...protocol import mqtt as proto
 from .. import schemas as out
 from ..db import Device, Model, Rollout, RolloutTarget, RolloutWave
 from ..errors import NotFound

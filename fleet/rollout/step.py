@@ -13,8 +13,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from edgefleet.protocol import mqtt as proto
-
+from ...protocol import mqtt as proto
 from ..states import TARGET_TRANSITIONS, RolloutStatus, TargetState, WaveState
 from .gates import (
     GateResult,

@@ -12,8 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from edgefleet.protocol.signed_time import NONCE_RE, sign_time
-
+from ...protocol.signed_time import NONCE_RE, sign_time
 from .. import schemas as out
 from .context import Fleet
 

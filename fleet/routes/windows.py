@@ -8,8 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Path
 
-from edgefleet.protocol.window import MaintenanceWindow
-
+from ...protocol.window import MaintenanceWindow
 from .. import schemas as out
 from .. import windows
 from ..auth import Caller

@@ -8,8 +8,7 @@ from typing import Any
 from sqlalchemy import Table, case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.protocol import mqtt as proto
-
+from ...protocol import mqtt as proto
 from .. import schemas as out
 from ..audit import audit
 from ..db import Device, Model, TelemetryRow

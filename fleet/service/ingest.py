@@ -10,8 +10,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from edgefleet.protocol import mqtt as proto
-
+from ...protocol import mqtt as proto
 from .. import series
 from ..audit import Rejections
 from ..db import Device, Model, RolloutTarget, TelemetryRow, utcnow

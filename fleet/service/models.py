@@ -8,11 +8,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from edgefleet.protocol.bundle import check_bundle
-from edgefleet.protocol.errors import ContractError
-from edgefleet.protocol.manifest import version_key
-from edgefleet.protocol.profile import list_profiles
-
+from ...protocol.bundle import check_bundle
+from ...protocol.errors import ContractError
+from ...protocol.manifest import version_key
+from ...protocol.profile import list_profiles
 from .. import schemas as out
 from ..db import Model
 from ..errors import BadRequest, Conflict, RepositoryError

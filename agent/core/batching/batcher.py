@@ -24,8 +24,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from edgefleet.engines import Engine
-
+from ....engines import Engine
 from ...errors import Unavailable
 from ..metrics import Metrics, ModelMetrics
 from .dispatch import Dispatcher, Instance

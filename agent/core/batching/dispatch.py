@@ -35,8 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefleet.engines import Engine
-
+from ....engines import Engine
 from ...errors import InferenceFailed
 from ..metrics import ModelMetrics
 from .gate import ComputeGate
