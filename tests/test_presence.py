@@ -24,8 +24,12 @@ PRESENCE_MIN_S = 2.0  # the fleet's floor under a device's staleness bound, in t
 TELEMETRY_S = 0.3  # the simulated devices' telemetry interval: their bound is max(2.0, 3 x 0.3) = 2 s
 
 
-def _online(url: str, device_id: str) -> bool:
+def _online(url: str, device_id: str, registered: bool = True) -> bool:
+    """Whether the fleet shows the device online; ``registered=False`` while waiting for its first message (the
+    fleet registers a device when it first hears from it: until then, 404 means "not yet")."""
     r = api.get(f"{url}/api/v1/devices/{device_id}")
+    if r.status_code == 404 and not registered:
+        return False
     assert r.status_code == 200, r.text
     return bool(r.json()["online"])
 
@@ -46,7 +50,8 @@ def test_a_device_whose_will_is_never_published_is_shown_offline(tmp_path, sims)
         fs.reconciler.status_cycle_s = 1.0
         sim = sims(mqtt_url=broker.url, devices=2, telemetry_interval_s=TELEMETRY_S)
         gone, stays = "sim-00000", "sim-00001"
-        wait_for(lambda: _online(url, gone) and _online(url, stays), 60, "both devices online in the fleet")
+        wait_for(lambda: _online(url, gone, False) and _online(url, stays, False), 60,
+                 "both devices online in the fleet")
         wait_for(lambda: api.get(f"{url}/api/v1/devices/{gone}").json()["telemetry"] is not None, 30,
                  "telemetry of the device that will go")
         # the broker saves its retained messages every second: both "online" statuses are in its store now
@@ -77,6 +82,6 @@ def test_a_device_that_is_heard_from_stays_online(tmp_path, mosquitto, sims):
     with running_fleet(tmp_path, mosquitto.url, presence_min_s=PRESENCE_MIN_S) as (fs, url):
         sims(mqtt_url=mosquitto.url, devices=3, telemetry_interval_s=TELEMETRY_S)
         ids = [f"sim-{i:05d}" for i in range(3)]
-        wait_for(lambda: all(_online(url, d) for d in ids), 60, "the devices online in the fleet")
+        wait_for(lambda: all(_online(url, d, False) for d in ids), 60, "the devices online in the fleet")
         went_offline = watch(lambda: [d for d in ids if not _online(url, d)], 3 * PRESENCE_MIN_S)
         assert went_offline == [], f"{went_offline} shown offline while sending telemetry"
