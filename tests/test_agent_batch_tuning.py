@@ -1,4 +1,4 @@
-"""A device chooses its own batch sizes at install: measured in the compute gate's turns on the bundle's own
+"""A device chooses its own batch sizes at install: measured in its turns on the model's compute, on the bundle's own
 sample, picked from the figures (the smallest size near the best images/s), overridden by an operator's
 max_batch_size, and shown in /v2/models/{name}/config. Costs are a fake engine's, never timing thresholds."""
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from edgefleet.agent.core.batching.batcher import Batcher
-from edgefleet.agent.core.batching.gate import ComputeGate
 from edgefleet.agent.core.batching.request_queue import DEAD_MAX, HIGH, NORMAL
 from edgefleet.agent.core.batching.settings import BatchSettings
+from edgefleet.agent.core.batching.turns import ComputeTurns
 from edgefleet.agent.errors import InferenceFailed, QueueFull, RequestError, Unavailable
 from edgefleet.engines import Engine, EngineSpec
 from edgefleet.protocol.manifest import TensorSpec
@@ -420,8 +420,8 @@ def test_an_install_call_takes_its_turn_between_the_serving_batches():
 
     async def main():
         loop = asyncio.get_running_loop()
-        gate = ComputeGate(1)
-        b = Batcher(Timed(log, "serving"), BatchSettings(max_batch_size=4), gate=gate)
+        turns = ComputeTurns(1)
+        b = Batcher(Timed(log, "serving"), BatchSettings(max_batch_size=4), turns=turns)
         b.start()
         stop = asyncio.Event()
 
@@ -435,14 +435,14 @@ def test_an_install_call_takes_its_turn_between_the_serving_batches():
         clients = [asyncio.ensure_future(client(k)) for k in range(4)]
         await until(lambda: len(log) >= 3, 5, "serving batches")
         warm = Timed(log, "install")
-        done = await loop.run_in_executor(None, lambda: [gate.call(loop, warm.infer, x(1)) for _ in range(3)])
+        done = await loop.run_in_executor(None, lambda: [turns.call(loop, warm.infer, x(1)) for _ in range(3)])
         await until(lambda: sum(t == "serving" for *_, t in log[-3:]) == 3, 5, "serving after the install calls")
         stop.set()
         served = await asyncio.gather(*clients)
         await b.close()
-        return done, served, gate
+        return done, served, turns
 
-    done, served, gate = run(main())
+    done, served, turns = run(main())
     assert len(done) == 3 and all(o[0].shape == (1, 2) for o in done)
     assert min(served) > 0
     tags = [t for *_, t in sorted(log)]
@@ -450,18 +450,18 @@ def test_an_install_call_takes_its_turn_between_the_serving_batches():
     assert _overlaps(log) == []
     first = tags.index("install")
     assert "serving" in tags[first:tags.index("install", first + 1)]  # one call per turn: batches in between
-    assert gate.busy == 0
+    assert turns.busy == 0
 
 
-def test_two_versions_sharing_a_gate_never_run_at_once_and_both_answer_everything():
+def test_two_versions_sharing_compute_turns_never_run_at_once_and_both_answer_everything():
     """The old version's last batches and the new version's first ones take turns: a swap does not put two
     batches on the same cores."""
     log: list[tuple[float, float, str]] = []
 
     async def main():
-        gate = ComputeGate(1)
-        old = Batcher(Timed(log, "old"), BatchSettings(max_batch_size=2), gate=gate)
-        new = Batcher(Timed(log, "new"), BatchSettings(max_batch_size=2), gate=gate)
+        turns = ComputeTurns(1)
+        old = Batcher(Timed(log, "old"), BatchSettings(max_batch_size=2), turns=turns)
+        new = Batcher(Timed(log, "new"), BatchSettings(max_batch_size=2), turns=turns)
         old.start()
         new.start()
         outs = await asyncio.gather(*(bt.submit(x(1, start=10 * i)) for i in range(12) for bt in (old, new)))
@@ -469,45 +469,45 @@ def test_two_versions_sharing_a_gate_never_run_at_once_and_both_answer_everythin
         more = await asyncio.gather(*(new.submit(x(1, start=10 * i)) for i in range(4)))
         await closing
         await new.close()
-        return outs, more, gate
+        return outs, more, turns
 
-    outs, more, gate = run(main())
+    outs, more, turns = run(main())
     for k, o in enumerate(outs):
         np.testing.assert_array_equal(o[0], x(1, start=10 * (k // 2))["x"] * 2)
     assert len(more) == 4
     assert {t for *_, t in log} == {"old", "new"} and _overlaps(log) == []
-    assert gate.busy == 0
+    assert turns.busy == 0
 
 
 def test_several_permits_let_several_instances_run_and_a_cancelled_waiter_keeps_none():
     async def main():
-        gate = ComputeGate(2)
-        await gate.acquire()
-        await gate.acquire()  # both permits held: a third waits
-        waiter = asyncio.ensure_future(gate.acquire())
-        await until(lambda: gate.waiting, 5, "the third acquire waiting")
-        assert not waiter.done() and gate.busy == 2
+        turns = ComputeTurns(2)
+        await turns.acquire()
+        await turns.acquire()  # both permits held: a third waits
+        waiter = asyncio.ensure_future(turns.acquire())
+        await until(lambda: turns.waiting, 5, "the third acquire waiting")
+        assert not waiter.done() and turns.busy == 2
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        gate.release()
-        gate.release()
-        assert gate.busy == 0
+        turns.release()
+        turns.release()
+        assert turns.busy == 0
         # handed the permit just as it is cancelled: the permit goes back, not astray
-        await gate.acquire()
-        await gate.acquire()
-        late = asyncio.ensure_future(gate.acquire())
-        await until(lambda: gate.waiting, 5, "the late acquire waiting")
-        gate.release()  # hands the permit to ``late``
+        await turns.acquire()
+        await turns.acquire()
+        late = asyncio.ensure_future(turns.acquire())
+        await until(lambda: turns.waiting, 5, "the late acquire waiting")
+        turns.release()  # hands the permit to ``late``
         late.cancel()
         with pytest.raises(asyncio.CancelledError):
             await late
-        gate.release()
-        return gate.busy
+        turns.release()
+        return turns.busy
 
     assert run(main()) == 0
     with pytest.raises(ValueError, match="at least one permit"):
-        ComputeGate(0)
+        ComputeTurns(0)
 
 
 def test_an_install_call_runs_even_when_no_turn_comes():
@@ -515,16 +515,16 @@ def test_an_install_call_runs_even_when_no_turn_comes():
 
     async def main():
         loop = asyncio.get_running_loop()
-        gate = ComputeGate(1)
-        await gate.acquire()  # held: a stuck batch
-        out = await loop.run_in_executor(None, lambda: gate.call(loop, lambda: "ran", wait_s=0.2))
-        busy_after_call = gate.busy
-        gate.release()  # the stuck batch ends: the turn given up on is not left holding a permit
-        await until(lambda: gate.busy == 0, 5, "the permit back from the turn given up on")
-        return out, busy_after_call, gate
+        turns = ComputeTurns(1)
+        await turns.acquire()  # held: a stuck batch
+        out = await loop.run_in_executor(None, lambda: turns.call(loop, lambda: "ran", wait_s=0.2))
+        busy_after_call = turns.busy
+        turns.release()  # the stuck batch ends: the turn given up on is not left holding a permit
+        await until(lambda: turns.busy == 0, 5, "the permit back from the turn given up on")
+        return out, busy_after_call, turns
 
-    out, busy_after_call, gate = run(main())
-    assert out == "ran" and busy_after_call == 1 and gate.busy == 0
+    out, busy_after_call, turns = run(main())
+    assert out == "ran" and busy_after_call == 1 and turns.busy == 0
 
 
 def test_requests_arriving_while_a_batch_runs_join_the_batch_queued_behind_it():

@@ -104,16 +104,16 @@ def test_hot_swap_under_concurrent_load_fails_no_request(tmp_path, digits_bundle
         with under_load(client, 6, join_s=60) as load:
             wait_for(lambda: load.count() >= 50, 60, "load before the swap")
             assert agent._loop is not None
-            # the other version's self-test and warm-up take turns with the serving batches on one gate
-            gate = agent.host.models["digits"].batcher.gate
-            assert gate is agent.host.gate("digits", 2)
+            # the other version's self-test and warm-up take turns with the serving batches (the model's ComputeTurns)
+            shared = agent.host.models["digits"].batcher.turns
+            assert shared is agent.host.turns("digits", 2)
             turns: list[str] = []
-            real_call = gate.call
-            gate.call = lambda loop, fn, *a, **kw: (turns.append(fn.__name__), real_call(loop, fn, *a, **kw))[1]  # type: ignore[method-assign]
+            real_call = shared.call
+            shared.call = lambda loop, fn, *a, **kw: (turns.append(fn.__name__), real_call(loop, fn, *a, **kw))[1]  # type: ignore[method-assign]
             swapped = asyncio.run_coroutine_threadsafe(agent.rollback("digits"), agent._loop).result(120)
             # three self-test runs, a batch-1 warm-up on each instance, then the batch sizes measured (timed calls)
             assert turns[:5] == ["infer"] * (3 + 2) and len(turns) > 5 and set(turns[5:]) == {"_timed"}
-            assert agent.host.models["digits"].batcher.gate is gate
+            assert agent.host.models["digits"].batcher.turns is shared
             assert swapped.version == "1.0.0"
             before = load.count()
             wait_for(lambda: load.count() >= before + 50, 60, "load after the swap")

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 
 from edgefleet.agent.core.batching.batcher import Batcher
-from edgefleet.agent.core.batching.gate import ComputeGate
 from edgefleet.agent.core.batching.request_queue import HIGH
 from edgefleet.agent.core.batching.settings import BatchSettings
+from edgefleet.agent.core.batching.turns import ComputeTurns
 from tests.test_agent_batcher import FakeBackend, gated, release, x
 from tests.waiting import until
 
@@ -20,10 +20,10 @@ def run(coro):
 
 
 async def _queued_behind(settings: BatchSettings, first_start: float, starts: list[float],
-                         gate: ComputeGate | None = None):
+                         turns: ComputeTurns | None = None):
     """A batcher whose first request (``first_start``) runs, held inside its gated fake engine, with requests
     ``starts`` submitted after it and a batch of them queued on the busy thread. -> (engine, batcher, first, rest)"""
-    be, b = gated(settings, gate=gate)
+    be, b = gated(settings, turns=turns)
     first = asyncio.ensure_future(b.submit(x(1, start=first_start)))
     await until(be.started.is_set, 5, "the first batch running")
     rest = [asyncio.ensure_future(b.submit(x(1, start=v))) for v in starts]
@@ -52,11 +52,11 @@ def test_an_install_turn_takes_back_the_queued_batch():
     """A swap adds at most one batch to the wait of an install's call: the batch queued behind the running one
     goes back to the queue when the call asks for its turn."""
     async def main():
-        gate = ComputeGate(1)
+        turns = ComputeTurns(1)
         be, b, first, rest = await _queued_behind(BatchSettings(max_batch_size=2), 0, [100 + 10 * i for i in range(2)],
-                                                  gate)
+                                                  turns)
         loop = asyncio.get_running_loop()
-        install = loop.run_in_executor(None, lambda: gate.call(loop, be.seen.append, -1.0))  # marks its turn
+        install = loop.run_in_executor(None, lambda: turns.call(loop, be.seen.append, -1.0))  # marks its turn
         await until(lambda: b._instances[0].slot is None, 5, "the queued batch taken back")
         be.gate.set()
         await install

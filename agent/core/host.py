@@ -26,10 +26,10 @@ from ...protocol.drift import DriftCounts
 from ...protocol.manifest import Manifest
 from ..errors import ModelNotFound, RequestError, Unavailable
 from .batching.batcher import Batcher
-from .batching.gate import ComputeGate
 from .batching.request_queue import HIGH, NORMAL
 from .batching.settings import BatchSettings
 from .batching.tuning import BATCH_TOLERANCE, BatchTuning
+from .batching.turns import ComputeTurns
 from .drift import DriftRecorder
 from .metrics import Metrics, ModelMetrics
 from .request import InferRequest
@@ -92,7 +92,7 @@ class ModelHost:
     each) and retires the version of the same name it replaces once its queue is empty; other models
     keep serving. The index source given to ``set_index`` lists the versions on disk for the repository
     index (served versions are always listed as READY). ``start_shadow`` / ``end_shadow`` mirror live
-    requests to a candidate and stop. Every version of a model shares one :class:`ComputeGate` (``gate``):
+    requests to a candidate and stop. Every version of a model shares one :class:`ComputeTurns` (``turns``):
     the old version's last batch, the new one's self-test and warm-up calls and its first batch take turns
     on the cores. Other parts read ``models``, ``current``, ``shadow``, ``settings`` and ``metrics`` and change
     them only through these verbs.
@@ -110,7 +110,7 @@ class ModelHost:
         self._index: Callable[[], Sequence[IndexEntry]] | None = None
         self._shadow: ShadowMirror | None = None  # a candidate in shadow, if any
         self._swap_lock = asyncio.Lock()
-        self._gates: dict[str, ComputeGate] = {}
+        self._turns: dict[str, ComputeTurns] = {}
         self._drift = DriftRecorder()  # each served version's answers, sketched for the fleet's drift score
 
     @property
@@ -152,12 +152,12 @@ class ModelHost:
         else:
             self.metrics.rejected(duration_s, status, name if name is not None and name in self.models else None)
 
-    def gate(self, name: str, permits: int) -> ComputeGate:
-        """Model ``name``'s compute gate (``permits``: its instance count; a new count starts a new gate)."""
-        g = self._gates.get(name)
-        if g is None or g.permits != permits:
-            g = self._gates[name] = ComputeGate(permits)
-        return g
+    def turns(self, name: str, permits: int) -> ComputeTurns:
+        """Model ``name``'s turns on its compute (``permits``: its instance count; a new count starts new turns)."""
+        t = self._turns.get(name)
+        if t is None or t.permits != permits:
+            t = self._turns[name] = ComputeTurns(permits)
+        return t
 
     async def swap(self, manifest: Manifest, backends: Engine | Sequence[Engine],
                    settings: BatchSettings | None = None, tuning: BatchTuning | None = None,
@@ -180,7 +180,7 @@ class ModelHost:
         self.versions.number(manifest.name, manifest.version)
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
-            batcher = Batcher(instances, s, mm, self.gate(manifest.name, len(instances)), self.inference_cpus)
+            batcher = Batcher(instances, s, mm, self.turns(manifest.name, len(instances)), self.inference_cpus)
             batcher.start()
             served = Served(manifest, instances, batcher, s, mm, tuning=tuning, serving=serving)
             await self._put(served)
@@ -204,7 +204,7 @@ class ModelHost:
         self.versions.number(manifest.name, manifest.version)
         async with self._swap_lock:
             mm = self.metrics.for_model(manifest.name, manifest.version)
-            runner = PipelineRunner(manifest, stages, self.metrics, self.gate(manifest.name, stages.permits),
+            runner = PipelineRunner(manifest, stages, self.metrics, self.turns(manifest.name, stages.permits),
                                     self.inference_cpus)
             runner.start()
             det = stages.detector

@@ -6,7 +6,7 @@ one model: one request in (KServe v2 over HTTP or gRPC, the local socket, ``/inf
 the detector's map, the boxes and the crops never leave the process.
 
 **Serving** (:class:`PipelineRunner`). Each stage has its own
-:class:`~edgefleet.agent.core.batching.batcher.Batcher`, both on the model's one ComputeGate (a stage's batch holds a
+:class:`~edgefleet.agent.core.batching.batcher.Batcher`, both on the model's ComputeTurns (a stage's batch holds a
 permit while it runs: the detector and the reader take turns on the cores, as two versions of one model do). A request's
 images go to the detector's batcher (images of concurrent requests stacked in one batch); its boxes and crops are cut on
 a small thread pool (off the event loop); its crops go to the reader's batcher in pieces of at most the reader's
@@ -54,10 +54,10 @@ from ...protocol.manifest import Manifest
 from ..errors import AgentError, InferenceFailed, QueueFull, RequestError, Unavailable
 from .batching.batcher import Batcher
 from .batching.dispatch import Outputs
-from .batching.gate import ComputeGate
 from .batching.request_queue import HIGH, NORMAL
 from .batching.settings import BatchSettings
 from .batching.tuning import BatchTuning
+from .batching.turns import ComputeTurns
 from .metrics import Metrics, ModelMetrics
 from .request import InferRequest
 from .runtime_pick import RuntimePick
@@ -101,9 +101,9 @@ class PipelineStages:
 
 # -- serving -------------------------------------------------------------------------------------------------------
 class PipelineRunner:
-    """Serves one pipeline version: its two stages' batchers on the model's gate, and the steps between them."""
+    """Serves one pipeline version: its two stages' batchers on the model's turns, and the steps between them."""
 
-    def __init__(self, manifest: Manifest, stages: PipelineStages, metrics: Metrics, gate: ComputeGate,
+    def __init__(self, manifest: Manifest, stages: PipelineStages, metrics: Metrics, turns: ComputeTurns,
                  cpus: Collection[int] | None = None):
         p = manifest.pipeline
         assert p is not None
@@ -119,8 +119,8 @@ class PipelineRunner:
         self.det_metrics: ModelMetrics = metrics.for_stage(manifest.name, p.spec.detector, manifest.version,
                                                            entry=True)
         self.rec_metrics: ModelMetrics = metrics.for_stage(manifest.name, p.spec.reader, manifest.version)
-        self.detector = Batcher(list(stages.detector.backends), stages.detector.settings, self.det_metrics, gate, cpus)
-        self.reader = Batcher(list(stages.reader.backends), stages.reader.settings, self.rec_metrics, gate, cpus)
+        self.detector = Batcher(list(stages.detector.backends), stages.detector.settings, self.det_metrics, turns, cpus)
+        self.reader = Batcher(list(stages.reader.backends), stages.reader.settings, self.rec_metrics, turns, cpus)
         self.rec_batch = stages.reader.settings.max_batch_size
         self.max_images = stages.detector.settings.max_queue_size  # images in the pipeline at once
         self._steps = ThreadPoolExecutor(max_workers=STEP_THREADS, thread_name_prefix="pipeline-steps")

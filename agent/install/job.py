@@ -301,8 +301,8 @@ class Installer:
         loop = self.loop
         if loop is None or not loop.is_running():
             return now
-        gate = self.host.gate(name, instances)
-        return lambda fn, *args: gate.call(loop, fn, *args)
+        turns = self.host.turns(name, instances)
+        return lambda fn, *args: turns.call(loop, fn, *args)
 
     def prepare_pipeline(self, staged: StagedModel) -> PipelineStages:
         """A pipeline bundle's stages loaded, self-tested (each stage, then end to end) and warmed up

@@ -8,7 +8,7 @@ roles of its engine and self-test sample); here each stage's own files are check
 manifest, in its own precision, on the runtime the agent picks for a single model (agent.install.runtime_choice:
 pinned by ``runtime:`` in the config, the only one installed, or timed here on the stage's own sample), ``instances``
 engines of ``intra_op_threads`` each (the operator's layout; no layout trial per stage). Then, in turns with the version
-serving (the model's ComputeGate): each stage's own self-test (its sample, its recorded outputs), the pipeline's
+serving (the model's ComputeTurns): each stage's own self-test (its sample, its recorded outputs), the pipeline's
 end-to-end self-test (:func:`end_to_end_self_test`), each stage's largest batch (measured on its own sample and
 chosen as a single model's is, unless the operator set ``max_batch_size`` or ``batch_tuning: off``: measured on a
 loaded 2-core box, PP-OCRv4's recognizer ran 60 ms a crop alone and 130 ms a crop in batches of 16, so a device may

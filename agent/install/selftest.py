@@ -35,7 +35,7 @@ TUNE_BUDGET_S = 2.0  # seconds of calls, all batch sizes together, when a versio
 TUNE_CALLS = 5  # timed calls per batch size at most (after one untimed call at that size)
 
 _T = TypeVar("_T")
-Turn = Callable[..., Any]  # runs fn(*args) in its turn on the model's cores: ComputeGate.call, bound to a loop
+Turn = Callable[..., Any]  # runs fn(*args) in its turn on the model's cores: ComputeTurns.call, bound to a loop
 
 
 def now(fn: Callable[..., _T], *args: Any) -> _T:

@@ -2,7 +2,7 @@
 
 :class:`Batcher` is one model version's batching, put together from its parts, one module each:
 ``request_queue`` (admission, two priority levels, expiry), ``forming`` (which requests go together, and how long
-the oldest waits), ``dispatch`` (engine instances, their threads, the batch queued behind a running one), ``gate``
+the oldest waits), ``dispatch`` (engine instances, their threads, the batch queued behind a running one), ``turns``
 (turns on the cores, shared by a model's versions), ``settings`` and ``tuning`` (the batch sizes and layout chosen
 from figures measured at install). One loop task (:meth:`Batcher._loop`) forms batches and hands each to a free
 instance.
@@ -29,9 +29,9 @@ from ...errors import Unavailable
 from ..metrics import Metrics, ModelMetrics
 from .dispatch import Dispatcher, Instance
 from .forming import BatchFormer
-from .gate import ComputeGate
 from .request_queue import HIGH, NORMAL, Pending, RequestQueue
 from .settings import BatchSettings
+from .turns import ComputeTurns
 
 __all__ = ["Batcher"]
 
@@ -44,9 +44,9 @@ class Batcher:
     _dispatch: Dispatcher  # made after the queue, whose callback reaches it
 
     def __init__(self, backends: Engine | Sequence[Engine], settings: BatchSettings,
-                 metrics: ModelMetrics | Metrics | None = None, gate: ComputeGate | None = None,
+                 metrics: ModelMetrics | Metrics | None = None, turns: ComputeTurns | None = None,
                  cpus: Collection[int] | None = None, open_batches: bool = True):
-        """``gate``: shared with the model's other versions (default: one of its own, a permit per instance).
+        """``turns``: shared with the model's other versions (default: one of its own, a permit per instance).
         ``cpus``: the CPUs the inference threads run on (None: wherever the scheduler puts them).
         ``open_batches``: a batch queued behind a running one takes requests until its thread starts it (False: it
         is queued there only when full, and closed)."""
@@ -58,11 +58,11 @@ class Batcher:
         if metrics is None or isinstance(metrics, Metrics):
             metrics = (metrics or Metrics()).for_model(self.backend.spec.model, self.backend.spec.version)
         self.metrics: ModelMetrics = metrics
-        self.gate = gate if gate is not None else ComputeGate(len(backends))
+        self.turns = turns if turns is not None else ComputeTurns(len(backends))
         self._wake = asyncio.Event()  # set whenever the loop may have something to do
         self._queue = RequestQueue(settings, {t.name: t.batch_axis for t in self.backend.inputs},
                                    on_gone_waiting=lambda p: self._dispatch.drop_if_all_done(p))
-        self._dispatch = Dispatcher(backends, settings, metrics, self.gate, self._queue, self._wake, cpus,
+        self._dispatch = Dispatcher(backends, settings, metrics, self.turns, self._queue, self._wake, cpus,
                                     open_batches)
         self._former = BatchFormer(settings, self._queue, self._dispatch, self._wake)
         self._task: asyncio.Task | None = None
@@ -97,7 +97,7 @@ class Batcher:
         # the loop it serves on, kept: asyncio.get_running_loop() costs a getpid() system call on Python 3.11
         loop = self._queue.loop = self._dispatch.loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._loop(), name="batcher")
-        self.gate.on_wait.append(self._dispatch.unstage_all)
+        self.turns.on_wait.append(self._dispatch.unstage_all)
         self.metrics.watch_queue(lambda: self.queued_samples)
 
     async def submit(self, feeds: dict[str, np.ndarray], priority: int = NORMAL,
@@ -152,14 +152,14 @@ class Batcher:
                 else:
                     d.dispatch(staged, batch)  # the instance's permit covers the batch queued behind
                 continue
-            await self.gate.acquire()  # requests queued meanwhile join the batch formed next
+            await self.turns.acquire()  # requests queued meanwhile join the batch formed next
             try:
                 batch = await self._former.form()
             except BaseException:
-                self.gate.release()
+                self.turns.release()
                 raise
             if not batch:
-                self.gate.release()
+                self.turns.release()
                 continue
             d.dispatch(d.idle.pop(), batch)
 
@@ -168,7 +168,7 @@ class Batcher:
         self._queue.closed = True
         self._wake.set()
         with contextlib.suppress(ValueError):
-            self.gate.on_wait.remove(self._dispatch.unstage_all)
+            self.turns.on_wait.remove(self._dispatch.unstage_all)
         stuck: list[Pending] = []
         if self._task is not None:
             try:

@@ -38,9 +38,9 @@ import numpy as np
 from ....engines import Engine
 from ...errors import InferenceFailed
 from ..metrics import ModelMetrics
-from .gate import ComputeGate
 from .request_queue import Pending, RequestQueue
 from .settings import BatchSettings
+from .turns import ComputeTurns
 
 __all__ = ["Dispatcher", "Instance", "Outputs", "Staged", "pin_thread"]
 
@@ -94,11 +94,11 @@ class Dispatcher:
     it started goes back to ``queue``; ``wake`` is set whenever the loop may have something to do."""
 
     def __init__(self, backends: Sequence[Engine], settings: BatchSettings, metrics: ModelMetrics,
-                 gate: ComputeGate, queue: RequestQueue, wake: asyncio.Event,
+                 turns: ComputeTurns, queue: RequestQueue, wake: asyncio.Event,
                  cpus: Collection[int] | None = None, open_batches: bool = True):
         self.settings = settings
         self.metrics = metrics
-        self.gate = gate
+        self.turns = turns
         self.queue = queue
         self._wake = wake
         self.instances = [Instance(b, i, cpus) for i, b in enumerate(backends)]
@@ -139,7 +139,7 @@ class Dispatcher:
         the instance's thread, which starts it the moment the running one ends, without a round trip through
         the event loop (measured: the inference thread waited 19% of the time for its next batch at 32
         clients, pinned)."""
-        if self.queue.closed or self.gate.waiting or self.queue.samples < (1 if self.open else
+        if self.queue.closed or self.turns.waiting or self.queue.samples < (1 if self.open else
                                                                            self.settings.max_batch_size):
             return None
         # inflight 1 and an empty slot: one batch runs (or is about to), none waits behind it; of those, the one
@@ -170,7 +170,7 @@ class Dispatcher:
         first, until their threads take them: each into the fullest open batch below :meth:`target` that it fits
         and stacks with; when none is below it, a busy instance with none queued gets a new one (``stageable``:
         left to the batching loop), and only when there is none, the open batch with the fewest samples."""
-        if not self.open or self.queue.closed or self.gate.waiting:
+        if not self.open or self.queue.closed or self.turns.waiting:
             return
         target = 0  # computed once the first request finds an open batch
         while True:
@@ -224,16 +224,16 @@ class Dispatcher:
         return {k: np.empty((rows, *v.shape[1:]), v.dtype) for k, v in first.feeds.items()}
 
     async def dispatch_fresh(self, batch: list[Pending]) -> None:
-        """Run ``batch`` on a free instance, once the gate gives a turn."""
-        await self.gate.acquire()
+        """Run ``batch`` on a free instance, once its turn comes."""
+        await self.turns.acquire()
         if not self.idle:  # cannot happen (one loop dispatches); keep the contract all the same
-            self.gate.release()
+            self.turns.release()
             self.queue.give_back(batch)
             return
         self.dispatch(self.idle.pop(), batch)
 
     def dispatch(self, inst: Instance, batch: list[Pending]) -> None:
-        """Run ``batch`` on ``inst`` (after the batch it runs now, if any). The gate's permit is held from an
+        """Run ``batch`` on ``inst`` (after the batch it runs now, if any). The turn's permit is held from an
         instance's first batch to the end of its last: released when nothing more is queued on it."""
         try:
             st = self._stage(inst, batch)
@@ -256,7 +256,7 @@ class Dispatcher:
         inst.inflight -= 1
         if inst.inflight == 0:  # here, not in the task: a task cancelled before it started never runs its finally
             self.idle.append(inst)
-            self.gate.release()
+            self.turns.release()
         else:  # the batch queued behind has started on its thread
             inst.since = time.monotonic()
         self._wake.set()

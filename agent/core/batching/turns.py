@@ -1,7 +1,7 @@
 """Turns on one model's compute, shared by every version of it.
 
-Several versions of one model share a :class:`ComputeGate`: every batch holds one of its permits while it
-runs, and so does each self-test or warm-up call of a version being installed (``ComputeGate.call``). The
+Several versions of one model share a :class:`ComputeTurns`: every batch holds one of its permits while it
+runs, and so does each self-test or warm-up call of a version being installed (``ComputeTurns.call``). The
 cores are not shared between a serving batch and the next version's warm-up, nor between the old
 version's last batch and the new version's first: each waits its turn, first come first served, so a
 swap adds at most one such call to the time between two answers instead of slowing every batch it
@@ -19,21 +19,21 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["ComputeGate"]
+__all__ = ["ComputeTurns"]
 
 log = logging.getLogger("edgefleet.agent.batcher")  # the batcher's logger, as before the package
 
 _T = TypeVar("_T")
 
 
-class ComputeGate:
+class ComputeTurns:
     """Turns on one model's compute, first come first served: ``permits`` runs at a time (one per
     instance), shared by every version of the model. Acquired on the event loop; ``call`` runs a function
     in its turn from another thread (an install's self-test and warm-up)."""
 
     def __init__(self, permits: int = 1):
         if permits < 1:
-            raise ValueError("a compute gate needs at least one permit")
+            raise ValueError("compute turns need at least one permit")
         self.permits = permits
         self._free = permits
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
