@@ -27,9 +27,6 @@ MODULES_OVER: dict[str, str] = {
 
 # "path::Class" -> why it has more than MAX_METHODS methods
 CLASSES_OVER: dict[str, str] = {
-    "agent/transports/http.py::_HttpApi": "a handler per endpoint of the KServe v2 HTTP API (server, model, "
-                                          "shared memory, metrics) and each group's route table; could split by "
-                                          "route group",
     "agent/transports/local.py::_Connection": "one local-socket connection's asyncio protocol: the transport's "
                                               "callbacks, flow control (hold/release/stall) and the frame "
                                               "dispatch share its buffers and state",

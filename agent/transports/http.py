@@ -97,12 +97,13 @@ GET, POST = ["GET"], ["POST"]  # route methods
 
 class _HttpApi:
     """The HTTP transport: each handler decodes a request, asks the host (agent/core/host.py) and encodes its answer.
-    The routes come in areas (:meth:`server_routes`, :meth:`model_routes`, :meth:`shm_routes`,
-    :meth:`metrics_routes`); :func:`create_app` puts them behind Starlette and the infer fast path."""
+    The routes come in areas (:meth:`server_routes`, :meth:`model_routes`, :meth:`metrics_routes`, and the shared
+    memory's, :class:`_ShmApi`); :func:`create_app` puts them behind Starlette and the infer fast path."""
 
     def __init__(self, host: ModelHost, max_body_bytes: int, device_id: str, max_inflight_body_bytes: int,
                  image_limits: ImageLimits | None, shm: SharedMemory | None):
-        self.host, self.max_body_bytes, self.device_id, self.shm = host, max_body_bytes, device_id, shm
+        self.host, self.max_body_bytes, self.device_id = host, max_body_bytes, device_id
+        self.shm_api = _ShmApi(shm)
         self.budget = _ByteBudget(max_inflight_body_bytes)
         # decoding JSON expands it 10-30x in memory and holds the GIL: two large bodies at a time at most
         self.large_decodes = asyncio.Semaphore(2)
@@ -112,20 +113,10 @@ class _HttpApi:
 
     def routes(self) -> list[Route]:
         # /v2/models/stats before /v2/models/{name}: Starlette takes the first route that matches
-        return [*self.server_routes(), *self.model_routes(), *self.shm_routes(), *self.metrics_routes()]
+        return [*self.server_routes(), *self.model_routes(), *self.shm_api.routes(), *self.metrics_routes()]
 
     def resolve(self, request: Request) -> Served:
         return self.host.get(request.path_params["name"], request.path_params.get("version"))
-
-    def caller_shm(self, scope: Scope) -> SharedMemory | None:
-        """The shared-memory registry as this request's client may use it (its connection's view)."""
-        if self.shm is None:
-            return None
-        cell = connection_peer(scope)
-        view = cell.shm_view
-        if view is None:
-            view = cell.shm_view = self.shm.as_caller(cell)
-        return view
 
     # -- the server: health, metadata, the repository index --------------------------------------------------
     def server_routes(self) -> list[Route]:
@@ -221,7 +212,7 @@ class _HttpApi:
                          receive: Receive, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """One infer request, from its path parameters, headers and body -> (status, headers, body)."""
         host = self.host
-        view = self.caller_shm(scope)
+        view = self.shm_api.caller_view(scope)
         t0 = time.perf_counter()
         status = 500
         served: Served | None = None
@@ -310,13 +301,50 @@ class _HttpApi:
             self.budget.give(held[0])
             self.host.record(served, request.path_params["name"], time.perf_counter() - t0, status)
 
-    # -- system shared memory (Triton's extension; agent/transports/shm.py) ------------------------------------------
-    def shm_routes(self) -> list[Route]:
-        return [Route("/v2/systemsharedmemory/status", self.shm_status, methods=GET),
-                Route("/v2/systemsharedmemory/region/{region}/status", self.shm_status, methods=GET),
-                Route("/v2/systemsharedmemory/region/{region}/register", self.shm_register, methods=POST),
-                Route("/v2/systemsharedmemory/region/{region}/unregister", self.shm_unregister, methods=POST),
-                Route("/v2/systemsharedmemory/unregister", self.shm_unregister, methods=POST),
+    # -- metrics and the API's description ----------------------------------------------------------------
+    def metrics_routes(self) -> list[Route]:
+        return [Route("/metrics", self.prometheus, methods=GET), Route("/metrics/summary", self.summary, methods=GET),
+                Route("/openapi.json", self.openapi_doc, methods=GET)]
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.host.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def summary(self, request: Request) -> Response:
+        host, metrics = self.host, self.host.metrics
+        cur = host.current
+        return JSONResponse({"requests": metrics.total_requests, "errors": metrics.total_errors,
+                             "model": cur.manifest.name if cur else None,
+                             "version": cur.manifest.version if cur else None,
+                             "models": {n: s.manifest.version for n, s in sorted(host.models.items())}})
+
+    async def openapi_doc(self, request: Request) -> Response:
+        return JSONResponse(openapi(protocol.__version__, self.max_body_bytes,
+                                    {n: s.manifest.version for n, s in self.host.models.items()}))
+
+
+class _ShmApi:
+    """The HTTP API's shared-memory area: Triton's system shared-memory extension over the registry
+    (agent/transports/shm.py; None: the extension is off), and the CUDA one's answers for none registered."""
+
+    def __init__(self, shm: SharedMemory | None):
+        self.shm = shm
+
+    def caller_view(self, scope: Scope) -> SharedMemory | None:
+        """The shared-memory registry as this request's client may use it (its connection's view)."""
+        if self.shm is None:
+            return None
+        cell = connection_peer(scope)
+        view = cell.shm_view
+        if view is None:
+            view = cell.shm_view = self.shm.as_caller(cell)
+        return view
+
+    def routes(self) -> list[Route]:
+        return [Route("/v2/systemsharedmemory/status", self.status, methods=GET),
+                Route("/v2/systemsharedmemory/region/{region}/status", self.status, methods=GET),
+                Route("/v2/systemsharedmemory/region/{region}/register", self.register, methods=POST),
+                Route("/v2/systemsharedmemory/region/{region}/unregister", self.unregister, methods=POST),
+                Route("/v2/systemsharedmemory/unregister", self.unregister, methods=POST),
                 # CUDA shared memory: none can be registered; status and unregister answer as for none registered
                 # (perf_analyzer unregisters both kinds at its end)
                 Route("/v2/cudasharedmemory/status", _cuda_status, methods=GET),
@@ -329,8 +357,8 @@ class _HttpApi:
     def no_shm() -> Response:
         return _error(400, "system shared memory is off on this agent")
 
-    async def shm_status(self, request: Request) -> Response:
-        view = self.caller_shm(request.scope)
+    async def status(self, request: Request) -> Response:
+        view = self.caller_view(request.scope)
         if view is None:
             return self.no_shm()
         try:
@@ -338,7 +366,7 @@ class _HttpApi:
         except AgentError as exc:
             return _agent_error(exc)
 
-    async def shm_register(self, request: Request) -> Response:
+    async def register(self, request: Request) -> Response:
         if self.shm is None:
             return self.no_shm()
         try:
@@ -365,8 +393,8 @@ class _HttpApi:
             return _agent_error(exc)
         return JSONResponse({})
 
-    async def shm_unregister(self, request: Request) -> Response:
-        view = self.caller_shm(request.scope)
+    async def unregister(self, request: Request) -> Response:
+        view = self.caller_view(request.scope)
         if view is None:
             return self.no_shm()
         try:
@@ -374,26 +402,6 @@ class _HttpApi:
         except AgentError as exc:
             return _agent_error(exc)
         return JSONResponse({})
-
-    # -- metrics and the API's description ----------------------------------------------------------------
-    def metrics_routes(self) -> list[Route]:
-        return [Route("/metrics", self.prometheus, methods=GET), Route("/metrics/summary", self.summary, methods=GET),
-                Route("/openapi.json", self.openapi_doc, methods=GET)]
-
-    async def prometheus(self, request: Request) -> Response:
-        return Response(self.host.metrics.exposition(), media_type=CONTENT_TYPE)
-
-    async def summary(self, request: Request) -> Response:
-        host, metrics = self.host, self.host.metrics
-        cur = host.current
-        return JSONResponse({"requests": metrics.total_requests, "errors": metrics.total_errors,
-                             "model": cur.manifest.name if cur else None,
-                             "version": cur.manifest.version if cur else None,
-                             "models": {n: s.manifest.version for n, s in sorted(host.models.items())}})
-
-    async def openapi_doc(self, request: Request) -> Response:
-        return JSONResponse(openapi(protocol.__version__, self.max_body_bytes,
-                                    {n: s.manifest.version for n, s in self.host.models.items()}))
 
 
 async def _model_control(request: Request) -> Response:
