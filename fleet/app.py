@@ -60,7 +60,7 @@ class FleetConfig:
     http_max_connections_per_peer: int = 128
     http_head_timeout_s: float = 10.0
     http_idle_timeout_s: float = 5.0
-    rollout_tick_s: float = 0.25  # how often the rollout engine looks at waves (soaks, gates, next wave)
+    rollout_tick_s: float = 0.25  # how often the rollout driver looks at waves (soaks, gates, next wave)
     accept_unknown_devices: bool = True  # False: MQTT from unregistered devices is counted and dropped
     replica_id: str | None = None  # names this replica in rollout leases; default random
     # MQTT identity. The embedded broker always enforces per-device accounts and topic ACLs (fleet.acl);
@@ -217,7 +217,7 @@ class FleetServer:
                 "ingest_backlog": self.ingest.backlog(), "problems": problems}
 
     def _replica_stats(self) -> dict[str, Any]:
-        return {"id": self.service.engine.owner, "mqtt_handled": dict(self.bridge.handled),
+        return {"id": self.service.driver.owner, "mqtt_handled": dict(self.bridge.handled),
                 "mqtt_rejected": self.bridge.rejected, "ingest_backlog": self.ingest.backlog(),
                 "ingest_batches": self.ingest.batches, "ingest_messages": self.ingest.batched,
                 "reports_reread": self.reconciler.requested, "statuses_reread": self.reconciler.status_requested,
@@ -236,10 +236,10 @@ class FleetServer:
                 log.exception("re-signing TUF metadata failed")
 
     def _rollout_loop(self) -> None:
-        """The rollout engine: every tick, advance the rollouts this replica holds the lease of."""
+        """The rollout driver: every tick, advance the rollouts this replica holds the lease of."""
         while not self._stop.wait(self.config.rollout_tick_s):
             try:
-                self.service.engine.tick()
+                self.service.driver.tick()
             except Exception:
                 log.exception("rollout tick failed; trying again at the next one")
 
@@ -250,7 +250,7 @@ class FleetServer:
         self.bridge.start()
         self.repo.refresh_expiring()
         threading.Thread(target=self._resign_loop, name="tuf-resign", daemon=True).start()
-        self._ticker = threading.Thread(target=self._rollout_loop, name="rollout-engine", daemon=True)
+        self._ticker = threading.Thread(target=self._rollout_loop, name="rollout-driver", daemon=True)
         self._ticker.start()
         if self.config.report_reconcile_after_s > 0:
             threading.Thread(target=self.reconciler.run, args=(self._stop,), name="report-reconcile",
@@ -264,7 +264,7 @@ class FleetServer:
         if getattr(self, "_ticker", None) is not None:
             self._ticker.join(10)
         try:
-            self.service.engine.release_leases()
+            self.service.driver.release_leases()
         except Exception:
             log.exception("could not release rollout leases (they expire by themselves)")
         self.bridge.stop()

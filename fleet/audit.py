@@ -13,7 +13,7 @@ from .db import AuditRow
 
 __all__ = ["ENGINE_ACTOR", "Rejections", "audit"]
 
-ENGINE_ACTOR = "fleet"  # the rollout engine's own actions (waves, gates)
+ENGINE_ACTOR = "fleet"  # the rollout driver's own actions (waves, gates)
 log = logging.getLogger("edgefleet.fleet.audit")
 
 

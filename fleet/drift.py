@@ -14,7 +14,7 @@ A wave's drift gate compares, on the wave's devices, the counts of the new versi
 of the version each device ran before, in the ``BEFORE_S`` before it started (rows of each side at most
 ``MAX_ROWS``; protocol.drift.compare puts them on common bins). Either side under 200 answers: not judged.
 
-Everything here is a pure function of rows, called by the ingest (service.ingest.store_telemetry) and the rollout engine
+Everything here is a pure function of rows, called by the ingest (service.ingest.store_telemetry) and the rollout driver
 inside their own transactions.
 """
 

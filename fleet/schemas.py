@@ -268,9 +268,9 @@ class Rollout(ApiModel):
     spec: dict[str, Any]  # waves, soak, gates, shadow, on_failure... as created
     counts: dict[str, int]  # devices by state
     waves: list[Wave]
-    # set while the engine cannot evaluate this rollout (e.g. its stored figures or spec cannot be read): why, and
-    # since when (ISO 8601, UTC). The engine retries it with a growing pause; the other rollouts go on. Cleared once
-    # it advances again or an operator changes its state (pause, abort, rollback)
+    # set while the rollout driver cannot evaluate this rollout (e.g. its stored figures or spec cannot be read): why,
+    # and since when (ISO 8601, UTC). The driver retries it with a growing pause; the other rollouts go on. Cleared
+    # once it advances again or an operator changes its state (pause, abort, rollback)
     engine_error: str | None = None
     engine_error_at: str | None = None
     targets: list[RolloutTarget] | None = None  # left out by lists and with ?targets=false

@@ -1,7 +1,7 @@
 """The three state machines of a rollout, as tables: the rollout's status, each wave's state, each target's.
 
 Plain data, no I/O. A state is stored in the database as its value (a short string, as before these
-enums existed); the only functions that change one are in fleet.rollout (``RolloutEngine.transition``,
+enums existed); the only functions that change one are in fleet.rollout (``RolloutDriver.transition``,
 ``move_wave``, ``move_targets``), each checks its table here and writes the audit row in the same
 transaction.
 
@@ -13,7 +13,7 @@ Rollout status::
     in_progress ──► succeeded                       (the last wave passed its gates)
     any but rolled_back ──► rolled_back             (rollback, by hand)
 
-Wave state (the engine's tick moves it; audit action in brackets)::
+Wave state (the driver's tick moves it; audit action in brackets)::
 
     pending ──► shadowing [wave_shadow_started] ──► installing [wave_started] ──► soaking [wave_soaking]
     pending ──────────────────────────────────────► installing                      │
@@ -21,7 +21,7 @@ Wave state (the engine's tick moves it; audit action in brackets)::
 
 Target state (one device in one rollout; audit action ``targets_<new state>``). Device reports move
 it through pending → downloading ⇄ installing → installed ⇄ failed (or → shadowing, when its wave runs
-the candidate in shadow first); the engine moves it back to pending when the wave fails in shadow, to
+the candidate in shadow first); the driver moves it back to pending when the wave fails in shadow, to
 failed when a newer rollout supersedes an unfinished one, and to rolling_back on a rollback, after which
 reports end it as rolled_back or rollback_failed. ``TARGET_TRANSITIONS`` below is the whole list.
 """

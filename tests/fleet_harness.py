@@ -77,7 +77,7 @@ def running_fleet(tmp: Path, mqtt_url: str | None, db_url: str | None = None,
 
 
 class RecordingPublisher:
-    """What the fleet would publish, kept by topic: the publisher a RolloutEngine or FleetService gets in tests
+    """What the fleet would publish, kept by topic: the publisher a RolloutDriver or FleetService gets in tests
     that drive them without a broker."""
 
     def __init__(self) -> None:

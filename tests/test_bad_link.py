@@ -33,7 +33,7 @@ def test_a_bundle_installs_over_a_slow_lossy_link_cut_during_the_download(tmp_pa
     with agent_behind_bad_link(tmp_path, digits_bundle, big, device, 20, 60, rate="4mbit", delay_ms=25,
                                loss_pct=5, cut_every=600_000) as (fs, url, link, agent_url):
         before = link.proxy.down_bytes
-        rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [device])["id"]
+        rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [device]).id
         wait_for(lambda: link.proxy.down_bytes - before > 300_000, 60, "the bundle's first bytes")
         cutter = threading.Thread(target=lambda: [link.cut(1.0) for _ in range(LINK_CUTS)], daemon=True)
         cutter.start()

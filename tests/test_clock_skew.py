@@ -88,14 +88,14 @@ def _skew(w: World, device: str) -> float:
 
 def test_a_box_two_days_fast_installs_on_the_fleets_signed_time_and_reports_its_skew(world: World):
     with agent_with_clock(world, "clock-fast", "+2d") as log:
-        rid = world.fs.service.rollouts.create_rollout("digits", "1.0.0", ["clock-fast"])["id"]
+        rid = world.fs.service.rollouts.create_rollout("digits", "1.0.0", ["clock-fast"]).id
         try:
-            wait_for(lambda: world.fs.service.rollouts.get_rollout(rid)["status"] in ("succeeded", "paused", "failed"),
+            wait_for(lambda: world.fs.service.rollouts.get_rollout(rid).status in ("succeeded", "paused", "failed"),
                      120, "the rollout to the fast box ends")
         finally:
             print(log.read_text()[-4000:])
         d = world.fs.service.devices.get_device("clock-fast")
-        assert world.fs.service.rollouts.get_rollout(rid)["status"] == "succeeded", d["last_error"]
+        assert world.fs.service.rollouts.get_rollout(rid).status == "succeeded", d["last_error"]
         assert (d["running_model"], d["running_version"]) == ("digits", "1.0.0")
         skew = _skew(world, "clock-fast")
         assert abs(skew - 2 * DAY_S) < TOLERANCE_S, skew

@@ -209,8 +209,8 @@ def test_replicas_storing_one_wave_s_telemetry_at_once_neither_deadlock_nor_lose
         ids = [f"dev-{i:04d}" for i in range(200)]
         svc.devices.register_devices([{"device_id": d, "profile": "x86-cpu"} for d in ids])
         svc.ingest.handle_statuses([proto.StatusMessage(device_id=d, ts=1.0, state="online") for d in ids])
-        rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids)["id"]
-        svc.engine.tick()
+        rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids).id
+        svc.driver.tick()
         assert all(d["desired"] and d["desired"]["rollout_id"] == rid for d in svc.devices.list_devices())
         now = time.time()
 

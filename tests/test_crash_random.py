@@ -154,9 +154,9 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
                 if agent.proc.poll() is not None:
                     raise AssertionError(f"agent exited with {agent.proc.returncode}; see {agent.log}")
                 return (served_version(agent.url) == version
-                        and svc.rollouts.get_rollout(rollout_id)["status"] != "in_progress")
+                        and svc.rollouts.get_rollout(rollout_id).status != "in_progress")
             wait_for(done, 120, f"converging to {version}", interval_s=0.1)
-            assert svc.rollouts.get_rollout(rollout_id)["status"] == "succeeded", svc.rollouts.get_rollout(rollout_id)
+            assert svc.rollouts.get_rollout(rollout_id).status == "succeeded", svc.rollouts.get_rollout(rollout_id)
 
         # the first install, undisturbed: it also measures how long an install takes on this machine
         version = publish(0)
@@ -164,7 +164,7 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
         wait_for(lambda: served_version(agent.url) is not None or svc.devices.get_device(DEVICE)["online"], 60,
                  "agent up")
         t0 = time.monotonic()
-        rid = svc.rollouts.create_rollout("digits", version, [DEVICE])["id"]
+        rid = svc.rollouts.create_rollout("digits", version, [DEVICE]).id
         converge(version, rid, agent)
         install_s = time.monotonic() - t0
         _kill(agent)
@@ -180,7 +180,7 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
         for i in range(1, iterations + 1):
             old = version
             version = publish(i)
-            rid = svc.rollouts.create_rollout("digits", version, [DEVICE])["id"]
+            rid = svc.rollouts.create_rollout("digits", version, [DEVICE]).id
             # kill 1: while the running agent installs; sometimes kill 2: while the restarted one resumes
             time.sleep(rng.uniform(0, install_s * 0.9))
             _kill(agent)

@@ -1,6 +1,6 @@
-"""A rollout's per-wave cap on concurrent downloads (issue 43.2, fleet side): the engine sends desired states to at
+"""A rollout's per-wave cap on concurrent downloads (issue 43.2, fleet side): the driver sends desired states to at
 most ``max_concurrent_downloads`` devices of a wave at a time and releases more as those finish. Driven through the
-real engine on a real (SQLite) database, the devices simulated by their reports; and end to end, a real fleet
+real driver on a real (SQLite) database, the devices simulated by their reports; and end to end, a real fleet
 over a real Mosquitto to 1,000 simulated devices (fleet.simulator), each counting on its own side what it has been
 told to install and not yet reported done."""
 
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from edgefleet.fleet.db import Device, Rollout, RolloutTarget, make_engine
-from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector
+from edgefleet.fleet.rollout import RolloutDriver, RolloutSpec, Selector
 from edgefleet.fleet.states import RolloutStatus, TargetState
 from edgefleet.protocol import mqtt as proto
 from tests.fleet_harness import RecordingPublisher
@@ -42,8 +42,8 @@ def test_a_wave_of_1000_with_a_cap_of_50_never_has_more_than_50_in_flight_and_co
     engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
     seed(sessions, N)
     pub = RecordingPublisher()
-    eng = RolloutEngine(sessions, pub)
-    rid = eng.create("m", "1.0.0", Selector(profile="x86-cpu"),
+    driver = RolloutDriver(sessions, pub)
+    rid = driver.create("m", "1.0.0", Selector(profile="x86-cpu"),
                      RolloutSpec(max_concurrent_downloads=CAP), "op")
     seen: set[str] = set()  # devices that were sent their desired state
     stage: dict[str, str] = {}  # each simulated box's last report
@@ -61,9 +61,9 @@ def test_a_wave_of_1000_with_a_cap_of_50_never_has_more_than_50_in_flight_and_co
                 reports.append(_report(rid, dev, nxt))
         assert new or reports or rounds > 1
         with sessions.begin() as s:
-            assert eng.on_reports(s, reports) == []
+            assert driver.on_reports(s, reports) == []
         peak = max(peak, _in_flight(sessions, rid))
-        eng.advance(rid)
+        driver.advance(rid)
         with sessions() as s:
             if s.get(Rollout, rid).status == RolloutStatus.SUCCEEDED:
                 break
@@ -88,20 +88,20 @@ def test_a_device_that_downloaded_and_waits_for_its_window_frees_its_place_under
     engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
     seed(sessions, 5)
     pub = RecordingPublisher()
-    eng = RolloutEngine(sessions, pub)
-    rid = eng.create("m", "1.0.0", Selector(profile="x86-cpu"), RolloutSpec(max_concurrent_downloads=2), "op")
+    driver = RolloutDriver(sessions, pub)
+    rid = driver.create("m", "1.0.0", Selector(profile="x86-cpu"), RolloutSpec(max_concurrent_downloads=2), "op")
     first = sorted({t.split("/")[-2] for t in pub.sent if t.endswith("/desired")})
     assert len(first) == 2
     with sessions.begin() as s:
-        assert eng.on_reports(s, [_report(rid, d, "downloading") for d in first]) == []
-    eng.advance(rid)
+        assert driver.on_reports(s, [_report(rid, d, "downloading") for d in first]) == []
+    driver.advance(rid)
     assert _in_flight(sessions, rid) == 2 and len(pub.sent) == 2  # still downloading: nothing more released
     with sessions.begin() as s:
         s.get(Device, first[0]).last_telemetry = {"download": {"target": "m/1.0.0/x86-cpu.tar", "bytes_done": 1,
                                                                "bytes_total": 1, "bytes_per_s": 0.0, "eta_s": 0.0}}
         s.get(Device, first[1]).last_telemetry = {"download": {"target": "m/1.0.0/x86-cpu.tar", "bytes_done": 0,
                                                                "bytes_total": 1, "bytes_per_s": 0.0, "eta_s": None}}
-    eng.advance(rid)
+    driver.advance(rid)
     sent = [t.split("/")[-2] for t in pub.sent if t.endswith("/desired")]
     assert len(sent) == 3 and sent[2] not in first  # the whole one's place went to the next device
     engine.dispose()
@@ -142,15 +142,15 @@ def test_1000_simulated_boxes_over_mqtt_never_hold_more_than_50_desired_states_a
             wait_for(lambda: fs.service.devices.device_counts()["online"] == N, 120,
                      f"{N} simulated devices online at the fleet", interval_s=0.5)
             spec = RolloutSpec(max_concurrent_downloads=CAP, gates={"install_success_min": 0.9})
-            rid = fs.service.rollouts.create_rollout("digits", "1.0.0", profile="x86-cpu", spec=spec)["id"]
-            wait_for(lambda: fs.service.rollouts.get_rollout(rid, with_targets=False)["status"] != "in_progress",
+            rid = fs.service.rollouts.create_rollout("digits", "1.0.0", profile="x86-cpu", spec=spec).id
+            wait_for(lambda: fs.service.rollouts.get_rollout(rid, with_targets=False).status != "in_progress",
                      240, "the capped wave done", interval_s=0.5)
             r = fs.service.rollouts.get_rollout(rid, with_targets=False)
         finally:
             sim.stop()
     print(f"\n{N} boxes, cap {CAP}: at most {held['peak']} held a desired state at once; {held['told']} told, "
           f"{sim.stats.installed} installed, {sim.stats.failed} failed")
-    assert r["status"] == "succeeded", r
+    assert r.status == "succeeded", r
     assert (sim.stats.installed, sim.stats.failed) == (N - N // 20, N // 20)
     assert held["told"] == N  # each told once
     assert held["peak"] == CAP  # the cap was reached at the boxes, never passed

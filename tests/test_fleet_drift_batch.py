@@ -110,7 +110,7 @@ def test_a_batch_scores_as_its_records_one_at_a_time(fleet, monkeypatch):
                                                                  for i in range(20)]
     levels = {x[8] for v in a.values() for x in v}
     assert "insufficient" in levels and len(levels) >= 2, levels
-    with f.svc.sessions() as s:  # the rollout engine's figures of the same telemetry: the same on both sides
+    with f.svc.sessions() as s:  # the rollout driver's figures of the same telemetry: the same on both sides
         t = {d: (n, e, p) for d, n, e, p in s.execute(select(
             RolloutTarget.device_id, RolloutTarget.tele_requests, RolloutTarget.tele_errors, RolloutTarget.p99_after))}
     assert all(t[d] == t["b" + d[1:]] for d in t if d.startswith("a-")) and t["a-span"][0] == 300

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import create_engine, select, text
 
 from edgefleet.fleet.db import REVISIONS, SCHEMA_VERSION, Device, Meta, Rollout, RolloutWave, TelemetryRow, make_engine
-from edgefleet.fleet.rollout import RolloutEngine
+from edgefleet.fleet.rollout import RolloutDriver
 from edgefleet.protocol import mqtt as proto
 from tests.conftest import postgres_db
 
@@ -90,14 +90,14 @@ def _check_upgrade(url: str) -> None:
         w = s.get(RolloutWave, (1, 0))
         assert w is not None and (w.size, w.n_installed, w.n_failed, w.state) == (2, 1, 0, "installing")
         assert s.scalar(select(TelemetryRow.payload)) == {"seq": 0}
-    # the release-2 rollout goes on: the pending device reports, the engine finishes it
-    engine_ = RolloutEngine(sessions, _Sink())
+    # the release-2 rollout goes on: the pending device reports, the driver finishes it
+    driver = RolloutDriver(sessions, _Sink())
     rep = proto.ReportedState(device_id="edge-b", ts=time.time(), state="installed", rollout_id=1, model="digits",
                               version="1.0.0", running_model="digits", running_version="1.0.0")
     with sessions.begin() as s:
-        engine_.on_report(s, rep)
-    engine_.tick()
-    assert engine_.status(1)["status"] == "succeeded"
+        driver.on_report(s, rep)
+    driver.tick()
+    assert driver.status(1).status == "succeeded"
     engine.dispose()
     make_engine(url)[0].dispose()  # opening the upgraded database again changes nothing
 

@@ -59,7 +59,7 @@ def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service)
                                                    model="digits", version="1.0.0", running_model="digits",
                                                    running_version="1.0.0")
                                for d in ids])
-    rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids)["id"]
+    rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids).id
     now = time.time()
     # two replicas receive every report (reports are not shared), each in its own batches and order; a third thread
     # stores statuses and a fourth the operator's rollback, all at once
@@ -97,4 +97,4 @@ def test_ingest_and_rollback_at_once_neither_deadlocks_nor_conflicts(pg_service)
     assert w is not None and w.n_installed == by_state.get("installed", 0), (w.n_installed, by_state)
     assert w.n_failed == by_state.get("failed", 0), (w.n_failed, by_state)
     assert sum(by_state.values()) == DEVICES
-    assert svc.rollouts.get_rollout(rid, with_targets=False)["status"] == "rolled_back"
+    assert svc.rollouts.get_rollout(rid, with_targets=False).status == "rolled_back"

@@ -124,11 +124,11 @@ def test_a_one_stage_change_to_the_ocr_pipeline_downloads_that_stage_and_little_
                 for version in bundles:
                     with proxy.lock:
                         proxy.down_bytes = 0
-                    rid = fs.service.rollouts.create_rollout("ocr", version, [DEVICE])["id"]
-                    wait_for(lambda rid=rid: fs.service.rollouts.get_rollout(rid)["status"] in ("succeeded", "aborted"),
+                    rid = fs.service.rollouts.create_rollout("ocr", version, [DEVICE]).id
+                    wait_for(lambda rid=rid: fs.service.rollouts.get_rollout(rid).status in ("succeeded", "aborted"),
                              300, f"ocr {version} rolled out", interval_s=0.3)
                     status = fs.service.rollouts.get_rollout(rid)
-                    assert status["status"] == "succeeded", status
+                    assert status.status == "succeeded", status
                     assert served_version(agent_url, "ocr", timeout_s=30) == version
                     with proxy.lock:
                         carried[version] = proxy.down_bytes

@@ -36,7 +36,7 @@ def test_the_lease_holder_dies_mid_rollout_and_the_other_replica_finishes_it_exa
         with b.sessions() as s:
             assert s.scalar(select(Rollout.lease_owner).where(Rollout.id == rid)) == "replica-a"
         # replica a dies during wave 1's soak: it does not release its lease (a crash would not)
-        a.service.engine.release_leases = lambda: None  # type: ignore[method-assign]
+        a.service.driver.release_leases = lambda: None  # type: ignore[method-assign]
         doomed.close()
         r = until(url_b, rid, "succeeded", timeout_s=90)  # b waits out the lease (15 s), then goes on
         with b.sessions() as s:

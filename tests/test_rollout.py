@@ -341,8 +341,8 @@ def test_cost_of_a_report_does_not_grow_with_the_fleet(tmp_path):
         s.add(Model(id=1, name="m", version="1.0.0", profile="x86-cpu", backend="onnxruntime", precision="int8",
                     target_path="m/1.0.0/x86-cpu.tar", sha256="a" * 64, size_bytes=1, accuracy=1.0, manifest={}))
         s.add_all(Device(id=f"d{i:05d}", labels={}, registered_via="api", profile="x86-cpu") for i in range(2010))
-    small = svc.rollouts.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10)])["id"]
-    big = svc.rollouts.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10, 2010)])["id"]
+    small = svc.rollouts.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10)]).id
+    big = svc.rollouts.create_rollout("m", "1.0.0", devices=[f"d{i:05d}" for i in range(10, 2010)]).id
     statements: list[str] = []
     event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
 
@@ -356,7 +356,7 @@ def test_cost_of_a_report_does_not_grow_with_the_fleet(tmp_path):
     a, b = per_report(small, "d00001"), per_report(big, "d01000")
     assert a == b, (a, b)
     assert not any("count(" in q.lower() for q in statements)  # counters move by one; nothing is recounted
-    assert svc.rollouts.get_rollout(big, with_targets=False)["waves"][0]["installed"] == 1
+    assert svc.rollouts.get_rollout(big, with_targets=False).waves[0].installed == 1
     engine.dispose()
 
 

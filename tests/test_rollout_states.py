@@ -24,7 +24,7 @@ from edgefleet.fleet.db import AuditRow, Device, Model, Rollout, RolloutShadow, 
 from edgefleet.fleet.errors import Conflict
 from edgefleet.fleet.rollout import (
     WAVE_ACTIONS,
-    RolloutEngine,
+    RolloutDriver,
     RolloutSpec,
     Selector,
     TargetMove,
@@ -71,7 +71,7 @@ def db(tmp_path_factory):
 
 @pytest.fixture
 def fresh(tmp_path):
-    """A database of its own, for the engine (its rollouts supersede whatever else targets their devices)."""
+    """A database of its own, for the driver (its rollouts supersede whatever else targets their devices)."""
     engine, sessions = make_engine(f"sqlite:///{tmp_path / 'fleet.db'}")
     seed(sessions, 20)
     yield sessions
@@ -165,7 +165,7 @@ def test_a_rollout_moves_only_as_its_table_says_and_each_move_is_audited(db, old
     with sessions.begin() as s:
         s.get(Rollout, rid).status = old.value
     legal = new in TRANSITIONS[old]
-    attempt(sessions, lambda s: RolloutEngine.transition(s, s.get(Rollout, rid), new, "tester", "why"), old, new,
+    attempt(sessions, lambda s: RolloutDriver.transition(s, s.get(Rollout, rid), new, "tester", "why"), old, new,
             legal, f"rollout {rid} is {old.value}; it cannot become {new.value}")
     with sessions() as s:
         assert s.get(Rollout, rid).status == (new if legal else old).value
@@ -322,7 +322,7 @@ def test_a_bulk_move_of_thousands_costs_a_few_statements_and_one_audit_row_per_t
     assert_counters_match(sessions, rid)
 
 
-# -- through the engine ---------------------------------------------------------------------------------------
+# -- through the driver ---------------------------------------------------------------------------------------
 def _report(rid: int, dev: str, state: str, version: str = "1.0.0", error: str | None = None) -> proto.ReportedState:
     return proto.ReportedState(device_id=dev, ts=time.time(), state=state, rollout_id=rid,  # type: ignore[arg-type]
                                model="m", version="1.0.0", running_model="m", running_version=version, error=error)
@@ -330,10 +330,10 @@ def _report(rid: int, dev: str, state: str, version: str = "1.0.0", error: str |
 
 def test_reports_move_targets_in_bulk_with_one_audit_row_per_wave_and_state(fresh):
     sessions = fresh
-    eng = RolloutEngine(sessions, RecordingPublisher())
+    driver = RolloutDriver(sessions, RecordingPublisher())
     rid = make_rollout(sessions, [(WaveState.INSTALLING, [TargetState.PENDING] * 4)])
     with sessions.begin() as s:
-        rejected = eng.on_reports(s, [_report(rid, "d00000", "downloading"), _report(rid, "d00000", "installed"),
+        rejected = driver.on_reports(s, [_report(rid, "d00000", "downloading"), _report(rid, "d00000", "installed"),
                                       _report(rid, "d00001", "installed"), _report(rid, "d00002", "installed"),
                                       _report(rid, "d00003", "failed", "0.9.0", error="no space left")])
     assert rejected == []
@@ -352,40 +352,40 @@ def test_reports_move_targets_in_bulk_with_one_audit_row_per_wave_and_state(fres
         assert (w.n_installed, w.n_failed) == (3, 1)
     # a late progress report and a replay change nothing and write nothing
     with sessions.begin() as s:
-        eng.on_reports(s, [_report(rid, "d00001", "downloading"), _report(rid, "d00002", "installed")])
+        driver.on_reports(s, [_report(rid, "d00001", "downloading"), _report(rid, "d00002", "installed")])
     assert len(audit_rows(sessions, rid)) == 3
     assert_counters_match(sessions, rid)
 
 
 def test_a_failed_shadow_wave_and_a_rollback_audit_their_targets(fresh):
     sessions = fresh
-    eng = RolloutEngine(sessions, RecordingPublisher())
+    driver = RolloutDriver(sessions, RecordingPublisher())
     spec = RolloutSpec(waves=("2", "100%"), shadow={"agreement_min": 0.9, "min_samples": 1},  # type: ignore[arg-type]
                        on_failure="pause", rollback_on_failure=True)
-    rid = eng.create("m", "1.0.0", Selector(devices=tuple(f"d{i:05d}" for i in range(4))), spec, "tester")
+    rid = driver.create("m", "1.0.0", Selector(devices=tuple(f"d{i:05d}" for i in range(4))), spec, "tester")
 
     def shadow(devs: list[str], agreement: float) -> None:
         with sessions.begin() as s:
-            eng.on_reports(s, [_report(rid, d, "shadowing", "0.9.0") for d in devs])
+            driver.on_reports(s, [_report(rid, d, "shadowing", "0.9.0") for d in devs])
             s.add_all(RolloutShadow(rollout_id=rid, device_id=d, samples=10, agreement=agreement) for d in devs)
-        eng.advance(rid)
+        driver.advance(rid)
 
     shadow(["d00000", "d00001"], 0.5)
-    r = eng.status(rid)
-    assert r["status"] == "paused" and [w["state"] for w in r["waves"]] == ["failed", "pending"]
-    assert {t["state"] for t in r["targets"]} == {"pending"}
+    r = driver.status(rid)
+    assert r.status == "paused" and [w.state for w in r.waves] == ["failed", "pending"]
+    assert {t.state for t in r.targets} == {"pending"}
     acts = [(a.action, (a.detail or {}).get("cause")) for a in audit_rows(sessions, rid)]
     assert acts == [("rollout_created", None), ("wave_shadow_started", None), ("targets_shadowing", "report"),
                     ("wave_failed", None), ("targets_pending", "shadow_failed"), ("rollout_paused", None)]
     # an operator resumes past the failed wave; wave 2 agrees in shadow and installs; then a rollback
-    eng.act(rid, "resume", "tester")
+    driver.act(rid, "resume", "tester")
     shadow(["d00002", "d00003"], 1.0)
-    assert [w["state"] for w in eng.status(rid)["waves"]] == ["failed", "installing"]
+    assert [w.state for w in driver.status(rid).waves] == ["failed", "installing"]
     with sessions.begin() as s:
-        eng.on_reports(s, [_report(rid, "d00002", "installed"), _report(rid, "d00003", "installed")])
-    eng.advance(rid)
-    assert eng.status(rid)["status"] == "succeeded"
-    eng.act(rid, "rollback", "tester")
+        driver.on_reports(s, [_report(rid, "d00002", "installed"), _report(rid, "d00003", "installed")])
+    driver.advance(rid)
+    assert driver.status(rid).status == "succeeded"
+    driver.act(rid, "rollback", "tester")
     rows = audit_rows(sessions, rid)
     assert [a.action for a in rows][6:] == [
         "rollout_in_progress", "wave_shadow_started", "targets_shadowing", "wave_shadow_passed", "wave_started",
@@ -400,40 +400,40 @@ def test_a_failed_shadow_wave_and_a_rollback_audit_their_targets(fresh):
 
 def test_a_newer_rollout_supersedes_unfinished_targets_with_an_audit_row_on_the_older_one(fresh):
     sessions = fresh
-    eng = RolloutEngine(sessions, RecordingPublisher())
+    driver = RolloutDriver(sessions, RecordingPublisher())
     devs = tuple(f"d{i:05d}" for i in range(10, 13))
-    old = eng.create("m", "1.0.0", Selector(devices=devs), RolloutSpec(), "tester")
+    old = driver.create("m", "1.0.0", Selector(devices=devs), RolloutSpec(), "tester")
     with sessions.begin() as s:
-        eng.on_reports(s, [_report(old, "d00010", "installed")])
-    new = eng.create("m", "0.9.0", Selector(devices=devs[1:]), RolloutSpec(), "tester")
+        driver.on_reports(s, [_report(old, "d00010", "installed")])
+    new = driver.create("m", "0.9.0", Selector(devices=devs[1:]), RolloutSpec(), "tester")
     sup = [a for a in audit_rows(sessions, old) if a.action == "targets_failed"]
     assert [(a.detail["cause"], a.detail["by_rollout"], a.detail["devices"], a.detail["error"]) for a in sup] == [
         ("superseded", new, ["d00011", "d00012"], f"superseded by rollout {new}")]
-    assert eng.status(old)["status"] == "failed"  # its only wave lost its install gate
+    assert driver.status(old).status == "failed"  # its only wave lost its install gate
     assert_counters_match(sessions, old)
 
 
 def test_a_restart_resumes_every_state_from_the_database(tmp_path):
-    """A second engine (a restarted fleet) on the same file reads the stored states and carries on: wave 1
+    """A second driver (a restarted fleet) on the same file reads the stored states and carries on: wave 1
     is not started again, wave 2 is, and every stored value is a member of its enum."""
     url = f"sqlite:///{tmp_path / 'fleet.db'}"
     engine, sessions = make_engine(url)
     seed(sessions, 4)
-    eng = RolloutEngine(sessions, RecordingPublisher())
-    rid = eng.create("m", "1.0.0", Selector(devices=tuple(f"d{i:05d}" for i in range(4))),
+    driver = RolloutDriver(sessions, RecordingPublisher())
+    rid = driver.create("m", "1.0.0", Selector(devices=tuple(f"d{i:05d}" for i in range(4))),
                      RolloutSpec(waves=("2", "100%"), soak_s=(3600.0,)), "tester")
     with sessions.begin() as s:
-        eng.on_reports(s, [_report(rid, "d00000", "installed"), _report(rid, "d00001", "installed")])
-    eng.advance(rid)
-    assert [w["state"] for w in eng.status(rid)["waves"]] == ["soaking", "pending"]
+        driver.on_reports(s, [_report(rid, "d00000", "installed"), _report(rid, "d00001", "installed")])
+    driver.advance(rid)
+    assert [w.state for w in driver.status(rid).waves] == ["soaking", "pending"]
     engine.dispose()
 
     engine, sessions = make_engine(url)
-    eng = RolloutEngine(sessions, RecordingPublisher())
+    driver = RolloutDriver(sessions, RecordingPublisher())
     with sessions.begin() as s:  # the soak is over (as if the fleet had been down for an hour)
         s.get(RolloutWave, (rid, 0)).soak_until = rollout.utcnow()
-    eng.advance(rid)
-    assert [w["state"] for w in eng.status(rid)["waves"]] == ["passed", "installing"]
+    driver.advance(rid)
+    assert [w.state for w in driver.status(rid).waves] == ["passed", "installing"]
     with sessions() as s:
         assert {RolloutStatus(x) for x in s.scalars(select(Rollout.status))} == {RolloutStatus.IN_PROGRESS}
         assert {WaveState(x) for x in s.scalars(select(RolloutWave.state))} == {WaveState.PASSED,

@@ -1,5 +1,5 @@
 """What shadow phases and rollbacks do with maintenance windows and the download caps (issue 43.2 x 43.4; the
-decision and why: docs/rollouts.md), through the real rollout engine on a real (SQLite) database, the desired states
+decision and why: docs/rollouts.md), through the real rollout driver on a real (SQLite) database, the desired states
 as they would be published:
 
 - a shadow downloads the bundle as an install does: it is held to the rollout's rate cap, and under a download cap
@@ -13,7 +13,7 @@ import time
 
 from edgefleet.fleet import windows
 from edgefleet.fleet.db import Device, make_engine
-from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector
+from edgefleet.fleet.rollout import RolloutDriver, RolloutSpec, Selector
 from edgefleet.fleet.rollout.spec import ShadowGate
 from edgefleet.protocol import mqtt as proto
 from edgefleet.protocol.window import MaintenanceWindow
@@ -24,7 +24,7 @@ NIGHT = MaintenanceWindow(days=("sun",), start="02:00", duration_min=60, tz="Eur
 
 
 class Keeping:
-    """The desired states the engine publishes, decoded."""
+    """The desired states the driver publishes, decoded."""
 
     def __init__(self) -> None:
         self.sent: list[proto.DesiredState] = []
@@ -46,7 +46,7 @@ def _fleet(tmp_path):
             d.group_name, d.online = "stores", True
         windows.set_window(s, "group", "stores", NIGHT, "op")
     pub = Keeping()
-    return engine, sessions, pub, RolloutEngine(sessions, pub)
+    return engine, sessions, pub, RolloutDriver(sessions, pub)
 
 
 def _report(rid: int, dev: str, state: str) -> proto.ReportedState:
@@ -57,10 +57,10 @@ def _report(rid: int, dev: str, state: str) -> proto.ReportedState:
 
 def test_a_shadow_phase_is_held_to_the_download_caps_and_waits_for_no_window(tmp_path):
     """Before: every device of the wave was sent its shadow at once (5 under a cap of 2), none with the rate cap."""
-    engine, sessions, pub, eng = _fleet(tmp_path)
+    engine, sessions, pub, driver = _fleet(tmp_path)
     spec = RolloutSpec(shadow=ShadowGate(agreement_min=0.9, min_samples=10), max_concurrent_downloads=CAP,
                        download_max_bytes_per_s=PACE)
-    eng.create("m", "1.0.0", Selector(group="stores"), spec, "op")
+    driver.create("m", "1.0.0", Selector(group="stores"), spec, "op")
     shadows = pub.take()
     assert [m.mode for m in shadows] == ["shadow"] * CAP, shadows
     assert all(m.download_max_bytes_per_s == PACE and m.install_window is None for m in shadows)
@@ -68,8 +68,8 @@ def test_a_shadow_phase_is_held_to_the_download_caps_and_waits_for_no_window(tmp
 
 
 def test_a_rollback_goes_to_every_device_at_once_with_no_window_and_no_rate_cap(tmp_path):
-    engine, sessions, pub, eng = _fleet(tmp_path)
-    rid = eng.create("m", "1.0.0", Selector(group="stores"),
+    engine, sessions, pub, driver = _fleet(tmp_path)
+    rid = driver.create("m", "1.0.0", Selector(group="stores"),
                      RolloutSpec(max_concurrent_downloads=CAP, download_max_bytes_per_s=PACE), "op")
     installs: list[proto.DesiredState] = []
     for _ in range(2 * N):  # bounded: the cap releases two at a time, each installs in one report
@@ -78,11 +78,11 @@ def test_a_rollback_goes_to_every_device_at_once_with_no_window_and_no_rate_cap(
         if not sent:
             break
         with sessions.begin() as s:
-            assert eng.on_reports(s, [_report(rid, m.device_id, "installed") for m in sent]) == []
-        eng.advance(rid)
+            assert driver.on_reports(s, [_report(rid, m.device_id, "installed") for m in sent]) == []
+        driver.advance(rid)
     assert len(installs) == N and all(m.install_window == NIGHT and m.download_max_bytes_per_s == PACE
                                       for m in installs)  # the installs: paced, capped, in the window
-    eng.act(rid, "rollback", "op")
+    driver.act(rid, "rollback", "op")
     back = pub.take()
     assert sorted(m.device_id for m in back) == [f"d{i:05d}" for i in range(N)]  # all at once, past the cap of 2
     assert all(m.version == "0.9.0" and m.install_window is None and m.download_max_bytes_per_s is None

@@ -46,7 +46,7 @@ def test_the_install_after_a_shadow_reuses_the_shadows_download(tmp_path, digits
                 with proxy.lock:
                     proxy.down_bytes = 0
                 spec = RolloutSpec(shadow=ShadowGate(agreement_min=0.5, min_samples=20))
-                rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [DEVICE], spec=spec)["id"]
+                rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [DEVICE], spec=spec).id
                 wait_for(lambda: fs.service.devices.get_device(DEVICE)["last_state"] == "shadowing", 60,
                          "the agent shadowing 1.1.0")
                 with proxy.lock:
@@ -54,12 +54,12 @@ def test_the_install_after_a_shadow_reuses_the_shadows_download(tmp_path, digits
                 for _ in range(20):  # live requests, mirrored to the candidate, until the gate has its samples
                     infer_images(agent_url, "digits", images[:40])
                     try:
-                        wait_for(lambda: fs.service.rollouts.get_rollout(rid)["status"] != "in_progress", 3,
+                        wait_for(lambda: fs.service.rollouts.get_rollout(rid).status != "in_progress", 3,
                                  "the wave")
                         break
                     except AssertionError:
                         continue
-                assert fs.service.rollouts.get_rollout(rid)["status"] == "succeeded"
+                assert fs.service.rollouts.get_rollout(rid).status == "succeeded"
                 wait_for(lambda: served_version(agent_url) == "1.1.0", 60, "1.1.0 serving after its shadow")
                 with proxy.lock:
                     carried = proxy.down_bytes

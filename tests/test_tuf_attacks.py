@@ -116,8 +116,8 @@ def world(tmp_path_factory, digits_bundle, test_images) -> Iterator[World]:
                                    trusted_root=tmp / "keys" / "root.json", install_retries=0,
                                    download_grace_s=2.0, download_min_bytes_per_s=4096) as (agent, agent_url):
                     wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"], 30, "agent online")
-                    rid = fs.service.rollouts.create_rollout("digits", "1.0.0", [DEVICE])["id"]
-                    wait_for(lambda: fs.service.rollouts.get_rollout(rid)["status"] == "succeeded", 60,
+                    rid = fs.service.rollouts.create_rollout("digits", "1.0.0", [DEVICE]).id
+                    wait_for(lambda: fs.service.rollouts.get_rollout(rid).status == "succeeded", 60,
                              "1.0.0 installed")
                     w = World(fs, agent_url, attacker, tmp, digits_bundle, *test_images)
                     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="report-watcher")

@@ -104,7 +104,7 @@ def test_no_install_outside_the_window_across_its_edges_and_both_clock_changes(t
             served = "1.0.0"
             for version, window, outside, inside, closes in steps:
                 assert api.request("PUT", f"{url}/api/v1/windows/group/stores", json=window).status_code == 200
-                rid = fs.service.rollouts.create_rollout("digits", version, [DEVICE])["id"]
+                rid = fs.service.rollouts.create_rollout("digits", version, [DEVICE]).id
                 caplog.clear()
                 # downloaded on the fleet's signed time (the fetch anchors the clock on it again), then waiting
                 wait_for(lambda: any("waits for the maintenance window" in r.getMessage() for r in caplog.records),
@@ -119,7 +119,7 @@ def test_no_install_outside_the_window_across_its_edges_and_both_clock_changes(t
                 served = version
                 opened = [r.getMessage() for r in caplog.records if "window open (until" in r.getMessage()]
                 assert opened == [f"maintenance window open (until {closes.isoformat()}): installing"], opened
-                wait_for(lambda r=rid: fs.service.rollouts.get_rollout(r)["status"] == "succeeded", 30,
+                wait_for(lambda r=rid: fs.service.rollouts.get_rollout(r).status == "succeeded", 30,
                          f"the fleet told of {version}")
             # the openings the agent waited for, as it said them: the autumn window skipped over (outside at
             # the second 02:30) made it wait for the next Sunday's

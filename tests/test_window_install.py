@@ -45,7 +45,7 @@ def test_a_device_downloads_outside_its_window_and_installs_once_time_enters_it(
             agent.fetcher.clock = TrustedClock(agent.fetcher.clock.floor, agent.fetcher.clock.tolerance_s,
                                                wall=lambda: time.time() + shift["wall"],
                                                monotonic=lambda: time.monotonic() + shift["mono"])
-            rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [DEVICE])["id"]
+            rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [DEVICE]).id
 
             def waiting() -> bool:
                 return any("waits for the maintenance window" in r.getMessage() for r in caplog.records)
@@ -83,7 +83,7 @@ def test_a_device_downloads_outside_its_window_and_installs_once_time_enters_it(
 def test_the_desired_state_carries_the_devices_window_unless_the_rollout_is_urgent(tmp_path):
     from edgefleet.fleet import windows
     from edgefleet.fleet.db import Device, make_engine
-    from edgefleet.fleet.rollout import RolloutEngine, RolloutSpec, Selector
+    from edgefleet.fleet.rollout import RolloutDriver, RolloutSpec, Selector
     from edgefleet.protocol import mqtt as proto
     from edgefleet.protocol.window import MaintenanceWindow
     from tests.test_rollout_states import seed
@@ -105,11 +105,11 @@ def test_the_desired_state_carries_the_devices_window_unless_the_rollout_is_urge
         windows.set_window(s, "group", "stores", group, "op")
         windows.set_window(s, "device", "d00001", own, "op")  # a device's own window wins over its group's
     pub = Keeping()
-    eng = RolloutEngine(sessions, pub)
-    eng.create("m", "1.0.0", Selector(group="stores"), RolloutSpec(), "op")
+    driver = RolloutDriver(sessions, pub)
+    driver.create("m", "1.0.0", Selector(group="stores"), RolloutSpec(), "op")
     assert {m.device_id: m.install_window for m in pub.sent} == {"d00000": group, "d00001": own, "d00002": group}
     pub.sent.clear()
-    eng.create("m", "1.0.0", Selector(group="stores"), RolloutSpec(urgent=True), "op")
+    driver.create("m", "1.0.0", Selector(group="stores"), RolloutSpec(urgent=True), "op")
     desired = [m for m in pub.sent if m.model == "m" and m.rollout_id == 2]
     assert len(desired) == 3 and all(m.install_window is None for m in desired)
     engine.dispose()

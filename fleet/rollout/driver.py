@@ -1,8 +1,9 @@
-"""The engine: a rollout's life from creation through its waves (shadow, install, soak, gates) to its end,
+"""The driver: a rollout's life from creation through its waves (shadow, install, soak, gates) to its end,
 driven by device reports and telemetry (``on_reports``, ``on_telemetry_batch``) and by the tick (``advance``);
-leases let several replicas share the rollouts.
+leases let several replicas share the rollouts. It drives rollouts and runs no model (an engine, in the glossary, is
+a built model).
 
-The engine is the service of the package's layers: it loads rows (fleet.rollout.queries), asks the rules what to do
+The driver is the service of the package's layers: it loads rows (fleet.rollout.queries), asks the rules what to do
 (fleet.rollout.step: ``step`` for a wave, ``next_target_state`` for a report), applies their moves (fleet.rollout.moves
 and ``transition``, each with its audit row) and publishes the devices' desired states after the commit."""
 
@@ -18,6 +19,7 @@ from sqlalchemy import BigInteger, Float, Table, bindparam, case, func, insert, 
 from sqlalchemy.orm import Session, sessionmaker
 
 from ...protocol import mqtt as proto
+from .. import schemas as out
 from ..audit import ENGINE_ACTOR, audit
 from ..db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave, utcnow
 from ..drift import DriftBook
@@ -50,7 +52,7 @@ from .spec import RolloutSpec, Selector, plan_waves
 from .status import failure, rollout_status
 from .step import next_target_state, step
 
-__all__ = ["REPORT_ACTOR", "ROLLBACK_FROM", "TELE_COUNT_CAP", "ModelInfo", "Publisher", "RolloutEngine", "cpu_fallback",
+__all__ = ["REPORT_ACTOR", "ROLLBACK_FROM", "TELE_COUNT_CAP", "ModelInfo", "Publisher", "RolloutDriver", "cpu_fallback",
            "desired_message"]
 
 log = logging.getLogger("edgefleet.fleet.rollout")
@@ -68,13 +70,13 @@ REPORT_ACTOR = "devices"  # the actor of moves the devices' own reports make
 class _WaveFigures:
     """A wave's figures for the rules (fleet.rollout.step.Figures), each read from the database when first asked."""
 
-    def __init__(self, engine: RolloutEngine, s: Session, w: RolloutWave):
-        self._engine, self._s, self._w = engine, s, w
+    def __init__(self, driver: RolloutDriver, s: Session, w: RolloutWave):
+        self._driver, self._s, self._w = driver, s, w
         self._wave: WaveFigures | None = None
 
     def wave(self) -> WaveFigures:
         if self._wave is None:
-            self._wave = self._engine.figures(self._s, self._w)
+            self._wave = self._driver.figures(self._s, self._w)
         return self._wave
 
     def shadow(self) -> ShadowWaveFigures:
@@ -87,7 +89,7 @@ class _WaveFigures:
         return q.downloads(self._s, self._w.rollout_id, self._w.idx)
 
 
-class RolloutEngine:
+class RolloutDriver:
     """Fault isolation: a rollout whose evaluation raises is marked (``Rollout.engine_error``, with its time and an
     audit row, shown by the API and the console), retried with a growing pause (``RETRY_MAX_S`` at most), and
     never stops the others; the mark clears when it advances again or changes state."""
@@ -212,14 +214,14 @@ class RolloutEngine:
         move_targets(s, stale, actor, "superseded", by_rollout=new_rollout)
         s.flush()
         for rid in sorted({m.rollout_id for m in stale}):
-            out: list[tuple[str, bytes]] = []
+            theirs: list[tuple[str, bytes]] = []
             try:
                 with s.begin_nested():
-                    self._advance_in(s, rid, out)
+                    self._advance_in(s, rid, theirs)
             except Exception as exc:
                 self._mark_failed(s, rid, exc)
             else:
-                msgs.extend(out)
+                msgs.extend(theirs)
 
     # -- ingest ----------------------------------------------------------------------------------
     def on_report(self, s: Session, msg: proto.ReportedState) -> None:
@@ -448,11 +450,10 @@ class RolloutEngine:
 
     # -- reading ---------------------------------------------------------------------------------
     def status(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
-               live_gates: bool = True) -> dict[str, Any]:
-        """A rollout as the API shows it (fleet.rollout.status builds it as schema models), as JSON."""
+               live_gates: bool = True) -> out.Rollout:
+        """A rollout as the API shows it (fleet.rollout.status: the API's schema model, the fields left out unset)."""
         with self.sessions() as s:
-            return rollout_status(s, rollout_id, self.model, self.figures, with_targets, profiles,
-                                  live_gates).model_dump(exclude_unset=True)
+            return rollout_status(s, rollout_id, self.model, self.figures, with_targets, profiles, live_gates)
 
 
 _NO_WAVE: Any = None  # no wave left: the rules ask for no figures

@@ -1,7 +1,7 @@
 """The only ways a rollout's, a wave's or a target's state changes: ``move_rollout``, ``move_wave`` and
 ``move_targets`` refuse a transition fleet.states does not list (``Conflict``) and write the audit rows in the same
 transaction; ``apply`` writes a move of fleet.rollout.step through them (a wave started, its shadow dropped, its
-targets rolled back, each with the devices' desired states it sends, published by the engine after the commit).
+targets rolled back, each with the devices' desired states it sends, published by the driver after the commit).
 The row locks they rely on (``lock_rows``, in the one lock order: see fleet.rollout) are fleet.rollout.queries',
 re-exported here."""
 

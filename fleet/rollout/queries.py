@@ -1,8 +1,8 @@
-"""The rollout engine's reads and locks: typed rows (frozen dataclasses, no ORM object leaves a caller's session
+"""The rollout driver's reads and locks: typed rows (frozen dataclasses, no ORM object leaves a caller's session
 through them), the figures a wave's gates are judged on, and the row locks taken in the one lock order (see
 fleet.rollout: rollouts, devices, targets, each sorted by key; FOR UPDATE, or FOR KEY SHARE for ingest).
 
-Nothing here decides: fleet.rollout.step does, over these rows; the engine writes through fleet.rollout.moves."""
+Nothing here decides: fleet.rollout.step does, over these rows; the driver writes through fleet.rollout.moves."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from .spec import RolloutSpec, Selector
 # -- typed rows ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelInfo:
-    """A bundle the fleet holds (rows are immutable once uploaded, so the engine caches them)."""
+    """A bundle the fleet holds (rows are immutable once uploaded, so the driver caches them)."""
 
     id: int
     name: str

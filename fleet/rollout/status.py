@@ -91,7 +91,7 @@ def rollout_status(s: Session, rollout_id: int, model: Callable[[Session, int | 
     try:  # last: a failure here leaves the rest of the answer (and the listing) standing
         if live_gates:
             _live_gates(s, r, waves, wave_figures, live)
-    except Exception as exc:  # shown (while it runs) as the engine's own failure would be
+    except Exception as exc:  # shown (while it runs) as the driver's own failure would be
         log.debug("rollout %d: its live gate figures could not be read: %s", r.id, failure(exc))
         if r.status == RolloutStatus.IN_PROGRESS:
             engine_error = engine_error or failure(exc)

@@ -1,10 +1,10 @@
 """The rules of a rollout, without a database: ``step`` says what a rollout's current wave does next, as a list of
 moves, from the rows (fleet.rollout.queries), the wave's figures and the time; ``next_target_state`` says what a
-device's report makes of its target. The engine loads the rows, calls these, and applies the moves (each through
-``move_wave``, ``move_targets`` or ``RolloutEngine.transition``, with its audit row).
+device's report makes of its target. The driver loads the rows, calls these, and applies the moves (each through
+``move_wave``, ``move_targets`` or ``RolloutDriver.transition``, with its audit row).
 
 A wave's life (fleet.states): pending -> [shadowing ->] installing -> soaking -> passed | failed. ``step`` moves the
-current wave one step; a move that ``ends`` the step (``Wait``, a failure, ``Finish``) ends the engine's pass over
+current wave one step; a move that ``ends`` the step (``Wait``, a failure, ``Finish``) ends the driver's pass over
 the rollout, the others let it step again (the next state, or the next wave)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Figures(Protocol):
     def downloads(self) -> tuple[int, int]: ...  # (sent and not finished, not sent yet) of the wave's targets
 
 
-# -- the moves: what a step asks the engine to write (``ends``: the engine's pass over the rollout stops there) ----
+# -- the moves: what a step asks the driver to write (``ends``: the driver's pass over the rollout stops there) ----
 @dataclass(frozen=True)
 class Wait:  # nothing to do until something changes (a report, a soak's end, telemetry); ``why`` for readers
     why: str
@@ -107,7 +107,7 @@ Move = Wait | StartWave | Release | SetGates | PassShadow | FailShadow | Soak | 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
 def step(rollout: RolloutRow, wave: WaveRow | None, figures: Figures, now: dt.datetime) -> list[Move]:
-    """What the rollout's current wave does next; the last move says whether the engine steps again."""
+    """What the rollout's current wave does next; the last move says whether the driver steps again."""
     spec = rollout.spec
     if wave is None:
         return [Finish(RolloutStatus.SUCCEEDED)]

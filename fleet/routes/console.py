@@ -53,8 +53,9 @@ def render_index(service: FleetService, request: Request, operate: bool, message
     page, matching = service.devices.find_devices(console.PAGE_SIZE, offset, filters["group"] or None,
                                           filters["state"] or None, filters["q"] or None,
                                           total=None if any(filters.values()) else fleet["devices"])
-    rollouts = service.rollouts.list_rollouts(20, summary=True)
-    models = [m.model_dump(mode="json") for m in service.models.list_models()]  # the console renders JSON
+    # the console renders JSON: the records as the API's models dump them (a rollout's fields left out stay out)
+    rollouts = [r.model_dump(exclude_unset=True) for r in service.rollouts.list_rollouts(20, summary=True)]
+    models = [m.model_dump(mode="json") for m in service.models.list_models()]
     return console.render(page, models, rollouts, operate, message,
                           fleet=fleet, matching=matching, filters=filters, offset=offset)
 
@@ -64,16 +65,17 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
     """A rollout with its wave counters and one page of its targets (?state=&offset=), never all of them."""
     state, offset = _str_param(request, "state"), _int_param(request, "offset")
     r = service.rollouts.get_rollout(rollout_id, with_targets=False, profiles=False)  # the page does not show them
-    page, r["targets_total"] = service.rollouts.rollout_targets(rollout_id, console.PAGE_SIZE, offset, state or None)
-    r["targets"] = [t.model_dump() for t in page]  # the console renders JSON
-    devices = service.devices.devices_by_id([t["device_id"] for t in r["targets"]])
+    page, total = service.rollouts.rollout_targets(rollout_id, console.PAGE_SIZE, offset, state or None)
+    devices = service.devices.devices_by_id([t.device_id for t in page])
     # each wave over time: grouped in SQL from the rows the ingest summed per wave and time step (fleet.series)
-    waves = series.rollout_series(service.sessions, service.engine.drift, rollout_id)
+    waves = series.rollout_series(service.sessions, service.driver.drift, rollout_id)
     with service.sessions() as s:  # where each installing wave waits: maintenance windows, the download cap
         now = utcnow()
-        waits = {w["index"]: wave_waits(s, rollout_id, w["index"], now) for w in r["waves"]
-                 if w["state"] == "installing"}
-    return console.rollout_page(r, devices, operate, message, state=state, offset=offset, series=waves, waits=waits)
+        waits = {w.index: wave_waits(s, rollout_id, w.index, now) for w in r.waves if w.state == "installing"}
+    view = {**r.model_dump(exclude_unset=True), "targets": [t.model_dump() for t in page],  # the console renders JSON
+            "targets_total": total}
+    return console.rollout_page(view, devices, operate, message, state=state, offset=offset, series=waves,
+                                waits=waits)
 
 
 def _same_origin(service: FleetService, request: Request) -> None:
@@ -158,7 +160,7 @@ def router(fleet: Fleet) -> APIRouter:
             dev = s.get(Device, device_id)
             window = windows.effective(s, [dev]).get(device_id) if dev is not None else None
         return console.device_page(d, devices.device_telemetry(device_id, 200),
-                                   drift.device_drift(service.sessions, service.engine.drift, device_id, 200),
+                                   drift.device_drift(service.sessions, service.driver.drift, device_id, 200),
                                    window=window)
 
     @web.post("/console/rollouts", include_in_schema=False)
@@ -173,7 +175,7 @@ def router(fleet: Fleet) -> APIRouter:
         except (ValueError, OverflowError, FleetError) as exc:  # a number past its range too (int of 1e400)
             return HTMLResponse(render_index(service, request, True, f"rollout not started: {exc}"),
                                 status_code=400)
-        return RedirectResponse(f"/rollouts/{r['id']}", status_code=303)
+        return RedirectResponse(f"/rollouts/{r.id}", status_code=303)
 
     @web.post("/console/rollouts/{rollout_id}/{action}", include_in_schema=False)
     async def console_rollout_action(rollout_id: RolloutId, action: str, request: Request) -> Any:

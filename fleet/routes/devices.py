@@ -145,7 +145,7 @@ def router(fleet: Fleet) -> APIRouter:
                   _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
         """The device's drift score over time, newest first: one per telemetry record with answer counts (fleet.drift:
         PSI against the compile-time reference; 0.1 watch, 0.25 drift; under 200 answers insufficient)."""
-        return drift.device_drift(service.sessions, service.engine.drift, device_id, limit)
+        return drift.device_drift(service.sessions, service.driver.drift, device_id, limit)
 
     @r.get("/api/v1/groups", response_model=list[out.Group])
     def list_groups(_: Caller = Depends(viewer)) -> list[out.Group]:

@@ -53,12 +53,12 @@ def router(fleet: Fleet) -> APIRouter:
 
     @r.get("/api/v1/rollouts", response_model=list[out.Rollout], response_model_exclude_unset=True)
     def list_rollouts(limit: int = Query(default=100, ge=1, le=1000),
-                      _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+                      _: Caller = Depends(viewer)) -> list[out.Rollout]:
         """Newest first, at most ``limit`` (up to 1000), without their target lists."""
         return rollouts.list_rollouts(limit)
 
     @r.post("/api/v1/rollouts", status_code=201, response_model=out.Rollout, response_model_exclude_unset=True)
-    def create_rollout(body: RolloutIn, c: Caller = Depends(operator)) -> dict[str, Any]:
+    def create_rollout(body: RolloutIn, c: Caller = Depends(operator)) -> out.Rollout:
         try:
             spec = RolloutSpec(waves=tuple(body.waves), soak_s=tuple(body.soak_s), gates=body.gates, shadow=body.shadow,
                                on_failure=body.on_failure, rollback_on_failure=body.rollback_on_failure,
@@ -75,19 +75,19 @@ def router(fleet: Fleet) -> APIRouter:
                     targets_limit: int | None = Query(default=None, ge=0, le=out.MAX_PAGE),
                     targets_offset: Offset = 0,
                     targets_state: str | None = Query(default=None, max_length=32),
-                    _: Caller = Depends(viewer)) -> dict[str, Any]:
+                    _: Caller = Depends(viewer)) -> out.Rollout:
         """With ``targets_limit`` (or ``targets_state``/``targets_offset``): one page of targets and their total."""
         paged = targets and (targets_limit is not None or targets_state or targets_offset)
         r = rollouts.get_rollout(rollout_id, with_targets=targets and not paged)
         if paged:
             limit = out.MAX_PAGE if targets_limit is None else targets_limit
-            r["targets"], r["targets_total"] = rollouts.rollout_targets(rollout_id, limit, targets_offset,
-                                                                       targets_state)
+            page, total = rollouts.rollout_targets(rollout_id, limit, targets_offset, targets_state)
+            r = r.model_copy(update={"targets": page, "targets_total": total})  # both set: the API shows them
         return r
 
     @r.post("/api/v1/rollouts/{rollout_id}/{action}", response_model=out.Rollout,
             response_model_exclude_unset=True)
-    def rollout_action(rollout_id: RolloutId, action: str, c: Caller = Depends(operator)) -> dict[str, Any]:
+    def rollout_action(rollout_id: RolloutId, action: str, c: Caller = Depends(operator)) -> out.Rollout:
         """``action``: pause, resume, abort or rollback."""
         if action not in ("pause", "resume", "abort", "rollback"):
             raise BadRequest(f"unknown action {action!r}: pause, resume, abort or rollback", 404)
@@ -97,14 +97,14 @@ def router(fleet: Fleet) -> APIRouter:
     def get_rollout_drift(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
         """Each wave's new version against its compile-time reference and against the version its devices ran before
         (what the max_drift_psi gate judges)."""
-        return drift.rollout_drift(service.sessions, service.engine.drift, rollout_id)
+        return drift.rollout_drift(service.sessions, service.driver.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/series", response_model=series.RolloutSeries)
     def get_rollout_series(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> dict[str, Any]:
         """Each wave's latency p99, throughput, error rate and drift (PSI against the compile-time reference) over
         the rollout's life, in at most 60 buckets, per model version its devices ran (fleet.series: summed by the
         ingest per wave and minute, ten minutes and hour, never read from the devices' records)."""
-        return series.rollout_series(service.sessions, service.engine.drift, rollout_id)
+        return series.rollout_series(service.sessions, service.driver.drift, rollout_id)
 
     @r.get("/api/v1/rollouts/{rollout_id}/audit", response_model=list[out.AuditEntry])
     def rollout_audit(rollout_id: RolloutId, _: Caller = Depends(viewer)) -> list[out.AuditEntry]:

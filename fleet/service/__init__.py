@@ -2,13 +2,13 @@
 
 - ``devices.DeviceService``: the registry (registration, selectors, decommission, listings and counts)
 - ``models.ModelService``: bundle upload (checked, signed into the TUF repository) and the builds held
-- ``rollouts.RolloutService``: rollouts as the API sees them (the state machine is fleet.rollout's engine)
+- ``rollouts.RolloutService``: rollouts as the API sees them (the state machine is fleet.rollout's driver)
 - ``ingest.IngestService``: what devices send over MQTT (statuses, reports, telemetry), in batches
 
 ``FleetService`` builds the four over one database, repository and publisher and holds them, with the rollout
-engine they share: callers name the area, ``service.devices.register_device(...)``,
+driver they share: callers name the area, ``service.devices.register_device(...)``,
 ``service.rollouts.get_rollout(...)``, ``service.models.upload_bundle(...)``, ``service.ingest.store_telemetry(...)``;
-``service.engine`` is the state machine (``tick``, leases, drift).
+``service.driver`` is the state machine (``tick``, leases, drift).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from sqlalchemy.orm import sessionmaker
 
 from ..audit import Rejections
-from ..rollout import RolloutEngine
+from ..rollout import RolloutDriver
 from ..tuf_repo import Repository
 from .common import (
     MAX_LABEL_KEY_CHARS,
@@ -38,7 +38,7 @@ __all__ = ["MAX_LABELS", "MAX_LABEL_KEY_CHARS", "MAX_LABEL_VALUE_CHARS", "MAX_TA
 
 
 class FleetService:
-    """The fleet's four area services over one database, repository and publisher (and the engine they share)."""
+    """The fleet's four area services over one database, repository and publisher (and the driver they share)."""
 
     def __init__(self, sessions: sessionmaker, repo: Repository, publisher: Publisher,
                  accept_unknown_devices: bool = True, owner: str | None = None):
@@ -46,9 +46,9 @@ class FleetService:
         self.repo = repo
         self.publisher = publisher
         self.rejections = Rejections()
-        self.engine = RolloutEngine(sessions, publisher, owner)
+        self.driver = RolloutDriver(sessions, publisher, owner)
         known: set[str] = set()  # device ids this replica knows are in the database
         self.devices = DeviceService(sessions, known)
         self.models = ModelService(sessions, repo)
-        self.rollouts = RolloutService(sessions, publisher, self.engine)
-        self.ingest = IngestService(sessions, self.engine, self.rejections, known, accept_unknown_devices)
+        self.rollouts = RolloutService(sessions, publisher, self.driver)
+        self.ingest = IngestService(sessions, self.driver, self.rejections, known, accept_unknown_devices)

@@ -16,7 +16,7 @@ from ..audit import Rejections
 from ..db import Device, Model, RolloutTarget, TelemetryRow, utcnow
 from ..ingest import NotStored
 from ..presence import bound_s
-from ..rollout import RolloutEngine
+from ..rollout import RolloutDriver
 from ..rollout.queries import lock_rows
 from .common import DECOMMISSIONED
 
@@ -27,10 +27,10 @@ REPORT_CLOCK_AHEAD_S = 300.0
 
 
 class IngestService:
-    def __init__(self, sessions: sessionmaker, engine: RolloutEngine, rejections: Rejections, known: set[str],
+    def __init__(self, sessions: sessionmaker, driver: RolloutDriver, rejections: Rejections, known: set[str],
                  accept_unknown_devices: bool = True):
         self.sessions = sessions
-        self.engine = engine
+        self.driver = driver
         self.rejections = rejections
         self._known = known  # device ids this replica knows are in the database (shared with the registry)
         # True: a device seen on MQTT before registration is added (registered_via "mqtt"). Enrollment
@@ -145,7 +145,7 @@ class IngestService:
         """(reports to apply, in arrival order; reports older than the newest stored or seen before them; each
         device's new ordering ts). Locks the devices' rows, so replicas order one device's reports alike."""
         dev: Table = Device.__table__  # type: ignore[assignment]
-        # the lock order (fleet.rollout.lock_rows): the rollouts reported on (shared: the engine's moves wait), then
+        # the lock order (fleet.rollout.lock_rows): the rollouts reported on (shared: the driver's moves wait), then
         # the devices by id
         lock_rows(s, rollouts=[m.rollout_id for m in msgs if m.rollout_id is not None], rollouts_shared=True)
         newest: dict[str, float | None] = {i: ts for i, ts in s.execute(
@@ -185,7 +185,7 @@ class IngestService:
                                   "last_report_ts": order[m.device_id]}
                     for m in msgs}  # the newest report of a device wins
             s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), [rows[d] for d in sorted(rows)])
-            rejected = self.engine.on_reports(s, [m for m in msgs if m.rollout_id is not None])
+            rejected = self.driver.on_reports(s, [m for m in msgs if m.rollout_id is not None])
             for m in msgs:
                 if m.state == "installed" and m.selftest is not None:
                     s.connection().execute(update(dev).where(dev.c.id == m.device_id).values(
@@ -283,10 +283,10 @@ class IngestService:
             for group in (with_tel, without):
                 if group:
                     s.connection().execute(by_id, group)
-            self.engine.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
-            self.engine.on_shadow_batch(s, list(fresh.values()))
-            for device_id, why in self.engine.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
+            self.driver.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
+            self.driver.on_shadow_batch(s, list(fresh.values()))
+            for device_id, why in self.driver.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
                 self.rejections.add("drift_counts_refused", device_id, why)
             # each rollout wave's rows of the minute (fleet.series): last, its upserts take their rows in key order
-            series.on_telemetry(s, waves, list(fresh.values()), self.engine.drift)
+            series.on_telemetry(s, waves, list(fresh.values()), self.driver.drift)
             return len(fresh)

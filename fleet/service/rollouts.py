@@ -1,42 +1,42 @@
-"""Rollouts as the API and the console see them; the state machine itself is fleet.rollout's RolloutEngine."""
+"""Rollouts as the API and the console see them, as the API's schema models (fleet.schemas); the state machine itself
+is fleet.rollout's RolloutDriver."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
 from .. import schemas as out
 from ..db import AuditRow, Device, Rollout, RolloutTarget
-from ..rollout import RolloutEngine, RolloutSpec, Selector, desired_message
+from ..rollout import RolloutDriver, RolloutSpec, Selector, desired_message
 from ..rollout.status import targets_page
 from .common import Publisher, check_labels, iso
 
 
 class RolloutService:
-    def __init__(self, sessions: sessionmaker, publisher: Publisher, engine: RolloutEngine):
+    def __init__(self, sessions: sessionmaker, publisher: Publisher, driver: RolloutDriver):
         self.sessions = sessions
         self.publisher = publisher
-        self.engine = engine
+        self.driver = driver
 
     def create_rollout(self, name: str, version: str, devices: list[str] | None = None, profile: str | None = None,
                        group: str | None = None, tags: list[str] | None = None, spec: RolloutSpec | None = None,
-                       actor: str = "api") -> dict[str, Any]:
+                       actor: str = "api") -> out.Rollout:
         check_labels(None, tags)
         sel = Selector(devices=tuple(devices or ()), group=group, tags=tuple(tags or ()), profile=profile)
-        rid = self.engine.create(name, version, sel, spec or RolloutSpec(), actor)
+        rid = self.driver.create(name, version, sel, spec or RolloutSpec(), actor)
         return self.get_rollout(rid)
 
-    def rollout_action(self, rollout_id: int, action: str, actor: str) -> dict[str, Any]:
-        self.engine.act(rollout_id, action, actor)
+    def rollout_action(self, rollout_id: int, action: str, actor: str) -> out.Rollout:
+        self.driver.act(rollout_id, action, actor)
         return self.get_rollout(rollout_id, with_targets=False)
 
     def republish_desired(self) -> int:
         """Publish every device's desired state again (retained), e.g. after a broker restart."""
         with self.sessions() as s:
-            rows = [(d.id, self.engine.model(s, d.desired_model_id), d.desired_rollout_id)
+            rows = [(d.id, self.driver.model(s, d.desired_model_id), d.desired_rollout_id)
                     for d in s.scalars(select(Device).where(Device.desired_model_id.is_not(None)))]
         now = time.time()
         for dev_id, model, rid in rows:
@@ -44,7 +44,7 @@ class RolloutService:
                 self.publisher.publish(*desired_message(dev_id, model, rid, now), retain=True)
         return len(rows)
 
-    def list_rollouts(self, limit: int = 100, summary: bool = False) -> list[dict[str, Any]]:
+    def list_rollouts(self, limit: int = 100, summary: bool = False) -> list[out.Rollout]:
         """The newest rollouts, without targets; ``summary``: without their profiles and live gate values either
         (the console's overview shows neither, and each reads every target of a rollout)."""
         with self.sessions() as s:
@@ -52,8 +52,10 @@ class RolloutService:
         return [self.get_rollout(i, with_targets=False, profiles=not summary, live_gates=not summary) for i in ids]
 
     def get_rollout(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
-                    live_gates: bool = True) -> dict[str, Any]:
-        return self.engine.status(rollout_id, with_targets, profiles, live_gates)
+                    live_gates: bool = True) -> out.Rollout:
+        """A rollout as the API shows it; the fields left out (``with_targets``...) are unset, so the API leaves them
+        out (its routes answer with ``response_model_exclude_unset``)."""
+        return self.driver.status(rollout_id, with_targets, profiles, live_gates)
 
     def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
                         state: str | None = None) -> tuple[list[out.RolloutTarget], int]:
