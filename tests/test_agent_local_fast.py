@@ -1,7 +1,7 @@
 """The on-box socket's fast paths (issue 21): the per-connection cache of decoded requests (agent/transports/local.py
-_decode and _template_for, as _quick uses them; agent/transports/kserve.py RequestTemplate) never lets a request through
-that decode_request would refuse, and answers exactly as it would; AsyncLocalClient's timeouts (one timer for all, no
-task per request)."""
+_Templates: decode and find, as _quick uses them; agent/transports/kserve.py RequestTemplate) never lets a request
+through that decode_request would refuse, and answers exactly as it would; AsyncLocalClient's timeouts (one timer for
+all, no task per request)."""
 
 import asyncio
 import json
@@ -41,7 +41,7 @@ def region():
 
 
 def split(body: bytes):
-    """An INFER body -> what _decode is given."""
+    """An INFER body -> what _Templates.decode is given."""
     _, _, jl, rest = wire.parse_infer(memoryview(body))
     return rest, jl, (str(jl) if jl < len(rest) else None)
 
@@ -58,7 +58,7 @@ def verdict(fn):
 def cached_decode(conn, body, specs=SPECS, out_specs=OUT):
     """What the connection does with an INFER body (_quick, then _infer): a template cached under the body's first
     bytes decodes it unless one of its checks fails; otherwise (and then) the uncached decode, which caches it."""
-    hit = conn._template_for(body)
+    hit = conn.quick.find(body)
     if hit is not None and hit[2].specs is specs and hit[2].out_specs is out_specs:
         t, end = hit[2], hit[3]
         try:
@@ -67,7 +67,8 @@ def cached_decode(conn, body, specs=SPECS, out_specs=OUT):
             pass  # _infer's uncached decode says exactly why
     model, version, jl, rest = wire.parse_infer(memoryview(body))
     header = str(jl) if jl < len(rest) else None
-    return conn._decode(body[:len(body) - len(rest) + jl], model, version, rest, jl, header, specs, out_specs)
+    return conn.quick.decode(body[:len(body) - len(rest) + jl], model, version, rest, jl, header, specs, out_specs,
+                             conn.shm)
 
 
 def both(conn, body):

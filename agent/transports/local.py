@@ -143,6 +143,55 @@ class LocalServer:
                 self.path.unlink()
 
 
+class _Templates(dict[bytes, tuple[str, str | None, RequestTemplate]]):
+    """One connection's requests decoded before, by the exact bytes of their model, version and JSON header -> (model,
+    version, RequestTemplate): at most TEMPLATES_PER_CONNECTION (the oldest goes first), none of a header over
+    TEMPLATE_MAX_HEADER bytes. _Connection._quick decodes a request that starts with such bytes with its template,
+    without parsing it."""
+
+    def find(self, body: bytes) -> tuple[str, str | None, RequestTemplate, int] | None:
+        """The cached template of an INFER body that starts with the bytes of one decoded before -> (model, version,
+        template, where the binary data starts), or None."""
+        n = len(body)
+        if n < 8:
+            return None
+        ml = body[0] | body[1] << 8
+        if n < 8 + ml:
+            return None
+        vl = body[2 + ml] | body[3 + ml] << 8
+        jpos = 8 + ml + vl
+        if n < jpos:
+            return None
+        jl = int.from_bytes(body[4 + ml + vl:jpos], "little")
+        end = jpos + jl
+        if jl > TEMPLATE_MAX_HEADER or end > n:
+            return None
+        q = self.get(body[:end] if end < n else body)
+        return None if q is None else (*q, end)
+
+    def decode(self, key: bytes, model: str, version: str | None, rest: memoryview, json_length: int,
+               header: str | None, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
+               shm: SharedMemory | None, cache: bool = True) -> InferRequest:
+        """parse_body; a header it accepts is kept as a RequestTemplate under ``key`` (the body's bytes up to the end
+        of its JSON header: the model, the version and the header), for _quick to decode the next request that
+        starts with the same bytes without parsing it. ``cache`` False (a pipeline's request: it runs through
+        ModelHost.infer, never _quick's batcher queue) keeps none, so the next such request is decoded once, here,
+        not first by a template whose work _quick would throw away."""
+        req = parse_body(rest, header, specs, out_specs, shm)
+        if not cache or json_length > TEMPLATE_MAX_HEADER:
+            return req
+        try:
+            doc = orjson.loads(rest[:json_length])  # what parse_body read (it tries orjson first)
+        except orjson.JSONDecodeError:  # parse_body took it with the json module: no template
+            return req
+        t = request_template(doc, req, specs, out_specs, header is not None)
+        if t is not None:
+            if len(self) >= TEMPLATES_PER_CONNECTION and key not in self:
+                del self[next(iter(self))]  # the oldest
+            self[key] = (model, version, t)
+        return req
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, srv: LocalServer):
         self.srv = srv
@@ -167,8 +216,7 @@ class _Connection(asyncio.Protocol):
         self.paused_reading = self.paused_writing = False
         self.stall: asyncio.TimerHandle | None = None
         self.closed = False
-        # requests decoded before, by the exact bytes of their model, version and JSON header (_quick, _decode)
-        self.quick: dict[bytes, tuple[str, str | None, RequestTemplate]] = {}
+        self.quick = _Templates()  # requests decoded before, for the fast path (_quick)
         self.pending: set[Any] = set()  # fast-path requests in flight (Batcher.enqueue entries)
 
     # -- the connection ------------------------------------------------------------------------------
@@ -396,7 +444,7 @@ class _Connection(asyncio.Protocol):
         queues it and its answer is written from the future's callback (_answered). -> False where it is not such
         a request (not cached yet, the model was swapped, a check failed, a large header): _infer then takes it,
         whose verdict is exact."""
-        q = self._template_for(body)
+        q = self.quick.find(body)
         if q is None:
             return False
         n = len(body)
@@ -428,26 +476,6 @@ class _Connection(asyncio.Protocol):
         if self.inflight >= self.srv.max_inflight:
             self._update_reading()
         return True
-
-    def _template_for(self, body: bytes) -> tuple[str, str | None, RequestTemplate, int] | None:
-        """The cached template of an INFER body that starts with the bytes of one decoded before -> (model, version,
-        template, where the binary data starts), or None."""
-        n = len(body)
-        if n < 8:
-            return None
-        ml = body[0] | body[1] << 8
-        if n < 8 + ml:
-            return None
-        vl = body[2 + ml] | body[3 + ml] << 8
-        jpos = 8 + ml + vl
-        if n < jpos:
-            return None
-        jl = int.from_bytes(body[4 + ml + vl:jpos], "little")
-        end = jpos + jl
-        if jl > TEMPLATE_MAX_HEADER or end > n:
-            return None
-        q = self.quick.get(body[:end] if end < n else body)
-        return None if q is None else (*q, end)
 
     def _answered(self, rid: int, served: Served, req: InferRequest, t0: float, nbytes: int, pending: Any,
                   answers: dict[tuple, bytes], fut: asyncio.Future) -> None:
@@ -493,8 +521,9 @@ class _Connection(asyncio.Protocol):
                     req = await asyncio.get_running_loop().run_in_executor(
                         None, parse_body, rest, header, m.inputs, m.outputs, self.shm)
             else:
-                req = self._decode(body[:len(body) - len(rest) + json_length], model, version, rest, json_length,
-                                   header, m.inputs, m.outputs, cache=served.pipeline is None)
+                req = self.quick.decode(body[:len(body) - len(rest) + json_length], model, version, rest,
+                                        json_length, header, m.inputs, m.outputs, self.shm,
+                                        cache=served.pipeline is None)
             del rest
             outs = await host.infer(served, req)
             self._result(rid, served, req, outs)
@@ -525,28 +554,6 @@ class _Connection(asyncio.Protocol):
         log.error("unexpected error in a local infer", exc_info=exc)
         self._send(_error(rid, 500, f"internal error: {exc}"))
         return 500
-
-    def _decode(self, key: bytes, model: str, version: str | None, rest: memoryview, json_length: int,
-                header: str | None, specs: tuple[TensorSpec, ...], out_specs: tuple[TensorSpec, ...],
-                cache: bool = True) -> InferRequest:
-        """parse_body; a header it accepts is kept as a RequestTemplate under ``key`` (the body's bytes up to the end
-        of its JSON header: the model, the version and the header), for _quick to decode the next request that
-        starts with the same bytes without parsing it. ``cache`` False (a pipeline's request: it runs through
-        ModelHost.infer, never _quick's batcher queue) keeps none, so the next such request is decoded once, here,
-        not first by a template whose work _quick would throw away."""
-        req = parse_body(rest, header, specs, out_specs, self.shm)
-        if not cache or json_length > TEMPLATE_MAX_HEADER:
-            return req
-        try:
-            doc = orjson.loads(rest[:json_length])  # what parse_body read (it tries orjson first)
-        except orjson.JSONDecodeError:  # parse_body took it with the json module: no template
-            return req
-        t = request_template(doc, req, specs, out_specs, header is not None)
-        if t is not None:
-            if len(self.quick) >= TEMPLATES_PER_CONNECTION and key not in self.quick:
-                del self.quick[next(iter(self.quick))]  # the oldest
-            self.quick[key] = (model, version, t)
-        return req
 
     # -- frames out ----------------------------------------------------------------------------------
     def _send(self, frame: bytes) -> None:
