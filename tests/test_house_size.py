@@ -27,8 +27,6 @@ MODULES_OVER: dict[str, str] = {
 
 # "path::Class" -> why it has more than MAX_METHODS methods
 CLASSES_OVER: dict[str, str] = {
-    "agent/transports/shm.py::SharedMemory": "the registry of shared-memory regions: register/unregister/sweep "
-                                             "and the bounded read/gather/write/scatter, all under one lock",
     "fleet/tuf_repo.py::Repository": "the fleet's TUF repository: root and targets publishing, delegations, "
                                      "reading and serving metadata, under one lock and one set of keys",
 }

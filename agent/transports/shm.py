@@ -62,6 +62,9 @@ _KEY = re.compile(r"/[A-Za-z0-9_.\-]{1,200}")
 
 @dataclass(eq=False)
 class Region:
+    """One registered region: its object's descriptor, who may use it for what (the kernel's rules for the object,
+    as its registering user's), and its bytes read through the descriptor. :class:`SharedMemory` holds them."""
+
     name: str
     key: str
     offset: int  # of the region in the object, bytes
@@ -77,6 +80,100 @@ class Region:
 
     def status(self) -> dict[str, object]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+    @classmethod
+    def open(cls, root: Path, name: str, key: str, offset: int, byte_size: int, client: str, scope: str | None,
+             peer: Peer) -> Region:
+        """Region ``name``: bytes ``offset``..``offset + byte_size`` of the object ``key`` under ``root``, opened for
+        ``client``, whose user is ``peer``, as far as that user could use it (SharedMemory.register)."""
+        path = root / key[1:]
+        # O_NONBLOCK: a FIFO opened read-only would wait for a writer (on the event loop, holding the lock); for a
+        # regular file it changes nothing (fstat below refuses anything else)
+        flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            try:
+                fd = os.open(path, os.O_RDWR | flags)
+                rw = True
+            except PermissionError:
+                fd = os.open(path, os.O_RDONLY | flags)
+                rw = False
+        except FileNotFoundError:
+            raise RequestError(f"shared-memory region {name!r}: no shared-memory object {key!r} on this box "
+                               "(shm_open it first)") from None
+        except OSError as exc:
+            raise RequestError(f"shared-memory region {name!r}: cannot open {key!r}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RequestError(f"shared-memory region {name!r}: {key!r} is not a shared-memory object")
+            if offset + byte_size > st.st_size:
+                raise RequestError(f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} is beyond "
+                                   f"the end of {key!r} ({st.st_size} bytes)")
+            may_read, may_write = peer.may(st)
+            if not may_read:  # the agent would read it for a client that may not: a confused deputy
+                raise RequestError(f"shared-memory region {name!r}: this client (uid {peer.uid}) may not read {key!r} "
+                                   f"(owner uid {st.st_uid}, group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}); "
+                                   "the agent uses an object only as far as its client could itself")
+        except BaseException:
+            os.close(fd)
+            raise
+        why = "" if rw and may_write else "the agent's user may not write it" if not rw else \
+            f"this client (uid {peer.uid}) may not write it"
+        return cls(name, key, offset, byte_size, client, scope, fd, rw and may_write, why, uid=peer.uid, rw=rw)
+
+    def refusal(self, caller: PeerCell | None, use: str) -> str | None:
+        """Why ``caller`` (None: the agent itself) may not ``use`` ("read", "write" or "remove") this region; None: it
+        may."""
+        if caller is None:
+            return None
+        peer = caller.get()
+        if peer.uid is None:
+            return "this client's user cannot be told (a process on this box, over the local socket or loopback)"
+        if peer.uid == self.uid:
+            return None  # its own (outputs: self.writable says, check_writable)
+        st = os.fstat(self.fd)
+        if use == "remove":
+            if peer.uid in (0, self.uid, st.st_uid):
+                return None
+            return (f"only the user who registered it (uid {self.uid}), the object's owner (uid {st.st_uid}) or root "
+                    "may unregister it")
+        may_read, may_write = peer.may(st)
+        if (may_read if use == "read" else may_write and self.rw):  # write: and the agent holds it read-write
+            return None
+        return (f"this client (uid {peer.uid}) may not {use} {self.key!r} (owner uid {st.st_uid}, group {st.st_gid}, "
+                f"mode {stat.S_IMODE(st.st_mode):o})")
+
+    def check(self, caller: PeerCell | None, use: str, what: str) -> None:
+        why = self.refusal(caller, use)
+        if why is not None:
+            raise NotPermitted(f"{what}: shared-memory region {self.name!r} was registered by another user (uid "
+                               f"{self.uid}); {why}")
+
+    def check_writable(self, caller: PeerCell | None, what: str) -> None:
+        """Outputs may be written into it for ``caller``, or RequestError."""
+        if caller is not None and caller.get().uid != self.uid:
+            return  # another user's region, which SharedMemory._live let it write (refusal): the kernel's rule for it
+        if not self.writable:
+            raise RequestError(f"{what}: outputs cannot be written into shared-memory object {self.key!r}: "
+                               f"{self.read_only_why}; give outputs a region both may write")
+
+    def truncated(self, what: str) -> RequestError:
+        return RequestError(f"{what}: shared-memory object {self.key!r} was truncated below region {self.name!r}")
+
+    def pread(self, offset: int, size: int, dtype: np.dtype, shape: tuple[int, ...] | list[int], what: str,
+              max_bytes: int) -> np.ndarray:
+        """A copy of the ``size`` bytes at ``offset`` in the region, read through its descriptor (never a mapping: a
+        truncated object gives a short read, not a fault), as an array of ``shape``; at most ``max_bytes``."""
+        if size > max_bytes:  # before the buffer: a region may be far bigger than one request may be
+            raise PayloadTooLarge(f"{what}: {size} bytes from shared-memory region {self.name!r} exceed the "
+                                  f"{max_bytes}-byte limit of one request (max_body_bytes)")
+        out = np.empty(size, np.uint8)
+        if os.preadv(self.fd, [out.data], self.offset + offset) != size:
+            raise self.truncated(what)
+        return out.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class SharedMemory:
@@ -116,33 +213,6 @@ class SharedMemory:
     def _get(self, name: str) -> Region | None:
         r = self._regions.get(self._key(name))
         return r if r is not None and r.scope == self.scope else None
-
-    def _refusal(self, r: Region, use: str) -> str | None:
-        """Why this view's caller may not ``use`` ("read", "write" or "remove") region ``r``; None: it may."""
-        if self.caller is None:
-            return None
-        peer = self.caller.get()
-        if peer.uid is None:
-            return "this client's user cannot be told (a process on this box, over the local socket or loopback)"
-        if peer.uid == r.uid:
-            return None  # its own (outputs: r.writable says, _writable)
-        st = os.fstat(r.fd)
-        if use == "remove":
-            if peer.uid in (0, r.uid, st.st_uid):
-                return None
-            return (f"only the user who registered it (uid {r.uid}), the object's owner (uid {st.st_uid}) or root "
-                    "may unregister it")
-        may_read, may_write = peer.may(st)
-        if (may_read if use == "read" else may_write and r.rw):  # write: and the agent holds it read-write
-            return None
-        return (f"this client (uid {peer.uid}) may not {use} {r.key!r} (owner uid {st.st_uid}, group {st.st_gid}, "
-                f"mode {stat.S_IMODE(st.st_mode):o})")
-
-    def _check(self, r: Region, use: str, what: str) -> None:
-        why = self._refusal(r, use)
-        if why is not None:
-            raise NotPermitted(f"{what}: shared-memory region {r.name!r} was registered by another user (uid {r.uid}); "
-                               f"{why}")
 
     @property
     def enabled(self) -> bool:
@@ -191,44 +261,8 @@ class SharedMemory:
             if self.registered_bytes + offset + byte_size > self.max_bytes:
                 raise RequestError(f"registering {offset + byte_size} bytes would exceed max_shm_bytes "
                                    f"({self.max_bytes}; {self.registered_bytes} registered now)")
-            self._regions[self._key(name)] = self._open(name, key, offset, byte_size, client, peer)
-
-    def _open(self, name: str, key: str, offset: int, byte_size: int, client: str, peer: Peer) -> Region:
-        path = self.root / key[1:]
-        # O_NONBLOCK: a FIFO opened read-only would wait for a writer (on the event loop, holding the lock); for a
-        # regular file it changes nothing (fstat below refuses anything else)
-        flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-        try:
-            try:
-                fd = os.open(path, os.O_RDWR | flags)
-                rw = True
-            except PermissionError:
-                fd = os.open(path, os.O_RDONLY | flags)
-                rw = False
-        except FileNotFoundError:
-            raise RequestError(f"shared-memory region {name!r}: no shared-memory object {key!r} on this box "
-                               "(shm_open it first)") from None
-        except OSError as exc:
-            raise RequestError(f"shared-memory region {name!r}: cannot open {key!r}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise RequestError(f"shared-memory region {name!r}: {key!r} is not a shared-memory object")
-            if offset + byte_size > st.st_size:
-                raise RequestError(f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} is beyond "
-                                   f"the end of {key!r} ({st.st_size} bytes)")
-            may_read, may_write = peer.may(st)
-            if not may_read:  # the agent would read it for a client that may not: a confused deputy
-                raise RequestError(f"shared-memory region {name!r}: this client (uid {peer.uid}) may not read {key!r} "
-                                   f"(owner uid {st.st_uid}, group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}); "
-                                   "the agent uses an object only as far as its client could itself")
-        except BaseException:
-            os.close(fd)
-            raise
-        why = "" if rw and may_write else "the agent's user may not write it" if not rw else \
-            f"this client (uid {peer.uid}) may not write it"
-        return Region(name, key, offset, byte_size, client, self.scope, fd, rw and may_write, why, uid=peer.uid,
-                      rw=rw)
+            self._regions[self._key(name)] = Region.open(self.root, name, key, offset, byte_size, client, self.scope,
+                                                          peer)
 
     def unregister(self, name: str | None = None) -> None:
         """One region, or every region of this scope the caller may unregister (``name`` None). An unknown name is
@@ -236,25 +270,25 @@ class SharedMemory:
         with self._lock:
             if name is None:
                 keys = [k for k, r in self._regions.items() if r.scope == self.scope and
-                        self._refusal(r, "remove") is None]
+                        r.refusal(self.caller, "remove") is None]
             else:
                 r = self._get(name)
                 if r is not None:
-                    self._check(r, "remove", "unregister")
+                    r.check(self.caller, "remove", "unregister")
                 keys = [] if r is None else [self._key(name)]
             for k in keys:
-                _close(self._regions.pop(k))
+                self._regions.pop(k).close()
 
     def status(self, name: str | None = None) -> list[dict[str, object]]:
         with self._lock:
             self._sweep_locked(time.monotonic())
             if name is None:  # what this caller may read
                 return [r.status() for _, r in sorted(self._regions.items()) if r.scope == self.scope and
-                        self._refusal(r, "read") is None]
+                        r.refusal(self.caller, "read") is None]
             r = self._get(name)
             if r is None:
                 raise RequestError(f"no shared-memory region {name!r} is registered")
-            self._check(r, "read", "status")
+            r.check(self.caller, "read", "status")
             return [r.status()]
 
     def sweep(self) -> int:
@@ -271,14 +305,14 @@ class SharedMemory:
         self._swept_at = now
         stale = [n for n, r in self._regions.items() if now - r.last_used > self.idle_timeout_s]
         for n in stale:
-            _close(self._regions.pop(n))
+            self._regions.pop(n).close()
         return len(stale)
 
     def close(self) -> None:
         """Every region, of every scope."""
         with self._lock:
             for r in self._regions.values():
-                _close(r)
+                r.close()
             self._regions.clear()
 
     # -- tensors ---------------------------------------------------------------------------------
@@ -298,34 +332,18 @@ class SharedMemory:
         caller may ``use`` ("read": inputs; "write": outputs) (marked used)."""
         r = self._get(name)
         if r is not None and now - r.last_used > self.idle_timeout_s:
-            _close(self._regions.pop(self._key(name)))
+            self._regions.pop(self._key(name)).close()
             r = None
         if r is None:
             raise RequestError(f"{what}: no shared-memory region {name!r} is registered"
                                + ("" if self.scope is None else " on this connection"))
         if self.caller is not None:
-            self._check(r, use, what)
+            r.check(self.caller, use, what)
         if offset + size > r.byte_size:
             raise RequestError(f"{what}: bytes {offset}..{offset + size} are beyond shared-memory region {name!r} "
                                f"({r.byte_size} bytes)")
         r.last_used = now
         return r
-
-    @staticmethod
-    def _truncated(r: Region, name: str, what: str) -> RequestError:
-        return RequestError(f"{what}: shared-memory object {r.key!r} was truncated below region {name!r}")
-
-    def _pread(self, r: Region, name: str, offset: int, size: int, dtype: np.dtype, shape: tuple[int, ...] | list[int],
-               what: str) -> np.ndarray:
-        """A copy of the ``size`` bytes at ``offset`` in ``r``, read through its descriptor (never a mapping: a
-        truncated object gives a short read, not a fault), as an array of ``shape``."""
-        if size > self.max_read_bytes:  # before the buffer: a region may be far bigger than one request may be
-            raise PayloadTooLarge(f"{what}: {size} bytes from shared-memory region {name!r} exceed the "
-                                  f"{self.max_read_bytes}-byte limit of one request (max_body_bytes)")
-        out = np.empty(size, np.uint8)
-        if os.preadv(r.fd, [out.data], r.offset + offset) != size:
-            raise self._truncated(r, name, what)
-        return out.view(dtype).reshape(shape)
 
     def read(self, name: object, offset: object, size: int, dtype: np.dtype, shape: list[int],
              what: str) -> np.ndarray:
@@ -333,7 +351,7 @@ class SharedMemory:
         with self._lock:
             r = self._use(name, offset, size, what, "read")
             assert isinstance(name, str) and isinstance(offset, int)
-            return self._pread(r, name, offset, size, dtype, shape, what)
+            return r.pread(offset, size, dtype, shape, what, self.max_read_bytes)
 
     def gather(self, reads: Sequence[tuple[str, int, int, np.dtype, tuple[int, ...], str]],
                outputs: Sequence[tuple[str, int, int, str]]) -> list[np.ndarray]:
@@ -344,25 +362,20 @@ class SharedMemory:
         now = time.monotonic()
         with self._lock:
             self._sweep_due(now)
-            got = [self._pread(self._live(name, offset, size, what, now, "read"), name, offset, size, dtype, shape,
-                               what) for name, offset, size, dtype, shape, what in reads]
+            got = [self._live(name, offset, size, what, now, "read").pread(offset, size, dtype, shape, what,
+                                                                           self.max_read_bytes)
+                   for name, offset, size, dtype, shape, what in reads]
             for name, offset, size, what in outputs:
-                self._writable(self._live(name, offset, size, what, now, "write"), what)
+                self._live(name, offset, size, what, now, "write").check_writable(self.caller, what)
         return got
-
-    def _writable(self, r: Region, what: str) -> None:
-        if self.caller is not None and self.caller.get().uid != r.uid:
-            return  # another user's region, which _live let it write (_refusal): the kernel's rule for that user
-        if not r.writable:
-            raise RequestError(f"{what}: outputs cannot be written into shared-memory object {r.key!r}: "
-                               f"{r.read_only_why}; give outputs a region both may write")
 
     def check_output(self, name: object, offset: object, size: object, what: str) -> tuple[str, int, int]:
         """Validate an output's placement -> (region, offset, byte_size); the output's own size is checked later."""
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise RequestError(f"{what}: shared_memory_byte_size must be a positive byte count, got {size!r}")
         with self._lock:
-            self._writable(self._use(name, offset, size, what, "write"), what)  # scatter() checks the object's size
+            # the object's size is checked by scatter(), when the output is written
+            self._use(name, offset, size, what, "write").check_writable(self.caller, what)
         assert isinstance(name, str) and isinstance(offset, int)
         return name, offset, size
 
@@ -386,17 +399,14 @@ class SharedMemory:
             for name, offset, _, data, what in writes:
                 n = data.nbytes
                 r = self._live(name, offset, n, what, now, "write")
-                self._writable(r, what)
+                r.check_writable(self.caller, what)
                 st = sizes.get(r.fd)
                 if st is None:
                     st = sizes[r.fd] = os.fstat(r.fd).st_size
                 start = r.offset + offset
                 if st < start + n:
-                    raise self._truncated(r, name, what)
+                    raise r.truncated(what)
                 # a write, not a mapping: truncated after the fstat above, the object grows back; nothing faults
                 if os.pwrite(r.fd, data.reshape(-1).view(np.uint8).data, start) != n:
                     raise RequestError(f"{what}: could not write {n} bytes into shared-memory object {r.key!r}")
 
-
-def _close(r: Region) -> None:
-    os.close(r.fd)
