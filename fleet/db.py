@@ -20,6 +20,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    text,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -133,12 +134,25 @@ class RolloutWave(Base):
     gates: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)  # last evaluation
 
 
+# Targets the reconciler reads back (fleet.reconcile): waiting for a report to the desired state sent them, or being
+# rolled back. Each is the predicate of a partial index below and, word for word, a term of the reconciler's query
+# (SQLite uses a partial index only for a query that repeats its predicate with the same literals).
+TARGET_WAITING = text("state IN ('pending', 'downloading', 'installing')")
+TARGET_ROLLING_BACK = text("state = 'rolling_back'")
+
+
 class RolloutTarget(Base):
     __tablename__ = "rollout_targets"
     __table_args__ = (Index("ix_rollout_targets_wave", "rollout_id", "wave"),
                       Index("ix_rollout_targets_device", "device_id"),
                       # schema 6: counts by state and a page of one state's targets without reading every target
-                      Index("ix_rollout_targets_state", "rollout_id", "state", "device_id"))
+                      Index("ix_rollout_targets_state", "rollout_id", "state", "device_id"),
+                      # schema 10: a running wave's targets still waiting, oldest first, and the targets being rolled
+                      # back, oldest first, each read up to a limit without reading any other target (issue 44)
+                      Index("ix_rollout_targets_waiting", "rollout_id", "wave", "updated_at",
+                            postgresql_where=TARGET_WAITING, sqlite_where=TARGET_WAITING),
+                      Index("ix_rollout_targets_rolling_back", "updated_at",
+                            postgresql_where=TARGET_ROLLING_BACK, sqlite_where=TARGET_ROLLING_BACK))
     rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id"), primary_key=True)
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), primary_key=True)
     state: Mapped[str] = mapped_column(String(16), default="pending")  # fleet.states.TargetState
@@ -283,9 +297,10 @@ class WindowRow(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
-SCHEMA_VERSION = 9  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
+SCHEMA_VERSION = 10  # bump with any change to the tables above, with a new Alembic revision in fleet/migrations
 # edgefleet_meta.schema_version -> the Alembic revision of that schema (databases from before Alembic)
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007", 8: "0008", 9: "0009"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005", 6: "0006", 7: "0007", 8: "0008", 9: "0009",
+             10: "0010"}
 
 
 class Meta(Base):

@@ -36,16 +36,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import ColumnElement, Subquery, TextClause, or_, select, union_all
 from sqlalchemy.orm import Session, sessionmaker
 
-from .db import Device, Rollout, RolloutTarget, RolloutWave
+from .db import TARGET_ROLLING_BACK, TARGET_WAITING, Device, Rollout, RolloutTarget, RolloutWave
 
 __all__ = ["Reconciler"]
 
 log = logging.getLogger("edgefleet.fleet.reconcile")
 
-WAITING = ("pending", "downloading", "installing")  # a target whose desired state is out and unanswered
 RUNNING_WAVES = ("installing", "shadowing")
 DECOMMISSIONED = "decommissioned"  # fleet.service's mark: such a device's messages are dropped anyway
 STATUS_MAX_S = 600.0  # a device held as offline has its retained status read at least this often
@@ -88,19 +87,32 @@ class Reconciler:
         self._status_next: dict[str, tuple[float, float]] = {}  # device -> (monotonic time due again, pause)
 
     def stale_devices(self) -> list[str]:
-        """Devices of targets that waited ``after_s`` or longer for a report, oldest first."""
+        """Devices of targets that waited ``after_s`` or longer for a report, oldest first: those still waiting in a
+        running wave of a rollout in progress, and those being rolled back in any rollout.
+
+        Read as the running waves first, then the oldest ``4 x batch`` of each running wave's waiting targets and of
+        the targets being rolled back (each an ordered range of a partial index, ``ix_rollout_targets_waiting`` and
+        ``ix_rollout_targets_rolling_back``), merged in one statement: the same devices in the same order as one
+        query over every target, at a cost that follows the batch and the running waves, not the fleet, the waves
+        yet to come or the rollouts kept. (That one query, its wave and rollout filters in other tables and ORed with
+        the rollback's, scanned every target: 17 ms a call at 50,000 devices on PostgreSQL; issue 44.)"""
         cutoff = _utcnow() - dt.timedelta(seconds=self.after_s)
-        q = (select(RolloutTarget.device_id)
-             .join(Rollout, Rollout.id == RolloutTarget.rollout_id)
-             .join(RolloutWave, and_(RolloutWave.rollout_id == RolloutTarget.rollout_id,
-                                     RolloutWave.idx == RolloutTarget.wave))
-             .where(RolloutTarget.updated_at < cutoff,
-                    or_(and_(Rollout.status == "in_progress", RolloutWave.state.in_(RUNNING_WAVES),
-                             RolloutTarget.state.in_(WAITING)),
-                        RolloutTarget.state == "rolling_back"))
-             .order_by(RolloutTarget.updated_at)
-             .limit(self.batch * 4))
+        limit = self.batch * 4
+
+        def oldest(*where: ColumnElement[bool] | TextClause) -> Subquery:
+            return (select(RolloutTarget.updated_at, RolloutTarget.device_id)
+                    .where(RolloutTarget.updated_at < cutoff, *where)
+                    .order_by(RolloutTarget.updated_at).limit(limit).subquery())
+
+        running = (select(RolloutWave.rollout_id, RolloutWave.idx)
+                   .join(Rollout, Rollout.id == RolloutWave.rollout_id)
+                   .where(Rollout.status == "in_progress", RolloutWave.state.in_(RUNNING_WAVES)))
         with self.sessions() as s:
+            parts = [oldest(TARGET_ROLLING_BACK)]
+            parts += [oldest(RolloutTarget.rollout_id == rid, RolloutTarget.wave == wave, TARGET_WAITING)
+                      for rid, wave in s.execute(running).all()]
+            merged = union_all(*(select(p.c.updated_at, p.c.device_id) for p in parts)).subquery()
+            q = select(merged.c.device_id).order_by(merged.c.updated_at).limit(limit)
             return list(dict.fromkeys(s.scalars(q)))
 
     def offline_devices(self, after: str, limit: int) -> list[str]:
