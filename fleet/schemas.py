@@ -27,6 +27,7 @@ __all__ = [
     "Bootstrap",
     "Device",
     "DeviceBatchResult",
+    "DeviceCounts",
     "Enrolled",
     "EnrollmentToken",
     "Error",
@@ -181,6 +182,15 @@ class Group(ApiModel):
     group: str
     devices: int
     online: int
+
+
+class DeviceCounts(ApiModel):
+    """The whole fleet's devices, counted in the database: the console's summary, and /api/v1/stats's counts."""
+
+    devices: int
+    online: int
+    failing: int = 0  # their last report failed or rolled back (the console's; 0 where not counted)
+    telemetry_rows: int = 0  # telemetry records stored (/api/v1/stats; 0 where not counted)
 
 
 class Window(ApiModel):

@@ -164,5 +164,5 @@ def agent_behind_bad_link(tmp: Path, installed: Path, new: Path, device: str, in
         with installed_agent(tmp / "agent", installed, device_id=device, fleet_url=bad.url,
                              trusted_root=tmp / "keys" / "root.json", install_retries=install_retries,
                              max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
-            wait_for(lambda: fs.service.devices.get_device(device)["online"], online_s, "agent online")
+            wait_for(lambda: fs.service.devices.get_device(device).online, online_s, "agent online")
             yield fs, url, bad, agent_url

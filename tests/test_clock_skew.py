@@ -79,7 +79,7 @@ def _skew(w: World, device: str) -> float:
     """The clock skew the device's newest telemetry reports (waits for one that carries it)."""
     def reported() -> float | None:
         d = w.fs.service.devices.get_device(device)
-        return (d.get("telemetry") or {}).get("clock_skew_s")
+        return d.telemetry.clock_skew_s if d.telemetry else None
 
     skew = wait_for(reported, 60, f"{device} reports its clock skew")
     assert skew is not None
@@ -95,8 +95,8 @@ def test_a_box_two_days_fast_installs_on_the_fleets_signed_time_and_reports_its_
         finally:
             print(log.read_text()[-4000:])
         d = world.fs.service.devices.get_device("clock-fast")
-        assert world.fs.service.rollouts.get_rollout(rid).status == "succeeded", d["last_error"]
-        assert (d["running_model"], d["running_version"]) == ("digits", "1.0.0")
+        assert world.fs.service.rollouts.get_rollout(rid).status == "succeeded", d.last_error
+        assert (d.running_model, d.running_version) == ("digits", "1.0.0")
         skew = _skew(world, "clock-fast")
         assert abs(skew - 2 * DAY_S) < TOLERANCE_S, skew
         page = api.get(f"{world.url}/devices/clock-fast").text
@@ -114,14 +114,14 @@ def test_a_box_400_days_slow_refuses_expired_metadata_and_reports_its_skew(world
 
         def refused() -> str | None:
             d = world.fs.service.devices.get_device("clock-slow")
-            return d["last_error"] if d["last_state"] == "failed" else None
+            return d.last_error if d.last_state == "failed" else None
 
         try:
             err = wait_for(refused, 120, "the slow box refuses the expired metadata")
         finally:
             print(log.read_text()[-4000:])
         assert err is not None and "timestamp.json is expired" in err, err
-        assert world.fs.service.devices.get_device("clock-slow")["running_model"] is None
+        assert world.fs.service.devices.get_device("clock-slow").running_model is None
         skew = _skew(world, "clock-slow")
         assert abs(skew + 400 * DAY_S) < TOLERANCE_S, skew
         assert "clock 400.0 days behind" in api.get(f"{world.url}/devices/clock-slow").text

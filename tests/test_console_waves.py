@@ -211,7 +211,7 @@ def test_replicas_storing_one_wave_s_telemetry_at_once_neither_deadlock_nor_lose
         svc.ingest.handle_statuses([proto.StatusMessage(device_id=d, ts=1.0, state="online") for d in ids])
         rid = svc.rollouts.create_rollout("digits", "1.1.0", devices=ids).id
         svc.driver.tick()
-        assert all(d["desired"] and d["desired"]["rollout_id"] == rid for d in svc.devices.list_devices())
+        assert all(d.desired and d.desired.rollout_id == rid for d in svc.devices.list_devices())
         now = time.time()
 
         def writer(k: int) -> None:

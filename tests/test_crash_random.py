@@ -161,7 +161,7 @@ def test_sigkill_at_random_during_download_install_and_swap(tmp_path, mosquitto:
         # the first install, undisturbed: it also measures how long an install takes on this machine
         version = publish(0)
         agent = _start_agent(tmp_path, url)
-        wait_for(lambda: served_version(agent.url) is not None or svc.devices.get_device(DEVICE)["online"], 60,
+        wait_for(lambda: served_version(agent.url) is not None or svc.devices.get_device(DEVICE).online, 60,
                  "agent up")
         t0 = time.monotonic()
         rid = svc.rollouts.create_rollout("digits", version, [DEVICE]).id

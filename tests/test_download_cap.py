@@ -139,7 +139,7 @@ def test_1000_simulated_boxes_over_mqtt_never_hold_more_than_50_desired_states_a
                                   progress_reports=True, prefix="cap"))
         sim.start()
         try:
-            wait_for(lambda: fs.service.devices.device_counts()["online"] == N, 120,
+            wait_for(lambda: fs.service.devices.device_counts().online == N, 120,
                      f"{N} simulated devices online at the fleet", interval_s=0.5)
             spec = RolloutSpec(max_concurrent_downloads=CAP, gates={"install_success_min": 0.9})
             rid = fs.service.rollouts.create_rollout("digits", "1.0.0", profile="x86-cpu", spec=spec).id

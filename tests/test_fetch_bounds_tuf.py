@@ -78,7 +78,7 @@ def test_an_endless_bundle_answer_is_retried_with_backoff_and_the_retry_installs
             with installed_agent(tmp_path / "agent", digits_bundle, device_id=device, fleet_url=attacker.url,
                                  trusted_root=tmp_path / "keys" / "root.json", install_retries=2,
                                  max_batch_size=8, instances=1, intra_op_threads=1) as (_a, agent_url):
-                wait_for(lambda: fs.service.devices.get_device(device)["online"], 30, "agent online")
+                wait_for(lambda: fs.service.devices.get_device(device).online, 30, "agent online")
                 fs.service.rollouts.create_rollout("digits", "1.1.0", [device])
                 seen: list[str | None] = []
 

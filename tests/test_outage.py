@@ -23,7 +23,7 @@ DEVICE = "edge-out"
 
 def _rows(fs) -> list[dict]:
     """Stored telemetry of DEVICE in the order the fleet stored it."""
-    return list(reversed(fs.service.devices.device_telemetry(DEVICE, limit=1000)))
+    return [r.model_dump(mode="json") for r in reversed(fs.service.devices.device_telemetry(DEVICE, limit=1000))]
 
 
 def _spooled(data: Path) -> int:
@@ -76,7 +76,7 @@ def test_full_spool_drops_the_oldest_and_the_fleet_learns_how_many(tmp_path, mos
                      int((data / "spool" / "dropped").read_text()) >= 15, 30, "overflow while away")
             assert _spooled(data) <= 10
             mosquitto.start()
-            wait_for(lambda: fs.service.devices.get_device(DEVICE)["telemetry"].get("dropped"), 60,
+            wait_for(lambda: fs.service.devices.get_device(DEVICE).telemetry.dropped, 60,
                      "a record after the drops")
         _drain(tmp_path, fs, url)
         made = _made(data)

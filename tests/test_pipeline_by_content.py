@@ -120,7 +120,7 @@ def test_a_one_stage_change_to_the_ocr_pipeline_downloads_that_stage_and_little_
             with installed_agent(tmp_path / "agent", digits_bundle, device_id=DEVICE, fleet_url=link,
                                  trusted_root=tmp_path / "keys" / "root.json", max_batch_size=8, instances=1,
                                  intra_op_threads=1) as (_agent, agent_url):
-                wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"], 30, "agent online")
+                wait_for(lambda: fs.service.devices.get_device(DEVICE).online, 30, "agent online")
                 for version in bundles:
                     with proxy.lock:
                         proxy.down_bytes = 0

@@ -42,12 +42,12 @@ def test_the_install_after_a_shadow_reuses_the_shadows_download(tmp_path, digits
             with installed_agent(tmp_path / "agent", digits_bundle, device_id=DEVICE, fleet_url=link,
                                  trusted_root=tmp_path / "keys" / "root.json", max_batch_size=8, instances=1,
                                  intra_op_threads=1, shadow_sample_rate=1.0) as (_agent, agent_url):
-                wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"], 30, "agent online")
+                wait_for(lambda: fs.service.devices.get_device(DEVICE).online, 30, "agent online")
                 with proxy.lock:
                     proxy.down_bytes = 0
                 spec = RolloutSpec(shadow=ShadowGate(agreement_min=0.5, min_samples=20))
                 rid = fs.service.rollouts.create_rollout("digits", "1.1.0", [DEVICE], spec=spec).id
-                wait_for(lambda: fs.service.devices.get_device(DEVICE)["last_state"] == "shadowing", 60,
+                wait_for(lambda: fs.service.devices.get_device(DEVICE).last_state == "shadowing", 60,
                          "the agent shadowing 1.1.0")
                 with proxy.lock:
                     shadow_bytes = proxy.down_bytes

@@ -115,7 +115,7 @@ def world(tmp_path_factory, digits_bundle, test_images) -> Iterator[World]:
                 with running_agent(tmp / "agent", device_id=DEVICE, fleet_url=attacker.url,
                                    trusted_root=tmp / "keys" / "root.json", install_retries=0,
                                    download_grace_s=2.0, download_min_bytes_per_s=4096) as (agent, agent_url):
-                    wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"], 30, "agent online")
+                    wait_for(lambda: fs.service.devices.get_device(DEVICE).online, 30, "agent online")
                     rid = fs.service.rollouts.create_rollout("digits", "1.0.0", [DEVICE]).id
                     wait_for(lambda: fs.service.rollouts.get_rollout(rid).status == "succeeded", 60,
                              "1.0.0 installed")
@@ -149,7 +149,7 @@ def _refused(w: World, version: str, why: str) -> str:
     finally:
         w.attacker.rule = None
     assert not [r for r in w.reports if r.version == version and r.state == "installed"]
-    wait_for(lambda: w.fs.service.devices.get_device(DEVICE)["last_error"] == err, 30,  # type: ignore[attr-defined]
+    wait_for(lambda: w.fs.service.devices.get_device(DEVICE).last_error == err, 30,  # type: ignore[attr-defined]
              "the fleet recorded why")
     meta = httpx.get(f"{w.agent_url}/v2/models/digits").json()
     assert meta["versions"] == ["1.0.0"], f"the attack changed the served model: {meta['versions']}"

@@ -87,7 +87,7 @@ def test_no_install_outside_the_window_across_its_edges_and_both_clock_changes(t
         with installed_agent(tmp_path / "agent", digits_bundle, device_id=DEVICE, fleet_url=url,
                              trusted_root=tmp_path / "keys" / "root.json", max_batch_size=8, instances=1,
                              intra_op_threads=1) as (agent, agent_url):
-            wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"] and agent.fetcher is not None, 30,
+            wait_for(lambda: fs.service.devices.get_device(DEVICE).online and agent.fetcher is not None, 30,
                      "agent online")
             assert agent.fetcher is not None
             shift = {"mono": 0.0}  # how far the test moved the agent's monotonic clock on

@@ -38,7 +38,7 @@ def test_a_device_downloads_outside_its_window_and_installs_once_time_enters_it(
         with installed_agent(tmp_path / "agent", digits_bundle, device_id=DEVICE, fleet_url=url,
                              trusted_root=tmp_path / "keys" / "root.json", max_batch_size=8, instances=1,
                              intra_op_threads=1) as (agent, agent_url):
-            wait_for(lambda: fs.service.devices.get_device(DEVICE)["online"] and agent.fetcher is not None, 30,
+            wait_for(lambda: fs.service.devices.get_device(DEVICE).online and agent.fetcher is not None, 30,
                      "agent online")
             shift = {"wall": 0.0, "mono": 0.0}  # the box's clock and its monotonic clock, moved by the test
             assert agent.fetcher is not None

@@ -52,12 +52,13 @@ def render_index(service: FleetService, request: Request, operate: bool, message
     fleet = service.devices.device_counts()
     page, matching = service.devices.find_devices(console.PAGE_SIZE, offset, filters["group"] or None,
                                           filters["state"] or None, filters["q"] or None,
-                                          total=None if any(filters.values()) else fleet["devices"])
+                                          total=None if any(filters.values()) else fleet.devices)
     # the console renders JSON: the records as the API's models dump them (a rollout's fields left out stay out)
     rollouts = [r.model_dump(exclude_unset=True) for r in service.rollouts.list_rollouts(20, summary=True)]
     models = [m.model_dump(mode="json") for m in service.models.list_models()]
-    return console.render(page, models, rollouts, operate, message,
-                          fleet=fleet, matching=matching, filters=filters, offset=offset)
+    return console.render([d.model_dump(mode="json") for d in page], models, rollouts, operate, message,
+                          fleet=fleet.model_dump(include={"devices", "online", "failing"}), matching=matching,
+                          filters=filters, offset=offset)
 
 
 def render_rollout(service: FleetService, rollout_id: int, request: Request, operate: bool,
@@ -66,7 +67,8 @@ def render_rollout(service: FleetService, rollout_id: int, request: Request, ope
     state, offset = _str_param(request, "state"), _int_param(request, "offset")
     r = service.rollouts.get_rollout(rollout_id, with_targets=False, profiles=False)  # the page does not show them
     page, total = service.rollouts.rollout_targets(rollout_id, console.PAGE_SIZE, offset, state or None)
-    devices = service.devices.devices_by_id([t.device_id for t in page])
+    devices = {i: d.model_dump(mode="json")
+               for i, d in service.devices.devices_by_id([t.device_id for t in page]).items()}
     # each wave over time: grouped in SQL from the rows the ingest summed per wave and time step (fleet.series)
     waves = series.rollout_series(service.sessions, service.driver.drift, rollout_id)
     with service.sessions() as s:  # where each installing wave waits: maintenance windows, the download cap
@@ -155,11 +157,11 @@ def router(fleet: Fleet) -> APIRouter:
         if c is None:
             return HTMLResponse(console.login_page(), status_code=401)
         devices = service.devices
-        d = devices.get_device(device_id)
+        d = devices.get_device(device_id).model_dump(mode="json")
         with service.sessions() as s:  # its maintenance window (its own or its group's) and when it next opens
             dev = s.get(Device, device_id)
             window = windows.effective(s, [dev]).get(device_id) if dev is not None else None
-        return console.device_page(d, devices.device_telemetry(device_id, 200),
+        return console.device_page(d, [t.model_dump(mode="json") for t in devices.device_telemetry(device_id, 200)],
                                    drift.device_drift(service.sessions, service.driver.drift, device_id, 200),
                                    window=window)
 

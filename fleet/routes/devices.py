@@ -62,14 +62,14 @@ def router(fleet: Fleet) -> APIRouter:
                      offset: Offset = 0, group: str | None = Query(default=None, max_length=64),
                      state: str | None = Query(default=None, max_length=32),
                      q: str | None = Query(default=None, max_length=64),
-                     _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+                     _: Caller = Depends(viewer)) -> list[out.Device]:
         """Devices by id; ``limit``/``offset`` page them, ``group``/``state``/``q`` filter (fleet.schemas)."""
         page, total = devices.find_devices(limit, offset, group, state, q)
         response.headers["X-Total-Count"] = str(total)
         return page
 
     @r.post("/api/v1/devices", status_code=201, response_model=out.Device)
-    def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> dict[str, Any]:
+    def register_device(body: DeviceIn, c: Caller = Depends(operator)) -> out.Device:
         return devices.register_device(body.device_id, body.labels, body.group, body.tags, body.profile, c.name)
 
     @r.post("/api/v1/devices/batch", status_code=201, response_model=out.DeviceBatchResult)
@@ -78,11 +78,11 @@ def router(fleet: Fleet) -> APIRouter:
         return devices.register_devices([d.model_dump() for d in body.devices], c.name)
 
     @r.patch("/api/v1/devices/{device_id}", response_model=out.Device)
-    def update_device(device_id: str, body: DevicePatch, c: Caller = Depends(operator)) -> dict[str, Any]:
+    def update_device(device_id: str, body: DevicePatch, c: Caller = Depends(operator)) -> out.Device:
         return devices.update_device(device_id, body.group, body.tags, body.profile, c.name)
 
     @r.get("/api/v1/devices/{device_id}", response_model=out.Device)
-    def get_device(device_id: str, _: Caller = Depends(viewer)) -> dict[str, Any]:
+    def get_device(device_id: str, _: Caller = Depends(viewer)) -> out.Device:
         return devices.get_device(device_id)
 
     def _enrollment() -> Enrollment:
@@ -103,7 +103,7 @@ def router(fleet: Fleet) -> APIRouter:
         except NotFound:
             devices.register_device(device_id, actor=c.name)
         else:
-            if doc.get("online"):  # its new credentials would lock the running agent out: a decommission
+            if doc.online:  # its new credentials would lock the running agent out: a decommission
                 c.require("admin", f"re-enrolling {device_id}, which is online (its agent would be locked out)")
         token = _enrollment().issue_token(device_id, dt.timedelta(seconds=ttl))
         devices.device_audit(device_id, c.name, "enrollment_token_issued", ttl_s=ttl)
@@ -124,7 +124,7 @@ def router(fleet: Fleet) -> APIRouter:
                 **bootstrap}
 
     @r.post("/api/v1/devices/{device_id}/decommission", response_model=out.Device)
-    def decommission(device_id: str, c: Caller = Depends(caller)) -> dict[str, Any]:
+    def decommission(device_id: str, c: Caller = Depends(caller)) -> out.Device:
         """Revoke the device's MQTT credentials (it can no longer connect) and mark it decommissioned; its
         history stays. Enrolling it again takes a new token. Admin role."""
         c.require("admin", "decommissioning a device")
@@ -137,7 +137,7 @@ def router(fleet: Fleet) -> APIRouter:
 
     @r.get("/api/v1/devices/{device_id}/telemetry", response_model=list[out.TelemetryRecord])
     def get_telemetry(device_id: str, limit: int = Query(default=50, ge=1, le=1000),
-                      _: Caller = Depends(viewer)) -> list[dict[str, Any]]:
+                      _: Caller = Depends(viewer)) -> list[out.TelemetryRecord]:
         return devices.device_telemetry(device_id, limit)
 
     @r.get("/api/v1/devices/{device_id}/drift", response_model=list[drift.DriftRecord])

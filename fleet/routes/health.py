@@ -29,11 +29,13 @@ def router(fleet: Fleet) -> APIRouter:
         return bootstrap
 
     @r.get("/api/v1/stats", response_model=out.Stats, response_model_exclude_unset=True)
-    def stats(_: Caller = Depends(viewer)) -> dict[str, Any]:
+    def stats(_: Caller = Depends(viewer)) -> out.Stats:
         """Device and telemetry counts (the database's), counters of rejected input by kind, and what this
         replica handled from MQTT (with several replicas, each answers for itself)."""
-        return {"rejected": service.rejections.snapshot(), **service.devices.counts(),
-                **({"replica": replica_stats()} if replica_stats is not None else {})}
+        c = service.devices.counts()
+        return out.Stats(rejected=service.rejections.snapshot(), devices=c.devices, online=c.online,
+                         telemetry_rows=c.telemetry_rows,
+                         **({"replica": replica_stats()} if replica_stats is not None else {}))
 
     r.include_router(clock.router(fleet))  # the signed time: what an agent needs beside its bootstrap
     return r

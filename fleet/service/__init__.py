@@ -1,6 +1,7 @@
 """The fleet's operations, independent of HTTP and MQTT, one service per area:
 
-- ``devices.DeviceService``: the registry (registration, selectors, decommission, listings and counts)
+- ``devices.DeviceService``: the registry (registration, selectors, decommission, listings and counts; its SQL is
+  fleet.queries.devices)
 - ``models.ModelService``: bundle upload (checked, signed into the TUF repository) and the builds held
 - ``rollouts.RolloutService``: rollouts as the API sees them (the state machine is fleet.rollout's driver)
 - ``ingest.IngestService``: what devices send over MQTT (statuses, reports, telemetry), in batches
@@ -8,7 +9,8 @@
 ``FleetService`` builds the four over one database, repository and publisher and holds them, with the rollout
 driver they share: callers name the area, ``service.devices.register_device(...)``,
 ``service.rollouts.get_rollout(...)``, ``service.models.upload_bundle(...)``, ``service.ingest.store_telemetry(...)``;
-``service.driver`` is the state machine (``tick``, leases, drift).
+``service.driver`` is the state machine (``tick``, leases, drift). The services of devices, models and rollouts
+answer with the API's schema models (fleet.schemas).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ from typing import Protocol
 
 from ..errors import BadRequest
 
-__all__ = ["DECOMMISSIONED", "MAX_LABELS", "MAX_LABEL_KEY_CHARS", "MAX_LABEL_VALUE_CHARS", "MAX_TAGS",
-           "MAX_TAG_CHARS", "Publisher", "check_labels", "iso"]
+__all__ = ["MAX_LABELS", "MAX_LABEL_KEY_CHARS", "MAX_LABEL_VALUE_CHARS", "MAX_TAGS", "MAX_TAG_CHARS", "Publisher",
+           "check_labels", "iso"]
 
-DECOMMISSIONED = "decommissioned"  # a device's last_state once decommissioned, until it enrolls again
 # a device's labels and tags are shown in every listing: bounded in number and length
 MAX_LABELS = 32
 MAX_LABEL_KEY_CHARS = 64

@@ -16,9 +16,9 @@ from ..audit import Rejections
 from ..db import Device, Model, RolloutTarget, TelemetryRow, utcnow
 from ..ingest import NotStored
 from ..presence import bound_s
+from ..queries.devices import DECOMMISSIONED
 from ..rollout import RolloutDriver
 from ..rollout.queries import lock_rows
-from .common import DECOMMISSIONED
 
 # reports are ordered by their ``ts`` (the device's clock): one older than the newest stored is dropped. A ts
 # further ahead of the fleet's clock than this orders as if it were this far ahead, so a device whose clock ran
