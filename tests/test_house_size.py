@@ -19,11 +19,7 @@ MAX_LINES = 700
 MAX_METHODS = 25
 
 # path -> why it is over MAX_LINES
-MODULES_OVER: dict[str, str] = {
-    "bench/corpus.py": "the corpus of 13 pinned real models, each with its input maker and its own decoder for the "
-                       "truth (kept apart from the judge's code on purpose); not split yet: the makers and decoders "
-                       "could move beside it as corpus_faces.py did",
-}
+MODULES_OVER: dict[str, str] = {}
 
 # "path::Class" -> why it has more than MAX_METHODS methods
 CLASSES_OVER: dict[str, str] = {
