@@ -1,10 +1,10 @@
-"""The builds the fleet holds: a bundle checked with the agent's own reader, signed into the TUF repository, listed."""
+"""The builds the fleet holds: a bundle checked with the agent's own reader, signed into the TUF repository, listed,
+answered as the API's schema models; their SQL is fleet.queries.models."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -16,6 +16,7 @@ from .. import schemas as out
 from ..db import Model
 from ..errors import BadRequest, Conflict, RepositoryError
 from ..keys import bundle_target
+from ..queries import models as queries
 from ..tuf_repo import Repository
 from .common import iso
 
@@ -44,21 +45,13 @@ class ModelService:
             raise BadRequest(f"this fleet does not sign bundles (the CI key does): upload with 'edgefleet fleet "
                              f"upload BUNDLE --sign-key ci/bundles.key', which signs {target_path} first", 422)
         with self.sessions() as s:
-            existing = s.scalars(select(Model).where(Model.name == manifest.name, Model.version == manifest.version,
-                                                     Model.profile == manifest.profile)).first()
-            if existing is not None:
+            if queries.build(s, manifest.name, manifest.version, manifest.profile) is not None:
                 raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} is already uploaded; "
                                "bump the version to publish a new build")
         try:
             info = self.repo.add_target(target_path, path, custom.signed_fields())
             with self.sessions.begin() as s:
-                m = Model(name=manifest.name, version=manifest.version, profile=manifest.profile,
-                          backend=manifest.backend, precision=manifest.precision, target_path=target_path,
-                          sha256=info["sha256"], size_bytes=info["length"], accuracy=manifest.accuracy.candidate,
-                          manifest=manifest.model_dump(mode="json"))
-                s.add(m)
-                s.flush()
-                return self._model(m)
+                return self._model(queries.add_build(s, manifest, target_path, info["sha256"], info["length"]))
         except (RepositoryError, IntegrityError) as exc:  # a concurrent upload of the same version won
             raise Conflict(f"{manifest.name} {manifest.version} for {manifest.profile} was uploaded concurrently "
                            f"with other content or is already registered: {exc}") from exc
@@ -76,6 +69,6 @@ class ModelService:
 
     def list_models(self) -> list[out.ModelBuild]:
         with self.sessions() as s:
-            models = list(s.scalars(select(Model)))
+            models = queries.builds(s)
         models.sort(key=lambda m: (m.name, version_key(m.version), m.profile))
         return [self._model(m) for m in models]
