@@ -8,6 +8,8 @@ Its files (served read-only under ``/tuf/``), in a folder or in the fleet's data
 Every change bumps targets, snapshot and timestamp together under the store's lock (a file lock, or
 PostgreSQL's advisory lock), so several fleet processes sharing the store cannot interleave. Roles
 close to expiry are re-signed by :meth:`Repository.refresh_expiring`, which the server calls periodically.
+The Repository decides what is published and holds the lock; reading the published set back and signing and
+writing a new one is ``_RoleFiles``'s.
 
 Delegated layout (``edgefleet keys create``): the top-level targets metadata is signed offline and
 delegates every path to the ``bundles`` role, whose metadata the compiler's CI signs
@@ -39,250 +41,57 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
-class Repository:
-    def __init__(self, store: Path | DirStore | SqlStore, keys: KeyStore, upload_dir: Path | None = None):
-        """``store``: a folder (or a DirStore), or a SqlStore on the fleet's database. ``upload_dir``: where uploads
-        wait while they are checked (default: the store's folder; required with a SqlStore)."""
-        self.store: DirStore | SqlStore = DirStore(store) if isinstance(store, Path) else store
+class _RoleFiles:
+    """The role metadata in the store: the published set read back (each file named by the version the one above it
+    lists), and a new set signed with the keys this fleet holds and written. No lock taken here: the Repository holds
+    the store's around every change."""
+
+    def __init__(self, store: DirStore | SqlStore, keys: KeyStore):
+        self.store = store
         self.keys = keys
-        if upload_dir is None:
-            upload_dir = self._dir_store().dir
-        self.upload_dir = upload_dir
 
-    @property
-    def dir(self) -> Path:
-        return self._dir_store().dir
-
-    @property
-    def metadata_dir(self) -> Path:
-        return self._dir_store().metadata_dir
-
-    @property
-    def targets_dir(self) -> Path:
-        return self._dir_store().targets_dir
-
-    def _dir_store(self) -> DirStore:
-        if not isinstance(self.store, DirStore):
-            raise RepositoryError("this repository is kept in the database, not in a folder")
-        return self.store
-
-    def _read(self, name: str) -> bytes:
+    def read(self, name: str) -> bytes:
         data = self.store.read(name)
         if data is None:
             raise RepositoryError(f"repository metadata {name} is missing")
         return data
 
-    # -- set-up -----------------------------------------------------------------------------
-    def init(self) -> None:
-        """Create the repository from the key store's root.json, if it does not exist yet."""
-        from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
-
-        self.store.init()
-        with self._lock():
-            if self.store.read("timestamp.json") is not None:
-                self._check_root_matches()
-                return
-            roots = self.keys.roots()
-            for root_bytes in roots:
-                root = Metadata.from_bytes(root_bytes)
-                self.store.write(f"{root.signed.version}.root.json", root_bytes)
-            snapshot = Metadata(Snapshot(expires=_now() + EXPIRY["snapshot"]))
-            timestamp = Metadata(Timestamp(expires=_now() + EXPIRY["timestamp"]))
-            offline = self.keys.offline_targets
-            if offline is None:
-                targets = Metadata(Targets(expires=_now() + EXPIRY["targets"]))
-                self._publish(targets, snapshot, timestamp)
-                return
-            targets = Metadata[Targets].from_bytes(offline.read_bytes())
-            self._verify_targets(targets)
-            self.store.write(f"{targets.signed.version}.targets.json", offline.read_bytes())
-            initial = self.keys.initial_bundles
-            if initial is None:
-                raise RepositoryError(f"{self.keys.directory}: targets.json delegates to {BUNDLES_ROLE!r} but there is "
-                                      f"no {BUNDLES_ROLE}.json (from 'edgefleet keys create')")
-            bundles = Metadata[Targets].from_bytes(initial.read_bytes())
-            targets.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
-            self.store.write(f"{bundles.signed.version}.{BUNDLES_ROLE}.json", initial.read_bytes())
-            self._publish(targets, snapshot, timestamp, bundles=bundles)
-
-    def _check_root_matches(self) -> None:
-        """The key folder's roots must be the repository's; newer ones (a rotation done offline) and a
-        newer offline-signed targets.json are published here."""
-        from tuf.api.metadata import Metadata, Targets
-
-        for raw in self.keys.roots():
-            ours = Metadata.from_bytes(raw)
-            held = self.store.read(f"{ours.signed.version}.root.json")
-            if held is not None:
-                if Metadata.from_bytes(held).signed != ours.signed:
-                    raise RepositoryError("the repository was created with other keys than "
-                                          f"{self.keys.directory}; use the matching key store or a fresh --data-dir")
-            else:
-                self._publish_root_locked(raw)
-        offline = self.keys.offline_targets
-        if offline is not None:
-            tgt, _, _, _ = self._load_all()
-            if Metadata[Targets].from_bytes(offline.read_bytes()).signed.version > tgt.signed.version:
-                self._publish_targets_locked(offline.read_bytes())
-
-    # -- the delegated layout: metadata signed elsewhere, published here ------------------------
-    def _root(self) -> Any:
-        from tuf.api.metadata import Metadata, Root
-
-        return Metadata[Root].from_bytes(self.root_bytes())
-
-    def _verify_targets(self, targets: Any) -> None:
-        from tuf.api.exceptions import UnsignedMetadataError
-
-        try:
-            self._root().signed.verify_delegate("targets", targets.signed_bytes, targets.signatures)
-        except UnsignedMetadataError as exc:
-            raise RepositoryError(f"targets metadata is not signed by the root's targets key(s): {exc}") from exc
-
-    def delegated(self) -> bool:
-        tgt, _, _, _ = self._load_all()
-        d = tgt.signed.delegations
-        return d is not None and d.roles is not None and BUNDLES_ROLE in d.roles
-
-    def publish_root(self, data: bytes) -> None:
-        """Publish a new root version signed offline (key rotation or revocation)."""
-        with self._lock():
-            self._publish_root_locked(data)
-
-    def _publish_root_locked(self, data: bytes) -> None:
-        from tuf.api.exceptions import UnsignedMetadataError
-        from tuf.api.metadata import Metadata, Root
-
-        try:
-            new = Metadata[Root].from_bytes(data)
-        except Exception as exc:  # python-tuf raises several types for bad JSON
-            raise RepositoryError(f"not a root metadata file: {exc}") from exc
-        cur = self._root()
-        if new.signed.version != cur.signed.version + 1:
-            raise RepositoryError(f"root version {new.signed.version} does not follow the published "
-                                  f"{cur.signed.version}; publish the versions in between first")
-        try:
-            cur.signed.verify_delegate("root", new.signed_bytes, new.signatures)  # the old root vouches
-            new.signed.verify_delegate("root", new.signed_bytes, new.signatures)  # and the new one signs
-        except UnsignedMetadataError as exc:
-            raise RepositoryError(f"root version {new.signed.version} is not signed by the old and the new root "
-                                  f"keys: {exc}") from exc
-        self.store.write(f"{new.signed.version}.root.json", data)
-        tgt, snap, ts, bundles = self._load_all()
-        online_changed = any(set(new.signed.roles[r].keyids) != set(cur.signed.roles[r].keyids)
-                             for r in ("snapshot", "timestamp", "targets"))
-        if online_changed:  # signatures by the old keys no longer count: sign again with the new ones
-            if not self.delegated():
-                tgt.signed.version += 1
-            snap.signed.version += 1
-            ts.signed.version += 1
-            self._publish(tgt, snap, ts, bundles=bundles)
-
-    def publish_targets(self, data: bytes) -> None:
-        """Publish top-level targets metadata signed offline (a new or revoked CI key)."""
-        with self._lock():
-            self._publish_targets_locked(data)
-
-    def _publish_targets_locked(self, data: bytes) -> None:
-        from tuf.api.exceptions import UnsignedMetadataError
-        from tuf.api.metadata import Metadata, Targets
-
-        new = Metadata[Targets].from_bytes(data)
-        self._verify_targets(new)
-        tgt, snap, ts, bundles = self._load_all()
-        if new.signed.version <= tgt.signed.version:
-            raise RepositoryError(f"targets version {new.signed.version} is not newer than the published "
-                                  f"{tgt.signed.version}")
-        if bundles is not None:
-            try:  # the published bundles must still verify under the new delegation, else CI must re-sign
-                new.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
-            except UnsignedMetadataError:
-                bundles = None  # withdrawn: signed by a revoked key; devices see no bundle until CI re-signs
-        self.store.write(f"{new.signed.version}.targets.json", data)
-        snap.signed.version += 1
-        ts.signed.version += 1
-        self._publish(new, snap, ts, bundles=bundles, resign_targets=False)
-
-    def publish_bundles(self, data: bytes) -> dict[str, Any]:
-        """Publish ``bundles`` metadata signed by the CI key (verified here first); returns its targets."""
-        from tuf.api.exceptions import UnsignedMetadataError
-        from tuf.api.metadata import Metadata, Targets
-
-        try:
-            new = Metadata[Targets].from_bytes(data)
-        except Exception as exc:  # python-tuf raises several types for bad JSON
-            raise RepositoryError(f"not a targets metadata file: {exc}") from exc
-        with self._lock():
-            tgt, snap, ts, bundles = self._load_all()
-            try:
-                tgt.signed.verify_delegate(BUNDLES_ROLE, new.signed_bytes, new.signatures)
-            except (UnsignedMetadataError, ValueError) as exc:
-                raise RepositoryError(f"{BUNDLES_ROLE} metadata is not signed by a CI key the offline targets "
-                                      f"metadata delegates to: {exc}") from exc
-            if bundles is not None and new.signed.version <= bundles.signed.version:
-                raise RepositoryError(f"{BUNDLES_ROLE} version {new.signed.version} is not newer than the published "
-                                      f"{bundles.signed.version}; sign on top of the fleet's current one")
-            for path in new.signed.targets:
-                if not TARGET_PATH_RE.match(path) or ".." in path:
-                    raise RepositoryError(f"target path {path!r} is not a plain relative path")
-            self.store.write(f"{new.signed.version}.{BUNDLES_ROLE}.json", data)
-            snap.signed.version += 1
-            ts.signed.version += 1
-            self._publish(tgt, snap, ts, bundles=new, resign_targets=False)
-            return dict(new.signed.targets)
-
-    def is_signed(self, target_path: str) -> bool:
-        """Delegated layout: has the CI key signed this target in the published bundles metadata?"""
-        _, _, _, bundles = self._load_all()
-        return bundles is not None and target_path in bundles.signed.targets
-
-    def current_bundles(self) -> bytes:
-        """The published ``bundles`` metadata, as CI needs it to sign the next version."""
-        _, snap, _, _ = self._load_all()
-        meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
-        if meta is None:  # withdrawn (signed by a revoked key): CI re-signs on top of the last one
-            found = sorted(self.store.names(f".{BUNDLES_ROLE}.json"), key=lambda n: int(n.split(".")[0]))
-            if not found:
-                raise RepositoryError(f"this repository has no {BUNDLES_ROLE} metadata (not the delegated layout)")
-            return self._read(found[-1])
-        return self._read(f"{meta.version}.{BUNDLES_ROLE}.json")
-
-    def _lock(self) -> Any:
-        return self.store.lock()
-
-    # -- reading ------------------------------------------------------------------------------
-    def _load(self) -> tuple[Any, Any, Any]:  # (targets, snapshot, timestamp) Metadata
-        tgt, snap, ts, _ = self._load_all()
-        return tgt, snap, ts
-
-    def _load_all(self) -> tuple[Any, Any, Any, Any]:  # (targets, snapshot, timestamp, bundles or None)
+    def load(self) -> tuple[Any, Any, Any, Any]:  # (targets, snapshot, timestamp, bundles or None)
         from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
 
         try:
-            ts = Metadata[Timestamp].from_bytes(self._read("timestamp.json"))
+            ts = Metadata[Timestamp].from_bytes(self.read("timestamp.json"))
             snap_v = ts.signed.snapshot_meta.version
-            snap = Metadata[Snapshot].from_bytes(self._read(f"{snap_v}.snapshot.json"))
+            snap = Metadata[Snapshot].from_bytes(self.read(f"{snap_v}.snapshot.json"))
             tgt_v = snap.signed.meta["targets.json"].version
-            tgt = Metadata[Targets].from_bytes(self._read(f"{tgt_v}.targets.json"))
+            tgt = Metadata[Targets].from_bytes(self.read(f"{tgt_v}.targets.json"))
             bundles = None
             meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
             if meta is not None:
-                bundles = Metadata[Targets].from_bytes(self._read(f"{meta.version}.{BUNDLES_ROLE}.json"))
+                bundles = Metadata[Targets].from_bytes(self.read(f"{meta.version}.{BUNDLES_ROLE}.json"))
         except (OSError, KeyError, ValueError) as exc:
             raise RepositoryError(f"repository metadata unreadable ({exc})") from exc
         return tgt, snap, ts, bundles
 
-    def targets(self) -> dict[str, Any]:
-        tgt, _, _, bundles = self._load_all()
-        return {**dict(tgt.signed.targets), **(dict(bundles.signed.targets) if bundles is not None else {})}
-
     def root_bytes(self) -> bytes:
         versions = sorted(int(n.split(".")[0]) for n in self.store.names(".root.json"))
-        return self._read(f"{versions[-1]}.root.json")
+        return self.read(f"{versions[-1]}.root.json")
 
-    # -- writing ------------------------------------------------------------------------------
-    def _publish(self, targets: Any, snapshot: Any, timestamp: Any, bundles: Any = None,
-                 resign_targets: bool | None = None) -> None:
+    def root(self) -> Any:
+        from tuf.api.metadata import Metadata, Root
+
+        return Metadata[Root].from_bytes(self.root_bytes())
+
+    def verify_targets(self, targets: Any) -> None:
+        from tuf.api.exceptions import UnsignedMetadataError
+
+        try:
+            self.root().signed.verify_delegate("targets", targets.signed_bytes, targets.signatures)
+        except UnsignedMetadataError as exc:
+            raise RepositoryError(f"targets metadata is not signed by the root's targets key(s): {exc}") from exc
+
+    def publish(self, targets: Any, snapshot: Any, timestamp: Any, bundles: Any = None,
+                resign_targets: bool | None = None) -> None:
         """Sign targets (unless it is signed offline), snapshot, timestamp (in that order) and write
         them atomically. ``bundles``: the CI-signed delegated metadata to list in the snapshot."""
         from tuf.api.metadata import MetaFile
@@ -313,6 +122,213 @@ class Repository:
         timestamp.sign(self.keys.signer("timestamp"))
         self.store.write("timestamp.json", timestamp.to_bytes(ser))
 
+
+class Repository:
+    def __init__(self, store: Path | DirStore | SqlStore, keys: KeyStore, upload_dir: Path | None = None):
+        """``store``: a folder (or a DirStore), or a SqlStore on the fleet's database. ``upload_dir``: where uploads
+        wait while they are checked (default: the store's folder; required with a SqlStore)."""
+        self.store: DirStore | SqlStore = DirStore(store) if isinstance(store, Path) else store
+        self.keys = keys
+        self._roles = _RoleFiles(self.store, keys)
+        if upload_dir is None:
+            upload_dir = self._dir_store().dir
+        self.upload_dir = upload_dir
+
+    @property
+    def dir(self) -> Path:
+        return self._dir_store().dir
+
+    @property
+    def metadata_dir(self) -> Path:
+        return self._dir_store().metadata_dir
+
+    @property
+    def targets_dir(self) -> Path:
+        return self._dir_store().targets_dir
+
+    def _dir_store(self) -> DirStore:
+        if not isinstance(self.store, DirStore):
+            raise RepositoryError("this repository is kept in the database, not in a folder")
+        return self.store
+
+    # -- set-up -----------------------------------------------------------------------------
+    def init(self) -> None:
+        """Create the repository from the key store's root.json, if it does not exist yet."""
+        from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
+
+        self.store.init()
+        with self.store.lock():
+            if self.store.read("timestamp.json") is not None:
+                self._check_root_matches()
+                return
+            roots = self.keys.roots()
+            for root_bytes in roots:
+                root = Metadata.from_bytes(root_bytes)
+                self.store.write(f"{root.signed.version}.root.json", root_bytes)
+            snapshot = Metadata(Snapshot(expires=_now() + EXPIRY["snapshot"]))
+            timestamp = Metadata(Timestamp(expires=_now() + EXPIRY["timestamp"]))
+            offline = self.keys.offline_targets
+            if offline is None:
+                targets = Metadata(Targets(expires=_now() + EXPIRY["targets"]))
+                self._roles.publish(targets, snapshot, timestamp)
+                return
+            targets = Metadata[Targets].from_bytes(offline.read_bytes())
+            self._roles.verify_targets(targets)
+            self.store.write(f"{targets.signed.version}.targets.json", offline.read_bytes())
+            initial = self.keys.initial_bundles
+            if initial is None:
+                raise RepositoryError(f"{self.keys.directory}: targets.json delegates to {BUNDLES_ROLE!r} but there is "
+                                      f"no {BUNDLES_ROLE}.json (from 'edgefleet keys create')")
+            bundles = Metadata[Targets].from_bytes(initial.read_bytes())
+            targets.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
+            self.store.write(f"{bundles.signed.version}.{BUNDLES_ROLE}.json", initial.read_bytes())
+            self._roles.publish(targets, snapshot, timestamp, bundles=bundles)
+
+    def _check_root_matches(self) -> None:
+        """The key folder's roots must be the repository's; newer ones (a rotation done offline) and a
+        newer offline-signed targets.json are published here."""
+        from tuf.api.metadata import Metadata, Targets
+
+        for raw in self.keys.roots():
+            ours = Metadata.from_bytes(raw)
+            held = self.store.read(f"{ours.signed.version}.root.json")
+            if held is not None:
+                if Metadata.from_bytes(held).signed != ours.signed:
+                    raise RepositoryError("the repository was created with other keys than "
+                                          f"{self.keys.directory}; use the matching key store or a fresh --data-dir")
+            else:
+                self._publish_root_locked(raw)
+        offline = self.keys.offline_targets
+        if offline is not None:
+            tgt, _, _, _ = self._load_all()
+            if Metadata[Targets].from_bytes(offline.read_bytes()).signed.version > tgt.signed.version:
+                self._publish_targets_locked(offline.read_bytes())
+
+    # -- the delegated layout: metadata signed elsewhere, published here ------------------------
+    def delegated(self) -> bool:
+        tgt, _, _, _ = self._load_all()
+        d = tgt.signed.delegations
+        return d is not None and d.roles is not None and BUNDLES_ROLE in d.roles
+
+    def publish_root(self, data: bytes) -> None:
+        """Publish a new root version signed offline (key rotation or revocation)."""
+        with self.store.lock():
+            self._publish_root_locked(data)
+
+    def _publish_root_locked(self, data: bytes) -> None:
+        from tuf.api.exceptions import UnsignedMetadataError
+        from tuf.api.metadata import Metadata, Root
+
+        try:
+            new = Metadata[Root].from_bytes(data)
+        except Exception as exc:  # python-tuf raises several types for bad JSON
+            raise RepositoryError(f"not a root metadata file: {exc}") from exc
+        cur = self._roles.root()
+        if new.signed.version != cur.signed.version + 1:
+            raise RepositoryError(f"root version {new.signed.version} does not follow the published "
+                                  f"{cur.signed.version}; publish the versions in between first")
+        try:
+            cur.signed.verify_delegate("root", new.signed_bytes, new.signatures)  # the old root vouches
+            new.signed.verify_delegate("root", new.signed_bytes, new.signatures)  # and the new one signs
+        except UnsignedMetadataError as exc:
+            raise RepositoryError(f"root version {new.signed.version} is not signed by the old and the new root "
+                                  f"keys: {exc}") from exc
+        self.store.write(f"{new.signed.version}.root.json", data)
+        tgt, snap, ts, bundles = self._load_all()
+        online_changed = any(set(new.signed.roles[r].keyids) != set(cur.signed.roles[r].keyids)
+                             for r in ("snapshot", "timestamp", "targets"))
+        if online_changed:  # signatures by the old keys no longer count: sign again with the new ones
+            if not self.delegated():
+                tgt.signed.version += 1
+            snap.signed.version += 1
+            ts.signed.version += 1
+            self._roles.publish(tgt, snap, ts, bundles=bundles)
+
+    def publish_targets(self, data: bytes) -> None:
+        """Publish top-level targets metadata signed offline (a new or revoked CI key)."""
+        with self.store.lock():
+            self._publish_targets_locked(data)
+
+    def _publish_targets_locked(self, data: bytes) -> None:
+        from tuf.api.exceptions import UnsignedMetadataError
+        from tuf.api.metadata import Metadata, Targets
+
+        new = Metadata[Targets].from_bytes(data)
+        self._roles.verify_targets(new)
+        tgt, snap, ts, bundles = self._load_all()
+        if new.signed.version <= tgt.signed.version:
+            raise RepositoryError(f"targets version {new.signed.version} is not newer than the published "
+                                  f"{tgt.signed.version}")
+        if bundles is not None:
+            try:  # the published bundles must still verify under the new delegation, else CI must re-sign
+                new.signed.verify_delegate(BUNDLES_ROLE, bundles.signed_bytes, bundles.signatures)
+            except UnsignedMetadataError:
+                bundles = None  # withdrawn: signed by a revoked key; devices see no bundle until CI re-signs
+        self.store.write(f"{new.signed.version}.targets.json", data)
+        snap.signed.version += 1
+        ts.signed.version += 1
+        self._roles.publish(new, snap, ts, bundles=bundles, resign_targets=False)
+
+    def publish_bundles(self, data: bytes) -> dict[str, Any]:
+        """Publish ``bundles`` metadata signed by the CI key (verified here first); returns its targets."""
+        from tuf.api.exceptions import UnsignedMetadataError
+        from tuf.api.metadata import Metadata, Targets
+
+        try:
+            new = Metadata[Targets].from_bytes(data)
+        except Exception as exc:  # python-tuf raises several types for bad JSON
+            raise RepositoryError(f"not a targets metadata file: {exc}") from exc
+        with self.store.lock():
+            tgt, snap, ts, bundles = self._load_all()
+            try:
+                tgt.signed.verify_delegate(BUNDLES_ROLE, new.signed_bytes, new.signatures)
+            except (UnsignedMetadataError, ValueError) as exc:
+                raise RepositoryError(f"{BUNDLES_ROLE} metadata is not signed by a CI key the offline targets "
+                                      f"metadata delegates to: {exc}") from exc
+            if bundles is not None and new.signed.version <= bundles.signed.version:
+                raise RepositoryError(f"{BUNDLES_ROLE} version {new.signed.version} is not newer than the published "
+                                      f"{bundles.signed.version}; sign on top of the fleet's current one")
+            for path in new.signed.targets:
+                if not TARGET_PATH_RE.match(path) or ".." in path:
+                    raise RepositoryError(f"target path {path!r} is not a plain relative path")
+            self.store.write(f"{new.signed.version}.{BUNDLES_ROLE}.json", data)
+            snap.signed.version += 1
+            ts.signed.version += 1
+            self._roles.publish(tgt, snap, ts, bundles=new, resign_targets=False)
+            return dict(new.signed.targets)
+
+    def is_signed(self, target_path: str) -> bool:
+        """Delegated layout: has the CI key signed this target in the published bundles metadata?"""
+        _, _, _, bundles = self._load_all()
+        return bundles is not None and target_path in bundles.signed.targets
+
+    def current_bundles(self) -> bytes:
+        """The published ``bundles`` metadata, as CI needs it to sign the next version."""
+        _, snap, _, _ = self._load_all()
+        meta = snap.signed.meta.get(f"{BUNDLES_ROLE}.json")
+        if meta is None:  # withdrawn (signed by a revoked key): CI re-signs on top of the last one
+            found = sorted(self.store.names(f".{BUNDLES_ROLE}.json"), key=lambda n: int(n.split(".")[0]))
+            if not found:
+                raise RepositoryError(f"this repository has no {BUNDLES_ROLE} metadata (not the delegated layout)")
+            return self._roles.read(found[-1])
+        return self._roles.read(f"{meta.version}.{BUNDLES_ROLE}.json")
+
+    # -- reading ------------------------------------------------------------------------------
+    def _load(self) -> tuple[Any, Any, Any]:  # (targets, snapshot, timestamp) Metadata
+        tgt, snap, ts, _ = self._load_all()
+        return tgt, snap, ts
+
+    def _load_all(self) -> tuple[Any, Any, Any, Any]:  # (targets, snapshot, timestamp, bundles or None)
+        return self._roles.load()
+
+    def targets(self) -> dict[str, Any]:
+        tgt, _, _, bundles = self._load_all()
+        return {**dict(tgt.signed.targets), **(dict(bundles.signed.targets) if bundles is not None else {})}
+
+    def root_bytes(self) -> bytes:
+        return self._roles.root_bytes()
+
+    # -- writing ------------------------------------------------------------------------------
     def add_target(self, target_path: str, local_file: Path, custom: dict[str, Any]) -> dict[str, Any]:
         """Publish ``local_file`` as the TUF target ``target_path``; returns {sha256, length, url_path}."""
         from tuf.api.metadata import TargetFile
@@ -327,7 +343,7 @@ class Repository:
         length = local_file.stat().st_size
         dirname, _, basename = target_path.rpartition("/")
         dest = f"{dirname}/{digest}.{basename}" if dirname else f"{digest}.{basename}"
-        with self._lock():
+        with self.store.lock():
             tgt, snap, ts, bundles = self._load_all()
             if bundles is not None or self.delegated():
                 return self._register_signed(target_path, local_file, dest, digest, length, bundles)
@@ -344,7 +360,7 @@ class Repository:
             tgt.signed.version += 1
             snap.signed.version += 1
             ts.signed.version += 1
-            self._publish(tgt, snap, ts)
+            self._roles.publish(tgt, snap, ts)
         return {"sha256": digest, "length": length, "created": True}
 
     def _register_signed(self, target_path: str, local_file: Path, dest: str, digest: str, length: int,
@@ -364,7 +380,7 @@ class Repository:
     def refresh_expiring(self, margin: float = 0.5) -> bool:
         """Re-sign every role this fleet holds the key of when any has less than ``margin`` of its
         lifetime left (targets only in the all-keys layout; signed offline otherwise)."""
-        with self._lock():
+        with self.store.lock():
             tgt, snap, ts, bundles = self._load_all()
             now = _now()
             online = [("snapshot", snap), ("timestamp", ts)]
@@ -378,7 +394,7 @@ class Repository:
                 tgt.signed.version += 1
             snap.signed.version += 1
             ts.signed.version += 1
-            self._publish(tgt, snap, ts, bundles=bundles, resign_targets=resign_targets)
+            self._roles.publish(tgt, snap, ts, bundles=bundles, resign_targets=resign_targets)
             return True
 
     def serve(self, kind: str, rel: str) -> Path | bytes | tuple[int, Iterator[bytes]] | None:
