@@ -1,24 +1,21 @@
-"""What devices send over MQTT, stored in batches: statuses, reports (ordered by their ts) and telemetry."""
+"""What devices send over MQTT, stored in batches: statuses, reports (ordered by their ts) and telemetry; the SQL
+is fleet.queries.ingest."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from sqlalchemy import Float, Table, and_, bindparam, case, or_, select, true, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from ...protocol import mqtt as proto
 from .. import series
 from ..audit import Rejections
-from ..db import Device, Model, RolloutTarget, TelemetryRow, utcnow
+from ..db import utcnow
 from ..ingest import NotStored
 from ..presence import bound_s
-from ..queries.devices import DECOMMISSIONED
+from ..queries import ingest as queries
 from ..rollout import RolloutDriver
-from ..rollout.queries import lock_rows
 
 # reports are ordered by their ``ts`` (the device's clock): one older than the newest stored is dropped. A ts
 # further ahead of the fleet's clock than this orders as if it were this far ahead, so a device whose clock ran
@@ -47,14 +44,11 @@ class IngestService:
         size; a connect burst of 10,000 devices cost two transactions per device before)."""
         unseen = {m.device_id for m in msgs} - self._known
         if unseen:
-            dev: Table = Device.__table__  # type: ignore[assignment]
             with self.sessions.begin() as s:
-                found = set(s.scalars(select(dev.c.id).where(dev.c.id.in_(unseen))))
+                found = queries.existing(s, unseen)
                 new = sorted(unseen - found)
                 if new and self.accept_unknown_devices:
-                    ins = sqlite_insert(dev) if s.get_bind().dialect.name == "sqlite" else pg_insert(dev)
-                    s.execute(ins.on_conflict_do_nothing(index_elements=["id"]),  # a replica that won the race
-                              [{"id": d, "labels": {}, "registered_via": "mqtt"} for d in new])
+                    queries.add_heard(s, new)
                     found.update(new)
             self._known.update(found)
             for d in sorted(unseen - found):
@@ -68,7 +62,7 @@ class IngestService:
         the SIGHUP that reloads its password file), lets such a device go on publishing; nothing it says then
         is stored. One query per batch, against the database, so every replica agrees."""
         ids = {m.device_id for m in msgs}
-        gone = set(s.scalars(select(Device.id).where(Device.id.in_(ids), Device.last_state == DECOMMISSIONED)))
+        gone = queries.decommissioned(s, ids)
         if not gone:
             return msgs
         for m in msgs:
@@ -93,29 +87,14 @@ class IngestService:
         if not last:
             return
         now = utcnow()
-        dev: Table = Device.__table__  # type: ignore[assignment]
         with self.sessions.begin() as s:
             last = {m.device_id: m for m in self._without_decommissioned(s, list(last.values()))}
             if not last:
                 return
             last = dict(sorted(last.items()))  # devices by id: the lock order (fleet.rollout.lock_rows)
-            by_id = update(dev).where(dev.c.id == bindparam("b_id"))
             ups = [{"b_id": d} for d, m in last.items() if m.state == "online"]
             downs = [{"b_id": d} for d, m in last.items() if m.state != "online"]
-            lock_rows(s, devices=list(last))  # one statement per state below: the rows are taken in id order first
-            if retained:
-                if ups:
-                    fresh = or_(dev.c.presence_until.is_(None), dev.c.presence_until >= time.time())
-                    s.connection().execute(by_id.where(fresh).values(online=True), ups)
-                if downs:
-                    s.connection().execute(by_id.values(online=False, presence_until=None), downs)
-            else:
-                if ups:  # heard from now: online for its bound (none known: until its will)
-                    t = time.time()
-                    s.connection().execute(by_id.values(online=True, last_seen=now, presence_until=bindparam(
-                        "b_t", type_=Float) + dev.c.presence_s), [{**u, "b_t": t} for u in ups])
-                if downs:
-                    s.connection().execute(by_id.values(online=False, last_seen=now, presence_until=None), downs)
+            queries.set_presence(s, ups, downs, retained, now)
             details = [m for m in last.values() if m.agent_version or m.inference_url or m.cpu_features is not None
                        or m.profile is not None]
             by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}  # one executemany per set of columns
@@ -130,8 +109,7 @@ class IngestService:
                 if m.profile is not None:
                     values["profile"] = m.profile
                 by_columns.setdefault(tuple(sorted(values)), []).append({"b_id": m.device_id, **values})
-            for group in by_columns.values():
-                s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), group)
+            queries.set_details(s, by_columns.values())
 
     def handle_retained_statuses(self, msgs: list[proto.StatusMessage]) -> None:
         self.handle_statuses(msgs, retained=True)
@@ -144,13 +122,8 @@ class IngestService:
                                                                           list[proto.ReportedState], dict[str, float]]:
         """(reports to apply, in arrival order; reports older than the newest stored or seen before them; each
         device's new ordering ts). Locks the devices' rows, so replicas order one device's reports alike."""
-        dev: Table = Device.__table__  # type: ignore[assignment]
-        # the lock order (fleet.rollout.lock_rows): the rollouts reported on (shared: the driver's moves wait), then
-        # the devices by id
-        lock_rows(s, rollouts=[m.rollout_id for m in msgs if m.rollout_id is not None], rollouts_shared=True)
-        newest: dict[str, float | None] = {i: ts for i, ts in s.execute(
-            select(dev.c.id, dev.c.last_report_ts).where(dev.c.id.in_({m.device_id for m in msgs}))
-            .order_by(dev.c.id).with_for_update())}
+        newest = queries.lock_report_ts(s, {m.device_id for m in msgs},
+                                        [m.rollout_id for m in msgs if m.rollout_id is not None])
         ahead = time.time() + REPORT_CLOCK_AHEAD_S
         kept, stale, order = [], [], {}
         for m in msgs:
@@ -172,7 +145,6 @@ class IngestService:
         if not msgs:
             return None
         now = utcnow()
-        dev: Table = Device.__table__  # type: ignore[assignment]
         with self.sessions.begin() as s:
             msgs = self._without_decommissioned(s, msgs)
             if not msgs:
@@ -184,12 +156,11 @@ class IngestService:
                                   "running_model": m.running_model, "running_version": m.running_version,
                                   "last_report_ts": order[m.device_id]}
                     for m in msgs}  # the newest report of a device wins
-            s.connection().execute(update(dev).where(dev.c.id == bindparam("b_id")), [rows[d] for d in sorted(rows)])
+            queries.set_reports(s, [rows[d] for d in sorted(rows)])
             rejected = self.driver.on_reports(s, [m for m in msgs if m.rollout_id is not None])
             for m in msgs:
                 if m.state == "installed" and m.selftest is not None:
-                    s.connection().execute(update(dev).where(dev.c.id == m.device_id).values(
-                        selftest=self._selftest_json(s, m)))
+                    queries.set_selftest(s, m.device_id, self._selftest_json(s, m))
         for exc, m in rejected:
             self.rejections.add(exc.kind, m.device_id, str(exc))
         return NotStored(tuple(stale)) if stale else None
@@ -201,8 +172,7 @@ class IngestService:
                                **(msg.selftest.model_dump(mode="json") if msg.selftest else {})}
         if msg.serving is not None:  # the precision, batch sizes and layout it chose on its own CPU
             out["serving"] = msg.serving.model_dump(mode="json")
-        t = s.get(RolloutTarget, (msg.rollout_id, msg.device_id)) if msg.rollout_id is not None else None
-        m = s.get(Model, t.model_id) if t is not None and t.model_id is not None else None
+        m = queries.build_sent(s, msg.rollout_id, msg.device_id)
         if m is not None and (m.name, m.version) == (msg.running_model, msg.running_version):
             summary = m.manifest.get("selftest_summary") or {}
             out["build"] = {"profile": m.profile, "precision": m.precision, "top1": summary.get("top1"),
@@ -221,8 +191,6 @@ class IngestService:
         msgs = self._known_devices(msgs)
         if not msgs:
             return 0
-        tel: Table = TelemetryRow.__table__  # type: ignore[assignment]
-        dev: Table = Device.__table__  # type: ignore[assignment]
         now = utcnow()
         with self.sessions.begin() as s:
             msgs = self._without_decommissioned(s, msgs)
@@ -232,27 +200,14 @@ class IngestService:
             for m in msgs:
                 batch.setdefault((m.device_id, m.stream, m.seq), m)
             payloads = {k: m.model_dump(mode="json") for k, m in batch.items()}
-            ins = sqlite_insert(tel) if s.get_bind().dialect.name == "sqlite" else pg_insert(tel)
-            # records stored before (a resend, or another replica's) are skipped by the insert; RETURNING says
-            # which rows are new (multi-row INSERTs: one statement per few hundred records)
-            stmt = ins.on_conflict_do_nothing(index_elements=["device_id", "stream", "seq"]).returning(
-                tel.c.device_id, tel.c.stream, tel.c.seq)
-            new = {tuple(r) for r in s.connection().execute(stmt, [
-                {"device_id": k[0], "stream": k[1], "seq": k[2], "ts": m.ts, "received_at": now,
-                 "payload": payloads[k]} for k, m in batch.items()])}
+            new = queries.insert_telemetry(s, [{"device_id": k[0], "stream": k[1], "seq": k[2], "ts": m.ts,
+                                                "received_at": now, "payload": payloads[k]} for k, m in batch.items()])
             fresh = {k: m for k, m in batch.items() if k in new}
             if not fresh:
                 return 0
             devices = {k[0] for k in fresh}
-            # only the stream and seq of each device's last record (not its whole JSON): is this one newer? And the
-            # wave of its target in its desired rollout (fleet.series), from the same read
-            last_tel = dev.c.last_telemetry
-            tgt: Table = RolloutTarget.__table__  # type: ignore[assignment]
-            read = s.execute(select(dev.c.id, last_tel["stream"].as_string(), last_tel["seq"].as_integer(),
-                                    dev.c.desired_rollout_id, tgt.c.wave)
-                             .select_from(dev.outerjoin(tgt, and_(tgt.c.rollout_id == dev.c.desired_rollout_id,
-                                                                  tgt.c.device_id == dev.c.id)))
-                             .where(dev.c.id.in_(devices))).all()
+            # each device's last record: is this one newer? And the wave of its target in its desired rollout
+            read = queries.last_records(s, devices)
             current = {i: ((st, sq), r) for i, st, sq, r, _ in read}
             waves = {i: (r, w) for i, _, _, r, w in read if r is not None and w is not None}
             newest: dict[str, dict[str, Any]] = {}
@@ -264,25 +219,13 @@ class IngestService:
                     newest[k[0]] = p
             rows = [{"b_id": d, "last_seen": now, **({"last_telemetry": newest[d]} if d in newest else {})}
                     for d in sorted(devices)]  # by id: the lock order (fleet.rollout.lock_rows)
-            by_id = update(dev).where(dev.c.id == bindparam("b_id"))
             if self.presence_min_s > 0:  # fleet.presence: heard from now, for its bound
                 intervals = {k[0]: m.interval_s for k, m in fresh.items()}  # the device's newest record in the batch
                 t = time.time()
                 for r in rows:
                     bound = bound_s(intervals[str(r["b_id"])], self.presence_min_s, self.presence_intervals)
                     r["b_ps"], r["b_pu"] = bound, t + bound
-                # a device a status said was offline stays so (its presence ended): a record still queued from before
-                # its will revives nothing; one taken offline by its bound is back
-                revive = or_(dev.c.online.is_(True), dev.c.presence_until.is_not(None))
-                by_id = by_id.values(presence_s=bindparam("b_ps", type_=Float),
-                                     presence_until=case((revive, bindparam("b_pu", type_=Float)),
-                                                         else_=dev.c.presence_until),
-                                     online=case((revive, true()), else_=dev.c.online))
-            with_tel = [r for r in rows if "last_telemetry" in r]
-            without = [r for r in rows if "last_telemetry" not in r]
-            for group in (with_tel, without):
-                if group:
-                    s.connection().execute(by_id, group)
+            queries.touch(s, rows, presence=self.presence_min_s > 0)
             self.driver.on_telemetry_batch(s, {d: r for d, (_, r) in current.items()}, list(fresh.values()))
             self.driver.on_shadow_batch(s, list(fresh.values()))
             for device_id, why in self.driver.drift.on_telemetry(s, list(fresh.values())):  # fleet.drift
