@@ -143,6 +143,44 @@ async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
             "load_cpu_s": time.process_time() - cpu0}
 
 
+def _closed_loop_one(total: int, warmup: int, n_reqs: int, one: Callable[[int], tuple[str | None, bool]],
+                     timed: Callable[[], object] | None) -> dict[str, Any]:
+    """_closed_loop for one client, blocking: ``one(i)`` sends request ``i`` and waits for its answer, no event loop
+    in between (at one client the generator's CPU per request is on the latency path)."""
+    lat: list[float] = []
+    bad = {"errors": 0, "wrong": 0}
+    first_error: list[str] = []
+
+    def client(n: int, record: bool) -> None:
+        i = 0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                err, wrong = one(i)
+            except Exception as exc:
+                err, wrong = repr(exc), False
+            dt = time.perf_counter() - t0
+            if record:
+                if err is None:
+                    lat.append(dt)
+                    bad["wrong"] += wrong
+                else:
+                    bad["errors"] += 1
+                    if not first_error:
+                        first_error.append(err[:300])
+            i = (i + 1) % n_reqs
+
+    client(warmup, False)
+    if timed is not None:
+        timed()
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    client(total, True)
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
+            "load_cpu_s": time.process_time() - cpu0}
+
+
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
                  warmup: int, timed: Callable[[], object] | None = None,
                  shape: list[int] | None = None) -> dict[str, Any]:
@@ -151,6 +189,8 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
         return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed, shape)
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
+    if kind in ("grpc", "shm") and clients == 1 and os.environ.get("EDGEFLEET_BENCH_ONE") != "async":
+        return _drive_one(host, port, kind, path, reqs, labels, total, warmup, timed)
     if kind in ("grpc", "shm"):
         return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed)
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
@@ -176,8 +216,6 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
     then that port), or ``shm``: binary-free HTTP requests whose input and output live in one POSIX shared-memory
     region this process registers (each client its own slice; it writes its image there before each request and
     reads the logits back from it)."""
-    from multiprocessing import shared_memory
-
     in_bytes, out_bytes = len(reqs[0]) if kind == "shm" else 0, 4096  # 4 KiB of outputs is plenty here
     region: Any = None
     call: Callable[[int, int], Any]
@@ -195,34 +233,15 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
             return int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax())
     else:
         slot_bytes = in_bytes + out_bytes
-        key = f"edgefleet-bench-{os.getpid()}"
-        region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
+        region, prebuilt = _shm_setup(host, port, path, clients, in_bytes, out_bytes)
         conns: list[list[Any]] = [[] for _ in range(clients)]
-        reg = json.dumps({"key": "/" + key, "offset": 0, "byte_size": slot_bytes * clients}).encode()
-        status, _, content = await _post([], host, port, _request(host, port, f"/v2/systemsharedmemory/region/{key}"
-                                                                              "/register", reg, "json"))
-        if status != 200:
-            raise RuntimeError(f"registering the shared-memory region: {status} {content[:200]!r}")
-        with urllib.request.urlopen(f"http://{host}:{port}{path.removesuffix('/infer')}", timeout=30) as r:
-            meta = json.loads(r.read())  # loopback: the agent under test
-        shape = [1 if d == -1 else d for d in meta["inputs"][0]["shape"]]
-        prebuilt = []
-        for slot in range(clients):
-            base = slot * slot_bytes
-            head = json.dumps({
-                "inputs": [{"name": meta["inputs"][0]["name"], "shape": shape, "datatype": "FP32", "parameters": {
-                    "shared_memory_region": key, "shared_memory_byte_size": in_bytes, "shared_memory_offset": base}}],
-                "outputs": [{"name": meta["outputs"][0]["name"], "parameters": {
-                    "shared_memory_region": key, "shared_memory_byte_size": out_bytes,
-                    "shared_memory_offset": base + in_bytes}}]})
-            prebuilt.append(head)
         buf = region.buf
 
         async def call(slot: int, i: int) -> int:
             base = slot * slot_bytes
             buf[base:base + in_bytes] = reqs[i]
-            status, _, content = await _post(conns[slot], host, port, _request(host, port, path,
-                                                                               prebuilt[slot].encode(), "json"))
+            status, _, content = await _post(conns[slot], host, port, _request(host, port, path, prebuilt[slot],
+                                                                               "json"))
             if status != 200:
                 raise RuntimeError(f"{status}: {content[:200]!r}")
             # the output's size from its shape (FP32): an HTTP answer describes a shared-memory output by no
@@ -242,10 +261,165 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
         if kind == "grpc":
             await channel.close()
         if region is not None:
-            with contextlib.suppress(Exception):
-                await _post([], host, port, _request(host, port, "/v2/systemsharedmemory/unregister", b"", "json"))
-            region.close()
-            region.unlink()
+            _shm_teardown(host, port, region)
+
+
+def _shm_setup(host: str, port: int, path: str, clients: int, in_bytes: int,
+               out_bytes: int) -> tuple[Any, list[bytes]]:
+    """The ``shm`` variant's region (each client a slice: its input, then ``out_bytes`` for its output), registered
+    with the agent, and each client's request header (JSON) naming its slice. -> (region, headers)."""
+    from multiprocessing import shared_memory
+
+    slot_bytes = in_bytes + out_bytes
+    key = f"edgefleet-bench-{os.getpid()}"
+    region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
+    try:
+        reg = json.dumps({"key": "/" + key, "offset": 0, "byte_size": slot_bytes * clients}).encode()
+        req = urllib.request.Request(f"http://{host}:{port}/v2/systemsharedmemory/region/{key}/register", data=reg,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:  # loopback: the agent under test; not 200 raises
+            r.read()
+        with urllib.request.urlopen(f"http://{host}:{port}{path.removesuffix('/infer')}", timeout=30) as r:
+            meta = json.loads(r.read())  # loopback: the agent under test
+    except BaseException as exc:
+        region.close()
+        region.unlink()
+        raise RuntimeError(f"registering the shared-memory region or reading the model's metadata: {exc}") from exc
+    shape = [1 if d == -1 else d for d in meta["inputs"][0]["shape"]]
+    heads = []
+    for slot in range(clients):
+        base = slot * slot_bytes
+        heads.append(json.dumps({
+            "inputs": [{"name": meta["inputs"][0]["name"], "shape": shape, "datatype": "FP32", "parameters": {
+                "shared_memory_region": key, "shared_memory_byte_size": in_bytes, "shared_memory_offset": base}}],
+            "outputs": [{"name": meta["outputs"][0]["name"], "parameters": {
+                "shared_memory_region": key, "shared_memory_byte_size": out_bytes,
+                "shared_memory_offset": base + in_bytes}}]}).encode())
+    return region, heads
+
+
+def _shm_teardown(host: str, port: int, region: Any) -> None:
+    with contextlib.suppress(Exception):
+        req = urllib.request.Request(f"http://{host}:{port}/v2/systemsharedmemory/unregister", data=b"",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:  # loopback: the agent under test
+            r.read()
+    region.close()
+    region.unlink()
+
+
+def _drive_one(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[int], total: int,
+               warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+    """One ``grpc`` or ``shm`` client, blocking, with no event loop. At one client the generator's CPU per request is
+    on the latency path: grpc.aio cost ~210-260 us of CPU a request and the async shared-memory client ~136 us,
+    against perf_analyzer's ~50 (bench/perf_analyzer_vs_serve.py --split-cpus 0:1). ``grpc``: bench/grpc_h2.py's
+    HTTP/2 client, each call's frames prebuilt (grpcio's synchronous stub, ~150-200 us a call, where a request is
+    over one HTTP/2 frame); ``shm``: one TCP connection and the whole HTTP request built once (per call the image
+    is written into the region, the request sent, the answer read).
+
+    A/B of the load generator itself: EDGEFLEET_BENCH_ONE=async drives one client with the asyncio path (as many
+    clients), EDGEFLEET_BENCH_ONE=stub gRPC's with grpcio's synchronous stub."""
+    if kind == "grpc":
+        return _drive_one_grpc(host, port, path, reqs, labels, total, warmup, timed)
+    return _drive_one_shm(host, port, path, reqs, labels, total, warmup, timed)
+
+
+def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: list[int], total: int, warmup: int,
+                    timed: Callable[[], object] | None) -> dict[str, Any]:
+    from tritonclient.grpc import service_pb2  # type: ignore[import-untyped]
+
+    parse = service_pb2.ModelInferResponse.FromString
+    if max(len(r) for r in reqs) + 5 <= 16384 and os.environ.get("EDGEFLEET_BENCH_ONE") != "stub":
+        # one DATA frame within HTTP/2's default frame size and stream window
+        from grpc_h2 import UnaryClient
+
+        client = UnaryClient(host, port, path, timeout_s=60)
+        prepared = [client.prepare(r) for r in reqs]
+
+        def one(i: int) -> tuple[str | None, bool]:
+            r = parse(client.call(prepared[i]))
+            return None, int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax()) != labels[i]
+
+        try:
+            return _closed_loop_one(total, warmup, len(reqs), one, timed)
+        finally:
+            client.close()
+
+    import grpc  # type: ignore[import-untyped]
+
+    channel = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.max_receive_message_length", 1 << 26),
+                                                               ("grpc.max_send_message_length", 1 << 26)])
+    infer = channel.unary_unary(path, request_serializer=None, response_deserializer=parse)
+
+    def one_stub(i: int) -> tuple[str | None, bool]:
+        r = infer(reqs[i], timeout=60)
+        return None, int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax()) != labels[i]
+
+    try:
+        return _closed_loop_one(total, warmup, len(reqs), one_stub, timed)
+    finally:
+        channel.close()
+
+
+def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: list[int], total: int, warmup: int,
+                   timed: Callable[[], object] | None) -> dict[str, Any]:
+    from grpc_h2 import connect
+
+    in_bytes, out_bytes = len(reqs[0]), 4096
+    region, heads = _shm_setup(host, port, path, 1, in_bytes, out_bytes)
+    request = _request(host, port, path, heads[0], "json")
+    buf = region.buf
+    conn: list[socket.socket] = []  # the connection, opened again after a failed call
+    pending = bytearray()
+    sizes: dict[bytes, int] = {}
+
+    def one(i: int) -> tuple[str | None, bool]:
+        if not conn:
+            conn.append(connect(host, port, 60))
+            pending.clear()
+        buf[:in_bytes] = reqs[i]
+        try:
+            conn[0].sendall(request)
+            status, content = _read_answer(conn[0], pending)
+        except BaseException:
+            conn.pop().close()
+            raise
+        if status != 200:
+            return f"{status}: {content[:200]!r}", False
+        n = sizes.get(content)  # the same answer every call: its output's size read once
+        if n is None:  # from its shape (FP32), as in _drive_local
+            n = sizes[content] = 4 * int(np.prod(json.loads(content)["outputs"][0]["shape"]))
+        return None, int(np.frombuffer(buf[in_bytes:in_bytes + n], np.float32).argmax()) != labels[i]
+
+    try:
+        return _closed_loop_one(total, warmup, len(reqs), one, timed)
+    finally:
+        for c in conn:
+            c.close()
+        _shm_teardown(host, port, region)
+
+
+def _read_answer(sock: socket.socket, pending: bytearray) -> tuple[int, bytes]:
+    """One HTTP/1.1 answer from a blocking socket (its body sized by Content-Length) -> (status, body); ``pending``
+    holds bytes read past it."""
+    while (end := pending.find(b"\r\n\r\n")) < 0:
+        got = sock.recv(65536)
+        if not got:
+            raise ConnectionError("the agent closed the connection")
+        pending += got
+    head = bytes(pending[:end]).lower()
+    at = head.index(b"\r\ncontent-length:") + 17
+    stop = head.find(b"\r\n", at)
+    size = int(head[at:stop if stop >= 0 else len(head)])
+    start = end + 4
+    while len(pending) < start + size:
+        got = sock.recv(65536)
+        if not got:
+            raise ConnectionError("the agent closed the connection")
+        pending += got
+    body = bytes(pending[start:start + size])
+    del pending[:start + size]
+    return int(head[9:12]), body
 
 
 async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,
