@@ -11,6 +11,7 @@ PostgreSQL the table is locked against writes while they are built: seconds for 
 Revision ID: 0010
 """
 
+import sqlalchemy as sa
 from alembic import op
 
 from edgefleet.fleet.migrations import no_downgrade
@@ -18,17 +19,15 @@ from edgefleet.fleet.migrations import no_downgrade
 revision = "0010"
 down_revision = "0009"
 
-STATEMENTS = (
-    "CREATE INDEX IF NOT EXISTS ix_rollout_targets_waiting ON rollout_targets (rollout_id, wave, updated_at) "
-    "WHERE state IN ('pending', 'downloading', 'installing')",
-    "CREATE INDEX IF NOT EXISTS ix_rollout_targets_rolling_back ON rollout_targets (updated_at) "
-    "WHERE state = 'rolling_back'",
-)
+WAITING = "state IN ('pending', 'downloading', 'installing')"  # as fleet.db's TARGET_WAITING, frozen here
+ROLLING_BACK = "state = 'rolling_back'"
 
 
 def upgrade() -> None:
-    for stmt in STATEMENTS:
-        op.execute(stmt)
+    for name, columns, where in (("ix_rollout_targets_waiting", ["rollout_id", "wave", "updated_at"], WAITING),
+                                 ("ix_rollout_targets_rolling_back", ["updated_at"], ROLLING_BACK)):
+        op.create_index(name, "rollout_targets", columns, if_not_exists=True,
+                        postgresql_where=sa.text(where), sqlite_where=sa.text(where))
 
 
 downgrade = no_downgrade
