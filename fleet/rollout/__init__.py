@@ -32,11 +32,12 @@ the driver moves the same rollout), then **devices** (by id), then **targets** (
 it; tests/test_pg_lock_order.py runs ingest and a rollback at once.
 
 The package, by layer: ``spec`` (what an operator gives: RolloutSpec, Gates, ShadowGate, Selector, plan_waves);
-``queries`` (typed rows, a wave's figures, the row locks in the lock order: lock_rows); the pure rules, ``gates``
-(functions of a wave's recorded figures) and ``step`` (``step(rollout, wave, figures, now) -> moves``, and what a
-report makes of a target); ``moves`` (move_wave, move_targets: the only ways a wave's or a target's state changes);
-``status`` (a rollout as the API's schema models) and ``driver`` (RolloutDriver, the service that loads the rows,
-asks the rules, applies their moves and publishes). The names other modules use are re-exported here.
+``queries`` (typed rows, a wave's figures, the row locks in the lock order: lock_rows; what fleet.service.rollouts
+reads); the pure rules, ``gates`` (functions of a wave's recorded figures) and ``step`` (``step(rollout, wave,
+figures, now) -> moves``, and what a report makes of a target); ``moves`` (move_wave, move_targets: the only ways a
+wave's or a target's state changes); ``status`` (a rollout as the API's schema models) and ``driver``
+(RolloutDriver, the service that loads the rows, asks the rules, applies their moves and publishes). The names
+other modules use are re-exported here.
 """
 
 from ..states import TRANSITIONS

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from ...protocol.errors import EdgefleetError
 from ...protocol.profile import load_profile
-from ..db import Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave
+from ..db import AuditRow, Device, Model, Rollout, RolloutShadow, RolloutTarget, RolloutWave
 from ..drift import DriftBook
 from ..errors import BadRequest, NotFound
 from ..states import TARGET_DONE, RolloutStatus, TargetState, WaveState
@@ -215,6 +215,31 @@ def claim_lease(s: Session, rollout_id: int, owner: str, now: dt.datetime, lease
 
 def in_progress(s: Session) -> list[int]:
     return list(s.scalars(select(Rollout.id).where(Rollout.status == RolloutStatus.IN_PROGRESS.value)))
+
+
+# -- what the rollout service reads (fleet.service.rollouts) ----------------------------------------------------
+def newest(s: Session, limit: int) -> list[int]:
+    """The newest rollouts' ids, newest first (``limit`` 1 to 1000)."""
+    return list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc()).limit(max(1, min(limit, 1000)))))
+
+
+def target_count(s: Session, rollout_id: int, state: str | None = None) -> int:
+    """How many targets the rollout has (in ``state``)."""
+    where = [RolloutTarget.rollout_id == rollout_id] + ([RolloutTarget.state == state] if state else [])
+    return int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
+
+
+def with_desired(s: Session) -> list[Device]:
+    """The devices sent a desired model."""
+    return list(s.scalars(select(Device).where(Device.desired_model_id.is_not(None))))
+
+
+def audit_rows(s: Session, rollout_id: int | None, limit: int) -> list[AuditRow]:
+    """The newest audit rows, newest first (of a rollout; ``limit`` 1 to 5000)."""
+    q = select(AuditRow).order_by(AuditRow.id.desc()).limit(max(1, min(limit, 5000)))
+    if rollout_id is not None:
+        q = q.where(AuditRow.rollout_id == rollout_id)
+    return list(s.scalars(q))
 
 
 # -- selection -------------------------------------------------------------------------------------------------

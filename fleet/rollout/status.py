@@ -54,9 +54,10 @@ def target_model(t: RolloutTarget, bundle_profile: str | None, bundle_target: st
                              updated_at=iso(t.updated_at), bundle_profile=bundle_profile, download=got)
 
 
-def targets_page(s: Session, rollout_id: int, *where: Any, offset: int = 0,
+def targets_page(s: Session, rollout_id: int, state: str | None = None, offset: int = 0,
                  limit: int | None = None) -> list[out.RolloutTarget]:
-    """A rollout's targets by device id (``where`` filters), with the profile of the bundle each was sent."""
+    """A rollout's targets by device id (those in ``state``), with the profile of the bundle each was sent."""
+    where = [RolloutTarget.state == state] if state else []
     q = (select(RolloutTarget, Model.profile, Model.target_path, Device.last_telemetry["download"])
          .outerjoin(Model, Model.id == RolloutTarget.model_id).outerjoin(Device, Device.id == RolloutTarget.device_id)
          .where(RolloutTarget.rollout_id == rollout_id, *where).order_by(RolloutTarget.device_id))

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
 from .. import schemas as out
-from ..db import AuditRow, Device, Rollout, RolloutTarget
 from ..rollout import RolloutDriver, RolloutSpec, Selector, desired_message
+from ..rollout import queries as q
 from ..rollout.status import targets_page
 from .common import Publisher, check_labels, iso
 
@@ -36,8 +35,7 @@ class RolloutService:
     def republish_desired(self) -> int:
         """Publish every device's desired state again (retained), e.g. after a broker restart."""
         with self.sessions() as s:
-            rows = [(d.id, self.driver.model(s, d.desired_model_id), d.desired_rollout_id)
-                    for d in s.scalars(select(Device).where(Device.desired_model_id.is_not(None)))]
+            rows = [(d.id, self.driver.model(s, d.desired_model_id), d.desired_rollout_id) for d in q.with_desired(s)]
         now = time.time()
         for dev_id, model, rid in rows:
             if model is not None:
@@ -48,7 +46,7 @@ class RolloutService:
         """The newest rollouts, without targets; ``summary``: without their profiles and live gate values either
         (the console's overview shows neither, and each reads every target of a rollout)."""
         with self.sessions() as s:
-            ids = list(s.scalars(select(Rollout.id).order_by(Rollout.id.desc()).limit(max(1, min(limit, 1000)))))
+            ids = q.newest(s, limit)
         return [self.get_rollout(i, with_targets=False, profiles=not summary, live_gates=not summary) for i in ids]
 
     def get_rollout(self, rollout_id: int, with_targets: bool = True, profiles: bool = True,
@@ -60,17 +58,11 @@ class RolloutService:
     def rollout_targets(self, rollout_id: int, limit: int, offset: int = 0,
                         state: str | None = None) -> tuple[list[out.RolloutTarget], int]:
         """One page of a rollout's targets by device id (``state`` filters), and how many match in all."""
-        where = [RolloutTarget.rollout_id == rollout_id]
-        if state:
-            where.append(RolloutTarget.state == state)
         with self.sessions() as s:
-            total = int(s.scalar(select(func.count()).select_from(RolloutTarget).where(*where)) or 0)
-            return targets_page(s, rollout_id, *where[1:], offset=offset, limit=limit), total
+            total = q.target_count(s, rollout_id, state)
+            return targets_page(s, rollout_id, state, offset, limit), total
 
     def audit_log(self, rollout_id: int | None = None, limit: int = 200) -> list[out.AuditEntry]:
         with self.sessions() as s:
-            q = select(AuditRow).order_by(AuditRow.id.desc()).limit(max(1, min(limit, 5000)))
-            if rollout_id is not None:
-                q = q.where(AuditRow.rollout_id == rollout_id)
             return [out.AuditEntry(id=a.id, ts=iso(a.ts), actor=a.actor, action=a.action, rollout_id=a.rollout_id,
-                                   device_id=a.device_id, detail=a.detail) for a in s.scalars(q)]
+                                   device_id=a.device_id, detail=a.detail) for a in q.audit_rows(s, rollout_id, limit)]
