@@ -112,7 +112,8 @@ class Rollout(Base):
     reason: Mapped[str | None] = mapped_column(Text, default=None)  # why it paused, failed or stopped
     lease_owner: Mapped[str | None] = mapped_column(String(64), default=None)  # the replica advancing it
     lease_until: Mapped[dt.datetime | None] = mapped_column(default=None)
-    # schema 4: why the engine could not evaluate it last time (it retries; cleared once it advances or changes state)
+    # schema 4: why the rollout driver could not evaluate it last time (it retries; cleared once it advances or
+    # changes state)
     engine_error: Mapped[str | None] = mapped_column(Text, default=None)
     engine_error_at: Mapped[dt.datetime | None] = mapped_column(default=None)
 
@@ -183,7 +184,7 @@ class RolloutShadow(Base):
 
 
 class AuditRow(Base):
-    """Every action on the fleet: who (a token's name, "fleet" for the rollout engine), what, on what."""
+    """Every action on the fleet: who (a token's name, "fleet" for the rollout driver), what, on what."""
 
     __tablename__ = "audit_log"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,

@@ -40,13 +40,13 @@ from sqlalchemy import ColumnElement, Subquery, TextClause, or_, select, union_a
 from sqlalchemy.orm import Session, sessionmaker
 
 from .db import TARGET_ROLLING_BACK, TARGET_WAITING, Device, Rollout, RolloutTarget, RolloutWave
+from .queries.devices import DECOMMISSIONED  # such a device's messages are dropped anyway
 
 __all__ = ["Reconciler"]
 
 log = logging.getLogger("edgefleet.fleet.reconcile")
 
 RUNNING_WAVES = ("installing", "shadowing")
-DECOMMISSIONED = "decommissioned"  # fleet.service's mark: such a device's messages are dropped anyway
 STATUS_MAX_S = 600.0  # a device held as offline has its retained status read at least this often
 MAX_REMEMBERED = 200_000  # devices whose last reread is remembered (bounded memory at any fleet size)
 
