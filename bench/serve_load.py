@@ -26,16 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_limit  # serve_limit.PIN: set at run time
 
 
-def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes], dict[str, str]]:
+def bodies(kind: str, model: str, images: np.ndarray,
+           input_name: str = "input") -> tuple[str, list[bytes], dict[str, str]]:
     """-> (path, one body per image, extra headers) for one variant. grpc: serialized ModelInferRequests; shm: the
-    images' raw bytes (the load generator writes them into its shared-memory region)."""
+    images' raw bytes (the load generator writes them into its shared-memory region). ``input_name``: the model's
+    input (digits': 'input'; the OCR pipeline's: 'x'); every output is asked for, as perf_analyzer asks."""
     if kind == "grpc":
         from tritonclient.grpc import service_pb2
 
         out = []
         for img in images:
             r = service_pb2.ModelInferRequest(model_name=model)
-            r.inputs.add(name="input", datatype="FP32", shape=[1, *images.shape[1:]])
+            r.inputs.add(name=input_name, datatype="FP32", shape=[1, *images.shape[1:]])
             r.raw_input_contents.append(np.ascontiguousarray(img[None], dtype=np.float32).tobytes())
             out.append(r.SerializeToString())
         return "/inference.GRPCInferenceService/ModelInfer", out, {}
@@ -44,18 +46,19 @@ def bodies(kind: str, model: str, images: np.ndarray) -> tuple[str, list[bytes],
     if kind == "local-inline":
         from edgefleet.agent.transports.local_client import infer_request
 
-        return model, [infer_request(model, {"input": np.ascontiguousarray(i[None], np.float32)}) for i in images], {}
+        return model, [infer_request(model, {input_name: np.ascontiguousarray(i[None], np.float32)})
+                       for i in images], {}
     if kind == "naive":
         return "/predict", [np.ascontiguousarray(img[None]).tobytes() for img in images], {}
     path = f"/v2/models/{model}/infer"
     shape = [1, *images.shape[1:]]
     if kind == "json":
-        return path, [json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+        return path, [json.dumps({"inputs": [{"name": input_name, "shape": shape, "datatype": "FP32",
                                               "data": img.reshape(-1).tolist()}]}).encode() for img in images], {}
     out = []
     for img in images:
         raw = np.ascontiguousarray(img[None], dtype=np.float32).tobytes()
-        head = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+        head = json.dumps({"inputs": [{"name": input_name, "shape": shape, "datatype": "FP32",
                                        "parameters": {"binary_data_size": len(raw)}}],
                            "parameters": {"binary_data_output": True}}).encode()
         out.append(len(head).to_bytes(4, "little") + head + raw)  # the header length rides in front, split later
@@ -100,6 +103,55 @@ def _top1(kind: str, headers: dict[bytes, bytes], content: bytes) -> int:
         hl = int(headers[b"inference-header-content-length"])
         return int(np.frombuffer(content, np.float32, offset=hl).argmax())
     return int(np.argmax(json.loads(content)["outputs"][0]["data"]))
+
+
+# What a request's label is compared with: 'top1', the first output's largest entry (digits' class; the fast paths
+# read only that), or 'texts', a detect-then-read pipeline's strings for its image (every output decoded by name)
+ANSWERS = ("top1", "texts")
+_DTYPES: dict[str, Any] = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT8": np.int8,
+                           "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8,
+                           "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64, "BOOL": np.bool_}
+
+
+def texts(outputs: dict[str, np.ndarray]) -> list[str]:
+    """A detect-then-read pipeline's answer for one image, as its label is compared: the strings it read (the first
+    'count' rows of its [1, K, B] 'text', NUL-padded UTF-8)."""
+    count = int(outputs["count"].reshape(-1)[0])
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in outputs["text"][0, :count]]
+
+
+def _outputs_http(headers: dict[bytes, bytes], content: bytes) -> dict[str, np.ndarray]:
+    """An HTTP answer's outputs by name: the binary ones in order after its JSON header, the others from the JSON."""
+    hl = int(headers.get(b"inference-header-content-length", len(content)))
+    out: dict[str, np.ndarray] = {}
+    at = hl
+    for o in json.loads(content[:hl])["outputs"]:
+        dt = np.dtype(_DTYPES[o["datatype"]])
+        size = (o.get("parameters") or {}).get("binary_data_size")
+        if size is None:
+            out[o["name"]] = np.asarray(o["data"], dt).reshape(o["shape"])
+        else:
+            out[o["name"]] = np.frombuffer(content, dt, int(size) // dt.itemsize, at).reshape(o["shape"])
+            at += int(size)
+    return out
+
+
+def _outputs_grpc(r: Any) -> dict[str, np.ndarray]:
+    """A ModelInferResponse's outputs by name (raw_output_contents, in the outputs' order)."""
+    return {o.name: np.frombuffer(raw, _DTYPES[o.datatype]).reshape(list(o.shape))
+            for o, raw in zip(r.outputs, r.raw_output_contents, strict=True)}
+
+
+def _outputs_shm(doc: dict[str, Any], buf: Any, offsets: dict[str, int]) -> dict[str, np.ndarray]:
+    """A shared-memory answer's outputs by name: their shapes and types from its JSON ``doc``, their bytes copied out
+    of the region ``buf`` at ``offsets`` (where the request put each)."""
+    out = {}
+    for o in doc["outputs"]:
+        dt = np.dtype(_DTYPES[o["datatype"]])
+        at = offsets[o["name"]]
+        out[o["name"]] = np.frombuffer(bytes(buf[at:at + dt.itemsize * int(np.prod(o["shape"]))]),
+                                       dt).reshape(o["shape"])
+    return out
 
 
 async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
@@ -181,18 +233,21 @@ def _closed_loop_one(total: int, warmup: int, n_reqs: int, one: Callable[[int], 
             "load_cpu_s": time.process_time() - cpu0}
 
 
-async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
-                 warmup: int, timed: Callable[[], object] | None = None,
-                 shape: list[int] | None = None) -> dict[str, Any]:
-    """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks)."""
+async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[Any], clients: int, total: int,
+                 warmup: int, timed: Callable[[], object] | None = None, shape: list[int] | None = None,
+                 answer: str = "top1") -> dict[str, Any]:
+    """``timed``, if given, is called as the timed phase starts (the parent then reads the servers' CPU clocks).
+    ``answer``: of ANSWERS, what each answer's label is compared with."""
+    if answer not in ANSWERS or (answer != "top1" and kind in ("local", "local-inline", "naive")):
+        raise ValueError(f"answer {answer!r}: not read from {kind!r} answers")
     if kind in ("local", "local-inline"):
         return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed, shape)
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
     if kind in ("grpc", "shm") and clients == 1 and os.environ.get("EDGEFLEET_BENCH_ONE") != "async":
-        return _drive_one(host, port, kind, path, reqs, labels, total, warmup, timed)
+        return _drive_one(host, port, kind, path, reqs, labels, total, warmup, timed, shape, answer)
     if kind in ("grpc", "shm"):
-        return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed)
+        return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed, shape, answer)
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
     conns: list[list[Any]] = [[] for _ in range(clients)]
 
@@ -200,6 +255,8 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
         status, headers, content = await asyncio.wait_for(_post(conns[slot], host, port, prebuilt[i]), 60)
         if status != 200:
             return f"{status}: {content[:200]!r}", False
+        if answer == "texts":
+            return None, texts(_outputs_http(headers, content)) != labels[i]
         return None, _top1(kind, headers, content) != labels[i]
 
     try:
@@ -210,13 +267,14 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
                 c[1].close()
 
 
-async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[int],
-                       clients: int, total: int, warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[Any],
+                       clients: int, total: int, warmup: int, timed: Callable[[], object] | None,
+                       shape: list[int] | None = None, answer: str = "top1") -> dict[str, Any]:
     """The on-box clients: ``grpc`` (one grpc.aio channel, requests prebuilt) to the agent's gRPC port (``port`` is
-    then that port), or ``shm``: binary-free HTTP requests whose input and output live in one POSIX shared-memory
+    then that port), or ``shm``: binary-free HTTP requests whose input and outputs live in one POSIX shared-memory
     region this process registers (each client its own slice; it writes its image there before each request and
-    reads the logits back from it)."""
-    in_bytes, out_bytes = len(reqs[0]) if kind == "shm" else 0, 4096  # 4 KiB of outputs is plenty here
+    reads the outputs back from it)."""
+    in_bytes, out_bytes = len(reqs[0]) if kind == "shm" else 0, 4096  # 4 KiB an output is plenty here
     region: Any = None
     call: Callable[[int, int], Any]
     if kind == "grpc":
@@ -228,22 +286,26 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
         infer = channel.unary_unary(path, request_serializer=None,
                                     response_deserializer=service_pb2.ModelInferResponse.FromString)
 
-        async def call(slot: int, i: int) -> int:
+        async def call(slot: int, i: int) -> Any:
             r = await infer(reqs[i], timeout=60)
+            if answer == "texts":
+                return texts(_outputs_grpc(r))
             return int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax())
     else:
-        slot_bytes = in_bytes + out_bytes
-        region, prebuilt = _shm_setup(host, port, path, clients, in_bytes, out_bytes)
+        region, prebuilt, offsets = _shm_setup(host, port, path, clients, in_bytes, out_bytes, shape)
+        slot_bytes = in_bytes + out_bytes * len(offsets)
         conns: list[list[Any]] = [[] for _ in range(clients)]
         buf = region.buf
 
-        async def call(slot: int, i: int) -> int:
+        async def call(slot: int, i: int) -> Any:
             base = slot * slot_bytes
             buf[base:base + in_bytes] = reqs[i]
             status, _, content = await _post(conns[slot], host, port, _request(host, port, path, prebuilt[slot],
                                                                                "json"))
             if status != 200:
                 raise RuntimeError(f"{status}: {content[:200]!r}")
+            if answer == "texts":
+                return texts(_outputs_shm(json.loads(content), buf, {k: base + v for k, v in offsets.items()}))
             # the output's size from its shape (FP32): an HTTP answer describes a shared-memory output by no
             # parameters, as Triton's does (its C++ client reads output parameters as binary data)
             n = 4 * int(np.prod(json.loads(content)["outputs"][0]["shape"]))
@@ -252,8 +314,8 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
     async def one(slot: int, i: int) -> tuple[str | None, bool]:
         # gRPC's own deadline (timeout=60 above) times a call out: no task per request as asyncio.wait_for makes
         # (measured at one client: the generator's CPU per request is what parts it from perf_analyzer's rate)
-        top1 = await (call(slot, i) if kind == "grpc" else asyncio.wait_for(call(slot, i), 60))
-        return None, top1 != labels[i]
+        got = await (call(slot, i) if kind == "grpc" else asyncio.wait_for(call(slot, i), 60))
+        return None, got != labels[i]
 
     try:
         return await _closed_loop(clients, total, warmup, len(reqs), one, timed)
@@ -264,13 +326,18 @@ async def _drive_local(host: str, port: int, kind: str, path: str, reqs: list[by
             _shm_teardown(host, port, region)
 
 
-def _shm_setup(host: str, port: int, path: str, clients: int, in_bytes: int,
-               out_bytes: int) -> tuple[Any, list[bytes]]:
-    """The ``shm`` variant's region (each client a slice: its input, then ``out_bytes`` for its output), registered
-    with the agent, and each client's request header (JSON) naming its slice. -> (region, headers)."""
+def _shm_setup(host: str, port: int, path: str, clients: int, in_bytes: int, out_bytes: int,
+               shape: list[int] | None = None) -> tuple[Any, list[bytes], dict[str, int]]:
+    """The ``shm`` variant's region (each client a slice: its input, then ``out_bytes`` for each of the model's
+    outputs, in the metadata's order, as perf_analyzer asks for every output), registered with the agent, and each
+    client's request header (JSON) naming its slice. ``shape``: the input's, [1, ...] (default: the model's, its
+    open batch 1). -> (region, headers, each output's offset in a slice)."""
     from multiprocessing import shared_memory
 
-    slot_bytes = in_bytes + out_bytes
+    with urllib.request.urlopen(f"http://{host}:{port}{path.removesuffix('/infer')}", timeout=30) as r:
+        meta = json.loads(r.read())  # loopback: the agent under test
+    offsets = {o["name"]: in_bytes + k * out_bytes for k, o in enumerate(meta["outputs"])}
+    slot_bytes = in_bytes + out_bytes * len(offsets)
     key = f"edgefleet-bench-{os.getpid()}"
     region = shared_memory.SharedMemory(key, create=True, size=slot_bytes * clients)
     try:
@@ -279,23 +346,21 @@ def _shm_setup(host: str, port: int, path: str, clients: int, in_bytes: int,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:  # loopback: the agent under test; not 200 raises
             r.read()
-        with urllib.request.urlopen(f"http://{host}:{port}{path.removesuffix('/infer')}", timeout=30) as r:
-            meta = json.loads(r.read())  # loopback: the agent under test
     except BaseException as exc:
         region.close()
         region.unlink()
-        raise RuntimeError(f"registering the shared-memory region or reading the model's metadata: {exc}") from exc
-    shape = [1 if d == -1 else d for d in meta["inputs"][0]["shape"]]
+        raise RuntimeError(f"registering the shared-memory region: {exc}") from exc
+    shape = shape or [1 if d == -1 else d for d in meta["inputs"][0]["shape"]]
     heads = []
     for slot in range(clients):
         base = slot * slot_bytes
         heads.append(json.dumps({
             "inputs": [{"name": meta["inputs"][0]["name"], "shape": shape, "datatype": "FP32", "parameters": {
                 "shared_memory_region": key, "shared_memory_byte_size": in_bytes, "shared_memory_offset": base}}],
-            "outputs": [{"name": meta["outputs"][0]["name"], "parameters": {
+            "outputs": [{"name": name, "parameters": {
                 "shared_memory_region": key, "shared_memory_byte_size": out_bytes,
-                "shared_memory_offset": base + in_bytes}}]}).encode())
-    return region, heads
+                "shared_memory_offset": base + at}} for name, at in offsets.items()]}).encode())
+    return region, heads, offsets
 
 
 def _shm_teardown(host: str, port: int, region: Any) -> None:
@@ -308,8 +373,9 @@ def _shm_teardown(host: str, port: int, region: Any) -> None:
     region.unlink()
 
 
-def _drive_one(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[int], total: int,
-               warmup: int, timed: Callable[[], object] | None) -> dict[str, Any]:
+def _drive_one(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[Any], total: int,
+               warmup: int, timed: Callable[[], object] | None, shape: list[int] | None = None,
+               answer: str = "top1") -> dict[str, Any]:
     """One ``grpc`` or ``shm`` client, blocking, with no event loop. At one client the generator's CPU per request is
     on the latency path: grpc.aio cost ~210-260 us of CPU a request and the async shared-memory client ~136 us,
     against perf_analyzer's ~50 (bench/perf_analyzer_vs_serve.py --split-cpus 0:1). ``grpc``: bench/grpc_h2.py's
@@ -320,15 +386,21 @@ def _drive_one(host: str, port: int, kind: str, path: str, reqs: list[bytes], la
     A/B of the load generator itself: EDGEFLEET_BENCH_ONE=async drives one client with the asyncio path (as many
     clients), EDGEFLEET_BENCH_ONE=stub gRPC's with grpcio's synchronous stub."""
     if kind == "grpc":
-        return _drive_one_grpc(host, port, path, reqs, labels, total, warmup, timed)
-    return _drive_one_shm(host, port, path, reqs, labels, total, warmup, timed)
+        return _drive_one_grpc(host, port, path, reqs, labels, total, warmup, timed, answer)
+    return _drive_one_shm(host, port, path, reqs, labels, total, warmup, timed, shape, answer)
 
 
-def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: list[int], total: int, warmup: int,
-                    timed: Callable[[], object] | None) -> dict[str, Any]:
+def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: list[Any], total: int, warmup: int,
+                    timed: Callable[[], object] | None, answer: str = "top1") -> dict[str, Any]:
     from tritonclient.grpc import service_pb2  # type: ignore[import-untyped]
 
     parse = service_pb2.ModelInferResponse.FromString
+
+    def read(r: Any) -> Any:
+        if answer == "texts":
+            return texts(_outputs_grpc(r))
+        return int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax())
+
     if max(len(r) for r in reqs) + 5 <= 16384 and os.environ.get("EDGEFLEET_BENCH_ONE") != "stub":
         # one DATA frame within HTTP/2's default frame size and stream window
         from grpc_h2 import UnaryClient
@@ -337,8 +409,7 @@ def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: 
         prepared = [client.prepare(r) for r in reqs]
 
         def one(i: int) -> tuple[str | None, bool]:
-            r = parse(client.call(prepared[i]))
-            return None, int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax()) != labels[i]
+            return None, read(parse(client.call(prepared[i]))) != labels[i]
 
         try:
             return _closed_loop_one(total, warmup, len(reqs), one, timed)
@@ -352,8 +423,7 @@ def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: 
     infer = channel.unary_unary(path, request_serializer=None, response_deserializer=parse)
 
     def one_stub(i: int) -> tuple[str | None, bool]:
-        r = infer(reqs[i], timeout=60)
-        return None, int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax()) != labels[i]
+        return None, read(infer(reqs[i], timeout=60)) != labels[i]
 
     try:
         return _closed_loop_one(total, warmup, len(reqs), one_stub, timed)
@@ -361,12 +431,13 @@ def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: 
         channel.close()
 
 
-def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: list[int], total: int, warmup: int,
-                   timed: Callable[[], object] | None) -> dict[str, Any]:
+def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: list[Any], total: int, warmup: int,
+                   timed: Callable[[], object] | None, shape: list[int] | None = None,
+                   answer: str = "top1") -> dict[str, Any]:
     from grpc_h2 import connect
 
     in_bytes, out_bytes = len(reqs[0]), 4096
-    region, heads = _shm_setup(host, port, path, 1, in_bytes, out_bytes)
+    region, heads, offsets = _shm_setup(host, port, path, 1, in_bytes, out_bytes, shape)
     request = _request(host, port, path, heads[0], "json")
     buf = region.buf
     conn: list[socket.socket] = []  # the connection, opened again after a failed call
@@ -386,6 +457,8 @@ def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: l
             raise
         if status != 200:
             return f"{status}: {content[:200]!r}", False
+        if answer == "texts":
+            return None, texts(_outputs_shm(json.loads(content), buf, offsets)) != labels[i]
         n = sizes.get(content)  # the same answer every call: its output's size read once
         if n is None:  # from its shape (FP32), as in _drive_local
             n = sizes[content] = 4 * int(np.prod(json.loads(content)["outputs"][0]["shape"]))
@@ -484,9 +557,9 @@ def _load_worker(args: tuple, results: Any, cpus: frozenset[int] | None = None) 
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)  # --pin: the load generator off the inference CPUs
-        url, kind, path, reqs, labels, clients, total, warmup, shape = args
+        url, kind, path, reqs, labels, clients, total, warmup, shape, answer = args
         results.put(asyncio.run(_drive(url, kind, path, reqs, labels, clients, total, warmup,
-                                       timed=lambda: results.put({"timed": True}), shape=shape)))
+                                       timed=lambda: results.put({"timed": True}), shape=shape, answer=answer)))
     except BaseException as exc:
         results.put({"fatal": f"{type(exc).__name__}: {exc}"})
 
@@ -503,18 +576,21 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int, total: int,
+def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[Any], clients: int, total: int,
               warmup: int, timeout_s: float = 600, server_pid: int | None = None,
-              stats_url: str | None = None, shape: list[int] | None = None) -> dict[str, Any]:
+              stats_url: str | None = None, shape: list[int] | None = None, answer: str = "top1") -> dict[str, Any]:
     """One closed-loop level from a separate (spawned) load-generator process. With ``server_pid``, also where
     the machine's CPU went during the timed phase, in cores: the server's main (event-loop) thread, its other
     threads (inference), and the load generator. With ``stats_url`` (the agent's Triton statistics), the mean
     time its runtime took per batch-1 call during the timed phase: the raw call of that very run. ``shape``: the
-    ``local`` variant's input shape, [1, ...] (default: digits')."""
+    ``local`` and ``shm`` variants' input shape, [1, ...] (default: digits'; shm: the model's, its batch 1).
+    ``answer``: of ANSWERS, what each answer's label is compared with (``labels[i]`` for ``reqs[i]``: a class for
+    'top1', a list of strings for 'texts')."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    w = ctx.Process(target=_load_worker, args=((url, kind, path, reqs, labels, clients, total, warmup, shape), results,
-                                               serve_limit.PIN[1] if serve_limit.PIN else None), daemon=True)
+    w = ctx.Process(target=_load_worker, daemon=True,
+                    args=((url, kind, path, reqs, labels, clients, total, warmup, shape, answer), results,
+                          serve_limit.PIN[1] if serve_limit.PIN else None))
     w.start()
     before: dict[str, float] = {}
     try:
