@@ -154,15 +154,41 @@ def _outputs_shm(doc: dict[str, Any], buf: Any, offsets: dict[str, int]) -> dict
     return out
 
 
+class _Tally:
+    """What a closed loop's timed requests came to: latencies of the good ones, errors (the first one kept), wrong
+    answers; and the generator's own CPU and wall time over the timed phase."""
+
+    def __init__(self) -> None:
+        self.lat: list[float] = []
+        self.bad = {"errors": 0, "wrong": 0}
+        self.first_error: str | None = None
+        self.cpu0 = self.t0 = 0.0
+
+    def add(self, t0: float, err: str | None, wrong: bool) -> None:
+        if err is None:
+            self.lat.append(time.perf_counter() - t0)
+            self.bad["wrong"] += wrong
+        else:
+            self.bad["errors"] += 1
+            self.first_error = self.first_error or err[:300]
+
+    def start(self, timed: Callable[[], object] | None) -> None:
+        if timed is not None:
+            timed()
+        self.cpu0, self.t0 = time.process_time(), time.perf_counter()
+
+    def result(self) -> dict[str, Any]:
+        return {"wall": time.perf_counter() - self.t0, "latencies": self.lat, **self.bad,
+                "first_error": self.first_error, "load_cpu_s": time.process_time() - self.cpu0}
+
+
 async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
                        one: Callable[[int, int], Awaitable[tuple[str | None, bool]]],
                        timed: Callable[[], object] | None) -> dict[str, Any]:
     """Closed-loop load: each of ``clients`` sends ``warmup`` untimed requests, then its share of ``total`` timed
     ones, one at a time. ``one(slot, i)`` sends request ``i`` for client ``slot`` and returns (the error, or None;
     whether the answer's top-1 is wrong). ``timed``, if given, is called as the timed phase starts."""
-    lat: list[float] = []
-    bad = {"errors": 0, "wrong": 0}
-    first_error: list[str] = []
+    tally = _Tally()
 
     async def client(slot: int, n: int, record: bool) -> None:
         i = (slot * 7919) % n_reqs
@@ -172,65 +198,33 @@ async def _closed_loop(clients: int, total: int, warmup: int, n_reqs: int,
                 err, wrong = await one(slot, i)
             except Exception as exc:
                 err, wrong = repr(exc), False
-            dt = time.perf_counter() - t0
             if record:
-                if err is None:
-                    lat.append(dt)
-                    bad["wrong"] += wrong
-                else:
-                    bad["errors"] += 1
-                    if not first_error:
-                        first_error.append(err[:300])
+                tally.add(t0, err, wrong)
             i = (i + 1) % n_reqs
 
     await asyncio.gather(*(client(k, warmup, False) for k in range(clients)))
-    per = max(1, total // clients)
-    if timed is not None:
-        timed()
-    cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(k, per, True) for k in range(clients)))
-    wall = time.perf_counter() - t0
-    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
-            "load_cpu_s": time.process_time() - cpu0}
+    tally.start(timed)
+    await asyncio.gather(*(client(k, max(1, total // clients), True) for k in range(clients)))
+    return tally.result()
 
 
 def _closed_loop_one(total: int, warmup: int, n_reqs: int, one: Callable[[int], tuple[str | None, bool]],
                      timed: Callable[[], object] | None) -> dict[str, Any]:
     """_closed_loop for one client, blocking: ``one(i)`` sends request ``i`` and waits for its answer, no event loop
     in between (at one client the generator's CPU per request is on the latency path)."""
-    lat: list[float] = []
-    bad = {"errors": 0, "wrong": 0}
-    first_error: list[str] = []
-
-    def client(n: int, record: bool) -> None:
-        i = 0
-        for _ in range(n):
+    tally = _Tally()
+    for record, n in ((False, warmup), (True, total)):
+        if record:
+            tally.start(timed)
+        for k in range(n):
             t0 = time.perf_counter()
             try:
-                err, wrong = one(i)
+                err, wrong = one(k % n_reqs)
             except Exception as exc:
                 err, wrong = repr(exc), False
-            dt = time.perf_counter() - t0
             if record:
-                if err is None:
-                    lat.append(dt)
-                    bad["wrong"] += wrong
-                else:
-                    bad["errors"] += 1
-                    if not first_error:
-                        first_error.append(err[:300])
-            i = (i + 1) % n_reqs
-
-    client(warmup, False)
-    if timed is not None:
-        timed()
-    cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    client(total, True)
-    wall = time.perf_counter() - t0
-    return {"wall": wall, "latencies": lat, **bad, "first_error": first_error[0] if first_error else None,
-            "load_cpu_s": time.process_time() - cpu0}
+                tally.add(t0, err, wrong)
+    return tally.result()
 
 
 async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list[Any], clients: int, total: int,
