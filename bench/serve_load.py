@@ -238,8 +238,10 @@ async def _drive(url: str, kind: str, path: str, reqs: list[bytes], labels: list
         return await _drive_socket(url, kind, path, reqs, labels, clients, total, warmup, timed, shape)
     host, port_s = url.removeprefix("http://").rsplit(":", 1)
     port = int(port_s)
-    if kind in ("grpc", "shm") and clients == 1 and os.environ.get("EDGEFLEET_BENCH_ONE") != "async":
-        return _drive_one(host, port, kind, path, reqs, labels, total, warmup, timed, shape, answer)
+    if clients == 1 and os.environ.get("EDGEFLEET_BENCH_ONE") != "async":
+        from serve_one import drive_one  # here: serve_one builds on this module
+
+        return drive_one(host, port, kind, path, reqs, labels, total, warmup, timed, shape, answer)
     if kind in ("grpc", "shm"):
         return await _drive_local(host, port, kind, path, reqs, labels, clients, total, warmup, timed, shape, answer)
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
@@ -365,128 +367,6 @@ def _shm_teardown(host: str, port: int, region: Any) -> None:
             r.read()
     region.close()
     region.unlink()
-
-
-def _drive_one(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[Any], total: int,
-               warmup: int, timed: Callable[[], object] | None, shape: list[int] | None = None,
-               answer: str = "top1") -> dict[str, Any]:
-    """One ``grpc`` or ``shm`` client, blocking, with no event loop. At one client the generator's CPU per request is
-    on the latency path: grpc.aio cost ~210-260 us of CPU a request and the async shared-memory client ~136 us,
-    against perf_analyzer's ~50 (bench/perf_analyzer_vs_serve.py --split-cpus 0:1). ``grpc``: bench/grpc_h2.py's
-    HTTP/2 client, each call's frames prebuilt (grpcio's synchronous stub, ~150-200 us a call, where a request is
-    over one HTTP/2 frame); ``shm``: one TCP connection and the whole HTTP request built once (per call the image
-    is written into the region, the request sent, the answer read).
-
-    A/B of the load generator itself: EDGEFLEET_BENCH_ONE=async drives one client with the asyncio path (as many
-    clients), EDGEFLEET_BENCH_ONE=stub gRPC's with grpcio's synchronous stub."""
-    if kind == "grpc":
-        return _drive_one_grpc(host, port, path, reqs, labels, total, warmup, timed, answer)
-    return _drive_one_shm(host, port, path, reqs, labels, total, warmup, timed, shape, answer)
-
-
-def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: list[Any], total: int, warmup: int,
-                    timed: Callable[[], object] | None, answer: str = "top1") -> dict[str, Any]:
-    from tritonclient.grpc import service_pb2  # type: ignore[import-untyped]
-
-    parse = service_pb2.ModelInferResponse.FromString
-
-    def read(r: Any) -> Any:
-        if answer == "texts":
-            return texts(_outputs_grpc(r))
-        return int(np.frombuffer(r.raw_output_contents[0], np.float32).argmax())
-
-    if max(len(r) for r in reqs) + 5 <= 16384 and os.environ.get("EDGEFLEET_BENCH_ONE") != "stub":
-        # one DATA frame within HTTP/2's default frame size and stream window
-        from grpc_h2 import UnaryClient
-
-        client = UnaryClient(host, port, path, timeout_s=60)
-        prepared = [client.prepare(r) for r in reqs]
-
-        def one(i: int) -> tuple[str | None, bool]:
-            return None, read(parse(client.call(prepared[i]))) != labels[i]
-
-        try:
-            return _closed_loop_one(total, warmup, len(reqs), one, timed)
-        finally:
-            client.close()
-
-    import grpc  # type: ignore[import-untyped]
-
-    channel = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.max_receive_message_length", 1 << 26),
-                                                               ("grpc.max_send_message_length", 1 << 26)])
-    infer = channel.unary_unary(path, request_serializer=None, response_deserializer=parse)
-
-    def one_stub(i: int) -> tuple[str | None, bool]:
-        return None, read(infer(reqs[i], timeout=60)) != labels[i]
-
-    try:
-        return _closed_loop_one(total, warmup, len(reqs), one_stub, timed)
-    finally:
-        channel.close()
-
-
-def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: list[Any], total: int, warmup: int,
-                   timed: Callable[[], object] | None, shape: list[int] | None = None,
-                   answer: str = "top1") -> dict[str, Any]:
-    from grpc_h2 import connect
-
-    in_bytes, out_bytes = len(reqs[0]), 4096
-    region, heads, offsets = _shm_setup(host, port, path, 1, in_bytes, out_bytes, shape)
-    request = _request(host, port, path, heads[0], "json")
-    buf = region.buf
-    conn: list[socket.socket] = []  # the connection, opened again after a failed call
-    pending = bytearray()
-    sizes: dict[bytes, int] = {}
-
-    def one(i: int) -> tuple[str | None, bool]:
-        if not conn:
-            conn.append(connect(host, port, 60))
-            pending.clear()
-        buf[:in_bytes] = reqs[i]
-        try:
-            conn[0].sendall(request)
-            status, content = _read_answer(conn[0], pending)
-        except BaseException:
-            conn.pop().close()
-            raise
-        if status != 200:
-            return f"{status}: {content[:200]!r}", False
-        if answer == "texts":
-            return None, texts(_outputs_shm(json.loads(content), buf, offsets)) != labels[i]
-        n = sizes.get(content)  # the same answer every call: its output's size read once
-        if n is None:  # from its shape (FP32), as in _drive_local
-            n = sizes[content] = 4 * int(np.prod(json.loads(content)["outputs"][0]["shape"]))
-        return None, int(np.frombuffer(buf[in_bytes:in_bytes + n], np.float32).argmax()) != labels[i]
-
-    try:
-        return _closed_loop_one(total, warmup, len(reqs), one, timed)
-    finally:
-        for c in conn:
-            c.close()
-        _shm_teardown(host, port, region)
-
-
-def _read_answer(sock: socket.socket, pending: bytearray) -> tuple[int, bytes]:
-    """One HTTP/1.1 answer from a blocking socket (its body sized by Content-Length) -> (status, body); ``pending``
-    holds bytes read past it."""
-    while (end := pending.find(b"\r\n\r\n")) < 0:
-        got = sock.recv(65536)
-        if not got:
-            raise ConnectionError("the agent closed the connection")
-        pending += got
-    head = bytes(pending[:end]).lower()
-    at = head.index(b"\r\ncontent-length:") + 17
-    stop = head.find(b"\r\n", at)
-    size = int(head[at:stop if stop >= 0 else len(head)])
-    start = end + 4
-    while len(pending) < start + size:
-        got = sock.recv(65536)
-        if not got:
-            raise ConnectionError("the agent closed the connection")
-        pending += got
-    body = bytes(pending[start:start + size])
-    del pending[:start + size]
-    return int(head[9:12]), body
 
 
 async def _drive_socket(sock_path: str, kind: str, path: str, reqs: list[bytes], labels: list[int], clients: int,

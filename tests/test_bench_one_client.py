@@ -1,7 +1,7 @@
 """bench/serve_load.py's one-client path (issue 41: at one client the load generator's CPU per request is on the
-latency path, so it drives gRPC and shared memory blocking, with no event loop): bench/grpc_h2.py's HTTP/2 gRPC
+latency path, so it drives HTTP, gRPC and shared memory blocking, with no event loop: bench/serve_one.py): bench/grpc_h2.py's HTTP/2 gRPC
 client against the agent's gRPC port, answer for answer against tritonclient's, its errors as gRPC statuses, and
-serve_load's one-client levels (gRPC, system shared memory) counting every answer right and wrong as the asyncio
+serve_load's one-client levels (gRPC, system shared memory, HTTP binary and JSON) counting every answer right and wrong as the asyncio
 path does. The figures are not checked (bench/perf_analyzer_vs_serve.py measures them)."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ from serve_load import bodies, run_level
 http, grpc_port, labels = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 images = np.load("models/digits/test.npz")["input"][:len(labels)]
 out = {}
-for kind, url in (("grpc", f"http://127.0.0.1:{grpc_port}"), ("shm", http)):
+for kind, url in (("grpc", f"http://127.0.0.1:{grpc_port}"), ("shm", http), ("binary", http), ("json", http)):
     path, reqs, _ = bodies(kind, "digits", images)
     for name, lab in (("right", labels), ("shifted", [(v + 1) % 10 for v in labels])):
         r = run_level(url, kind, path, reqs, lab, 1, 40, 2, timeout_s=120)
@@ -115,6 +115,6 @@ def test_one_client_levels_count_every_answer(agent, test_images):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    for kind in ("grpc", "shm"):
+    for kind in ("grpc", "shm", "binary", "json"):
         assert got[f"{kind} right"] == {"requests": 40, "errors": 0, "wrong": 0, "first_error": None}, got
         assert got[f"{kind} shifted"] == {"requests": 40, "errors": 0, "wrong": 40, "first_error": None}, got
