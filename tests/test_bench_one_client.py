@@ -1,8 +1,9 @@
 """bench/serve_load.py's one-client path (issue 41: at one client the load generator's CPU per request is on the
-latency path, so it drives HTTP, gRPC and shared memory blocking, with no event loop: bench/serve_one.py): bench/grpc_h2.py's HTTP/2 gRPC
-client against the agent's gRPC port, answer for answer against tritonclient's, its errors as gRPC statuses, and
-serve_load's one-client levels (gRPC, system shared memory, HTTP binary and JSON) counting every answer right and wrong as the asyncio
-path does. The figures are not checked (bench/perf_analyzer_vs_serve.py measures them)."""
+latency path, so it drives HTTP, gRPC and shared memory blocking, with no event loop: bench/serve_one.py):
+bench/grpc_h2.py's HTTP/2 gRPC client against the agent's gRPC port, answer for answer against tritonclient's, its
+errors as gRPC statuses, and serve_load's one-client levels (gRPC, system shared memory, HTTP binary and JSON)
+counting every answer right and wrong as the asyncio path does. The figures are not checked
+(bench/perf_analyzer_vs_serve.py measures them)."""
 
 from __future__ import annotations
 
