@@ -90,6 +90,38 @@ def bound(curve: Curve, instances: int, clients: int) -> float:
     return min(curve.best()[0], best[clients])
 
 
+def _cores(v: float | None) -> str:
+    return "not measured" if v is None else f"{v:.2f} cores"
+
+
+def _level_pa(url: str, clients: int, seconds: float, stats_url: str, pid: int | None) -> dict[str, Any]:
+    """One level driven by Triton's perf_analyzer (``--sim-client perf_analyzer``): its rate and latencies (three
+    windows of ``seconds``, zeros as input), the runtime's busy time and batches from the agent's statistics over
+    perf_analyzer's whole run, as the agent's threads' CPU. Its answers are not checked (perf_analyzer reads none)."""
+    import subprocess
+
+    from perf_analyzer_vs_serve import run_pa
+    from serve_load import _batches, _thread_cpu_s
+
+    pa = subprocess.run(["bash", str(Path(__file__).resolve().parent / "perf_analyzer.sh")], capture_output=True,
+                        text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
+    before, threads, t0 = _batches(stats_url), _thread_cpu_s(pid) if pid else {}, time.monotonic()
+    got = run_pa(pa, MODEL, url.removeprefix("http://"), ("-i", "http"), clients, int(seconds * 1000), 1000,
+                 ("--input-data", "zero"))
+    wall, after = time.monotonic() - t0, _batches(stats_url)
+    used = {t: v - threads.get(t, 0.0) for t, v in (_thread_cpu_s(pid) if pid else {}).items()}
+    if "error" in got:
+        raise RuntimeError(f"perf_analyzer: {got['error']}")
+    formed = {b: (c - before.get(b, (0, 0))[0], ns - before.get(b, (0, 0))[1]) for b, (c, ns) in after.items()}
+    formed = {b: v for b, v in formed.items() if v[0] > 0}
+    return {"requests": None, "req_per_s": got["req_per_s"], "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
+            "errors": 0, "wrong": None, "batches_formed": {b: c for b, (c, _) in sorted(formed.items())},
+            "runtime_busy": sum(ns for _, ns in formed.values()) / 1e9 / wall if wall > 0 else 0.0,
+            "load_cores": (got["client_us_per_req"] or 0) * got["req_per_s"] / 1e6,
+            "server_main_cores": used.get(str(pid), 0.0) / wall if pid and wall > 0 else None,
+            "server_other_cores": sum(v for t, v in used.items() if t != str(pid)) / wall if pid and wall > 0 else None}
+
+
 def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, cores: int) -> dict[str, Any]:
     """One simulated box: the agent started on it, its choice read back, every client level run."""
     curve = sim_curve(args.simulate, model, cores, args.time_scale)
@@ -116,9 +148,12 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
         for clients in args.clients:
             total = int(min(40000, max(400, args.sim_seconds * bound(curve, instances, clients))))
             load0 = _load()
-            r = run_level(agent.url, "binary", path, reqs, labels, clients, total, args.warmup,
-                          server_pid=agent.proc.pid if agent.proc else None,
-                          stats_url=f"{agent.url}/v2/models/{MODEL}/stats")
+            stats_url = f"{agent.url}/v2/models/{MODEL}/stats"
+            if getattr(args, "sim_client", "serve_load") == "perf_analyzer":
+                r = _level_pa(agent.url, clients, args.sim_seconds, stats_url, agent.proc.pid if agent.proc else None)
+            else:
+                r = run_level(agent.url, "binary", path, reqs, labels, clients, total, args.warmup,
+                              server_pid=agent.proc.pid if agent.proc else None, stats_url=stats_url)
             b = bound(curve, instances, clients)
             row = {"clients": clients, "requests": r["requests"], "req_per_s": r["req_per_s"],
                    "vs_limit": r["req_per_s"] / limit, "bound": b, "vs_bound": r["req_per_s"] / b,
@@ -134,9 +169,9 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
             rows.append(row)
             say(f"  {name} {clients:>3} clients: {row['req_per_s']:8.1f} req/s = {row['vs_limit']:.1%} of the limit, "
                 f"{row['vs_bound']:.1%} of the bound; busy {row['busy_share']:.1%}; batches {row['batches']} "
-                f"(mean {row['mean_batch']:.2f}); loop {row['loop_cores'] or 0:.2f} cores; generator "
+                f"(mean {row['mean_batch']:.2f}); loop {_cores(row['loop_cores'])}; generator "
                 f"{row['load_cores']:.2f} cores ({row['gen_us_per_req']:.0f} us a request); load {row['loadavg']}; "
-                f"errors {row['errors']} wrong {row['wrong']}")
+                f"errors {row['errors']} wrong {'not read' if row['wrong'] is None else row['wrong']}")
     chosen_best = curve.layout_best(instances)
     return {"model": model, "cores": cores, "curve": curve.label, "limit": limit, "best_layout": best_layout,
             "best_batch": best_batch, "chosen_layout": chosen, "chosen_layout_best": chosen_best,
