@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import say
 from serve import prepare
 from serve_bench import AgentProcess, _free_port
-from serve_load import bodies, run_level
+from serve_load import _phases, bodies, run_level
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOLS = {"http": ("binary", ("-i", "http")), "grpc": ("grpc", ("-i", "grpc")),
@@ -153,7 +153,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """The rows, perf_analyzer beside serve.py (throughput, its ratio, p50 and p99 in ms)."""
     print(f"{'clients':>7} {'protocol':>8} {'perf_analyzer/s':>16} {'serve.py/s':>11} {'ratio':>6} "
           f"{'pa p50 ms':>9} {'serve p50 ms':>12} {'pa p99 ms':>9} {'serve p99 ms':>12} "
-          f"{'client CPU us/req pa / serve':>29}")
+          f"{'client CPU us/req pa / serve':>29} {'agent us/req pa / serve':>24}")
     for r in rows:
         a, s = r["pa"], r["serve"]
         if "error" in a:
@@ -161,7 +161,23 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         print(f"{r['clients']:>7} {r['protocol']:>8} {_rate(a['req_per_s']):>16} {_rate(s['req_per_s']):>11} "
               f"{r['pa_vs_serve']:>6.2f} {a['p50_ms']:>9.2f} {s['p50_ms']:>12.2f} {a['p99_ms']:>9.2f} "
-              f"{s['p99_ms']:>12.2f} {_us(a.get('client_us_per_req')):>14} / {_us(s.get('client_us_per_req')):<12}")
+              f"{s['p99_ms']:>12.2f} {_us(a.get('client_us_per_req')):>14} / {_us(s.get('client_us_per_req')):<12} "
+              f"{_us(a.get('agent_us_per_req')):>11} / {_us(s.get('agent_us_per_req')):<10}")
+
+
+def _served(stats_url: str) -> tuple[int, int] | None:
+    """(requests the agent answered, their nanoseconds from arrival to answer) so far: its Triton statistics."""
+    try:
+        return _phases(stats_url)["success"]
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+
+
+def _agent_us(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The agent's own time per request over a generator's run (warm-up included): what each tool was served."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0]) / 1e3
 
 
 def _rate(v: float) -> str:  # a pipeline's few pages a second keep two decimals
@@ -210,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if split is not None:  # perf_analyzer and serve.py's spawned generator inherit the clients' CPUs
             os.sched_setaffinity(0, split[1])
         host = agent.url.removeprefix("http://")
+        stats_url = f"{agent.url}/v2/models/{m['model']}/stats"
         # what both send: digits' test images (perf_analyzer its random data), or the pipeline's one page
         load: dict[str, Any] = {"images": m.get("images"), "labels": m.get("labels"), "input_name": "input",
                                 "shape": None, "pa_args": (), "answer": "top1"}
@@ -223,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 got: dict[str, Any] = {}
                 order = ("serve", "pa") if (clients + i) % 2 == 0 else ("pa", "serve")
                 for who in order:
+                    seen = _served(stats_url)
                     if who == "pa":
                         got["pa"] = run_pa(pa, m["model"], pa_url, pa_args, clients, args.measurement_interval,
                                            args.stability_percentage, load["pa_args"])
@@ -235,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{r['requests'] + r['errors']} (first error: {r['first_error']})")
                         got["serve"] = {k: r[k] for k in ("req_per_s", "p50_ms", "p99_ms", "errors", "wrong")}
                         got["serve"]["client_us_per_req"] = 1e6 * r["load_cores"] / r["req_per_s"]
+                    got[who]["agent_us_per_req"] = _agent_us(seen, _served(stats_url))
                 row = {"model": m["model"], "clients": clients, "protocol": proto, "first": order[0], **got}
                 if "req_per_s" in got["pa"]:
                     row["pa_vs_serve"] = got["pa"]["req_per_s"] / got["serve"]["req_per_s"]
