@@ -549,7 +549,8 @@ async def _receive_body(receive: Receive, declared: str | None, limit: int, budg
     ``align_at`` is ``ALIGN``-aligned (-> a memoryview); otherwise -> bytes."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    if align_at is not None and declared is not None and declared.isdigit() and 0 <= align_at <= int(declared):
+    # (a JSON header with no binary after it, as Triton's clients send shared-memory requests: plain bytes, no copy)
+    if align_at is not None and declared is not None and declared.isdigit() and 0 <= align_at < int(declared):
         return await _receive_aligned(receive, int(declared), align_at, budget, held)
     chunks, size = [], 0
     async for chunk in _body_chunks(receive):

@@ -69,7 +69,8 @@ def parse_body(body: bytes | memoryview, header_length: str | None, specs: tuple
             raise RequestError(f"Inference-Header-Content-Length says the JSON header is {hl} bytes; the body has "
                                f"only {len(body)}")
         binary = memoryview(body)[hl:]
-        text: bytes | memoryview = memoryview(body)[:hl]
+        # a header with nothing after it (Triton's clients frame shared-memory requests so): parsed as it is
+        text: bytes | memoryview = body if hl == len(body) else memoryview(body)[:hl]
     else:
         text = body
     try:
