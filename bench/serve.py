@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--sim-seconds", type=float, default=3.0, help="about this long per level")
     sim.add_argument("--time-scale", type=float, default=1.0, help="every simulated call takes this many times "
                                                                    "its curve time (the limit divides by it)")
+    sim.add_argument("--sim-delay-us", type=int, default=0,
+                     help="the agent's --max-queue-delay-us on the simulated boxes (its default: 0)")
     sim.add_argument("--sim-client", choices=("serve_load", "perf_analyzer"), default="serve_load",
                      help="the load generator: serve_load's (Python, every answer checked) or Triton's perf_analyzer "
                           "(C++, about 50 us of CPU a request; bench/perf_analyzer.sh fetches it)")

@@ -133,8 +133,8 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
     path, reqs, _ = bodies("binary", MODEL, images)
     say(f"{name}: {curve.label}; limit {limit:.1f} img/s ({best_layout} at batch {best_batch})")
     t0 = time.monotonic()
-    with AgentProcess(data_dir, work / "logs" / f"{name}.log", 0, None, None, 300, instances=None,
-                      extra_args=("-v",), env=simulation_env(curve)) as agent:
+    with AgentProcess(data_dir, work / "logs" / f"{name}.log", getattr(args, "sim_delay_us", 0), None, None, 300,
+                      instances=None, extra_args=("-v",), env=simulation_env(curve)) as agent:
         started_s = time.monotonic() - t0
         cfg = _config(agent.url)
         tuning = cfg.get("batch_tuning") or {}
