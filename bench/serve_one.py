@@ -50,22 +50,11 @@ def drive_one(host: str, port: int, kind: str, path: str, reqs: list[bytes], lab
 
 def _drive_one_http(host: str, port: int, kind: str, path: str, reqs: list[bytes], labels: list[Any], total: int,
                     warmup: int, timed: Callable[[], object] | None, answer: str = "top1") -> dict[str, Any]:
-    from grpc_h2 import connect
-
     prebuilt = [_request(host, port, path, b, kind) for b in reqs]
-    conn: list[socket.socket] = []  # the connection, opened again after a failed call
-    pending = bytearray()
+    conn = _Http(host, port)
 
     def one(i: int) -> tuple[str | None, bool]:
-        if not conn:
-            conn.append(connect(host, port, 60))
-            pending.clear()
-        try:
-            conn[0].sendall(prebuilt[i])
-            status, content, head = _read_answer(conn[0], pending)
-        except BaseException:
-            conn.pop().close()
-            raise
+        status, content, head = conn.exchange(prebuilt[i])
         if status != 200:
             return f"{status}: {content[:200]!r}", False
         headers = {b"inference-header-content-length": _header(head, b"inference-header-content-length")}
@@ -76,8 +65,7 @@ def _drive_one_http(host: str, port: int, kind: str, path: str, reqs: list[bytes
     try:
         return _closed_loop_one(total, warmup, len(reqs), one, timed)
     finally:
-        for c in conn:
-            c.close()
+        conn.close()
 
 
 def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: list[Any], total: int, warmup: int,
@@ -124,27 +112,17 @@ def _drive_one_grpc(host: str, port: int, path: str, reqs: list[bytes], labels: 
 def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: list[Any], total: int, warmup: int,
                    timed: Callable[[], object] | None, shape: list[int] | None = None,
                    answer: str = "top1") -> dict[str, Any]:
-    from grpc_h2 import connect
 
     in_bytes, out_bytes = len(reqs[0]), 4096
     region, heads, offsets = _shm_setup(host, port, path, 1, in_bytes, out_bytes, shape)
     request = _request(host, port, path, heads[0], "json")
     buf = region.buf
-    conn: list[socket.socket] = []  # the connection, opened again after a failed call
-    pending = bytearray()
+    conn = _Http(host, port)
     sizes: dict[bytes, int] = {}
 
     def one(i: int) -> tuple[str | None, bool]:
-        if not conn:
-            conn.append(connect(host, port, 60))
-            pending.clear()
         buf[:in_bytes] = reqs[i]
-        try:
-            conn[0].sendall(request)
-            status, content, _ = _read_answer(conn[0], pending)
-        except BaseException:
-            conn.pop().close()
-            raise
+        status, content, _ = conn.exchange(request)
         if status != 200:
             return f"{status}: {content[:200]!r}", False
         if answer == "texts":
@@ -157,8 +135,7 @@ def _drive_one_shm(host: str, port: int, path: str, reqs: list[bytes], labels: l
     try:
         return _closed_loop_one(total, warmup, len(reqs), one, timed)
     finally:
-        for c in conn:
-            c.close()
+        conn.close()
         _shm_teardown(host, port, region)
 
 
@@ -170,6 +147,34 @@ def _header(head: bytes, name: bytes) -> bytes:
     at += len(name) + 3
     stop = head.find(b"\r\n", at)
     return head[at:stop if stop >= 0 else len(head)].strip()
+
+
+class _Http:
+    """One blocking HTTP/1.1 connection to the agent, opened again after a failed exchange."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.sock: socket.socket | None = None
+        self.pending = bytearray()
+
+    def exchange(self, request: bytes) -> tuple[int, bytes, bytes]:
+        """Send ``request`` and read its answer -> (status, body, head lowercased)."""
+        from grpc_h2 import connect
+
+        if self.sock is None:
+            self.sock = connect(self.host, self.port, 60)
+            self.pending.clear()
+        try:
+            self.sock.sendall(request)
+            return _read_answer(self.sock, self.pending)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 def _read_answer(sock: socket.socket, pending: bytearray) -> tuple[int, bytes, bytes]:
