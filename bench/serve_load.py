@@ -495,19 +495,12 @@ def run_level(url: str, kind: str, path: str, reqs: list[bytes], labels: list[An
            "p99_ms": float(np.percentile(lat, 99)) if n else float("nan"),
            "load_cores": out["load_cpu_s"] / out["wall"] if out["wall"] > 0 else float("nan")}
     if server_pid is not None and out["wall"] > 0:
-        after = _thread_cpu_s(server_pid)
-        main = str(server_pid)
-        used = {t: after[t] - before.get(t, 0.0) for t in after}
-        res["server_main_cores"] = used.get(main, 0.0) / out["wall"]
-        res["server_other_cores"] = sum(v for t, v in used.items() if t != main) / out["wall"]
+        res["server_main_cores"], res["server_other_cores"] = thread_cores(server_pid, before, out["wall"])
     if stats_url is not None:
         (n1, ns1), (n0, ns0) = _batch1_compute(stats_url), b1_before
         res["compute_b1_ms"] = (ns1 - ns0) / (n1 - n0) / 1e6 if n1 > n0 else float("nan")
         # the batches the agent formed in the timed phase, and the share of it its runtime was running one
-        sizes_after = _batches(stats_url)
-        formed = {b: (c - sizes_before.get(b, (0, 0))[0], ns - sizes_before.get(b, (0, 0))[1])
-                  for b, (c, ns) in sizes_after.items()}
-        formed = {b: v for b, v in formed.items() if v[0] > 0}
+        formed = batches_since(stats_url, sizes_before)
         res["batches_formed"] = {b: c for b, (c, _) in sorted(formed.items())}
         # images per second of the agent's runtime while it ran a batch: against the bare limit, what its calls cost
         ran_s = sum(ns for _, ns in formed.values()) / 1e9
@@ -535,6 +528,20 @@ def _batches(stats_url: str) -> dict[int, tuple[int, int]]:
         doc = json.loads(r.read())
     return {int(b["batch_size"]): (int(b["compute_infer"]["count"]), int(b["compute_infer"]["ns"]))
             for b in doc["model_stats"][0]["batch_stats"]}
+
+
+def batches_since(stats_url: str, before: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """batch size -> (batches run, nanoseconds in the runtime) since ``before`` (a _batches reading)."""
+    formed = {b: (c - before.get(b, (0, 0))[0], ns - before.get(b, (0, 0))[1])
+              for b, (c, ns) in _batches(stats_url).items()}
+    return {b: v for b, v in formed.items() if v[0] > 0}
+
+
+def thread_cores(pid: int, before: dict[str, float], wall: float) -> tuple[float, float]:
+    """(the main thread's cores, the other threads' cores) of process ``pid`` over ``wall`` seconds since
+    ``before`` (a _thread_cpu_s reading)."""
+    used = {t: v - before.get(t, 0.0) for t, v in _thread_cpu_s(pid).items()}
+    return used.get(str(pid), 0.0) / wall, sum(v for t, v in used.items() if t != str(pid)) / wall
 
 
 def _batch1_compute(stats_url: str) -> tuple[int, int]:

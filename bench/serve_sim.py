@@ -94,32 +94,27 @@ def _cores(v: float | None) -> str:
     return "not measured" if v is None else f"{v:.2f} cores"
 
 
-def _level_pa(url: str, clients: int, seconds: float, stats_url: str, pid: int | None) -> dict[str, Any]:
-    """One level driven by Triton's perf_analyzer (``--sim-client perf_analyzer``): its rate and latencies (three
-    windows of ``seconds``, zeros as input), the runtime's busy time and batches from the agent's statistics over
-    perf_analyzer's whole run, as the agent's threads' CPU. Its answers are not checked (perf_analyzer reads none)."""
-    import subprocess
-
+def _level_pa(pa: str, url: str, clients: int, seconds: float, stats_url: str, pid: int | None) -> dict[str, Any]:
+    """One level driven by Triton's perf_analyzer (``--sim-client perf_analyzer``; ``pa`` its path): its rate and
+    latencies (three windows of ``seconds``, zeros as input), the runtime's busy time and batches from the agent's
+    statistics over perf_analyzer's whole run, as the agent's threads' CPU. Its answers are not checked
+    (perf_analyzer reads none)."""
     from perf_analyzer_vs_serve import run_pa
-    from serve_load import _batches, _thread_cpu_s
+    from serve_load import _batches, _thread_cpu_s, batches_since, thread_cores
 
-    pa = subprocess.run(["bash", str(Path(__file__).resolve().parent / "perf_analyzer.sh")], capture_output=True,
-                        text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
     before, threads, t0 = _batches(stats_url), _thread_cpu_s(pid) if pid else {}, time.monotonic()
     got = run_pa(pa, MODEL, url.removeprefix("http://"), ("-i", "http"), clients, int(seconds * 1000), 1000,
                  ("--input-data", "zero"))
-    wall, after = time.monotonic() - t0, _batches(stats_url)
-    used = {t: v - threads.get(t, 0.0) for t, v in (_thread_cpu_s(pid) if pid else {}).items()}
+    wall = time.monotonic() - t0
     if "error" in got:
         raise RuntimeError(f"perf_analyzer: {got['error']}")
-    formed = {b: (c - before.get(b, (0, 0))[0], ns - before.get(b, (0, 0))[1]) for b, (c, ns) in after.items()}
-    formed = {b: v for b, v in formed.items() if v[0] > 0}
+    formed = batches_since(stats_url, before)
+    main, other = thread_cores(pid, threads, wall) if pid and wall > 0 else (None, None)
     return {"requests": None, "req_per_s": got["req_per_s"], "p50_ms": got["p50_ms"], "p99_ms": got["p99_ms"],
             "errors": 0, "wrong": None, "batches_formed": {b: c for b, (c, _) in sorted(formed.items())},
             "runtime_busy": sum(ns for _, ns in formed.values()) / 1e9 / wall if wall > 0 else 0.0,
             "load_cores": (got["client_us_per_req"] or 0) * got["req_per_s"] / 1e6,
-            "server_main_cores": used.get(str(pid), 0.0) / wall if pid and wall > 0 else None,
-            "server_other_cores": sum(v for t, v in used.items() if t != str(pid)) / wall if pid and wall > 0 else None}
+            "server_main_cores": main, "server_other_cores": other}
 
 
 def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, cores: int) -> dict[str, Any]:
@@ -145,12 +140,18 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
         say(f"{name}: the agent chose {chosen}, batches of at most {tuning.get('max_formed_batch_size')} "
             f"(trial: {lay.get('measured')}); started in {started_s:.1f} s")
         rows = []
+        pa = None
+        if getattr(args, "sim_client", "serve_load") == "perf_analyzer":
+            from perf_analyzer_vs_serve import perf_analyzer_path
+
+            pa = perf_analyzer_path()
         for clients in args.clients:
             total = int(min(40000, max(400, args.sim_seconds * bound(curve, instances, clients))))
             load0 = _load()
             stats_url = f"{agent.url}/v2/models/{MODEL}/stats"
-            if getattr(args, "sim_client", "serve_load") == "perf_analyzer":
-                r = _level_pa(agent.url, clients, args.sim_seconds, stats_url, agent.proc.pid if agent.proc else None)
+            if pa is not None:
+                r = _level_pa(pa, agent.url, clients, args.sim_seconds, stats_url,
+                              agent.proc.pid if agent.proc else None)
             else:
                 r = run_level(agent.url, "binary", path, reqs, labels, clients, total, args.warmup,
                               server_pid=agent.proc.pid if agent.proc else None, stats_url=stats_url)
