@@ -27,9 +27,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from ..protocol.errors import ConfigError
 
-__all__ = ["ApiToken", "AuditRow", "Base", "Device", "DriftScoreRow",
-           "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow", "WaveDriftBinRow", "WaveSeriesRow",
-           "make_engine", "utcnow"]
+__all__ = ["TARGET_ROLLING_BACK", "TARGET_WAITING", "WAITING_STATES", "ApiToken", "AuditRow", "Base", "Device",
+           "DriftScoreRow", "Model", "Rollout", "RolloutTarget", "RolloutWave", "TelemetryRow", "WaveDriftBinRow",
+           "WaveSeriesRow", "make_engine", "utcnow"]
 
 log = logging.getLogger("edgefleet.fleet.db")
 
@@ -138,7 +138,8 @@ class RolloutWave(Base):
 # Targets the reconciler reads back (fleet.reconcile): waiting for a report to the desired state sent them, or being
 # rolled back. Each is the predicate of a partial index below and, word for word, a term of the reconciler's query
 # (SQLite uses a partial index only for a query that repeats its predicate with the same literals).
-TARGET_WAITING = text("state IN ('pending', 'downloading', 'installing')")
+WAITING_STATES = ("pending", "downloading", "installing")  # a target whose desired state is out and unanswered
+TARGET_WAITING = text(f"state IN ({', '.join(repr(v) for v in WAITING_STATES)})")
 TARGET_ROLLING_BACK = text("state = 'rolling_back'")
 
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from ...protocol import mqtt as proto
 from .. import schemas as out
-from ..db import Device, Model, Rollout, RolloutTarget, RolloutWave
+from ..db import WAITING_STATES, Device, Model, Rollout, RolloutTarget, RolloutWave
 from ..errors import NotFound
 from ..states import RolloutStatus, TargetState, WaveState
 from ..windows import effective as effective_windows
@@ -138,7 +138,7 @@ def wave_waits(s: Session, rollout_id: int, wave: int, now: dt.datetime) -> str 
     if not spec.urgent:
         devs = list(s.scalars(select(Device).join(RolloutTarget, RolloutTarget.device_id == Device.id).where(
             RolloutTarget.rollout_id == rollout_id, RolloutTarget.wave == wave,
-            RolloutTarget.state.in_(("pending", "downloading", "installing")))))
+            RolloutTarget.state.in_(WAITING_STATES))))
         now = now.replace(tzinfo=dt.UTC) if now.tzinfo is None else now
         opens = [o for w in effective_windows(s, devs).values() if (o := next_opening(w, now)[1]) is not None]
         if opens:
