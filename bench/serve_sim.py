@@ -156,7 +156,8 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
                 r = run_level(agent.url, "binary", path, reqs, labels, clients, total, args.warmup,
                               server_pid=agent.proc.pid if agent.proc else None, stats_url=stats_url)
             b = bound(curve, instances, clients)
-            row = {"clients": clients, "requests": r["requests"], "req_per_s": r["req_per_s"],
+            gathering = (_config(agent.url).get("batch_tuning") or {}).get("gathering")
+            row = {"gathering": gathering, "clients": clients, "requests": r["requests"], "req_per_s": r["req_per_s"],
                    "vs_limit": r["req_per_s"] / limit, "bound": b, "vs_bound": r["req_per_s"] / b,
                    "busy_share": r.get("runtime_busy", 0.0) / instances, "batches": r.get("batches_formed"),
                    "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "errors": r["errors"], "wrong": r["wrong"],
@@ -172,7 +173,8 @@ def run_box(args: argparse.Namespace, work: Path, bundle: Path, model: str, core
                 f"{row['vs_bound']:.1%} of the bound; busy {row['busy_share']:.1%}; batches {row['batches']} "
                 f"(mean {row['mean_batch']:.2f}); loop {_cores(row['loop_cores'])}; generator "
                 f"{row['load_cores']:.2f} cores ({row['gen_us_per_req']:.0f} us a request); load {row['loadavg']}; "
-                f"errors {row['errors']} wrong {'not read' if row['wrong'] is None else row['wrong']}")
+                f"errors {row['errors']} wrong {'not read' if row['wrong'] is None else row['wrong']}; gathering "
+                f"{gathering}")
     chosen_best = curve.layout_best(instances)
     return {"model": model, "cores": cores, "curve": curve.label, "limit": limit, "best_layout": best_layout,
             "best_batch": best_batch, "chosen_layout": chosen, "chosen_layout_best": chosen_best,

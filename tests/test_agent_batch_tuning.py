@@ -103,6 +103,8 @@ def test_tuning_runs_every_call_in_its_turn_and_picks_by_the_measured_figures(tm
     assert [n for n, _ in tuning.images_per_s] == [1, 2, 4, 8, 16]
     assert settings.max_batch_size == 4 and settings.preferred_batch_sizes == (4,)
     assert settings.request_limit == 16  # requests any device takes are still taken
+    # one call's time by batch size up to the chosen one, from the same figures (measured on one instance)
+    assert settings.call_ms == tuple((n, pytest.approx(1e3 * n / v)) for n, v in tuning.images_per_s if n <= 4)
 
 
 def test_the_measurement_stops_at_its_budget(staged):
@@ -148,7 +150,11 @@ def test_the_choice_and_its_figures_show_in_the_model_config(tmp_path, digits_bu
     assert cfg["max_batch_size"] == 16  # Triton's field: the largest request accepted
     chosen = t["max_formed_batch_size"]
     assert cfg["dynamic_batching"]["preferred_batch_size"] == ([chosen] if chosen > 1 else [])
+    # gathering (batches that wait for a larger size) is weighed from the same figures where batches form at all
+    assert t["gathering"] == (None if chosen == 1 else {"mode": "spreading", "size": 1, "measured_gap_ms": None,
+                                                        "saves_ms": None, "tries": 0})
     with running_agent(data, max_batch_size=8) as (_agent, url):
         cfg = httpx.get(f"{url}/v2/models/digits/config", timeout=10).json()
     assert cfg["batch_tuning"]["mode"] == "operator" and cfg["batch_tuning"]["images_per_second"] == {}
     assert cfg["max_batch_size"] == 8 and cfg["batch_tuning"]["max_formed_batch_size"] == 8
+    assert cfg["batch_tuning"]["gathering"] is None  # no figures: never weighed

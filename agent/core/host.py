@@ -368,6 +368,8 @@ def model_config(served: Served, number: str) -> dict[str, Any]:
         "image_preprocessing": m.preprocessing.model_dump() if m.preprocessing else None,
         "batch_tuning": None if t is None else {
             "mode": t.mode, "max_formed_batch_size": s.max_batch_size,
+            # whether batches wait for a larger size though an instance is free, and what was measured (gathering.py)
+            "gathering": served.batcher.gathering_report(),
             "images_per_second": {str(n): v for n, v in t.images_per_s},
             "tolerance": BATCH_TOLERANCE if t.mode == "measured" else None,
             # instances x intra-op threads each: measured here (each candidate's best images/s and lone batch-1

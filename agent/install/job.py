@@ -482,9 +482,13 @@ class Installer:
             if record is not None and not record.recalled:
                 record.batch, record.timed_s["batch"] = tuple(figures), time.monotonic() - t0
         chosen = choose_batch_size(figures)
+        # one call's time on one instance by batch size: the layout's figures are all its instances at once; the
+        # batch trial's, one instance alone
+        per = lay.instances if lay is not None else 1
+        call_ms = tuple((n, 1e3 * per * n / v) for n, v in figures if v > 0 and n <= chosen)
         settings = BatchSettings(**{**base.__dict__, "max_batch_size": chosen,
                                     "preferred_batch_sizes": (chosen,) if chosen > 1 else (),
-                                    "max_request_batch_size": base.request_limit})
+                                    "max_request_batch_size": base.request_limit, "call_ms": call_ms})
         log.info("%s %s: batches of at most %d (images/s by batch size: %s)", staged.manifest.name,
                  staged.manifest.version, chosen, ", ".join(f"{n}: {v:g}" for n, v in figures))
         return settings, BatchTuning("measured", figures, chosen, **layout)

@@ -93,6 +93,12 @@ class Batcher:
     def _instances(self) -> list[Instance]:
         return self._dispatch.instances
 
+    def gathering_report(self) -> dict[str, object] | None:
+        """Whether batches wait for a larger size though an instance is free, and what decided it (None: never
+        considered: no call times measured at install)."""
+        g = self._dispatch.gathering
+        return None if g is None else g.report()
+
     def start(self) -> None:
         # the loop it serves on, kept: asyncio.get_running_loop() costs a getpid() system call on Python 3.11
         loop = self._queue.loop = self._dispatch.loop = asyncio.get_running_loop()

@@ -38,6 +38,7 @@ import numpy as np
 from ....engines import Engine
 from ...errors import InferenceFailed
 from ..metrics import ModelMetrics
+from .gathering import Gathering
 from .request_queue import Pending, RequestQueue
 from .settings import BatchSettings
 from .turns import ComputeTurns
@@ -74,6 +75,7 @@ class Instance:
         self.lock = threading.Lock()
         self.buffers: list[dict[str, np.ndarray]] = []  # batch buffers not in use (two at most: one runs, one fills)
         self.since = 0.0  # when its running batch started (monotonic, as the loop saw it): the first to finish
+        self.ended: float | None = None  # when its thread ended its last batch (perf_counter, on the thread)
 
 
 @dataclass(eq=False)
@@ -118,6 +120,9 @@ class Dispatcher:
         # the compute times of the latest lone calls: a lone request runs inline when every one was below
         # inline_max_us (one slow call, and the next lone requests go to the thread until it has aged out)
         self._lone_s: collections.deque[float] = collections.deque(maxlen=8)
+        # batches that wait for a larger size although an instance is free, when measured to serve more (gathering.py)
+        self.gathering = (Gathering(settings.call_ms, len(self.instances), self.open_cap)
+                          if settings.call_ms and queue.batchable and self.open_cap > 1 else None)
         self._inline_ok = settings.inline_max_us > 0 and all(
             b.kind in ("onnxruntime", "litert") and "CPU" in b.device for b in backends)  # where it says it runs
 
@@ -139,7 +144,7 @@ class Dispatcher:
         the instance's thread, which starts it the moment the running one ends, without a round trip through
         the event loop (measured: the inference thread waited 19% of the time for its next batch at 32
         clients, pinned)."""
-        if self.queue.closed or self.turns.waiting or self.queue.samples < (1 if self.open else
+        if self.queue.closed or self.turns.waiting or self.queue.samples < (self.least() if self.open else
                                                                            self.settings.max_batch_size):
             return None
         # inflight 1 and an empty slot: one batch runs (or is about to), none waits behind it; of those, the one
@@ -154,16 +159,32 @@ class Dispatcher:
                       if p.dispatched and not p.waiting_on_thread and not p.future.done())
         return self.queue.samples + self.staged_samples + running
 
-    def target(self) -> int:
-        """The size a batch queued behind a running one is filled to before another instance's is opened: half the
-        samples held per instance (each instance one batch running, one queued behind it), rounded up from seven
-        eighths, at least 1, at most ``open_cap``. Filled beyond that, an instance that finishes finds nothing
+    def live_samples(self) -> int:
+        """The samples of the requests inside the model and not yet answered: queued, in batches waiting on threads
+        or running, each once (``held_samples`` counts a batch that waited behind a running one twice from its start
+        to its end, which the spread's target was tuned with)."""
+        return self.queue.samples + sum(p.n for batch in self.running.values() for p in batch if not p.future.done())
+
+    def spread_target(self) -> int:
+        """The size a batch queued behind a running one is filled to before another instance's is opened, spreading:
+        half the samples held per instance (each instance one batch running, one queued behind it), rounded up from
+        seven eighths, at least 1, at most ``open_cap``. Filled beyond that, an instance that finishes finds nothing
         queued and waits for the next request. Tried and measured (bench/serve.py --simulate, 16x1 INT8, 32
         clients): filling to the samples held per instance (2) ran 1.4-1.8 samples a call instead of 1.05-1.1, kept
         the instances busy 90-95% instead of 95-97%, and served 1-3 points less of the limit with batches allowed up
-        to 8, none more with up to 2 (docs/scaling.md)."""
+        to 8, none more with up to 2 (docs/scaling.md); where that pays is :meth:`least`'s to find out."""
         m = len(self.instances)
         return max(1, min(self.open_cap, (8 * self.held_samples() + 2 * m) // (16 * m)))
+
+    def least(self) -> int:
+        """The least samples a batch starts with now: 1, or the size being gathered (gathering.py)."""
+        return 1 if self.gathering is None else self.gathering.least()
+
+    def target(self) -> int:
+        """The size open batches are filled to before another is opened: the spread's target, or the size
+        being gathered when larger."""
+        t = self.spread_target()
+        return t if self.gathering is None else max(t, self.gathering.least())
 
     def top_up(self) -> None:
         """Requests queued while open batches wait on busy threads join them (copied into their next rows), oldest
@@ -249,6 +270,8 @@ class Dispatcher:
         self.arrived_while_running = 0
         task = (self.loop or asyncio.get_running_loop()).create_task(self._run_batch(inst, st))
         self.running[task] = batch
+        if self.gathering is not None:
+            self.gathering.note_held(self.live_samples())
         task.add_done_callback(functools.partial(self._ran, inst))
 
     def _ran(self, inst: Instance, task: asyncio.Task) -> None:
@@ -279,8 +302,13 @@ class Dispatcher:
             for p in st.batch:  # started: no longer expires or goes back to the queue
                 p.waiting_on_thread = False
         t0 = time.perf_counter()
-        outs = inst.backend.infer(st.feeds)
-        dt = time.perf_counter() - t0
+        if inst.ended is not None and self.gathering is not None:
+            self.gathering.note_gap(t0 - inst.ended)  # idle since its last batch (~0 for a batch queued behind)
+        try:
+            outs = inst.backend.infer(st.feeds)
+        finally:
+            inst.ended = time.perf_counter()
+        dt = inst.ended - t0
         # NaN or infinity anywhere in the batch's outputs? Checked once here, not once per request's rows: a request
         # whose outputs are answered as Outputs(finite=True) needs no check of its own
         # (agent.transports.kserve.ordered_outputs)

@@ -16,7 +16,7 @@ import asyncio
 import time
 
 from .dispatch import Dispatcher
-from .request_queue import Pending, RequestQueue
+from .request_queue import HIGH, Pending, RequestQueue
 from .settings import BatchSettings
 
 __all__ = ["BatchFormer"]
@@ -57,6 +57,12 @@ class BatchFormer:
         if first is None:
             return []
         cap = self._cap(staged)
+        g = self._dispatch.gathering
+        least = 1 if staged or g is None or first.priority == HIGH else self._dispatch.least()
+        gather_by = 0.0
+        if least > 1:  # gathering: a fresh batch of that size, its instance waiting for it at most what it saves
+            cap = least
+            gather_by = time.monotonic() + (g.wait_s if g is not None else 0.0)
         q.take(first)
         batch, n = [first], first.n
         self.forming = batch
@@ -71,10 +77,16 @@ class BatchFormer:
                 batch.append(nxt)
                 n += nxt.n
                 continue
-            if self._preferred and n in self._preferred:
+            if n < least:
+                remaining = gather_by - time.monotonic()
+                if remaining <= 0 or q.closed:
+                    break
+            elif self._preferred and n in self._preferred:
                 break  # a preferred size: run it rather than wait
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or q.closed or not (concurrent or len(batch) > 1) or (staged and self._dispatch.open):
+            else:
+                remaining = deadline - time.monotonic()
+            if n >= least and (remaining <= 0 or q.closed or not (concurrent or len(batch) > 1)
+                               or (staged and self._dispatch.open)):
                 break  # an open batch does not wait: later requests join it while it waits on the thread
             self._wake.clear()
             try:
