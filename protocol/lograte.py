@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BURST", "INTERVAL_S", "RateLimitFilter", "install"]
+__all__ = ["BURST", "INTERVAL_S", "RateLimitFilter", "install", "installed"]
 
 INTERVAL_S = 10.0
 BURST = 5  # records of a kind that pass in an interval (a few distinct events close together all show)
@@ -126,6 +126,20 @@ class RateLimitFilter(logging.Filter):
                 s[2], s[3] = 0, None
         for args in due:
             _tell(*args)
+
+
+    def reset(self) -> None:
+        """Tell every count not told yet and forget every kind: what comes next starts afresh (a test that reads the
+        lines it causes, after others in the same process logged the same kinds)."""
+        self.flush()
+        with self._lock:
+            self._seen.clear()
+            self._sweep_at = 0.0
+
+
+def installed() -> RateLimitFilter | None:
+    """The filter ``install`` put in place in this process, if any."""
+    return _installed[0] if _installed else None
 
 
 def _tell(record: logging.LogRecord, n: int, since_s: float) -> None:
