@@ -15,7 +15,9 @@ waiting on threads, running) per instance (one batch running and one behind on e
 install chose: with 4 requests per instance (64 clients, 16 instances) every instance runs batches of 2 or more with
 one behind, where spreading them one per open batch first ran a mix of 1s and larger ones. Fewer held, and they are
 spread one per instance (every instance kept fed first). A new one opens on the instance whose running batch
-started first (the one to finish first).
+started first (the one to finish first). Where the install's figures say a larger batch serves more and the
+instances' idle gap, measured, says waiting for it costs less, batches *gather* instead (gathering.py): a batch
+starts with that size although an instance is free, and opens behind a running one only once that many wait.
 
 A batch whose outputs do not match its inputs, or that raises, fails every request in it with the same error.
 """

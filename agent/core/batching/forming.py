@@ -7,7 +7,8 @@ concurrent clients (the batch already holds two requests, or requests arrived wh
 is never made to wait for company that is not coming. With ``preferred_batch_sizes``, a batch larger than a
 preferred size gives its newest requests back to the queue to run at the largest preferred size it can fill (the
 runtime's fastest sizes per sample). When several instances can take a batch at once, the queue is shared
-evenly between them.
+evenly between them. While the dispatch *gathers* (gathering.py: measured to serve more), a fresh batch is of the
+size gathered and waits for it, from when an instance is free, at most what that size saves.
 """
 
 from __future__ import annotations
