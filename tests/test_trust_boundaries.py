@@ -122,14 +122,16 @@ def test_a_dead_ingest_or_network_thread_is_restarted_and_health_says_degraded(t
             proto.StatusMessage(device_id="dev", ts=time.time(), state="online")))  # kills the network thread once
         wait_for(lambda: fs.bridge.restarts == 1, timeout_s=15, what="the MQTT network thread restarted")
         wait_for(lambda: fs.bridge.connected.is_set(), timeout_s=15, what="the fleet connected again")
-        dev.publish(proto.topic("dev", "reported"), _report("dev", "failed"))  # kills the ingest thread once
+        # retained, as an agent publishes it (agent/link/mqtt.py): the fleet may be connected again but not yet
+        # subscribed (CI, 2026-11-29: published in that window, not retained, it never reached the fleet)
+        dev.publish(proto.topic("dev", "reported"), _report("dev", "failed"), retain=True)  # kills the ingest once
         wait_for(lambda: fs.ingest.restarts == 1, timeout_s=15, what="the ingest thread restarted")
         health = httpx.get(f"{url}/api/v1/health", timeout=10).json()
         assert health["status"] == "degraded", health
         assert health["mqtt_restarts"] == 1 and health["ingest_restarts"] == 1, health
         assert any("restarted" in p for p in health["problems"]), health
         # and the fleet stores again: a report after the restarts arrives
-        dev.publish(proto.topic("dev", "reported"), _report("dev", "installed"))
+        dev.publish(proto.topic("dev", "reported"), _report("dev", "installed"), retain=True)
         wait_for(lambda: api.get(f"{url}/api/v1/devices/dev").json().get("last_state") == "installed",
                  timeout_s=15, what="a report stored after both restarts")
         dev.close()
