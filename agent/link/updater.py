@@ -133,6 +133,11 @@ class BundleFetcher:
         self.clean()
         for leftover in self.metadata_dir.glob("tmp*"):
             leftover.unlink(missing_ok=True)
+        # and atomic_write's own (protocol/fsutil.py: '.NAME.XXXX.tmp' beside NAME), killed between write and rename:
+        # the trusted-time floor's and the root's (CI: '.trusted-time.json.xor42_8c.tmp' after a SIGKILL)
+        for d, name in ((state_dir, self.floor_file.name), (self.metadata_dir, "root.json")):
+            for leftover in d.glob(f".{name}.*.tmp"):
+                leftover.unlink(missing_ok=True)
         root = self.metadata_dir / "root.json"
         if not root.exists():  # afterwards TUF itself moves the root forward (key rotation)
             if trusted_root is not None:
