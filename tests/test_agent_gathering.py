@@ -15,8 +15,7 @@ from edgefleet.agent.core.batching import gathering as G
 from edgefleet.agent.core.batching.batcher import Batcher
 from edgefleet.agent.core.batching.gathering import Gathering
 from edgefleet.agent.core.batching.settings import BatchSettings
-from edgefleet.engines import Engine, EngineSpec
-from edgefleet.protocol.manifest import TensorSpec
+from tests.test_agent_batcher import FakeBackend
 
 
 class Clock:
@@ -108,35 +107,14 @@ def test_settings_check_their_call_times():
             BatchSettings(call_ms=bad)
 
 
-class Gpuish(Engine):
+class Gpuish(FakeBackend):
     """Doubles its input; a call takes 40 ms at batch 1 and 42 ms at 2 (asleep: a runtime's time off the GIL)."""
-
-    kind = "fake"
-    SPEC = (TensorSpec(name="x", datatype="FP32", shape=(-1, 2)),)
-
-    def __init__(self) -> None:
-        super().__init__(EngineSpec(self.SPEC, (TensorSpec(name="y", datatype="FP32", shape=(-1, 2)),), label="g"))
-        self.batches: list[int] = []
-
-    @property
-    def inputs(self):
-        return self.SPEC
-
-    @property
-    def outputs(self):
-        return (TensorSpec(name="y", datatype="FP32", shape=(-1, 2)),)
-
-    def load(self, engine, threads):
-        pass
 
     def _infer_impl(self, feeds):
         x = feeds["x"]
         time.sleep(0.040 + 0.002 * (len(x) - 1))
         self.batches.append(len(x))
         return [x * 2]
-
-    def _close_impl(self):
-        pass
 
 
 def closed_loop(settings: BatchSettings, clients: int = 2, each: int = 40) -> tuple[list[int], object]:
