@@ -201,6 +201,10 @@ class FleetServer:
         connected = self.bridge.connected.is_set() and self.bridge.alive()
         if not self.bridge.alive():
             problems.append("the MQTT network loop is not running")
+        elif not connected and self.bridge.refused_subscriptions:
+            problems.append(f"the MQTT broker {self.bridge.host}:{self.bridge.port} refused the fleet's subscriptions "
+                            f"to {', '.join(self.bridge.refused_subscriptions)}: give the fleet's MQTT user read "
+                            "access to them in the broker's ACL, then restart the fleet")
         elif not connected:
             problems.append(f"not connected to the MQTT broker {self.bridge.host}:{self.bridge.port}")
         if not self.ingest.alive():

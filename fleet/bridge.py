@@ -92,8 +92,15 @@ class MqttBridge:
             raise ValueError(f"max_queued must be in [0, {MAX_OUTSTANDING}], not {max_queued}")
         self.host, self.port = proto.parse_mqtt_url(url)
         self.shared_group = shared_group
+        # set once the broker has acknowledged the fleet's subscriptions (SUBACK), not at its CONNACK: until then a
+        # device's report is not delivered to the fleet, and health must not say that messages reach the database
         self.connected = threading.Event()
         self._connected_at: float | None = None  # monotonic time of the current connection (None: not connected)
+        self._subscribe_mid: int | None = None  # the message id of this connection's SUBSCRIBE, until its SUBACK
+        # the topic filters the broker refused on the current connection (an ACL without read access for the fleet's
+        # user): the fleet stays "not connected", and health names them
+        self.refused_subscriptions: list[str] = []
+        self._subscriptions: list[str] = []  # the topic filters of the current connection's SUBSCRIBE
         self.rejected = 0  # malformed or spoofed messages dropped
         self.restarts = 0  # times the network loop died and was started again
         self.last_failure: tuple[float, str] | None = None  # (time.time(), what killed the loop)
@@ -246,14 +253,17 @@ class MqttBridge:
         if reason_code.is_failure:
             log.error("MQTT broker %s:%s refused the fleet: %s", self.host, self.port, reason_code)
             return
-        log.info("connected to MQTT broker %s:%s", self.host, self.port)
+        log.info("connected to MQTT broker %s:%s; subscribing", self.host, self.port)
         self.reconnects.reset()
-        self._connected_at = time.monotonic()
         tele, reported = proto.subscription("telemetry"), proto.subscription("reported")
         if self.shared_group:  # each record and report to one replica (a new subscription still gets the retained)
             tele, reported = f"$share/{self.shared_group}/{tele}", f"$share/{self.shared_group}/{reported}"
-        client.subscribe([(proto.subscription("status"), 1), (reported, 1), (tele, 1)])
-        self.connected.set()
+        self._subscriptions = [proto.subscription("status"), reported, tele]
+        self.refused_subscriptions = []
+        # paho calls on_subscribe from this same thread, after this callback: the mid is known before its SUBACK
+        rc, self._subscribe_mid = client.subscribe([(t, 1) for t in self._subscriptions])
+        if rc != mqtt.MQTT_ERR_SUCCESS:
+            log.error("could not subscribe to the fleet's topics: %s (reconnecting)", mqtt.error_string(rc))
         self._room.set()  # publishes refused before the connection go out again
         if self.on_connected:
             hook = self.on_connected
@@ -290,10 +300,28 @@ class MqttBridge:
                             mqtt.error_string(rc))
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        if mid == self._subscribe_mid:
+            self._subscribed(reason_codes)
+            return
         with self._rereads_lock:
             topics = self._rereads.pop(mid, None)
         if topics:
             client.unsubscribe(topics)
+
+    def _subscribed(self, reason_codes: list[Any]) -> None:
+        """The broker answered the fleet's SUBSCRIBE: connected only if it granted every topic filter."""
+        self._subscribe_mid = None
+        refused = [t for t, code in zip(self._subscriptions, reason_codes, strict=False) if code.is_failure]
+        refused += self._subscriptions[len(reason_codes):]  # a SUBACK with fewer codes than filters granted none
+        self.refused_subscriptions = refused
+        if refused:
+            log.error("the MQTT broker %s:%s refused the fleet's subscriptions to %s: no status, report or telemetry "
+                      "reaches it; give the fleet's MQTT user read access to them in the broker's ACL, then "
+                      "restart the fleet", self.host, self.port, ", ".join(refused))
+            return
+        log.info("subscribed to the fleet's topics on %s:%s", self.host, self.port)
+        self._connected_at = time.monotonic()
+        self.connected.set()
 
     def connected_for(self) -> float:
         """Seconds the fleet has been connected to the broker without a break (0 when it is not)."""
@@ -303,6 +331,7 @@ class MqttBridge:
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
         self._connected_at = None
+        self._subscribe_mid = None
         delay = paho_next_delay(client, self.reconnects)
         log.warning("lost the MQTT broker %s:%s (%s); reconnecting in %.1fs", self.host, self.port, reason_code,
                     delay)

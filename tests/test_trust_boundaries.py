@@ -122,8 +122,8 @@ def test_a_dead_ingest_or_network_thread_is_restarted_and_health_says_degraded(t
             proto.StatusMessage(device_id="dev", ts=time.time(), state="online")))  # kills the network thread once
         wait_for(lambda: fs.bridge.restarts == 1, timeout_s=15, what="the MQTT network thread restarted")
         wait_for(lambda: fs.bridge.connected.is_set(), timeout_s=15, what="the fleet connected again")
-        # retained, as an agent publishes it (agent/link/mqtt.py): the fleet may be connected again but not yet
-        # subscribed (CI, 2026-11-29: published in that window, not retained, it never reached the fleet)
+        # retained, as an agent publishes it (agent/link/mqtt.py). "Connected" is set at the broker's SUBACK (it was at
+        # its CONNACK: CI, 2026-11-29, a report published in between, not retained, never reached the fleet)
         dev.publish(proto.topic("dev", "reported"), _report("dev", "failed"), retain=True)  # kills the ingest once
         wait_for(lambda: fs.ingest.restarts == 1, timeout_s=15, what="the ingest thread restarted")
         health = httpx.get(f"{url}/api/v1/health", timeout=10).json()
