@@ -300,16 +300,13 @@ class MqttBridge:
                             mqtt.error_string(rc))
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
-        if mid == self._subscribe_mid:
-            self._subscribed(reason_codes)
+        if mid != self._subscribe_mid:  # a read-back's: unsubscribe, its retained messages came before this SUBACK
+            with self._rereads_lock:
+                topics = self._rereads.pop(mid, None)
+            if topics:
+                client.unsubscribe(topics)
             return
-        with self._rereads_lock:
-            topics = self._rereads.pop(mid, None)
-        if topics:
-            client.unsubscribe(topics)
-
-    def _subscribed(self, reason_codes: list[Any]) -> None:
-        """The broker answered the fleet's SUBSCRIBE: connected only if it granted every topic filter."""
+        # the broker answered the fleet's own SUBSCRIBE: connected only if it granted every topic filter
         self._subscribe_mid = None
         refused = [t for t, code in zip(self._subscriptions, reason_codes, strict=False) if code.is_failure]
         refused += self._subscriptions[len(reason_codes):]  # a SUBACK with fewer codes than filters granted none
