@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write", "fsync_dir"]
+__all__ = ["atomic_write", "clear_unfinished", "fsync_dir"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -18,8 +18,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."  # atomic_write's temp file for NAME: '.NAME.XXXXXXXX.tmp' beside it
+
+
+def clear_unfinished(path: Path) -> None:
+    """Remove the temp files of :func:`atomic_write` to ``path`` that a kill between the write and the rename left."""
+    for leftover in path.parent.glob(f"{_temp_prefix(path)}*.tmp"):
+        leftover.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

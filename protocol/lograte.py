@@ -127,7 +127,6 @@ class RateLimitFilter(logging.Filter):
         for args in due:
             _tell(*args)
 
-
     def reset(self) -> None:
         """Tell every count not told yet and forget every kind: what comes next starts afresh (a test that reads the
         lines it causes, after others in the same process logged the same kinds)."""

@@ -30,7 +30,7 @@ from tuf.ngclient.fetcher import FetcherInterface
 
 from ...protocol.bundle import MAX_BUNDLE_BYTES
 from ...protocol.errors import SchemaError
-from ...protocol.fsutil import atomic_write
+from ...protocol.fsutil import atomic_write, clear_unfinished
 from ...protocol.signed_time import MAX_DOCUMENT_BYTES, describe_skew, verify_time
 from ...protocol.tuf_target import TargetCustom
 from ..errors import DownloadCut, FetchError, TrustError
@@ -133,11 +133,10 @@ class BundleFetcher:
         self.clean()
         for leftover in self.metadata_dir.glob("tmp*"):
             leftover.unlink(missing_ok=True)
-        # and atomic_write's own (protocol/fsutil.py: '.NAME.XXXX.tmp' beside NAME), killed between write and rename:
-        # the trusted-time floor's and the root's (CI: '.trusted-time.json.xor42_8c.tmp' after a SIGKILL)
-        for d, name in ((state_dir, self.floor_file.name), (self.metadata_dir, "root.json")):
-            for leftover in d.glob(f".{name}.*.tmp"):
-                leftover.unlink(missing_ok=True)
+        # and atomic_write's own, killed between write and rename: the trusted-time floor's and the root's (CI:
+        # '.trusted-time.json.xor42_8c.tmp' after a SIGKILL)
+        clear_unfinished(self.floor_file)
+        clear_unfinished(self.metadata_dir / "root.json")
         root = self.metadata_dir / "root.json"
         if not root.exists():  # afterwards TUF itself moves the root forward (key rotation)
             if trusted_root is not None:
